@@ -1,0 +1,62 @@
+# kvpilot — every target sets itself up (virtualenv, Debian packages, cluster binaries).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: help setup system-deps lint test unit bench crds cluster-build cluster-up cluster-down \
+        cluster-env demo demo-down
+
+help:
+	@echo "make demo        bring up the dev cluster with its fake GPU node pools and show them"
+	@echo "make test        lint + all tests (unit, local control plane) — what CI runs"
+	@echo "make lint        ruff + mypy"
+	@echo "make bench       run the benchmarks and rewrite docs/benchmarks.md"
+	@echo "make crds        regenerate crds/ from the pydantic API models"
+	@echo "make cluster-up / cluster-down / cluster-env   the local control plane (hack/devcluster)"
+
+system-deps:
+	@bash hack/system-deps.sh
+
+setup: system-deps
+	@bash hack/venv.sh
+
+lint: setup
+	@echo "==> ruff"
+	@$(PY) -m ruff check .
+	@$(PY) -m ruff format --check .
+	@echo "==> mypy"
+	@$(PY) -m mypy
+
+cluster-build: setup
+	@$(PY) -m hack.devcluster build
+
+unit: setup
+	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+
+test: lint cluster-build
+	@echo "==> pytest (the tests start their own control plane, runtime processes and Prometheus)"
+	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+
+bench: setup
+	@for b in bench/*.py; do \
+	  case "$$b" in */__init__.py|*/report.py) continue;; esac; \
+	  m=$${b%.py}; m=$${m//\//.}; echo "==> $$m"; $(PY) -m $$m || exit 1; \
+	done
+
+crds: setup
+	$(PY) -m kvpilot.operator.crdgen
+
+cluster-up: cluster-build
+	@$(PY) -m hack.devcluster up
+
+cluster-down: setup
+	@$(PY) -m hack.devcluster down
+
+cluster-env: setup
+	@$(PY) -m hack.devcluster env
+
+demo: cluster-up
+	@$(PY) -m hack.demo
+
+demo-down: cluster-down

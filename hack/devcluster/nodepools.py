@@ -1,0 +1,119 @@
+"""Pure: the fake GPU node pools in hack/nodepools.yaml as Kubernetes Node objects.
+
+Each node gets the NVIDIA GPU Feature Discovery labels a real GPU node has, capacity and
+allocatable including `nvidia.com/gpu`, and a price annotation, so the operator cannot tell it
+from a real node. kwok manages nodes that carry its annotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+NODE_TYPE_LABEL = "kvpilot.dev/node-type"
+LOCAL_EXECUTION_LABEL = "kvpilot.dev/local-execution"
+PRICE_ANNOTATION = "kvpilot.dev/price-per-hour"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class Gpu:
+    product: str
+    memory_mib: int
+    count: int
+
+
+@dataclass(frozen=True)
+class NodePool:
+    name: str
+    nodes: int
+    cpu: str
+    memory: str
+    price_per_hour: float
+    gpu: Gpu | None = None
+    local_execution: bool = False
+
+
+def parse_pools(doc: dict[str, Any]) -> list[NodePool]:
+    """Validate and convert the YAML document; errors name the pool and the field."""
+    pools = []
+    for index, raw in enumerate(doc.get("pools") or []):
+        where = f"nodepools.yaml pools[{index}] ({raw.get('name', '?')})"
+        try:
+            gpu = raw.get("gpu")
+            pools.append(
+                NodePool(
+                    name=str(raw["name"]),
+                    nodes=int(raw["nodes"]),
+                    cpu=str(raw["cpu"]),
+                    memory=str(raw["memory"]),
+                    price_per_hour=float(raw.get("pricePerHour", 0.0)),
+                    gpu=Gpu(str(gpu["product"]), int(gpu["memoryMiB"]), int(gpu["count"]))
+                    if gpu
+                    else None,
+                    local_execution=bool(raw.get("localExecution", False)),
+                )
+            )
+        except KeyError as err:
+            raise ValueError(f"{where}: missing field {err.args[0]!r}") from err
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from err
+    if not pools:
+        raise ValueError("nodepools.yaml defines no pools: add at least one under 'pools:'")
+    return pools
+
+
+def node_name(pool: NodePool, index: int) -> str:
+    return f"{pool.name}-{index}"
+
+
+def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
+    """One Node object; pod CIDRs are disjoint per node so kwok hands out distinct pod IPs."""
+    name = node_name(pool, index)
+    resources: dict[str, str] = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110"}
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "type": "kwok",
+        NODE_TYPE_LABEL: pool.name,
+    }
+    if pool.gpu is not None:
+        resources[GPU_RESOURCE] = str(pool.gpu.count)
+        labels |= gfd_labels(pool.gpu)
+    if pool.local_execution:
+        labels[LOCAL_EXECUTION_LABEL] = "true"
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {
+                KWOK_ANNOTATION: "fake",
+                "node.alpha.kubernetes.io/ttl": "0",
+                PRICE_ANNOTATION: f"{pool.price_per_hour:.2f}",
+            },
+        },
+        "spec": {"podCIDR": f"10.{64 + pool_index}.{index}.0/24"},
+        "status": {"capacity": resources, "allocatable": dict(resources)},
+    }
+
+
+def gfd_labels(gpu: Gpu) -> dict[str, str]:
+    """The labels NVIDIA GPU Feature Discovery sets (memory in MiB per GPU)."""
+    return {
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": gpu.product,
+        "nvidia.com/gpu.memory": str(gpu.memory_mib),
+        "nvidia.com/gpu.count": str(gpu.count),
+    }
+
+
+def build_nodes(pools: list[NodePool]) -> list[dict[str, Any]]:
+    return [
+        build_node(pool, index, pool_index)
+        for pool_index, pool in enumerate(pools)
+        for index in range(pool.nodes)
+    ]

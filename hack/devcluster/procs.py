@@ -1,0 +1,121 @@
+"""Starting, health-checking and stopping the control-plane processes by their pid files.
+
+`down` stops only what `up` started: a pid is signalled only while its command line still names
+the binary we launched, so a recycled pid is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from hack.devcluster.errors import DevClusterError
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def require_port_free(port: int, who: str) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise DevClusterError(
+                f"port {port} for {who} is in use on 127.0.0.1 ({err.strerror});"
+                " choose another port or stop what holds it"
+            ) from err
+
+
+def start(name: str, argv: list[str], run_dir: Path, log_dir: Path) -> subprocess.Popen[bytes]:
+    """Start `argv` in its own session, logging to log_dir/name.log; record the pid."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / f"{name}.log").open("ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    (run_dir / f"{name}.pid").write_text(f"{proc.pid}\n{argv[0]}\n")
+    return proc
+
+
+def recorded(run_dir: Path, name: str) -> tuple[int, str] | None:
+    try:
+        pid_text, binary = (run_dir / f"{name}.pid").read_text().splitlines()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(pid_text), binary
+
+
+def is_running(run_dir: Path, name: str) -> bool:
+    entry = recorded(run_dir, name)
+    return entry is not None and pid_runs(*entry)
+
+
+def pid_runs(pid: int, binary: str) -> bool:
+    """True while `pid` is alive and is still the process we started from `binary`."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return cmdline == binary and state != "Z"
+
+
+def stop(run_dir: Path, name: str, grace_s: float = 10.0) -> None:
+    entry = recorded(run_dir, name)
+    if entry is not None and pid_runs(*entry):
+        pid, binary = entry
+        os.killpg(pid, signal.SIGTERM)
+        if not wait_for(lambda: not pid_runs(pid, binary), grace_s):
+            os.killpg(pid, signal.SIGKILL)
+            wait_for(lambda: not pid_runs(pid, binary), 5.0)
+    (run_dir / f"{name}.pid").unlink(missing_ok=True)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_healthy(
+    proc: subprocess.Popen[bytes],
+    url: str,
+    log: Path,
+    timeout_s: float,
+    context: ssl.SSLContext | None = None,
+) -> None:
+    """Wait until `url` answers 200; fail fast with the log path if the process died."""
+    name = Path(str(proc.args[0])).name  # type: ignore[index]
+    wait_for(lambda: proc.poll() is not None or http_ok(url, context), timeout_s)
+    if proc.poll() is not None:
+        raise DevClusterError(f"{name} exited with code {proc.returncode} at start", log)
+    if not http_ok(url, context):
+        raise DevClusterError(f"{name} not healthy after {timeout_s:.0f}s ({url})", log)

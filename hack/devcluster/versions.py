@@ -1,0 +1,64 @@
+"""Pinned versions and where the dev cluster keeps its binaries and its state.
+
+Binaries are cached outside the clone (a fresh CI clone reuses them), keyed by version, so a new
+pin builds anew and an unchanged one is never rebuilt.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GOTOOLS = REPO_ROOT / "hack" / "gotools"
+NODEPOOLS = REPO_ROOT / "hack" / "nodepools.yaml"
+KWOK_STAGES = REPO_ROOT / "hack" / "kwok" / "stages.yaml"
+
+KUBERNETES_VERSION = "v1.37.2"
+ETCD_VERSION = "v3.6.16"  # also pinned in hack/gotools/etcd/go.mod
+KWOK_VERSION = "v0.8.0"
+HELM_VERSION = "v3.22.0"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("KVPILOT_DEVCLUSTER_DIR", REPO_ROOT / ".devcluster"))
+
+
+@dataclass(frozen=True)
+class Component:
+    """One cached build: the binaries it yields and the folder they live in."""
+
+    name: str
+    version: str
+    binaries: tuple[str, ...]
+
+    @property
+    def bin_dir(self) -> Path:
+        return cache_dir() / "bin" / f"{self.name}-{self.version}"
+
+    def path(self, binary: str) -> Path:
+        return self.bin_dir / binary
+
+    def is_built(self) -> bool:
+        return all(self.path(b).is_file() for b in self.binaries)
+
+
+KUBERNETES = Component(
+    "kubernetes",
+    KUBERNETES_VERSION,
+    ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl"),
+)
+ETCD = Component("etcd", ETCD_VERSION, ("etcd",))
+KWOK = Component("kwok", KWOK_VERSION, ("kwok",))
+HELM = Component("helm", HELM_VERSION, ("helm",))
+COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM)
+
+
+def bin_path_entries() -> list[Path]:
+    """Folders to put on PATH so `kubectl` and `helm` are the pinned builds."""
+    return [KUBERNETES.bin_dir, HELM.bin_dir]

@@ -1,0 +1,166 @@
+"""Memory arithmetic shared by the operator's planner and the runtime's KV-cache sizing.
+
+DESIGN.md §3.3. Pure functions on plain numbers, no torch, so the operator can import it.
+
+    weights  = parameters x bytes_per_param(q)        bf16 2, int8 1, int4 0.5 + group scales
+    kv_cache = 2 x layers x kv_heads x head_dim x kv_bytes x tokens x concurrent_sequences
+    per GPU  = (weights + kv_cache) / tensor_parallel + overhead
+    fits     = per GPU <= gpu_memory x gpu_memory_utilization
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1024**3
+BLOCK_SIZE = 16  # tokens per KV-cache block, runtime and planner alike
+
+QUANTIZATIONS = ("bf16", "int8", "int4")
+INT4_GROUP_SIZE = 128
+SCALE_BYTES = 2  # one fp16/bf16 scale per output channel (int8) or per group (int4)
+
+# Bytes per parameter of the stored weights. int4 packs two values per byte and adds one
+# 16-bit scale per group of 128, which is why it is 0.5 + 2/128 rather than 0.5.
+_BYTES_PER_PARAM = {
+    "none": 2.0,  # unquantised, at the checkpoint's 16-bit dtype
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp32": 4.0,
+    "int8": 1.0,
+    "int4": 0.5 + SCALE_BYTES / INT4_GROUP_SIZE,
+}
+_KV_BYTES = {"auto": 2, "fp16": 2, "bf16": 2, "fp8": 1, "fp32": 4}
+
+# Fixed cost per GPU process that is neither weights nor KV cache: CUDA context, allocator
+# fragmentation, cuBLAS workspaces and CUDA graphs. Activations scale with the weights.
+OVERHEAD_BASE_BYTES = 1 * GIB
+OVERHEAD_ACTIVATION_FRACTION = 0.05
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The architecture numbers the arithmetic needs (from a spec, a catalog, or config.json)."""
+
+    parameters: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("parameters", "layers", "kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model fact {name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU for one replica, and whether they fit the usable share of a GPU."""
+
+    weights_bytes: float
+    kv_cache_bytes: float
+    overhead_bytes: float
+    usable_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.usable_bytes
+
+    def describe(self) -> str:
+        """E.g. '17.9 GiB per GPU (weights 3.8 + KV 12.0 + overhead 2.1) > 14.4 GiB usable'."""
+        relation = "<=" if self.fits else ">"
+        return (
+            f"{gib(self.total_bytes):.1f} GiB per GPU (weights {gib(self.weights_bytes):.1f}"
+            f" + KV {gib(self.kv_cache_bytes):.1f} + overhead {gib(self.overhead_bytes):.1f})"
+            f" {relation} {gib(self.usable_bytes):.1f} GiB usable"
+        )
+
+
+def gib(num_bytes: float) -> float:
+    return num_bytes / GIB
+
+
+def bytes_per_param(quantization: str) -> float:
+    if quantization not in _BYTES_PER_PARAM:
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected one of {sorted(_BYTES_PER_PARAM)}"
+        )
+    return _BYTES_PER_PARAM[quantization]
+
+
+def kv_dtype_bytes(kv_cache_dtype: str) -> int:
+    if kv_cache_dtype not in _KV_BYTES:
+        raise ValueError(
+            f"unknown kvCacheDtype {kv_cache_dtype!r}; expected one of {sorted(_KV_BYTES)}"
+        )
+    return _KV_BYTES[kv_cache_dtype]
+
+
+def weight_bytes(parameters: int, quantization: str) -> float:
+    return parameters * bytes_per_param(quantization)
+
+
+def kv_bytes_per_token(model: ModelFacts, kv_bytes: int) -> int:
+    """Key and value vectors of one token across all layers: 2 x layers x kv_heads x head_dim."""
+    return 2 * model.layers * model.kv_heads * model.head_dim * kv_bytes
+
+
+def kv_cache_bytes(model: ModelFacts, kv_bytes: int, tokens: int, sequences: int) -> int:
+    return kv_bytes_per_token(model, kv_bytes) * tokens * sequences
+
+
+def overhead_bytes(weights_per_gpu: float) -> float:
+    return OVERHEAD_BASE_BYTES + OVERHEAD_ACTIVATION_FRACTION * weights_per_gpu
+
+
+def estimate(
+    model: ModelFacts,
+    quantization: str,
+    kv_bytes: int,
+    tokens: int,
+    sequences: int,
+    tensor_parallel: int,
+    gpu_memory_bytes: float,
+    gpu_memory_utilization: float,
+) -> MemoryEstimate:
+    """Per-GPU memory of one replica holding `sequences` sequences of `tokens` tokens each."""
+    if tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    weights = weight_bytes(model.parameters, quantization) / tensor_parallel
+    kv = kv_cache_bytes(model, kv_bytes, tokens, sequences) / tensor_parallel
+    return MemoryEstimate(
+        weights_bytes=weights,
+        kv_cache_bytes=kv,
+        overhead_bytes=overhead_bytes(weights),
+        usable_bytes=gpu_memory_bytes * gpu_memory_utilization,
+    )
+
+
+def max_concurrency(
+    model: ModelFacts, kv_bytes: int, tokens: int, kv_budget_bytes: float, tensor_parallel: int = 1
+) -> int:
+    """How many sequences of `tokens` tokens fit in a per-GPU KV budget (block-rounded)."""
+    blocks_per_seq = math.ceil(tokens / BLOCK_SIZE)
+    return num_kv_blocks(model, kv_bytes, kv_budget_bytes * tensor_parallel) // blocks_per_seq
+
+
+def num_kv_blocks(model: ModelFacts, kv_bytes: int, kv_budget_bytes: float) -> int:
+    """Blocks of BLOCK_SIZE tokens that fit in a KV budget; the runtime sizes its pool with this."""
+    if kv_budget_bytes < 0:
+        raise ValueError(f"KV-cache budget must be >= 0 bytes, got {kv_budget_bytes}")
+    return int(kv_budget_bytes // (kv_bytes_per_token(model, kv_bytes) * BLOCK_SIZE))
+
+
+def kv_budget_bytes(
+    gpu_memory_bytes: float, gpu_memory_utilization: float, weights_per_gpu: float
+) -> float:
+    """What is left for the KV cache once weights and overhead are placed on a GPU."""
+    usable = gpu_memory_bytes * gpu_memory_utilization
+    return max(0.0, usable - weights_per_gpu - overhead_bytes(weights_per_gpu))

@@ -1,0 +1,69 @@
+"""Session fixtures shared by every test suite.
+
+`cluster` is a real control plane (hack/devcluster): started once per test run in a temporary
+state dir and stopped at the end — or an existing cluster when KUBECONFIG points at one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hack.devcluster import DevCluster
+from hack.devcluster.versions import HELM, KUBERNETES, bin_path_entries
+
+
+class ExistingCluster:
+    """A cluster someone else runs (KUBECONFIG); the same interface as DevCluster."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+
+    @property
+    def env(self) -> dict[str, str]:
+        path = os.pathsep.join([*map(str, bin_path_entries()), os.environ.get("PATH", "")])
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path}
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        kubectl = KUBERNETES.path("kubectl")
+        binary = str(kubectl) if kubectl.exists() else (shutil.which("kubectl") or "kubectl")
+        return subprocess.run(
+            [binary, *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=check,
+        )
+
+    def api_client(self) -> Any:
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster | ExistingCluster]:
+    if os.environ.get("KUBECONFIG"):
+        yield ExistingCluster(Path(os.environ["KUBECONFIG"]))
+        return
+    dev = DevCluster(tmp_path_factory.mktemp("devcluster"))
+    try:
+        dev.up()
+        yield dev
+    finally:
+        dev.down()
+
+
+@pytest.fixture(scope="session")
+def helm_binary() -> Path:
+    return HELM.path("helm")
