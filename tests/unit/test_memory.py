@@ -1,0 +1,78 @@
+"""The shared memory arithmetic (DESIGN.md §3.3) against figures computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.runtime import memory
+from kvpilot.runtime.memory import GIB, ModelFacts
+
+GB = 1e9
+# Llama-3.1-8B-like and Llama-3.1-70B-like facts (GQA with 8 KV heads of dim 128).
+M7B = ModelFacts(parameters=7_000_000_000, layers=32, kv_heads=8, head_dim=128)
+M70B = ModelFacts(parameters=70_000_000_000, layers=80, kv_heads=8, head_dim=128)
+
+
+@pytest.mark.parametrize(
+    ("model", "quantization", "expected_gb"),
+    [
+        (M7B, "bf16", 14.0),
+        (M7B, "int8", 7.0),
+        (M7B, "int4", 3.5 * (1 + 2 / 64)),  # 0.5 B/param + one 2-byte scale per 128 params
+        (M70B, "bf16", 140.0),
+        (M70B, "int4", 35.0 * (1 + 2 / 64)),
+    ],
+)
+def test_weight_bytes(model: ModelFacts, quantization: str, expected_gb: float) -> None:
+    assert memory.weight_bytes(model.parameters, quantization) / GB == pytest.approx(expected_gb)
+
+
+def test_kv_term_is_the_design_formula_and_scales_linearly() -> None:
+    # 2 x 32 layers x 8 kv heads x 128 dim x 2 bytes = 131072 bytes per token
+    assert memory.kv_bytes_per_token(M7B, 2) == 131_072
+    base = memory.kv_cache_bytes(M7B, 2, tokens=4096, sequences=8)
+    assert base == 131_072 * 4096 * 8
+    assert memory.kv_cache_bytes(M7B, 2, tokens=8192, sequences=8) == 2 * base
+    assert memory.kv_cache_bytes(M7B, 2, tokens=4096, sequences=16) == 2 * base
+    assert memory.kv_cache_bytes(M7B, 1, tokens=4096, sequences=8) == base // 2
+
+
+def test_estimate_splits_by_tensor_parallel_and_describes_the_numbers() -> None:
+    one = memory.estimate(M70B, "bf16", 2, 8192, 4, 1, 80 * GIB, 0.9)
+    two = memory.estimate(M70B, "bf16", 2, 8192, 4, 2, 80 * GIB, 0.9)
+    assert two.weights_bytes == pytest.approx(one.weights_bytes / 2)
+    assert two.kv_cache_bytes == pytest.approx(one.kv_cache_bytes / 2)
+    assert not one.fits
+    text = one.describe()
+    assert text.startswith(f"{memory.gib(one.total_bytes):.1f} GiB per GPU (weights ")
+    assert text.endswith("> 72.0 GiB usable")
+
+
+@pytest.mark.parametrize(
+    ("budget_gib", "expected_blocks"),
+    [(0, 0), (1, 512), (2.5, 1280)],  # 1 GiB / (131072 B/token x 16 tokens) = 512 blocks
+)
+def test_num_kv_blocks(budget_gib: float, expected_blocks: int) -> None:
+    assert memory.num_kv_blocks(M7B, 2, budget_gib * GIB) == expected_blocks
+
+
+def test_max_concurrency_rounds_to_whole_blocks() -> None:
+    # 512 blocks; a 4000-token sequence needs ceil(4000/16) = 250 blocks -> 2 sequences
+    assert memory.max_concurrency(M7B, 2, 4000, 1 * GIB) == 2
+    assert memory.max_concurrency(M7B, 2, 4000, 1 * GIB, tensor_parallel=2) == 4
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: memory.bytes_per_param("fp4"), "unknown quantization 'fp4'"),
+        (lambda: memory.kv_dtype_bytes("int2"), "unknown kvCacheDtype 'int2'"),
+        (lambda: ModelFacts(parameters=0, layers=1, kv_heads=1, head_dim=1), "parameters must"),
+        (lambda: memory.estimate(M7B, "bf16", 2, 1, 1, 0, GIB, 0.9), "tensor_parallel must"),
+        (lambda: memory.estimate(M7B, "bf16", 2, 1, 1, 1, GIB, 1.5), "gpu_memory_utilization"),
+        (lambda: memory.num_kv_blocks(M7B, 2, -1), "budget must be >= 0"),
+    ],
+)
+def test_bad_input_names_the_problem(call: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()  # type: ignore[operator]
