@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Creates (once) the project's virtualenv in a cache outside the clone, keyed by a hash of
-# pyproject.toml, and links it as ./.venv. PyTorch is large, so a warm machine must not
-# download it again; a changed pyproject.toml makes a new venv (pip's cache keeps it quick).
+# Creates (once) the project's virtualenv in a cache outside the clone, keyed by a hash of the
+# dependencies declared in pyproject.toml (and the Python version), and links it as ./.venv.
+# PyTorch is large, so a warm machine must not download it again; a changed dependency makes a
+# new venv (pip's cache keeps that quick), while editing tool config in pyproject.toml does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 cache_dir=${KVPILOT_CACHE_DIR:-$HOME/.cache/kvpilot}
 python=${PYTHON:-python3}
-key=$( (cat pyproject.toml; "$python" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
+key=$( ("$python" hack/list_deps.py pyproject.toml dev; "$python" -c 'import sys; print(sys.version)') \
+  | sha256sum | cut -c1-16)
 venv="$cache_dir/venv/$key"
 
 if [ ! -f "$venv/.complete" ]; then
