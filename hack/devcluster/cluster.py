@@ -11,6 +11,7 @@ import os
 import shutil
 import ssl
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,14 @@ from hack.devcluster.versions import (
 )
 
 # Start order; `down` stops in reverse.
-PROCESSES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+PROCESSES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "podrunner",
+)
 SERVICE_CIDR = "10.96.0.0/16"
 START_TIMEOUT_S = 120.0
 
@@ -115,6 +123,7 @@ class DevCluster:
             "kube-controller-manager": self.controller_manager_argv,
             "kube-scheduler": self.scheduler_argv,
             "kwok": self.kwok_argv,
+            "podrunner": self.podrunner_argv,
         }
         return builders[name](certs, ports)
 
@@ -196,6 +205,15 @@ class DevCluster:
             f"--config={KWOK_STAGES}",
         ]
 
+    def podrunner_argv(self, certs: pki.Pki, ports: Ports) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "hack.podrunner",
+            f"--kubeconfig={self.kubeconfig}",
+            f"--log-dir={self.log_dir / 'pods'}",
+        ]
+
     def wait_ready(
         self, proc: subprocess.Popen[bytes], name: str, certs: pki.Pki, ports: Ports
     ) -> None:
@@ -213,7 +231,8 @@ class DevCluster:
         if name in checks:
             url, context = checks[name]
             procs.wait_healthy(proc, url, self.log_dir / f"{name}.log", START_TIMEOUT_S, context)
-        # kwok has no health endpoint: its health is the nodes turning Ready (apply_nodes).
+        # kwok and the pod runner have no health endpoint: their health is the nodes turning
+        # Ready (apply_nodes).
         elif procs.wait_for(lambda: proc.poll() is not None, 1.0):
             raise DevClusterError(f"{name} exited at start", self.log_dir / f"{name}.log")
 

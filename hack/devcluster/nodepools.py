@@ -69,7 +69,11 @@ def node_name(pool: NodePool, index: int) -> str:
 
 
 def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
-    """One Node object; pod CIDRs are disjoint per node so kwok hands out distinct pod IPs."""
+    """One Node object; pod CIDRs are disjoint per node so pods get distinct IPs.
+
+    Local-execution nodes are left to hack/podrunner (no kwok annotation) and get a loopback
+    podCIDR, so their pods' processes can bind to their pod IPs on this machine.
+    """
     name = node_name(pool, index)
     resources: dict[str, str] = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110"}
     labels = {
@@ -82,21 +86,25 @@ def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
     if pool.gpu is not None:
         resources[GPU_RESOURCE] = str(pool.gpu.count)
         labels |= gfd_labels(pool.gpu)
+    annotations = {
+        "node.alpha.kubernetes.io/ttl": "0",
+        PRICE_ANNOTATION: f"{pool.price_per_hour:.2f}",
+    }
     if pool.local_execution:
         labels[LOCAL_EXECUTION_LABEL] = "true"
+        pod_cidr = f"127.{64 + pool_index}.{index}.0/24"
+    else:
+        annotations[KWOK_ANNOTATION] = "fake"
+        pod_cidr = f"10.{64 + pool_index}.{index}.0/24"
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": name,
             "labels": labels,
-            "annotations": {
-                KWOK_ANNOTATION: "fake",
-                "node.alpha.kubernetes.io/ttl": "0",
-                PRICE_ANNOTATION: f"{pool.price_per_hour:.2f}",
-            },
+            "annotations": annotations,
         },
-        "spec": {"podCIDR": f"10.{64 + pool_index}.{index}.0/24"},
+        "spec": {"podCIDR": pod_cidr},
         "status": {"capacity": resources, "allocatable": dict(resources)},
     }
 

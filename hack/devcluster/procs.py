@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hack.devcluster.errors import DevClusterError
+from hack.devcluster.versions import REPO_ROOT
 
 
 def free_port() -> int:
@@ -49,6 +50,7 @@ def start(name: str, argv: list[str], run_dir: Path, log_dir: Path) -> subproces
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            cwd=REPO_ROOT,  # so `python -m hack.…` processes import this checkout
         )
     (run_dir / f"{name}.pid").write_text(f"{proc.pid}\n{argv[0]}\n")
     return proc

@@ -7,8 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +17,9 @@ from hack.devcluster import DevCluster, procs
 from hack.devcluster.cluster import PROCESSES
 from hack.devcluster.nodepools import parse_pools
 from hack.devcluster.versions import NODEPOOLS, REPO_ROOT
+from tests.support.kube import get_json, wait_until
 
 pytestmark = pytest.mark.cluster
-
-
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 60, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def get_json(cluster: Any, *args: str) -> Any:
-    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
 
 def gpu_deployment(name: str, gpus: int, node_selector: dict[str, str]) -> dict[str, Any]:

@@ -1,0 +1,267 @@
+"""The pod runner's loop: heartbeat local nodes, start/probe/restart/stop their pods' processes.
+
+Polling (every POLL_S) rather than watching keeps it small and self-healing; it is a test and demo
+stand-in for the kubelet, not a kubelet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from hack.podrunner import pods
+
+LOCAL_NODE_SELECTOR = "kvpilot.dev/local-execution=true"
+POLL_S = 0.5
+HEARTBEAT_S = 10.0
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
+
+
+@dataclass
+class LocalPod:
+    """One pod's process and what the runner last reported for it."""
+
+    namespace: str
+    name: str
+    pod_ip: str
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: str = ""
+    ready: bool = False
+    next_probe: float = 0.0
+    restart_at: float | None = None
+    terminating: bool = False
+    exit_code: int | None = None
+    reported: dict[str, Any] = field(default_factory=dict)
+
+
+class PodRunner:
+    def __init__(self, api: client.ApiClient, log_dir: Path, bin_dirs: list[Path]) -> None:
+        self.core = client.CoreV1Api(api)
+        self.coordination = client.CoordinationV1Api(api)
+        self.log_dir = log_dir
+        self.bin_dirs = bin_dirs
+        self.pods: dict[str, LocalPod] = {}  # by pod uid
+        self.last_heartbeat = 0.0
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                self.tick()
+            except (ApiException, urllib.error.URLError, OSError) as err:
+                print(f"podrunner: {err}", flush=True)  # the apiserver may be restarting
+            stop.wait(POLL_S)
+        self.shutdown()
+
+    def tick(self) -> None:
+        nodes = [
+            self.as_dict(n) for n in self.core.list_node(label_selector=LOCAL_NODE_SELECTOR).items
+        ]
+        if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:
+            for node in nodes:
+                self.heartbeat(node["metadata"]["name"])
+            self.last_heartbeat = time.monotonic()
+        seen: set[str] = set()
+        for node in nodes:
+            selector = f"spec.nodeName={node['metadata']['name']}"
+            for pod in self.core.list_pod_for_all_namespaces(field_selector=selector).items:
+                doc = self.as_dict(pod)
+                seen.add(doc["metadata"]["uid"])
+                self.sync(doc, node["spec"]["podCIDR"])
+        for uid in set(self.pods) - seen:  # force-deleted from the API: stop the process
+            self.kill(self.pods.pop(uid))
+
+    def as_dict(self, obj: object) -> dict[str, Any]:
+        """Plain camelCase dicts, as in the API's JSON: easier to read than the client's models."""
+        return dict(self.core.api_client.sanitize_for_serialization(obj))
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def heartbeat(self, node_name: str) -> None:
+        self.core.patch_node_status(node_name, {"status": pods.node_ready_status()})
+        renew = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")  # a MicroTime
+        spec = {"holderIdentity": node_name, "leaseDurationSeconds": 40, "renewTime": renew}
+        try:
+            self.coordination.patch_namespaced_lease(node_name, "kube-node-lease", {"spec": spec})
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            lease = client.V1Lease(
+                metadata=client.V1ObjectMeta(name=node_name, namespace="kube-node-lease"),
+                spec=client.V1LeaseSpec(
+                    holder_identity=node_name,
+                    lease_duration_seconds=40,
+                    renew_time=datetime.now(UTC),
+                ),
+            )
+            self.coordination.create_namespaced_lease("kube-node-lease", lease)
+
+    # -- pods ----------------------------------------------------------------------------------
+
+    def sync(self, pod: dict[str, Any], pod_cidr: str) -> None:
+        uid = pod["metadata"]["uid"]
+        local = self.pods.get(uid)
+        if local is None:
+            if pod["status"].get("phase") in ("Succeeded", "Failed"):
+                return
+            local = self.pods[uid] = self.admit(pod, pod_cidr)
+        if pod["metadata"].get("deletionTimestamp"):
+            self.sync_terminating(pod, local)
+        else:
+            self.sync_running(pod, local)
+
+    def admit(self, pod: dict[str, Any], pod_cidr: str) -> LocalPod:
+        taken = {p.pod_ip for p in self.pods.values()}
+        ip = pod["status"].get("podIP") or pods.next_pod_ip(pod_cidr, taken)
+        return LocalPod(pod["metadata"]["namespace"], pod["metadata"]["name"], ip)
+
+    def sync_running(self, pod: dict[str, Any], local: LocalPod) -> None:
+        container = pod["spec"]["containers"][0]
+        if local.restart_at is not None:  # crashed: restart once the back-off is over
+            if time.monotonic() >= local.restart_at:
+                local.restarts += 1
+                self.start(pod, container, local)
+        elif local.proc is None and local.exit_code is None:
+            self.start(pod, container, local)
+        elif local.proc is not None and local.proc.poll() is not None:
+            self.on_exit(pod, local, local.proc.returncode)
+        elif local.proc is not None and time.monotonic() >= local.next_probe:
+            self.probe(pod, container, local)
+
+    def start(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
+        local.restart_at, local.ready, local.exit_code = None, False, None
+        env = {**os.environ, **pods.container_env(pod, container, local.pod_ip)}
+        env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])
+        log = self.log_dir / f"{local.namespace}_{local.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            argv = pods.container_argv(container, local.pod_ip, self.bin_dirs)
+        except ValueError as err:
+            log.write_text(f"podrunner: {err}\n")
+            self.on_exit(pod, local, 127)
+            return
+        with log.open("ab") as out:
+            local.proc = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        local.started_at = pods.now()
+        self.report(
+            pod,
+            local,
+            pods.running_status(pod, local.pod_ip, False, local.restarts, local.started_at),
+        )
+
+    def probe(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
+        probe = container.get("readinessProbe")
+        url = pods.probe_url(probe, container, local.pod_ip)
+        period = float((probe or {}).get("periodSeconds", 10))
+        local.next_probe = time.monotonic() + (period if local.ready else min(period, 1.0))
+        ready = url is None or http_ok(url, float((probe or {}).get("timeoutSeconds", 1)))
+        if ready != local.ready:
+            local.ready = ready
+            self.report(
+                pod,
+                local,
+                pods.running_status(pod, local.pod_ip, ready, local.restarts, local.started_at),
+            )
+
+    def on_exit(self, pod: dict[str, Any], local: LocalPod, code: int) -> None:
+        local.proc, local.ready = None, False
+        policy = pod["spec"].get("restartPolicy", "Always")
+        if pods.should_restart(policy, code):
+            backoff = RESTART_BACKOFF_S[min(local.restarts, len(RESTART_BACKOFF_S) - 1)]
+            local.restart_at = time.monotonic() + backoff
+            status = pods.running_status(pod, local.pod_ip, False, local.restarts, local.started_at)
+            status["containerStatuses"][0]["state"] = {
+                "waiting": {"reason": "CrashLoopBackOff", "message": f"exited with code {code}"}
+            }
+            status["containerStatuses"][0]["lastState"] = {
+                "terminated": {"exitCode": code, "finishedAt": pods.now()}
+            }
+        else:
+            local.exit_code = code
+            status = pods.terminated_status(pod, code, local.restarts)
+        self.report(pod, local, status)
+
+    def sync_terminating(self, pod: dict[str, Any], local: LocalPod) -> None:
+        if local.proc is not None and local.proc.poll() is None:
+            if not local.terminating:
+                local.terminating = True
+                grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
+                container = pod["spec"]["containers"][0]
+                threading.Thread(
+                    target=terminate, args=(local.proc, container, grace), daemon=True
+                ).start()
+            return
+        # The process is gone: finish the deletion as the kubelet does, with grace 0.
+        try:
+            self.core.delete_namespaced_pod(local.name, local.namespace, grace_period_seconds=0)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+        self.pods.pop(pod["metadata"]["uid"], None)
+
+    def report(self, pod: dict[str, Any], local: LocalPod, status: dict[str, Any]) -> None:
+        local.reported = status
+        try:
+            self.core.patch_namespaced_pod_status(local.name, local.namespace, {"status": status})
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def kill(self, local: LocalPod) -> None:
+        if local.proc is not None and local.proc.poll() is None:
+            terminate(local.proc, {}, 5.0)
+
+    def shutdown(self) -> None:
+        """Stopping the runner stops its pods' processes (SIGTERM, then SIGKILL)."""
+        threads = [threading.Thread(target=self.kill, args=(p,)) for p in self.pods.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
+def terminate(proc: subprocess.Popen[bytes], container: dict[str, Any], grace_s: float) -> None:
+    """preStop hook, then SIGTERM, then SIGKILL when the grace period is over."""
+    deadline = time.monotonic() + grace_s
+    command = pods.pre_stop_command(container)
+    if command:
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
+            subprocess.run(
+                command,
+                timeout=max(0.0, deadline - time.monotonic()),
+                check=False,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def http_ok(url: str, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return bool(200 <= resp.status < 400)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

@@ -1,0 +1,1 @@
+"""Helpers shared by test suites (import as `tests.support`)."""
