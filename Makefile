@@ -26,7 +26,7 @@ lint: setup
 	@$(PY) -m ruff check .
 	@$(PY) -m ruff format --check .
 	@echo "==> mypy"
-	@$(PY) -m mypy
+	@MYPY_CACHE_DIR=$${KVPILOT_CACHE_DIR:-$$HOME/.cache/kvpilot}/mypy $(PY) -m mypy
 
 cluster-build: setup
 	@$(PY) -m hack.devcluster build

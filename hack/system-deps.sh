@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Debian packages the tests use: openssl (dev-cluster certificates) and prometheus (the real
-# Prometheus the autoscaler tests scrape with). Installs what is missing when run as root.
+# Debian packages the tests use: openssl (dev-cluster certificates), prometheus (a real Prometheus
+# for the metrics-adapter tests, and promtool; the dev cluster builds its own Prometheus because
+# Debian's lacks Kubernetes service discovery) and Go (builds the cluster binaries).
+# Installs what is missing when run as root.
 set -euo pipefail
 missing=()
 command -v openssl >/dev/null || missing+=(openssl)

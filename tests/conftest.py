@@ -30,6 +30,13 @@ class ExistingCluster:
         path = os.pathsep.join([*map(str, bin_path_entries()), os.environ.get("PATH", "")])
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path}
 
+    @property
+    def prometheus_url(self) -> str:
+        """The Prometheus that scrapes this cluster's pods (PROMETHEUS_URL)."""
+        if not os.environ.get("PROMETHEUS_URL"):
+            pytest.skip("set PROMETHEUS_URL to run Prometheus tests against an existing cluster")
+        return os.environ["PROMETHEUS_URL"]
+
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:

@@ -21,6 +21,8 @@ from hack.devcluster.versions import (
     HELM,
     KUBERNETES,
     KWOK,
+    PROMETHEUS,
+    PROMETHEUS_RELEASE,
     Component,
     cache_dir,
 )
@@ -57,6 +59,11 @@ def build_commands(component: Component, out_dir: Path) -> list[tuple[list[str],
         return [
             (["go", "install", "-trimpath", f"sigs.k8s.io/kwok/cmd/kwok@{component.version}"], None)
         ]
+    if component is PROMETHEUS:
+        flags = f"-s -w -X github.com/prometheus/common/version.Version={PROMETHEUS_RELEASE}"
+        pkg = f"github.com/prometheus/prometheus/cmd/prometheus@{component.version}"
+        tags = "remove_all_sd,enable_kubernetes_sd"
+        return [(["go", "install", "-trimpath", "-tags", tags, "-ldflags", flags, pkg], None)]
     if component is HELM:
         flags = f"-s -w -X helm.sh/helm/v3/internal/version.version={component.version}"
         pkg = f"helm.sh/helm/v3/cmd/helm@{component.version}"

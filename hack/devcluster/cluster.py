@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from hack.devcluster import build, nodepools, pki, procs
+from hack.devcluster import build, nodepools, pki, procs, prometheus
 from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import (
     COMPONENTS,
@@ -40,6 +40,7 @@ PROCESSES = (
     "kube-scheduler",
     "kwok",
     "podrunner",
+    "prometheus",
 )
 SERVICE_CIDR = "10.96.0.0/16"
 START_TIMEOUT_S = 120.0
@@ -52,6 +53,7 @@ class Ports:
     apiserver: int
     controller_manager: int
     scheduler: int
+    prometheus: int
 
 
 class DevCluster:
@@ -83,10 +85,21 @@ class DevCluster:
         )
 
     def down(self) -> None:
-        for name in reversed(PROCESSES):
+        """Stop what runs on top (operator, proxies the demo started), then the control plane."""
+        extras = sorted(p.stem for p in self.run_dir.glob("*.pid") if p.stem not in PROCESSES)
+        for name in [*extras, *reversed(PROCESSES)]:
             procs.stop(self.run_dir, name)
         shutil.rmtree(self.state_dir / "etcd-data", ignore_errors=True)
+        shutil.rmtree(self.state_dir / "prometheus-data", ignore_errors=True)
         (self.state_dir / "ports.json").unlink(missing_ok=True)
+
+    def start_process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+        """Run a process beside the cluster (the operator, a service proxy) that `down` stops."""
+        procs.stop(self.run_dir, name)
+        return procs.start(name, argv, self.run_dir, self.log_dir, env).pid
+
+    def stop_process(self, name: str) -> None:
+        procs.stop(self.run_dir, name)
 
     def status(self) -> dict[str, bool]:
         return {name: procs.is_running(self.run_dir, name) for name in PROCESSES}
@@ -104,7 +117,12 @@ class DevCluster:
         apiserver = self.requested_apiserver_port or procs.free_port()
         procs.require_port_free(apiserver, "kube-apiserver")
         ports = Ports(
-            procs.free_port(), procs.free_port(), apiserver, procs.free_port(), procs.free_port()
+            etcd_client=procs.free_port(),
+            etcd_peer=procs.free_port(),
+            apiserver=apiserver,
+            controller_manager=procs.free_port(),
+            scheduler=procs.free_port(),
+            prometheus=procs.free_port(),
         )
         saved.write_text(json.dumps(asdict(ports)))
         return ports
@@ -124,6 +142,7 @@ class DevCluster:
             "kube-scheduler": self.scheduler_argv,
             "kwok": self.kwok_argv,
             "podrunner": self.podrunner_argv,
+            "prometheus": self.prometheus_argv,
         }
         return builders[name](certs, ports)
 
@@ -201,7 +220,7 @@ class DevCluster:
             f"--manage-nodes-with-annotation-selector={nodepools.KWOK_ANNOTATION}=fake",
             "--node-lease-duration-seconds=40",
             "--node-ip=127.0.0.1",
-            "--cidr=10.255.0.1/16",
+            "--cidr=127.255.0.1/16",
             f"--config={KWOK_STAGES}",
         ]
 
@@ -213,6 +232,22 @@ class DevCluster:
             f"--kubeconfig={self.kubeconfig}",
             f"--log-dir={self.log_dir / 'pods'}",
         ]
+
+    def prometheus_argv(self, certs: pki.Pki, ports: Ports) -> list[str]:
+        config = prometheus.build_config(
+            f"https://127.0.0.1:{ports.apiserver}",
+            certs.ca_crt,
+            certs.crt("admin"),
+            certs.key("admin"),
+        )
+        config_file = self.state_dir / "prometheus.yaml"
+        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        return prometheus.argv(config_file, self.state_dir / "prometheus-data", ports.prometheus)
+
+    @property
+    def prometheus_url(self) -> str:
+        ports = json.loads((self.state_dir / "ports.json").read_text())
+        return f"http://127.0.0.1:{ports['prometheus']}"
 
     def wait_ready(
         self, proc: subprocess.Popen[bytes], name: str, certs: pki.Pki, ports: Ports
@@ -227,6 +262,7 @@ class DevCluster:
                 insecure,
             ),
             "kube-scheduler": (f"https://127.0.0.1:{ports.scheduler}/healthz", insecure),
+            "prometheus": (f"http://127.0.0.1:{ports.prometheus}/-/ready", None),
         }
         if name in checks:
             url, context = checks[name]

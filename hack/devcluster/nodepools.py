@@ -71,8 +71,8 @@ def node_name(pool: NodePool, index: int) -> str:
 def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
     """One Node object; pod CIDRs are disjoint per node so pods get distinct IPs.
 
-    Local-execution nodes are left to hack/podrunner (no kwok annotation) and get a loopback
-    podCIDR, so their pods' processes can bind to their pod IPs on this machine.
+    Local-execution nodes are left to hack/podrunner (no kwok annotation); their pods'
+    processes bind to their loopback pod IPs on this machine.
     """
     name = node_name(pool, index)
     resources: dict[str, str] = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110"}
@@ -92,10 +92,11 @@ def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
     }
     if pool.local_execution:
         labels[LOCAL_EXECUTION_LABEL] = "true"
-        pod_cidr = f"127.{64 + pool_index}.{index}.0/24"
     else:
         annotations[KWOK_ANNOTATION] = "fake"
-        pod_cidr = f"10.{64 + pool_index}.{index}.0/24"
+    # Every pod IP is a loopback address, kwok's fake pods included: anything that connects to a
+    # pod (Prometheus, the operator's direct scrape) stays on this machine.
+    pod_cidr = f"127.{64 + pool_index}.{index}.0/24"
     return {
         "apiVersion": "v1",
         "kind": "Node",

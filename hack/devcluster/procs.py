@@ -39,7 +39,9 @@ def require_port_free(port: int, who: str) -> None:
             ) from err
 
 
-def start(name: str, argv: list[str], run_dir: Path, log_dir: Path) -> subprocess.Popen[bytes]:
+def start(
+    name: str, argv: list[str], run_dir: Path, log_dir: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start `argv` in its own session, logging to log_dir/name.log; record the pid."""
     log_dir.mkdir(parents=True, exist_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -51,6 +53,7 @@ def start(name: str, argv: list[str], run_dir: Path, log_dir: Path) -> subproces
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             cwd=REPO_ROOT,  # so `python -m hack.…` processes import this checkout
+            env=env,
         )
     (run_dir / f"{name}.pid").write_text(f"{proc.pid}\n{argv[0]}\n")
     return proc

@@ -19,6 +19,10 @@ KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.6.16"  # also pinned in hack/gotools/etcd/go.mod
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.22.0"
+# Prometheus 3.16.0 (its Go module is tagged v0.316.0). Debian's package is built without the
+# Kubernetes service discovery the dev cluster needs, so we build it, with only that discovery.
+PROMETHEUS_VERSION = "v0.316.0"
+PROMETHEUS_RELEASE = "3.16.0"
 
 
 def cache_dir() -> Path:
@@ -56,7 +60,8 @@ KUBERNETES = Component(
 ETCD = Component("etcd", ETCD_VERSION, ("etcd",))
 KWOK = Component("kwok", KWOK_VERSION, ("kwok",))
 HELM = Component("helm", HELM_VERSION, ("helm",))
-COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM)
+PROMETHEUS = Component("prometheus", PROMETHEUS_VERSION, ("prometheus",))
+COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS)
 
 
 def bin_path_entries() -> list[Path]:

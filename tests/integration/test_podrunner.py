@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ APP = Path(__file__).parent / "apps" / "probe_app.py"
 
 
 def local_deployment(name: str, marker: Path) -> dict[str, Any]:
-    labels = {"app": name}
+    labels = {"app": name, "kvpilot.dev/model": name, "kvpilot.dev/node-type": "local"}
     container = {
         "name": "app",
         "image": "example.invalid/probe-app:test",
@@ -37,9 +38,16 @@ def local_deployment(name: str, marker: Path) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": "default"},
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": {"app": name}},
             "template": {
-                "metadata": {"labels": labels},
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": "8080",
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
                 "spec": {
                     "nodeSelector": {"kvpilot.dev/local-execution": "true"},
                     "terminationGracePeriodSeconds": 5,
@@ -88,3 +96,25 @@ def test_local_pod_runs_restarts_and_drains(cluster: Any, tmp_path: Path) -> Non
     assert marker.read_text().strip()
     with pytest.raises(OSError):
         get(f"http://{ip}:8080/")
+
+
+def test_prometheus_scrapes_local_pods_by_annotation(cluster: Any, tmp_path: Path) -> None:
+    if not hasattr(cluster, "prometheus_url"):
+        pytest.skip("no Prometheus URL for this cluster")
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps(local_deployment("scraped", tmp_path / "t"))
+    )
+    pod = wait_until(lambda: ready_pod(cluster, "scraped"), 60, "the local pod to be Ready")
+    query = urllib.parse.quote('probe_app_info{kvpilot_model="scraped"}')
+
+    def series() -> list[dict[str, Any]]:
+        result = json.loads(get(f"{cluster.prometheus_url}/api/v1/query?query={query}"))
+        return list(result["data"]["result"])
+
+    found = wait_until(series, 60, "Prometheus to scrape the pod")
+    labels = found[0]["metric"]
+    assert labels["pod"] == pod["metadata"]["name"]
+    assert labels["namespace"] == "default"
+    assert labels["kvpilot_node_type"] == "local"
+    assert labels["instance"] == f"{pod['status']['podIP']}:8080"
+    cluster.kubectl("delete", "deployment", "scraped", "--wait=false")

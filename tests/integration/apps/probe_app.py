@@ -1,4 +1,4 @@
-"""A small real HTTP process for pod-runner tests: readiness, crash on request, drain on SIGTERM.
+"""A small real HTTP process for pod-runner tests: readiness, /metrics, crash, drain on SIGTERM.
 
 Usage: probe_app.py --port N --host IP. On SIGTERM it writes $TERM_MARKER (when set) and exits 0.
 """
@@ -17,8 +17,12 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/crash":
             os._exit(3)
-        body = f"{os.environ.get('POD_NAME', '?')} {os.getpid()}".encode()
+        if self.path == "/metrics":
+            body = b"# TYPE probe_app_info gauge\nprobe_app_info 1\n"
+        else:
+            body = f"{os.environ.get('POD_NAME', '?')} {os.getpid()}".encode()
         self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
