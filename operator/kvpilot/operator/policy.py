@@ -1,0 +1,319 @@
+"""The autoscaling policy of DESIGN.md §3.5, as one pure function.
+
+`decide(observations, bounds, state, now)` looks at what the ready replicas report (requests
+waiting, KV-cache usage), proposes a replica count per signal (ceil(ready x observed / target),
+unless the signal sits inside the tolerance band), takes the largest, and then damps it the way the
+HPA does: scale-up takes the smallest recommendation of the (short) up window, scale-down the
+largest of the (long) down window, scale-up is rate limited per step. Missing or stale metrics hold
+the fleet where it is and say so, so a Prometheus outage never shrinks a serving fleet.
+
+All memory between decisions lives in `PolicyState`, which round-trips through a plain dict kept in
+the ModelDeployment's `status.autoscaling`, so an operator restart loses nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A ModelDeployment's autoscaling settings, resolved to numbers (defaults in one place)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 10
+    # The defaults were tuned in the simulator (bench/autoscaler_sim.py): at 0.8 KV usage and a
+    # 10% band the fleet flapped between two sizes under steady Poisson load, because a replica
+    # whose KV cache is full queues requests long before the fleet's mean reaches 0.8.
+    target_queue_length: float = 3.0  # waiting requests per ready replica
+    target_kv_cache_utilization: float = 0.65  # used / total KV blocks, 0-1 (1-minute mean)
+    tolerance: float = 0.15  # ratios within 1 +/- tolerance keep the current count
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = 300.0
+    max_scale_up_factor: float = 2.0  # a step may at least double ...
+    max_scale_up_step: int = 4  # ... or add this many, whichever is more
+    scale_to_zero_idle_s: float = 600.0  # only with min_replicas == 0
+    max_metrics_age_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0 or self.max_replicas < 1:
+            raise ValueError(
+                f"need minReplicas >= 0 and maxReplicas >= 1, got {self.min_replicas}, "
+                f"{self.max_replicas}"
+            )
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"minReplicas {self.min_replicas} is above maxReplicas {self.max_replicas}"
+            )
+        if self.target_queue_length <= 0:
+            raise ValueError(f"targetQueueLength must be > 0, got {self.target_queue_length}")
+        if not 0 < self.target_kv_cache_utilization <= 1:
+            raise ValueError(
+                "targetKVCacheUtilization must be in (0, 1], got "
+                f"{self.target_kv_cache_utilization}"
+            )
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
+        if min(self.scale_up_stabilization_s, self.scale_down_stabilization_s) < 0:
+            raise ValueError("stabilization windows must be >= 0 seconds")
+        if self.max_scale_up_factor < 1 or self.max_scale_up_step < 1:
+            raise ValueError("scale-up rate limits must allow growth (factor >= 1, step >= 1)")
+        if self.scale_to_zero_idle_s < 0 or self.max_metrics_age_s <= 0:
+            raise ValueError("scaleToZeroIdleSeconds must be >= 0 and max metrics age > 0")
+
+
+@dataclass(frozen=True)
+class Observations:
+    """What the metrics adapter saw for one ModelDeployment (or one node type of it).
+
+    Sums and means are over ready pods only: pods still starting report nothing useful and
+    must not be counted as capacity. With zero replicas, `requests_waiting` is whatever a gateway
+    reports for the model (or 0), which is how a scaled-to-zero deployment wakes up.
+    """
+
+    current_replicas: int  # replicas the Deployments ask for now
+    ready_replicas: int = 0  # ready pods whose metrics were read
+    requests_waiting: float = 0.0  # sum over ready pods
+    requests_running: float = 0.0  # sum over ready pods
+    kv_cache_usage: float = 0.0  # mean over ready pods, 0-1
+    sampled_at: float | None = None  # unix time of the oldest sample used; None: no data
+    ttft_p95_s: float | None = None
+    error: str = ""  # why there is no data, for the MetricsAvailable condition
+
+    @classmethod
+    def unavailable(cls, current_replicas: int, error: str) -> Observations:
+        return cls(current_replicas=current_replicas, error=error or "no metrics")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "currentReplicas": self.current_replicas,
+            "readyReplicas": self.ready_replicas,
+            "requestsWaiting": self.requests_waiting,
+            "requestsRunning": self.requests_running,
+            "kvCacheUsage": round(self.kv_cache_usage, 4),
+            "sampledAt": self.sampled_at,
+            "ttftP95Seconds": self.ttft_p95_s,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """Everything `decide` remembers, small enough for the status subresource.
+
+    `recommendations` holds (time, replicas) pairs inside the longest window. A run of equal
+    consecutive values keeps only its newest time: for a windowed min or max that is the same.
+    """
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    idle_since: float | None = None
+    last_scale_time: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recommendations": [[t, r] for t, r in self.recommendations],
+            "idleSince": self.idle_since,
+            "lastScaleTime": self.last_scale_time,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> PolicyState:
+        if not data:
+            return cls()
+        try:
+            pairs = tuple((float(t), int(r)) for t, r in data.get("recommendations") or [])
+            idle = data.get("idleSince")
+            last = data.get("lastScaleTime")
+            return cls(
+                recommendations=pairs,
+                idle_since=None if idle is None else float(idle),
+                last_scale_time=None if last is None else float(last),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"status.autoscaling.state is malformed: {data!r} ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str
+    state: PolicyState
+    metrics_available: bool = True
+
+
+def decide(observations: Observations, bounds: Bounds, state: PolicyState, now: float) -> Decision:
+    """The replica count for the next interval, why, and the state to store for the next call."""
+    current = observations.current_replicas
+    if current < 0:
+        raise ValueError(f"current replicas must be >= 0, got {current}")
+    problem = metrics_problem(observations, bounds, now)
+    if problem:
+        held = clamp(current, bounds.min_replicas, bounds.max_replicas)
+        reason = f"hold at {held}: {problem}; never scale down on missing data"
+        return _finish(current, held, reason, state, now, metrics_available=False)
+    idle_since = _idle_since(observations, state, now)
+    state = replace(state, idle_since=idle_since)
+    if _may_scale_to_zero(observations, bounds, idle_since, now):
+        idle_for = now - (idle_since if idle_since is not None else now)
+        reason = f"scale to zero: idle for {idle_for:.0f}s >= {bounds.scale_to_zero_idle_s:.0f}s"
+        return _finish(current, 0, reason, replace(state, recommendations=()), now)
+    raw, why = recommend(observations, bounds)
+    floor = _floor(bounds, current)
+    wanted = clamp(raw, floor, bounds.max_replicas)
+    # Like the HPA, a policy without history (new object, lost status) starts from the current
+    # count, so it cannot scale down before a full window has passed.
+    seed = state.recommendations or ((now, current),)
+    history = _record(seed, now, wanted, _longest_window(bounds))
+    stabilised = _stabilise(current, history, bounds, now)
+    limited = _rate_limit(current, stabilised, bounds)
+    final = clamp(limited, floor, bounds.max_replicas)
+    reason = _explain((current, raw, wanted, stabilised, limited, final), why, bounds)
+    return _finish(current, final, reason, replace(state, recommendations=history), now)
+
+
+def metrics_problem(observations: Observations, bounds: Bounds, now: float) -> str:
+    """'' when the observations can be trusted, else why not."""
+    if observations.error:
+        return f"metrics unavailable ({observations.error})"
+    if observations.sampled_at is None:
+        return "metrics unavailable (no samples)"
+    age = now - observations.sampled_at
+    if age > bounds.max_metrics_age_s:
+        return f"metrics stale (newest sample {age:.0f}s old > {bounds.max_metrics_age_s:.0f}s)"
+    return ""
+
+
+def recommend(observations: Observations, bounds: Bounds) -> tuple[int, str]:
+    """The largest per-signal recommendation and which signal made it, before any damping."""
+    current, ready = observations.current_replicas, observations.ready_replicas
+    if ready == 0:
+        # Nothing ready to measure per replica; only a queue (e.g. at a gateway) can ask for pods.
+        need = math.ceil(observations.requests_waiting / bounds.target_queue_length)
+        return max(current, need), f"{observations.requests_waiting:g} waiting, 0 ready"
+    signals = {
+        "queue": (observations.requests_waiting / ready, bounds.target_queue_length),
+        "kv-cache": (observations.kv_cache_usage, bounds.target_kv_cache_utilization),
+    }
+    best, best_why = 0, ""
+    for name, (observed, target) in signals.items():
+        ratio = observed / target
+        if abs(ratio - 1.0) <= bounds.tolerance:
+            wanted, note = current, "within tolerance"
+        else:
+            wanted, note = math.ceil(ready * ratio - 1e-9), f"ratio {ratio:.2f}"
+        if wanted > best or not best_why:
+            best = wanted
+            best_why = f"{name} {observed:.2f}/replica vs target {target:g} ({note}, {ready} ready)"
+    return best, best_why
+
+
+def clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
+
+
+def _floor(bounds: Bounds, current: int) -> int:
+    """min_replicas, except that a running fleet with minReplicas 0 keeps one replica until the
+    idle rule (not a momentary zero reading) takes it to zero."""
+    if bounds.min_replicas > 0 or current == 0:
+        return bounds.min_replicas
+    return 1
+
+
+def _idle_since(observations: Observations, state: PolicyState, now: float) -> float | None:
+    busy = (
+        observations.requests_waiting > 0
+        or observations.requests_running > 0
+        or observations.kv_cache_usage > 0
+    )
+    if busy:
+        return None
+    return state.idle_since if state.idle_since is not None else now
+
+
+def _may_scale_to_zero(
+    observations: Observations, bounds: Bounds, idle_since: float | None, now: float
+) -> bool:
+    # The idle period is its own stabilisation window, so this bypasses the down window.
+    return (
+        bounds.min_replicas == 0
+        and observations.current_replicas > 0
+        and idle_since is not None
+        and now - idle_since >= bounds.scale_to_zero_idle_s
+    )
+
+
+def _longest_window(bounds: Bounds) -> float:
+    return max(bounds.scale_up_stabilization_s, bounds.scale_down_stabilization_s)
+
+
+def _record(
+    history: tuple[tuple[float, int], ...], now: float, replicas: int, keep_s: float
+) -> tuple[tuple[float, int], ...]:
+    kept = [(t, r) for t, r in history if now - keep_s <= t <= now]
+    if kept and kept[-1][1] == replicas:
+        kept.pop()  # the newer time of an equal run is all a windowed min/max needs
+    kept.append((now, replicas))
+    return tuple(kept)
+
+
+def _stabilise(
+    current: int, history: tuple[tuple[float, int], ...], bounds: Bounds, now: float
+) -> int:
+    """HPA's rule: go up to the smallest recommendation of the up window, down to the largest of
+    the down window, otherwise stay. The newest recommendation always counts, so a zero window
+    means no damping."""
+    *older, (_, latest) = history
+    up = min([r for t, r in older if t > now - bounds.scale_up_stabilization_s] + [latest])
+    down = max([r for t, r in older if t > now - bounds.scale_down_stabilization_s] + [latest])
+    if up > current:
+        return up
+    if down < current:
+        return down
+    return current
+
+
+def _rate_limit(current: int, wanted: int, bounds: Bounds) -> int:
+    if wanted <= current:
+        return wanted
+    allowed = max(
+        math.ceil(current * bounds.max_scale_up_factor), current + bounds.max_scale_up_step
+    )
+    return min(wanted, allowed)
+
+
+def _explain(steps: tuple[int, int, int, int, int, int], why: str, bounds: Bounds) -> str:
+    """steps: current, raw, wanted (in bounds), after the windows, after the rate limit, final."""
+    current, raw, wanted, stabilised, limited, final = steps
+    if final == current:
+        if wanted < current:
+            window = f"{bounds.scale_down_stabilization_s:.0f}s"
+            return f"hold at {current}: wants {wanted}, {window} down window not passed; {why}"
+        if wanted > current:
+            return f"hold at {current}: wants {wanted}, up window not passed; {why}"
+        return f"hold at {current}: {why}"
+    verb = "scale up" if final > current else "scale down"
+    notes = []
+    if stabilised != wanted:
+        notes.append(f"window max/min {stabilised}")
+    if limited != stabilised:
+        notes.append(f"rate limit {limited}")
+    if final != limited or raw != wanted:
+        notes.append(f"bounds {bounds.min_replicas}..{bounds.max_replicas}")
+    extra = f" ({', '.join(notes)})" if notes else ""
+    return f"{verb} {current}->{final}{extra}: {why}"
+
+
+def _finish(
+    current: int,
+    replicas: int,
+    reason: str,
+    state: PolicyState,
+    now: float,
+    metrics_available: bool = True,
+) -> Decision:
+    if replicas != current:
+        state = replace(state, last_scale_time=now)
+    return Decision(replicas, reason, state, metrics_available)

@@ -1,0 +1,273 @@
+"""The metrics adapter against a real Prometheus scraping real exporters, feeding the policy.
+
+The test serves three "pods" with prometheus_client on 127.0.0.1 (one exporting kvpilot's names
+and their vLLM aliases, as the runtime does; one kvpilot-only; one vLLM-only), starts Debian's
+Prometheus on a free port with static targets carrying the labels kubernetes_sd relabelling
+would add, and reads observations through PromQL. Then one pod goes away, then Prometheus does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+
+from kvpilot.operator import metrics
+from kvpilot.operator.metrics import PrometheusMetrics, observe_pods
+from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="needs Debian's prometheus binary"
+)
+
+NAMESPACE, MODEL = "serving", "tiny-llama"
+BOUNDS = Bounds(min_replicas=1, max_replicas=10, target_queue_length=3.0)
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 30.0) -> T:
+    """Poll until probe returns something truthy (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout_s
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+
+
+@dataclass
+class Pod:
+    name: str
+    node_type: str
+    port: int
+    gauges: dict[str, Gauge]
+    stop: Callable[[], None]
+    ttft: Histogram | None = None
+
+    def set(self, **values: float) -> None:
+        for key, value in values.items():
+            for gauge in (g for name, g in self.gauges.items() if name.startswith(key)):
+                gauge.labels(model_name=MODEL).set(value)
+
+
+def serve_pod(name: str, node_type: str, names: dict[str, list[str]]) -> Pod:
+    registry = CollectorRegistry()
+    gauges = {}
+    for key, metric_names in names.items():
+        for i, metric in enumerate(metric_names):
+            gauges[f"{key}{i}"] = Gauge(metric, key, ["model_name"], registry=registry)
+    ttft = None
+    if "ttft" in names:
+        ttft = Histogram(
+            "kvpilot_time_to_first_token_seconds", "ttft", ["model_name"], registry=registry
+        )
+        ttft.labels(model_name=MODEL)  # the series exist at zero, so a later rate sees growth
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return Pod(name, node_type, port, gauges, stop, ttft)
+
+
+@pytest.fixture()
+def pods() -> Iterator[dict[str, Pod]]:
+    both = {
+        "waiting": ["kvpilot_requests_waiting", "vllm:num_requests_waiting"],
+        "running": ["kvpilot_requests_running", "vllm:num_requests_running"],
+        "kv": ["kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc"],
+        "ttft": [],
+    }
+    kvpilot_only = {key: names[:1] for key, names in both.items() if key != "ttft"}
+    vllm_only = {key: names[1:] for key, names in both.items() if key != "ttft"}
+    served = {
+        "pod-a": serve_pod("pod-a", "h100", both),
+        "pod-b": serve_pod("pod-b", "h100", kvpilot_only),
+        "pod-c": serve_pod("pod-c", "a100", vllm_only),
+    }
+    served["pod-a"].set(waiting=2, running=10, kv=0.9)
+    served["pod-b"].set(waiting=1, running=8, kv=0.7)
+    served["pod-c"].set(waiting=0, running=6, kv=0.5)
+    yield served
+    for pod in served.values():
+        with contextlib.suppress(OSError):
+            pod.stop()
+
+
+def prometheus_config(pods: dict[str, Pod]) -> dict[str, Any]:
+    static = [
+        {
+            "targets": [f"127.0.0.1:{pod.port}"],
+            "labels": {
+                metrics.PROM_LABEL_NAMESPACE: NAMESPACE,
+                metrics.PROM_LABEL_POD: pod.name,
+                metrics.PROM_LABEL_MODEL: MODEL,
+                metrics.PROM_LABEL_NODE_TYPE: pod.node_type,
+            },
+        }
+        for pod in pods.values()
+    ]
+    return {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "kvpilot-pods", "static_configs": static}],
+    }
+
+
+@pytest.fixture()
+def prometheus(
+    pods: dict[str, Pod], tmp_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus_config(pods)))
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return process.poll() is not None and _fail(tmp_path)
+
+    try:
+        wait_for("prometheus ready", ready)
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _fail(tmp_path: Path) -> bool:
+    raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
+
+
+def observe(source: PrometheusMetrics, current: int = 3) -> Observations:
+    return source.observe(NAMESPACE, MODEL, current_replicas=current)
+
+
+def observe_until(
+    source: PrometheusMetrics, what: str, done: Callable[[Observations], bool]
+) -> Observations:
+    last: list[Observations] = []
+
+    def probe() -> Observations | None:
+        last[:] = [observe(source)]
+        return last[0] if done(last[0]) else None
+
+    try:
+        return wait_for(what, probe)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last observations: {last}") from None
+
+
+def test_promql_observations_feed_the_policy(
+    pods: dict[str, Pod],
+    prometheus: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, process = prometheus
+    source = PrometheusMetrics(url, timeout_s=2.0)
+    seen = observe_until(source, "all three pods", lambda o: o.ready_replicas == 3)
+    # pod-a exports both names with the same values: counted once
+    assert seen.requests_waiting == 3
+    assert seen.requests_running == 24
+    assert seen.kv_cache_usage == pytest.approx(0.7)
+    assert time.time() - (seen.sampled_at or 0) < 10
+    # TTFT p95 is a rate over the histogram: it needs requests between two scrapes
+    assert seen.ttft_p95_s is None
+    ttft = pods["pod-a"].ttft
+    assert ttft is not None
+    for seconds in [0.2] * 19 + [3.0]:
+        ttft.labels(model_name=MODEL).observe(seconds)
+    timed = observe_until(source, "TTFT p95", lambda o: o.ttft_p95_s is not None)
+    assert timed.ttft_p95_s is not None and 0.1 < timed.ttft_p95_s <= 0.25
+    held = decide(seen, BOUNDS, PolicyState(), time.time())
+    assert held.metrics_available and held.replicas == 3
+
+    by_type = metrics.aggregate_by_node_type(
+        source.pod_samples(NAMESPACE, MODEL), {"h100": 2, "a100": 1}, time.time()
+    )
+    assert by_type["h100"].requests_running == 18
+    assert by_type["a100"].ready_replicas == 1
+
+    # a queue builds on pod-b: 30 + 2 waiting over 3 ready, target 3 -> ceil(32/3) = 11 -> max 10,
+    # rate limited to 3 + 4 = 7 in one step
+    pods["pod-b"].set(waiting=30)
+    busy = observe_until(source, "queue", lambda o: o.requests_waiting == 32)
+    up = decide(busy, BOUNDS, held.state, time.time())
+    assert up.replicas == 7, up.reason
+    assert "queue" in up.reason
+
+    # a ready-pod filter leaves pods that are not ready out of the capacity
+    partial = source.observe(NAMESPACE, MODEL, 3, ready_pods={"pod-a", "pod-c"})
+    assert partial.ready_replicas == 2 and partial.requests_waiting == 2
+
+    # pod-c goes away: Prometheus marks its series stale and it stops counting
+    pods["pod-c"].stop()
+    two = observe_until(source, "pod-c stale", lambda o: o.ready_replicas == 2)
+    assert two.requests_running == 18
+
+    # Prometheus goes away: observations unavailable, the policy holds and flags it
+    process.terminate()
+    process.wait(timeout=30)
+    gone = observe(source, current=7)
+    assert gone.error.startswith("prometheus:")
+    hold = decide(gone, BOUNDS, up.state, time.time())
+    assert hold.replicas == 7
+    assert not hold.metrics_available
+    assert "never scale down" in hold.reason
+
+
+def test_direct_scrape_of_ready_pods(pods: dict[str, Pod]) -> None:
+    import asyncio
+
+    # a "pod" that accepts connections and never answers: it must time out, not block the rest
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(8)
+        hung_url = f"http://127.0.0.1:{hung.getsockname()[1]}/metrics"
+        urls = {name: f"http://127.0.0.1:{pod.port}/metrics" for name, pod in pods.items()}
+        urls["pod-hung"] = hung_url
+        node_types = {name: pod.node_type for name, pod in pods.items()}
+        seen = asyncio.run(observe_pods(urls, node_types, current_replicas=4, timeout_s=1.0))
+    assert seen.ready_replicas == 3
+    assert seen.requests_waiting == 3
+    assert seen.kv_cache_usage == pytest.approx(0.7)
+    assert decide(seen, BOUNDS, PolicyState(), time.time()).metrics_available
+
+    for pod in pods.values():
+        pod.stop()
+    down = asyncio.run(observe_pods(urls, node_types, current_replicas=4, timeout_s=1.0))
+    assert "none of 4 pods answered" in down.error
+    assert decide(down, BOUNDS, PolicyState(), time.time()).replicas == 4

@@ -1,0 +1,244 @@
+"""Table tests for kvpilot.operator.autoscaler (spread, status) and the pure parts of metrics."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import metrics
+from kvpilot.operator.autoscaler import (
+    bounds_from_spec,
+    event_message,
+    metrics_condition,
+    spread_replicas,
+    state_from_status,
+    status_patch,
+)
+from kvpilot.operator.metrics import PodSample, aggregate, aggregate_by_node_type
+from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
+
+NOW = 1_700_000_000.0
+ORDER = ["h100", "a100", "l40s"]
+
+# (case, total, free GPUs, current, pending, unschedulable since, expected)
+SPREAD = [
+    ("fills plan order", 5, {"h100": 4, "a100": 8, "l40s": 8}, {}, {}, {}, [4, 1, 0]),
+    ("keeps running replicas", 5, {"h100": 8}, {"a100": 3}, {}, {}, [2, 3, 0]),
+    ("shrinks least preferred", 3, {}, {"h100": 2, "a100": 2, "l40s": 2}, {}, {}, [2, 1, 0]),
+    ("shrinks pending first", 3, {}, {"h100": 3, "a100": 2}, {"h100": 2}, {}, [1, 2, 0]),
+    ("nothing fits: waits on first", 4, {}, {}, {}, {}, [4, 0, 0]),
+    (
+        "pending stays before the threshold",
+        4,
+        {"h100": 0, "a100": 8},
+        {"h100": 4},
+        {"h100": 2},
+        {"h100": NOW - 60},
+        [4, 0, 0],
+    ),
+    (
+        "spills after the threshold",
+        4,
+        {"h100": 0, "a100": 8},
+        {"h100": 4},
+        {"h100": 2},
+        {"h100": NOW - 600},
+        [2, 2, 0],
+    ),
+    (
+        "spill skips full types",
+        4,
+        {"h100": 0, "a100": 0, "l40s": 4},
+        {"h100": 4},
+        {"h100": 3},
+        {"h100": NOW - 600},
+        [1, 0, 3],
+    ),
+    (
+        "spilled everywhere: waits on next not given up",
+        3,
+        {},
+        {"h100": 3},
+        {"h100": 3},
+        {"h100": NOW - 600},
+        [0, 3, 0],
+    ),
+    ("zero", 0, {"h100": 8}, {"h100": 2, "a100": 1}, {}, {}, [0, 0, 0]),
+]
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "current", "pending", "since", "expected"),
+    [row[1:] for row in SPREAD],
+    ids=[row[0] for row in SPREAD],
+)
+def test_spread_replicas(
+    total: int,
+    free: dict[str, int],
+    current: dict[str, int],
+    pending: dict[str, int],
+    since: dict[str, float | None],
+    expected: list[int],
+) -> None:
+    placed = spread_replicas(
+        total, ORDER, free, 1, current, since, NOW, 300.0, pending_per_type=pending
+    )
+    assert [placed[t] for t in ORDER] == expected
+    assert sum(placed.values()) == total
+
+
+def test_spread_uses_gpus_per_replica_per_type() -> None:
+    # h100 runs TP1 (8 free -> 8 replicas), a100 needs TP2 (8 free -> 4)
+    placed = spread_replicas(
+        10, ["h100", "a100"], {"h100": 8, "a100": 8}, {"h100": 1, "a100": 2}, {}, {}, NOW, 300
+    )
+    assert placed == {"h100": 8, "a100": 2}
+    placed = spread_replicas(
+        14, ["a100", "h100"], {"h100": 8, "a100": 8}, {"h100": 1, "a100": 2}, {}, {}, NOW, 300
+    )
+    assert placed == {"a100": 6, "h100": 8}  # 4 fit on a100, 8 on h100, the rest wait on a100
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((-1, ORDER, {}, 1), "total replicas"),
+        ((1, [], {}, 1), "no node type"),
+        ((1, ["a", "a"], {}, 1), "repeat"),
+        ((1, ORDER, {}, 0), "gpus per replica"),
+        ((1, ORDER, {}, {"h100": 1}), "unknown for node types"),
+    ],
+)
+def test_spread_rejects_bad_input(args: tuple[Any, ...], message: str) -> None:
+    total, order, free, per = args
+    with pytest.raises(ValueError, match=message):
+        spread_replicas(total, order, free, per, {}, {}, NOW, 300)
+
+
+def test_status_patch_round_trips_the_state() -> None:
+    observations = Observations(
+        current_replicas=2, ready_replicas=2, kv_cache_usage=1.0, sampled_at=NOW
+    )
+    decision = decide(observations, Bounds(), PolicyState(), NOW)
+    patch = json.loads(json.dumps(status_patch(decision, observations, NOW)))
+    assert patch["desiredReplicas"] == decision.replicas == 4
+    assert patch["lastDecision"].startswith("scale up 2->4")
+    assert patch["lastScaleTime"] == patch["lastDecisionTime"] == "2023-11-14T22:13:20Z"
+    assert patch["metrics"]["kvCacheUsage"] == 1.0
+    assert patch["metricsAvailable"] is True
+    assert state_from_status({"autoscaling": patch}) == decision.state
+    assert state_from_status(None) == PolicyState()
+    assert event_message(2, decision) == f"Scaled from 2 to 4 replicas: {decision.reason}"
+    assert event_message(4, replace(decision, replicas=4)) is None
+
+
+def test_missing_metrics_condition() -> None:
+    decision = decide(Observations.unavailable(3, "prometheus: down"), Bounds(), PolicyState(), NOW)
+    condition = metrics_condition(decision)
+    assert condition["status"] == "False"
+    assert "prometheus: down" in condition["message"]
+    patch = status_patch(decision, Observations.unavailable(3, "x"), NOW)
+    assert patch["metricsAvailable"] is False
+
+
+def test_bounds_from_spec() -> None:
+    bounds = bounds_from_spec(
+        {"minReplicas": 0, "maxReplicas": 7, "targetKVCacheUtilization": 0.5, "mode": "builtin"}
+    )
+    assert (bounds.min_replicas, bounds.max_replicas) == (0, 7)
+    assert bounds.target_kv_cache_utilization == 0.5
+    with pytest.raises(ValueError, match="above maxReplicas"):
+        bounds_from_spec({"minReplicas": 5, "maxReplicas": 2})
+
+
+def sample(pod: str, node_type: str = "h100", age: float = 5.0, **values: float) -> PodSample:
+    return PodSample(
+        pod=pod,
+        node_type=node_type,
+        waiting=values.get("waiting", 0.0),
+        running=values.get("running", 0.0),
+        kv_cache_usage=values.get("kv", 0.0),
+        sampled_at=NOW - age,
+    )
+
+
+def test_aggregate_counts_only_fresh_ready_pods() -> None:
+    samples = [
+        sample("a", waiting=4, running=10, kv=0.9),
+        sample("b", waiting=2, running=6, kv=0.5),
+        sample("c", waiting=100, kv=1.0),  # not ready
+        sample("d", waiting=100, kv=1.0, age=300),  # stale
+    ]
+    observed = aggregate(samples, 5, NOW, ready_pods={"a", "b", "d"})
+    assert (observed.ready_replicas, observed.requests_waiting) == (2, 6)
+    assert observed.requests_running == 16
+    assert observed.kv_cache_usage == pytest.approx(0.7)
+    assert observed.sampled_at == NOW - 5
+
+
+def test_aggregate_without_fresh_samples() -> None:
+    stale = aggregate([sample("a", age=300)], 2, NOW)
+    assert stale.sampled_at == NOW - 300  # the policy calls this stale and holds
+    assert "stale" in decide(stale, Bounds(), PolicyState(), NOW).reason
+    assert aggregate([], 2, NOW).error == "no samples from ready pods"
+    zero = aggregate([], 0, NOW)
+    assert zero.error == "" and zero.sampled_at == NOW
+
+
+def test_aggregate_by_node_type() -> None:
+    samples = [sample("a", "h100", kv=0.8), sample("b", "a100", kv=0.4), sample("c", "a100")]
+    by_type = aggregate_by_node_type(samples, {"h100": 1, "a100": 3}, NOW)
+    assert by_type["h100"].ready_replicas == 1
+    assert by_type["a100"].ready_replicas == 2
+    assert by_type["a100"].kv_cache_usage == pytest.approx(0.2)
+
+
+def test_promql_selects_by_the_relabelled_labels() -> None:
+    query = metrics.gauge_query(metrics.KV_USAGE, "prod", 'we"ird', average="1m")
+    assert 'kvpilot_model="we\\"ird"' in query
+    assert 'namespace="prod"' in query
+    assert "avg_over_time(" in query and "[1m]" in query
+    assert '__name__="vllm:kv_cache_usage_perc"' in query
+    assert '__name__="vllm_kv_cache_usage_perc"' in query  # as Prometheus stores it
+    assert query.count("max by (pod, kvpilot_node_type)") == 3
+    assert "histogram_quantile(0.95" in metrics.ttft_p95_query("prod", "m")
+
+
+KVPILOT_TEXT = """# TYPE kvpilot_requests_waiting gauge
+kvpilot_requests_waiting{model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 3.0
+# TYPE kvpilot_requests_running gauge
+kvpilot_requests_running{model_name="m"} 7.0
+# TYPE kvpilot_kv_cache_usage_ratio gauge
+kvpilot_kv_cache_usage_ratio{model_name="m"} 0.5
+"""
+VLLM_TEXT = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m",engine="0"} 2.0
+vllm:num_requests_waiting{model_name="m",engine="1"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.25
+vllm:kv_cache_usage_perc{model_name="m",engine="1"} 0.75
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (KVPILOT_TEXT, {"waiting": 3.0, "running": 7.0, "kv": 0.5}),  # alias not double counted
+        (VLLM_TEXT, {"waiting": 3.0, "kv": 0.75}),  # engines summed, KV at the fullest
+        ("", {}),
+    ],
+    ids=["kvpilot", "vllm", "empty"],
+)
+def test_parse_exposition(text: str, expected: dict[str, float]) -> None:
+    parsed = metrics.parse_exposition(text)
+    names = {
+        "waiting": metrics.WAITING[0],
+        "running": metrics.RUNNING[0],
+        "kv": metrics.KV_USAGE[0],
+    }
+    assert parsed == {names[k]: v for k, v in expected.items()}

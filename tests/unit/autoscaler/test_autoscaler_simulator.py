@@ -1,0 +1,171 @@
+"""Tests of the autoscaling simulator (`kvpilot simulate`): short traces, seconds in all."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpilot.operator import policy as policy_module
+from kvpilot.operator.policy import Bounds
+from kvpilot.operator.simulator import main, policies, report, traces
+from kvpilot.operator.simulator.capacity import CapacityModel
+from kvpilot.operator.simulator.cluster import RunResult, Settings, simulate
+from kvpilot.operator.simulator.traces import Trace
+
+CAPACITY = CapacityModel()
+SETTINGS = Settings(min_replicas=1, max_replicas=16, initial_replicas=1)
+BOUNDS = Bounds(min_replicas=1, max_replicas=16)
+SLO_S = 2.0
+
+
+def burst(seed: int = 0) -> Trace:
+    return traces.step_burst(duration_s=1800.0, seed=seed)
+
+
+def run(
+    trace: Trace, name: str, bounds: Bounds = BOUNDS, settings: Settings = SETTINGS
+) -> RunResult:
+    return report.run_one(trace, name, CAPACITY, settings, bounds)
+
+
+def test_kvpilot_in_the_simulator_is_the_real_policy() -> None:
+    assert policies.decide is policy_module.decide
+    kvpilot = policies.build("kvpilot", burst(), CAPACITY, SETTINGS, BOUNDS)
+    result = simulate(burst(), kvpilot, CAPACITY, replace(SETTINGS, initial_replicas=3))
+    # its only memory is the status dict, which is what the operator stores
+    assert set(kvpilot.status) == {"recommendations", "idleSince", "lastScaleTime"}  # type: ignore[attr-defined]
+    assert result.scale_events
+
+
+def test_step_burst_makes_kvpilot_scale_up_and_back_down() -> None:
+    trace = burst()
+    result = run(trace, "kvpilot")
+    t = np.asarray(result.timeline["t"])
+    replicas = np.asarray(result.timeline["replicas"])
+    before = replicas[t < 600].max()
+    during = replicas[(t >= 700) & (t < 1200)].max()
+    assert during >= 2 * before
+    first_up = next(at for at, old, new in result.scale_events if new > old and at >= 600)
+    assert first_up <= 600 + 20  # within two 10 s ticks of the step
+    assert replicas[-1] < during  # and back down after the stabilisation window
+
+
+def test_oracle_never_uses_more_gpu_hours_than_fixed_max() -> None:
+    for trace in (burst(), traces.poisson_spikes(duration_s=1800.0, seed=3)):
+        oracle = run(trace, "oracle")
+        fixed = run(trace, "fixed_max")
+        assert oracle.gpu_hours <= fixed.gpu_hours
+        assert fixed.gpu_hours == pytest.approx(16 * trace.duration_s / 3600)
+
+
+def test_more_replicas_serve_faster() -> None:
+    trace = traces.steady(duration_s=900.0, rate=6.0, seed=1)
+    one = run(trace, "fixed_max", settings=Settings(1, 1, 1))
+    many = run(trace, "fixed_max", settings=Settings(1, 8, 1))
+    assert report.summarise(many, SLO_S)["slo_attainment"] == 1.0
+    assert report.summarise(one, SLO_S)["slo_attainment"] < 0.5
+    # no queueing: TTFT is prefill plus one step, well under a second
+    assert float(np.max(many.ttft_s)) < 1.0
+
+
+def test_same_seed_same_figures_other_seed_other_trace() -> None:
+    first = report.summarise_all(
+        report.run_matrix([burst(1)], ["kvpilot", "keda"], CAPACITY, SETTINGS, BOUNDS), SLO_S
+    )
+    again = report.summarise_all(
+        report.run_matrix([burst(1)], ["kvpilot", "keda"], CAPACITY, SETTINGS, BOUNDS), SLO_S
+    )
+    assert first == again
+    assert not np.array_equal(burst(1).arrival_s, burst(2).arrival_s)
+
+
+def test_jsonl_replay_reproduces_the_trace(tmp_path: Path) -> None:
+    trace = traces.poisson_spikes(duration_s=600.0, seed=5)
+    path = tmp_path / "recorded.jsonl"
+    traces.write_jsonl(trace, path)
+    replayed = traces.replay_jsonl(path, duration_s=600.0)
+    assert replayed.name == "recorded"
+    assert np.allclose(replayed.arrival_s, trace.arrival_s, atol=1e-5)
+    assert np.array_equal(replayed.output_tokens, trace.output_tokens)
+    original = report.summarise(run(trace, "kvpilot"), SLO_S)
+    assert report.summarise(run(replayed, "kvpilot"), SLO_S) == original
+
+
+def test_replay_rejects_bad_lines(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"arrival_s": 1, "prompt_tokens": 5}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        traces.replay_jsonl(path)
+
+
+def test_scale_to_zero_and_back_on_demand() -> None:
+    # requests for 2 minutes, silence for 25, requests again
+    arrivals = np.concatenate([np.arange(0, 120, 0.5), np.arange(1620, 1740, 0.5)])
+    sizes = np.full(len(arrivals), 200, dtype=np.int64)
+    trace = Trace("gap", 2000.0, arrivals.astype(np.float64), sizes, sizes)
+    bounds = Bounds(min_replicas=0, max_replicas=4, scale_to_zero_idle_s=300.0)
+    settings = Settings(min_replicas=0, max_replicas=4, initial_replicas=1)
+    kvpilot = policies.KvpilotPolicy(bounds)
+    result = simulate(trace, kvpilot, CAPACITY, settings)
+    replicas = dict(zip(result.timeline["t"], result.timeline["replicas"], strict=True))
+    assert replicas[1500.0] == 0
+    assert max(r for t, r in replicas.items() if t > 1620) >= 1
+    # the first requests after the gap wait for a cold start, then everyone is served
+    assert np.all(np.isfinite(result.ttft_s))
+    late = result.ttft_s[arrivals >= 1620]
+    assert late.max() < CAPACITY.cold_start_s + 30
+    assert late.min() < 1.0
+
+
+def test_needed_replicas_grow_with_less_headroom() -> None:
+    trace = burst()
+    loose = policies.needed_replicas(trace, CAPACITY, 0.5)
+    tight = policies.needed_replicas(trace, CAPACITY, 1.0)
+    assert np.all(loose >= tight)
+    assert loose.max() > tight.max()
+
+
+def test_direction_changes() -> None:
+    events = [(0.0, 1, 2), (10.0, 2, 4), (20.0, 4, 3), (30.0, 3, 5), (40.0, 5, 5)]
+    assert report.direction_changes(events) == 2
+
+
+def test_cli_json_shape_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "--trace",
+            "burst",
+            "--trace",
+            "steady",
+            "--duration-s",
+            "900",
+            "--json",
+            "--plots",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"burst", "steady"}
+    for by_policy in out.values():
+        assert set(by_policy) == {"kvpilot", "hpa", "kubeai", "keda", "fixed_max", "oracle"}
+        for figures in by_policy.values():
+            assert set(figures) == {
+                "slo_attainment",
+                "gpu_hours",
+                "scale_events",
+                "direction_changes_per_hour",
+                "ttft_p95_s",
+            }
+            assert 0.0 <= figures["slo_attainment"] <= 1.0
+    for name in ("burst", "steady"):
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--policy", "kvpilot,magic"]) == 2
+    assert "magic" in capsys.readouterr().err
