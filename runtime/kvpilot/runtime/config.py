@@ -1,0 +1,57 @@
+"""The engine's one frozen configuration, built at the edge (CLI flags or a test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+CPU_KV_CACHE_BYTES = (
+    256 * 1024**2
+)  # default KV pool on CPU, where there is no GPU memory to size by
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # local path to an HF-format directory
+    served_name: str | None = None
+    quantization: str = "none"  # none | bf16 | int8 | int4
+    dtype: str = "auto"  # auto: config.json dtype on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
+        _check_choice("dtype", self.dtype, DTYPE_CHOICES)
+        if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
+            raise ValueError(
+                f"device must be one of {DEVICE_CHOICES} or cuda:N, got {self.device!r}"
+            )
+        if not self.model:
+            raise ValueError("model must be a path to a model directory, got ''")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

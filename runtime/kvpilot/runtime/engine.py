@@ -1,0 +1,325 @@
+"""The engine: add requests, step the batch, stream outputs; and an asyncio driver for the server.
+
+Thread model: `step()` runs in one thread (AsyncEngine's worker). `add_request`, `abort` and
+`stats` may be called from any thread: they only touch a lock-protected inbox and snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kvpilot.runtime import memory
+from kvpilot.runtime.block_manager import BlockManager
+from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.loader import ModelConfig, load_model_config, resolve_dtype
+from kvpilot.runtime.model_runner import ModelRunner, load_model
+from kvpilot.runtime.output_processor import (
+    RequestOutput,
+    RequestState,
+    finish_reason_for_token,
+    make_output,
+    update_text,
+)
+from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.scheduler import ScheduledSequence, Scheduler
+from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.tokenizer import Tokenizer
+
+__all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestOutput"]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float  # used blocks / total, 0..1
+    prefix_cache_queries: int  # tokens, cumulative
+    prefix_cache_hits: int  # tokens, cumulative
+    num_preemptions: int  # cumulative
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def model_facts(cfg: ModelConfig) -> memory.ModelFacts:
+    return memory.ModelFacts(
+        parameters=cfg.num_parameters,
+        layers=cfg.num_layers,
+        kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:  # full attention equals sliding-window attention inside the window
+        limit = min(limit, cfg.sliding_window)
+    if config.max_model_len is not None and config.max_model_len > limit:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
+    return config.max_model_len or limit
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = Path(config.model)
+        self.model_config = load_model_config(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.served_name = config.served_name or model_dir.resolve().name
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        model = load_model(model_dir, self.model_config, config.quantization, dtype, self.device)
+        self.weight_bytes = model.weight_bytes()
+        self.runner = ModelRunner(model, self.device, config.seed)
+        num_blocks = self._num_kv_blocks(dtype)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self._states: dict[str, RequestState] = {}
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._snapshot = self._make_stats()
+
+    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
+        """Pool size from the shared memory arithmetic (DESIGN.md §3.3)."""
+        budget: float
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = memory.kv_budget_bytes(
+                total, self.config.gpu_memory_utilization, self.weight_bytes
+            )
+        else:
+            budget = CPU_KV_CACHE_BYTES
+        kv_bytes = torch.tensor([], dtype=dtype).element_size()
+        num_blocks = memory.num_kv_blocks(model_facts(self.model_config), kv_bytes, budget)
+        needed = -(-self.max_model_len // memory.BLOCK_SIZE)
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV-cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks; one "
+                f"sequence of max_model_len {self.max_model_len} needs {needed}"
+            )
+        return num_blocks
+
+    # -- requests (any thread) --------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(token_ids) + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        seq = Sequence(request_id, token_ids, params)
+        with self._lock:
+            if request_id in self._states or any(s.request_id == request_id for s in self._inbox):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._inbox.append(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts or self._states)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            snapshot = self._snapshot
+            return replace(snapshot, num_waiting=snapshot.num_waiting + len(self._inbox))
+
+    def _make_stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_total_blocks=bm.num_total_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.usage(),
+            prefix_cache_queries=bm.num_queried_tokens,
+            prefix_cache_hits=bm.num_hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # -- the step loop (one thread) ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if batch.scheduled:
+            results = self.runner.execute(batch.scheduled)
+            self.scheduler.update_after_step(batch)
+            outputs += [self._on_token(item, tok, lp) for item, tok, lp in results]
+        with self._lock:
+            self._snapshot = self._make_stats()
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, aborts = self._inbox, self._aborts
+            self._inbox, self._aborts = [], []
+        outputs: list[RequestOutput] = []
+        for seq in inbox:
+            try:
+                self.scheduler.add(seq)
+                self._states[seq.request_id] = RequestState(seq)
+            except ValueError:
+                seq.finish("abort")  # cannot ever fit the pool; report instead of hanging
+                outputs.append(make_output(RequestState(seq), is_finished=True))
+        for request_id in aborts:
+            state = self._states.get(request_id)
+            if state is not None:
+                outputs.append(self._finish(state, "abort"))
+        return outputs
+
+    def _on_token(
+        self, item: ScheduledSequence, token_id: int, logprobs: dict[int, float] | None
+    ) -> RequestOutput:
+        state = self._states[item.seq.request_id]
+        state.seq.append_token(token_id)
+        if logprobs is not None:
+            state.pending_logprobs.append(logprobs)
+        reason = finish_reason_for_token(
+            state.seq, token_id, self.tokenizer.eos_token_ids, self.max_model_len
+        )
+        reason = update_text(state, self.tokenizer, reason)
+        if reason is not None:
+            return self._finish(state, reason)
+        return make_output(state, is_finished=False)
+
+    def _finish(self, state: RequestState, reason: str) -> RequestOutput:
+        self.scheduler.finish(state.seq, reason)
+        self.runner.release(state.seq.request_id)
+        del self._states[state.seq.request_id]
+        return make_output(state, is_finished=True)
+
+
+Listener = Callable[[list[RequestOutput], EngineStats], None]
+
+
+class AsyncEngine:
+    """Runs `Engine.step()` in a worker thread and streams each request's outputs to asyncio."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._listeners: list[Listener] = []
+        self._wake = threading.Event()
+        self._is_stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._is_stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def add_step_listener(self, fn: Listener) -> None:
+        self._listeners.append(fn)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream one request's outputs until finished. A bad prompt raises ValueError on the
+        first iteration; leaving the loop early or cancelling aborts the request."""
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._queues[request_id] = queue
+        try:
+            self.engine.add_request(prompt, params, request_id)
+        except BaseException:
+            del self._queues[request_id]
+            raise
+        self._wake.set()
+        is_finished = False
+        try:
+            while not is_finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                is_finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not is_finished:  # consumer went away or was cancelled
+                self.abort(request_id)
+
+    def _run(self) -> None:
+        while not self._is_stopping:
+            self._wake.clear()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:
+                self._deliver_error(error)
+                continue
+            stats = self.engine.stats()
+            for listener in self._listeners:
+                with contextlib.suppress(Exception):
+                    listener(outputs, stats)
+            if self._loop is not None and outputs:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    def _deliver_error(self, error: Exception) -> None:
+        for request_id in list(self._queues):
+            self.engine.abort(request_id)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+
+    def _fail_all(self, error: Exception) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)

@@ -1,0 +1,1 @@
+"""Tensor building blocks: weight formats, rotary embedding, paged attention, sampler."""

@@ -1,0 +1,141 @@
+"""Llama-family decoder (Llama, Llama 3, Mistral, Qwen2): GQA, RMSNorm, SwiGLU, rotary, paged KV.
+
+Weights are taken from the checkpoint's tensor names; q/k/v and gate/up are fused into one matrix
+each so a layer does three matmuls fewer, then stored in the requested weight format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch convention
+
+from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
+from kvpilot.runtime.layers.quant import Weight, make_weight
+from kvpilot.runtime.layers.rotary import apply_rotary, cos_sin_table, inv_frequencies
+from kvpilot.runtime.loader import ModelConfig
+
+GetTensor = Callable[[str], torch.Tensor]
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [num_blocks, BS, H_kv, D]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers does it: normalise in float32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Linear:
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.weight, self.bias, self.dtype = weight, bias, dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.dequantize(self.dtype), self.bias)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelConfig, prefix: str, get: GetTensor, make: Callable[..., Linear]):
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        names = [f"{attn}.{p}_proj" for p in "qkv"]
+        bias = torch.cat([get(f"{n}.bias") for n in names]) if cfg.has_qkv_bias else None
+        self.qkv = make(torch.cat([get(f"{n}.weight") for n in names]), bias)
+        self.o = make(get(f"{attn}.o_proj.weight"), None)
+        self.gate_up = make(
+            torch.cat([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")])
+        )
+        self.down = make(get(f"{mlp}.down_proj.weight"))
+        self.input_norm = get(f"{prefix}.input_layernorm.weight")
+        self.post_attn_norm = get(f"{prefix}.post_attention_layernorm.weight")
+        self.cfg = cfg
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        cfg = self.cfg
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        qk, v = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps)).split(
+            [cfg.num_heads * cfg.head_dim + kv_size, kv_size], dim=-1
+        )
+        # q and k rotate in one pass: [T, H + H_kv, D]
+        qk = qk.unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+        q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
+        attn = paged_attention(q, k, v, cache[0], cache[1], meta, cfg.head_dim**-0.5)
+        x = x + self.o(attn.flatten(1))
+        gate, up = self.gate_up(rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        get: GetTensor,
+        quantization: str,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(make_weight(weight.to(device), quantization, dtype), bias, dtype)
+
+        def get_dense(name: str) -> torch.Tensor:
+            return get(name).to(device=device, dtype=dtype)
+
+        self.cfg, self.dtype = cfg, dtype
+        self.layers = [
+            DecoderLayer(cfg, f"model.layers.{i}", get_dense, make) for i in range(cfg.num_layers)
+        ]
+        self.embed = make_weight(get("model.embed_tokens.weight").to(device), quantization, dtype)
+        tied = cfg.tie_word_embeddings
+        self.lm_head = (
+            self.embed
+            if tied
+            else make_weight(get("lm_head.weight").to(device), quantization, dtype)
+        )
+        self.norm = get_dense("model.norm.weight")
+        inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
+        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)  # [max_pos, D]
+
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy as stored (quantised matrices, norms, biases)."""
+        matrices = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        linears = [
+            lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        total = sum(m.num_bytes() for m in matrices) + sum(
+            lin.weight.num_bytes() for lin in linears
+        )
+        small = [self.norm] + [
+            t for layer in self.layers for t in (layer.input_norm, layer.post_attn_norm)
+        ]
+        small += [layer.qkv.bias for layer in self.layers if layer.qkv.bias is not None]
+        return total + sum(t.numel() * t.element_size() for t in small)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x = self.embed.rows(input_ids, self.dtype)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, cache, meta)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] -> logits [S, vocab] in float32."""
+        return F.linear(hidden, self.lm_head.dequantize(self.dtype)).float()

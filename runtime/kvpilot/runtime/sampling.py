@@ -1,0 +1,77 @@
+"""Sampling parameters and the pure text-side rules: stop strings and what text may be emitted.
+
+The tensor side (temperature, top-k, top-p, seeded draws, logprobs) lives in layers/sampler.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1 => disabled
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings (not included in output text)
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (None = off)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 when top-k is disabled (the API allows both 0 and -1 for that)."""
+        return max(self.top_k, 0)
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Index in `text` where the earliest stop string begins, searching from `start`, or None."""
+    found = [index for stop in stops if (index := text.find(stop, start)) != -1]
+    return min(found) if found else None
+
+
+def stop_search_start(previous_len: int, stops: tuple[str, ...]) -> int:
+    """A stop string can end in new text but start up to len(stop) - 1 characters before it."""
+    longest = max((len(s) for s in stops), default=1)
+    return max(0, previous_len - longest + 1)
+
+
+def num_emittable_chars(text: str, stops: tuple[str, ...], is_finished: bool) -> int:
+    """How much of `text` may be streamed now.
+
+    Held back: a trailing U+FFFD (half of a multi-byte character the next token completes) and,
+    while running, the longest tail that could still grow into a stop string, so that no part of
+    a stop string is ever streamed.
+    """
+    if is_finished:
+        return len(text)
+    end = len(text)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    for stop in stops:
+        for size in range(min(len(stop) - 1, end), 0, -1):
+            if text[end - size : end] == stop[:size]:
+                return end - size
+    return end

@@ -1,0 +1,68 @@
+"""A request's token state as the scheduler and block manager see it (pure Python)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from kvpilot.runtime.sampling import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. `num_computed_tokens` counts tokens whose KV is in the cache (vLLM v1): a
+    prefill is simply a sequence far behind its token count, a decode one token behind."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, first admission
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    is_admitted_once: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if self.num_prompt_tokens == 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

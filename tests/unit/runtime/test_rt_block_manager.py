@@ -1,0 +1,144 @@
+"""Block manager: prefix caching behaviour (tables) and invariants under any operation sequence."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpilot.runtime.block_manager import NO_HASH, BlockManager
+from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.runtime.sequence import Sequence
+
+
+def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:
+    return Sequence(request_id, list(tokens))
+
+
+def admit(bm: BlockManager, seq: Sequence) -> int:
+    """Admit a whole prompt as the scheduler does; returns the number of cached tokens."""
+    cached = bm.find_cached_blocks(seq)
+    num_new = seq.num_tokens - len(cached) * BLOCK_SIZE
+    bm.allocate_slots(seq, num_new, cached)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return len(cached) * BLOCK_SIZE
+
+
+def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
+    refs: dict[int, int] = {}
+    for seq in live:
+        for block_id in seq.block_table:
+            refs[block_id] = refs.get(block_id, 0) + 1
+    assert bm.num_free_blocks + len(refs) == bm.num_total_blocks
+    for block in bm.blocks:
+        assert block.ref_count == refs.get(block.block_id, 0)
+        assert (block.block_id in bm.free_queue) == (block.ref_count == 0)
+    for block_hash, block_id in bm.hash_to_block.items():
+        assert bm.blocks[block_id].hash == block_hash
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "expected_cached"),
+    [
+        (list(range(40)), list(range(40)), 32),  # same prompt: full blocks, last token recomputed
+        (list(range(32)), list(range(32)), 16),  # exactly 2 blocks: keep one token to compute
+        (list(range(40)), list(range(16)) + [999] * 24, 16),  # diverges in the second block
+        (list(range(40)), [7, *range(1, 40)], 0),  # diverges in the first token
+        (list(range(10)), list(range(10)), 0),  # no full block, nothing to share
+    ],
+)
+def test_prefix_hits(first: list[int], second: list[int], expected_cached: int) -> None:
+    bm = BlockManager(16)
+    admit(bm, make_seq(first, "a"))
+    assert admit(bm, make_seq(second, "b")) == expected_cached
+
+
+def test_freed_hashed_blocks_are_reused_until_evicted() -> None:
+    bm = BlockManager(4)
+    a = make_seq(list(range(33)), "a")
+    admit(bm, a)  # 3 blocks, 2 of them full and hashed
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    assert admit(bm, make_seq(list(range(33)), "b")) == 32  # hit on freed blocks
+    bm2 = BlockManager(4)
+    c = make_seq(list(range(33)), "c")
+    admit(bm2, c)
+    bm2.free(c)
+    admit(bm2, make_seq([5] * 64, "d"))  # takes all 4 blocks: evicts the cached prefix
+    assert bm2.find_cached_blocks(make_seq(list(range(33)), "e")) == []
+
+
+def test_free_queue_evicts_unhashed_then_tail_blocks_first() -> None:
+    bm = BlockManager(8)
+    seq = make_seq(list(range(40)), "a")  # blocks: full, full, partial
+    admit(bm, seq)
+    table = list(seq.block_table)
+    bm.free(seq)
+    order = list(bm.free_queue)
+    assert order.index(table[2]) < order.index(table[1]) < order.index(table[0])
+
+
+def test_disabled_prefix_caching_never_hits() -> None:
+    bm = BlockManager(8, enable_prefix_caching=False)
+    admit(bm, make_seq(list(range(40)), "a"))
+    assert admit(bm, make_seq(list(range(40)), "b")) == 0
+    assert all(b.hash == NO_HASH for b in bm.blocks)
+
+
+def test_can_allocate_counts_revived_cached_blocks() -> None:
+    bm = BlockManager(3)
+    a = make_seq([*range(32), 1], "a")
+    admit(bm, a)
+    bm.free(a)
+    b = make_seq(list(range(32)) + [2] * 20, "b")  # 2 cached blocks + 2 new: needs 4 > 3
+    cached = bm.find_cached_blocks(b)
+    assert len(cached) == 2
+    assert not bm.can_allocate_slots(b, b.num_tokens - 32, cached)
+    with pytest.raises(ValueError, match="not enough free KV blocks"):
+        bm.allocate_slots(b, b.num_tokens - 32, cached)
+    check_invariants(bm, [])
+
+
+OPERATIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "grow", "finish", "preempt"]),
+        st.integers(0, 5),  # which prompt family (shared prefixes)
+        st.integers(1, 70),  # length
+        st.integers(0, 10),  # which live sequence
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPERATIONS, num_blocks=st.integers(4, 24), caching=st.booleans())
+def test_invariants_hold_under_any_operations(
+    ops: list[tuple[str, int, int, int]], num_blocks: int, caching: bool
+) -> None:
+    bm = BlockManager(num_blocks, enable_prefix_caching=caching)
+    live: list[Sequence] = []
+    for index, (op, family, length, pick) in enumerate(ops):
+        if op == "add":
+            seq = make_seq([family * 1000 + i for i in range(length)], str(index))
+            cached = bm.find_cached_blocks(seq)
+            num_new = seq.num_tokens - len(cached) * BLOCK_SIZE
+            if bm.can_allocate_slots(seq, num_new, cached):
+                bm.allocate_slots(seq, num_new, cached)
+                seq.num_computed_tokens = seq.num_tokens
+                bm.cache_full_blocks(seq)
+                live.append(seq)
+        elif live and op == "grow":  # decode one token
+            seq = live[pick % len(live)]
+            seq.append_token(family)
+            if bm.can_allocate_slots(seq, 1):
+                bm.allocate_slots(seq, 1)
+                seq.num_computed_tokens += 1
+                bm.cache_full_blocks(seq)
+        elif live:  # finish, abort and preempt all release the blocks
+            bm.free(live.pop(pick % len(live)))
+        check_invariants(bm, live)
+    for seq in live:
+        bm.free(seq)
+    check_invariants(bm, [])
+    assert bm.num_free_blocks == num_blocks
