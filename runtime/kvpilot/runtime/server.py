@@ -1,0 +1,227 @@
+"""`kvpilot-runtime serve`: the OpenAI-compatible HTTP API over the engine (DESIGN.md §3.4).
+
+This module only translates HTTP to engine calls: validation is in protocol.py, chat rendering in
+chat.py, metrics in metrics.py, request handling in serving.py and responses.py. The lifecycle is
+what Kubernetes expects: the port opens at once (/health answers while the model loads), /ready
+turns 200 when the engine runs; SIGTERM drains (/ready and new requests 503, in-flight requests
+finish, exit 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpilot.runtime import serving
+from kvpilot.runtime.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    describe_validation_error,
+)
+from kvpilot.runtime.serve_config import ServeConfig, parse_args
+from kvpilot.runtime.serving import ApiError, ServerState, error_response
+
+log = logging.getLogger("kvpilot.server")
+ERRORS: dict[int | str, dict] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)
+}
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(state.load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await state.close()
+
+    app = FastAPI(title="kvpilot runtime", version="0.1.0", lifespan=lifespan)
+    add_error_handlers(app)
+    add_routes(app, state)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(list(exc.errors()))
+        return error_response(ApiError(400, message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(ApiError(exc.status_code, str(exc.detail)), dict(exc.headers or {}))
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def on_bug(_: Request, exc: Exception) -> JSONResponse:  # a bug, or the engine failed
+        log.exception("internal error", exc_info=exc)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def check_request(request: Request, state: ServerState, model: str | None) -> None:
+    """Auth, drain, load and model-name checks common to every /v1 endpoint."""
+    key = state.config.api_key
+    if key is not None:
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
+    if state.is_draining:
+        raise ApiError(503, "server is shutting down; retry on another replica")
+    if state.engine is None:
+        raise ApiError(503, "model is still loading")
+    if model is not None and model != state.config.served_name:
+        raise ApiError(
+            400,
+            f"model {model!r} is not served here; use {state.served_name!r}",
+            "model",
+            kind="NotFoundError",
+        )
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    async def ready() -> JSONResponse:
+        if state.engine is None or state.is_draining:
+            reason = "draining" if state.is_draining else "loading"
+            return error_response(ApiError(503, f"not ready: {reason}"))
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses=ERRORS)
+    async def models(request: Request) -> ModelList:
+        check_request(request, state, None)
+        card = ModelCard(id=state.served_name, max_model_len=state.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", responses=ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request(request, state, body.model)
+        job = serving.prepare_completion(state, body)
+        return await respond(request, state, job)
+
+    @app.post("/v1/chat/completions", responses=ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_request(request, state, body.model)
+        job = serving.prepare_chat(state, body)
+        return await respond(request, state, job)
+
+
+async def respond(request: Request, state: ServerState, job: serving.Job) -> Response:
+    ticket = state.admit()  # 429 past --max-waiting; released exactly once, however we end
+    if job.stream:
+        stream = serving.stream_events(state, job, ticket)
+        return StreamingResponse(
+            stream, media_type="text/event-stream", background=BackgroundTask(ticket.release)
+        )
+    try:
+        work = asyncio.ensure_future(serving.collect(state, job))
+        body = await until_disconnect(request, work)
+    finally:
+        ticket.release()
+    if body is None:  # client went away: nobody to answer; the sequence was aborted
+        return Response(status_code=499)
+    return JSONResponse(body)
+
+
+async def until_disconnect(request: Request, work: asyncio.Future[Any]) -> Any:
+    """Await `work` unless the client disconnects first; then cancel it (aborting the sequence)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher: asyncio.Future[Any] = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    return None
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM drains first instead of closing the listener at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+            return
+        if self.drain_task is None:  # a repeated SIGTERM changes nothing; SIGKILL will follow
+            # signal handlers run on the main thread, which is the one running the event loop
+            asyncio.get_running_loop().call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self.state.is_draining = True  # now, so no request parsed after the signal slips in
+        self.drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        log.info("SIGTERM: draining (timeout %.0fs)", self.state.config.shutdown_timeout)
+        await self.state.drain(self.state.config.shutdown_timeout)
+        self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"kvpilot-runtime serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    return run(config)
+
+
+def run(config: ServeConfig) -> int:
+    state = ServerState(config)
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
+    server = DrainingServer(uv_config, state)
+    state.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if state.load_error is not None:
+        print(f"kvpilot-runtime serve: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,343 @@
+"""The server's state and request handling between HTTP (server.py) and the engine.
+
+`ServerState` owns the engine's lifecycle (load in the background, drain on SIGTERM) and admission
+(`--max-waiting`); `prepare_*` turn a validated request into token ids and SamplingParams, checking
+everything the engine would reject so that it becomes a 400 rather than a failure mid-stream;
+`collect` and `stream_events` turn engine outputs into OpenAI responses and SSE chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from fastapi.responses import JSONResponse
+
+from kvpilot.runtime import responses
+from kvpilot.runtime.chat import ChatTemplateError, render_chat
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
+from kvpilot.runtime.metrics import ServerMetrics, Snapshot
+from kvpilot.runtime.protocol import (
+    GREEDY_EPSILON,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    new_id,
+    now,
+)
+from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.serve_config import ServeConfig
+
+log = logging.getLogger("kvpilot.server")
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    499: "ClientClosedRequest",
+    503: "ServiceUnavailableError",
+}
+RETRY_AFTER_S = 1
+MIN_TOP_P = 1e-8
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        default = "BadRequestError" if status < 500 else "InternalServerError"
+        self.kind = kind or ERROR_TYPES.get(status, default)
+
+
+def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    extra = dict(headers or {})
+    if error.status in (429, 503):
+        extra.setdefault("Retry-After", str(RETRY_AFTER_S))
+    body = error_body(error.message, error.kind, error.param, error.status)
+    return JSONResponse(body, status_code=error.status, headers=extra)
+
+
+def engine_config(config: ServeConfig) -> EngineConfig:
+    return EngineConfig(
+        model=config.model,
+        served_name=config.served_name,
+        quantization=config.quantization,
+        dtype=config.dtype,
+        device=config.device,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_memory=config.kv_cache_memory,
+        enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed,
+    )
+
+
+class Ticket:
+    """One admitted request's place in the in-flight count; `release` is idempotent."""
+
+    def __init__(self, state: ServerState):
+        self.state, self.is_released = state, False
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self.state.num_in_flight -= 1
+            if self.state.num_in_flight == 0:
+                self.state.idle.set()
+
+
+class ServerState:
+    def __init__(self, config: ServeConfig, engine: AsyncEngine | None = None):
+        self.config = config
+        self.served_name = config.served_name
+        self.engine = engine
+        self.engine_core: Engine | None = engine.engine if engine else None
+        self.max_model_len = self.engine_core.max_model_len if self.engine_core else 0
+        self.is_draining = False
+        self.load_error: str | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+        self.num_in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
+        self.metrics = ServerMetrics(config.served_name, self.snapshot)
+
+    async def load(self) -> None:
+        """Load the model off the event loop so /health answers meanwhile."""
+        try:
+            core = await asyncio.to_thread(Engine, engine_config(self.config))
+        except Exception as exc:  # any load failure ends the process with its message
+            self.load_error = f"cannot load model {self.config.model}: {exc}"
+            log.error(self.load_error)
+            self.on_fatal()
+            return
+        engine = AsyncEngine(core)
+        engine.add_step_listener(self.metrics.on_step)
+        await engine.start()
+        self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
+        log.info("model %s loaded; ready", self.served_name)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
+
+    def snapshot(self) -> Snapshot:
+        if self.engine is None:
+            return Snapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+        s = self.engine.stats()
+        return Snapshot(
+            s.num_waiting,
+            s.num_running,
+            s.kv_cache_usage,
+            s.num_total_blocks,
+            s.num_free_blocks,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.num_preemptions,
+        )
+
+    def admit(self) -> Ticket:
+        """A place for one request, or 429 when it would queue past --max-waiting.
+
+        Counted from the server's own in-flight number, not the engine's last-step snapshot, so
+        a burst between two steps cannot overshoot: at most max_num_seqs + max_waiting requests
+        (and their prompts) are ever held.
+        """
+        if self.engine is None:
+            raise ApiError(503, "model is still loading")
+        num_queued = self.num_in_flight - self.config.max_num_seqs
+        if num_queued + 1 > self.config.max_waiting:
+            raise ApiError(429, f"server overloaded: {num_queued} requests already waiting")
+        self.num_in_flight += 1
+        self.idle.clear()
+        return Ticket(self)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work, let accepted requests finish, abort what is left at the timeout."""
+        self.is_draining = True
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+            return
+        except TimeoutError:
+            log.warning("drain timeout: aborting %d requests", len(self.active))
+        if self.engine is not None:
+            for request_id in list(self.active):
+                self.engine.abort(request_id)
+        try:  # aborted requests end within a step or two
+            await asyncio.wait_for(self.idle.wait(), 10)
+        except TimeoutError:
+            log.warning("requests still open after abort; exiting anyway")
+
+
+@dataclass
+class Job:
+    chat: bool
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: str = ""  # completions with echo=true: prompt text before the output
+    request_id: str = ""
+    created: int = 0
+    arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
+
+    def __post_init__(self) -> None:
+        self.request_id = new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = now()
+
+
+def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
+    core = _core(state)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        ids = core.tokenizer.encode(prompt)
+    else:
+        ids = list(cast(list[int], prompt))  # the validator left one list of token ids
+        vocab = core.tokenizer.vocab_size
+        if max(ids) >= vocab:
+            raise ApiError(
+                400,
+                f"prompt: token id {max(ids)} is outside the vocabulary (size {vocab})",
+                "prompt",
+            )
+    max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
+    params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
+    echo = (prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)) if body.echo else ""
+    return Job(False, body.model, ids, params, body.stream, body.include_usage(), echo)
+
+
+def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
+    core = _core(state)
+    tok = core.tokenizer
+    messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
+    try:
+        text = render_chat(
+            tok.chat_template,
+            messages,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            add_generation_prompt=body.add_generation_prompt,
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"messages: {exc}", "messages") from exc
+    ids = tok.encode(text)
+    if tok.bos_token and text.startswith(tok.bos_token) and ids[1:2] == ids[:1]:
+        ids = ids[1:]  # the template wrote BOS and the encoder added one: keep exactly one
+    max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
+    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
+    return Job(True, body.model, ids, params, body.stream, body.include_usage())
+
+
+def _core(state: ServerState) -> Engine:
+    if state.engine_core is None:
+        raise ApiError(503, "model is still loading")
+    return state.engine_core
+
+
+def _message_dict(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):  # text parts -> one string, as templates expect
+        message["content"] = "".join(part["text"] for part in content)
+    return message
+
+
+def _max_tokens(state: ServerState, ids: list[int], requested: int | None, field: str) -> int:
+    limit = state.max_model_len
+    if not ids:
+        raise ApiError(400, f"{field}: the prompt is empty after tokenisation", field)
+    if len(ids) + 1 > limit:
+        raise ApiError(
+            400,
+            f"{field}: {len(ids)} prompt tokens leave no room to generate in "
+            f"this model's maximum context length of {limit} tokens",
+            field,
+        )
+    if requested is None:
+        return limit - len(ids)
+    if len(ids) + requested > limit:
+        raise ApiError(
+            400,
+            f"max_tokens: {len(ids)} prompt tokens + {requested} output tokens "
+            f"exceed this model's maximum context length of {limit}",
+            "max_tokens",
+        )
+    return requested
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    vocab_size: int,
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            # below ~1e-5 dividing logits by the temperature overflows: that is greedy anyway
+            temperature=0.0 if body.temperature < GREEDY_EPSILON else body.temperature,
+            # a nucleus below 1e-8 holds only the top token for any vocabulary < 1e8 tokens, and
+            # smaller values round to 0 in float32, which would leave no token at all
+            top_p=max(body.top_p, MIN_TOP_P),
+            top_k=0 if body.top_k >= vocab_size else body.top_k,  # >= vocab: no filter at all
+            seed=body.seed,
+            stop=body.stop_strings(),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
+
+
+async def outputs(state: ServerState, job: Job) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs for `job`, recording the latency metrics as they arrive."""
+    engine = state.engine
+    if engine is None:
+        raise ApiError(503, "model is still loading")
+    tracker = responses.Tracker(state.metrics, job.arrival, len(job.prompt_ids))
+    state.active.add(job.request_id)
+    try:
+        async for out in engine.generate(job.prompt_ids, job.params, job.request_id):
+            tracker.on_output(out)
+            yield out
+    finally:
+        state.active.discard(job.request_id)
+        tracker.close()
+
+
+async def collect(state: ServerState, job: Job) -> dict[str, Any]:
+    acc = responses.Accumulator(job, _core(state).tokenizer)
+    async for out in outputs(state, job):
+        acc.add(out)
+    return acc.response()
+
+
+async def stream_events(state: ServerState, job: Job, ticket: Ticket) -> AsyncIterator[str]:
+    """SSE: one chunk per engine output, usage if asked, then `data: [DONE]`."""
+    chunks = responses.ChunkBuilder(job, _core(state).tokenizer)
+    try:
+        if job.chat:
+            yield responses.sse(chunks.role())
+        async for out in outputs(state, job):
+            chunk = chunks.chunk(out)
+            if chunk is not None:
+                yield responses.sse(chunk)
+        if job.include_usage:
+            yield responses.sse(chunks.usage())
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # the engine failed mid-stream: headers are out, tell the client
+        log.exception("stream %s failed", job.request_id)
+        yield responses.sse(error_body(f"generation failed: {exc}", "InternalServerError"))
+        yield "data: [DONE]\n\n"
+    finally:
+        ticket.release()

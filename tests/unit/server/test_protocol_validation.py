@@ -1,0 +1,162 @@
+"""Every bad request body maps to a validation error naming the offending field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvpilot.runtime.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    describe_validation_error,
+    error_body,
+)
+
+COMPLETION = {"model": "m", "prompt": "hello"}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"n": 2}, "n"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty"),
+    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"stream": "sometimes"}, "stream"),
+    ({"stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ({"prompt": ""}, None),  # empty text is a tokenisation question, decided by the server
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, -5]}, "prompt"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": None}, "prompt"),  # null means unset, and prompt is required
+    ({"model": 3}, "model"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+]
+
+
+@pytest.mark.parametrize(("patch", "param"), BAD_COMPLETIONS)
+def test_bad_completion_fields_name_the_field(patch: dict[str, Any], param: str | None) -> None:
+    body = {**COMPLETION, **patch}
+    if param is None:
+        CompletionRequest.model_validate(body)
+        return
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate(body)
+    message, named = describe_validation_error(info.value.errors())
+    assert named == param, message
+    assert message.startswith(f"{param}:")
+
+
+def test_missing_required_fields_are_named() -> None:
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"prompt": "x"})
+    assert describe_validation_error(info.value.errors())[1] == "model"
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"model": "m"})
+    assert describe_validation_error(info.value.errors())[1] == "messages"
+
+
+BAD_CHATS: list[tuple[dict[str, Any], str]] = [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ({"messages": "hello"}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("patch", "param"), BAD_CHATS)
+def test_bad_chat_fields_name_the_field(patch: dict[str, Any], param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({**CHAT, **patch})
+    message, named = describe_validation_error(info.value.errors())
+    assert named == param, message
+
+
+def test_top_logprobs_without_logprobs_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="top_logprobs requires logprobs"):
+        ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": 2})
+
+
+GOOD: list[tuple[dict[str, Any], str | list[int]]] = [
+    ({"prompt": "hi"}, "hi"),
+    ({"prompt": ["hi"]}, "hi"),
+    ({"prompt": [1, 2, 3]}, [1, 2, 3]),
+    ({"prompt": [[4, 5]]}, [4, 5]),
+]
+
+
+@pytest.mark.parametrize(("patch", "prompt"), GOOD)
+def test_prompt_shapes_unwrap_to_one_prompt(patch: dict[str, Any], prompt: object) -> None:
+    assert CompletionRequest.model_validate({**COMPLETION, **patch}).prompt == prompt
+
+
+def test_defaults_and_helpers() -> None:
+    req = CompletionRequest.model_validate(
+        {**COMPLETION, "stop": ["", "\n"], "stream_options": {"include_usage": True}}
+    )
+    assert req.max_tokens == 16
+    assert req.stop_strings() == ("\n",)
+    assert req.include_usage()
+    chat = ChatCompletionRequest.model_validate(
+        {**CHAT, "max_completion_tokens": 7, "logprobs": True, "unknown_field": 1}
+    )
+    assert chat.output_limit() == 7
+    assert chat.num_logprobs() == 0
+    parts = {
+        "role": "user",
+        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+    }
+    assert (
+        ChatCompletionRequest.model_validate({**CHAT, "messages": [parts]}).messages[0].text()
+        == "ab"
+    )
+
+
+def test_malformed_json_has_no_param() -> None:
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate_json("{not json")
+    message, param = describe_validation_error(info.value.errors())
+    assert param is None
+    assert message.startswith("malformed JSON")
+
+
+def test_error_body_is_openai_shaped() -> None:
+    body = error_body("max_tokens: too small", "invalid_request_error", "max_tokens", 400)
+    assert body == {
+        "error": {
+            "message": "max_tokens: too small",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
+
+
+def test_null_fields_take_their_defaults() -> None:
+    nulls = {"temperature": None, "top_p": None, "n": None, "max_tokens": None, "stop": None,
+             "seed": None, "stream_options": None, "logprobs": None}  # fmt: skip
+    req = CompletionRequest.model_validate({**COMPLETION, **nulls})
+    assert (req.temperature, req.top_p, req.n, req.max_tokens) == (1.0, 1.0, 1, 16)
+    chat = ChatCompletionRequest.model_validate({**CHAT, **nulls, "top_logprobs": None})
+    assert chat.output_limit() is None and chat.num_logprobs() is None

@@ -1,0 +1,94 @@
+"""`kvpilot-runtime serve` flags -> ServeConfig, and --model URIs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpilot.runtime.serve_config import ServeConfig, parse_args, resolve_model_path
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "my-model"
+    path.mkdir()
+    return path
+
+
+def test_defaults_follow_design(model_dir: Path) -> None:
+    config = parse_args(["--model", str(model_dir)])
+    assert config.model == str(model_dir)
+    assert config.served_name == "my-model"
+    assert (config.port, config.quantization, config.max_num_seqs) == (8000, "none", 64)
+    assert config.enable_prefix_caching and config.api_key is None
+    assert config.kv_cache_memory is None and config.gpu_memory_utilization == 0.9
+
+
+def test_every_flag_reaches_the_config(model_dir: Path) -> None:
+    config = parse_args([
+        "--model", f"file://{model_dir}", "--served-name", "m", "--quantization", "int4",
+        "--max-model-len", "128", "--max-num-seqs", "3", "--kv-cache-memory", "1048576",
+        "--port", "9000", "--host", "127.0.0.1", "--max-num-batched-tokens", "64",
+        "--max-waiting", "5", "--api-key", "k", "--shutdown-timeout", "7", "--dtype", "bfloat16",
+        "--device", "cpu", "--no-prefix-caching",
+    ])  # fmt: skip
+    assert config == ServeConfig(
+        model=str(model_dir), served_name="m", host="127.0.0.1", port=9000,
+        quantization="int4", dtype="bfloat16", device="cpu", max_model_len=128, max_num_seqs=3,
+        max_num_batched_tokens=64, kv_cache_memory=1048576, enable_prefix_caching=False,
+        max_waiting=5, api_key="k", shutdown_timeout=7.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("uri", "match"),
+    [
+        ("pvc://claim/models/llama", "operator mounts pvc:// models"),
+        ("hf://meta-llama/Llama-3-8B", "loads models from a local path"),
+        ("s3://bucket/model", "local path"),
+        ("/does/not/exist", "not a directory"),
+        ("file:///does/not/exist", "not a directory"),
+    ],
+)
+def test_model_uris_other_than_local_paths_are_clear_errors(uri: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_model_path(uri)
+
+
+def test_file_uri_with_escapes(tmp_path: Path) -> None:
+    path = tmp_path / "with space"
+    path.mkdir()
+    assert resolve_model_path(f"file://{str(path).replace(' ', '%20')}") == str(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("port", 0, "port"),
+        ("quantization", "fp4", "quantization"),
+        ("max_num_seqs", 0, "max_num_seqs"),
+        ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+        ("kv_cache_memory", 0, "kv_cache_memory"),
+        ("max_waiting", -1, "max_waiting"),
+        ("shutdown_timeout", -1.0, "shutdown_timeout"),
+        ("api_key", "", "api_key"),
+        ("max_model_len", 0, "max_model_len"),
+    ],
+)
+def test_bad_values_raise_value_error(field: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ServeConfig(model="m", served_name="m", **{field: value})  # type: ignore[arg-type]
+
+
+def test_memory_flags_are_exclusive(model_dir: Path) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(model_dir), "--gpu-memory-utilization", "0.5",
+                    "--kv-cache-memory", "100"])  # fmt: skip
+
+
+def test_serve_main_reports_a_bad_model_uri(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpilot.runtime.server import main
+
+    assert main(["--model", "pvc://claim/path"]) == 2
+    assert "operator mounts pvc:// models into the pod at a path" in capsys.readouterr().err
