@@ -1,0 +1,287 @@
+"""ModelDeployment spec and status (group kvpilot.dev, version v1alpha1), DESIGN.md §3.1.
+
+These pydantic models are the source of truth: `crdgen` turns them into the CRD's OpenAPI schema,
+and the operator parses objects with them. Field names are snake_case in Python and camelCase on the
+wire (aliases). Rules that span fields are CEL rules (`x-kubernetes-validations`) so the apiserver
+rejects a bad object at `kubectl apply`; `model_validator`s repeat them so unit tests see the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvpilot.dev"
+VERSION = "v1alpha1"
+KIND = "ModelDeployment"
+PLURAL = "modeldeployments"
+SINGULAR = "modeldeployment"
+SHORT_NAMES = ("md", "mdeploy")
+
+Quantization = Literal["bf16", "int8", "int4"]
+KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]
+QualityLoss = Literal["none", "low", "medium"]
+AutoscalingMode = Literal["builtin", "external", "off"]
+Prefer = Literal["quality", "cost"]
+
+# Which quantisation levels each tolerated quality loss admits (int8 costs ~0.1-0.5% perplexity,
+# int4 with group scales ~1-3%; "medium" therefore is the widest).
+QUALITY_LOSS_LEVELS: dict[str, tuple[str, ...]] = {
+    "none": ("bf16",),
+    "low": ("bf16", "int8"),
+    "medium": ("bf16", "int8", "int4"),
+}
+
+URI_PATTERN = (
+    r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*|s3://[^\s]+|file:///[^\s]*)$"
+)
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": msg} for rule, msg in rules]}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ModelSource(_Model):
+    """Where the weights are, and the architecture facts for models the catalog lacks."""
+
+    uri: str = Field(
+        pattern=URI_PATTERN,
+        max_length=1024,
+        description="hf://org/name, pvc://claim/path, s3://bucket/path or file:///path",
+    )
+    served_name: str | None = Field(
+        default=None,
+        max_length=256,
+        description="model name in the OpenAI API; default: the URI's last path element",
+    )
+    parameters: int | None = Field(default=None, ge=1, description="number of parameters")
+    layers: int | None = Field(default=None, ge=1, le=1024)
+    kv_heads: int | None = Field(default=None, ge=1, le=1024)
+    head_dim: int | None = Field(default=None, ge=1, le=4096)
+    vocab_size: int | None = Field(default=None, ge=1)
+
+
+class Serving(_Model):
+    max_context_length: int = Field(default=4096, ge=16, le=1_048_576)
+    target_concurrency: int = Field(
+        default=8, ge=1, le=4096, description="sequences at full context one replica must hold"
+    )
+    kv_cache_dtype: KvCacheDtype = "auto"
+    gpu_memory_utilization: float = Field(
+        default=0.9, ge=0.1, le=1.0, description="share of each GPU's memory the runtime may use"
+    )
+
+
+class QuantizationPolicy(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "self.allowed.exists(q, q == 'bf16'"
+                " || (q == 'int8' && self.maxQualityLoss != 'none')"
+                " || (q == 'int4' && self.maxQualityLoss == 'medium'))",
+                "no level in allowed is within maxQualityLoss (none: bf16; low: bf16, int8)",
+            )
+        )
+    )
+
+    allowed: list[Quantization] = Field(
+        default_factory=lambda: list(QUALITY_LOSS_LEVELS["medium"]),  # type: ignore[arg-type]
+        min_length=1,
+        max_length=3,
+        description="quantisation levels in order of preference",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    max_quality_loss: QualityLoss = Field(
+        default="medium", description="none: bf16 only; low: up to int8; medium: up to int4"
+    )
+
+    @model_validator(mode="after")
+    def _some_level_admitted(self) -> QuantizationPolicy:
+        if not allowed_quantizations(self):
+            raise ValueError(
+                "no level in allowed is within maxQualityLoss (none: bf16; low: bf16, int8)"
+            )
+        return self
+
+
+class Placement(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "!('auto' in self.nodeTypes) || size(self.nodeTypes) == 1",
+                "nodeTypes is either [auto] or a list of node type names",
+            )
+        )
+    )
+
+    node_types: list[str] = Field(
+        default_factory=lambda: ["auto"],
+        min_length=1,
+        max_length=64,
+        description="[auto] for every GPU node type in the cluster, or node type names",
+        json_schema_extra={
+            "x-kubernetes-list-type": "set",
+            "items": {"type": "string", "maxLength": 63, "pattern": DNS_LABEL_PATTERN},
+        },
+    )
+    prefer: Prefer = "quality"
+    max_gpus_per_replica: int = Field(default=8, ge=1, le=8)
+
+    @model_validator(mode="after")
+    def _auto_alone(self) -> Placement:
+        if "auto" in self.node_types and len(self.node_types) != 1:
+            raise ValueError("nodeTypes is either [auto] or a list of node type names")
+        return self
+
+
+class Autoscaling(_Model):
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+        )
+    )
+
+    mode: AutoscalingMode = "builtin"
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    target_queue_length: float = Field(
+        default=4.0, gt=0, le=10_000, description="waiting requests per replica"
+    )
+    target_kv_cache_utilization: float = Field(
+        default=0.8, gt=0, le=1, alias="targetKVCacheUtilization"
+    )
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86_400)
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="total replicas when mode is off or external (the scale subresource's target)",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must be <= maxReplicas")
+        return self
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    value: str = ""
+
+
+class Runtime(_Model):
+    image: str | None = Field(default=None, description="default: the operator's runtime image")
+    engine: Literal["kvpilot"] = "kvpilot"
+    resources: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="requests/limits for cpu and memory, merged with the GPUs"
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    pod_template: dict[str, Any] = Field(
+        default_factory=dict,
+        description="merged over the generated pod template (metadata, spec)",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class Monitoring(_Model):
+    pod_monitor: bool = Field(
+        default=False, description="create a PodMonitor when monitoring.coreos.com is installed"
+    )
+
+
+class ModelDeploymentSpec(_Model):
+    model_config = ConfigDict(protected_namespaces=())
+
+    model: ModelSource
+    serving: Serving = Field(default_factory=Serving)
+    quantization: QuantizationPolicy = Field(default_factory=QuantizationPolicy)
+    placement: Placement = Field(default_factory=Placement)
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling)
+    runtime: Runtime = Field(default_factory=Runtime)
+    monitoring: Monitoring = Field(default_factory=Monitoring)
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str = ""
+    observed_generation: int = 0
+
+
+class PlanEntry(_Model):
+    """One node type's verdict: what runs there, or why nothing can."""
+
+    node_type: str
+    fits: bool
+    quantization: str = ""
+    tensor_parallel: int = 0
+    weights_gi_b: float = Field(default=0.0, alias="weightsGiB")
+    kv_cache_gi_b: float = Field(default=0.0, alias="kvCacheGiB")
+    overhead_gi_b: float = Field(default=0.0, alias="overheadGiB")
+    usable_gi_b: float = Field(default=0.0, alias="usableGiB")
+    max_concurrency: int = 0
+    price_per_hour: float = 0.0
+    replicas: int = 0
+    reason: str = ""
+
+
+class AutoscalingStatus(_Model):
+    """Written by the autoscaler; kept in status so a restart loses nothing (DESIGN.md §3.5)."""
+
+    model_config = ConfigDict(
+        extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+
+    desired_replicas: int | None = None
+    last_decision: str | None = None
+    last_scale_time: str | None = None
+    metrics: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    replicas_per_node_type: dict[str, int] = Field(
+        default_factory=dict, description="the autoscaler's spread; the reconcile applies it"
+    )
+
+
+class ModelDeploymentStatus(_Model):
+    model_config = ConfigDict(extra="ignore")
+
+    observed_generation: int = 0
+    conditions: list[Condition] = Field(default_factory=list)
+    plan: list[PlanEntry] = Field(default_factory=list)
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str = ""
+    quantization: str = Field(default="", description="quantisation of the first node type in use")
+    endpoint: str = ""
+    autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
+
+
+def parse_spec(spec: dict[str, Any]) -> ModelDeploymentSpec:
+    """The spec as the apiserver stored it (defaults applied there, too) as a typed model."""
+    return ModelDeploymentSpec.model_validate(dict(spec))
+
+
+def allowed_quantizations(policy: QuantizationPolicy) -> tuple[str, ...]:
+    """The user's preference order, without the levels their tolerated quality loss excludes."""
+    admitted = QUALITY_LOSS_LEVELS[policy.max_quality_loss]
+    return tuple(q for q in policy.allowed if q in admitted)
+
+
+def served_name(source: ModelSource) -> str:
+    if source.served_name:
+        return source.served_name
+    return source.uri.rstrip("/").rsplit("/", 1)[-1]

@@ -1,0 +1,282 @@
+"""Executes reconcile passes: reads the ModelDeployment, applies what `reconcile.desire` decided,
+writes the status once, and posts Events when the plan changes.
+
+Passes for one ModelDeployment are serialised by a lock: kopf serialises handlers of one object, but
+events of its Deployments and the inventory timer arrive on other tasks. Everything the pass
+decides comes from the API and the node/pod indexes, so nothing here needs to survive a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client as k8s_client
+
+from kvpilot.operator import inventory, k8s, manifests, observability, reconcile
+from kvpilot.operator.config import OperatorConfig
+
+POD_MONITOR_CRD = "podmonitors.monitoring.coreos.com"
+COMPONENT = "kvpilot-operator"
+Obj = Mapping[str, Any]
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Controller:
+    client: k8s_client.ApiClient
+    config: OperatorConfig
+    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    _guard: threading.Lock = field(default_factory=threading.Lock)
+    # Inventory fingerprint each ModelDeployment was last planned with: a cache that only decides
+    # whether a node change is worth a pass; a restart empties it and resume re-plans anyway.
+    _planned_with: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _pending: set[tuple[str, str]] = field(default_factory=set)
+    _seen: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
+
+    def _lock(self, key: tuple[str, str]) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    def run_pass(
+        self,
+        namespace: str,
+        name: str,
+        nodes: Iterable[Obj],
+        pods: Iterable[Obj],
+        apply_children: bool = True,
+        body: Obj | None = None,
+    ) -> reconcile.Desired | None:
+        """One pass; None when the ModelDeployment is gone or going.
+
+        `body` is the object as kopf just delivered it, which saves a GET; without it (a child's
+        event) the pass reads the ModelDeployment itself.
+        """
+        with self._lock((namespace, name)):
+            return self._pass(namespace, name, list(nodes), pods, apply_children, body)
+
+    def is_news(self, deployment: Obj, deleted: bool = False) -> bool:
+        """Whether a child Deployment's event changes anything the status reports.
+
+        Most of a rollout's events only touch conditions and timestamps; skipping them keeps a
+        burst of 200 new ModelDeployments from drowning in status refreshes. The cache is lost on
+        restart, which costs one refresh per Deployment, nothing more.
+        """
+        meta, status = deployment["metadata"], deployment.get("status") or {}
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self._seen.pop(key, None)
+            return True
+        facts = (
+            meta.get("generation"),
+            (deployment.get("spec") or {}).get("replicas"),
+            *(
+                status.get(k)
+                for k in ("observedGeneration", "replicas", "updatedReplicas", "readyReplicas")
+            ),
+        )
+        with self._guard:
+            is_new = self._seen.get(key) != facts
+            self._seen[key] = facts
+        return is_new
+
+    def refresh_status(
+        self, namespace: str, name: str, nodes: Iterable[Obj], pods: Iterable[Obj]
+    ) -> None:
+        """A status-only pass for a child's status change, coalesced per ModelDeployment.
+
+        A rollout sends a burst of Deployment events; while one pass runs, further requests only
+        set a flag, and the running pass goes round once more, so a burst costs two passes.
+        """
+        key = (namespace, name)
+        lock = self._lock(key)
+        with self._guard:
+            self._pending.add(key)
+            if not lock.acquire(blocking=False):
+                return  # the holder will see the flag before it lets go
+        nodes = list(nodes)
+        while True:
+            with self._guard:
+                self._pending.discard(key)
+            try:
+                self._pass(namespace, name, nodes, pods, apply_children=False)
+            except BaseException:
+                lock.release()  # a refresh lost to an API error is redone by the next event
+                raise
+            with self._guard:
+                if key not in self._pending:
+                    lock.release()
+                    return
+
+    def _pass(
+        self,
+        namespace: str,
+        name: str,
+        nodes: list[Obj],
+        pods: Iterable[Obj],
+        apply_children: bool,
+        body: Obj | None = None,
+    ) -> reconcile.Desired | None:
+        key = (namespace, name)
+        md = body or k8s.get(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace, name)
+        if md is None or md["metadata"].get("deletionTimestamp"):
+            self._planned_with.pop(key, None)
+            return None
+        desired = self._desire(md, nodes, pods)
+        deployments = self._converge(md, desired, apply_children)
+        self._write_status(md, desired, deployments)
+        if apply_children:
+            self._planned_with[key] = inventory.fingerprint(nodes)
+        return desired
+
+    def needs_replan(self, namespace: str, name: str, nodes: Iterable[Obj]) -> bool:
+        return self._planned_with.get((namespace, name)) != inventory.fingerprint(nodes)
+
+    def list_model_deployments(self) -> list[dict[str, Any]]:
+        namespace = self.config.namespace or None
+        return k8s.list_objects(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
+
+    def _desire(self, md: Obj, nodes: list[Obj], pods: Iterable[Obj]) -> reconcile.Desired:
+        meta = md["metadata"]
+        # This ModelDeployment's own pods hold GPUs it may keep: count them as free for its plan.
+        others = [p for p in pods if not _belongs_to(p, meta["namespace"], meta["name"])]
+        node_types = inventory.discover(nodes, others, self.config.node_types)
+        wants_monitor = bool(((md.get("spec") or {}).get("monitoring") or {}).get("podMonitor"))
+        has_crd = wants_monitor and k8s.has_crd(self.client, POD_MONITOR_CRD)
+        return reconcile.desire(md, node_types, self.config, has_crd)
+
+    def _converge(
+        self, md: Obj, desired: reconcile.Desired, apply_children: bool
+    ) -> list[dict[str, Any]]:
+        meta = md["metadata"]
+        selector = f"{manifests.LABEL_MODEL}={meta['name']}"
+        # A ModelDeployment never planned has no children yet: its first pass skips the LIST.
+        # (Had a crash cut that pass short, what it applied is what this pass wants again.)
+        is_first = apply_children and not (md.get("status") or {}).get("observedGeneration")
+        existing = [
+            d
+            for d in (
+                []
+                if is_first
+                else k8s.list_objects(
+                    self.client, "apps/v1", "Deployment", meta["namespace"], selector
+                )
+            )
+            if _owned_by(d, meta["uid"])
+        ]
+        if desired.error is not None or not apply_children:
+            return existing  # a spec that cannot run leaves the running pods serving
+        fm = self.config.field_manager
+        applied = [k8s.apply(self.client, child, fm) for child in desired.children]
+        for stale in reconcile.stale_children(existing, desired):
+            log.info(
+                "deleting %s/%s: its node type left the plan",
+                meta["namespace"],
+                stale["metadata"]["name"],
+            )
+            k8s.delete(self.client, stale)
+        return [obj for obj in applied if obj.get("kind") == "Deployment"]
+
+    def _write_status(
+        self, md: Obj, desired: reconcile.Desired, deployments: list[dict[str, Any]]
+    ) -> None:
+        meta = md["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        status = reconcile.build_status(md, desired, deployments, self.config, now)
+        old = md.get("status") or {}
+        if any(old.get(k) != v for k, v in status.items()):
+            k8s.patch_status(self.client, meta["namespace"], meta["name"], status)
+        if reconcile.plan_changed(md, desired):
+            self._event(md, desired)
+
+    def _event(self, md: Obj, desired: reconcile.Desired) -> None:
+        if desired.error is None:
+            kind, reason, message = "Normal", "Planned", desired.summary
+        else:
+            kind, reason, message = "Warning", "PlanFailed", desired.error
+            observability.record_plan_failure(
+                "invalid-spec" if desired.is_invalid_spec else "no-fit"
+            )
+        try:
+            k8s.emit_event(self.client, md, kind, reason, message, COMPONENT)
+        except k8s.ApiException as error:  # an Event is a courtesy; never fail the pass over it
+            log.warning("could not post event %s: %s", reason, error.reason)
+
+
+class Replanner:
+    """Re-plans every ModelDeployment planned with another node inventory, once nodes settle.
+
+    Node events arrive in bursts (a pool of 50 nodes joins, heartbeats); a pass per event would be
+    wasted work, so `notice` only moves a deadline and one thread acts when it passes.
+    """
+
+    DEBOUNCE_SECONDS = 1.0
+    TICK_SECONDS = 0.25
+
+    def __init__(self, controller: Controller, snapshot: Callable[[Any], list[Any]]) -> None:
+        self.controller, self.snapshot = controller, snapshot
+        self._fingerprint: Any = None
+        self._due: float | None = None
+        self._indexes: tuple[Any, Any] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvpilot-replanner", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def notice(self, nodes: list[Any], node_index: Any, pod_index: Any) -> None:
+        fingerprint = inventory.fingerprint(nodes)
+        self._indexes = (node_index, pod_index)
+        if fingerprint != self._fingerprint:
+            # The first fingerprint after a start is the baseline: resume handlers plan then.
+            if self._fingerprint is not None:
+                self._due = time.monotonic() + self.DEBOUNCE_SECONDS
+            self._fingerprint = fingerprint
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.TICK_SECONDS):
+            if self._due is None or time.monotonic() < self._due or self._indexes is None:
+                continue
+            self._due = None
+            try:
+                self._replan_all(*self._indexes)
+            except k8s.ApiException as error:  # the next node change, or a resume, tries again
+                log.warning("re-plan after a node change failed: %s %s", error.status, error.reason)
+
+    def _replan_all(self, node_index: Any, pod_index: Any) -> None:
+        nodes = self.snapshot(node_index)
+        for md in self.controller.list_model_deployments():
+            meta = md["metadata"]
+            if self.controller.needs_replan(meta["namespace"], meta["name"], nodes):
+                log.info(
+                    "node inventory changed: re-planning %s/%s", meta["namespace"], meta["name"]
+                )
+                self.controller.run_pass(
+                    meta["namespace"], meta["name"], nodes, self.snapshot(pod_index)
+                )
+
+
+def _belongs_to(pod: Obj, namespace: str, name: str) -> bool:
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    return meta.get("namespace") == namespace and labels.get(manifests.LABEL_MODEL) == name
+
+
+def _owned_by(obj: Obj, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj["metadata"].get("ownerReferences") or ())
+
+
+def controller_owner(obj: Obj) -> str | None:
+    """Name of the ModelDeployment that controls `obj`, if any."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("kind") == "ModelDeployment" and ref.get("controller"):
+            return str(ref["name"])
+    return None

@@ -1,0 +1,308 @@
+"""Kubernetes objects for a ModelDeployment, built as data by pure `build_*` functions.
+
+One Deployment `<name>-<node type>` per node type in use (GPU count, node selector and runtime
+flags from that node type's plan), one Service across them, and optionally a PodMonitor. The pod
+template carries a hash of everything the plan decided, so a changed plan rolls the pods even when
+the change would otherwise be invisible in the template.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpilot.operator import api
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.inventory import GPU_RESOURCE
+from kvpilot.operator.planner import NodePlan
+
+LABEL_MODEL = "kvpilot.dev/model"
+LABEL_NODE_TYPE = "kvpilot.dev/node-type"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_SPEC_HASH = "kvpilot.dev/spec-hash"
+MANAGED_BY = "kvpilot-operator"
+MODEL_MOUNT = "/mnt/models"
+CACHE_MOUNT = "/var/cache/kvpilot"
+MAX_NAME = 63
+MAX_NUM_SEQS_CAP = (
+    256  # the batch the runtime schedules; more KV room serves longer prompts instead
+)
+DRAIN_DELAY_SECONDS = 5  # lets endpoints drop the pod before SIGTERM starts the runtime's drain
+
+Obj = Mapping[str, Any]
+Manifest = dict[str, Any]
+
+
+def child_name(md_name: str, node_type: str) -> str:
+    """`<name>-<node type>`, shortened with a stable hash when it would pass 63 characters."""
+    name = f"{md_name}-{node_type}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: MAX_NAME - 9].rstrip('-')}-{digest}"
+
+
+def selector_labels(md_name: str) -> dict[str, str]:
+    return {LABEL_MODEL: md_name}
+
+
+def labels(md_name: str, node_type: str | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "kvpilot-runtime",
+        "app.kubernetes.io/instance": md_name,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_MODEL: md_name,
+    }
+    if node_type:
+        out[LABEL_NODE_TYPE] = node_type
+    return out
+
+
+def owner_reference(md: Obj) -> dict[str, Any]:
+    meta = md["metadata"]
+    return {
+        "apiVersion": f"{api.GROUP}/{api.VERSION}",
+        "kind": api.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def spec_hash(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def model_location(uri: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The --model value the pod sees, with the volumes and mounts that make it reachable."""
+    if not uri.startswith("pvc://"):
+        return uri, [], []
+    claim, _, path = uri.removeprefix("pvc://").partition("/")
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    return f"file://{MODEL_MOUNT}/{path}", [volume], [mount]
+
+
+def runtime_args(
+    spec: api.ModelDeploymentSpec, node_plan: NodePlan, port: int, grace_seconds: int
+) -> list[str]:
+    """The flags of DESIGN.md §3.4; optional ones only when they differ from the runtime default."""
+    # The runtime drains on SIGTERM; it must finish before the kubelet's SIGKILL, which comes
+    # `grace_seconds` after the preStop hook started, with a margin for the process to exit.
+    shutdown_timeout = max(1, grace_seconds - DRAIN_DELAY_SECONDS - 10)
+    model, _, _ = model_location(spec.model.uri)
+    args = [
+        "serve",
+        f"--model={model}",
+        f"--served-name={api.served_name(spec.model)}",
+        f"--quantization={node_plan.quantization}",
+        f"--max-model-len={spec.serving.max_context_length}",
+        f"--max-num-seqs={max_num_seqs(spec, node_plan)}",
+        f"--gpu-memory-utilization={spec.serving.gpu_memory_utilization}",
+        f"--port={port}",
+        f"--shutdown-timeout={shutdown_timeout}",
+    ]
+    if node_plan.tensor_parallel > 1:
+        args.append(f"--tensor-parallel-size={node_plan.tensor_parallel}")
+    if spec.serving.kv_cache_dtype != "auto":
+        args.append(f"--kv-cache-dtype={spec.serving.kv_cache_dtype}")
+    return args
+
+
+def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
+    """What the plan holds at full context, capped, but never below what the user asked for."""
+    return max(spec.serving.target_concurrency, min(node_plan.max_concurrency, MAX_NUM_SEQS_CAP))
+
+
+def _resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, str]]:
+    requests = dict(spec.runtime.resources.get("requests", {}))
+    limits = dict(spec.runtime.resources.get("limits", {}))
+    requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _container(
+    spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
+) -> dict[str, Any]:
+    _, _, model_mounts = model_location(spec.model.uri)
+    port = config.runtime_port
+    env = [{"name": "HF_HOME", "value": CACHE_MOUNT}]
+    env += [{"name": e.name, "value": e.value} for e in spec.runtime.env]
+    return {
+        "name": "runtime",
+        "image": spec.runtime.image or config.runtime_image,
+        "command": ["kvpilot-runtime"],
+        "args": runtime_args(spec, node_plan, port, config.termination_grace_seconds),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": env,
+        "resources": _resources(spec, node_plan.tensor_parallel),
+        "readinessProbe": _probe("/ready", period=5, failures=3),
+        "livenessProbe": _probe("/health", period=10, failures=6),
+        # Loading weights can take minutes; the startup probe holds liveness off until then.
+        "startupProbe": _probe("/health", period=10, failures=90),
+        "lifecycle": {"preStop": {"sleep": {"seconds": DRAIN_DELAY_SECONDS}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+            {"name": "tmp", "mountPath": "/tmp"},
+            *model_mounts,
+        ],
+    }
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 3,
+    }
+
+
+def _pod_spec(
+    spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
+) -> dict[str, Any]:
+    _, model_volumes, _ = model_location(spec.model.uri)
+    return {
+        "nodeSelector": dict(node_plan.node_type.node_selector),
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "terminationGracePeriodSeconds": config.termination_grace_seconds,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(spec, node_plan, config)],
+        "volumes": [
+            {"name": "cache", "emptyDir": {}},
+            {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+            *model_volumes,
+        ],
+    }
+
+
+def build_deployment(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    node_plan: NodePlan,
+    replicas: int,
+    config: OperatorConfig,
+) -> Manifest:
+    md_name, node_type = md["metadata"]["name"], node_plan.node_type.name
+    pod_labels = labels(md_name, node_type)
+    template = {
+        "metadata": {
+            "labels": pod_labels,
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(config.runtime_port),
+                "prometheus.io/path": "/metrics",
+            },
+        },
+        "spec": _pod_spec(spec, node_plan, config),
+    }
+    template = deep_merge(template, spec.runtime.pod_template)
+    template["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = spec_hash(template)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(md, child_name(md_name, node_type), pod_labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {LABEL_MODEL: md_name, LABEL_NODE_TYPE: node_type}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "template": template,
+        },
+    }
+
+
+def build_service(md: Obj, config: OperatorConfig) -> Manifest:
+    md_name = md["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(md, md_name, labels(md_name)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(md_name),
+            "ports": [{"name": "http", "port": config.runtime_port, "targetPort": "http"}],
+        },
+    }
+
+
+def build_pod_monitor(md: Obj) -> Manifest:
+    md_name = md["metadata"]["name"]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(md, md_name, labels(md_name)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(md_name)},
+            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
+
+
+def build_all(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    plans: Sequence[NodePlan],
+    replicas: Sequence[int],
+    config: OperatorConfig,
+    has_pod_monitor_crd: bool = False,
+) -> list[Manifest]:
+    """Every child the ModelDeployment should have; anything else it owns is stale."""
+    children = [
+        build_deployment(md, spec, p, n, config)
+        for p, n in zip(plans, replicas, strict=True)
+        if p.fits and (n > 0 or p is _first_fitting(plans))
+    ]
+    children.append(build_service(md, config))
+    if spec.monitoring.pod_monitor and has_pod_monitor_crd:
+        children.append(build_pod_monitor(md))
+    return children
+
+
+def _first_fitting(plans: Sequence[NodePlan]) -> NodePlan | None:
+    # Kept even at zero replicas, so scale-from-zero has a Deployment to scale.
+    return next((p for p in plans if p.fits), None)
+
+
+def endpoint(md: Obj, config: OperatorConfig) -> str:
+    meta = md["metadata"]
+    return f"http://{meta['name']}.{meta['namespace']}.svc:{config.runtime_port}/v1"
+
+
+def _metadata(md: Obj, name: str, child_labels: Mapping[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": md["metadata"]["namespace"],
+        "labels": dict(child_labels),
+        "ownerReferences": [owner_reference(md)],
+    }
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` wins; nested mappings merge, lists and scalars replace."""
+    out = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,230 @@
+"""Which quantisation and tensor-parallel degree fits each node type (DESIGN.md §3.3). Pure.
+
+For each node type: the first level in the user's preference order, and for it the smallest
+tensor-parallel degree (1, 2, 4, 8, within the GPUs of one node), such that weights + KV cache for
+`maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU. The
+numbers come from `kvpilot.runtime.memory`, the module the runtime sizes its KV pool with, so what
+the operator promises is what the pod will allocate. When nothing fits, the cheapest option tried is
+reported with its numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
+from kvpilot.operator.inventory import NodeType
+from kvpilot.runtime import memory
+from kvpilot.runtime.memory import MemoryEstimate, ModelFacts
+
+TP_DEGREES = (1, 2, 4, 8)
+_GIB_FIELDS = (
+    ("weightsGiB", "weights_bytes"),
+    ("kvCacheGiB", "kv_cache_bytes"),
+    ("overheadGiB", "overhead_bytes"),
+    ("usableGiB", "usable_bytes"),
+)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    facts: ModelFacts
+    quantizations: tuple[str, ...]
+    max_context_length: int
+    target_concurrency: int
+    kv_bytes: int = 2
+    gpu_memory_utilization: float = 0.9
+    max_gpus_per_replica: int = 8
+    prefer: str = "quality"
+    node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
+
+    def __post_init__(self) -> None:
+        if not self.quantizations:
+            raise ValueError("no quantisation level allowed: quantization.allowed is empty")
+        if self.prefer not in ("quality", "cost"):
+            raise ValueError(f"prefer must be quality or cost, got {self.prefer!r}")
+        if self.max_context_length < 1 or self.target_concurrency < 1:
+            raise ValueError("maxContextLength and targetConcurrency must be positive")
+
+    @classmethod
+    def from_spec(cls, spec: ModelDeploymentSpec, facts: ModelFacts) -> PlanRequest:
+        names = tuple(spec.placement.node_types)
+        return cls(
+            facts=facts,
+            quantizations=allowed_quantizations(spec.quantization),
+            max_context_length=spec.serving.max_context_length,
+            target_concurrency=spec.serving.target_concurrency,
+            kv_bytes=memory.kv_dtype_bytes(spec.serving.kv_cache_dtype),
+            gpu_memory_utilization=spec.serving.gpu_memory_utilization,
+            max_gpus_per_replica=spec.placement.max_gpus_per_replica,
+            prefer=spec.placement.prefer,
+            node_types=() if names == ("auto",) else names,
+        )
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node_type: NodeType
+    fits: bool
+    quantization: str = ""
+    tensor_parallel: int = 0
+    estimate: MemoryEstimate | None = None
+    max_concurrency: int = 0
+    reason: str = ""
+
+    @property
+    def price_per_replica_hour(self) -> float:
+        return self.node_type.price_per_gpu_hour() * self.tensor_parallel
+
+    def num_free_slots(self) -> int:
+        return self.node_type.num_free_slots(self.tensor_parallel) if self.fits else 0
+
+
+def plan(request: PlanRequest, node_types: Iterable[NodeType]) -> list[NodePlan]:
+    """A verdict per node type, fitting ones first in the order `prefer` asks for."""
+    by_name = {nt.name: nt for nt in node_types}
+    names = request.node_types or tuple(by_name)
+    plans = [
+        plan_node_type(request, by_name[name]) if name in by_name else _unknown(name)
+        for name in names
+    ]
+    return order(plans, request)
+
+
+def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
+    max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
+    degrees = [tp for tp in TP_DEGREES if tp <= max_tp]
+    if not degrees:
+        return NodePlan(node_type, fits=False, reason=f"{node_type.name}: no GPUs per node")
+    options = [(q, tp) for q in request.quantizations for tp in degrees]
+    for quantization, tp in options:
+        estimate = _estimate(request, node_type, quantization, tp)
+        if estimate.fits:
+            return _fitting(request, node_type, quantization, tp, estimate)
+    # The last option is the smallest footprint tried: the closest miss, worth reporting.
+    quantization, tp = options[-1]
+    estimate = _estimate(request, node_type, quantization, tp)
+    return NodePlan(
+        node_type,
+        fits=False,
+        quantization=quantization,
+        tensor_parallel=tp,
+        estimate=estimate,
+        reason=f"{node_type.name}: {quantization}{_tp_text(tp)} needs {estimate.describe()}",
+    )
+
+
+def _tp_text(tp: int) -> str:
+    return f" on {tp} GPUs" if tp > 1 else ""
+
+
+def _estimate(
+    request: PlanRequest, node_type: NodeType, quantization: str, tp: int
+) -> MemoryEstimate:
+    return memory.estimate(
+        request.facts,
+        quantization,
+        request.kv_bytes,
+        tokens=request.max_context_length,
+        sequences=request.target_concurrency,
+        tensor_parallel=tp,
+        gpu_memory_bytes=node_type.gpu_memory_bytes,
+        gpu_memory_utilization=request.gpu_memory_utilization,
+    )
+
+
+def _fitting(
+    request: PlanRequest, node_type: NodeType, quantization: str, tp: int, estimate: MemoryEstimate
+) -> NodePlan:
+    budget = memory.kv_budget_bytes(
+        node_type.gpu_memory_bytes, request.gpu_memory_utilization, estimate.weights_bytes
+    )
+    concurrency = memory.max_concurrency(
+        request.facts, request.kv_bytes, request.max_context_length, budget, tp
+    )
+    return NodePlan(
+        node_type,
+        fits=True,
+        quantization=quantization,
+        tensor_parallel=tp,
+        estimate=estimate,
+        max_concurrency=max(concurrency, request.target_concurrency),
+        reason=f"{node_type.name}: {quantization}{_tp_text(tp)}, {estimate.describe()}",
+    )
+
+
+def _unknown(name: str) -> NodePlan:
+    placeholder = NodeType(name, "", 0, 0, 0.0, {})
+    return NodePlan(placeholder, fits=False, reason=f"{name}: no such node type in the cluster")
+
+
+def order(plans: Sequence[NodePlan], request: PlanRequest) -> list[NodePlan]:
+    """quality: best level first, then cheaper; cost: lowest price per concurrent sequence first.
+
+    Unknown prices sort after known ones so a priced node type is never displaced by a guess.
+    """
+    rank = {q: i for i, q in enumerate(request.quantizations)}
+
+    def key(p: NodePlan) -> tuple[Any, ...]:
+        if not p.fits:
+            return (1, 0, 0.0, p.node_type.name)
+        price = p.price_per_replica_hour or math.inf
+        per_sequence = price / p.max_concurrency
+        if request.prefer == "cost":
+            return (0, per_sequence, rank[p.quantization], p.node_type.name)
+        return (0, rank[p.quantization], price, p.node_type.name)
+
+    return sorted(plans, key=key)
+
+
+def assign_replicas(total: int, plans: Sequence[NodePlan]) -> list[int]:
+    """Spread `total` replicas over fitting node types in plan order, honouring free GPUs.
+
+    What no node type has room for goes to the first fitting type, where it waits Pending in plain
+    sight (the autoscaler's spill-over moves it) rather than silently vanishing.
+    """
+    counts = [0] * len(plans)
+    remaining = max(0, total)
+    for i, p in enumerate(plans):
+        counts[i] = min(remaining, p.num_free_slots())
+        remaining -= counts[i]
+    first_fitting = next((i for i, p in enumerate(plans) if p.fits), None)
+    if remaining and first_fitting is not None:
+        counts[first_fitting] += remaining
+    return counts
+
+
+def desired_total(spec: ModelDeploymentSpec, autoscaler_desired: int | None) -> int:
+    """Replicas wanted in all: the scale subresource's figure, or the autoscaler's within bounds."""
+    scaling = spec.autoscaling
+    if scaling.mode in ("off", "external"):
+        return scaling.replicas
+    wanted = scaling.min_replicas if autoscaler_desired is None else autoscaler_desired
+    return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+
+
+def status_entries(plans: Sequence[NodePlan], replicas: Sequence[int]) -> list[PlanEntry]:
+    return [_entry(p, n) for p, n in zip(plans, replicas, strict=True)]
+
+
+def _entry(p: NodePlan, replicas: int) -> PlanEntry:
+    est = p.estimate
+    gib = {
+        key: round(memory.gib(getattr(est, attr)), 2) if est else 0.0 for key, attr in _GIB_FIELDS
+    }
+    return PlanEntry.model_validate(
+        {
+            "nodeType": p.node_type.name,
+            "fits": p.fits,
+            "quantization": p.quantization if p.fits else "",
+            "tensorParallel": p.tensor_parallel if p.fits else 0,
+            **gib,
+            "maxConcurrency": p.max_concurrency,
+            "pricePerHour": round(p.price_per_replica_hour, 4) if p.fits else 0.0,
+            "replicas": replicas,
+            "reason": "" if p.fits else p.reason,
+        }
+    )

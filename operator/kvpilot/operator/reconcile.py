@@ -1,0 +1,158 @@
+"""One reconcile pass as pure functions: ModelDeployment + inventory -> children + status.
+
+KubeAI's "plan then execute": `desire` decides everything (plan, replicas per node type, manifests)
+without touching the API; `handlers`/`k8s` then apply it; `build_status` turns the outcome and the
+Deployments' progress into the status written once per pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpilot.operator import api, catalog, conditions, manifests, planner
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.inventory import NodeType
+
+Obj = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Desired:
+    children: list[manifests.Manifest] = field(default_factory=list)
+    plan: list[api.PlanEntry] = field(default_factory=list)
+    summary: str = ""
+    error: str | None = None  # set when nothing can run; the pass still writes status
+    is_invalid_spec: bool = False  # the user must change the spec; retrying cannot help
+    num_unplaceable: int = 0
+    quantization: str = ""
+
+
+def desire(
+    md: Obj, node_types: Sequence[NodeType], config: OperatorConfig, has_pod_monitor_crd: bool
+) -> Desired:
+    try:
+        spec = api.parse_spec(md.get("spec") or {})
+        facts = catalog.resolve(spec.model)
+        request = planner.PlanRequest.from_spec(spec, facts)
+    except (ValidationError, ValueError) as error:
+        return Desired(error=_one_line(error), is_invalid_spec=True)
+    plans = planner.plan(request, node_types)
+    entries_if_none = planner.status_entries(plans, [0] * len(plans))
+    if not any(p.fits for p in plans):
+        reasons = "; ".join(p.reason for p in plans) or "the cluster has no GPU node types"
+        return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}")
+    replicas = _replicas(spec, plans, (md.get("status") or {}).get("autoscaling") or {})
+    children = manifests.build_all(md, spec, plans, replicas, config, has_pod_monitor_crd)
+    return Desired(
+        children=children,
+        plan=planner.status_entries(plans, replicas),
+        summary=_summary(plans, replicas),
+        num_unplaceable=sum(
+            max(0, n - p.num_free_slots()) for p, n in zip(plans, replicas, strict=True)
+        ),
+        quantization=_quantization(plans, replicas),
+    )
+
+
+def _replicas(
+    spec: api.ModelDeploymentSpec, plans: Sequence[planner.NodePlan], autoscaling: Obj
+) -> list[int]:
+    """Replicas per node type in plan order.
+
+    With the builtin autoscaler, its `status.autoscaling.replicasPerNodeType` (it keeps running
+    replicas in place and spills Unschedulable ones over) wins; else its `desiredReplicas`, or
+    the scale subresource's figure, is spread here over the free GPUs.
+    """
+    per_type = autoscaling.get("replicasPerNodeType")
+    if spec.autoscaling.mode == "builtin" and isinstance(per_type, Mapping) and per_type:
+        return [int(per_type.get(p.node_type.name, 0)) if p.fits else 0 for p in plans]
+    total = planner.desired_total(spec, autoscaling.get("desiredReplicas"))
+    return planner.assign_replicas(total, plans)
+
+
+def _one_line(error: Exception) -> str:
+    if isinstance(error, ValidationError):
+        return "; ".join(
+            f"spec.{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()
+        )
+    return str(error)
+
+
+def _summary(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
+    used = [
+        f"{p.node_type.name}: {p.quantization} on {p.tensor_parallel} GPU(s) x{n},"
+        f" up to {p.max_concurrency} sequences"
+        for p, n in zip(plans, replicas, strict=True)
+        if p.fits and n > 0
+    ]
+    spare = sum(1 for p, n in zip(plans, replicas, strict=True) if p.fits and n == 0)
+    misfits = sum(1 for p in plans if not p.fits)
+    text = "; ".join(used) or "no replicas"
+    return f"{text} ({spare} more node types fit, {misfits} do not)"
+
+
+def _quantization(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
+    levels = [p.quantization for p, n in zip(plans, replicas, strict=True) if p.fits and n > 0]
+    if not levels:
+        levels = [p.quantization for p in plans if p.fits][:1]
+    return ",".join(dict.fromkeys(levels))
+
+
+def build_status(
+    md: Obj, desired: Desired, deployments: Sequence[Obj], config: OperatorConfig, now: str
+) -> dict[str, Any]:
+    """The status of this pass, in wire form; `autoscaling` stays the autoscaler's to write."""
+    meta = md["metadata"]
+    old = _conditions((md.get("status") or {}).get("conditions") or [])
+    generation = int(meta.get("generation", 0))
+    rollout = conditions.summarize(deployments)
+    new = conditions.compute(
+        desired.error, desired.summary, rollout, desired.num_unplaceable, generation
+    )
+    return {
+        "observedGeneration": generation,
+        "conditions": [c.model_dump(by_alias=True) for c in conditions.merge(old, new, now)],
+        "plan": [entry.model_dump(by_alias=True) for entry in desired.plan],
+        "replicas": rollout.replicas,
+        "readyReplicas": rollout.ready,
+        "selector": ",".join(
+            f"{k}={v}" for k, v in manifests.selector_labels(meta["name"]).items()
+        ),
+        "quantization": desired.quantization,
+        "endpoint": manifests.endpoint(md, config) if desired.error is None else "",
+    }
+
+
+def _conditions(raw: Sequence[Any]) -> list[api.Condition]:
+    """The conditions in status; one another writer malformed is dropped, not fatal to the pass."""
+    parsed = []
+    for item in raw:
+        try:
+            parsed.append(api.Condition.model_validate(item))
+        except ValidationError:
+            continue
+    return parsed
+
+
+def stale_children(existing: Sequence[Obj], desired: Desired) -> list[Obj]:
+    """Owned children this pass no longer wants (a node type dropped out of the plan)."""
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in desired.children}
+    return [o for o in existing if (o.get("kind"), o["metadata"]["name"]) not in wanted]
+
+
+def plan_changed(md: Obj, desired: Desired) -> bool:
+    """Whether this pass changes the plan in status, or fails anew: worth a Kubernetes Event."""
+    status = md.get("status") or {}
+    if desired.error is not None:
+        planned = conditions.find(_conditions(status.get("conditions") or []), conditions.PLANNED)
+        return planned is None or planned.message != desired.error
+    old = status.get("plan") or []
+    new = [e.model_dump(by_alias=True) for e in desired.plan]
+    key = ("nodeType", "fits", "quantization", "tensorParallel", "replicas")
+    return [tuple(e.get(k) for k in key) for e in old] != [
+        tuple(e.get(k) for k in key) for e in new
+    ]

@@ -1,0 +1,453 @@
+"""The real operator (`kvpilot-operator run`, a subprocess) against the local control plane.
+
+Everything is observed with real `kubectl`: what the apiserver stored, what the scheduler placed
+on which kwok GPU node, what the garbage collector removed. Each test gets its own namespace and
+its own operator process; waits poll with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from hack.devcluster import nodepools
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+OPERATOR = ROOT / ".venv" / "bin" / "kvpilot-operator"
+EXAMPLES = ROOT / "examples"
+T = TypeVar("T")
+
+
+class Operator:
+    def __init__(self, cluster: Any, log: Path, *args: str) -> None:
+        self.cluster, self.log, self.args = cluster, log, args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(OPERATOR), "run", *self.args],
+                env=self.cluster.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Any) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=established",
+        "--timeout=60s",
+        "crd/modeldeployments.kvpilot.dev",
+        "crd/clusterkopfpeerings.kopf.dev",
+    )
+
+
+@pytest.fixture
+def namespace(cluster: Any) -> Iterator[str]:
+    name = f"op-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
+    op = Operator(cluster, tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+def wait_for(
+    predicate: Callable[[], T], what: str, op: Operator | None = None, timeout: float = 90
+) -> T:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except Exception as error:  # e.g. kubectl get of an object not there yet: keep polling
+            last = error
+        else:
+            if last:
+                return last
+        time.sleep(0.25)
+    pytest.fail(f"timed out waiting for {what}; last: {last!r}\n{op.tail() if op else ''}")
+
+
+def get(cluster: Any, *args: str) -> Any:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def apply_doc(cluster: Any, namespace: str, doc: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc))
+
+
+def model_deployment(name: str, uri: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name},
+        "spec": {"model": {"uri": uri}, **spec},
+    }
+
+
+def condition(md: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in md.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def is_ready(cluster: Any, namespace: str, name: str) -> bool:
+    md = get(cluster, "modeldeployment", name, "-n", namespace)
+    return condition(md, "Ready").get("status") == "True"
+
+
+def ready_check(cluster: Any, namespace: str, name: str) -> Callable[[], bool]:
+    return lambda: is_ready(cluster, namespace, name)
+
+
+def pods(cluster: Any, namespace: str, model: str) -> list[dict[str, Any]]:
+    return get(cluster, "pods", "-n", namespace, "-l", f"kvpilot.dev/model={model}")["items"]
+
+
+def test_invalid_modeldeployments_are_rejected_naming_the_field(
+    cluster: Any, crds: None, namespace: str
+) -> None:
+    files = sorted((EXAMPLES / "invalid").glob("*.yaml"))
+    assert len(files) == 10
+    for path in files:
+        field = path.read_text().splitlines()[0].split("the error names: ")[1].strip()
+        done = cluster.kubectl("apply", "-n", namespace, "-f", str(path), check=False)
+        assert done.returncode != 0, f"{path.name} was accepted"
+        assert f"{field}:" in done.stderr, f"{path.name}: {done.stderr}"
+
+
+def test_examples_run_on_the_right_gpu_nodes(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    # tiny-llama runs on the `local` pool, whose pods the pod runner starts as real processes;
+    # the e2e suite covers it, here it is only validated (test_examples_are_valid_yaml_for_kubectl).
+    for name in ("qwen2.5-7b-instruct", "llama-3.1-70b-instruct"):
+        cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / f"{name}.yaml"))
+    for name in ("qwen2-5-7b-instruct", "llama-3-1-70b-instruct"):
+        wait_for(ready_check(cluster, namespace, name), f"{name} Ready", operator)
+
+    llama = get(cluster, "modeldeployment", "llama-3-1-70b-instruct", "-n", namespace)
+    first = llama["status"]["plan"][0]
+    assert (first["nodeType"], first["quantization"], first["tensorParallel"]) == (
+        "h100-80gb",
+        "bf16",
+        4,
+    )
+    t4 = next(e for e in llama["status"]["plan"] if e["nodeType"] == "t4-16gb")
+    assert not t4["fits"] and "GiB usable" in t4["reason"]
+    deployment = get(cluster, "deployment", "llama-3-1-70b-instruct-h100-80gb", "-n", namespace)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert "--tensor-parallel-size=4" in container["args"]
+
+    # prefer: cost puts Qwen-7B's two replicas on the T4s, at int4.
+    qwen_pods = pods(cluster, namespace, "qwen2-5-7b-instruct")
+    assert len(qwen_pods) == 2
+    assert all(p["status"]["phase"] == "Running" for p in qwen_pods)
+    assert sorted(p["spec"]["nodeName"] for p in qwen_pods) == ["t4-16gb-0", "t4-16gb-1"]
+    llama_pod = pods(cluster, namespace, "llama-3-1-70b-instruct")[0]
+    assert llama_pod["spec"]["nodeName"].startswith("h100-80gb-")
+
+    services = {s["metadata"]["name"] for s in get(cluster, "services", "-n", namespace)["items"]}
+    assert services == {"qwen2-5-7b-instruct", "llama-3-1-70b-instruct"}
+
+    table = cluster.kubectl("get", "modeldeployments", "-n", namespace).stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "READY", "REPLICAS", "QUANTIZATION", "AGE"]
+    row = next(line.split() for line in table if line.startswith("llama-3-1-70b-instruct"))
+    assert row[1:5] == ["hf://meta-llama/Llama-3.1-70B-Instruct", "True", "1", "bf16"]
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "reason=Planned")["items"]
+    assert {e["involvedObject"]["name"] for e in events} >= {
+        "llama-3-1-70b-instruct",
+        "qwen2-5-7b-instruct",
+    }
+
+
+def _args(cluster: Any, namespace: str, name: str) -> list[str]:
+    deployment = get(cluster, "deployment", name, "-n", namespace)
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_scale_edit_drift_and_delete(cluster: Any, operator: Operator, namespace: str) -> None:
+    md = model_deployment(
+        "small",
+        "hf://Qwen/Qwen2.5-0.5B-Instruct",
+        placement={"nodeTypes": ["l4-24gb"]},
+        autoscaling={"mode": "off", "replicas": 1},
+    )
+    apply_doc(cluster, namespace, md)
+    wait_for(lambda: is_ready(cluster, namespace, "small"), "small Ready", operator)
+
+    cluster.kubectl("scale", "modeldeployment/small", "--replicas=3", "-n", namespace)
+    wait_for(
+        lambda: (
+            get(cluster, "modeldeployment", "small", "-n", namespace)["status"].get("readyReplicas")
+            == 3
+            and len(pods(cluster, namespace, "small")) == 3
+        ),
+        "3 ready replicas after kubectl scale",
+        operator,
+    )
+    before = {p["metadata"]["name"] for p in pods(cluster, namespace, "small")}
+
+    md["spec"]["serving"] = {"maxContextLength": 2048}
+    md["spec"]["autoscaling"]["replicas"] = 3
+    apply_doc(cluster, namespace, md)
+
+    def rolled() -> bool:
+        now = pods(cluster, namespace, "small")
+        fresh = [p for p in now if "--max-model-len=2048" in p["spec"]["containers"][0]["args"]]
+        ready = all(
+            p["status"]["phase"] == "Running" and not p["metadata"].get("deletionTimestamp")
+            for p in now
+        )
+        return (
+            len(fresh) == len(now) == 3
+            and ready
+            and not (before & {p["metadata"]["name"] for p in now})
+        )
+
+    wait_for(rolled, "pods rolled to the new context length", operator)
+    status = get(cluster, "modeldeployment", "small", "-n", namespace)["status"]
+    assert (
+        status["observedGeneration"]
+        == get(cluster, "modeldeployment", "small", "-n", namespace)["metadata"]["generation"]
+    )
+
+    # Someone edits the Deployment: server-side apply with force puts the operator's fields back.
+    patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": ["serve"]}]
+    cluster.kubectl(
+        "patch",
+        "deployment",
+        "small-l4-24gb",
+        "-n",
+        namespace,
+        "--type=json",
+        "-p",
+        json.dumps(patch),
+    )
+    wait_for(
+        lambda: "--max-model-len=2048" in _args(cluster, namespace, "small-l4-24gb"),
+        "edit reverted",
+        operator,
+    )
+    uid = get(cluster, "deployment", "small-l4-24gb", "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", "small-l4-24gb", "-n", namespace)
+    wait_for(
+        lambda: (
+            get(cluster, "deployment", "small-l4-24gb", "-n", namespace)["metadata"]["uid"] != uid
+        ),
+        "deleted Deployment recreated",
+        operator,
+    )
+    cluster.kubectl("delete", "service", "small", "-n", namespace)
+    wait_for(
+        lambda: get(cluster, "service", "small", "-n", namespace),
+        "deleted Service recreated",
+        operator,
+    )
+
+    cluster.kubectl("delete", "modeldeployment", "small", "-n", namespace)
+    wait_for(
+        lambda: (
+            not get(
+                cluster, "deployments,services", "-n", namespace, "-l", "kvpilot.dev/model=small"
+            )["items"]
+        ),
+        "children garbage-collected",
+        operator,
+    )
+
+
+def test_restart_mid_reconcile_converges_without_duplicates(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    names = [f"m{i}" for i in range(8)]
+    docs = [
+        model_deployment(
+            name,
+            "hf://Qwen/Qwen2.5-1.5B-Instruct",
+            placement={"nodeTypes": ["h100-80gb", "a100-40gb"]},
+            autoscaling={"mode": "off", "replicas": 1},
+        )
+        for name in names
+    ]
+    cluster.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
+    )
+    wait_for(
+        lambda: get(cluster, "deployments", "-n", namespace)["items"],
+        "a first Deployment",
+        operator,
+    )
+    operator.stop(signal.SIGKILL)
+    operator.start()
+    for name in names:
+        wait_for(ready_check(cluster, namespace, name), f"{name} Ready after restart", operator)
+    deployments = get(cluster, "deployments", "-n", namespace)["items"]
+    owners = sorted(d["metadata"]["labels"]["kvpilot.dev/model"] for d in deployments)
+    assert owners == names  # exactly one Deployment each
+    assert all(d["spec"]["replicas"] == 1 for d in deployments)
+    assert len(get(cluster, "services", "-n", namespace)["items"]) == len(names)
+    assert len(get(cluster, "pods", "-n", namespace, "-l", "kvpilot.dev/model")["items"]) == len(
+        names
+    )
+
+
+def test_a_new_node_pool_is_planned_in(cluster: Any, operator: Operator, namespace: str) -> None:
+    pool_name = f"b200-{uuid.uuid4().hex[:6]}"
+    md = model_deployment(
+        "waits",
+        "hf://Qwen/Qwen2.5-72B-Instruct",
+        placement={"nodeTypes": [pool_name]},
+        autoscaling={"mode": "off", "replicas": 1},
+    )
+    apply_doc(cluster, namespace, md)
+
+    def planned() -> dict[str, Any]:
+        return condition(get(cluster, "modeldeployment", "waits", "-n", namespace), "Planned")
+
+    wait_for(lambda: planned().get("reason") == "PlanFailed", "PlanFailed", operator)
+    failed = planned()
+    assert f"{pool_name}: no such node type in the cluster" in failed["message"]
+
+    pool = nodepools.NodePool(
+        pool_name, 1, "64", "512Gi", 40.0, nodepools.Gpu("NVIDIA-B200", 183359, 8)
+    )
+    node = nodepools.build_node(pool, 0, 90)
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(node))
+        wait_for(
+            lambda: is_ready(cluster, namespace, "waits"),
+            "re-planned onto the new pool",
+            operator,
+            timeout=120,
+        )
+        entry = get(cluster, "modeldeployment", "waits", "-n", namespace)["status"]["plan"][0]
+        assert (entry["nodeType"], entry["fits"], entry["quantization"]) == (
+            pool_name,
+            True,
+            "bf16",
+        )
+        assert pods(cluster, namespace, "waits")[0]["spec"]["nodeName"] == node["metadata"]["name"]
+    finally:
+        cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_spec_the_schema_cannot_catch_fails_once_with_a_condition(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    apply_doc(cluster, namespace, model_deployment("nofacts", "pvc://weights/my-model"))
+
+    def planned() -> dict[str, Any]:
+        return condition(get(cluster, "modeldeployment", "nofacts", "-n", namespace), "Planned")
+
+    wait_for(lambda: planned().get("reason") == "PlanFailed", "PlanFailed condition", operator)
+    assert "set spec.model parameters, layers, kvHeads, headDim" in planned()["message"]
+    wait_for(lambda: "failed permanently" in operator.log.read_text(), "PermanentError", operator)
+    assert "failed temporarily" not in operator.log.read_text()  # no retry storm
+    events = get(cluster, "events", "-n", namespace, "--field-selector", "reason=PlanFailed")[
+        "items"
+    ]
+    assert [e["type"] for e in events] == ["Warning"]
+    assert not get(cluster, "deployments", "-n", namespace)["items"]
+
+
+def test_peering_lets_one_instance_act(
+    cluster: Any, crds: None, namespace: str, tmp_path: Path
+) -> None:
+    low = Operator(cluster, tmp_path / "low.log", "--priority=10")
+    high = Operator(cluster, tmp_path / "high.log", "--priority=20")
+    low.start()
+    high.start()
+    try:
+        md = model_deployment(
+            "peered",
+            "hf://Qwen/Qwen2.5-0.5B-Instruct",
+            placement={"nodeTypes": ["a100-40gb"]},
+            autoscaling={"mode": "off", "replicas": 1},
+        )
+        apply_doc(cluster, namespace, md)
+        wait_for(ready_check(cluster, namespace, "peered"), "peered Ready", high)
+        # kopf logs success after its own bookkeeping patch, a moment after our status write.
+        wait_for(
+            lambda: "Handler 'md-create' succeeded" in high.log.read_text(), "high's log", high
+        )
+        assert "Handler 'md-create'" not in low.log.read_text()
+
+        # The acting instance dies; the other resumes once its peering record expires.
+        high.stop(signal.SIGKILL)
+        cluster.kubectl("scale", "modeldeployment/peered", "--replicas=2", "-n", namespace)
+        wait_for(
+            lambda: (
+                get(cluster, "deployment", "peered-a100-40gb", "-n", namespace)["spec"]["replicas"]
+                == 2
+            ),
+            "the standby instance to take over",
+            low,
+            timeout=90,
+        )
+    finally:
+        low.stop()
+        high.stop()
+
+
+def test_examples_are_valid_yaml_for_kubectl(cluster: Any, crds: None, namespace: str) -> None:
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        done = cluster.kubectl(
+            "apply", "--dry-run=server", "-n", namespace, "-f", str(path), check=False
+        )
+        assert done.returncode == 0, f"{path.name}: {done.stderr}"
+        assert yaml.safe_load(path.read_text())["kind"] == "ModelDeployment"
+
+
+def test_operator_cli_rejects_a_bad_config(tmp_path: Path) -> None:
+    bad = tmp_path / "config.yaml"
+    bad.write_text("nodeTypes: [{name: x}]\n")
+    done = subprocess.run(
+        [str(OPERATOR), "run", "--config", str(bad)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KUBECONFIG": "/nonexistent"},
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "lacks 'nodeSelector'" in done.stderr

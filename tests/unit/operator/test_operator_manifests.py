@@ -1,0 +1,185 @@
+"""Manifests: the Deployment/Service/PodMonitor data, checked field by field and against the
+Kubernetes 1.37 OpenAPI schema (kubernetes-validate, strict: unknown fields fail)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from kvpilot.operator import api, manifests, planner
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.inventory import NodeType
+from kvpilot.runtime.memory import ModelFacts
+
+CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
+MD = {
+    "apiVersion": "kvpilot.dev/v1alpha1",
+    "kind": "ModelDeployment",
+    "metadata": {"name": "qwen", "namespace": "ml", "uid": "1234-uid", "generation": 3},
+}
+H100 = NodeType(
+    "h100-80gb",
+    "NVIDIA-H100-80GB-HBM3",
+    81559,
+    8,
+    98.32,
+    {"kvpilot.dev/node-type": "h100-80gb"},
+    ("h0",),
+    (8,),
+)
+FACTS = ModelFacts(parameters=70_000_000_000, layers=80, kv_heads=8, head_dim=128)
+
+
+def spec(**overrides: Any) -> api.ModelDeploymentSpec:
+    data: dict[str, Any] = {"model": {"uri": "hf://Qwen/Qwen2.5-72B-Instruct"}}
+    data.update(overrides)
+    return api.parse_spec(data)
+
+
+def plan_for(s: api.ModelDeploymentSpec) -> planner.NodePlan:
+    return planner.plan_node_type(planner.PlanRequest.from_spec(s, FACTS), H100)
+
+
+def deployment(s: api.ModelDeploymentSpec | None = None, replicas: int = 2) -> dict[str, Any]:
+    s = s or spec()
+    return manifests.build_deployment(MD, s, plan_for(s), replicas, CONFIG)
+
+
+def test_deployment_carries_the_plan() -> None:
+    d = deployment()
+    pod = d["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert d["metadata"]["name"] == "qwen-h100-80gb"
+    assert d["metadata"]["ownerReferences"][0]["uid"] == "1234-uid"
+    assert d["spec"]["replicas"] == 2
+    assert d["spec"]["selector"]["matchLabels"] == {
+        "kvpilot.dev/model": "qwen",
+        "kvpilot.dev/node-type": "h100-80gb",
+    }
+    assert pod["nodeSelector"] == {"kvpilot.dev/node-type": "h100-80gb"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    # 70B bf16 at 4096 x 8 (10 GiB KV): tp 2 needs 65.2 + 5 + 4.3 = 74.5 > 71.7 GiB -> tp 4
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    assert container["image"] == CONFIG.runtime_image
+    assert container["args"] == [
+        "serve",
+        "--model=hf://Qwen/Qwen2.5-72B-Instruct",
+        "--served-name=Qwen2.5-72B-Instruct",
+        "--quantization=bf16",
+        "--max-model-len=4096",
+        f"--max-num-seqs={min(plan_for(spec()).max_concurrency, 256)}",
+        "--gpu-memory-utilization=0.9",
+        "--port=8000",
+        "--shutdown-timeout=105",  # 120 s grace - 5 s preStop - 10 s margin
+        "--tensor-parallel-size=4",
+    ]
+
+
+def test_pod_is_safe_and_drains() -> None:
+    template = deployment()["spec"]["template"]
+    pod, (container,) = template["spec"], template["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    assert pod["terminationGracePeriodSeconds"] >= 60
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    cache = next(m for m in container["volumeMounts"] if m["name"] == "cache")
+    assert cache["mountPath"] == manifests.CACHE_MOUNT
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert template["metadata"]["labels"]["kvpilot.dev/model"] == "qwen"
+
+
+def test_spec_hash_rolls_pods_when_the_plan_changes() -> None:
+    def spec_hash(d: dict[str, Any]) -> str:
+        return d["spec"]["template"]["metadata"]["annotations"][manifests.ANNOTATION_SPEC_HASH]
+
+    base = spec_hash(deployment())
+    assert spec_hash(deployment()) == base  # deterministic
+    assert spec_hash(deployment(replicas=5)) == base  # scaling is not a new plan
+    longer = spec(serving={"maxContextLength": 16384})
+    assert spec_hash(deployment(longer)) != base
+
+
+def test_pvc_models_are_mounted_read_only() -> None:
+    d = deployment(spec(model={"uri": "pvc://weights/llama/70b"}))
+    pod = d["spec"]["template"]["spec"]
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+    } in pod["volumes"]
+    assert "--model=file:///mnt/models/llama/70b" in pod["containers"][0]["args"]
+
+
+def test_pod_template_overrides_merge() -> None:
+    s = spec(
+        runtime={
+            "podTemplate": {
+                "spec": {"priorityClassName": "llm"},
+                "metadata": {"labels": {"team": "a"}},
+            },
+            "resources": {"requests": {"cpu": "4", "memory": "32Gi"}},
+            "env": [{"name": "X", "value": "1"}],
+        }
+    )
+    template = deployment(s)["spec"]["template"]
+    assert template["spec"]["priorityClassName"] == "llm"
+    assert template["metadata"]["labels"]["team"] == "a"
+    assert template["metadata"]["labels"]["kvpilot.dev/model"] == "qwen"
+    container = template["spec"]["containers"][0]
+    assert container["resources"]["requests"] == {
+        "cpu": "4",
+        "memory": "32Gi",
+        "nvidia.com/gpu": "4",
+    }
+    assert {"name": "X", "value": "1"} in container["env"]
+
+
+@pytest.mark.parametrize("wants_monitor", [False, True])
+@pytest.mark.parametrize("has_crd", [False, True])
+def test_build_all(wants_monitor: bool, has_crd: bool) -> None:
+    s = spec(monitoring={"podMonitor": wants_monitor})
+    plans = [plan_for(s)]
+    children = manifests.build_all(MD, s, plans, [1], CONFIG, has_crd)
+    kinds = [c["kind"] for c in children]
+    assert kinds[:2] == ["Deployment", "Service"]
+    assert ("PodMonitor" in kinds) == (wants_monitor and has_crd)
+    service = children[1]
+    assert service["spec"]["selector"] == {"kvpilot.dev/model": "qwen"}
+    assert service["metadata"]["name"] == "qwen"
+
+
+def test_zero_replicas_keep_the_first_deployment_only() -> None:
+    s = spec()
+    second = planner.plan_node_type(
+        planner.PlanRequest.from_spec(s, FACTS), NodeType("b", "", 81559, 8, 1.0, {})
+    )
+    children = manifests.build_all(MD, s, [plan_for(s), second], [0, 0], CONFIG)
+    assert [c["metadata"]["name"] for c in children] == ["qwen-h100-80gb", "qwen"]
+
+
+@pytest.mark.parametrize("builder", ["deployment", "service"])
+def test_manifests_validate_against_the_kubernetes_schema(builder: str) -> None:
+    obj = deployment() if builder == "deployment" else manifests.build_service(MD, CONFIG)
+    kubernetes_validate.validate(obj, "1.37.0", strict=True)
+
+
+def test_child_names_stay_within_63_characters() -> None:
+    name = manifests.child_name("m" * 48, "nvidia-h100-80gb-hbm3-80gb-x8")
+    assert len(name) == 63
+    assert name == manifests.child_name("m" * 48, "nvidia-h100-80gb-hbm3-80gb-x8")
+    assert name != manifests.child_name("m" * 48, "nvidia-h100-80gb-hbm3-80gb-x4")
+    assert manifests.child_name("qwen", "t4") == "qwen-t4"
+
+
+def test_the_schema_check_can_fail() -> None:
+    broken = deployment()
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, "1.37.0", strict=True)

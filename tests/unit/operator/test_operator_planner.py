@@ -1,0 +1,206 @@
+"""Planner tables. Every expected figure is computed by hand in the test, from DESIGN.md §3.3:
+
+weights  = parameters x bytes_per_param(q)          bf16 2, int8 1, int4 0.5 + 2/128
+kv       = 2 x layers x kv_heads x head_dim x 2 bytes x tokens x sequences
+per GPU  = (weights + kv) / tp + 1 GiB + 5% of weights per GPU
+usable   = gpu.memory MiB x 2^20 x 0.9
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import catalog, planner
+from kvpilot.operator.inventory import NodeType
+from kvpilot.runtime.memory import GIB, ModelFacts
+
+GB = 1e9
+SEVEN_B = ModelFacts(parameters=7_000_000_000, layers=32, kv_heads=8, head_dim=128)
+SEVENTY_B = ModelFacts(parameters=70_000_000_000, layers=80, kv_heads=8, head_dim=128)
+LLAMA_70B = catalog.lookup("hf://meta-llama/Llama-3.1-70B-Instruct")
+
+
+def pool(name: str, mib: int, gpus: int, nodes: int = 1, price: float = 1.0) -> NodeType:
+    return NodeType(
+        name,
+        "",
+        mib,
+        gpus,
+        price,
+        {"kvpilot.dev/node-type": name},
+        tuple(f"{name}-{i}" for i in range(nodes)),
+        (gpus,) * nodes,
+    )
+
+
+# The dev cluster's pools (hack/nodepools.yaml).
+H100 = pool("h100-80gb", 81559, 8, 2, 98.32)
+A100 = pool("a100-40gb", 40960, 4, 2, 16.39)
+L4 = pool("l4-24gb", 23034, 1, 3, 0.98)
+L4X4 = pool("l4x4-24gb", 23034, 4, 1, 4.89)
+T4 = pool("t4-16gb", 15360, 1, 2, 0.53)
+DEV_POOLS = [H100, A100, L4, L4X4, T4]
+
+
+def request(facts: ModelFacts = SEVEN_B, **overrides: Any) -> planner.PlanRequest:
+    fields: dict[str, Any] = {
+        "facts": facts,
+        "quantizations": ("bf16", "int8", "int4"),
+        "max_context_length": 8192,
+        "target_concurrency": 8,
+    }
+    fields.update(overrides)
+    return planner.PlanRequest(**fields)
+
+
+BIG = pool("big", 1024 * 1024, 8)  # 1 TiB per GPU: everything fits at tp 1, weights are unsplit
+
+
+@pytest.mark.parametrize(
+    ("facts", "quantization", "expected_gb"),
+    [
+        (SEVEN_B, "bf16", 14.0),
+        (SEVEN_B, "int8", 7.0),
+        (SEVEN_B, "int4", 3.5),
+        (SEVENTY_B, "bf16", 140.0),
+        (SEVENTY_B, "int4", 35.0),
+    ],
+)
+def test_weights_match_the_rule_of_thumb(
+    facts: ModelFacts, quantization: str, expected_gb: float
+) -> None:
+    plan = planner.plan_node_type(request(facts, quantizations=(quantization,)), BIG)
+    assert plan.fits and plan.tensor_parallel == 1
+    assert plan.estimate is not None
+    # int4 carries one 16-bit scale per 128 weights: 2/128 of a byte per weight, ~3% on top.
+    assert plan.estimate.weights_bytes / GB == pytest.approx(expected_gb, rel=0.035)
+
+
+def test_doubling_context_or_concurrency_doubles_the_kv_term() -> None:
+    base = planner.plan_node_type(request(max_context_length=4096), BIG).estimate
+    longer = planner.plan_node_type(request(max_context_length=8192), BIG).estimate
+    wider = planner.plan_node_type(
+        request(max_context_length=4096, target_concurrency=16), BIG
+    ).estimate
+    assert base and longer and wider
+    assert longer.kv_cache_bytes == 2 * base.kv_cache_bytes
+    assert wider.kv_cache_bytes == 2 * base.kv_cache_bytes
+    # 7B figures: 2 x 32 x 8 x 128 x 2 B = 128 KiB per token; 4096 x 8 tokens = 4 GiB.
+    assert base.kv_cache_bytes == 4 * GIB
+    assert longer.weights_bytes == base.weights_bytes
+
+
+def _by_hand_per_gpu_gib(parameters: int, bytes_per_param: float, tp: int) -> float:
+    """Llama-3.1-70B, 8192 tokens x 8 sequences: KV = 2*80*8*128*2 B * 65536 = 20 GiB exactly."""
+    weights = parameters * bytes_per_param / tp / GIB
+    return weights + 20 / tp + 1 + 0.05 * weights
+
+
+def test_llama_70b_on_the_dev_pools() -> None:
+    assert LLAMA_70B is not None
+    p = LLAMA_70B.parameters
+    plans = {x.node_type.name: x for x in planner.plan(request(LLAMA_70B), DEV_POOLS)}
+
+    # H100-80GB (71.68 GiB usable): bf16 at tp 2 needs 80.0 GiB, at tp 4 40.5 GiB -> bf16, tp 4.
+    h100_usable = 81559 * 0.9 / 1024
+    assert _by_hand_per_gpu_gib(p, 2, 2) > h100_usable > _by_hand_per_gpu_gib(p, 2, 4)
+    assert (plans["h100-80gb"].quantization, plans["h100-80gb"].tensor_parallel) == ("bf16", 4)
+
+    # A100-40GB (36 GiB usable, 4 GPUs per node): bf16 even at tp 4 needs 40.5 GiB; int8 at tp 2
+    # needs 45.5 GiB; int8 at tp 4 needs 23.2 GiB -> int8 is the best level within one node.
+    a100_usable = 40960 * 0.9 / 1024
+    assert _by_hand_per_gpu_gib(p, 2, 4) == pytest.approx(40.5, abs=0.05)
+    assert _by_hand_per_gpu_gib(p, 2, 4) > a100_usable
+    assert _by_hand_per_gpu_gib(p, 1, 2) > a100_usable > _by_hand_per_gpu_gib(p, 1, 4)
+    assert (plans["a100-40gb"].quantization, plans["a100-40gb"].tensor_parallel) == ("int8", 4)
+
+    # T4-16GB: one GPU; int4 alone is 33.9 GiB of weights, far above 13.5 GiB usable.
+    t4 = plans["t4-16gb"]
+    assert not t4.fits
+    assert t4.reason == (
+        "t4-16gb: int4 needs 56.6 GiB per GPU (weights 33.9 + KV 20.0 + overhead 2.7)"
+        " > 13.5 GiB usable"
+    )
+    assert _by_hand_per_gpu_gib(p, 0.5 + 2 / 128, 1) == pytest.approx(56.57, abs=0.01)
+    # Quality order: bf16 first, then int8, then int4 on the 4-GPU L4 node; misfits last.
+    assert [x.node_type.name for x in planner.plan(request(LLAMA_70B), DEV_POOLS)] == [
+        "h100-80gb",
+        "a100-40gb",
+        "l4x4-24gb",
+        "l4-24gb",
+        "t4-16gb",
+    ]
+
+
+def test_fitting_plan_reports_max_concurrency_at_full_context() -> None:
+    plan = planner.plan_node_type(request(), H100)
+    assert plan.estimate is not None
+    # bf16 7B on one H100: usable 71.68 GiB - weights 13.04 - overhead 1.65 = 56.99 GiB of KV;
+    # one 8192-token sequence is 1 GiB, so 56 whole sequences.
+    budget_gib = 81559 * 0.9 / 1024 - 14e9 / GIB - (1 + 0.05 * 14e9 / GIB)
+    assert plan.max_concurrency == int(budget_gib) == 56
+
+
+@pytest.mark.parametrize(
+    ("overrides", "node_type", "expected"),
+    [
+        ({}, L4, ("int8", 1)),  # bf16 14 GB + 8 GiB KV > 20.2 GiB; int8 fits
+        ({"quantizations": ("int4", "bf16")}, L4, ("int4", 1)),  # the user's order, not ours
+        ({"max_gpus_per_replica": 1}, L4X4, ("int8", 1)),  # bf16 would need tp 2
+        ({}, L4X4, ("bf16", 2)),
+        ({"kv_bytes": 1}, L4, ("bf16", 1)),  # fp8 KV halves the 8 GiB: 13.04 + 4 + 1.65 fits
+        # 13.5 GiB usable: int8 needs 6.52 + 8 + 1.33 = 15.85, int4 3.36 + 8 + 1.17 = 12.53
+        ({"gpu_memory_utilization": 0.6}, L4, ("int4", 1)),
+    ],
+)
+def test_choice_per_node_type(
+    overrides: dict[str, Any], node_type: NodeType, expected: tuple[str, int]
+) -> None:
+    plan = planner.plan_node_type(request(**overrides), node_type)
+    assert plan.fits
+    assert (plan.quantization, plan.tensor_parallel) == expected
+
+
+def test_prefer_cost_orders_by_price_per_sequence() -> None:
+    quality = [p.node_type.name for p in planner.plan(request(), DEV_POOLS)]
+    cost = [p.node_type.name for p in planner.plan(request(prefer="cost"), DEV_POOLS)]
+    # quality: every bf16 type before any int8/int4 one, the cheaper replica first:
+    # l4x4 at tp 2 ($2.45/h), a100 at tp 1 ($4.10/h), h100 at tp 1 ($12.29/h).
+    assert quality == ["l4x4-24gb", "a100-40gb", "h100-80gb", "l4-24gb", "t4-16gb"]
+    # cost, $ per hour per sequence held at full context (1 GiB of KV per sequence):
+    # t4 int4 0.53/8 = 0.066; l4 int8 0.98/12 = 0.082; l4x4 bf16 2.445/24 = 0.102;
+    # a100 bf16 4.10/21 = 0.195; h100 bf16 12.29/56 = 0.219.
+    assert cost == ["t4-16gb", "l4-24gb", "l4x4-24gb", "a100-40gb", "h100-80gb"]
+
+
+def test_named_node_types_only_and_unknown_names_reported() -> None:
+    plans = planner.plan(request(node_types=("t4-16gb", "gb200")), DEV_POOLS)
+    assert [p.node_type.name for p in plans] == ["t4-16gb", "gb200"]
+    assert plans[1].reason == "gb200: no such node type in the cluster"
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "expected"),
+    [
+        (3, [2, 5], [2, 1]),  # first type fills up, the rest spills to the next
+        (1, [2, 5], [1, 0]),
+        (9, [2, 5], [4, 5]),  # no room anywhere: the excess waits on the first type
+        (0, [2, 5], [0, 0]),
+        (2, [0, 0], [2, 0]),
+    ],
+)
+def test_assign_replicas(total: int, free: list[int], expected: list[int]) -> None:
+    plans = [
+        planner.NodePlan(
+            pool(f"p{i}", 80000, n, 1) if n else pool(f"p{i}", 80000, 1, 0), True, "bf16", 1
+        )
+        for i, n in enumerate(free)
+    ]
+    assert planner.assign_replicas(total, plans) == expected
+
+
+def test_request_rejects_empty_quantizations() -> None:
+    with pytest.raises(ValueError, match=r"quantization\.allowed is empty"):
+        request(quantizations=())

@@ -1,0 +1,226 @@
+"""One pass as data: desire() and build_status(), and the conditions they carry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import conditions, reconcile
+from kvpilot.operator.api import Condition
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.inventory import NodeType
+
+CONFIG = OperatorConfig()
+T4 = NodeType(
+    "t4-16gb",
+    "Tesla-T4",
+    15360,
+    1,
+    0.53,
+    {"kvpilot.dev/node-type": "t4-16gb"},
+    ("t0", "t1"),
+    (1, 1),
+)
+H100 = NodeType(
+    "h100-80gb", "H100", 81559, 8, 98.32, {"kvpilot.dev/node-type": "h100-80gb"}, ("h0",), (8,)
+)
+
+
+def md(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 2},
+        "spec": spec,
+        "status": status or {},
+    }
+
+
+LLAMA_70B = {
+    "model": {"uri": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+    "serving": {"maxContextLength": 8192},
+}
+
+
+def test_spread_over_node_types_honours_free_gpus() -> None:
+    spec = {**LLAMA_70B, "autoscaling": {"mode": "off", "replicas": 3}}
+    desired = reconcile.desire(md(spec), [T4, H100], CONFIG, False)
+    assert desired.error is None
+    # H100 holds two tp-4 replicas on its 8 free GPUs; T4 does not fit, so the third waits there.
+    assert [(e.node_type, e.replicas, e.fits) for e in desired.plan] == [
+        ("h100-80gb", 3, True),
+        ("t4-16gb", 0, False),
+    ]
+    assert desired.num_unplaceable == 1
+    assert [c["metadata"]["name"] for c in desired.children] == ["m-h100-80gb", "m"]
+
+
+def test_nothing_fits_reports_every_node_type_with_numbers() -> None:
+    desired = reconcile.desire(md(LLAMA_70B), [T4], CONFIG, False)
+    assert desired.children == [] and not desired.is_invalid_spec
+    assert desired.error == (
+        "no node type fits: t4-16gb: int4 needs 56.6 GiB per GPU (weights 33.9 + KV 20.0"
+        " + overhead 2.7) > 13.5 GiB usable"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"model": {"uri": "pvc://weights/mine"}},
+            "set spec.model parameters, layers, kvHeads, headDim",
+        ),
+        (
+            {"model": {"uri": "hf://a/b"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 1}},
+            "minReplicas",
+        ),
+    ],
+)
+def test_invalid_spec_is_permanent(spec: dict[str, Any], message: str) -> None:
+    desired = reconcile.desire(md(spec), [H100], CONFIG, False)
+    assert desired.is_invalid_spec
+    assert desired.error is not None and message in desired.error
+
+
+def test_status_of_a_pass() -> None:
+    spec = {**LLAMA_70B, "autoscaling": {"mode": "external", "replicas": 1}}
+    obj = md(spec)
+    desired = reconcile.desire(obj, [H100], CONFIG, False)
+    deployment = {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": 1},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": 1,
+            "updatedReplicas": 1,
+            "readyReplicas": 1,
+        },
+    }
+    status = reconcile.build_status(obj, desired, [deployment], CONFIG, "2026-01-01T00:00:00Z")
+    assert status["observedGeneration"] == 2
+    assert (status["replicas"], status["readyReplicas"]) == (1, 1)
+    assert status["selector"] == "kvpilot.dev/model=m"
+    assert status["quantization"] == "bf16"
+    assert status["endpoint"] == "http://m.ns.svc:8000/v1"
+    by_type = {c["type"]: c for c in status["conditions"]}
+    assert by_type["Ready"]["status"] == "True"
+    assert by_type["Progressing"]["status"] == "False"
+    assert by_type["Degraded"]["status"] == "False"
+    assert "h100-80gb: bf16 on 4 GPU(s) x1" in by_type["Planned"]["message"]
+    assert status["plan"][0]["weightsGiB"] == pytest.approx(32.85, abs=0.01)
+
+
+def test_merge_keeps_transition_time_of_unchanged_conditions() -> None:
+    old = [
+        Condition(type="Ready", status="True", last_transition_time="t0"),
+        Condition(type="MetricsAvailable", status="True", last_transition_time="t0"),
+    ]
+    new = [Condition(type="Ready", status="True"), Condition(type="Degraded", status="False")]
+    merged = {c.type: c for c in conditions.merge(old, new, "t1")}
+    assert merged["Ready"].last_transition_time == "t0"
+    assert merged["Degraded"].last_transition_time == "t1"
+    assert merged["MetricsAvailable"].last_transition_time == "t0"  # the autoscaler's, untouched
+    flipped = conditions.merge(old, [Condition(type="Ready", status="False")], "t2")
+    assert flipped[0].last_transition_time == "t2"
+
+
+@pytest.mark.parametrize(
+    ("deployments", "expected"),
+    [
+        ([], conditions.Rollout(0, 0, 0, True)),
+        (
+            [
+                {
+                    "metadata": {"generation": 2},
+                    "spec": {"replicas": 2},
+                    "status": {
+                        "observedGeneration": 1,
+                        "replicas": 2,
+                        "updatedReplicas": 2,
+                        "readyReplicas": 2,
+                    },
+                }
+            ],
+            conditions.Rollout(2, 2, 2, False),  # a new generation not yet observed
+        ),
+        (
+            [
+                {
+                    "metadata": {"generation": 1},
+                    "spec": {"replicas": 2},
+                    "status": {
+                        "observedGeneration": 1,
+                        "replicas": 3,
+                        "updatedReplicas": 1,
+                        "readyReplicas": 2,
+                    },
+                }
+            ],
+            conditions.Rollout(2, 2, 1, False),  # old and new pods side by side
+        ),
+    ],
+)
+def test_summarize(deployments: list[dict[str, Any]], expected: conditions.Rollout) -> None:
+    assert conditions.summarize(deployments) == expected
+
+
+def test_plan_changed() -> None:
+    obj = md(LLAMA_70B)
+    desired = reconcile.desire(obj, [H100], CONFIG, False)
+    assert reconcile.plan_changed(obj, desired)
+    obj["status"]["plan"] = [e.model_dump(by_alias=True) for e in desired.plan]
+    assert not reconcile.plan_changed(obj, desired)
+
+
+@pytest.mark.parametrize(
+    ("mode", "autoscaling_status", "expected"),
+    [
+        ("builtin", {}, [1, 0]),  # minReplicas
+        ("builtin", {"desiredReplicas": 3}, [3, 0]),
+        ("builtin", {"desiredReplicas": 9}, [4, 0]),  # clamped to maxReplicas
+        (
+            "builtin",
+            {"desiredReplicas": 3, "replicasPerNodeType": {"h100-80gb": 2, "t4-16gb": 5}},
+            [2, 0],
+        ),
+        (
+            "off",
+            {"desiredReplicas": 3, "replicasPerNodeType": {"h100-80gb": 2}},
+            [2, 0],
+        ),  # spec wins
+    ],
+)
+def test_replicas_follow_the_autoscaler_or_the_scale_subresource(
+    mode: str, autoscaling_status: dict[str, Any], expected: list[int]
+) -> None:
+    spec = {**LLAMA_70B, "autoscaling": {"mode": mode, "replicas": 2, "maxReplicas": 4}}
+    desired = reconcile.desire(
+        md(spec, {"autoscaling": autoscaling_status}), [H100, T4], CONFIG, False
+    )
+    assert [e.replicas for e in desired.plan] == expected
+
+
+def test_status_written_by_the_autoscaler_is_carried_not_parsed() -> None:
+    autoscaler_status = {
+        "conditions": [
+            {"type": "MetricsAvailable", "status": "False", "reason": "MetricsMissing"},
+            {"bad": 1},
+        ],
+        "autoscaling": {"desiredReplicas": 1, "lastScaleTime": None, "state": {"x": [1, 2]}},
+    }
+    obj = md(LLAMA_70B, autoscaler_status)
+    status = reconcile.build_status(
+        obj, reconcile.desire(obj, [H100], CONFIG, False), [], CONFIG, "t"
+    )
+    assert "autoscaling" not in status  # the autoscaler's to write; a merge patch leaves it
+    assert {c["type"] for c in status["conditions"]} >= {"Ready", "MetricsAvailable"}
+
+
+def test_a_new_failure_is_news_once() -> None:
+    obj = md({"model": {"uri": "pvc://weights/mine"}})
+    desired = reconcile.desire(obj, [H100], CONFIG, False)
+    assert reconcile.plan_changed(obj, desired)
+    obj["status"] = reconcile.build_status(obj, desired, [], CONFIG, "t")
+    assert not reconcile.plan_changed(obj, desired)
