@@ -5,14 +5,15 @@ PY := .venv/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: help setup system-deps lint test unit bench crds cluster-build cluster-up cluster-down \
-        cluster-env demo demo-down
+        cluster-env demo demo-down images
 
 help:
 	@echo "make demo        bring up the dev cluster with its fake GPU node pools and show them"
 	@echo "make test        lint + all tests (unit, local control plane) — what CI runs"
 	@echo "make lint        ruff + mypy"
 	@echo "make bench       run the benchmarks and rewrite docs/benchmarks.md"
-	@echo "make crds        regenerate crds/ from the pydantic API models"
+	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
+	@echo "make images      build the operator and runtime images (needs Docker)"
 	@echo "make cluster-up / cluster-down / cluster-env   the local control plane (hack/devcluster)"
 
 system-deps:
@@ -46,6 +47,14 @@ bench: setup
 
 crds: setup
 	$(PY) -m kvpilot.operator.crdgen
+	$(PY) deploy/render.py
+
+# Container images (needs a Docker engine; not built in CI). IMAGE_TAG defaults to the version.
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+images:
+	@command -v docker >/dev/null || { echo "make images needs Docker"; exit 1; }
+	docker build -f operator/Dockerfile -t ghcr.io/kvpilot/operator:$(IMAGE_TAG) .
+	docker build -f runtime/Dockerfile -t ghcr.io/kvpilot/runtime:$(IMAGE_TAG) .
 
 cluster-up: cluster-build
 	@$(PY) -m hack.devcluster up

@@ -19,6 +19,7 @@ from hack.devcluster.versions import (
     ETCD,
     GOTOOLS,
     HELM,
+    KUBE_SCORE,
     KUBERNETES,
     KWOK,
     PROMETHEUS,
@@ -68,6 +69,9 @@ def build_commands(component: Component, out_dir: Path) -> list[tuple[list[str],
         flags = f"-s -w -X helm.sh/helm/v3/internal/version.version={component.version}"
         pkg = f"helm.sh/helm/v3/cmd/helm@{component.version}"
         return [(["go", "install", "-trimpath", "-ldflags", flags, pkg], None)]
+    if component is KUBE_SCORE:
+        pkg = f"github.com/zegl/kube-score/cmd/kube-score@{component.version}"
+        return [(["go", "install", "-trimpath", "-ldflags", "-s -w", pkg], None)]
     raise ValueError(f"no build recipe for {component.name}")
 
 

@@ -23,6 +23,8 @@ HELM_VERSION = "v3.22.0"
 # Kubernetes service discovery the dev cluster needs, so we build it, with only that discovery.
 PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
+# kube-score: the workload security linter the chart tests run (tests/integration/helm).
+KUBE_SCORE_VERSION = "v1.20.0"
 
 
 def cache_dir() -> Path:
@@ -61,7 +63,8 @@ ETCD = Component("etcd", ETCD_VERSION, ("etcd",))
 KWOK = Component("kwok", KWOK_VERSION, ("kwok",))
 HELM = Component("helm", HELM_VERSION, ("helm",))
 PROMETHEUS = Component("prometheus", PROMETHEUS_VERSION, ("prometheus",))
-COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS)
+KUBE_SCORE = Component("kube-score", KUBE_SCORE_VERSION, ("kube-score",))
+COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS, KUBE_SCORE)
 
 
 def bin_path_entries() -> list[Path]:

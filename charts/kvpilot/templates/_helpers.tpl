@@ -1,0 +1,106 @@
+{{/* Names and labels shared by every object of the release. */}}
+
+{{- define "kvpilot.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvpilot.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpilot.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "kvpilot.labels" -}}
+{{ include "kvpilot.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvpilot
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "kvpilot.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvpilot.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The operator's config.yaml, exactly the keys operator/kvpilot/operator/config.py accepts. */}}
+{{- define "kvpilot.config" -}}
+runtimeImage: {{ .Values.config.runtimeImage | quote }}
+prometheusUrl: {{ .Values.config.prometheusUrl | quote }}
+autoscalerIntervalSeconds: {{ .Values.config.autoscalerIntervalSeconds }}
+nodeTypes: {{- if .Values.config.nodeTypes }}
+{{ toYaml .Values.config.nodeTypes | indent 2 }}
+{{- else }} []
+{{- end }}
+{{- end -}}
+
+{{/*
+Rights the operator needs in the namespaces it watches. Each rule names the code that needs it:
+kopf = the framework (watches, progress annotations, peering), k8s.py = our API adapter
+(server-side apply needs create as well as patch: it creates what does not exist yet).
+*/}}
+{{- define "kvpilot.namespacedRules" -}}
+# GPU pods: kopf index gpu_pods (handlers.py), ready pods for direct scraping (metrics.py)
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+# children: server-side apply, list for stale ones, delete (controller.py); kopf watches them
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+# Events on ModelDeployments (k8s.emit_event, kopf's error posting)
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+# the custom resource: kopf watches it and keeps its progress in annotations (patch); the
+# operator never writes spec, only status
+- apiGroups: [kvpilot.dev]
+  resources: [modeldeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [kvpilot.dev]
+  resources: [modeldeployments/status]
+  verbs: [get, patch]
+{{- if .Values.podMonitors.enabled }}
+# PodMonitors for ModelDeployments with spec.monitoring.podMonitor (podMonitors.enabled)
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [get, list, watch, create, patch, delete]
+{{- end }}
+{{- end -}}
+
+{{/* Rights that only exist cluster-wide, needed in both modes. */}}
+{{- define "kvpilot.clusterRules" -}}
+# GPU node inventory: kopf index gpu_nodes (handlers.py)
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get, list, watch]
+# kopf notices CRDs being added or removed (list, watch); the operator checks for the
+# PodMonitor CRD (get)
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+{{- end -}}
+
+{{/* kopf peering: kopf lists, watches and patches it; cli.ensure_peering creates it by apply. */}}
+{{- define "kvpilot.peeringRule" -}}
+- apiGroups: [kopf.dev]
+  resources: [{{ if .Values.watchNamespace }}kopfpeerings{{ else }}clusterkopfpeerings{{ end }}]
+  verbs: [get, list, watch, create, patch]
+{{- end -}}

