@@ -18,6 +18,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from kvpilot.operator import api, inventory, manifests, observability
+from kvpilot.operator.actuator import AutoscalerLoop
 from kvpilot.operator.controller import Controller, Replanner, controller_owner
 
 MD = (api.GROUP, api.VERSION, api.PLURAL)
@@ -46,12 +47,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         raise kopf.PermanentError("start the operator with `kvpilot-operator run`")
     memo["replanner"] = Replanner(memo["controller"], _values)
     memo["replanner"].start()
+    interval = memo["controller"].config.autoscaler_interval_seconds
+    memo["autoscaler"] = AutoscalerLoop(memo["controller"], interval)
+    memo["autoscaler"].start()
 
 
 @kopf.on.cleanup(id="stop-replanner")
 def stop_replanner(memo: Any, **_: Any) -> None:
     if "replanner" in memo:
         memo["replanner"].stop()
+    if "autoscaler" in memo:
+        memo["autoscaler"].stop()
 
 
 @kopf.index("", "v1", "nodes", id="gpu_nodes")

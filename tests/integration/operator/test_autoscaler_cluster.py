@@ -1,0 +1,191 @@
+"""The builtin autoscaler on the local control plane, fed by a real metrics endpoint we control.
+
+kwok runs the runtime pods (no process), but their pod IPs are loopback addresses, so the test
+serves each pod's /metrics itself on that IP and port: the operator scrapes it exactly as it
+would scrape a runtime pod, decides, records status and Events, and the Deployments follow.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.operator.test_operator_cluster import (
+    ROOT,
+    Operator,
+    apply_doc,
+    condition,
+    get,
+    model_deployment,
+    pods,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+RUNTIME_PORT = 8000
+
+
+class Exporter:
+    """Serves kvpilot_requests_waiting = `waiting` on one pod IP (what a runtime pod would)."""
+
+    def __init__(self, ip: str) -> None:
+        self.waiting = 0.0
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (
+                    "# TYPE kvpilot_requests_waiting gauge\n"
+                    f'kvpilot_requests_waiting{{model_name="m"}} {exporter.waiting}\n'
+                    "# TYPE kvpilot_kv_cache_usage_ratio gauge\n"
+                    'kvpilot_kv_cache_usage_ratio{model_name="m"} 0.1\n'
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((ip, RUNTIME_PORT), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class WithEnv:
+    """What Operator needs of a cluster: the environment to start the process in."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+
+@pytest.fixture
+def crds(cluster: Any) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
+    )
+
+
+@pytest.fixture
+def autoscaling_operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
+    env = {**cluster.env, "KVPILOT_AUTOSCALER_INTERVAL": "1", "KVPILOT_PROMETHEUS_URL": ""}
+    op = Operator(WithEnv(env), tmp_path / "operator.log", "--standalone")
+    op.start()
+    yield op
+    op.stop()
+
+
+def events(cluster: Any, namespace: str, name: str, reason: str) -> list[str]:
+    selector = f"involvedObject.name={name}"
+    found = get(cluster, "events", "-n", namespace, "--field-selector", selector)["items"]
+    return [e["message"] for e in found if e.get("reason") == reason]
+
+
+def test_queue_scales_up_then_down_and_state_survives_a_restart(
+    cluster: Any, autoscaling_operator: Operator, tmp_path: Path
+) -> None:
+    namespace = "default"
+    name = "autoscaled"
+    op = autoscaling_operator
+    autoscaling = {
+        "mode": "builtin",
+        "minReplicas": 1,
+        "maxReplicas": 3,
+        "targetQueueLength": 2,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 8,
+    }
+    doc = model_deployment(
+        name,
+        "hf://Qwen/Qwen2.5-0.5B-Instruct",
+        serving={"maxContextLength": 2048, "targetConcurrency": 4},
+        placement={"nodeTypes": ["l4-24gb"]},
+        autoscaling=autoscaling,
+    )
+    apply_doc(cluster, namespace, doc)
+    first = wait_for(
+        lambda: [p for p in pods(cluster, namespace, name) if p["status"].get("podIP")],
+        "the first pod",
+        op,
+    )[0]
+    exporter = Exporter(first["status"]["podIP"])
+    try:
+        exporter.waiting = 10  # 10 waiting on 1 replica, target 2 per replica -> scale up
+        md = wait_for(
+            lambda: (
+                (m := get(cluster, "md", name, "-n", namespace))["status"].get("replicas", 0) > 1
+                and m
+            ),
+            "a scale-up",
+            op,
+            timeout=60,
+        )
+        assert condition(md, "MetricsAvailable")["status"] == "True"
+        assert md["status"]["autoscaling"]["desiredReplicas"] > 1
+        assert md["status"]["autoscaling"]["lastDecision"]
+        assert wait_for(
+            lambda: events(cluster, namespace, name, "ScaledUp"), "a ScaledUp event", op
+        )
+        wait_for(lambda: len(pods(cluster, namespace, name)) > 1, "more pods", op)
+
+        # Restart the operator between decisions: the policy state lives in status.
+        state_before = md["status"]["autoscaling"].get("state")
+        op.stop(signal.SIGKILL)
+        assert state_before
+        exporter.waiting = 0
+        op.start()
+        md = wait_for(
+            lambda: (
+                (m := get(cluster, "md", name, "-n", namespace))["status"].get("replicas") == 1
+                and m
+            ),
+            "the scale-down after the window",
+            op,
+            timeout=90,
+        )
+        assert events(cluster, namespace, name, "ScaledDown")
+    finally:
+        exporter.close()
+        cluster.kubectl("delete", "md", name, "-n", namespace, "--wait=false", check=False)
+
+
+def test_missing_metrics_hold_replicas(cluster: Any, autoscaling_operator: Operator) -> None:
+    namespace, name = "default", "no-metrics"
+    autoscaling = {"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}
+    doc = model_deployment(
+        name,
+        "hf://Qwen/Qwen2.5-0.5B-Instruct",
+        placement={"nodeTypes": ["l4-24gb"]},
+        autoscaling=autoscaling,
+    )
+    apply_doc(cluster, namespace, doc)
+    try:
+        # Pods are Ready (kwok) but nothing answers on their metrics port.
+        md = wait_for(
+            lambda: (
+                condition(m := get(cluster, "md", name, "-n", namespace), "MetricsAvailable").get(
+                    "status"
+                )
+                == "False"
+                and m
+            ),
+            "MetricsAvailable=False",
+            autoscaling_operator,
+            timeout=60,
+        )
+        assert md and md["status"]["replicas"] == 2
+        assert not events(cluster, namespace, name, "ScaledDown")
+    finally:
+        cluster.kubectl("delete", "md", name, "-n", namespace, "--wait=false", check=False)

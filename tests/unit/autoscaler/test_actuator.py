@@ -1,0 +1,61 @@
+"""Pure parts of the autoscaler loop: which pods are scraped, mode, MetricsAvailable merging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import actuator
+from kvpilot.operator.policy import Decision, PolicyState
+
+
+def pod(name: str, ready: bool, ip: str | None = "127.64.0.2", **meta: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"kvpilot.dev/node-type": "l4"}, **meta},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+
+
+def test_only_ready_running_pods_are_scraped_at_their_annotated_port() -> None:
+    annotated = pod("a", True, annotations={"prometheus.io/port": "9000"})
+    pods = [
+        annotated,
+        pod("b", True, "127.64.0.3"),
+        pod("c", False),
+        pod("d", True, None),
+        pod("e", True, deletionTimestamp="2026-01-01T00:00:00Z"),
+    ]
+    urls, types = actuator.ready_pod_urls(pods, 8000)
+    assert urls == {"a": "http://127.64.0.2:9000/metrics", "b": "http://127.64.0.3:8000/metrics"}
+    assert types == {"a": "l4", "b": "l4"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "builtin"),
+    [
+        ({}, True),
+        ({"autoscaling": {"mode": "builtin"}}, True),
+        ({"autoscaling": {"mode": "off"}}, False),
+        ({"autoscaling": {"mode": "external"}}, False),
+    ],
+)
+def test_only_builtin_mode_is_autoscaled(spec: dict[str, Any], builtin: bool) -> None:
+    assert actuator.is_builtin({"spec": spec}) is builtin
+
+
+def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> None:
+    old = [
+        {"type": "Ready", "status": "True", "lastTransitionTime": "t0"},
+        {"type": "MetricsAvailable", "status": "True", "lastTransitionTime": "t1"},
+    ]
+    state = PolicyState()
+    fresh = Decision(replicas=1, reason="hold", state=state, metrics_available=True)
+    merged = {c["type"]: c for c in actuator.metrics_condition_patch(old, fresh, "t2")}
+    assert merged["Ready"]["lastTransitionTime"] == "t0"
+    assert merged["MetricsAvailable"]["lastTransitionTime"] == "t1"
+    lost = Decision(replicas=1, reason="prometheus down", state=state, metrics_available=False)
+    merged = {c["type"]: c for c in actuator.metrics_condition_patch(old, lost, "t2")}
+    assert merged["MetricsAvailable"]["status"] == "False"
+    assert merged["MetricsAvailable"]["lastTransitionTime"] == "t2"
+    assert merged["MetricsAvailable"]["message"] == "prometheus down"
