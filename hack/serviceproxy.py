@@ -2,9 +2,10 @@
 
 Pod IPs of the local pool are loopback addresses, but Service IPs route nowhere on this machine,
 so tests and the demo reach a Service through this proxy. It balances requests round-robin over
-the *ready* endpoints of the Service's EndpointSlices (refreshed every REFRESH_S), as kube-proxy
-does; terminating or not-ready pods get no new requests. Responses, SSE streams included, are
-relayed chunk by chunk.
+the *ready* pods the Service selects (refreshed every REFRESH_S), as kube-proxy does with
+EndpointSlices; terminating or not-ready pods get no new requests. The apiserver refuses
+loopback addresses in EndpointSlices, so the proxy reads the pods themselves. Responses, SSE
+streams included, are relayed chunk by chunk.
 
     python -m hack.serviceproxy --kubeconfig K --namespace NS --service NAME --port N
 """
@@ -26,45 +27,66 @@ REFRESH_S = 0.5
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
 
-def ready_endpoints(slices: list[dict[str, Any]], port_name: str | None) -> list[str]:
-    """host:port of every ready endpoint (pure: EndpointSlice documents in, addresses out)."""
+def target_port(service: dict[str, Any], port_name: str | None) -> int | str:
+    ports = (service.get("spec") or {}).get("ports") or []
+    chosen = next((p for p in ports if port_name in (None, p.get("name"))), None)
+    if chosen is None:
+        raise ValueError(f"service has no port named {port_name!r}")
+    return chosen.get("targetPort") or chosen["port"]
+
+
+def ready_endpoints(pods: list[dict[str, Any]], port: int | str) -> list[str]:
+    """host:port of every ready, non-terminating pod (pure: pod documents in, addresses out)."""
     found = []
-    for item in slices:
-        ports = item.get("ports") or []
-        port = next((p["port"] for p in ports if port_name in (None, p.get("name"))), None)
-        if port is None:
+    for pod in pods:
+        status, meta = pod.get("status") or {}, pod.get("metadata") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if not ready or meta.get("deletionTimestamp") or not status.get("podIP"):
             continue
-        for endpoint in item.get("endpoints") or []:
-            conditions = endpoint.get("conditions") or {}
-            if conditions.get("ready") and not conditions.get("terminating"):
-                found += [f"{address}:{port}" for address in endpoint.get("addresses", [])]
+        number = port if isinstance(port, int) else container_port(pod, port)
+        if number is not None:
+            found.append(f"{status['podIP']}:{number}")
     return sorted(found)
+
+
+def container_port(pod: dict[str, Any], name: str) -> int | None:
+    if name.isdigit():
+        return int(name)
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == name:
+                return int(port["containerPort"])
+    return None
 
 
 class ServiceProxy:
     def __init__(
         self, api: client.ApiClient, namespace: str, service: str, port_name: str | None
     ) -> None:
-        self.discovery = client.DiscoveryV1Api(api)
+        self.core = client.CoreV1Api(api)
         self.namespace, self.service, self.port_name = namespace, service, port_name
         self.endpoints: list[str] = []
         self.cycle = itertools.cycle([""])
 
     async def refresh_forever(self) -> None:
         while True:
-            slices = await asyncio.to_thread(self.list_slices)
-            endpoints = ready_endpoints(slices, self.port_name)
+            endpoints = await asyncio.to_thread(self.list_endpoints)
             if endpoints != self.endpoints:
                 self.endpoints, self.cycle = endpoints, itertools.cycle(endpoints)
                 print(f"serviceproxy: {self.service} -> {endpoints}", flush=True)
             await asyncio.sleep(REFRESH_S)
 
-    def list_slices(self) -> list[dict[str, Any]]:
-        selector = f"kubernetes.io/service-name={self.service}"
-        items = self.discovery.list_namespaced_endpoint_slice(
-            self.namespace, label_selector=selector
-        ).items
-        return [self.discovery.api_client.sanitize_for_serialization(i) for i in items]
+    def list_endpoints(self) -> list[str]:
+        service = self.core.api_client.sanitize_for_serialization(
+            self.core.read_namespaced_service(self.service, self.namespace)
+        )
+        selector = ",".join(f"{k}={v}" for k, v in service["spec"].get("selector", {}).items())
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        documents = [self.core.api_client.sanitize_for_serialization(p) for p in pods]
+        return ready_endpoints(documents, target_port(service, self.port_name))
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if not self.endpoints:

@@ -8,41 +8,54 @@ from typing import Any
 import pytest
 
 from hack.devcluster.prometheus import build_config
-from hack.serviceproxy import ready_endpoints
+from hack.serviceproxy import ready_endpoints, target_port
 
 
-def endpoint(ip: str, ready: bool, terminating: bool = False) -> dict[str, Any]:
-    return {"addresses": [ip], "conditions": {"ready": ready, "terminating": terminating}}
+def pod(ip: str | None, ready: bool, terminating: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": f"p-{ip}"}
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {
+        "metadata": meta,
+        "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
 
 
-SLICES: list[dict[str, Any]] = [
-    {
-        "ports": [{"name": "http", "port": 8000}],
-        "endpoints": [
-            endpoint("127.70.0.3", True),
-            endpoint("127.70.0.2", True),
-            endpoint("127.70.0.4", False),
-            endpoint("127.70.0.5", False, True),
-        ],
-    },
-    {"ports": [{"name": "metrics", "port": 9000}], "endpoints": [endpoint("127.70.1.2", True)]},
-    {"ports": None, "endpoints": None},
+PODS = [
+    pod("127.70.0.3", True),
+    pod("127.70.0.2", True),
+    pod("127.70.0.4", False),
+    pod("127.70.0.5", True, terminating=True),
+    pod(None, True),
 ]
+SERVICE = {
+    "spec": {
+        "ports": [
+            {"name": "http", "port": 80, "targetPort": "http"},
+            {"name": "metrics", "port": 9000},
+        ]
+    }
+}
 
 
 @pytest.mark.parametrize(
     ("port_name", "expected"),
     [
         ("http", ["127.70.0.2:8000", "127.70.0.3:8000"]),
-        ("metrics", ["127.70.1.2:9000"]),
-        (None, ["127.70.0.2:8000", "127.70.0.3:8000", "127.70.1.2:9000"]),
-        ("grpc", []),
+        ("metrics", ["127.70.0.2:9000", "127.70.0.3:9000"]),
+        (None, ["127.70.0.2:8000", "127.70.0.3:8000"]),
     ],
 )
-def test_only_ready_non_terminating_endpoints_get_traffic(
+def test_only_ready_non_terminating_pods_get_traffic(
     port_name: str | None, expected: list[str]
 ) -> None:
-    assert ready_endpoints(SLICES, port_name) == expected
+    assert ready_endpoints(PODS, target_port(SERVICE, port_name)) == expected
+
+
+def test_unknown_port_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no port named 'grpc'"):
+        target_port(SERVICE, "grpc")
 
 
 def test_prometheus_discovers_pods_and_keeps_only_loopback_targets() -> None:
