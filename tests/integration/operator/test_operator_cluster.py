@@ -395,9 +395,16 @@ def test_peering_lets_one_instance_act(
 ) -> None:
     low = Operator(cluster, tmp_path / "low.log", "--priority=10")
     high = Operator(cluster, tmp_path / "high.log", "--priority=20")
-    low.start()
     high.start()
+    low.start()
     try:
+        # Until an instance has seen the other's peering record it acts on its own (as kopf
+        # does); apply only once both records are in the peering object.
+        wait_for(
+            lambda: len(get(cluster, "clusterkopfpeering", "kvpilot").get("status") or {}) >= 2,
+            "both instances in the peering object",
+            low,
+        )
         md = model_deployment(
             "peered",
             "hf://Qwen/Qwen2.5-0.5B-Instruct",
