@@ -75,6 +75,13 @@ class Serving(_Model):
     target_concurrency: int = Field(
         default=8, ge=1, le=4096, description="sequences at full context one replica must hold"
     )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="cap on sequences one replica batches (the runtime's --max-num-seqs); beyond"
+        " it requests queue, which the autoscaler scales on. Default: what the plan holds",
+    )
     kv_cache_dtype: KvCacheDtype = "auto"
     gpu_memory_utilization: float = Field(
         default=0.9, ge=0.1, le=1.0, description="share of each GPU's memory the runtime may use"

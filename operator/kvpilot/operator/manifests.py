@@ -114,7 +114,10 @@ def runtime_args(
 
 
 def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
-    """What the plan holds at full context, capped, but never below what the user asked for."""
+    """The user's cap if given; else what the plan holds at full context, capped, but never
+    below the target concurrency."""
+    if spec.serving.max_num_seqs is not None:
+        return spec.serving.max_num_seqs
     return max(spec.serving.target_concurrency, min(node_plan.max_concurrency, MAX_NUM_SEQS_CAP))
 
 

@@ -183,3 +183,18 @@ def test_the_schema_check_can_fail() -> None:
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, "1.37.0", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("serving", "expected"),
+    [
+        ({"maxContextLength": 4096, "targetConcurrency": 4, "maxNumSeqs": 3}, 3),
+        ({"maxContextLength": 4096, "targetConcurrency": 4}, None),  # from the plan
+    ],
+)
+def test_max_num_seqs_is_the_users_cap_when_given(
+    serving: dict[str, Any], expected: int | None
+) -> None:
+    s = spec(serving=serving)
+    want = expected or min(plan_for(s).max_concurrency, 256)
+    assert manifests.max_num_seqs(s, plan_for(s)) == want
