@@ -1,0 +1,234 @@
+"""The closed loop on the dev cluster: real runtime pods, real Prometheus, the real operator.
+
+A load burst from `kvpilot bench` through the service proxy makes the queue cross its target, the
+autoscaler adds a replica; when the load stops the fleet shrinks after the stabilisation window,
+and no request fails on the way (the runtime drains on SIGTERM, the proxy stops routing to it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hack.devcluster import procs
+from hack.devcluster.versions import REPO_ROOT
+from tests.support.kube import get_json, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+BIN = Path(sys.executable).parent
+NAME = "tiny-e2e"
+INTERVAL_S = 2
+DOWN_WINDOW_S = 10
+
+
+def manifest() -> dict[str, Any]:
+    doc = yaml.safe_load((REPO_ROOT / "examples" / "tiny-llama.yaml").read_text())
+    doc["metadata"]["name"] = NAME
+    doc["spec"]["model"]["uri"] = f"file://{REPO_ROOT / 'models' / 'tiny-llama'}"
+    doc["spec"]["model"]["servedName"] = NAME
+    doc["spec"]["serving"]["maxNumSeqs"] = 2
+    doc["spec"]["autoscaling"] = {
+        "mode": "builtin",
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "targetQueueLength": 2,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": DOWN_WINDOW_S,
+    }
+    return dict(doc)
+
+
+@pytest.fixture
+def loop(cluster: Any) -> Iterator[str]:
+    """CRD + operator (reading the dev cluster's Prometheus) + tiny-llama + a proxy; its URL."""
+    if not hasattr(cluster, "start_process"):
+        pytest.skip("the closed loop needs the dev cluster (pod runner and Prometheus)")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
+    )
+    env = {
+        **cluster.env,
+        "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
+        "KVPILOT_AUTOSCALER_INTERVAL": str(INTERVAL_S),
+    }
+    cluster.start_process(
+        "e2e-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
+    )
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest()))
+    port = procs.free_port()
+    cluster.start_process(
+        "e2e-proxy",
+        [
+            sys.executable,
+            "-m",
+            "hack.serviceproxy",
+            f"--kubeconfig={cluster.kubeconfig}",
+            f"--service={NAME}",
+            f"--port={port}",
+        ],
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: procs.http_ok(f"{url}/v1/models"), 240, "tiny-llama to serve")
+    try:
+        yield url
+    finally:
+        cluster.kubectl("delete", "modeldeployment", NAME, "--wait=false", check=False)
+        cluster.stop_process("e2e-proxy")
+        cluster.stop_process("e2e-operator")
+
+
+def status(cluster: Any) -> dict[str, Any]:
+    return dict(get_json(cluster, "modeldeployment", NAME).get("status", {}))
+
+
+def test_burst_scales_up_and_the_drop_scales_down_without_errors(
+    cluster: Any, loop: str, tmp_path: Path
+) -> None:
+    result = tmp_path / "bench.json"
+    bench = subprocess.Popen(
+        [
+            str(BIN / "kvpilot"),
+            "bench",
+            "--base-url",
+            loop,
+            "--model",
+            NAME,
+            "--concurrency",
+            "16",
+            "--num-prompts",
+            "300",
+            "--input-len",
+            "32",
+            "--output-len",
+            "64",
+            "--ignore-eos",
+            "--result-json",
+            str(result),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        def scaled_up_or_done() -> str:
+            if status(cluster).get("replicas", 0) >= 2:
+                return "scaled up"
+            return "load ended first" if bench.poll() is not None else ""
+
+        outcome = wait_until(scaled_up_or_done, 180, "a scale-up under load")
+        assert outcome == "scaled up"
+        assert bench.wait(timeout=600) == 0
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    summary = json.loads(result.read_text())["summary"]
+    assert summary["failed"] == 0 and summary["completed"] == 300
+
+    # Load stopped: the replica goes away, but never sooner than the window after it came.
+    wait_until(lambda: status(cluster).get("replicas") == 1, DOWN_WINDOW_S + 120, "scale-down")
+    events = get_json(cluster, "events", "--field-selector", f"involvedObject.name={NAME}")
+    when = {e["reason"]: parse_time(e) for e in events["items"]}
+    assert when["ScaledDown"] - when["ScaledUp"] >= DOWN_WINDOW_S - 1
+    auto = status(cluster)["autoscaling"]
+    assert auto["metricsAvailable"] is True and auto["lastDecision"]
+
+
+def parse_time(event: dict[str, Any]) -> float:
+    stamp = event.get("lastTimestamp") or event.get("eventTime") or event["firstTimestamp"]
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def condition(cluster: Any, kind: str) -> str:
+    found = [c for c in status(cluster).get("conditions", []) if c["type"] == kind]
+    return str(found[0]["status"]) if found else ""
+
+
+def test_prometheus_outage_holds_replicas_then_scaling_resumes(cluster: Any, loop: str) -> None:
+    wait_until(lambda: condition(cluster, "MetricsAvailable") == "True", 60, "fresh metrics")
+    cluster.stop_process("prometheus")
+    try:
+        wait_until(lambda: condition(cluster, "MetricsAvailable") == "False", 60, "the outage")
+        assert status(cluster)["replicas"] == 1
+        assert "prometheus" in status(cluster)["autoscaling"]["lastDecision"].lower()
+    finally:
+        cluster.up()  # idempotent: starts what is missing, on the same ports
+    wait_until(lambda: condition(cluster, "MetricsAvailable") == "True", 90, "metrics to return")
+
+
+def runtime_pid(pod_ip: str) -> int:
+    """The pid of the runtime process the pod runner started for this pod IP."""
+    pattern = f"--host {pod_ip}( |$)"
+    out = subprocess.run(
+        ["pgrep", "-f", "--", pattern], capture_output=True, text=True, check=False
+    )
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 1, f"expected one runtime process on {pod_ip}, found {pids}"
+    return pids[0]
+
+
+def test_a_killed_runtime_fails_its_requests_cleanly_and_restarts(
+    cluster: Any, loop: str, tmp_path: Path
+) -> None:
+    pod = get_json(cluster, "pods", "-l", f"kvpilot.dev/model={NAME}")["items"][0]
+    pid = runtime_pid(pod["status"]["podIP"])
+    result = tmp_path / "bench.json"
+    bench = subprocess.Popen(
+        [
+            str(BIN / "kvpilot"),
+            "bench",
+            "--base-url",
+            loop,
+            "--model",
+            NAME,
+            "--concurrency",
+            "8",
+            "--num-prompts",
+            "200",
+            "--input-len",
+            "32",
+            "--output-len",
+            "64",
+            "--ignore-eos",
+            "--timeout",
+            "60",
+            "--result-json",
+            str(result),
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(
+            lambda: (
+                status(cluster).get("autoscaling", {}).get("metrics", {}).get("requestsRunning", 0)
+                > 0
+            ),
+            60,
+            "requests running",
+        )
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        # The client sees failures, not a hang: the run ends well inside its time limit.
+        assert bench.wait(timeout=300) == 0
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    summary = json.loads(result.read_text())["summary"]
+    assert summary["failed"] >= 1 and summary["completed"] + summary["failed"] == 200
+
+    def restarted() -> bool:
+        pods = get_json(cluster, "pods", "-l", f"kvpilot.dev/model={NAME}")["items"]
+        statuses = [p["status"].get("containerStatuses", [{}])[0] for p in pods]
+        return any(s.get("restartCount", 0) >= 1 and s.get("ready") for s in statuses)
+
+    wait_until(restarted, 120, "the runtime to restart and be Ready")
