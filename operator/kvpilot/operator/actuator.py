@@ -36,6 +36,22 @@ def is_builtin(md: Obj) -> bool:
     return ((spec.get("autoscaling") or {}).get("mode") or "builtin") == "builtin"
 
 
+def is_planned(md: Obj) -> bool:
+    """Only a ModelDeployment with a node type that fits has replicas to scale; one whose plan
+    failed waits for its spec or the cluster to change (reconcile reports why)."""
+    return any(entry.get("fits") for entry in (md.get("status") or {}).get("plan") or [])
+
+
+# Keys of status.autoscaling that change on every look; a write only for them would churn the
+# object (and its resourceVersion, which GitOps tools watch) without telling anyone anything.
+VOLATILE_KEYS = ("lastDecisionTime", "metrics")
+
+
+def is_news(old: Obj, new: Obj) -> bool:
+    """True when the decision, its reason, the policy state or metric availability changed."""
+    return any(old.get(k) != v for k, v in new.items() if k not in VOLATILE_KEYS)
+
+
 def ready_pod_urls(pods: Sequence[Obj], port: int) -> tuple[dict[str, str], dict[str, str]]:
     """(pod name -> /metrics URL, pod name -> node type) for the ready pods (pure)."""
     urls, node_types = {}, {}
@@ -85,7 +101,7 @@ class AutoscalerLoop:
     def run(self) -> None:
         while not self.stopping.wait(self.interval_s):
             for md in self.safe_list():
-                if is_builtin(md):
+                if is_builtin(md) and is_planned(md):
                     self.scale_one(md)
 
     def safe_list(self) -> list[dict[str, Any]]:
@@ -134,8 +150,11 @@ class AutoscalerLoop:
     def record(self, md: Obj, observations: Observations, decision: Decision) -> None:
         meta, status = md["metadata"], md.get("status") or {}
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        autoscaling = autoscaler.status_patch(decision, observations, time.time())
+        if not is_news(status.get("autoscaling") or {}, autoscaling):
+            return
         patch = {
-            "autoscaling": autoscaler.status_patch(decision, observations, time.time()),
+            "autoscaling": autoscaling,
             "conditions": metrics_condition_patch(status.get("conditions") or [], decision, now),
         }
         k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)

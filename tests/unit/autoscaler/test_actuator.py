@@ -59,3 +59,46 @@ def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> N
     assert merged["MetricsAvailable"]["status"] == "False"
     assert merged["MetricsAvailable"]["lastTransitionTime"] == "t2"
     assert merged["MetricsAvailable"]["message"] == "prometheus down"
+
+
+@pytest.mark.parametrize(
+    ("plan", "planned"),
+    [
+        (None, False),
+        ([], False),
+        ([{"fits": False}], False),
+        ([{"fits": False}, {"fits": True}], True),
+    ],
+)
+def test_only_planned_deployments_are_scaled(
+    plan: list[dict[str, Any]] | None, planned: bool
+) -> None:
+    assert actuator.is_planned({"status": {"plan": plan}}) is planned
+
+
+@pytest.mark.parametrize(
+    ("new", "news"),
+    [
+        (
+            {
+                "desiredReplicas": 2,
+                "lastDecision": "hold",
+                "lastDecisionTime": "t2",
+                "metrics": {"requestsWaiting": 9},
+            },
+            False,
+        ),
+        ({"desiredReplicas": 3, "lastDecision": "hold"}, True),
+        ({"desiredReplicas": 2, "lastDecision": "scale up"}, True),
+        ({"desiredReplicas": 2, "lastDecision": "hold", "metricsAvailable": False}, True),
+    ],
+)
+def test_status_is_written_only_when_the_decision_changes(new: dict[str, Any], news: bool) -> None:
+    old = {
+        "desiredReplicas": 2,
+        "lastDecision": "hold",
+        "lastDecisionTime": "t1",
+        "metrics": {"requestsWaiting": 1},
+        "metricsAvailable": True,
+    }
+    assert actuator.is_news(old, new) is news
