@@ -75,11 +75,12 @@ def is_running(run_dir: Path, name: str) -> bool:
 def pid_runs(pid: int, binary: str) -> bool:
     """True while `pid` is alive and is still the process we started from `binary`."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return False
-    return cmdline == binary and state != "Z"
+    # A script started by path runs as `interpreter script ...`, so look at the first two.
+    return binary in argv[:2] and state != "Z"
 
 
 def stop(run_dir: Path, name: str, grace_s: float = 10.0) -> None:

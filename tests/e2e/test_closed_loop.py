@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -86,6 +89,19 @@ def loop(cluster: Any) -> Iterator[str]:
         cluster.stop_process("e2e-operator")
 
 
+def queue(cluster: Any) -> float:
+    """Requests waiting for the model, summed over its pods, as Prometheus has them now."""
+    query = urllib.parse.quote(f'sum(kvpilot_requests_waiting{{kvpilot_model="{NAME}"}})')
+    url = f"{cluster.prometheus_url}/api/v1/query?query={query}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        result = json.load(resp)["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def desired(cluster: Any) -> int:
+    return int((status(cluster).get("autoscaling") or {}).get("desiredReplicas") or 0)
+
+
 def status(cluster: Any) -> dict[str, Any]:
     return dict(get_json(cluster, "modeldeployment", NAME).get("status", {}))
 
@@ -119,6 +135,11 @@ def test_burst_scales_up_and_the_drop_scales_down_without_errors(
         stderr=subprocess.STDOUT,
     )
     try:
+        # The decision follows the queue crossing its target (as Prometheus sees it) within two
+        # autoscaler intervals; one more second covers this test's own polling.
+        crossed_at = wait_until(lambda: queue(cluster) > 2 and time.monotonic(), 120, "a queue")
+        wait_until(lambda: desired(cluster) >= 2, 60, "the scale-up decision")
+        assert time.monotonic() - crossed_at <= 2 * INTERVAL_S + 1
 
         def scaled_up_or_done() -> str:
             if status(cluster).get("replicas", 0) >= 2:
