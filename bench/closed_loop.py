@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.report import markdown_table, write_section
+from hack import closedloop
 from hack.devcluster import DevCluster, procs
 from hack.devcluster.versions import REPO_ROOT
 
@@ -28,16 +27,6 @@ BIN = Path(sys.executable).parent
 NAME = "tiny-bench"
 PROMPTS, CONCURRENCY = 300, 16
 DOWN_WINDOW_S = 10
-
-
-def manifest(autoscaling: dict[str, Any]) -> dict[str, Any]:
-    doc = yaml.safe_load((REPO_ROOT / "examples" / "tiny-llama.yaml").read_text())
-    doc["metadata"]["name"] = NAME
-    doc["spec"]["model"]["uri"] = f"file://{REPO_ROOT / 'models' / 'tiny-llama'}"
-    doc["spec"]["model"]["servedName"] = NAME
-    doc["spec"]["serving"]["maxNumSeqs"] = 2
-    doc["spec"]["autoscaling"] = autoscaling
-    return dict(doc)
 
 
 def status(cluster: DevCluster) -> dict[str, Any]:
@@ -48,20 +37,10 @@ def status(cluster: DevCluster) -> dict[str, Any]:
 def deploy(cluster: DevCluster, autoscaling: dict[str, Any]) -> str:
     cluster.kubectl("delete", "modeldeployment", NAME, "--ignore-not-found", "--wait=true")
     procs.wait_for(lambda: not status(cluster), 120, 1.0)
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(autoscaling)))
-    port = procs.free_port()
-    cluster.start_process(
-        "bench-proxy",
-        [
-            sys.executable,
-            "-m",
-            "hack.serviceproxy",
-            f"--kubeconfig={cluster.kubeconfig}",
-            f"--service={NAME}",
-            f"--port={port}",
-        ],
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps(closedloop.tiny_llama(NAME, 2, autoscaling))
     )
-    url = f"http://127.0.0.1:{port}"
+    url = closedloop.start_proxy(cluster, "bench-proxy", NAME)
     if not procs.wait_for(lambda: procs.http_ok(f"{url}/v1/models"), 300, 1.0):
         raise RuntimeError("tiny-llama did not start serving")
     return url
@@ -72,26 +51,7 @@ def burst(cluster: DevCluster, url: str, out: Path) -> tuple[dict[str, Any], dic
     started = time.monotonic()
     marks: dict[str, float] = {}
     bench = subprocess.Popen(
-        [
-            str(BIN / "kvpilot"),
-            "bench",
-            "--base-url",
-            url,
-            "--model",
-            NAME,
-            "--concurrency",
-            str(CONCURRENCY),
-            "--num-prompts",
-            str(PROMPTS),
-            "--input-len",
-            "32",
-            "--output-len",
-            "64",
-            "--ignore-eos",
-            "--result-json",
-            str(out),
-            "--no-progress",
-        ],
+        closedloop.bench_argv(url, NAME, CONCURRENCY, PROMPTS, out),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
@@ -121,14 +81,7 @@ def main() -> int:
         cluster.start_process(
             "bench-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
         )
-        auto = {
-            "mode": "builtin",
-            "minReplicas": 1,
-            "maxReplicas": 2,
-            "targetQueueLength": 2,
-            "scaleUpStabilizationSeconds": 0,
-            "scaleDownStabilizationSeconds": DOWN_WINDOW_S,
-        }
+        auto = closedloop.builtin_autoscaling(2, DOWN_WINDOW_S)
         scaled, marks = burst(cluster, deploy(cluster, auto), work / "auto.json")
         procs.wait_for(lambda: status(cluster).get("replicas") == 1, DOWN_WINDOW_S + 120, 1.0)
         fixed, _ = burst(

@@ -22,8 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from hack import closedloop
 from hack.devcluster import DevCluster, DevClusterError, procs
 from hack.devcluster.versions import REPO_ROOT
 
@@ -43,20 +42,8 @@ def say(text: str) -> None:
 
 
 def tiny_llama_manifest() -> dict[str, Any]:
-    """The example with this checkout's model path and a demo-sized autoscaling policy."""
-    doc = yaml.safe_load((EXAMPLES / "tiny-llama.yaml").read_text())
-    doc["spec"]["model"]["uri"] = f"file://{REPO_ROOT / 'models' / 'tiny-llama'}"
-    # A small batch per replica, so a 32-stream burst queues and the autoscaler has work to do.
-    doc["spec"]["serving"]["maxNumSeqs"] = 4
-    doc["spec"]["autoscaling"] = {
-        "mode": "builtin",
-        "minReplicas": 1,
-        "maxReplicas": 2,  # the local pool has two 1-GPU nodes
-        "targetQueueLength": 2,
-        "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": SCALE_DOWN_WINDOW_S,
-    }
-    return dict(doc)
+    # The local pool has two 1-GPU nodes; a batch of 4 makes a 32-stream burst queue.
+    return closedloop.tiny_llama(TINY, 4, closedloop.builtin_autoscaling(2, SCALE_DOWN_WINDOW_S))
 
 
 class Demo:
@@ -190,18 +177,7 @@ class Demo:
 
     def endpoint(self) -> str:
         if self.own_cluster:
-            port = procs.free_port()
-            self.cluster.start_process(
-                PROXY_PORT_NAME,
-                [
-                    sys.executable,
-                    "-m",
-                    "hack.serviceproxy",
-                    f"--kubeconfig={self.cluster.kubeconfig}",
-                    f"--service={TINY}",
-                    f"--port={port}",
-                ],
-            )
+            url = closedloop.start_proxy(self.cluster, PROXY_PORT_NAME, TINY)
         else:
             port = procs.free_port()
             subprocess.Popen(
@@ -209,7 +185,7 @@ class Demo:
                 env=self.cluster.env,
                 stdout=subprocess.DEVNULL,
             )
-        url = f"http://127.0.0.1:{port}"
+            url = f"http://127.0.0.1:{port}"
         self.wait_for(lambda: procs.http_ok(f"{url}/v1/models"), 60, "the service endpoint")
         return url
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from hack import closedloop
 from hack.devcluster import procs
 from hack.devcluster.versions import REPO_ROOT
 from tests.support.kube import get_json, wait_until
@@ -33,20 +33,7 @@ DOWN_WINDOW_S = 10
 
 
 def manifest() -> dict[str, Any]:
-    doc = yaml.safe_load((REPO_ROOT / "examples" / "tiny-llama.yaml").read_text())
-    doc["metadata"]["name"] = NAME
-    doc["spec"]["model"]["uri"] = f"file://{REPO_ROOT / 'models' / 'tiny-llama'}"
-    doc["spec"]["model"]["servedName"] = NAME
-    doc["spec"]["serving"]["maxNumSeqs"] = 2
-    doc["spec"]["autoscaling"] = {
-        "mode": "builtin",
-        "minReplicas": 1,
-        "maxReplicas": 2,
-        "targetQueueLength": 2,
-        "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": DOWN_WINDOW_S,
-    }
-    return dict(doc)
+    return closedloop.tiny_llama(NAME, 2, closedloop.builtin_autoscaling(2, DOWN_WINDOW_S))
 
 
 @pytest.fixture
@@ -67,19 +54,7 @@ def loop(cluster: Any) -> Iterator[str]:
         "e2e-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
     )
     cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest()))
-    port = procs.free_port()
-    cluster.start_process(
-        "e2e-proxy",
-        [
-            sys.executable,
-            "-m",
-            "hack.serviceproxy",
-            f"--kubeconfig={cluster.kubeconfig}",
-            f"--service={NAME}",
-            f"--port={port}",
-        ],
-    )
-    url = f"http://127.0.0.1:{port}"
+    url = closedloop.start_proxy(cluster, "e2e-proxy", NAME)
     wait_until(lambda: procs.http_ok(f"{url}/v1/models"), 240, "tiny-llama to serve")
     try:
         yield url
@@ -111,26 +86,7 @@ def test_burst_scales_up_and_the_drop_scales_down_without_errors(
 ) -> None:
     result = tmp_path / "bench.json"
     bench = subprocess.Popen(
-        [
-            str(BIN / "kvpilot"),
-            "bench",
-            "--base-url",
-            loop,
-            "--model",
-            NAME,
-            "--concurrency",
-            "16",
-            "--num-prompts",
-            "300",
-            "--input-len",
-            "32",
-            "--output-len",
-            "64",
-            "--ignore-eos",
-            "--result-json",
-            str(result),
-            "--no-progress",
-        ],
+        closedloop.bench_argv(loop, NAME, 16, 300, result),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
@@ -204,28 +160,7 @@ def test_a_killed_runtime_fails_its_requests_cleanly_and_restarts(
     pid = runtime_pid(pod["status"]["podIP"])
     result = tmp_path / "bench.json"
     bench = subprocess.Popen(
-        [
-            str(BIN / "kvpilot"),
-            "bench",
-            "--base-url",
-            loop,
-            "--model",
-            NAME,
-            "--concurrency",
-            "8",
-            "--num-prompts",
-            "200",
-            "--input-len",
-            "32",
-            "--output-len",
-            "64",
-            "--ignore-eos",
-            "--timeout",
-            "60",
-            "--result-json",
-            str(result),
-            "--no-progress",
-        ],
+        [*closedloop.bench_argv(loop, NAME, 8, 200, result), "--timeout", "60"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )

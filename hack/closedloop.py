@@ -1,0 +1,81 @@
+"""Pieces the demo, the e2e tests and the closed-loop benchmark share: a tiny-llama
+ModelDeployment for the `local` pool, a proxy in front of its Service, and a bench command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hack.devcluster import DevCluster, procs
+from hack.devcluster.versions import REPO_ROOT
+
+BIN = Path(sys.executable).parent
+
+
+def tiny_llama(name: str, max_num_seqs: int, autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """examples/tiny-llama.yaml with this checkout's model path, a batch cap and a policy.
+
+    A small batch per replica makes a modest burst queue, which is what the autoscaler scales on.
+    """
+    doc = yaml.safe_load((REPO_ROOT / "examples" / "tiny-llama.yaml").read_text())
+    doc["metadata"]["name"] = name
+    doc["spec"]["model"]["uri"] = f"file://{REPO_ROOT / 'models' / 'tiny-llama'}"
+    doc["spec"]["model"]["servedName"] = name
+    doc["spec"]["serving"]["maxNumSeqs"] = max_num_seqs
+    doc["spec"]["autoscaling"] = autoscaling
+    return dict(doc)
+
+
+def builtin_autoscaling(max_replicas: int, down_window_s: int) -> dict[str, Any]:
+    return {
+        "mode": "builtin",
+        "minReplicas": 1,
+        "maxReplicas": max_replicas,
+        "targetQueueLength": 2,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": down_window_s,
+    }
+
+
+def start_proxy(cluster: DevCluster, process: str, service: str) -> str:
+    """hack.serviceproxy in front of `service`, as a process `down` stops; its base URL."""
+    port = procs.free_port()
+    cluster.start_process(
+        process,
+        [
+            sys.executable,
+            "-m",
+            "hack.serviceproxy",
+            f"--kubeconfig={cluster.kubeconfig}",
+            f"--service={service}",
+            f"--port={port}",
+        ],
+    )
+    return f"http://127.0.0.1:{port}"
+
+
+def bench_argv(url: str, model: str, concurrency: int, prompts: int, result: Path) -> list[str]:
+    """`kvpilot bench` with short fixed-length requests (EOS ignored), JSON to `result`."""
+    return [
+        str(BIN / "kvpilot"),
+        "bench",
+        "--base-url",
+        url,
+        "--model",
+        model,
+        "--concurrency",
+        str(concurrency),
+        "--num-prompts",
+        str(prompts),
+        "--input-len",
+        "32",
+        "--output-len",
+        "64",
+        "--ignore-eos",
+        "--result-json",
+        str(result),
+        "--no-progress",
+    ]
