@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from hack.devcluster import DevCluster
-from hack.devcluster.versions import HELM, KUBERNETES, bin_path_entries
+from hack.devcluster.versions import HELM, KUBERNETES, kube_env
 
 
 class ExistingCluster:
@@ -27,8 +27,7 @@ class ExistingCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        path = os.pathsep.join([*map(str, bin_path_entries()), os.environ.get("PATH", "")])
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path}
+        return kube_env(self.kubeconfig)
 
     @property
     def prometheus_url(self) -> str:

@@ -7,7 +7,6 @@ for kubelets on fake GPU nodes. `up` is idempotent, `down` stops only the proces
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import ssl
 import subprocess
@@ -28,8 +27,8 @@ from hack.devcluster.versions import (
     KWOK,
     KWOK_STAGES,
     NODEPOOLS,
-    bin_path_entries,
     default_state_dir,
+    kube_env,
 )
 
 # Start order; `down` stops in reverse.
@@ -317,8 +316,7 @@ class DevCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        path = os.pathsep.join([*map(str, bin_path_entries()), os.environ.get("PATH", "")])
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PATH": path}
+        return kube_env(self.kubeconfig)
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60

@@ -70,3 +70,9 @@ COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS, KUBE_SCORE)
 def bin_path_entries() -> list[Path]:
     """Folders to put on PATH so `kubectl` and `helm` are the pinned builds."""
     return [KUBERNETES.bin_dir, HELM.bin_dir]
+
+
+def kube_env(kubeconfig: Path) -> dict[str, str]:
+    """This process's environment with KUBECONFIG and the pinned kubectl/helm first on PATH."""
+    path = os.pathsep.join([*map(str, bin_path_entries()), os.environ.get("PATH", "")])
+    return {**os.environ, "KUBECONFIG": str(kubeconfig), "PATH": path}
