@@ -57,8 +57,16 @@ class Controller:
         `body` is the object as kopf just delivered it, which saves a GET; without it (a child's
         event) the pass reads the ModelDeployment itself.
         """
-        with self._lock((namespace, name)):
-            return self._pass(namespace, name, list(nodes), pods, apply_children, body)
+        key, nodes, pods = (namespace, name), list(nodes), list(pods)
+        lock = self._lock(key)
+        lock.acquire()
+        try:
+            desired = self._pass(namespace, name, nodes, pods, apply_children, body)
+        except BaseException:
+            lock.release()
+            raise
+        self._release_after_refreshes(key, lock, nodes, pods)
+        return desired
 
     def is_news(self, deployment: Obj, deleted: bool = False) -> bool:
         """Whether a child Deployment's event changes anything the status reports.
@@ -99,19 +107,28 @@ class Controller:
             self._pending.add(key)
             if not lock.acquire(blocking=False):
                 return  # the holder will see the flag before it lets go
-        nodes = list(nodes)
+        self._release_after_refreshes(key, lock, list(nodes), list(pods))
+
+    def _release_after_refreshes(
+        self, key: tuple[str, str], lock: threading.Lock, nodes: list[Obj], pods: list[Obj]
+    ) -> None:
+        """Run the status-only passes asked for while `lock` was held, then let go of it.
+
+        The last check and the release happen under the guard, as `refresh_status` adds its flag
+        and tries the lock under it: no request can slip in between and be lost (a Deployment's
+        last status event would otherwise leave Ready stale until some other event).
+        """
         while True:
-            with self._guard:
-                self._pending.discard(key)
-            try:
-                self._pass(namespace, name, nodes, pods, apply_children=False)
-            except BaseException:
-                lock.release()  # a refresh lost to an API error is redone by the next event
-                raise
             with self._guard:
                 if key not in self._pending:
                     lock.release()
                     return
+                self._pending.discard(key)
+            try:
+                self._pass(*key, nodes, pods, apply_children=False)
+            except BaseException:
+                lock.release()  # a refresh lost to an API error is redone by the next event
+                raise
 
     def _pass(
         self,

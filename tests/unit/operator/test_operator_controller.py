@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.controller import Controller, Replanner, controller_owner
 
@@ -46,15 +48,27 @@ def test_refresh_during_a_pass_runs_exactly_one_more() -> None:
     assert not c._lock(("ns", "m")).locked()
 
 
-def test_refresh_while_a_full_pass_holds_the_lock_is_deferred_to_the_holder() -> None:
+def test_refresh_during_a_full_pass_runs_after_it_before_the_lock_is_released() -> None:
     c = Recorder()
-    lock = c._lock(("ns", "m"))
-    with lock:
-        c.refresh_status("ns", "m", [], [])  # returns at once: the holder owns the work
-        assert c.calls == []
-        assert ("ns", "m") in c._pending
-    c.refresh_status("ns", "m", [], [])
-    assert c.calls == [("m", False)]
+    c.during_pass = lambda: c.refresh_status("ns", "m", [], [])  # returns at once: lock held
+    c.run_pass("ns", "m", [], [])
+    # The full pass read the Deployment before the event; the holder refreshes once more.
+    assert c.calls == [("m", True), ("m", False)]
+    assert not c._lock(("ns", "m")).locked()
+    c.run_pass("ns", "m", [], [])
+    assert c.calls[2:] == [("m", True)]  # nothing left pending
+
+
+def test_a_failing_pass_releases_the_lock() -> None:
+    c = Recorder()
+
+    def fail() -> None:
+        raise RuntimeError("API down")
+
+    c.during_pass = fail
+    with pytest.raises(RuntimeError, match="API down"):
+        c.run_pass("ns", "m", [], [])
+    assert not c._lock(("ns", "m")).locked()
 
 
 def deployment(ready: int, generation: int = 1, extra: str = "") -> dict[str, Any]:
