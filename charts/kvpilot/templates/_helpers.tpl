@@ -42,6 +42,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 runtimeImage: {{ .Values.config.runtimeImage | quote }}
 prometheusUrl: {{ .Values.config.prometheusUrl | quote }}
 autoscalerIntervalSeconds: {{ .Values.config.autoscalerIntervalSeconds }}
+spillAfterSeconds: {{ .Values.config.spillAfterSeconds }}
 nodeTypes: {{- if .Values.config.nodeTypes }}
 {{ toYaml .Values.config.nodeTypes | indent 2 }}
 {{- else }} []

@@ -3,9 +3,12 @@
 Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: builtin`:
   metrics (Prometheus, or the ready pods' /metrics) -> policy.decide -> status.autoscaling
   (desiredReplicas, lastDecision, metrics snapshot, policy state) + MetricsAvailable condition,
-  an Event and a reconcile pass when the count changes. The reconcile spreads desiredReplicas
-  over node types in plan order; nothing here writes a Deployment, so server-side apply keeps a
-  single owner of spec.replicas.
+  an Event and a reconcile pass when the count changes. On a change the count is spread over the
+  plan's node types (`status.autoscaling.replicasPerNodeType`): running replicas stay where they
+  are, new ones go where GPUs are free, and replicas whose pods stay Unschedulable past
+  `spillAfterSeconds` move to the next node type with room (a SpilledOver Event). Reconcile
+  applies the spread; nothing here writes a Deployment, so server-side apply keeps a single owner
+  of spec.replicas.
 
 A thread, not a kopf timer: kopf timers put a finalizer on every ModelDeployment, and then
 `kubectl delete` hangs whenever the operator is down. All state is in status, so a restart
@@ -18,12 +21,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from kvpilot.operator import api, autoscaler, conditions, inventory, k8s, manifests, observability
 from kvpilot.operator import metrics as metrics_source
+from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
 from kvpilot.operator.policy import Decision, Observations, decide
 
@@ -83,8 +87,14 @@ def metrics_condition_patch(
 
 
 class AutoscalerLoop:
-    def __init__(self, controller: Controller, interval_s: float) -> None:
+    def __init__(
+        self,
+        controller: Controller,
+        interval_s: float,
+        indexes: Callable[[], tuple[list[Any], list[Any]] | None] | None = None,
+    ) -> None:
         self.controller = controller
+        self.indexes = indexes  # the kopf watch indexes' snapshot, once the operator has one
         self.interval_s = interval_s
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, name="kvpilot-autoscaler", daemon=True)
@@ -118,11 +128,40 @@ class AutoscalerLoop:
             current = int((md.get("status") or {}).get("replicas") or 0)
             observations = self.observe(meta["namespace"], meta["name"], current, pods)
             decision = self.decide(md, observations)
-            self.record(md, observations, decision)
-            if decision.replicas != current:
-                self.act(md, current, decision)
+            self.place(md, pods, current, observations, decision)
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
             log.warning("autoscaler: %s/%s: %s", meta["namespace"], meta["name"], error)
+
+    def place(
+        self,
+        md: Obj,
+        pods: Sequence[Obj],
+        current: int,
+        observations: Observations,
+        decision: Decision,
+    ) -> None:
+        """Spread the decided count over node types when it changes or pods are stuck, record
+        it, announce it, and run the reconcile pass that applies it."""
+        now, spill_after = time.time(), self.controller.config.spill_after_seconds
+        where = autoscaler.placement(md.get("status"), pods)
+        stuck = where.spilling(now, spill_after)
+        if decision.replicas == current and not stuck:
+            self.record(md, observations, decision, None)
+            return
+        nodes, all_pods = self.inventory()
+        free = free_gpus(nodes, all_pods, where, self.controller.config.node_types)
+        per_type = where.spread(decision.replicas, free, now, spill_after)
+        self.record(md, observations, decision, per_type)
+        if decision.replicas != current:
+            self.announce_scale(md, current, decision)
+        elif per_type == dict(where.current):
+            return  # stuck, but no other node type has room: nothing to move yet
+        else:
+            self.announce(
+                md, "SpilledOver", autoscaler.spill_message(where.current, per_type, stuck)
+            )
+        meta = md["metadata"]
+        self.controller.run_pass(meta["namespace"], meta["name"], nodes, all_pods)
 
     def model_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
         selector = f"{manifests.LABEL_MODEL}={name}"
@@ -147,11 +186,21 @@ class AutoscalerLoop:
             observations, bounds, autoscaler.state_from_status(md.get("status")), time.time()
         )
 
-    def record(self, md: Obj, observations: Observations, decision: Decision) -> None:
+    def record(
+        self,
+        md: Obj,
+        observations: Observations,
+        decision: Decision,
+        per_type: Mapping[str, int] | None,
+    ) -> None:
         meta, status = md["metadata"], md.get("status") or {}
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        old = status.get("autoscaling") or {}
         autoscaling = autoscaler.status_patch(decision, observations, time.time())
-        if not is_news(status.get("autoscaling") or {}, autoscaling):
+        if per_type is not None:
+            spread = old.get("replicasPerNodeType") or {}
+            autoscaling["replicasPerNodeType"] = autoscaler.per_type_patch(spread, per_type)
+        if not is_news(old, autoscaling):
             return
         patch = {
             "autoscaling": autoscaling,
@@ -159,25 +208,37 @@ class AutoscalerLoop:
         }
         k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)
 
-    def act(self, md: Obj, current: int, decision: Decision) -> None:
-        meta = md["metadata"]
+    def announce_scale(self, md: Obj, current: int, decision: Decision) -> None:
         direction = "up" if decision.replicas > current else "down"
         observability.record_scale(direction)
         message = autoscaler.event_message(current, decision) or decision.reason
-        k8s.emit_event(
-            self.controller.client,
-            md,
-            "Normal",
-            "ScaledUp" if direction == "up" else "ScaledDown",
-            message,
-            COMPONENT,
-        )
-        nodes = [
-            inventory.trim_node(n) for n in k8s.list_objects(self.controller.client, "v1", "Node")
-        ]
-        pods = [
-            p
-            for p in map(inventory.trim_pod, k8s.list_objects(self.controller.client, "v1", "Pod"))
-            if p
-        ]
-        self.controller.run_pass(meta["namespace"], meta["name"], nodes, pods)
+        self.announce(md, "ScaledUp" if direction == "up" else "ScaledDown", message)
+
+    def announce(self, md: Obj, reason: str, message: str) -> None:
+        k8s.emit_event(self.controller.client, md, "Normal", reason, message, COMPONENT)
+
+    def inventory(self) -> tuple[list[Any], list[Any]]:
+        """Nodes and GPU pods, trimmed: the operator's watch indexes once it has them, else LIST."""
+        snapshot = self.indexes() if self.indexes is not None else None
+        if snapshot is not None:
+            return snapshot
+        client = self.controller.client
+        nodes = [inventory.trim_node(n) for n in k8s.list_objects(client, "v1", "Node")]
+        pods = [p for p in map(inventory.trim_pod, k8s.list_objects(client, "v1", "Pod")) if p]
+        return nodes, pods
+
+
+def free_gpus(
+    nodes: Sequence[Obj],
+    pods: Sequence[Obj],
+    where: autoscaler.Placement,
+    declared: Sequence[DeclaredNodeType] = (),
+) -> dict[str, int]:
+    """Free GPUs per node type of the plan, counted in whole replicas (a replica never spans two
+    nodes), so that `spread_replicas`' GPUs // GPUs per replica gives the free slots."""
+    free = {}
+    for node_type in inventory.discover(nodes, pods, declared):
+        if node_type.name in where.order:
+            per_replica = where.gpus_per_replica[node_type.name]
+            free[node_type.name] = node_type.num_free_slots(per_replica) * per_replica
+    return free

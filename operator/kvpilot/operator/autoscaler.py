@@ -1,18 +1,21 @@
-"""Pure helpers for the autoscaler timer: what to write where after `policy.decide`.
+"""Pure helpers for the autoscaler loop: what to write where after `policy.decide`.
 
-The kopf timer (in handlers.py) gathers observations (metrics.py), reads the policy state back
-from `status.autoscaling` (`state_from_status`), calls `policy.decide`, spreads the replica count
-over the plan's node types (`spread_replicas`), writes the Deployments' replicas and the status
-patch (`status_patch`), and emits an Event when the count changed (`event_message`). Everything
-here is pure so it can be tested with tables.
+The loop (actuator.py) gathers observations (metrics.py), reads the policy state back from
+`status.autoscaling` (`state_from_status`), calls `policy.decide`, spreads the replica count over
+the plan's node types (`Placement` + `spread_replicas`, which also spills replicas stuck
+Unschedulable to the next node type), writes the status patch (`status_patch`) that reconcile
+applies, and emits an Event when the count changed (`event_message`). Everything here is pure so
+it can be tested with tables.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kvpilot.operator.manifests import LABEL_NODE_TYPE
 from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState
 
 # spec.autoscaling field -> Bounds field (the CRD's camelCase names)
@@ -59,7 +62,8 @@ def spread_replicas(
     goes to the first types in plan order whose free GPUs hold it. What fits nowhere waits on
     the first type not given up on. A type whose pods have been Unschedulable for at least
     `spill_after_s` is given up on: its pending replicas (`pending_per_type`) move on to the
-    next types that fit.
+    next types that fit, and it gets no new ones (taints, CPU or memory can leave a node with
+    free GPUs and no room).
     """
     order = list(node_types_in_plan_order)
     _check_spread_input(total, order, gpus_per_replica)
@@ -77,6 +81,8 @@ def spread_replicas(
     _shrink(placed, pending, sum(placed.values()) - total, order)
     missing = total - sum(placed.values())
     for t in order:
+        if t in spilled:  # the scheduler found no room there, whatever the free GPUs say
+            continue
         room = max(0, free_gpus_per_type.get(t, 0) // per_replica[t] - pending[t])
         add = min(missing, room)
         placed[t] += add
@@ -85,6 +91,96 @@ def spread_replicas(
         waiting_on = next((t for t in order if t not in spilled), order[0])
         placed[waiting_on] += missing
     return placed
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a ModelDeployment's replicas are asked for and stuck, per fitting node type."""
+
+    order: tuple[str, ...]  # fitting node types in plan order
+    gpus_per_replica: Mapping[str, int]  # the plan's tensor-parallel degree per type
+    current: Mapping[str, int]  # replicas asked for per type
+    pending: Mapping[str, int]  # of those, pods the scheduler found no room for
+    unschedulable_since: Mapping[str, float]  # earliest such verdict per type (unix seconds)
+
+    def spilling(self, now: float, spill_after_s: float) -> list[str]:
+        """Node types whose pods have waited Unschedulable for `spill_after_s` or more."""
+        return [
+            t
+            for t in self.order
+            if self.pending.get(t) and now - self.unschedulable_since[t] >= spill_after_s
+        ]
+
+    def spread(
+        self, total: int, free_gpus: Mapping[str, int], now: float, spill_after_s: float
+    ) -> dict[str, int]:
+        return spread_replicas(
+            total,
+            self.order,
+            free_gpus,
+            self.gpus_per_replica,
+            self.current,
+            {t: self.unschedulable_since.get(t) for t in self.order},
+            now,
+            spill_after_s,
+            pending_per_type=self.pending,
+        )
+
+
+def placement(status: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> Placement:
+    """The Placement of a ModelDeployment from its status and its pods (pure).
+
+    The replicas asked for per type are the autoscaler's last spread, else reconcile's plan.
+    """
+    status = status or {}
+    fitting = [e for e in status.get("plan") or [] if e.get("fits")]
+    order = tuple(str(e["nodeType"]) for e in fitting)
+    asked = (status.get("autoscaling") or {}).get("replicasPerNodeType") or {
+        e["nodeType"]: e.get("replicas", 0) for e in fitting
+    }
+    pending: dict[str, int] = {}
+    since: dict[str, float] = {}
+    for pod in pods:
+        node_type = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_NODE_TYPE, "")
+        stuck_at = unschedulable_since(pod)
+        if node_type in order and stuck_at is not None:
+            pending[node_type] = pending.get(node_type, 0) + 1
+            since[node_type] = min(since.get(node_type, stuck_at), stuck_at)
+    return Placement(
+        order=order,
+        gpus_per_replica={
+            str(e["nodeType"]): max(1, int(e.get("tensorParallel") or 1)) for e in fitting
+        },
+        current={t: int(asked.get(t) or 0) for t in order},
+        pending=pending,
+        unschedulable_since=since,
+    )
+
+
+def unschedulable_since(pod: Mapping[str, Any]) -> float | None:
+    """When the scheduler last said it has no room for this pod; None if it is not stuck."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp") or (pod.get("spec") or {}).get("nodeName"):
+        return None
+    for condition in status.get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            stamp = condition.get("lastTransitionTime")
+            return from_rfc3339(stamp) if stamp else None
+    return None
+
+
+def from_rfc3339(rfc3339_time: str) -> float:
+    return datetime.fromisoformat(rfc3339_time.replace("Z", "+00:00")).timestamp()
+
+
+def spill_message(old: Mapping[str, int], new: Mapping[str, int], stuck: Sequence[str]) -> str:
+    """The Event text when replicas leave node types where they could not be scheduled."""
+    moved = ", ".join(f"{t} {old.get(t, 0)}->{n}" for t, n in new.items() if old.get(t, 0) != n)
+    return f"Pods Unschedulable on {', '.join(stuck)} past the spill-over threshold: {moved}"
 
 
 def _shrink(placed: dict[str, int], pending: dict[str, int], excess: int, order: list[str]) -> None:
@@ -140,6 +236,11 @@ def status_patch(decision: Decision, observations: Observations, now: float) -> 
         "metrics": metrics,
         "state": decision.state.to_dict(),
     }
+
+
+def per_type_patch(old: Mapping[str, Any], new: Mapping[str, int]) -> dict[str, int | None]:
+    """`replicasPerNodeType` as a merge patch: node types no longer in the spread are removed."""
+    return {**dict.fromkeys((t for t in old if t not in new), None), **new}
 
 
 def metrics_condition(decision: Decision) -> dict[str, str]:

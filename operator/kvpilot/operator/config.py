@@ -3,6 +3,7 @@
     runtimeImage: ghcr.io/kvpilot/runtime:0.1.0
     prometheusUrl: http://prometheus.monitoring:9090
     autoscalerIntervalSeconds: 15
+    spillAfterSeconds: 180          # Unschedulable this long: replicas move to the next node type
     nodeTypes:                      # for clusters without GPU Feature Discovery
       - name: a10g-24gb
         nodeSelector: {node.kubernetes.io/instance-type: g5.xlarge}
@@ -11,7 +12,7 @@
         pricePerHour: 1.006
 
 Environment variables override the file: KVPILOT_RUNTIME_IMAGE, KVPILOT_PROMETHEUS_URL,
-KVPILOT_AUTOSCALER_INTERVAL, KVPILOT_NAMESPACE.
+KVPILOT_AUTOSCALER_INTERVAL, KVPILOT_SPILL_AFTER, KVPILOT_NAMESPACE.
 """
 
 from __future__ import annotations
@@ -54,11 +55,26 @@ class OperatorConfig:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     prometheus_url: str = ""
     autoscaler_interval_seconds: float = 15.0
+    # Long enough for a cluster autoscaler or Karpenter to bring a GPU node of the preferred type
+    # (often 2-3 minutes), short enough that users are not left waiting on a type that never comes.
+    spill_after_seconds: float = 180.0
     namespace: str = ""  # empty: all namespaces
     node_types: tuple[DeclaredNodeType, ...] = field(default_factory=tuple)
     field_manager: str = FIELD_MANAGER
     runtime_port: int = 8000
     termination_grace_seconds: int = 120
+
+    def __post_init__(self) -> None:
+        if self.autoscaler_interval_seconds <= 0:
+            raise ValueError(
+                "autoscalerIntervalSeconds (KVPILOT_AUTOSCALER_INTERVAL) must be > 0, got"
+                f" {self.autoscaler_interval_seconds}"
+            )
+        if self.spill_after_seconds < 0:
+            raise ValueError(
+                "spillAfterSeconds (KVPILOT_SPILL_AFTER) must be >= 0, got"
+                f" {self.spill_after_seconds}"
+            )
 
 
 def from_mapping(data: Mapping[str, Any], env: Mapping[str, str]) -> OperatorConfig:
@@ -66,6 +82,7 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str]) -> OperatorCon
         "runtimeImage",
         "prometheusUrl",
         "autoscalerIntervalSeconds",
+        "spillAfterSeconds",
         "nodeTypes",
     }
     if unknown:
@@ -77,6 +94,9 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str]) -> OperatorCon
         prometheus_url=env.get("KVPILOT_PROMETHEUS_URL") or data.get("prometheusUrl", ""),
         autoscaler_interval_seconds=float(
             env.get("KVPILOT_AUTOSCALER_INTERVAL") or data.get("autoscalerIntervalSeconds", 15)
+        ),
+        spill_after_seconds=float(
+            env.get("KVPILOT_SPILL_AFTER") or data.get("spillAfterSeconds", 180)
         ),
         namespace=env.get("KVPILOT_NAMESPACE", ""),
         node_types=tuple(_declared(item) for item in data.get("nodeTypes") or ()),

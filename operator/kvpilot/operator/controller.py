@@ -258,6 +258,18 @@ class Replanner:
                 self._due = time.monotonic() + self.DEBOUNCE_SECONDS
             self._fingerprint = fingerprint
 
+    def inventory(self) -> tuple[list[Any], list[Any]] | None:
+        """Nodes and GPU pods from the watch indexes (None before the first node event), so the
+        autoscaler's thread need not LIST the whole cluster on every scale."""
+        if self._indexes is None:
+            return None
+        node_index, pod_index = self._indexes
+        try:
+            return self.snapshot(node_index), self.snapshot(pod_index)
+        except Exception as error:  # an index that keeps changing: the caller LISTs instead
+            log.info("index snapshot failed (%s); listing instead", error)
+            return None
+
     def _loop(self) -> None:
         while not self._stop.wait(self.TICK_SECONDS):
             if self._due is None or time.monotonic() < self._due or self._indexes is None:

@@ -48,7 +48,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo["replanner"] = Replanner(memo["controller"], _values)
     memo["replanner"].start()
     interval = memo["controller"].config.autoscaler_interval_seconds
-    memo["autoscaler"] = AutoscalerLoop(memo["controller"], interval)
+    memo["autoscaler"] = AutoscalerLoop(memo["controller"], interval, memo["replanner"].inventory)
     memo["autoscaler"].start()
 
 

@@ -64,13 +64,17 @@ def _replicas(
     """Replicas per node type in plan order.
 
     With the builtin autoscaler, its `status.autoscaling.replicasPerNodeType` (it keeps running
-    replicas in place and spills Unschedulable ones over) wins; else its `desiredReplicas`, or
-    the scale subresource's figure, is spread here over the free GPUs.
+    replicas in place and spills Unschedulable ones over) wins while it adds up to the total
+    wanted; else its `desiredReplicas`, or the scale subresource's figure, is spread here over
+    the free GPUs.
     """
+    total = planner.desired_total(spec, autoscaling.get("desiredReplicas"))
     per_type = autoscaling.get("replicasPerNodeType")
     if spec.autoscaling.mode == "builtin" and isinstance(per_type, Mapping) and per_type:
-        return [int(per_type.get(p.node_type.name, 0)) if p.fits else 0 for p in plans]
-    total = planner.desired_total(spec, autoscaling.get("desiredReplicas"))
+        spread = [int(per_type.get(p.node_type.name) or 0) if p.fits else 0 for p in plans]
+        # A spread made for another plan or other bounds (the spec changed since) is not used.
+        if sum(spread) == total:
+            return spread
     return planner.assign_replicas(total, plans)
 
 

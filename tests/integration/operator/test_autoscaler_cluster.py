@@ -7,8 +7,10 @@ would scrape a runtime pod, decides, records status and Events, and the Deployme
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -16,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from hack.devcluster import nodepools
+from kvpilot.operator import autoscaler, manifests
 from tests.integration.operator.test_operator_cluster import (
     ROOT,
     Operator,
@@ -29,6 +33,7 @@ from tests.integration.operator.test_operator_cluster import (
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 RUNTIME_PORT = 8000
+SPILL_AFTER_S = 3
 
 
 class Exporter:
@@ -80,7 +85,12 @@ def crds(cluster: Any) -> None:
 
 @pytest.fixture
 def autoscaling_operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
-    env = {**cluster.env, "KVPILOT_AUTOSCALER_INTERVAL": "1", "KVPILOT_PROMETHEUS_URL": ""}
+    env = {
+        **cluster.env,
+        "KVPILOT_AUTOSCALER_INTERVAL": "1",
+        "KVPILOT_SPILL_AFTER": str(SPILL_AFTER_S),
+        "KVPILOT_PROMETHEUS_URL": "",
+    }
     op = Operator(WithEnv(env), tmp_path / "operator.log", "--standalone")
     op.start()
     yield op
@@ -189,3 +199,77 @@ def test_missing_metrics_hold_replicas(cluster: Any, autoscaling_operator: Opera
         assert not events(cluster, namespace, name, "ScaledDown")
     finally:
         cluster.kubectl("delete", "md", name, "-n", namespace, "--wait=false", check=False)
+
+
+def test_pods_stuck_unschedulable_spill_over_to_the_next_node_type(
+    cluster: Any, autoscaling_operator: Operator
+) -> None:
+    # Two fresh one-node pools. The cheaper one is first in the plan and has free GPUs, but a
+    # taint keeps every pod off it, as CPU, memory or a taint can in a real cluster.
+    suffix = uuid.uuid4().hex[:6]
+    l4 = nodepools.Gpu("NVIDIA-L4", 23034, 2)
+    stuck = nodepools.NodePool(f"stuck-{suffix}", 1, "16", "64Gi", 0.5, l4)
+    spare = nodepools.NodePool(f"spare-{suffix}", 1, "16", "64Gi", 0.9, l4)
+    nodes = [nodepools.build_node(stuck, 0, 91), nodepools.build_node(spare, 0, 92)]
+    nodes[0]["spec"]["taints"] = [{"key": "kvpilot.dev/test-no-room", "effect": "NoSchedule"}]
+    namespace, name, op = "default", f"spill-{suffix}", autoscaling_operator
+    doc = model_deployment(
+        name,
+        "hf://Qwen/Qwen2.5-0.5B-Instruct",
+        serving={"maxContextLength": 2048, "targetConcurrency": 4},
+        placement={"nodeTypes": [stuck.name, spare.name], "prefer": "cost"},
+        autoscaling={"mode": "builtin", "minReplicas": 2, "maxReplicas": 2},
+    )
+    try:
+        for node in nodes:
+            cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(node))
+        apply_doc(cluster, namespace, doc)
+        stuck_pods = wait_for(
+            lambda: (
+                [
+                    p
+                    for p in pods(cluster, namespace, name)
+                    if p["metadata"]["labels"][manifests.LABEL_NODE_TYPE] == stuck.name
+                    and autoscaler.unschedulable_since(p) is not None
+                ]
+                if len(pods(cluster, namespace, name)) == 2
+                else []
+            ),
+            "two pods planned onto the tainted pool and found Unschedulable there",
+            op,
+        )
+        stuck_at = min(autoscaler.unschedulable_since(p) or 0 for p in stuck_pods)
+        moved = wait_for(
+            lambda: (
+                [
+                    p
+                    for p in pods(cluster, namespace, name)
+                    if p["spec"].get("nodeName") == nodes[1]["metadata"]["name"]
+                    and p["status"].get("phase") == "Running"
+                ]
+                if len(pods(cluster, namespace, name)) == 2
+                else []
+            ),
+            "both replicas running on the next node type",
+            op,
+            timeout=60,
+        )
+        assert len(moved) == 2
+        md = get(cluster, "md", name, "-n", namespace)
+        assert md["status"]["autoscaling"]["replicasPerNodeType"] == {stuck.name: 0, spare.name: 2}
+        (message,) = events(cluster, namespace, name, "SpilledOver")
+        assert f"Unschedulable on {stuck.name}" in message
+        assert f"{stuck.name} 2->0, {spare.name} 0->2" in message
+        # The spill waited for the threshold (timestamps have whole seconds).
+        (event,) = [
+            e
+            for e in get(cluster, "events", "-n", namespace)["items"]
+            if e["involvedObject"]["name"] == name and e.get("reason") == "SpilledOver"
+        ]
+        spilled_at = autoscaler.from_rfc3339(event["firstTimestamp"])
+        assert spilled_at - stuck_at >= SPILL_AFTER_S - 1
+        assert not events(cluster, namespace, name, "ScaledUp")  # the count never changed
+    finally:
+        cluster.kubectl("delete", "md", name, "-n", namespace, "--wait=false", check=False)
+        for node in nodes:
+            cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)

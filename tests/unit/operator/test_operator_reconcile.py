@@ -182,9 +182,14 @@ def test_plan_changed() -> None:
         ("builtin", {"desiredReplicas": 9}, [4, 0]),  # clamped to maxReplicas
         (
             "builtin",
-            {"desiredReplicas": 3, "replicasPerNodeType": {"h100-80gb": 2, "t4-16gb": 5}},
+            {"desiredReplicas": 2, "replicasPerNodeType": {"h100-80gb": 2, "t4-16gb": 5}},
             [2, 0],
-        ),
+        ),  # the autoscaler's spread; t4 does not fit the model
+        (
+            "builtin",
+            {"desiredReplicas": 3, "replicasPerNodeType": {"h100-80gb": 2}},
+            [3, 0],
+        ),  # a spread that no longer adds up is spread again
         (
             "off",
             {"desiredReplicas": 3, "replicasPerNodeType": {"h100-80gb": 2}},

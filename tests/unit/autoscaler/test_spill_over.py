@@ -1,0 +1,250 @@
+"""Spill-over inputs: where replicas are asked for and stuck, read from status and pods (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.operator import autoscaler, config, reconcile
+from kvpilot.operator.actuator import free_gpus
+from kvpilot.operator.inventory import NodeType
+
+T0 = "2026-12-02T10:00:00Z"
+T0_UNIX = 1796205600.0
+
+
+def plan_entry(node_type: str, replicas: int, fits: bool = True, tp: int = 1) -> dict[str, Any]:
+    return {"nodeType": node_type, "fits": fits, "replicas": replicas, "tensorParallel": tp}
+
+
+def pod(
+    node_type: str,
+    scheduled: bool,
+    since: str = T0,
+    reason: str = "Unschedulable",
+    deleting: bool = False,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {"labels": {"kvpilot.dev/node-type": node_type}}
+    if deleting:
+        meta["deletionTimestamp"] = T0
+    condition = {
+        "type": "PodScheduled",
+        "status": "True" if scheduled else "False",
+        "lastTransitionTime": since,
+    }
+    if not scheduled:
+        condition["reason"] = reason
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": "n1"} if scheduled else {},
+        "status": {"conditions": [condition]},
+    }
+
+
+UNSCHEDULABLE_SINCE = [
+    ("scheduled", pod("a", True), None),
+    ("unschedulable", pod("a", False), T0_UNIX),
+    ("not yet looked at", pod("a", False, reason="SchedulerError"), None),
+    ("being deleted", pod("a", False, deleting=True), None),
+    ("no conditions yet", {"metadata": {}, "spec": {}, "status": {}}, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("pod_obj", "expected"),
+    [row[1:] for row in UNSCHEDULABLE_SINCE],
+    ids=[row[0] for row in UNSCHEDULABLE_SINCE],
+)
+def test_unschedulable_since(pod_obj: dict[str, Any], expected: float | None) -> None:
+    assert autoscaler.unschedulable_since(pod_obj) == expected
+
+
+def test_placement_reads_the_plan_and_counts_stuck_pods_per_type() -> None:
+    status = {
+        "plan": [
+            plan_entry("a", 2, tp=2),
+            plan_entry("big", 0, fits=False),
+            plan_entry("b", 1),
+        ]
+    }
+    pods = [
+        pod("a", False, since="2026-12-02T10:00:30Z"),
+        pod("a", False),
+        pod("a", True),
+        pod("b", True),
+        pod("big", False),  # not a fitting type: ignored
+    ]
+    where = autoscaler.placement(status, pods)
+    assert where.order == ("a", "b")
+    assert where.gpus_per_replica == {"a": 2, "b": 1}
+    assert where.current == {"a": 2, "b": 1}
+    assert where.pending == {"a": 2}
+    assert where.unschedulable_since == {"a": T0_UNIX}  # the earliest
+
+
+def test_placement_prefers_the_autoscalers_last_spread_over_the_plan() -> None:
+    status = {
+        "plan": [plan_entry("a", 2), plan_entry("b", 0)],
+        "autoscaling": {"replicasPerNodeType": {"a": 0, "b": 3}},
+    }
+    assert autoscaler.placement(status, []).current == {"a": 0, "b": 3}
+
+
+SPILLING = [
+    ("nothing stuck", {}, {}, 1000.0, []),
+    ("stuck, not long enough", {"a": 1}, {"a": 900.0}, 1000.0, []),
+    ("stuck exactly the threshold", {"a": 1}, {"a": 820.0}, 1000.0, ["a"]),
+    ("two types stuck", {"a": 1, "b": 2}, {"a": 0.0, "b": 10.0}, 1000.0, ["a", "b"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("pending", "since", "now", "expected"),
+    [row[1:] for row in SPILLING],
+    ids=[row[0] for row in SPILLING],
+)
+def test_spilling_after_the_threshold(
+    pending: dict[str, int], since: dict[str, float], now: float, expected: list[str]
+) -> None:
+    where = autoscaler.Placement(("a", "b"), {"a": 1, "b": 1}, {"a": 2, "b": 2}, pending, since)
+    assert where.spilling(now, spill_after_s=180) == expected
+
+
+def test_spread_moves_stuck_replicas_to_the_next_type_with_room() -> None:
+    where = autoscaler.Placement(
+        ("a", "b"), {"a": 1, "b": 2}, {"a": 2, "b": 0}, {"a": 2}, {"a": 0.0}
+    )
+    assert where.spread(2, {"a": 2, "b": 4}, now=200.0, spill_after_s=180) == {"a": 0, "b": 2}
+    # before the threshold the replicas wait where they are
+    assert where.spread(2, {"a": 2, "b": 4}, now=100.0, spill_after_s=180) == {"a": 2, "b": 0}
+
+
+def test_free_gpus_count_whole_replicas_per_node() -> None:
+    node_types = [
+        NodeType("a", "NVIDIA-L4", 23034, 4, 1.0, {}, ("n1", "n2"), (3, 1)),
+        NodeType("other", "NVIDIA-L4", 23034, 4, 1.0, {}, ("n3",), (4,)),
+    ]
+    where = autoscaler.Placement(("a",), {"a": 2}, {"a": 0}, {}, {})
+    # 3 + 1 free GPUs on two nodes hold one 2-GPU replica, not two
+    assert free_gpus_from(node_types, where) == {"a": 2}
+
+
+def free_gpus_from(node_types: list[NodeType], where: autoscaler.Placement) -> dict[str, int]:
+    nodes = [
+        {
+            "metadata": {
+                "name": name,
+                "labels": {
+                    "kvpilot.dev/node-type": t.name,
+                    "nvidia.com/gpu.product": t.product,
+                    "nvidia.com/gpu.memory": str(t.gpu_memory_mib),
+                    "nvidia.com/gpu.count": str(t.gpus_per_node),
+                },
+            },
+            "spec": {},
+            "status": {"allocatable": {"nvidia.com/gpu": str(t.gpus_per_node)}},
+        }
+        for t in node_types
+        for name in t.nodes
+    ]
+    pods = [
+        {
+            "metadata": {"name": f"{name}-busy{i}", "namespace": "x", "labels": {}},
+            "spec": {
+                "nodeName": name,
+                "containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}],
+            },
+            "status": {"phase": "Running"},
+        }
+        for t in node_types
+        for name, free in zip(t.nodes, t.free_gpus_per_node, strict=True)
+        for i in range(t.gpus_per_node - free)
+    ]
+    return free_gpus(nodes, pods, where)
+
+
+PER_TYPE_PATCH = [
+    ("same types", {"a": 1}, {"a": 2}, {"a": 2}),
+    ("a type left the plan", {"a": 1, "gone": 2}, {"a": 3}, {"gone": None, "a": 3}),
+    ("first spread", {}, {"a": 1, "b": 0}, {"a": 1, "b": 0}),
+]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [row[1:] for row in PER_TYPE_PATCH],
+    ids=[row[0] for row in PER_TYPE_PATCH],
+)
+def test_per_type_patch(
+    old: dict[str, int], new: dict[str, int], expected: dict[str, int | None]
+) -> None:
+    assert autoscaler.per_type_patch(old, new) == expected
+
+
+def test_spill_message_names_what_moved() -> None:
+    message = autoscaler.spill_message({"a": 2, "b": 0}, {"a": 0, "b": 2}, ["a"])
+    assert message == ("Pods Unschedulable on a past the spill-over threshold: a 2->0, b 0->2")
+
+
+def md_with(per_type: dict[str, int], desired: int, max_replicas: int = 4) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": {
+            "model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"},
+            "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": max_replicas},
+        },
+        "status": {"autoscaling": {"desiredReplicas": desired, "replicasPerNodeType": per_type}},
+    }
+
+
+def l4_types() -> list[NodeType]:
+    return [
+        NodeType("cheap", "NVIDIA-L4", 23034, 1, 0.5, {"t": "cheap"}, ("c1",), (1,)),
+        NodeType("dear", "NVIDIA-L4", 23034, 1, 0.9, {"t": "dear"}, ("d1", "d2", "d3"), (1, 1, 1)),
+    ]
+
+
+RECONCILE_SPREAD = [
+    ("the autoscaler's spread is applied", {"cheap": 0, "dear": 2}, 2, 4, [0, 2]),
+    # it no longer adds up (maxReplicas lowered since): reconcile spreads the total itself
+    ("a stale spread is not", {"cheap": 0, "dear": 3}, 3, 2, [1, 1]),
+]
+
+
+@pytest.mark.parametrize(
+    ("per_type", "desired", "max_replicas", "expected"),
+    [row[1:] for row in RECONCILE_SPREAD],
+    ids=[row[0] for row in RECONCILE_SPREAD],
+)
+def test_reconcile_applies_the_spread_only_while_it_adds_up(
+    per_type: dict[str, int], desired: int, max_replicas: int, expected: list[int]
+) -> None:
+    md = md_with(per_type, desired, max_replicas)
+    desired_state = reconcile.desire(md, l4_types(), config.OperatorConfig(), False)
+    assert desired_state.error is None, desired_state.error
+    assert [e.node_type for e in desired_state.plan] == ["cheap", "dear"]
+    assert [e.replicas for e in desired_state.plan] == expected
+
+
+OPERATOR_CONFIG_ERRORS = [
+    ({"KVPILOT_SPILL_AFTER": "-1"}, "spillAfterSeconds (KVPILOT_SPILL_AFTER) must be >= 0"),
+    ({"KVPILOT_AUTOSCALER_INTERVAL": "0"}, "autoscalerIntervalSeconds"),
+]
+
+
+@pytest.mark.parametrize(("env", "message"), OPERATOR_CONFIG_ERRORS)
+def test_bad_timings_are_rejected_naming_the_setting(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config.from_mapping({}, env)
+
+
+def test_spill_after_comes_from_the_file_or_the_environment() -> None:
+    assert config.from_mapping({"spillAfterSeconds": 60}, {}).spill_after_seconds == 60
+    assert (
+        config.from_mapping(
+            {"spillAfterSeconds": 60}, {"KVPILOT_SPILL_AFTER": "5"}
+        ).spill_after_seconds
+        == 5
+    )
+    assert config.from_mapping({}, {}).spill_after_seconds == 180
