@@ -10,6 +10,8 @@ Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: built
   applies the spread; nothing here writes a Deployment, so server-side apply keeps a single owner
   of spec.replicas.
 
+With more than one operator instance, only the one holding a Lease runs the loop (lease.py).
+
 A thread, not a kopf timer: kopf timers put a finalizer on every ModelDeployment, and then
 `kubectl delete` hangs whenever the operator is down. All state is in status, so a restart
 resumes the stabilisation windows where they were.
@@ -29,6 +31,7 @@ from kvpilot.operator import api, autoscaler, conditions, inventory, k8s, manife
 from kvpilot.operator import metrics as metrics_source
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
+from kvpilot.operator.lease import LeaderLease
 from kvpilot.operator.policy import Decision, Observations, decide
 
 Obj = Mapping[str, Any]
@@ -92,8 +95,10 @@ class AutoscalerLoop:
         controller: Controller,
         interval_s: float,
         indexes: Callable[[], tuple[list[Any], list[Any]] | None] | None = None,
+        lease: LeaderLease | None = None,
     ) -> None:
         self.controller = controller
+        self.lease = lease  # None: this is the only instance (--standalone)
         self.indexes = indexes  # the kopf watch indexes' snapshot, once the operator has one
         self.interval_s = interval_s
         self.stopping = threading.Event()
@@ -110,9 +115,15 @@ class AutoscalerLoop:
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval_s):
-            for md in self.safe_list():
-                if is_builtin(md) and is_planned(md):
+            for md in self.safe_list() if self.may_act() else []:
+                if is_builtin(md) and is_planned(md) and self.may_act():
                     self.scale_one(md)
+        if self.lease is not None:
+            self.lease.release()
+
+    def may_act(self) -> bool:
+        """Only the instance holding the Lease scales (cheap: it renews every third of it)."""
+        return self.lease is None or self.lease.hold()
 
     def safe_list(self) -> list[dict[str, Any]]:
         try:

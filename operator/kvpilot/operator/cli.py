@@ -2,13 +2,16 @@
 
 Starts the kopf operator against the current kubeconfig (or the in-cluster service account). Without
 `--standalone`, instances take part in kopf peering, so only the highest-priority one acts; the
-peering object is created here when its CRD is installed (crds/kopf.dev_peerings.yaml).
+peering object is created here when its CRD is installed (crds/kopf.dev_peerings.yaml). The
+autoscaler loop, a thread kopf does not pause, runs only in the instance holding a Lease
+(lease.py) in the operator's namespace.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import random
 import sys
 from pathlib import Path
@@ -20,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from kvpilot.operator import config as operator_config
 from kvpilot.operator import handlers, k8s, observability
 from kvpilot.operator.controller import Controller
+from kvpilot.operator.lease import LeaderLease, default_identity, operator_namespace
 
 PEERING_NAME = "kvpilot"
 REGISTERED = handlers  # imported for its decorators, which register the handlers with kopf
@@ -73,12 +77,24 @@ def main(argv: list[str] | None = None) -> int:
             # draw their own: the highest acts, the others wait until its peering record expires.
             priority=args.priority if args.priority is not None else random.randint(1, 1000),
             liveness_endpoint=args.liveness or None,
-            memo=kopf.Memo(controller=Controller(client=client, config=cfg)),
+            memo=kopf.Memo(
+                controller=Controller(client=client, config=cfg),
+                lease=None if standalone else autoscaler_lease(client, namespace, cfg),
+            ),
         )
     finally:
         if stop_metrics is not None:
             stop_metrics()
     return 0
+
+
+def autoscaler_lease(
+    client: k8s_client.ApiClient, namespace: str, cfg: operator_config.OperatorConfig
+) -> LeaderLease:
+    """The Lease that lets one instance run the autoscaler loop; a crashed holder is replaced
+    after three of its intervals (15 s at least)."""
+    duration = max(15, math.ceil(3 * cfg.autoscaler_interval_seconds))
+    return LeaderLease(client, operator_namespace(namespace), default_identity(), duration)
 
 
 def ensure_peering(client: k8s_client.ApiClient, namespace: str) -> bool:

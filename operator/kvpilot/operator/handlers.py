@@ -48,7 +48,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo["replanner"] = Replanner(memo["controller"], _values)
     memo["replanner"].start()
     interval = memo["controller"].config.autoscaler_interval_seconds
-    memo["autoscaler"] = AutoscalerLoop(memo["controller"], interval, memo["replanner"].inventory)
+    memo["autoscaler"] = AutoscalerLoop(
+        memo["controller"], interval, memo["replanner"].inventory, memo.get("lease")
+    )
     memo["autoscaler"].start()
 
 

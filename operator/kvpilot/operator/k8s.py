@@ -31,6 +31,7 @@ _PLURALS = {
     "CustomResourceDefinition": "customresourcedefinitions",
     "ClusterKopfPeering": "clusterkopfpeerings",
     "KopfPeering": "kopfpeerings",
+    "Lease": "leases",
     api.KIND: api.PLURAL,
 }
 MD_API_VERSION = f"{api.GROUP}/{api.VERSION}"

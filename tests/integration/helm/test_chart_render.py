@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.operator import cli, config, observability
+from kvpilot.operator import cli, config, lease, observability
 from kvpilot.operator import metrics as operator_metrics
 from kvpilot.runtime import metrics as runtime_metrics
 from tests.integration.helm.chart import (
@@ -37,6 +37,7 @@ ALL_ON = {
     "networkPolicy.enabled": "true",
 }
 NAMESPACED = {"watchNamespace": "ml-team"}
+RELEASE_NAMESPACE = "kvpilot-system"  # render()'s default
 CUSTOM_RESOURCES = {"ServiceMonitor"}  # Prometheus Operator's, no schema in kubernetes-validate
 
 
@@ -142,6 +143,7 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         ("kvpilot.dev", "modeldeployments/status"): {"get", "patch"},
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "create", "patch"},
+        ("coordination.k8s.io", "leases"): {"get", "create", "update"},
     }
     got = {
         (group, resource): granted(objects, group, resource)
@@ -152,6 +154,28 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
     assert got == want
     assert not granted(objects, "", "secrets")
     assert not granted(objects, "kvpilot.dev", "modeldeployments") & {"update", "create"}
+
+
+def test_the_autoscaler_lease_is_granted_by_name_in_the_release_namespace(
+    helm_bin: Path,
+) -> None:
+    for values in ({}, NAMESPACED):
+        objects = render(helm_bin, values)
+        lease_rules = [r for r in rules(objects) if "leases" in r["resources"]]
+        assert {tuple(r["verbs"]): r.get("resourceNames") for r in lease_rules} == {
+            ("create",): None,  # create cannot be limited by name
+            ("get", "update"): [lease.LEASE_NAME],
+        }
+        (role,) = [
+            o
+            for o in objects
+            if o["kind"] == "Role" and any("leases" in r["resources"] for r in o["rules"])
+        ]
+        assert role["metadata"]["namespace"] == RELEASE_NAMESPACE
+        env = {
+            e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container(objects)["env"]
+        }
+        assert env == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
 
 
 def test_podmonitor_rights_only_when_enabled(helm_bin: Path) -> None:
@@ -169,9 +193,9 @@ def test_podmonitor_rights_only_when_enabled(helm_bin: Path) -> None:
 
 def test_namespaced_install_keeps_namespaced_rights_in_a_role(helm_bin: Path) -> None:
     objects = render(helm_bin, NAMESPACED)
-    role, cluster_role = find(objects, "Role"), find(objects, "ClusterRole")
+    role, cluster_role = find(objects, "Role", "kvpilot"), find(objects, "ClusterRole")
     assert role["metadata"]["namespace"] == "ml-team"
-    assert find(objects, "RoleBinding")["metadata"]["namespace"] == "ml-team"
+    assert find(objects, "RoleBinding", "kvpilot")["metadata"]["namespace"] == "ml-team"
     cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
     assert cluster_resources == {"nodes", "customresourcedefinitions"}
     role_resources = {r for rule in role["rules"] for r in rule["resources"]}

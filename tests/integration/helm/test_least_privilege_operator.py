@@ -94,7 +94,8 @@ def operators(
     kubeconfig = release.service_account_kubeconfig(tmp_path / "sa-kubeconfig")
     config = tmp_path / "config.yaml"
     config.write_text(release.config_yaml())  # the chart's ConfigMap, as the pod would mount it
-    env = {**cluster.env, "KUBECONFIG": str(kubeconfig)}
+    # POD_NAMESPACE: what the chart's downward API gives the pod (the autoscaler Lease's home)
+    env = {**cluster.env, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": release.namespace}
     running = []
     for i, priority in enumerate(PRIORITIES):
         args, metrics_port = chart_args(helm_binary, config, kubeconfig)
@@ -133,7 +134,7 @@ def condition(md: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def test_operator_as_its_service_account_reconciles_the_examples(
-    cluster: Any, operators: list[tuple[OperatorProcess, int]], namespace: str
+    cluster: Any, release: Release, operators: list[tuple[OperatorProcess, int]], namespace: str
 ) -> None:
     require(OPERATOR)
     for path in EXAMPLES.values():
@@ -177,6 +178,26 @@ def test_operator_as_its_service_account_reconciles_the_examples(
             "diff", "--server-side", "-n", namespace, "-f", str(path), check=False
         )
         assert diff.returncode == 0 and diff.stdout == "", diff.stdout + diff.stderr
+
+    # One instance runs the autoscaler loop: the Role lets it take the Lease by name.
+    identities = {f"{socket.gethostname()}_{proc.proc.pid}" for proc, _ in operators}
+    lease = wait_until(
+        lambda: (
+            cluster.kubectl(
+                "get",
+                "lease",
+                "kvpilot-autoscaler",
+                "-n",
+                release.namespace,
+                "-o",
+                "json",
+                check=False,
+            ).stdout
+        ),
+        timeout_s=60,
+        what="the autoscaler Lease",
+    )
+    assert json.loads(lease)["spec"]["holderIdentity"] in identities
 
     for proc, _ in operators:
         log = proc.text()

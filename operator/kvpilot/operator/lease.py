@@ -1,0 +1,165 @@
+"""One autoscaler loop per cluster: a coordination.k8s.io Lease, as client-go's leader election.
+
+kopf's peering pauses the handlers of instances that are not active, but not threads the operator
+starts itself; without a Lease every replica of the operator would run the autoscaler loop and
+each ModelDeployment would be scaled once per replica. The instance holding the Lease runs the
+loop and renews the Lease as it goes. Another instance takes it over when the record has not
+changed for `leaseDurationSeconds` by that instance's own clock (as client-go does, so the
+instances' clocks need not agree), or at once when the holder lets it go on a clean stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client as k8s_client
+
+from kvpilot.operator import k8s
+
+LEASE_NAME = "kvpilot-autoscaler"
+LEASE_API_VERSION = "coordination.k8s.io/v1"
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+log = logging.getLogger(__name__)
+
+
+def may_take(spec: Mapping[str, Any], identity: str, unchanged_for_s: float) -> bool:
+    """Whether `identity` may hold a Lease whose spec is `spec` (pure).
+
+    `unchanged_for_s`: how long this instance has seen the record unchanged; a holder that
+    renews changes it, so a record unchanged for longer than its duration has a dead holder.
+    """
+    holder = spec.get("holderIdentity")
+    if not holder or holder == identity:
+        return True
+    return unchanged_for_s > float(spec.get("leaseDurationSeconds") or 0)
+
+
+def taken(spec: Mapping[str, Any], identity: str, duration_s: int, now: str) -> dict[str, Any]:
+    """The spec after `identity` takes or renews the Lease (pure)."""
+    new = dict(spec)
+    if spec.get("holderIdentity") != identity:
+        new["acquireTime"] = now
+        new["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (
+            1 if spec.get("holderIdentity") else 0
+        )
+    new.update(holderIdentity=identity, leaseDurationSeconds=duration_s, renewTime=now)
+    return new
+
+
+def released(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The spec after its holder lets it go: no holder, so the next instance takes it at once."""
+    return {k: v for k, v in spec.items() if k != "holderIdentity"}
+
+
+def micro_time(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def default_identity() -> str:
+    """The pod's name (the chart passes it as POD_NAME) and this process's id."""
+    return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{os.getpid()}"
+
+
+def operator_namespace(watch_namespace: str = "") -> str:
+    """Where the operator runs: POD_NAMESPACE (the chart's downward API), else the service
+    account's namespace inside a pod, else the namespace it watches, else `default`."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    if SERVICE_ACCOUNT_NAMESPACE.is_file():
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return watch_namespace or "default"
+
+
+class LeaderLease:
+    """`hold()` answers "may I act now?", renewing or taking the Lease when it is time to."""
+
+    def __init__(
+        self,
+        client: k8s_client.ApiClient,
+        namespace: str,
+        identity: str,
+        duration_s: int,
+        name: str = LEASE_NAME,
+    ) -> None:
+        self.client, self.namespace, self.name = client, namespace, name
+        self.identity, self.duration_s = identity, duration_s
+        self.renew_every_s = duration_s / 3  # two renewals may fail before another takes over
+        self._renewed_at: float | None = None  # monotonic time of our last successful write
+        self._seen: tuple[str, float] | None = None  # (resourceVersion, first seen, monotonic)
+        self._problem = ""
+
+    @property
+    def path(self) -> str:
+        return k8s.path(LEASE_API_VERSION, "Lease", self.namespace)
+
+    def hold(self) -> bool:
+        now = time.monotonic()
+        if self._renewed_at is not None and now - self._renewed_at < self.renew_every_s:
+            return True
+        try:
+            holds = self._take_or_renew(now)
+        except k8s.ApiException as error:
+            holds = False
+            # 409: another instance wrote first. Anything else: we cannot know we still hold it.
+            if error.status != 409:
+                self._report(f"cannot take or renew Lease {self.namespace}/{self.name}: {error}")
+        self._renewed_at = now if holds else None
+        return holds
+
+    def release(self) -> None:
+        """Let the Lease go on a clean stop, so a standby takes over without waiting."""
+        if self._renewed_at is None:
+            return
+        self._renewed_at = None
+        try:
+            lease = k8s.get(self.client, LEASE_API_VERSION, "Lease", self.namespace, self.name)
+            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+                self._put({**lease, "spec": released(lease["spec"])})
+        except k8s.ApiException as error:  # it expires on its own
+            log.warning("could not release Lease %s/%s: %s", self.namespace, self.name, error)
+
+    def _take_or_renew(self, now: float) -> bool:
+        lease = k8s.get(self.client, LEASE_API_VERSION, "Lease", self.namespace, self.name)
+        stamp = micro_time(datetime.now(UTC))
+        if lease is None:
+            body = {
+                "apiVersion": LEASE_API_VERSION,
+                "kind": "Lease",
+                "metadata": {"name": self.name, "namespace": self.namespace},
+                "spec": taken({}, self.identity, self.duration_s, stamp),
+            }
+            k8s.request(self.client, "POST", self.path, body=body)
+            return self._took()
+        spec = lease.get("spec") or {}
+        if not may_take(spec, self.identity, self._unchanged_for(lease, now)):
+            return False
+        self._put({**lease, "spec": taken(spec, self.identity, self.duration_s, stamp)})
+        return self._took()
+
+    def _unchanged_for(self, lease: Mapping[str, Any], now: float) -> float:
+        version = str(lease["metadata"].get("resourceVersion", ""))
+        if self._seen is None or self._seen[0] != version:
+            self._seen = (version, now)
+        return now - self._seen[1]
+
+    def _put(self, lease: Mapping[str, Any]) -> None:
+        # The body carries the resourceVersion read: a concurrent writer makes this a 409.
+        k8s.request(self.client, "PUT", f"{self.path}/{self.name}", body=lease)
+
+    def _took(self) -> bool:
+        if self._problem or self._renewed_at is None:
+            log.info("holding Lease %s/%s as %s", self.namespace, self.name, self.identity)
+        self._problem = ""
+        return True
+
+    def _report(self, problem: str) -> None:
+        if problem != self._problem:  # once per new problem, not on every tick
+            log.warning("%s; the autoscaler loop waits until it can", problem)
+        self._problem = problem
