@@ -21,6 +21,7 @@ from kvpilot.operator.planner import NodePlan
 
 LABEL_MODEL = "kvpilot.dev/model"
 LABEL_NODE_TYPE = "kvpilot.dev/node-type"
+RUNTIME_UID = 10001  # the user runtime/Dockerfile creates
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_SPEC_HASH = "kvpilot.dev/spec-hash"
 MANAGED_BY = "kvpilot-operator"
@@ -182,9 +183,10 @@ def _pod_spec(
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
+            # runtime/Dockerfile's user; above 10000 so it maps to no user of the node
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [_container(spec, node_plan, config)],
