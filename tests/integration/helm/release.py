@@ -59,13 +59,16 @@ class Release:
         assert answer in ("yes", "no"), done.stdout + done.stderr
         return answer == "yes"
 
-    def can(self, verb: str, resource: str, namespace: str = "", subresource: str = "") -> bool:
+    def can(
+        self, verb: str, resource: str, namespace: str = "", subresource: str = "", name: str = ""
+    ) -> bool:
         """A SubjectAccessReview for the ServiceAccount: `resource` is `plural[.group]`. Exact
         even for resources whose CRD is not installed, where kubectl's discovery cannot help."""
         plural, _, group = resource.partition(".")
         attributes = {"verb": verb, "group": group, "resource": plural}
         attributes |= {"namespace": namespace} if namespace else {}
         attributes |= {"subresource": subresource} if subresource else {}
+        attributes |= {"name": name} if name else {}
         review = {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SubjectAccessReview",

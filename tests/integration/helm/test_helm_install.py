@@ -44,6 +44,8 @@ def test_install_creates_every_rendered_object(
         "ConfigMap",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",  # the autoscaler's Lease, in the release namespace
+        "RoleBinding",
         "Service",
         "Deployment",
     }
@@ -121,6 +123,18 @@ def test_service_account_cannot_leave_its_list(release: tuple[Release, str]) -> 
     rel, _ = release
     granted = [args for args in DENIED if rel.can(*args)]
     assert not granted
+
+
+def test_service_account_may_hold_only_the_autoscaler_lease(release: tuple[Release, str]) -> None:
+    rel, _ = release
+    leases = "leases.coordination.k8s.io"
+    assert rel.can("create", leases, rel.namespace)
+    for verb in ("get", "update"):
+        assert rel.can(verb, leases, rel.namespace, name="kvpilot-autoscaler")
+        assert not rel.can(verb, leases, rel.namespace, name="kube-controller-manager")
+        assert not rel.can(verb, leases, "kube-system", name="kvpilot-autoscaler")
+    assert not rel.can("create", leases, "kube-system")
+    assert not rel.can("delete", leases, rel.namespace, name="kvpilot-autoscaler")
 
 
 def test_kubectl_auth_can_i_agrees(release: tuple[Release, str]) -> None:
