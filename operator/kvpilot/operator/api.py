@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from kvpilot.operator.policy import Bounds
+
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
 KIND = "ModelDeployment"
@@ -38,6 +40,10 @@ URI_PATTERN = (
     r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*|s3://[^\s]+|file:///[^\s]*)$"
 )
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+# The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
+# the CRD's defaults, so the simulator measures what a ModelDeployment without settings gets.
+POLICY_DEFAULTS = Bounds()
 
 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -161,13 +167,32 @@ class Autoscaling(_Model):
     min_replicas: int = Field(default=1, ge=0, le=1000)
     max_replicas: int = Field(default=4, ge=1, le=1000)
     target_queue_length: float = Field(
-        default=4.0, gt=0, le=10_000, description="waiting requests per replica"
+        default=POLICY_DEFAULTS.target_queue_length,
+        gt=0,
+        le=10_000,
+        description="waiting requests per ready replica above which every request in flight"
+        " gets a running slot",
     )
     target_kv_cache_utilization: float = Field(
-        default=0.8, gt=0, le=1, alias="targetKVCacheUtilization"
+        default=POLICY_DEFAULTS.target_kv_cache_utilization,
+        gt=0,
+        le=1,
+        alias="targetKVCacheUtilization",
+        description="KV-cache usage (1-minute mean, waiting requests counted as demand) the"
+        " replica count aims at",
     )
-    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600)
-    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86_400)
+    scale_up_stabilization_seconds: int = Field(
+        default=int(POLICY_DEFAULTS.scale_up_stabilization_s), ge=0, le=3600
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=int(POLICY_DEFAULTS.scale_down_stabilization_s), ge=0, le=86_400
+    )
+    scale_to_zero_idle_seconds: int = Field(
+        default=int(POLICY_DEFAULTS.scale_to_zero_idle_s),
+        ge=0,
+        le=86_400,
+        description="with minReplicas 0: no request in flight for this long scales to zero",
+    )
     replicas: int = Field(
         default=1,
         ge=0,

@@ -1,11 +1,22 @@
 """The autoscaling policy of DESIGN.md §3.5, as one pure function.
 
 `decide(observations, bounds, state, now)` looks at what the ready replicas report (requests
-waiting, KV-cache usage), proposes a replica count per signal (ceil(ready x observed / target),
-unless the signal sits inside the tolerance band), takes the largest, and then damps it the way the
-HPA does: scale-up takes the smallest recommendation of the (short) up window, scale-down the
-largest of the (long) down window, scale-up is rate limited per step. Missing or stale metrics hold
-the fleet where it is and say so, so a Prometheus outage never shrinks a serving fleet.
+waiting and running, KV-cache usage), proposes a replica count per signal, takes the largest, and
+then damps it the way the HPA does: scale-up takes the smallest recommendation of the (short) up
+window, scale-down the largest of the down window, scale-up is rate limited per step. Missing or
+stale metrics hold the fleet where it is and say so, so a Prometheus outage never shrinks a
+serving fleet.
+
+The signals:
+- KV demand: the KV-cache usage the ready replicas would have if they admitted their queue too
+  (usage x in flight / running). Above the tolerance band it asks for ceil(ready x demand /
+  target); below it, for the count at which a linear estimate sits at the band's lower edge,
+  because usage grows faster than load (a bigger batch makes every decode step slower).
+- Queue: more than the target waiting per ready replica asks for a running slot for every
+  request in flight, ceil(ready x (running + waiting) / running); this also covers replicas whose
+  batch, not their cache, is full.
+A scale-down also waits `scale_down_settle_s` after any change, until the 1-minute KV mean
+describes the fleet as it is.
 
 All memory between decisions lives in `PolicyState`, which round-trips through a plain dict kept in
 the ModelDeployment's `status.autoscaling`, so an operator restart loses nothing.
@@ -14,7 +25,7 @@ the ModelDeployment's `status.autoscaling`, so an operator restart loses nothing
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,14 +36,22 @@ class Bounds:
 
     min_replicas: int = 1
     max_replicas: int = 10
-    # The defaults were tuned in the simulator (bench/autoscaler_sim.py): at 0.8 KV usage and a
-    # 10% band the fleet flapped between two sizes under steady Poisson load, because a replica
-    # whose KV cache is full queues requests long before the fleet's mean reaches 0.8.
-    target_queue_length: float = 3.0  # waiting requests per ready replica
-    target_kv_cache_utilization: float = 0.65  # used / total KV blocks, 0-1 (1-minute mean)
-    tolerance: float = 0.15  # ratios within 1 +/- tolerance keep the current count
+    # The defaults were tuned in the simulator (bench/autoscaler_sim.py) and are the CRD's
+    # defaults too (api.py reads them from here). The wide band is what keeps a fleet whose
+    # right size sits between two counts from flapping under steady Poisson load: the 1-minute
+    # KV mean of a replica near its right size swings by +/-0.1. Scale-up needs demand above
+    # 0.85 x 1.2, which the queue provides as soon as requests wait.
+    target_queue_length: float = 4.0  # waiting requests per ready replica
+    target_kv_cache_utilization: float = 0.85  # used / total KV blocks, 0-1 (1-minute mean)
+    tolerance: float = 0.2  # ratios within 1 +/- tolerance keep the current count
     scale_up_stabilization_s: float = 0.0
-    scale_down_stabilization_s: float = 300.0
+    # Shorter than the HPA's 300 s: the settle wait and the band's lower edge as the scale-down
+    # aim already keep a shrink from undershooting, and a burst's fleet goes back sooner.
+    scale_down_stabilization_s: float = 120.0
+    # No scale-down this soon after a change: the KV-cache signal is a 1-minute mean, which right
+    # after a change still mixes in the old fleet (a just-shrunk fleet looks emptier than it is).
+    # A shorter scale-down window is a request for quicker scale-downs and caps this wait.
+    scale_down_settle_s: float = 60.0
     max_scale_up_factor: float = 2.0  # a step may at least double ...
     max_scale_up_step: int = 4  # ... or add this many, whichever is more
     scale_to_zero_idle_s: float = 600.0  # only with min_replicas == 0
@@ -57,7 +76,12 @@ class Bounds:
             )
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
-        if min(self.scale_up_stabilization_s, self.scale_down_stabilization_s) < 0:
+        windows = (
+            self.scale_up_stabilization_s,
+            self.scale_down_stabilization_s,
+            self.scale_down_settle_s,
+        )
+        if min(windows) < 0:
             raise ValueError("stabilization windows must be >= 0 seconds")
         if self.max_scale_up_factor < 1 or self.max_scale_up_step < 1:
             raise ValueError("scale-up rate limits must allow growth (factor >= 1, step >= 1)")
@@ -167,10 +191,12 @@ def decide(observations: Observations, bounds: Bounds, state: PolicyState, now: 
     # count, so it cannot scale down before a full window has passed.
     seed = state.recommendations or ((now, current),)
     history = _record(seed, now, wanted, _longest_window(bounds))
-    stabilised = _stabilise(current, history, bounds, now)
+    settled = _settled(now, state.last_scale_time, _settle_s(bounds))
+    stabilised = _stabilise(current, history, bounds, now, settled)
     limited = _rate_limit(current, stabilised, bounds)
     final = clamp(limited, floor, bounds.max_replicas)
-    reason = _explain((current, raw, wanted, stabilised, limited, final), why, bounds)
+    steps = (current, raw, wanted, stabilised, limited, final)
+    reason = _explain(steps, why, bounds, settled)
     return _finish(current, final, reason, replace(state, recommendations=history), now)
 
 
@@ -193,21 +219,63 @@ def recommend(observations: Observations, bounds: Bounds) -> tuple[int, str]:
         # Nothing ready to measure per replica; only a queue (e.g. at a gateway) can ask for pods.
         need = math.ceil(observations.requests_waiting / bounds.target_queue_length)
         return max(current, need), f"{observations.requests_waiting:g} waiting, 0 ready"
-    signals = {
-        "queue": (observations.requests_waiting / ready, bounds.target_queue_length),
-        "kv-cache": (observations.kv_cache_usage, bounds.target_kv_cache_utilization),
-    }
-    best, best_why = 0, ""
-    for name, (observed, target) in signals.items():
-        ratio = observed / target
-        if abs(ratio - 1.0) <= bounds.tolerance:
-            wanted, note = current, "within tolerance"
-        else:
-            wanted, note = math.ceil(ready * ratio - 1e-9), f"ratio {ratio:.2f}"
-        if wanted > best or not best_why:
-            best = wanted
-            best_why = f"{name} {observed:.2f}/replica vs target {target:g} ({note}, {ready} ready)"
-    return best, best_why
+    kv_wanted, kv_why = _kv_signal(observations, bounds)
+    queue_wanted, queue_why = _queue_signal(observations, bounds)
+    if queue_wanted > kv_wanted:
+        return queue_wanted, queue_why
+    return kv_wanted, kv_why
+
+
+def kv_demand(observations: Observations) -> float:
+    """KV-cache usage the ready replicas would have if they also admitted their queue.
+
+    Queued requests wait because the cache (or the batch) is full, so they are demand the usage
+    gauge does not show yet; each is assumed to need as much cache as a running one."""
+    running, waiting = observations.requests_running, observations.requests_waiting
+    if running <= 0:
+        return observations.kv_cache_usage
+    return observations.kv_cache_usage * (running + waiting) / running
+
+
+def _kv_signal(observations: Observations, bounds: Bounds) -> tuple[int, str]:
+    """Replicas for the KV-cache target: up to the target when above the band; down only to
+    where a linear estimate puts usage at the band's lower edge. The estimate is optimistic for
+    a smaller fleet: every extra sequence in a batch slows each decode step, so sequences stay
+    longer and usage grows faster than the load per replica."""
+    current, ready = observations.current_replicas, observations.ready_replicas
+    demand, target = kv_demand(observations), bounds.target_kv_cache_utilization
+    ratio = demand / target
+    if ratio > 1 + bounds.tolerance:
+        wanted, note = math.ceil(ready * ratio - 1e-9), f"ratio {ratio:.2f}"
+    elif ratio < 1 - bounds.tolerance:
+        low_edge = target * (1 - bounds.tolerance)
+        wanted, note = math.ceil(ready * demand / low_edge - 1e-9), f"ratio {ratio:.2f}"
+    else:
+        wanted, note = current, "within tolerance"
+    usage = observations.kv_cache_usage
+    seen = f"{usage:.2f}" if demand == usage else f"{demand:.2f} (usage {usage:.2f} + queue)"
+    return wanted, f"kv-cache {seen} vs target {target:g} ({note}, {ready} ready)"
+
+
+def _queue_signal(observations: Observations, bounds: Bounds) -> tuple[int, str]:
+    """A queue longer than the target per replica asks for a running slot for every request in
+    flight: ceil(ready x (running + waiting) / running). The queue's length itself is not a
+    measure of missing capacity (it grows for as long as capacity is short), so dividing it by
+    the target would overshoot; this also covers replicas whose batch, not cache, is full."""
+    ready = observations.ready_replicas
+    running, waiting = observations.requests_running, observations.requests_waiting
+    per_replica = waiting / ready
+    if per_replica <= bounds.target_queue_length * (1 + bounds.tolerance):
+        return 0, f"queue {per_replica:.2f}/replica within target {bounds.target_queue_length:g}"
+    in_flight = (
+        (running + waiting) / running if running > 0 else per_replica / bounds.target_queue_length
+    )
+    wanted = math.ceil(ready * in_flight - 1e-9)
+    why = (
+        f"queue {per_replica:.2f}/replica vs target {bounds.target_queue_length:g} "
+        f"({running:g} running, {waiting:g} waiting, {ready} ready)"
+    )
+    return wanted, why
 
 
 def clamp(value: int, low: int, high: int) -> int:
@@ -260,19 +328,42 @@ def _record(
 
 
 def _stabilise(
-    current: int, history: tuple[tuple[float, int], ...], bounds: Bounds, now: float
+    current: int,
+    history: tuple[tuple[float, int], ...],
+    bounds: Bounds,
+    now: float,
+    settled: bool,
 ) -> int:
     """HPA's rule: go up to the smallest recommendation of the up window, down to the largest of
     the down window, otherwise stay. The newest recommendation always counts, so a zero window
-    means no damping."""
-    *older, (_, latest) = history
-    up = min([r for t, r in older if t > now - bounds.scale_up_stabilization_s] + [latest])
-    down = max([r for t, r in older if t > now - bounds.scale_down_stabilization_s] + [latest])
+    means no damping. A scale-down also waits until the last change has settled."""
+    up = _window_extreme(history, now, bounds.scale_up_stabilization_s, min)
     if up > current:
         return up
-    if down < current:
+    down = _window_extreme(history, now, bounds.scale_down_stabilization_s, max)
+    if down < current and settled:
         return down
     return current
+
+
+def _window_extreme(
+    history: tuple[tuple[float, int], ...],
+    now: float,
+    window_s: float,
+    pick: Callable[[list[int]], int],
+) -> int:
+    *older, (_, latest) = history
+    return pick([r for t, r in older if t > now - window_s] + [latest])
+
+
+def _settle_s(bounds: Bounds) -> float:
+    return min(bounds.scale_down_settle_s, bounds.scale_down_stabilization_s)
+
+
+def _settled(now: float, last_scale_time: float | None, wait_s: float) -> bool:
+    """Whether the metrics describe the fleet as it is: right after a change, the 1-minute KV
+    mean still mixes in the old fleet, which makes a just-shrunk fleet look emptier than it is."""
+    return last_scale_time is None or now - last_scale_time >= wait_s
 
 
 def _rate_limit(current: int, wanted: int, bounds: Bounds) -> int:
@@ -284,10 +375,15 @@ def _rate_limit(current: int, wanted: int, bounds: Bounds) -> int:
     return min(wanted, allowed)
 
 
-def _explain(steps: tuple[int, int, int, int, int, int], why: str, bounds: Bounds) -> str:
+def _explain(
+    steps: tuple[int, int, int, int, int, int], why: str, bounds: Bounds, settled: bool
+) -> str:
     """steps: current, raw, wanted (in bounds), after the windows, after the rate limit, final."""
     current, raw, wanted, stabilised, limited, final = steps
     if final == current:
+        if wanted < current and not settled:
+            settle = f"{_settle_s(bounds):.0f}s"
+            return f"hold at {current}: wants {wanted}, last change under {settle} ago; {why}"
         if wanted < current:
             window = f"{bounds.scale_down_stabilization_s:.0f}s"
             return f"hold at {current}: wants {wanted}, {window} down window not passed; {why}"

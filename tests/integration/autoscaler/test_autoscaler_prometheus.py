@@ -221,8 +221,8 @@ def test_promql_observations_feed_the_policy(
     assert by_type["h100"].requests_running == 18
     assert by_type["a100"].ready_replicas == 1
 
-    # a queue builds on pod-b: 30 + 2 waiting over 3 ready, target 3 -> ceil(32/3) = 11 -> max 10,
-    # rate limited to 3 + 4 = 7 in one step
+    # a queue builds on pod-b: 30 + 2 waiting over 3 ready is above the target of 3 per replica,
+    # so every request in flight gets a running slot: ceil(3 x (24 running + 32) / 24) = 7
     pods["pod-b"].set(waiting=30)
     busy = observe_until(source, "queue", lambda o: o.requests_waiting == 32)
     up = decide(busy, BOUNDS, held.state, time.time())

@@ -119,15 +119,21 @@ def test_spread_rejects_bad_input(args: tuple[Any, ...], message: str) -> None:
 
 
 def test_status_patch_round_trips_the_state() -> None:
+    # with the default targets: KV demand 0.9 x 30 / 20 = 1.35 -> ceil(2 x 1.35 / 0.85) = 4
     observations = Observations(
-        current_replicas=2, ready_replicas=2, kv_cache_usage=1.0, sampled_at=NOW
+        current_replicas=2,
+        ready_replicas=2,
+        requests_running=20,
+        requests_waiting=10,
+        kv_cache_usage=0.9,
+        sampled_at=NOW,
     )
     decision = decide(observations, Bounds(), PolicyState(), NOW)
     patch = json.loads(json.dumps(status_patch(decision, observations, NOW)))
     assert patch["desiredReplicas"] == decision.replicas == 4
     assert patch["lastDecision"].startswith("scale up 2->4")
     assert patch["lastScaleTime"] == patch["lastDecisionTime"] == "2023-11-14T22:13:20Z"
-    assert patch["metrics"]["kvCacheUsage"] == 1.0
+    assert patch["metrics"]["kvCacheUsage"] == 0.9
     assert patch["metricsAvailable"] is True
     assert state_from_status({"autoscaling": patch}) == decision.state
     assert state_from_status(None) == PolicyState()

@@ -10,13 +10,15 @@ import pytest
 from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState, decide
 
 NOW = 1_000_000.0
-# Explicit targets, so the tables do not move when the tuned defaults do.
+# Explicit targets and windows, so the tables do not move when the tuned defaults do.
 BOUNDS = Bounds(
     min_replicas=1,
     max_replicas=20,
     target_queue_length=3.0,
     target_kv_cache_utilization=0.8,
     tolerance=0.1,
+    scale_down_stabilization_s=300.0,
+    scale_down_settle_s=60.0,
 )
 
 
@@ -46,7 +48,47 @@ def old_state(replicas: int, age_s: float = 1000.0) -> PolicyState:
 # history outside every window, except where pods are starting: there the scale-up that created
 # them is 60 s old, as it would be in a real run.
 SINGLE_STEP = [
-    ("queue signal scales up", obs(2, requests_waiting=12), BOUNDS, 4, "queue"),
+    ("queue without running requests", obs(2, requests_waiting=12), BOUNDS, 4, "queue"),
+    (
+        # 64 sequences per replica fill the batch long before the cache: a slot for each of
+        # the 168 requests in flight takes ceil(2 x 168 / 128) replicas
+        "full batch, roomy cache: queue scales up",
+        obs(2, requests_waiting=40, requests_running=128, kv_cache_usage=0.4),
+        BOUNDS,
+        3,
+        "queue 20.00/replica",
+    ),
+    (
+        "queue within its target adds nothing",
+        obs(4, requests_waiting=12, requests_running=120, kv_cache_usage=0.7),
+        BOUNDS,
+        4,
+        "within tolerance",
+    ),
+    (
+        # 0.8 x 48 / 40 = 0.96 of cache in demand: above the band although usage is on target
+        "waiting requests count as kv demand",
+        obs(4, requests_waiting=8, requests_running=40, kv_cache_usage=0.8),
+        BOUNDS,
+        5,
+        "kv-cache 0.96 (usage 0.80 + queue)",
+    ),
+    (
+        # demand 0.9 x 96 / 80 = 1.08 -> ceil(4 x 1.35) = 6; the queue alone asks for 5
+        "kv demand beats the queue's slot count",
+        obs(4, requests_waiting=16, requests_running=80, kv_cache_usage=0.9),
+        BOUNDS,
+        6,
+        "kv-cache 1.08",
+    ),
+    (
+        # ceil(8 x 0.6 / 0.72), not ceil(8 x 0.6 / 0.8) = 6: usage grows faster than load
+        "kv below the band aims at its lower edge",
+        obs(8, kv_cache_usage=0.6),
+        BOUNDS,
+        7,
+        "scale down 8->7",
+    ),
     ("kv signal scales up", obs(4, kv_cache_usage=0.95), BOUNDS, 5, "kv-cache"),
     ("kv inside tolerance holds", obs(4, kv_cache_usage=0.85), BOUNDS, 4, "within tolerance"),
     ("kv just outside tolerance", obs(4, kv_cache_usage=0.89), BOUNDS, 5, "ratio 1.11"),
@@ -62,7 +104,7 @@ SINGLE_STEP = [
         obs(4, requests_waiting=30, kv_cache_usage=1.0),
         BOUNDS,
         8,
-        "queue",
+        "queue 7.50/replica",
     ),
     ("rate limit +4 when small", obs(2, requests_waiting=60), BOUNDS, 6, "rate limit 6"),
     (
@@ -164,14 +206,31 @@ def quiet(kv: float, current: int = 8) -> Observations:
 
 
 def test_scale_down_waits_for_window_and_takes_window_max() -> None:
-    # kv 0.6 at 8 replicas wants 6, then 0.3 wants 3.
+    # kv 0.6 at 8 replicas wants 7, then 0.3 wants 4 (aiming at the band's lower edge, 0.72).
     steps = [(0.0, quiet(0.8)), (100.0, quiet(0.6)), (200.0, quiet(0.3)), (299.0, quiet(0.3))]
     steps += [(301.0, quiet(0.3)), (401.0, quiet(0.3))]
     decisions = run(steps, BOUNDS)
-    # 8 stays until t=0's 8 leaves the window (t>300), then the max of the window (6 from t=100)
-    # applies, and only after t=100 leaves it does the fleet go to 3.
-    assert [d.replicas for d in decisions] == [8, 8, 8, 8, 6, 3]
-    assert "scale down 8->6 (window max/min 6)" in decisions[4].reason
+    # 8 stays until t=0's 8 leaves the window (t>300), then the max of the window (7 from t=100)
+    # applies, and only after t=100 leaves it does the fleet go to 4.
+    assert [d.replicas for d in decisions] == [8, 8, 8, 8, 7, 4]
+    assert "scale down 8->7 (window max/min 7)" in decisions[4].reason
+
+
+def test_scale_down_waits_for_the_last_change_to_settle() -> None:
+    # The window has long passed, but the fleet changed 30 s ago: its 1-minute KV mean still
+    # mixes in the old fleet, so the shrink waits until 60 s after the change.
+    history = ((NOW - 1000.0, 8),)
+    recent = PolicyState(recommendations=history, last_scale_time=NOW - 30.0)
+    held = decide(quiet(0.3), BOUNDS, recent, NOW)
+    assert held.replicas == 8
+    assert "last change under 60s ago" in held.reason
+    settled = decide(quiet(0.3), BOUNDS, replace(recent, last_scale_time=NOW - 60.0), NOW)
+    assert settled.replicas == 4
+    # a scale-up does not wait
+    assert decide(quiet(1.0), BOUNDS, recent, NOW).replicas == 10
+    # a scale-down window shorter than the settle time caps it: 20 s was asked for
+    quick = replace(BOUNDS, scale_down_stabilization_s=20.0)
+    assert decide(quiet(0.3), quick, recent, NOW).replicas == 4
 
 
 def test_fresh_state_does_not_scale_down_at_once() -> None:
@@ -198,7 +257,7 @@ def test_restart_from_status_dict_loses_nothing() -> None:
     steps = [(0.0, quiet(0.8)), (100.0, quiet(0.3)), (200.0, quiet(0.3)), (310.0, quiet(0.3))]
     in_memory = run(steps, BOUNDS)
     restarted = run(steps, BOUNDS, via_status=True)
-    assert [d.replicas for d in restarted] == [d.replicas for d in in_memory] == [8, 8, 8, 3]
+    assert [d.replicas for d in restarted] == [d.replicas for d in in_memory] == [8, 8, 8, 4]
     assert [d.state for d in restarted] == [d.state for d in in_memory]
     # What the status keeps is what stops the early scale-down: an operator that lost it after
     # t=200 would hold at 8 on its first look at t=310 (fresh seed), then wait a full window.
@@ -258,6 +317,7 @@ def test_last_scale_time_recorded_only_on_change() -> None:
         ({"target_kv_cache_utilization": 1.5}, "targetKVCacheUtilization"),
         ({"tolerance": 1.0}, "tolerance"),
         ({"scale_down_stabilization_s": -1}, "windows"),
+        ({"scale_down_settle_s": -1}, "windows"),
         ({"max_scale_up_factor": 0.5}, "rate limits"),
     ],
 )

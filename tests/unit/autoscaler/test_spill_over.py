@@ -1,4 +1,5 @@
-"""Spill-over inputs: where replicas are asked for and stuck, read from status and pods (pure)."""
+"""The autoscaler loop's inputs: where replicas are asked for and stuck (spill-over), and the
+CRD's autoscaling settings as the policy gets them (pure)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import autoscaler, config, reconcile
+from kvpilot.operator import api, autoscaler, config, reconcile
 from kvpilot.operator.actuator import free_gpus
 from kvpilot.operator.inventory import NodeType
 
@@ -248,3 +249,15 @@ def test_spill_after_comes_from_the_file_or_the_environment() -> None:
         == 5
     )
     assert config.from_mapping({}, {}).spill_after_seconds == 180
+
+
+def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
+    # The spec as the apiserver stores it (CRD defaults applied), each setting changed.
+    spec = api.Autoscaling.model_validate({"minReplicas": 0}).model_dump(by_alias=True)
+    tuned = {k: (v + 1 if isinstance(v, int | float) else v) for k, v in spec.items()}
+    tuned["targetKVCacheUtilization"] = 0.5
+    bounds = autoscaler.bounds_from_spec(tuned)
+    settings = set(spec) - {"mode", "replicas"}  # those two are for mode off/external
+    assert settings == set(autoscaler.SPEC_FIELDS)
+    for field, attribute in autoscaler.SPEC_FIELDS.items():
+        assert getattr(bounds, attribute) == tuned[field], field

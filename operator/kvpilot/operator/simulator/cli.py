@@ -7,7 +7,6 @@ import json
 import sys
 from pathlib import Path
 
-from kvpilot.operator.policy import Bounds
 from kvpilot.operator.simulator import policies, traces
 from kvpilot.operator.simulator.capacity import CapacityModel
 from kvpilot.operator.simulator.cluster import Settings
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         capacity = CapacityModel.from_json(args.capacity) if args.capacity else CapacityModel()
         settings = Settings(args.min_replicas, args.max_replicas, max(args.min_replicas, 1))
-        bounds = Bounds(min_replicas=args.min_replicas, max_replicas=args.max_replicas)
+        bounds = policies.user_bounds(args.min_replicas, args.max_replicas)
         names = [n.strip() for n in args.policy.split(",") if n.strip()]
         unknown = sorted(set(names) - set(policies.NAMES))
         if unknown:

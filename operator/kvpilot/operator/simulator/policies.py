@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvpilot.operator import api, autoscaler
 from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
 from kvpilot.operator.simulator.capacity import CapacityModel
 from kvpilot.operator.simulator.cluster import FleetView, Policy, Settings
@@ -31,6 +32,13 @@ from kvpilot.operator.simulator.traces import Trace
 
 NAMES = ("kvpilot", "hpa", "kubeai", "keda", "fixed_max", "oracle")
 TARGET_FRACTION = 0.8
+
+
+def user_bounds(min_replicas: int, max_replicas: int) -> Bounds:
+    """What a ModelDeployment that sets only min and max replicas gets: the CRD's defaults, read
+    from the spec the way the operator reads it, so the simulator measures those."""
+    spec = api.Autoscaling(min_replicas=min_replicas, max_replicas=max_replicas)
+    return autoscaler.bounds_from_spec(spec.model_dump(by_alias=True))
 
 
 class KvpilotPolicy:
