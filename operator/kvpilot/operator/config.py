@@ -2,7 +2,7 @@
 
     runtimeImage: ghcr.io/kvpilot/runtime:0.1.0
     prometheusUrl: http://prometheus.monitoring:9090
-    autoscalerIntervalSeconds: 15
+    autoscalerIntervalSeconds: 10
     spillAfterSeconds: 180          # Unschedulable this long: replicas move to the next node type
     nodeTypes:                      # for clusters without GPU Feature Discovery
       - name: a10g-24gb
@@ -54,7 +54,7 @@ class DeclaredNodeType:
 class OperatorConfig:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     prometheus_url: str = ""
-    autoscaler_interval_seconds: float = 15.0
+    autoscaler_interval_seconds: float = 10.0  # metrics read and decided on this often
     # Long enough for a cluster autoscaler or Karpenter to bring a GPU node of the preferred type
     # (often 2-3 minutes), short enough that users are not left waiting on a type that never comes.
     spill_after_seconds: float = 180.0
@@ -93,7 +93,7 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str]) -> OperatorCon
         or DEFAULT_RUNTIME_IMAGE,
         prometheus_url=env.get("KVPILOT_PROMETHEUS_URL") or data.get("prometheusUrl", ""),
         autoscaler_interval_seconds=float(
-            env.get("KVPILOT_AUTOSCALER_INTERVAL") or data.get("autoscalerIntervalSeconds", 15)
+            env.get("KVPILOT_AUTOSCALER_INTERVAL") or data.get("autoscalerIntervalSeconds", 10)
         ),
         spill_after_seconds=float(
             env.get("KVPILOT_SPILL_AFTER") or data.get("spillAfterSeconds", 180)
