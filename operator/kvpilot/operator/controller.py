@@ -188,6 +188,8 @@ class Controller:
         ]
         if desired.error is not None or not apply_children:
             return existing  # a spec that cannot run leaves the running pods serving
+        if reconcile.may_have_dropped_pod_monitor(md, desired):
+            self._delete_pod_monitor(md)
         fm = self.config.field_manager
         applied = [k8s.apply(self.client, child, fm) for child in desired.children]
         for stale in reconcile.stale_children(existing, desired):
@@ -198,6 +200,32 @@ class Controller:
             )
             k8s.delete(self.client, stale)
         return [obj for obj in applied if obj.get("kind") == "Deployment"]
+
+    def _delete_pod_monitor(self, md: Obj) -> None:
+        """Delete the PodMonitor an earlier spec asked for, if this ModelDeployment owns one."""
+        meta = md["metadata"]
+        try:
+            if not k8s.has_crd(self.client, POD_MONITOR_CRD):
+                return
+            found = k8s.get(
+                self.client,
+                "monitoring.coreos.com/v1",
+                "PodMonitor",
+                meta["namespace"],
+                meta["name"],
+            )
+            if found is not None and _owned_by(found, meta["uid"]):
+                log.info(
+                    "deleting PodMonitor %s/%s: monitoring.podMonitor is off",
+                    meta["namespace"],
+                    meta["name"],
+                )
+                k8s.delete(self.client, found)
+        except k8s.ApiException as error:  # 403: the chart's podMonitors.enabled is off, so the
+            # operator never made one; anything else: the next spec change looks again
+            log.debug(
+                "PodMonitor check for %s/%s: %s", meta["namespace"], meta["name"], error.reason
+            )
 
     def _write_status(
         self, md: Obj, desired: reconcile.Desired, deployments: list[dict[str, Any]]

@@ -148,6 +148,16 @@ def stale_children(existing: Sequence[Obj], desired: Desired) -> list[Obj]:
     return [o for o in existing if (o.get("kind"), o["metadata"]["name"]) not in wanted]
 
 
+def may_have_dropped_pod_monitor(md: Obj, desired: Desired) -> bool:
+    """Whether a PodMonitor an earlier spec asked for may be left over: this pass wants none,
+    and the spec changed since the last pass (the first pass and ordinary passes cost no
+    extra API reads)."""
+    status = md.get("status") or {}
+    observed = int(status.get("observedGeneration") or 0)
+    changed = observed > 0 and int(md["metadata"].get("generation", 0)) != observed
+    return changed and not any(c["kind"] == "PodMonitor" for c in desired.children)
+
+
 def plan_changed(md: Obj, desired: Desired) -> bool:
     """Whether this pass changes the plan in status, or fails anew: worth a Kubernetes Event."""
     status = md.get("status") or {}

@@ -229,3 +229,23 @@ def test_a_new_failure_is_news_once() -> None:
     assert reconcile.plan_changed(obj, desired)
     obj["status"] = reconcile.build_status(obj, desired, [], CONFIG, "t")
     assert not reconcile.plan_changed(obj, desired)
+
+
+@pytest.mark.parametrize(
+    ("generation", "observed", "monitoring", "expected"),
+    [
+        (1, 0, False, False),  # first pass: nothing made yet
+        (3, 3, False, False),  # spec unchanged since the last pass: no extra reads
+        (4, 3, False, True),  # spec changed and wants none: look for one to delete
+        (4, 3, True, False),  # spec changed and still wants one
+    ],
+)
+def test_may_have_dropped_pod_monitor(
+    generation: int, observed: int, monitoring: bool, expected: bool
+) -> None:
+    obj = md(
+        {**LLAMA_70B, "monitoring": {"podMonitor": monitoring}}, {"observedGeneration": observed}
+    )
+    obj["metadata"]["generation"] = generation
+    desired = reconcile.desire(obj, [H100], CONFIG, has_pod_monitor_crd=True)
+    assert reconcile.may_have_dropped_pod_monitor(obj, desired) is expected
