@@ -10,7 +10,8 @@ Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: built
   applies the spread; nothing here writes a Deployment, so server-side apply keeps a single owner
   of spec.replicas.
 
-With more than one operator instance, only the one holding a Lease runs the loop (lease.py).
+Each tick LISTs the ModelDeployments and their runtime pods once (not per object). With more than
+one operator instance, only the one holding a Lease runs the loop (lease.py).
 
 A thread, not a kopf timer: kopf timers put a finalizer on every ModelDeployment, and then
 `kubectl delete` hangs whenever the operator is down. All state is in status, so a restart
@@ -115,11 +116,24 @@ class AutoscalerLoop:
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval_s):
-            for md in self.safe_list() if self.may_act() else []:
-                if is_builtin(md) and is_planned(md) and self.may_act():
-                    self.scale_one(md)
+            if self.may_act():
+                self.tick()
         if self.lease is not None:
             self.lease.release()
+
+    def tick(self) -> None:
+        """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""
+        scaled = [md for md in self.safe_list() if is_builtin(md) and is_planned(md)]
+        try:
+            pods = self.model_pods() if scaled else {}
+        except k8s.ApiException as error:
+            log.warning("autoscaler: cannot list runtime pods: %s", error.reason)
+            return
+        for md in scaled:
+            if not self.may_act():
+                return
+            meta = md["metadata"]
+            self.scale_one(md, pods.get((meta["namespace"], meta["name"]), []))
 
     def may_act(self) -> bool:
         """Only the instance holding the Lease scales (cheap: it renews every third of it)."""
@@ -132,10 +146,9 @@ class AutoscalerLoop:
             log.warning("autoscaler: cannot list ModelDeployments: %s", error.reason)
             return []
 
-    def scale_one(self, md: Obj) -> None:
+    def scale_one(self, md: Obj, pods: Sequence[Obj]) -> None:
         meta = md["metadata"]
         try:
-            pods = self.model_pods(meta["namespace"], meta["name"])
             current = int((md.get("status") or {}).get("replicas") or 0)
             observations = self.observe(meta["namespace"], meta["name"], current, pods)
             decision = self.decide(md, observations)
@@ -174,9 +187,13 @@ class AutoscalerLoop:
         meta = md["metadata"]
         self.controller.run_pass(meta["namespace"], meta["name"], nodes, all_pods)
 
-    def model_pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        selector = f"{manifests.LABEL_MODEL}={name}"
-        return k8s.list_objects(self.controller.client, "v1", "Pod", namespace, selector)
+    def model_pods(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        """Runtime pods in the watched namespace(s), by (namespace, ModelDeployment name)."""
+        namespace = self.controller.config.namespace or None
+        found = k8s.list_objects(
+            self.controller.client, "v1", "Pod", namespace, manifests.LABEL_MODEL
+        )
+        return pods_by_model(found)
 
     def observe(self, namespace: str, name: str, current: int, pods: Sequence[Obj]) -> Observations:
         urls, node_types = ready_pod_urls(pods, self.controller.config.runtime_port)
@@ -237,6 +254,17 @@ class AutoscalerLoop:
         nodes = [inventory.trim_node(n) for n in k8s.list_objects(client, "v1", "Node")]
         pods = [p for p in map(inventory.trim_pod, k8s.list_objects(client, "v1", "Pod")) if p]
         return nodes, pods
+
+
+def pods_by_model(pods: Sequence[Obj]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Pods grouped by (namespace, the ModelDeployment their label names) (pure)."""
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        model = (meta.get("labels") or {}).get(manifests.LABEL_MODEL)
+        if model:
+            grouped.setdefault((meta.get("namespace", ""), model), []).append(dict(pod))
+    return grouped
 
 
 def free_gpus(

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator import api, autoscaler, config, reconcile
-from kvpilot.operator.actuator import free_gpus
+from kvpilot.operator.actuator import free_gpus, pods_by_model
 from kvpilot.operator.inventory import NodeType
 
 T0 = "2026-12-02T10:00:00Z"
@@ -261,3 +261,20 @@ def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
     assert settings == set(autoscaler.SPEC_FIELDS)
     for field, attribute in autoscaler.SPEC_FIELDS.items():
         assert getattr(bounds, attribute) == tuned[field], field
+
+
+def test_pods_are_grouped_by_their_model_deployment() -> None:
+    def labelled(namespace: str, model: str | None, name: str) -> dict[str, Any]:
+        labels = {"kvpilot.dev/model": model} if model else {}
+        return {"metadata": {"namespace": namespace, "name": name, "labels": labels}}
+
+    pods = [
+        labelled("a", "m", "p1"),
+        labelled("b", "m", "p2"),  # same name, other namespace: another ModelDeployment
+        labelled("a", "m", "p3"),
+        labelled("a", None, "p4"),
+    ]
+    grouped = {
+        key: [p["metadata"]["name"] for p in found] for key, found in pods_by_model(pods).items()
+    }
+    assert grouped == {("a", "m"): ["p1", "p3"], ("b", "m"): ["p2"]}
