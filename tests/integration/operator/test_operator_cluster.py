@@ -130,7 +130,20 @@ def is_ready(cluster: Any, namespace: str, name: str) -> bool:
 
 
 def ready_check(cluster: Any, namespace: str, name: str) -> Callable[[], bool]:
-    return lambda: is_ready(cluster, namespace, name)
+    """A wait_for predicate whose last failure shows the Ready condition and the pods' phases."""
+
+    def check() -> bool:
+        md = get(cluster, "modeldeployment", name, "-n", namespace)
+        ready = condition(md, "Ready")
+        if ready.get("status") == "True":
+            return True
+        phases = [
+            (p["metadata"]["name"], p["status"].get("phase"))
+            for p in pods(cluster, namespace, name)
+        ]
+        raise AssertionError(f"Ready={ready}; pods {phases}")
+
+    return check
 
 
 def pods(cluster: Any, namespace: str, model: str) -> list[dict[str, Any]]:
