@@ -164,8 +164,8 @@ class Autoscaling(_Model):
     )
 
     mode: AutoscalingMode = "builtin"
-    min_replicas: int = Field(default=1, ge=0, le=1000)
-    max_replicas: int = Field(default=4, ge=1, le=1000)
+    min_replicas: int = Field(default=POLICY_DEFAULTS.min_replicas, ge=0, le=1000)
+    max_replicas: int = Field(default=POLICY_DEFAULTS.max_replicas, ge=1, le=1000)
     target_queue_length: float = Field(
         default=POLICY_DEFAULTS.target_queue_length,
         gt=0,

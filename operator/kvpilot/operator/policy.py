@@ -35,7 +35,7 @@ class Bounds:
     """A ModelDeployment's autoscaling settings, resolved to numbers (defaults in one place)."""
 
     min_replicas: int = 1
-    max_replicas: int = 10
+    max_replicas: int = 4
     # The defaults were tuned in the simulator (bench/autoscaler_sim.py) and are the CRD's
     # defaults too (api.py reads them from here). The wide band is what keeps a fleet whose
     # right size sits between two counts from flapping under steady Poisson load: the 1-minute
