@@ -11,10 +11,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpilot.operator import api
+from kvpilot.operator import api, metrics
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import GPU_RESOURCE
 from kvpilot.operator.planner import NodePlan
@@ -258,9 +259,37 @@ def build_pod_monitor(md: Obj) -> Manifest:
         "metadata": _metadata(md, md_name, labels(md_name)),
         "spec": {
             "selector": {"matchLabels": selector_labels(md_name)},
-            "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            "podMetricsEndpoints": [
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": "15s",
+                    "relabelings": _series_labels(),
+                }
+            ],
         },
     }
+
+
+def _series_labels() -> list[dict[str, Any]]:
+    """Pod labels -> the series labels the autoscaler's PromQL groups by (metrics.PROM_LABEL_*),
+    as the dev cluster's Prometheus config makes them too; the Prometheus Operator adds
+    `namespace` and `pod` itself."""
+    return [
+        {
+            "sourceLabels": [f"__meta_kubernetes_pod_label_{_prom_name(label)}"],
+            "targetLabel": target,
+        }
+        for label, target in (
+            (LABEL_MODEL, metrics.PROM_LABEL_MODEL),
+            (LABEL_NODE_TYPE, metrics.PROM_LABEL_NODE_TYPE),
+        )
+    ]
+
+
+def _prom_name(label: str) -> str:
+    """A Kubernetes label as kubernetes_sd names it: every character not [a-zA-Z0-9_] -> `_`."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
 
 
 def build_all(

@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kvpilot.operator import api, manifests, planner
+from kvpilot.operator import api, manifests, metrics, planner
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -198,3 +198,22 @@ def test_max_num_seqs_is_the_users_cap_when_given(
     s = spec(serving=serving)
     want = expected or min(plan_for(s).max_concurrency, 256)
     assert manifests.max_num_seqs(s, plan_for(s)) == want
+
+
+def test_pod_monitor_gives_series_the_labels_the_autoscaler_queries() -> None:
+    s = spec(monitoring={"podMonitor": True})
+    children = manifests.build_all(MD, s, [plan_for(s)], [1], CONFIG, has_pod_monitor_crd=True)
+    deployment, monitor = children[0], children[-1]
+    assert monitor["kind"] == "PodMonitor"
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    # what kubernetes_sd offers for each pod label, and what the PromQL in metrics.py groups by
+    offered = {
+        "__meta_kubernetes_pod_label_" + k.replace(".", "_").replace("/", "_").replace("-", "_"): k
+        for k in pod_labels
+    }
+    made = {r["targetLabel"]: offered[r["sourceLabels"][0]] for r in endpoint["relabelings"]}
+    assert made == {
+        metrics.PROM_LABEL_MODEL: "kvpilot.dev/model",
+        metrics.PROM_LABEL_NODE_TYPE: "kvpilot.dev/node-type",
+    }
