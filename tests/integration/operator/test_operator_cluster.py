@@ -474,10 +474,11 @@ def test_operator_cli_rejects_a_bad_config(tmp_path: Path) -> None:
 
 
 # The Prometheus Operator's PodMonitor, reduced to what the apiserver needs to store one.
-POD_MONITOR_CRD = {
+POD_MONITOR_CRD_NAME = "podmonitors.monitoring.coreos.com"
+POD_MONITOR_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1",
     "kind": "CustomResourceDefinition",
-    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "metadata": {"name": POD_MONITOR_CRD_NAME},
     "spec": {
         "group": "monitoring.coreos.com",
         "names": {
@@ -507,7 +508,7 @@ POD_MONITOR_CRD = {
 @pytest.fixture
 def pod_monitor_crd(cluster: Any) -> Iterator[None]:
     cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(POD_MONITOR_CRD))
-    name = POD_MONITOR_CRD["metadata"]["name"]
+    name = POD_MONITOR_CRD_NAME
     cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", f"crd/{name}")
     yield
     cluster.kubectl("delete", "crd", name, "--wait=false", check=False)
