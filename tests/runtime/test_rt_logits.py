@@ -11,19 +11,26 @@ import torch
 
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import ModelRunner, load_model
+from kvpilot.runtime.model_runner import ModelRunner, batch_layout, load_model
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
 
 TOLERANCE = 1e-4
 
 
-def our_logits(model_dir: Path, prompts: list[list[int]], chunks: list[int]) -> list[torch.Tensor]:
+def our_logits(
+    model_dir: Path,
+    prompts: list[list[int]],
+    chunks: list[int],
+    decode_group_limits: tuple[int, int] | None = None,
+) -> list[torch.Tensor]:
     """Run all prompts together, split into the given chunk sizes per step (the last chunk is
     the rest); returns logits [len(prompt), vocab] per prompt, assembled over the steps."""
     cfg = load_model_config(model_dir)
     model = load_model(model_dir, cfg, "none", torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, torch.device("cpu"), seed=0)
+    if decode_group_limits is not None:
+        runner.decode_group_limits = decode_group_limits
     runner.allocate_kv_cache(64)
     bm = BlockManager(64)
     seqs = [Sequence(str(i), p) for i, p in enumerate(prompts)]
@@ -40,7 +47,7 @@ def our_logits(model_dir: Path, prompts: list[list[int]], chunks: list[int]) -> 
         hidden = model.forward(input_ids, positions, runner.kv_caches, meta)
         logits = model.compute_logits(hidden)
         start = 0
-        for item in batch:
+        for item in batch_layout(batch):  # the runner's row order
             pieces[int(item.seq.request_id)].append(logits[start : start + item.num_new_tokens])
             start += item.num_new_tokens
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -56,18 +63,23 @@ PROMPTS = [list(range(5, 45)), [1, 9, 33, 17], list(range(100, 133)), [1]]
 
 
 @pytest.mark.parametrize(
-    "chunks",
+    ("chunks", "decode_group_limits"),
     [
-        [],  # one prefill each
-        [7],  # a first chunk, then a chunk attending to cached KV
-        [20, 1, 1, 1, 1],  # chunk, then tokens one at a time through the batched decode path
+        ([], None),  # one prefill each
+        ([7], None),  # a first chunk, then a chunk attending to cached KV
+        ([20, 1, 1, 1, 1], None),  # chunk, then tokens one at a time through batched decodes
+        # The same decodes one per attention group (more splits: test_rt_attention.py).
+        ([20, 1, 1, 1, 1], (1, 1)),
     ],
-    ids=["prefill", "chunked", "decode"],
+    ids=["prefill", "chunked", "decode", "decode-groups"],
 )
 def test_tiny_llama_logits_match_transformers(
-    tiny_llama_dir: Path, hf_tiny_llama: Any, chunks: list[int]
+    tiny_llama_dir: Path,
+    hf_tiny_llama: Any,
+    chunks: list[int],
+    decode_group_limits: tuple[int, int] | None,
 ) -> None:
-    ours = our_logits(tiny_llama_dir, PROMPTS, chunks)
+    ours = our_logits(tiny_llama_dir, PROMPTS, chunks, decode_group_limits)
     for prompt, logits in zip(PROMPTS, ours, strict=True):
         torch.testing.assert_close(logits, hf_logits(hf_tiny_llama, prompt), atol=TOLERANCE, rtol=0)
 

@@ -149,6 +149,10 @@ class BlockManager:
         if not self.is_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // BLOCK_SIZE, len(seq.block_table))
+        # Blocks are hashed in order from the first, so a hashed last full block means there is
+        # nothing new: the common decode step returns here instead of walking the whole table.
+        if num_full == 0 or self.blocks[seq.block_table[num_full - 1]].hash != NO_HASH:
+            return
         parent = NO_HASH
         for index in range(num_full):
             block = self.blocks[seq.block_table[index]]

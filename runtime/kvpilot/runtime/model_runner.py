@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 
-from kvpilot.runtime.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from kvpilot.runtime.layers.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    chunk_mask,
+    decode_mask,
+)
 from kvpilot.runtime.layers.sampler import sample
 from kvpilot.runtime.loader import ModelConfig, iter_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.scheduler import ScheduledSequence
+from kvpilot.runtime.sequence import Sequence
 
-DECODE_GROUP_SIZE = 16  # decodes per attention batch
+# How decodes are cut into attention groups. On a CPU the gather and the attention are
+# memory-bound, so a group's gathered keys and values (padding included) should stay in a core's
+# L2 cache until attention reads them back. For 56 tiny-llama decodes of 40-768 tokens that is
+# ~20% faster than groups of 16 sequences and 5x faster than one padded batch. On CUDA the cost
+# is launches, so groups stay as they were: 16 sequences, any length.
+CPU_DECODE_GROUP_BYTES = 1 << 20
+CUDA_DECODE_GROUP_SEQS = 16
 
 
 def load_model(
@@ -29,12 +43,59 @@ def load_model(
     return LlamaModel(cfg, get, quantization, dtype, device)
 
 
+def slot_ids(block_table: list[int], first: int, end: int) -> list[int]:
+    """Cache slots (block_id * BLOCK_SIZE + offset) of positions [first, end), a block at a time
+    rather than a token at a time: a 2k-token prefill is 128 ranges, not 2048 divisions."""
+    slots: list[int] = []
+    for index in range(first // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+        block_start = index * BLOCK_SIZE
+        base = block_table[index] * BLOCK_SIZE - block_start
+        slots += range(base + max(first, block_start), base + min(end, block_start + BLOCK_SIZE))
+    return slots
+
+
+def batch_layout(batch: list[ScheduledSequence]) -> list[ScheduledSequence]:
+    """The order of the chunks in the flat token batch: decodes first, sorted by context length
+    so that each decode group owns consecutive rows, then the prefill chunks."""
+    decodes = [item for item in batch if item.num_new_tokens == 1]
+    decodes.sort(key=lambda item: item.seq.num_computed_tokens)
+    return decodes + [item for item in batch if item.num_new_tokens > 1]
+
+
+def decode_group_bounds(
+    num_blocks: list[int], max_group_blocks: int, max_group_seqs: int
+) -> list[tuple[int, int]]:
+    """Cut decodes sorted by block count into [first, end) groups of at most max_group_seqs
+    whose padded size (members x the longest member's blocks) stays within max_group_blocks;
+    one long decode may go over alone."""
+    bounds: list[tuple[int, int]] = []
+    first = 0
+    for index, blocks in enumerate(num_blocks):
+        size = index - first + 1
+        if index > first and (size > max_group_seqs or size * blocks > max_group_blocks):
+            bounds.append((first, index))
+            first = index
+    if num_blocks:
+        bounds.append((first, len(num_blocks)))
+    return bounds
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, device: torch.device, seed: int) -> None:
         self.model, self.device = model, device
         self.kv_caches: KVCache = []
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # per request with its own seed
+        self.decode_group_limits = self._decode_group_limits()
+
+    def _decode_group_limits(self) -> tuple[int, int]:
+        """(max padded blocks, max sequences) per decode attention group."""
+        if self.device.type == "cuda":
+            return sys.maxsize, CUDA_DECODE_GROUP_SEQS
+        cfg = self.model.cfg
+        element_size = torch.tensor([], dtype=self.model.dtype).element_size()
+        block_bytes = 2 * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * element_size  # K and V
+        return max(1, CPU_DECODE_GROUP_BYTES // block_bytes), sys.maxsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model.cfg
@@ -62,58 +123,71 @@ class ModelRunner:
     def prepare(
         self, batch: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled chunks into one token batch and describe where KV lives."""
+        """Flatten the scheduled chunks into one token batch and describe where KV lives.
+
+        Rows follow `batch_layout`; the sample rows are in batch order."""
+        layout = batch_layout(batch)
+        num_decodes = sum(1 for item in batch if item.num_new_tokens == 1)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_seqs: list[ScheduledSequence] = []
+        last_rows: dict[Sequence, int] = {}
         prefills: list[PrefillSpan] = []
-        sample_rows: list[int] = []
-        for item in batch:
+        for item in layout:
             seq, start, first = item.seq, len(input_ids), item.seq.num_computed_tokens
-            span = range(first, first + item.num_new_tokens)
-            input_ids += seq.token_ids[span.start : span.stop]
-            positions += span
-            slots += [seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in span]
-            if item.num_new_tokens == 1:
-                decode_rows.append(start)
-                decode_seqs.append(item)
-            else:
-                table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-                prefills.append(PrefillSpan(start, item.num_new_tokens, first, table))
-            if item.is_sampling:
-                sample_rows.append(start + item.num_new_tokens - 1)
-        meta = self._metadata(slots, decode_rows, decode_seqs, prefills)
+            end = first + item.num_new_tokens
+            input_ids += seq.token_ids[first:end]
+            positions += range(first, end)
+            slots += slot_ids(seq.block_table, first, end)
+            last_rows[seq] = start + item.num_new_tokens - 1
+            if item.num_new_tokens > 1:
+                prefills.append(self._prefill_span(start, item))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            decodes=self._decode_groups(layout[:num_decodes]),
+            prefills=prefills,
+        )
+        sample_rows = [last_rows[item.seq] for item in batch if item.is_sampling]
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
-    def _metadata(
-        self,
-        slots: list[int],
-        decode_rows: list[int],
-        decode_seqs: list[ScheduledSequence],
-        prefills: list[PrefillSpan],
-    ) -> AttentionMetadata:
-        # Decodes sorted by length and batched in groups: each group pads its block tables to
-        # its own longest sequence, so the gather copies far less padding than one big batch.
-        order = sorted(range(len(decode_seqs)), key=lambda i: len(decode_seqs[i].seq.block_table))
-        groups = [
-            self._decode_group([decode_rows[i] for i in part], [decode_seqs[i] for i in part])
-            for part in (
-                order[k : k + DECODE_GROUP_SIZE] for k in range(0, len(order), DECODE_GROUP_SIZE)
+    def _prefill_span(self, start: int, item: ScheduledSequence) -> PrefillSpan:
+        seq, num_computed = item.seq, item.seq.num_computed_tokens
+        span = PrefillSpan(start, item.num_new_tokens, num_computed, self._tensor(seq.block_table))
+        if num_computed > 0:  # a chunk over cached KV: one mask for every layer
+            cfg = self.model.cfg
+            num_groups = cfg.num_heads // cfg.num_kv_heads
+            span.mask = chunk_mask(
+                item.num_new_tokens, num_computed, num_groups, self.model.dtype, self.device
             )
-        ]
-        return AttentionMetadata(
-            slot_mapping=self._tensor(slots), decodes=groups, prefills=prefills
-        )
+        return span
 
-    def _decode_group(self, rows: list[int], items: list[ScheduledSequence]) -> DecodeGroup:
-        max_blocks = max(len(d.seq.block_table) for d in items)
-        tables = [d.seq.block_table + [0] * (max_blocks - len(d.seq.block_table)) for d in items]
-        lengths = [d.seq.num_computed_tokens + 1 for d in items]
-        return DecodeGroup(self._tensor(rows), self._tensor(tables), self._tensor(lengths))
+    def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
+        """Decodes sorted by length and batched in groups: each group pads its block tables to
+        its own longest sequence, so the gather copies far less padding than one big batch.
+        The groups' block ids and masks are slices of one tensor each: a few tensor ops per
+        step rather than per group."""
+        if not decodes:
+            return []
+        num_blocks = [len(item.seq.block_table) for item in decodes]
+        bounds = decode_group_bounds(num_blocks, *self.decode_group_limits)
+        widths = [max(num_blocks[first:end]) for first, end in bounds]
+        block_ids: list[int] = []
+        for (first, end), width in zip(bounds, widths, strict=True):
+            for item in decodes[first:end]:
+                block_ids += item.seq.block_table
+                block_ids += [0] * (width - len(item.seq.block_table))
+        all_ids = self._tensor(block_ids)
+        context_lens = self._tensor([item.seq.num_computed_tokens + 1 for item in decodes])
+        mask = decode_mask(context_lens, max(widths) * BLOCK_SIZE, self.model.dtype)
+        groups, offset = [], 0
+        for (first, end), width in zip(bounds, widths, strict=True):
+            size = (end - first) * width
+            group_mask = mask[first:end, :, :, : width * BLOCK_SIZE]
+            groups.append(DecodeGroup(first, all_ids[offset : offset + size], group_mask))
+            offset += size
+        return groups
 
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+    def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def execute(
@@ -121,11 +195,12 @@ class ModelRunner:
     ) -> list[tuple[ScheduledSequence, int, dict[int, float] | None]]:
         """Run one step; returns (item, next token, logprobs) for each item that samples."""
         input_ids, positions, meta, sample_rows = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        rows = self._tensor(sample_rows)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, rows)  # [S, hidden]
         sampling = [item for item in batch if item.is_sampling]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows)])  # [S, vocab]
+        logits = self.model.compute_logits(hidden)  # [S, vocab]
         generators: list[torch.Generator | None] = [self._generator(i) for i in sampling]
         tokens, logprobs = sample(logits, [i.seq.params for i in sampling], generators)
         return list(zip(sampling, tokens, logprobs, strict=True))

@@ -36,6 +36,11 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         assert (block.block_id in bm.free_queue) == (block.ref_count == 0)
     for block_hash, block_id in bm.hash_to_block.items():
         assert bm.blocks[block_id].hash == block_hash
+    if bm.is_prefix_caching:  # every computed full block is hashed, so later requests can hit it
+        for seq in live:
+            num_full = min(seq.num_computed_tokens // BLOCK_SIZE, len(seq.block_table))
+            hashes = [bm.blocks[b].hash for b in seq.block_table[:num_full]]
+            assert NO_HASH not in hashes
 
 
 @pytest.mark.parametrize(

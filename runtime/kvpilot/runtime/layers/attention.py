@@ -2,8 +2,11 @@
 
 The KV cache of a layer is [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim] for keys and for
 values. New keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset); attention
-reads a sequence's context back by gathering its block table. Decodes are batched into one gather;
-prefill chunks run one sequence at a time, so no query padding is wasted.
+reads a sequence's context back by gathering its block table. Decodes are batched into gathers of
+similar context length; prefill chunks run one sequence at a time, so no query padding is wasted.
+
+Everything that is the same in every layer (which rows a group owns, the flattened block tables,
+the masks) is built once per step by the model runner, so a layer only gathers and attends.
 """
 
 from __future__ import annotations
@@ -25,15 +28,23 @@ class PrefillSpan:
     num_tokens: int  # query length
     num_computed: int  # tokens already in the cache before this chunk
     block_table: torch.Tensor  # [num_blocks_of_seq] long
+    # [G * T, num_computed + T] additive (0 / -inf), query rows grouped as `grouped` lays them
+    # out; only a chunk over cached KV needs one (see `chunk_mask`).
+    mask: torch.Tensor | None = None
 
 
 @dataclass
 class DecodeGroup:
-    """Decodes of similar context length, batched into one gather (less padding to copy)."""
+    """Decodes of similar context length, batched into one gather (less padding to copy). Their
+    rows are consecutive in the flat batch, so a layer slices them instead of indexing."""
 
-    rows: torch.Tensor  # [B] long, rows of these decode tokens in the flat batch
-    block_tables: torch.Tensor  # [B, max_blocks] long (padded with 0)
-    context_lens: torch.Tensor  # [B] long
+    start: int  # first row of these decode tokens in the flat batch
+    block_ids: torch.Tensor  # [B * max_blocks] long: the block tables, padded with block 0
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * BS] additive: 0 inside the context, -inf past it
+
+    @property
+    def num_seqs(self) -> int:
+        return self.mask.shape[0]
 
 
 @dataclass
@@ -41,6 +52,27 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def additive_mask(is_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool visibility -> 0 / -inf in the query's dtype. SDPA adds a float mask as it is, where a
+    bool one is converted again in every layer."""
+    mask = torch.zeros(is_visible.shape, dtype=dtype, device=is_visible.device)
+    return mask.masked_fill_(~is_visible, float("-inf"))
+
+
+def decode_mask(context_lens: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """context_lens: [B] -> [B, 1, 1, num_slots]: each query sees its first context_len keys."""
+    positions = torch.arange(num_slots, device=context_lens.device)
+    return additive_mask(positions[None, :] < context_lens[:, None], dtype)[:, None, None, :]
+
+
+def chunk_mask(
+    num_tokens: int, num_computed: int, num_groups: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[G * T, num_computed + T]: query i of the chunk sees keys <= num_computed + i."""
+    is_visible = torch.ones(num_tokens, num_computed + num_tokens, dtype=torch.bool, device=device)
+    return additive_mask(is_visible.tril(diagonal=num_computed), dtype).repeat(num_groups, 1)
 
 
 def repeat_kv(x: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -61,10 +93,12 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, BS, H_kv, D] by [B, max_blocks] -> [B, H_kv, max_blocks * BS, D]."""
-    gathered = cache[block_tables]  # [B, max_blocks, BS, H_kv, D]
-    return gathered.flatten(1, 2).transpose(1, 2)
+def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[num_blocks, BS, H_kv, D] by [num_seqs * max_blocks] -> [num_seqs, H_kv, L, D].
+
+    index_select copies whole blocks; on CPU it is about 1.5x faster than advanced indexing."""
+    gathered = cache.index_select(0, block_ids)  # [num_seqs * max_blocks, BS, H_kv, D]
+    return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
 
 
 def paged_attention(
@@ -79,12 +113,12 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, H_kv, D] -> [T, H, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    num_groups = q.shape[1] // k.shape[1]
     for group in meta.decodes:
-        out[group.rows] = _decode(q[group.rows], k_cache, v_cache, group, num_groups, scale)
+        rows = slice(group.start, group.start + group.num_seqs)
+        out[rows] = _decode(q[rows], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
-        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, num_groups, scale)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
     return out
 
 
@@ -105,22 +139,15 @@ def ungrouped(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def _decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: DecodeGroup,
-    num_groups: int,
-    scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
     """q: [B, H, D], one query per sequence -> [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
-    keys = gather_kv(k_cache, group.block_tables)  # [B, H_kv, L, D]
-    values = gather_kv(v_cache, group.block_tables)
-    positions = torch.arange(keys.shape[2], device=q.device)
-    mask = positions[None, :] < group.context_lens[:, None]  # [B, L]
-    q_grouped = q.view(num_seqs, keys.shape[1], num_groups, head_dim)  # [B, H_kv, G, D]
+    keys = gather_kv(k_cache, group.block_ids, num_seqs)  # [B, H_kv, L, D]
+    values = gather_kv(v_cache, group.block_ids, num_seqs)
+    q_grouped = q.view(num_seqs, keys.shape[1], -1, head_dim)  # [B, H_kv, G, D]
     out = F.scaled_dot_product_attention(
-        q_grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+        q_grouped, keys, values, attn_mask=group.mask, scale=scale
     )  # [B, H_kv, G, D]
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -132,13 +159,14 @@ def _prefill(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     span: PrefillSpan,
-    num_groups: int,
     scale: float,
 ) -> torch.Tensor:
     """One sequence's chunk. q: [T, H, D], k/v: [T, H_kv, D] -> [T, H, D]."""
+    num_kv_heads = k.shape[1]
     if span.num_computed == 0:  # the whole context is this chunk: plain causal attention
         keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H_kv, T, D]
         if not HAS_SDPA_GQA:
+            num_groups = q.shape[1] // num_kv_heads
             keys, values = repeat_kv(keys, num_groups), repeat_kv(values, num_groups)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -149,13 +177,13 @@ def _prefill(
             **GQA_KWARGS,
         )  # [1, H, T, D]
         return out[0].transpose(0, 1)
+    if span.mask is None:
+        raise ValueError("a prefill chunk over cached KV needs its mask (see chunk_mask)")
     # Earlier tokens (prefix cache or earlier chunks) come from the cache.
     num_context = span.num_computed + span.num_tokens
-    keys = gather_kv(k_cache, span.block_table[None])[0, :, :num_context]  # [H_kv, ctx, D]
-    values = gather_kv(v_cache, span.block_table[None])[0, :, :num_context]
-    mask = torch.ones(span.num_tokens, num_context, dtype=torch.bool, device=q.device)
-    mask = mask.tril(diagonal=span.num_computed)  # query i sees keys <= num_computed + i
+    keys = gather_kv(k_cache, span.block_table, 1)[0, :, :num_context]  # [H_kv, ctx, D]
+    values = gather_kv(v_cache, span.block_table, 1)[0, :, :num_context]
     out = F.scaled_dot_product_attention(
-        grouped(q, k.shape[1]), keys, values, attn_mask=mask.repeat(num_groups, 1), scale=scale
+        grouped(q, num_kv_heads), keys, values, attn_mask=span.mask, scale=scale
     )  # [H_kv, G * T, D]
     return ungrouped(out, span.num_tokens)

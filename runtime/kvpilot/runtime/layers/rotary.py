@@ -44,8 +44,20 @@ def cos_sin_table(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Ten
     return emb.cos(), emb.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D] already in x's dtype."""
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> sin with its first half negated, so that `apply_rotary` can swap the halves
+    without negating one: (-x2) * s1 and x2 * (-s1) are the same float, so results stay
+    bit-identical to transformers' rotate_half."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin_signed (see `signed_sin`): [T, D] already in x's dtype.
+
+    x * cos + rotate_half(x) * sin, with two fresh tensors instead of five."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * cos[:, None, :]
+    out += swapped.mul_(sin_signed[:, None, :])
+    return out

@@ -13,7 +13,12 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.quant import Weight, make_weight
-from kvpilot.runtime.layers.rotary import apply_rotary, cos_sin_table, inv_frequencies
+from kvpilot.runtime.layers.rotary import (
+    apply_rotary,
+    cos_sin_table,
+    inv_frequencies,
+    signed_sin,
+)
 from kvpilot.runtime.loader import ModelConfig
 
 GetTensor = Callable[[str], torch.Tensor]
@@ -57,8 +62,12 @@ class DecoderLayer:
         sin: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+        """x: [T, hidden] -> [T, hidden], or [R, hidden] for the R `output_rows` only.
+
+        Every row's keys and values are cached; past attention, rows are independent, so the
+        output projection and MLP run only where an output is wanted."""
         cfg = self.cfg
         kv_size = cfg.num_kv_heads * cfg.head_dim
         qk, v = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps)).split(
@@ -69,9 +78,11 @@ class DecoderLayer:
         q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         attn = paged_attention(q, k, v, cache[0], cache[1], meta, cfg.head_dim**-0.5)
+        if output_rows is not None:
+            x, attn = x[output_rows], attn[output_rows]
         x = x + self.o(attn.flatten(1))
         gate, up = self.gate_up(rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(F.silu(gate).mul_(up))
 
 
 class LlamaModel:
@@ -103,7 +114,8 @@ class LlamaModel:
         self.norm = get_dense("model.norm.weight")
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
-        self.cos, self.sin = cos.to(device, dtype), sin.to(device, dtype)  # [max_pos, D]
+        self.cos = cos.to(device, dtype)  # [max_pos, D]
+        self.sin_signed = signed_sin(sin).to(device, dtype)  # [max_pos, D], see apply_rotary
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy as stored (quantised matrices, norms, biases)."""
@@ -127,12 +139,17 @@ class LlamaModel:
         positions: torch.Tensor,
         kv_caches: KVCache,
         meta: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden], or [R, hidden] for the
+        R `output_rows` only: the last layer then skips its MLP for every other row (a prefill
+        chunk needs logits for its last token alone)."""
         x = self.embed.rows(input_ids, self.dtype)
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D]
+        *layers, last = zip(self.layers, kv_caches, strict=True)
+        for layer, cache in layers:
             x = layer(x, cos, sin, cache, meta)
+        x = last[0](x, cos, sin, last[1], meta, output_rows)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
