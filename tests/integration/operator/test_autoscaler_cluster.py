@@ -224,37 +224,30 @@ def test_pods_stuck_unschedulable_spill_over_to_the_next_node_type(
         for node in nodes:
             cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(node))
         apply_doc(cluster, namespace, doc)
-        stuck_pods = wait_for(
-            lambda: (
-                [
-                    p
-                    for p in pods(cluster, namespace, name)
-                    if p["metadata"]["labels"][manifests.LABEL_NODE_TYPE] == stuck.name
-                    and autoscaler.unschedulable_since(p) is not None
-                ]
-                if len(pods(cluster, namespace, name)) == 2
-                else []
-            ),
-            "two pods planned onto the tainted pool and found Unschedulable there",
-            op,
-        )
+
+        def all_stuck() -> list[dict[str, Any]]:
+            found = pods(cluster, namespace, name)
+            stuck_there = [
+                p
+                for p in found
+                if p["metadata"]["labels"][manifests.LABEL_NODE_TYPE] == stuck.name
+                and autoscaler.unschedulable_since(p) is not None
+            ]
+            return stuck_there if len(found) == len(stuck_there) == 2 else []
+
+        def all_running_on_spare() -> list[dict[str, Any]]:
+            found = pods(cluster, namespace, name)
+            moved = [
+                p
+                for p in found
+                if p["spec"].get("nodeName") == nodes[1]["metadata"]["name"]
+                and p["status"].get("phase") == "Running"
+            ]
+            return moved if len(found) == len(moved) == 2 else []
+
+        stuck_pods = wait_for(all_stuck, "two pods Unschedulable on the tainted pool", op)
         stuck_at = min(autoscaler.unschedulable_since(p) or 0 for p in stuck_pods)
-        moved = wait_for(
-            lambda: (
-                [
-                    p
-                    for p in pods(cluster, namespace, name)
-                    if p["spec"].get("nodeName") == nodes[1]["metadata"]["name"]
-                    and p["status"].get("phase") == "Running"
-                ]
-                if len(pods(cluster, namespace, name)) == 2
-                else []
-            ),
-            "both replicas running on the next node type",
-            op,
-            timeout=60,
-        )
-        assert len(moved) == 2
+        wait_for(all_running_on_spare, "both replicas running on the next node type", op, 60)
         md = get(cluster, "md", name, "-n", namespace)
         assert md["status"]["autoscaling"]["replicasPerNodeType"] == {stuck.name: 0, spare.name: 2}
         (message,) = events(cluster, namespace, name, "SpilledOver")
