@@ -68,11 +68,7 @@ def spread_replicas(
     order = list(node_types_in_plan_order)
     _check_spread_input(total, order, gpus_per_replica)
     per_replica = _per_type(gpus_per_replica, order)
-    spilled = {
-        t
-        for t in order
-        if (since := unschedulable_since.get(t)) is not None and now - since >= spill_after_s
-    }
+    spilled = {t for t in order if is_given_up(unschedulable_since.get(t), now, spill_after_s)}
     pending = {t: max(0, (pending_per_type or {}).get(t, 0)) for t in order}
     placed = {t: max(0, current_per_type.get(t, 0)) for t in order}
     for t in spilled:  # give up on the pods that never got GPUs there
@@ -108,7 +104,8 @@ class Placement:
         return [
             t
             for t in self.order
-            if self.pending.get(t) and now - self.unschedulable_since[t] >= spill_after_s
+            if self.pending.get(t)
+            and is_given_up(self.unschedulable_since.get(t), now, spill_after_s)
         ]
 
     def spread(
@@ -181,6 +178,11 @@ def spill_message(old: Mapping[str, int], new: Mapping[str, int], stuck: Sequenc
     """The Event text when replicas leave node types where they could not be scheduled."""
     moved = ", ".join(f"{t} {old.get(t, 0)}->{n}" for t, n in new.items() if old.get(t, 0) != n)
     return f"Pods Unschedulable on {', '.join(stuck)} past the spill-over threshold: {moved}"
+
+
+def is_given_up(unschedulable_since: float | None, now: float, spill_after_s: float) -> bool:
+    """A node type's pods have waited Unschedulable long enough to move elsewhere."""
+    return unschedulable_since is not None and now - unschedulable_since >= spill_after_s
 
 
 def _shrink(placed: dict[str, int], pending: dict[str, int], excess: int, order: list[str]) -> None:
