@@ -14,7 +14,6 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 from hack import closedloop
 from hack.devcluster import procs
 from hack.devcluster.versions import REPO_ROOT
+from kvpilot.operator import autoscaler
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -122,7 +122,7 @@ def test_burst_scales_up_and_the_drop_scales_down_without_errors(
 
 def parse_time(event: dict[str, Any]) -> float:
     stamp = event.get("lastTimestamp") or event.get("eventTime") or event["firstTimestamp"]
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    return autoscaler.from_rfc3339(stamp)
 
 
 def condition(cluster: Any, kind: str) -> str:

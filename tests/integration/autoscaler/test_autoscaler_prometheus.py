@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from kvpilot.operator import metrics
 from kvpilot.operator.metrics import PrometheusMetrics, observe_pods
 from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
+from tests.support.kube import wait_until
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs Debian's prometheus binary"
@@ -33,25 +34,12 @@ pytestmark = pytest.mark.skipif(
 
 NAMESPACE, MODEL = "serving", "tiny-llama"
 BOUNDS = Bounds(min_replicas=1, max_replicas=10, target_queue_length=3.0)
-T = TypeVar("T")
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = 30.0) -> T:
-    """Poll until probe returns something truthy (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
 @dataclass
@@ -162,7 +150,7 @@ def prometheus(
             return process.poll() is not None and _fail(tmp_path)
 
     try:
-        wait_for("prometheus ready", ready)
+        wait_until(ready, timeout_s=30, what="prometheus ready")
         yield url, process
     finally:
         process.terminate()
@@ -187,7 +175,7 @@ def observe_until(
         return last[0] if done(last[0]) else None
 
     try:
-        return wait_for(what, probe)
+        return wait_until(probe, timeout_s=30, what=what)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; last observations: {last}") from None
 

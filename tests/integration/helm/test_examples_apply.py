@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import pytest
 import yaml
 
 from tests.integration.helm.chart import ROOT
-from tests.support.kube import get_json
+from tests.support.kube import fresh_namespace, get_json
 
 pytestmark = [pytest.mark.cluster]
 
@@ -20,10 +19,8 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 @pytest.fixture
 def namespace(cluster: Any) -> Iterator[str]:
-    name = f"ssa-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with fresh_namespace(cluster, "ssa") as name:
+        yield name
 
 
 def versions(cluster: Any, path: Path, namespace: str = "") -> dict[str, str]:

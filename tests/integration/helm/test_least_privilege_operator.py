@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.operator import cli
 from tests.integration.helm.chart import ROOT, container, render, require
 from tests.integration.helm.release import Release
-from tests.support.kube import get_json, wait_until
+from tests.support.kube import fresh_namespace, get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -118,10 +117,8 @@ def operators(
 
 @pytest.fixture
 def namespace(cluster: Any) -> Iterator[str]:
-    name = f"lp-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with fresh_namespace(cluster, "lp") as name:
+        yield name
 
 
 def peering_priorities(cluster: Any) -> set[int]:

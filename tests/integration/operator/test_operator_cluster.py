@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from hack.devcluster import nodepools
+from tests.support.kube import fresh_namespace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -72,10 +73,8 @@ def crds(cluster: Any) -> None:
 
 @pytest.fixture
 def namespace(cluster: Any) -> Iterator[str]:
-    name = f"op-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    with fresh_namespace(cluster, "op") as name:
+        yield name
 
 
 @pytest.fixture
