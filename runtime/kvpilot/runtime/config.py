@@ -7,6 +7,7 @@ from dataclasses import dataclass
 QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
 CPU_KV_CACHE_BYTES = (
     256 * 1024**2
 )  # default KV pool on CPU, where there is no GPU memory to size by
@@ -26,10 +27,17 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization
     enable_prefix_caching: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks, one process each; rank 0 schedules
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: float8_e4m3fn with a scale
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise ValueError(
                 f"device must be one of {DEVICE_CHOICES} or cuda:N, got {self.device!r}"
