@@ -1,0 +1,67 @@
+"""The model servers for tests, standalone in a temp dir: the same code `hack.devcluster up` runs.
+
+`hf_hub(state_dir)` yields HF_ENDPOINT of an olah hub serving `kvpilot/tiny-llama`;
+`s3_store(state_dir)` yields an S3Endpoint (endpoint_url, access_key, secret_key, bucket, region)
+of a SeaweedFS store whose bucket `models` holds `tiny-llama/`. Both stop (and drop their data) on
+exit. When KUBECONFIG names an existing cluster whose `env` was exported, `from_environment`
+returns its servers instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from hack.devcluster import build, modelsources, procs
+from hack.devcluster.modelsources import HF_REPO_ID, MODEL_DIR, S3_PREFIX, S3Endpoint
+from hack.devcluster.versions import SEAWEEDFS
+
+__all__ = [
+    "HF_REPO_ID",
+    "MODEL_DIR",
+    "S3_PREFIX",
+    "S3Endpoint",
+    "existing_hf_endpoint",
+    "existing_s3_endpoint",
+    "hf_hub",
+    "s3_store",
+]
+
+
+@contextlib.contextmanager
+def hf_hub(state_dir: Path, port: int | None = None) -> Iterator[str]:
+    try:
+        yield modelsources.start_hf_hub(state_dir, port or procs.free_port())
+    finally:
+        procs.stop(state_dir / "run", modelsources.HF_PROCESS)
+
+
+@contextlib.contextmanager
+def s3_store(state_dir: Path, port: int | None = None) -> Iterator[S3Endpoint]:
+    build.ensure_built(SEAWEEDFS)  # once per machine, like the control plane (~6 min cold)
+    try:
+        yield modelsources.start_s3(state_dir, port or procs.free_port())
+    finally:
+        procs.stop(state_dir / "run", modelsources.S3_PROCESS)
+
+
+def existing_hf_endpoint() -> str | None:
+    """The hub of an existing cluster (`eval "$(python -m hack.devcluster env)"`), if any."""
+    if os.environ.get("KUBECONFIG") and os.environ.get("HF_ENDPOINT"):
+        return os.environ["HF_ENDPOINT"]
+    return None
+
+
+def existing_s3_endpoint() -> S3Endpoint | None:
+    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    if not os.environ.get("KUBECONFIG") or not all(os.environ.get(n) for n in names):
+        return None
+    return S3Endpoint(
+        endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+        access_key=os.environ["AWS_ACCESS_KEY_ID"],
+        secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        bucket=modelsources.S3_BUCKET,
+        region=os.environ.get("AWS_REGION", modelsources.S3_REGION),
+    )
