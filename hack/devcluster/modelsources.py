@@ -195,6 +195,7 @@ def start_s3(state_dir: Path, port: int) -> S3Endpoint:
     data_dir.mkdir(parents=True, exist_ok=True)
     s3_config.write_text(json.dumps(build_s3_identities(S3_ACCESS_KEY, S3_SECRET_KEY)))
     internal = [procs.free_port() for _ in range(7)]
+    (state_dir / "seaweedfs-ports.json").write_text(json.dumps([port, *internal]))
     proc = procs.start(S3_PROCESS, weed_argv(data_dir, s3_config, port, internal), run_dir, log_dir)
     log = log_dir / f"{S3_PROCESS}.log"
     procs.wait_healthy(proc, f"{endpoint.endpoint_url}/healthz", log, START_TIMEOUT_S)
@@ -241,9 +242,24 @@ def upload_model(client: Any, bucket: str, model_dir: Path, prefix: str) -> None
         client.upload_file(str(path), bucket, prefix + path.relative_to(model_dir).as_posix())
 
 
+def stop_hf_hub(state_dir: Path) -> None:
+    procs.stop(state_dir / "run", HF_PROCESS)
+
+
+def stop_s3(state_dir: Path) -> None:
+    """Stop weed and remove the unix sockets it leaves in /tmp (named by its ports)."""
+    procs.stop(state_dir / "run", S3_PROCESS)
+    saved = state_dir / "seaweedfs-ports.json"
+    if saved.exists():
+        for port in json.loads(saved.read_text()):
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{int(port)}.sock"):
+                sock.unlink(missing_ok=True)
+        saved.unlink()
+
+
 def stop(state_dir: Path) -> None:
     """Stop both servers and drop their data (the next start seeds them anew)."""
-    for name in (HF_PROCESS, S3_PROCESS):
-        procs.stop(state_dir / "run", name)
+    stop_hf_hub(state_dir)
+    stop_s3(state_dir)
     for data in ("seaweedfs-data", "hf-mirrors", "hf-cache"):
         shutil.rmtree(state_dir / data, ignore_errors=True)

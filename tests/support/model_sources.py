@@ -2,9 +2,9 @@
 
 `hf_hub(state_dir)` yields HF_ENDPOINT of an olah hub serving `kvpilot/tiny-llama`;
 `s3_store(state_dir)` yields an S3Endpoint (endpoint_url, access_key, secret_key, bucket, region)
-of a SeaweedFS store whose bucket `models` holds `tiny-llama/`. Both stop (and drop their data) on
-exit. When KUBECONFIG names an existing cluster whose `env` was exported, `from_environment`
-returns its servers instead.
+of a SeaweedFS store whose bucket `models` holds `tiny-llama/`. Both stop on exit; their data
+stays in the temp dir. When KUBECONFIG names an existing cluster whose `env` was exported,
+`existing_hf_endpoint` / `existing_s3_endpoint` return its servers instead.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def hf_hub(state_dir: Path, port: int | None = None) -> Iterator[str]:
     try:
         yield modelsources.start_hf_hub(state_dir, port or procs.free_port())
     finally:
-        procs.stop(state_dir / "run", modelsources.HF_PROCESS)
+        modelsources.stop_hf_hub(state_dir)
 
 
 @contextlib.contextmanager
@@ -44,7 +44,7 @@ def s3_store(state_dir: Path, port: int | None = None) -> Iterator[S3Endpoint]:
     try:
         yield modelsources.start_s3(state_dir, port or procs.free_port())
     finally:
-        procs.stop(state_dir / "run", modelsources.S3_PROCESS)
+        modelsources.stop_s3(state_dir)
 
 
 def existing_hf_endpoint() -> str | None:
