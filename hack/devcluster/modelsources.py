@@ -12,6 +12,7 @@ standalone in a temp dir (tests/support/model_sources.py), through `start_hf_hub
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -79,6 +80,14 @@ def client_env(hf_port: int, s3_port: int) -> dict[str, str]:
     }
 
 
+def require_module(name: str, what: str) -> None:
+    if importlib.util.find_spec(name) is None:
+        raise DevClusterError(
+            f"{what} needs the Python package {name}, missing from this virtualenv:"
+            " run `make setup` (pyproject.toml lists it)"
+        )
+
+
 # -- Hugging Face hub (olah) -------------------------------------------------------------------
 
 
@@ -120,6 +129,7 @@ def make_hf_mirror(model_dir: Path, mirrors_dir: Path, repo_id: str) -> str:
 
 def start_hf_hub(state_dir: Path, port: int) -> str:
     """Serve models/tiny-llama as `kvpilot/tiny-llama` on `port` (once); returns HF_ENDPOINT."""
+    require_module("olah", "the Hugging Face hub")
     import toml  # olah's own dependency: it reads this config with it
 
     run_dir, log_dir = state_dir / "run", state_dir / "logs"
@@ -191,6 +201,7 @@ def start_s3(state_dir: Path, port: int) -> S3Endpoint:
     if procs.is_running(run_dir, S3_PROCESS):
         return endpoint
     procs.require_port_free(port, "the S3 store (SeaweedFS)")
+    require_module("boto3", "seeding the S3 store")
     data_dir, s3_config = state_dir / "seaweedfs-data", state_dir / "s3-identities.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     s3_config.write_text(json.dumps(build_s3_identities(S3_ACCESS_KEY, S3_SECRET_KEY)))

@@ -12,6 +12,7 @@ import pytest
 
 from hack.devcluster import __main__ as cli
 from hack.devcluster import modelsources
+from hack.devcluster.errors import DevClusterError
 from hack.devcluster.modelsources import (
     HF_REPO_ID,
     MODEL_DIR,
@@ -108,3 +109,9 @@ def test_env_of_a_cluster_never_started_has_no_model_servers(
 ) -> None:
     assert cli.main(["env", "--state-dir", str(tmp_path)]) == 0
     assert set(exports(capsys.readouterr().out)) == {"KUBECONFIG", "PATH"}
+
+
+def test_a_missing_package_is_one_line_naming_it() -> None:
+    with pytest.raises(DevClusterError, match=r"^the Hugging Face hub needs .* no_such_pkg,"):
+        modelsources.require_module("no_such_pkg", "the Hugging Face hub")
+    modelsources.require_module("json", "anything")  # present: no error
