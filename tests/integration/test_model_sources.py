@@ -78,10 +78,15 @@ def test_hf_hub_download_of_main_is_the_local_config(hf_endpoint: str, tmp_path:
 
 
 def test_unknown_repo_is_repository_not_found(hf_endpoint: str, tmp_path: Path) -> None:
-    with pytest.raises(hf_errors.RepositoryNotFoundError):
+    with pytest.raises(hf_errors.RepositoryNotFoundError) as info:
         hf.snapshot_download(
             repo_id="kvpilot/no-such-model", endpoint=hf_endpoint, cache_dir=tmp_path
         )
+    # 401 with X-Error-Code RepoNotFound, as huggingface.co answers an anonymous client (so as
+    # not to reveal private repos); huggingface_hub reads the code, not the status.
+    assert info.value.response is not None
+    assert info.value.response.status_code == 401
+    assert info.value.response.headers["X-Error-Code"] == "RepoNotFound"
     with pytest.raises(hf_errors.RepositoryNotFoundError):
         hf.hf_hub_download(
             "kvpilot/no-such-model", "config.json", endpoint=hf_endpoint, cache_dir=tmp_path
