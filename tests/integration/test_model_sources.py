@@ -7,14 +7,19 @@ byte models/tiny-llama's, and what does not exist is refused with the client's o
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.model_sources import HF_REPO_ID, MODEL_DIR, S3_PREFIX, S3Endpoint
+from tests.support.model_sources import (
+    HF_REPO_ID,
+    MODEL_DIR,
+    S3_PREFIX,
+    S3Endpoint,
+    sha256_files,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -24,16 +29,6 @@ boto3 = pytest.importorskip("boto3")
 botocore_exceptions = pytest.importorskip("botocore.exceptions")
 
 ALLOW = ["*.json", "*.safetensors"]
-
-
-def sha256_tree(root: Path, patterns: list[str] | None = None) -> dict[str, str]:
-    """relative path -> sha256 of every file under root (matching one of `patterns`)."""
-    files = [p for p in root.rglob("*") if p.is_file() and ".cache" not in p.parts]
-    if patterns is not None:
-        files = [p for p in files if any(p.match(pattern) for pattern in patterns)]
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files
-    }
 
 
 def s3(endpoint: S3Endpoint, secret_key: str | None = None) -> Any:
@@ -53,9 +48,9 @@ def test_snapshot_download_yields_the_model_files(hf_endpoint: str, tmp_path: Pa
     snapshot = hf.snapshot_download(
         repo_id=HF_REPO_ID, endpoint=hf_endpoint, cache_dir=tmp_path, allow_patterns=ALLOW
     )
-    expected = sha256_tree(MODEL_DIR, ALLOW)
+    expected = sha256_files(MODEL_DIR, ALLOW)
     assert "model.safetensors" in expected
-    assert sha256_tree(Path(snapshot)) == expected
+    assert sha256_files(Path(snapshot)) == expected
 
 
 def test_a_commit_sha_pins_the_revision_main_points_at(hf_endpoint: str, tmp_path: Path) -> None:
@@ -125,12 +120,12 @@ def test_boto3_lists_and_downloads_the_model(s3_endpoint: S3Endpoint, tmp_path: 
     client = s3(s3_endpoint)
     listing = client.list_objects_v2(Bucket=s3_endpoint.bucket, Prefix=S3_PREFIX)
     keys = sorted(obj["Key"] for obj in listing.get("Contents", []))
-    expected = sha256_tree(MODEL_DIR)
+    expected = sha256_files(MODEL_DIR)
     assert keys == sorted(S3_PREFIX + name for name in expected)
     for key in keys:
         target = tmp_path / key.removeprefix(S3_PREFIX)
         client.download_file(s3_endpoint.bucket, key, str(target))
-    assert sha256_tree(tmp_path) == expected
+    assert sha256_files(tmp_path) == expected
 
 
 def client_error_code(call: Callable[[], object]) -> str:

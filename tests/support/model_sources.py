@@ -10,6 +10,7 @@ stays in the temp dir. When KUBECONFIG names an existing cluster whose `env` was
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,21 @@ __all__ = [
     "existing_s3_endpoint",
     "hf_hub",
     "s3_store",
+    "sha256_files",
 ]
+
+
+def sha256_files(root: Path, patterns: list[str] | None = None) -> dict[str, str]:
+    """relative path -> sha256 of each file under root (matching one of `patterns`, if given);
+    huggingface_hub's .cache folder in a download dir is skipped. Compare with MODEL_DIR's."""
+    files = [
+        p for p in root.rglob("*") if p.is_file() and ".cache" not in p.relative_to(root).parts
+    ]
+    if patterns is not None:
+        files = [p for p in files if any(p.match(pattern) for pattern in patterns)]
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files
+    }
 
 
 @contextlib.contextmanager
