@@ -38,8 +38,11 @@ S3_SECRET_KEY = "kvpilot-dev-secret-key"
 HF_PROCESS = "hf-hub"
 S3_PROCESS = "seaweedfs"
 START_TIMEOUT_S = 120.0
-# Fixed identity and dates make the mirror's commit sha the same on every machine.
+# Fixed identity and dates make the mirror's commit sha the same on every machine; no user or
+# system config (hooks, autocrlf, signing) takes part.
 GIT_ENV = {
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_AUTHOR_NAME": "kvpilot",
     "GIT_AUTHOR_EMAIL": "dev@kvpilot.dev",
     "GIT_COMMITTER_NAME": "kvpilot",
