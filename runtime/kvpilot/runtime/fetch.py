@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,10 +76,16 @@ def read_config_json(source: ModelSource) -> dict[str, Any]:
         if source.scheme == "hf":
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(
-                source.location, "config.json", revision=source.revision, token=_hf_token()
-            )
-            return dict(json.loads(Path(path).read_text()))
+            with tempfile.TemporaryDirectory() as cache:  # the operator keeps no model files
+                path = hf_hub_download(
+                    source.location,
+                    "config.json",
+                    revision=source.revision,
+                    token=_hf_token(),
+                    cache_dir=cache,
+                    endpoint=os.environ.get("HF_ENDPOINT"),
+                )
+                return dict(json.loads(Path(path).read_text()))
         if source.scheme == "s3":
             key = f"{source.path.rstrip('/')}/config.json"
             body = _s3_client().get_object(Bucket=source.location, Key=key)["Body"].read()
