@@ -139,7 +139,7 @@ def _hf_listing(source: ModelSource) -> tuple[str | None, list[RemoteFile]]:
     """The commit a revision names and the files to fetch there, with sizes and sha256s."""
     from fnmatch import fnmatch
 
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, RepoFile
 
     api, token = HfApi(), _hf_token()
     # "main" named: mirrors answer only /api/models/<repo>/revision/<rev>
@@ -153,10 +153,9 @@ def _hf_listing(source: ModelSource) -> tuple[str | None, list[RemoteFile]]:
         source.location, names, expand=True, revision=info.sha, token=token
     )
     files = [
-        RemoteFile(
-            e.path, getattr(e, "size", None), e.lfs.sha256 if getattr(e, "lfs", None) else None
-        )
+        RemoteFile(e.path, e.size, e.lfs.sha256 if e.lfs else None)
         for e in entries
+        if isinstance(e, RepoFile)
     ]
     return info.sha, files
 
