@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from itertools import zip_longest
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,9 @@ def test_greedy_agrees_with_the_model_dtype_cache(
     together through decodes, batched in groups."""
     engine = make_engine(kv_cache_dtype=kv_cache_dtype)
     got = run_all(engine, make_prompts(tiny_llama_dir, 0))
-    pairs = [(a, b) for key in auto_tokens for a, b in zip(auto_tokens[key], got[key], strict=True)]
+    pairs = [  # an output that stops early (EOS) counts its missing tokens as different
+        (a, b) for key in auto_tokens for a, b in zip_longest(auto_tokens[key], got[key])
+    ]
     same_positions = sum(a == b for a, b in pairs) / len(pairs)
     same_prompts = sum(got[key] == auto_tokens[key] for key in auto_tokens)
     assert same_positions >= min_same_positions, f"{same_positions:.3f}"

@@ -74,20 +74,31 @@ def cached_context_meta(
 
 
 @torch.inference_mode()
+def window_logits(
+    model: LlamaModel,
+    ids: list[int],
+    device: torch.device,
+    kv_dtype: torch.dtype | None = None,
+    scales: list[tuple[float, float]] | None = None,
+) -> torch.Tensor:
+    """Logits [T - 1, vocab] predicting ids[1:], with the KV cache stored in `kv_dtype` (default:
+    the model dtype) at per-layer (k, v) `scales` (default: the runtime's)."""
+    num_tokens, cfg = len(ids), model.cfg
+    shape = (-(-num_tokens // BLOCK_SIZE), BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    caches = kv_cache.allocate(cfg.num_layers, shape, kv_dtype or model.dtype, device, scales)
+    meta = cached_context_meta(num_tokens, cfg.num_heads // cfg.num_kv_heads, model.dtype, device)
+    positions = torch.arange(num_tokens, device=device)
+    hidden = model.forward(torch.tensor(ids, device=device), positions, caches, meta)
+    return model.compute_logits(hidden[:-1])  # [T - 1, vocab]
+
+
 def window_nll(
     model: LlamaModel, ids: list[int], device: torch.device, kv_dtype: torch.dtype | None = None
 ) -> float:
-    """Summed negative log-likelihood of ids[1:] given the tokens before each, with the KV cache
-    stored in `kv_dtype` (default: the model dtype)."""
-    num_tokens, cfg = len(ids), model.cfg
-    shape = (-(-num_tokens // BLOCK_SIZE), BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-    caches = kv_cache.allocate(cfg.num_layers, shape, kv_dtype or model.dtype, device)
-    meta = cached_context_meta(num_tokens, cfg.num_heads // cfg.num_kv_heads, model.dtype, device)
-    positions = torch.arange(num_tokens, device=device)
-    tokens = torch.tensor(ids, device=device)
-    hidden = model.forward(tokens, positions, caches, meta)  # [T, hidden]
-    logits = model.compute_logits(hidden[:-1])  # [T - 1, vocab]
-    return float(F.cross_entropy(logits, tokens[1:], reduction="sum"))
+    """Summed negative log-likelihood of ids[1:] given the tokens before each."""
+    logits = window_logits(model, ids, device, kv_dtype)  # [T - 1, vocab]
+    targets = torch.tensor(ids[1:], device=device)
+    return float(F.cross_entropy(logits, targets, reduction="sum"))
 
 
 def evaluate_level(
