@@ -104,6 +104,8 @@ def test_eval_cli_takes_a_kv_cache_dtype(
     assert result["kv_cache_dtype"] == "fp8"
     assert result["baseline"]["kv_cache_dtype"] == "auto"
     assert 0 < abs(result["levels"]["none"]["relative_loss"]) < 1e-2
+    assert cli_main([*argv[:-1], "--quantization", "int8", "--kv-cache-dtype", "fp8"]) == 0
+    assert "int8+fp8" in capsys.readouterr().out
 
 
 def test_fp8_without_torch_support_fails_before_loading(

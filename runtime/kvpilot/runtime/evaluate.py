@@ -160,16 +160,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    base = result["baseline"]
+    base, kv_name = result["baseline"], result["kv_cache_dtype"]
+    suffix = "" if kv_name == "auto" else f"+{kv_name}"  # e.g. none+fp8: that level, fp8 KV
     lines = [
         f"model {result['model']}  dataset {result['dataset']}  tokens {result['num_tokens']}  "
-        f"KV cache {result['kv_cache_dtype']} (baseline: none, KV auto)",
-        f"{'level':<6} {'perplexity':>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{'none':<6} {base['perplexity']:>11.3f} {'-':>10} {base['weight_bytes'] / 2**20:>11.2f}",
+        f"KV cache {kv_name} (baseline: none, KV auto)",
+        f"{'level':<9} {'perplexity':>11} {'rel. loss':>10} {'weight MiB':>11}",
+        f"{'none':<9} {base['perplexity']:>11.3f} {'-':>10} {base['weight_bytes'] / 2**20:>11.2f}",
     ]
     for level, row in result["levels"].items():
         lines.append(
-            f"{level:<6} {row['perplexity']:>11.3f} {row['relative_loss']:>+9.2%} "
+            f"{level + suffix:<9} {row['perplexity']:>11.3f} {row['relative_loss']:>+9.2%} "
             f"{row['weight_bytes'] / 2**20:>11.2f}"
         )
     return "\n".join(lines)
