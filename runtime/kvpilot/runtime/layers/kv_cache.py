@@ -45,7 +45,11 @@ class PagedCache:
 
         index_select copies whole blocks; on CPU it is about 1.5x faster than advanced indexing.
         Dequantising after the gather touches only this step's blocks."""
-        gathered = self.data.index_select(0, block_ids)  # [num_seqs * max_blocks, BS, H_kv, D]
+        if is_fp8(self.data.dtype):  # copy bytes, as `write` does: no fp8 kernel needed
+            raw = self.data.view(torch.uint8).index_select(0, block_ids)
+            gathered = raw.view(self.data.dtype)  # [num_seqs * max_blocks, BS, H_kv, D]
+        else:
+            gathered = self.data.index_select(0, block_ids)
         gathered = dequantize(gathered, dtype, self.scale)
         return gathered.view(num_seqs, -1, *self.data.shape[2:]).transpose(1, 2)
 
