@@ -103,7 +103,10 @@ def resolve_kv_cache_dtype(
 
 def check_fp8_round_trip(fp8: torch.dtype, device: torch.device) -> None:
     """Every fp8 operation the cache uses, on a few values on the device, at start-up: a device
-    whose torch build lacks one fails here with a clear message, not deep inside a decode step."""
+    whose torch build lacks one fails here with a clear message, not deep inside a decode step.
+
+    No fp8 arithmetic runs (casts and byte copies only), so fp8 KV needs no fp8 tensor cores:
+    any GPU this torch supports can hold it; the probe is the test of support."""
     try:
         cache = PagedCache(torch.zeros(2, 2, 1, 4, dtype=fp8, device=device), scale=0.5)
         values = [-4.0, -2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 4.0]  # exact in fp8 at scale 0.5
