@@ -19,6 +19,7 @@ import torch
 from kvpilot.runtime import memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.loader import ModelConfig, load_model_config, resolve_dtype
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.output_processor import (
@@ -85,11 +86,13 @@ class Engine:
         self.served_name = config.served_name or model_dir.resolve().name
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
         model = load_model(model_dir, self.model_config, config.quantization, dtype, self.device)
         self.weight_bytes = model.weight_bytes()
         self.runner = ModelRunner(model, self.device, config.seed)
-        num_blocks = self._num_kv_blocks(dtype)
-        self.runner.allocate_kv_cache(num_blocks)
+        num_blocks = self._num_kv_blocks(self.kv_dtype)
+        self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
         self.block_manager = BlockManager(num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -100,8 +103,9 @@ class Engine:
         self._aborts: list[str] = []
         self._snapshot = self._make_stats()
 
-    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
-        """Pool size from the shared memory arithmetic (DESIGN.md §3.3)."""
+    def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
+        """Pool size from the shared memory arithmetic (DESIGN.md §3.3), at the bytes of the
+        KV storage dtype: fp8 holds twice the blocks of bf16 in the same budget."""
         budget: float
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
@@ -112,7 +116,7 @@ class Engine:
             )
         else:
             budget = CPU_KV_CACHE_BYTES
-        kv_bytes = torch.tensor([], dtype=dtype).element_size()
+        kv_bytes = torch.tensor([], dtype=kv_dtype).element_size()
         num_blocks = memory.num_kv_blocks(model_facts(self.model_config), kv_bytes, budget)
         needed = -(-self.max_model_len // memory.BLOCK_SIZE)
         if num_blocks < needed:
