@@ -160,6 +160,17 @@ def probe_url(probe: dict[str, Any] | None, container: dict[str, Any], pod_ip: s
 def running_status(
     pod: dict[str, Any], pod_ip: str, ready: bool, restarts: int, started_at: str
 ) -> dict[str, Any]:
+    status = _app_status(pod, pod_ip, ready, restarts, started_at)
+    inits = pod["spec"].get("initContainers") or []
+    if inits:  # the app container runs only after every init container exited 0
+        completed = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": now()}}
+        status["initContainerStatuses"] = [_container_status(c, completed, 0) for c in inits]
+    return status
+
+
+def _app_status(
+    pod: dict[str, Any], pod_ip: str, ready: bool, restarts: int, started_at: str
+) -> dict[str, Any]:
     container = pod["spec"]["containers"][0]
     flag = "True" if ready else "False"
     stamp = now()
@@ -269,14 +280,14 @@ def initializing_status(
             {"type": "Ready", "status": "False", "lastTransitionTime": stamp},
         ],
         "initContainerStatuses": [
-            _waiting_status(c, s, restarts if i == index else 0)
+            _container_status(c, s, restarts if i == index else 0)
             for i, (c, s) in enumerate(zip(inits, init_states, strict=True))
         ],
-        "containerStatuses": [_waiting_status(c, waiting, 0) for c in pod["spec"]["containers"]],
+        "containerStatuses": [_container_status(c, waiting, 0) for c in pod["spec"]["containers"]],
     }
 
 
-def _waiting_status(
+def _container_status(
     container: dict[str, Any], state: dict[str, Any], restarts: int
 ) -> dict[str, Any]:
     return {
