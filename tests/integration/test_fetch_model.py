@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot.runtime.fetch import read_config_json
+from kvpilot.runtime.fetch import FetchError
 from kvpilot.runtime.model_source import HF_ALLOW_PATTERNS, parse_model_uri
+from kvpilot.runtime.remote_config import count_parameters, read_config_json
 from tests.server.server_process import RuntimeServer
 from tests.support.model_sources import HF_REPO_ID, MODEL_DIR, S3_PREFIX, S3Endpoint, sha256_files
 
@@ -111,15 +112,18 @@ def test_s3_failures_are_one_line(s3_endpoint: S3Endpoint, tmp_path: Path) -> No
     )
 
 
-def test_config_json_alone_is_read_from_each_source(
-    hf_endpoint: str, s3_endpoint: S3Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_config_json_and_parameters_are_read_without_the_weights(
+    hf_endpoint: str, s3_endpoint: S3Endpoint, tmp_path: Path
 ) -> None:
-    expected = (MODEL_DIR / "config.json").read_bytes()
-
-    for name, value in {**hf_env(hf_endpoint, tmp_path), **s3_env(s3_endpoint)}.items():
-        monkeypatch.setenv(name, value)
+    env = {**hf_env(hf_endpoint, tmp_path), **s3_env(s3_endpoint)}
+    expected = json.loads((MODEL_DIR / "config.json").read_bytes())
     for uri in (f"hf://{HF_REPO_ID}", f"s3://{s3_endpoint.bucket}/{S3_PREFIX}"):
-        assert read_config_json(parse_model_uri(uri)) == json.loads(expected), uri
+        source = parse_model_uri(uri)
+        assert read_config_json(source, env) == expected, uri
+        assert count_parameters(source, env) == 3_819_776, uri  # tiny-llama's README
+    wrong = {**env, "AWS_SECRET_ACCESS_KEY": "wrong"}
+    with pytest.raises(FetchError, match="check AWS_ACCESS_KEY_ID"):
+        read_config_json(parse_model_uri(f"s3://{s3_endpoint.bucket}/{S3_PREFIX}"), wrong)
 
 
 def test_serve_loads_an_hf_model_directly(

@@ -132,12 +132,13 @@ def facts_from_config(config: dict[str, Any], parameters: int) -> ModelFacts:
     )
 
 
-def resolve(source: ModelSource) -> ModelFacts:
-    """Facts from the spec (all four given), else the catalog; ValueError names what is missing."""
+def resolve(source: ModelSource, read_from_source: ModelFacts | None = None) -> ModelFacts:
+    """Facts from the spec (all four given), else the catalog, else what the operator read from
+    the source's config.json; ValueError names what is missing."""
     given = {name: getattr(source, name) for name in _SPEC_FACTS}
     if all(value is not None for value in given.values()):
         return ModelFacts(**given, vocab_size=source.vocab_size or 0)
-    found = lookup(source.uri)
+    found = lookup(source.uri) or read_from_source
     if found is not None:
         return found
     missing = ", ".join(_camel(name) for name, value in given.items() if value is None)

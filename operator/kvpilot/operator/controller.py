@@ -18,9 +18,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client as k8s_client
+from pydantic import ValidationError
 
-from kvpilot.operator import inventory, k8s, manifests, observability, reconcile
+from kvpilot.operator import api, inventory, k8s, manifests, model_facts, observability, reconcile
 from kvpilot.operator.config import OperatorConfig
+from kvpilot.runtime.memory import ModelFacts
 
 POD_MONITOR_CRD = "podmonitors.monitoring.coreos.com"
 COMPONENT = "kvpilot-operator"
@@ -39,6 +41,10 @@ class Controller:
     _planned_with: dict[tuple[str, str], Any] = field(default_factory=dict)
     _pending: set[tuple[str, str]] = field(default_factory=set)
     _seen: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
+    facts: model_facts.ModelFactsReader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.facts = model_facts.ModelFactsReader(self.client)
 
     def _lock(self, key: tuple[str, str]) -> threading.Lock:
         with self._guard:
@@ -166,10 +172,23 @@ class Controller:
         node_types = inventory.discover(nodes, others, self.config.node_types)
         wants_monitor = bool(((md.get("spec") or {}).get("monitoring") or {}).get("podMonitor"))
         has_crd = wants_monitor and k8s.has_crd(self.client, POD_MONITOR_CRD)
-        desired = reconcile.desire(md, node_types, self.config, has_crd)
+        desired = reconcile.desire(md, node_types, self.config, has_crd, self._source_facts(md))
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
         return dataclasses.replace(desired, pod_problems=problems)
+
+    def _source_facts(self, md: Obj) -> ModelFacts | str | None:
+        """Facts read from an uncatalogued model's config.json, or why they could not be."""
+        try:
+            spec = api.parse_spec(md.get("spec") or {})
+        except ValidationError:
+            return None  # desire reports the bad spec
+        if not model_facts.needs_reading(spec):
+            return None
+        try:
+            return self.facts.read(md["metadata"]["namespace"], spec)
+        except ValueError as error:
+            return str(error)
 
     def _converge(
         self, md: Obj, desired: reconcile.Desired, apply_children: bool

@@ -111,6 +111,8 @@ def _pass(
     # Only the ModelDeployment's own handlers stop on a bad spec; a child's event just refreshes.
     if desired is not None and desired.is_invalid_spec and is_md_handler:
         raise kopf.PermanentError(desired.error)
+    if desired is not None and desired.needs_retry and is_md_handler:
+        raise kopf.TemporaryError(desired.error, delay=min(MAX_BACKOFF_SECONDS, 2**retry))
 
 
 @kopf.on.resume(*MD, id="md-resume")

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from kvpilot.operator import api, catalog, conditions, manifests, planner
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
+from kvpilot.runtime.memory import ModelFacts
 
 Obj = Mapping[str, Any]
 
@@ -27,19 +28,29 @@ class Desired:
     summary: str = ""
     error: str | None = None  # set when nothing can run; the pass still writes status
     is_invalid_spec: bool = False  # the user must change the spec; retrying cannot help
+    needs_retry: bool = False  # a source could not be read now; a later pass may succeed
     num_unplaceable: int = 0
     quantization: str = ""
     pod_problems: tuple[str, ...] = ()  # conditions.pod_problem of this ModelDeployment's pods
 
 
 def desire(
-    md: Obj, node_types: Sequence[NodeType], config: OperatorConfig, has_pod_monitor_crd: bool
+    md: Obj,
+    node_types: Sequence[NodeType],
+    config: OperatorConfig,
+    has_pod_monitor_crd: bool,
+    source_facts: ModelFacts | str | None = None,
 ) -> Desired:
+    """`source_facts`: what the operator read from the model's config.json, or why it could
+    not (then the plan fails for now and the pass is retried)."""
+    read = source_facts if isinstance(source_facts, ModelFacts) else None
     try:
         spec = api.parse_spec(md.get("spec") or {})
-        facts = catalog.resolve(spec.model)
+        facts = catalog.resolve(spec.model, read)
         request = planner.PlanRequest.from_spec(spec, facts)
     except (ValidationError, ValueError) as error:
+        if isinstance(source_facts, str):
+            return Desired(error=f"{_one_line(error)}; {source_facts}", needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
     plans = planner.plan(request, node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans))

@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,7 +48,7 @@ def log_line(text: str) -> None:
 def fetch(source: ModelSource, dest: Path | None, log: Log = log_line) -> FetchResult:
     """The model in `dest` (None: hf:// into the HF cache, s3:// into HF_HOME/kvpilot-s3)."""
     started = time.monotonic()
-    with _explained(source):
+    with explained(source):
         if source.scheme == "hf":
             path = _fetch_hf(source, dest, log)
         elif source.scheme == "s3":
@@ -69,31 +67,6 @@ def fetch(source: ModelSource, dest: Path | None, log: Log = log_line) -> FetchR
         f"{result.seconds:.1f} s -> {path}"
     )
     return result
-
-
-def read_config_json(source: ModelSource) -> dict[str, Any]:
-    """Only the checkpoint's config.json, for planning a model the catalog lacks."""
-    with _explained(source):
-        if source.scheme == "hf":
-            from huggingface_hub import hf_hub_download
-
-            with tempfile.TemporaryDirectory() as cache:  # the operator keeps no model files
-                path = hf_hub_download(
-                    source.location,
-                    "config.json",
-                    revision=source.revision,
-                    token=_hf_token(),
-                    cache_dir=cache,
-                    endpoint=os.environ.get("HF_ENDPOINT"),
-                )
-                return dict(json.loads(Path(path).read_text()))
-        if source.scheme == "s3":
-            key = f"{source.path.rstrip('/')}/config.json"
-            body = _s3_client().get_object(Bucket=source.location, Key=key)["Body"].read()
-            return dict(json.loads(body))
-        if source.scheme == "file":
-            return dict(json.loads((Path(source.location) / "config.json").read_text()))
-    raise FetchError(f"{source.uri}: config.json of a pvc:// model is read inside the cluster")
 
 
 # -- hf:// -------------------------------------------------------------------------------------
@@ -260,7 +233,7 @@ def _digest(path: Path, hasher: Any) -> str:
 
 
 @contextmanager
-def _explained(source: ModelSource) -> Iterator[None]:
+def explained(source: ModelSource) -> Iterator[None]:
     """Library exceptions -> FetchError('URI: cause; what to do'), one line."""
     try:
         yield

@@ -553,7 +553,12 @@ def test_a_pod_monitor_follows_the_spec_on_and_off(
     assert is_ready(cluster, namespace, "watched")  # the model kept serving
 
 
-def tiny_llama_from(uri: str, cluster: Any, secret: str) -> dict[str, Any]:
+TINY_FACTS = {"parameters": 3819776, "layers": 4, "kvHeads": 2, "headDim": 32, "vocabSize": 4096}
+
+
+def tiny_llama_from(
+    uri: str, cluster: Any, secret: str, facts: dict[str, int] | None = None
+) -> dict[str, Any]:
     """tiny-llama on the `local` pool (real processes) from the dev cluster's model servers;
     the endpoints come through spec.runtime.env, the credentials through the Secret."""
     endpoints = {
@@ -569,8 +574,8 @@ def tiny_llama_from(uri: str, cluster: Any, secret: str) -> dict[str, Any]:
         autoscaling={"mode": "off", "replicas": 1},
         runtime={"env": [{"name": k, "value": v} for k, v in endpoints.items()]},
     )
-    facts = {"parameters": 3819776, "layers": 4, "kvHeads": 2, "headDim": 32, "vocabSize": 4096}
-    md["spec"]["model"].update(servedName="tiny", secretRef={"name": secret}, **facts)
+    # Without facts the operator reads config.json and the safetensors headers itself.
+    md["spec"]["model"].update(servedName="tiny", secretRef={"name": secret}, **(facts or {}))
     return md
 
 
@@ -620,6 +625,8 @@ def test_fetched_models_serve_on_real_pods(
     (init,) = pod["status"]["initContainerStatuses"]
     assert init["name"] == "fetch-model" and init["state"]["terminated"]["exitCode"] == 0
     assert complete(pod)["usage"]["completion_tokens"] == 4
+    md = get(cluster, "modeldeployment", "tiny", "-n", namespace)
+    assert md["status"]["plan"][0]["nodeType"] == "local"  # planned from the source's facts
 
 
 def test_a_fetch_that_fails_says_why_in_the_pod_status(
@@ -627,9 +634,18 @@ def test_a_fetch_that_fails_says_why_in_the_pod_status(
 ) -> None:
     model_server_env(cluster)
     apply_secret(cluster, namespace, "model-creds", {"HF_TOKEN": "unused-here"})
-    apply_doc(
-        cluster, namespace, tiny_llama_from("hf://kvpilot/no-such-model", cluster, "model-creds")
-    )
+    missing = tiny_llama_from("hf://kvpilot/no-such-model", cluster, "model-creds")
+    apply_doc(cluster, namespace, missing)
+
+    def plan_failed() -> str:
+        planned = condition(get(cluster, "modeldeployment", "tiny", "-n", namespace), "Planned")
+        return str(planned.get("message", "")) if planned.get("status") == "False" else ""
+
+    # Without facts in the spec the operator reads config.json itself, and says why it cannot.
+    assert "404 repository not found" in wait_for(plan_failed, "PlanFailed", operator)
+    # With the facts given, the plan runs and the pod's fetch fails in its own words.
+    missing["spec"]["model"].update(TINY_FACTS)
+    apply_doc(cluster, namespace, missing)
 
     def failed_fetch() -> str:
         (pod,) = pods(cluster, namespace, "tiny")

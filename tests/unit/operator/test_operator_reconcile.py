@@ -10,6 +10,7 @@ from kvpilot.operator import conditions, reconcile
 from kvpilot.operator.api import Condition
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
+from kvpilot.runtime.memory import ModelFacts
 
 CONFIG = OperatorConfig()
 T4 = NodeType(
@@ -249,3 +250,28 @@ def test_may_have_dropped_pod_monitor(
     obj["metadata"]["generation"] = generation
     desired = reconcile.desire(obj, [H100], CONFIG, has_pod_monitor_crd=True)
     assert reconcile.may_have_dropped_pod_monitor(obj, desired) is expected
+
+
+UNCATALOGUED = {"model": {"uri": "hf://acme/in-house-8b"}, "serving": {"maxContextLength": 4096}}
+
+
+def test_an_uncatalogued_model_is_planned_from_facts_read_at_the_source() -> None:
+    read = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
+    desired = reconcile.desire(md(UNCATALOGUED), [H100], CONFIG, False, read)
+    assert desired.error is None and desired.plan[0].fits
+    assert desired.plan[0].weights_gi_b == pytest.approx(8e9 * 2 / 2**30, rel=0.01)
+
+
+def test_a_source_that_cannot_be_read_fails_the_plan_for_now_not_for_good() -> None:
+    why = "cannot read the model's config.json: hf://acme/in-house-8b: 404 repository not found"
+    desired = reconcile.desire(md(UNCATALOGUED), [H100], CONFIG, False, why)
+    assert desired.needs_retry and not desired.is_invalid_spec
+    assert desired.error is not None and why in desired.error and "spec.model" in desired.error
+
+
+def test_facts_in_the_spec_win_over_the_source() -> None:
+    facts = {"parameters": 1_000_000, "layers": 2, "kvHeads": 1, "headDim": 8}
+    spec = {**UNCATALOGUED, "model": {"uri": "hf://acme/in-house-8b", **facts}}
+    read = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
+    desired = reconcile.desire(md(spec), [H100], CONFIG, False, read)
+    assert desired.plan[0].weights_gi_b < 0.01
