@@ -35,9 +35,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):
             raise ValueError(
                 f"device must be one of {DEVICE_CHOICES} or cuda:N, got {self.device!r}"
