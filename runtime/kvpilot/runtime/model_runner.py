@@ -262,23 +262,23 @@ class ModelRunner:
         input_ids, positions, meta, rows = self.inputs(plan)
         return self.model.forward(input_ids, positions, self.kv_caches, meta, rows)
 
-    def execute(
-        self, batch: list[ScheduledSequence]
-    ) -> list[tuple[ScheduledSequence, int, dict[int, float] | None]]:
-        """Run one step; returns (item, next token, logprobs) for each item that samples."""
+    def logits(self, batch: list[ScheduledSequence]) -> torch.Tensor:
+        """Run one step on every rank; logits [S, vocab] (float32) of the items that sample,
+        in batch order."""
         plan = plan_step(batch)
         if self.workers is not None:
             self.workers.execute(plan)  # the other ranks run the same step alongside
         hidden = self.run_model(plan)  # [S, hidden]
+        return self.model.compute_logits(hidden)
+
+    def execute(
+        self, batch: list[ScheduledSequence]
+    ) -> list[tuple[ScheduledSequence, int, dict[int, float] | None]]:
+        """Run one step; returns (item, next token, logprobs) for each item that samples."""
         sampling = [item for item in batch if item.is_sampling]
+        logits = self.logits(batch)  # [S, vocab]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden)  # [S, vocab]
         generators: list[torch.Generator | None] = [self._generator(i) for i in sampling]
         tokens, logprobs = sample(logits, [i.seq.params for i in sampling], generators)
         return list(zip(sampling, tokens, logprobs, strict=True))
-
-    def shutdown(self) -> None:
-        """Stop the other ranks, if any; idempotent."""
-        if self.workers is not None:
-            self.workers.shutdown()
