@@ -2,6 +2,8 @@
 
 `cluster` is a real control plane (hack/devcluster): started once per test run in a temporary
 state dir and stopped at the end — or an existing cluster when KUBECONFIG points at one.
+`hf_endpoint` (a Hugging Face hub URL serving `kvpilot/tiny-llama`) and `s3_endpoint` (an
+S3Endpoint whose bucket holds `tiny-llama/`) are the dev cluster's model servers, run standalone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pytest
 
 from hack.devcluster import DevCluster
 from hack.devcluster.versions import HELM, KUBERNETES, kube_env
+from tests.support import model_sources
+from tests.support.model_sources import S3Endpoint
 
 
 class ExistingCluster:
@@ -73,3 +77,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster | E
 @pytest.fixture(scope="session")
 def helm_binary() -> Path:
     return HELM.path("helm")
+
+
+@pytest.fixture(scope="session")
+def hf_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """HF_ENDPOINT of a Hugging Face hub (olah, offline) serving repo `kvpilot/tiny-llama`."""
+    existing = model_sources.existing_hf_endpoint()
+    if existing:
+        yield existing
+        return
+    with model_sources.hf_hub(tmp_path_factory.mktemp("hf-hub")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    """An S3 store (SeaweedFS): endpoint_url, access_key, secret_key, bucket (`models`), region."""
+    existing = model_sources.existing_s3_endpoint()
+    if existing:
+        yield existing
+        return
+    with model_sources.s3_store(tmp_path_factory.mktemp("s3")) as endpoint:
+        yield endpoint

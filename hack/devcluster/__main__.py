@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         path = ":".join(str(p) for p in bin_path_entries())
         print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
         print(f'export PATH={shlex.quote(path)}:"$PATH"')
+        for key, value in cluster.client_env().items():
+            print(f"export {key}={shlex.quote(value)}")
     return 0
 
 

@@ -24,6 +24,7 @@ from hack.devcluster.versions import (
     KWOK,
     PROMETHEUS,
     PROMETHEUS_RELEASE,
+    SEAWEEDFS,
     Component,
     cache_dir,
 )
@@ -72,6 +73,10 @@ def build_commands(component: Component, out_dir: Path) -> list[tuple[list[str],
     if component is KUBE_SCORE:
         pkg = f"github.com/zegl/kube-score/cmd/kube-score@{component.version}"
         return [(["go", "install", "-trimpath", "-ldflags", "-s -w", pkg], None)]
+    if component is SEAWEEDFS:
+        pkg = "github.com/seaweedfs/seaweedfs/weed"
+        argv = ["go", "build", "-trimpath", "-ldflags", "-s -w", "-o", f"{out}weed", pkg]
+        return [(argv, GOTOOLS / "seaweedfs")]
     raise ValueError(f"no build recipe for {component.name}")
 
 

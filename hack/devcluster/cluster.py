@@ -1,4 +1,5 @@
-"""The local control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok.
+"""The local control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok,
+with the model servers a real cluster would reach (an S3 store and a Hugging Face hub).
 
 Real binaries run as local processes (as controller-runtime's envtest does), with kwok standing in
 for kubelets on fake GPU nodes. `up` is idempotent, `down` stops only the processes it started.
@@ -18,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from hack.devcluster import build, nodepools, pki, procs, prometheus
+from hack.devcluster import build, modelsources, nodepools, pki, procs, prometheus
 from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import (
     COMPONENTS,
@@ -40,6 +41,8 @@ PROCESSES = (
     "kwok",
     "podrunner",
     "prometheus",
+    modelsources.S3_PROCESS,
+    modelsources.HF_PROCESS,
 )
 SERVICE_CIDR = "10.96.0.0/16"
 START_TIMEOUT_S = 120.0
@@ -53,6 +56,8 @@ class Ports:
     controller_manager: int
     scheduler: int
     prometheus: int
+    s3: int
+    hf_hub: int
 
 
 class DevCluster:
@@ -90,6 +95,7 @@ class DevCluster:
             procs.stop(self.run_dir, name)
         shutil.rmtree(self.state_dir / "etcd-data", ignore_errors=True)
         shutil.rmtree(self.state_dir / "prometheus-data", ignore_errors=True)
+        modelsources.stop(self.state_dir)
         (self.state_dir / "ports.json").unlink(missing_ok=True)
 
     def start_process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -112,7 +118,11 @@ class DevCluster:
         """Ports of a running cluster are kept; a fresh one gets free ports (or the requested)."""
         saved = self.state_dir / "ports.json"
         if saved.exists() and any(self.status().values()):
-            return Ports(**json.loads(saved.read_text()))
+            # A cluster started before the model servers existed has no ports for them yet.
+            extra = {"s3": procs.free_port(), "hf_hub": procs.free_port()}
+            ports = Ports(**{**extra, **json.loads(saved.read_text())})
+            saved.write_text(json.dumps(asdict(ports)))
+            return ports
         apiserver = self.requested_apiserver_port or procs.free_port()
         procs.require_port_free(apiserver, "kube-apiserver")
         ports = Ports(
@@ -122,6 +132,8 @@ class DevCluster:
             controller_manager=procs.free_port(),
             scheduler=procs.free_port(),
             prometheus=procs.free_port(),
+            s3=procs.free_port(),
+            hf_hub=procs.free_port(),
         )
         saved.write_text(json.dumps(asdict(ports)))
         return ports
@@ -130,6 +142,12 @@ class DevCluster:
         if procs.is_running(self.run_dir, name):
             return
         print(f"==> starting {name}", flush=True)
+        if name == modelsources.S3_PROCESS:  # these seed their data around the start
+            modelsources.start_s3(self.state_dir, ports.s3)
+            return
+        if name == modelsources.HF_PROCESS:
+            modelsources.start_hf_hub(self.state_dir, ports.hf_hub)
+            return
         proc = procs.start(name, self.argv(name, certs, ports), self.run_dir, self.log_dir)
         self.wait_ready(proc, name, certs, ports)
 
@@ -242,6 +260,16 @@ class DevCluster:
         config_file = self.state_dir / "prometheus.yaml"
         config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         return prometheus.argv(config_file, self.state_dir / "prometheus-data", ports.prometheus)
+
+    def client_env(self) -> dict[str, str]:
+        """HF_ENDPOINT and the AWS_* variables that reach the model servers (once up)."""
+        saved = self.state_dir / "ports.json"
+        if not saved.exists():
+            return {}
+        ports = json.loads(saved.read_text())
+        if "s3" not in ports or "hf_hub" not in ports:
+            return {}
+        return modelsources.client_env(ports["hf_hub"], ports["s3"])
 
     @property
     def prometheus_url(self) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -178,3 +180,36 @@ def test_missing_go_toolchain_is_one_clear_line(tmp_path: Path) -> None:
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Go toolchain is missing" in lines[0]
+
+
+READ_BOTH_SERVERS = """
+import hashlib, boto3, huggingface_hub
+path = huggingface_hub.hf_hub_download("kvpilot/tiny-llama", "config.json", cache_dir="{cache}")
+print(hashlib.sha256(open(path, "rb").read()).hexdigest())
+body = boto3.client("s3").get_object(Bucket="models", Key="tiny-llama/config.json")["Body"]
+print(hashlib.sha256(body.read()).hexdigest())
+"""
+
+
+def test_env_exports_alone_reach_the_model_servers(cluster: Any, tmp_path: Path) -> None:
+    if not isinstance(cluster, DevCluster):
+        pytest.skip("needs the dev cluster's state dir")
+    done = devcluster_cli("env", "--state-dir", str(cluster.state_dir))
+    assert done.returncode == 0, done.stderr
+    names = {line.split("=", 1)[0].removeprefix("export ") for line in done.stdout.splitlines()}
+    assert names >= {
+        "HF_ENDPOINT",
+        "AWS_ENDPOINT_URL",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+    }
+    # The clients get no endpoint or key from the code: only from the exported variables.
+    code = READ_BOTH_SERVERS.format(cache=tmp_path / "hf")
+    script = f"{done.stdout}\nexec {sys.executable} -c {shlex.quote(code)}\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "AWS_"))}
+    read = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert read.returncode == 0, read.stderr
+    expected = hashlib.sha256((REPO_ROOT / "models/tiny-llama/config.json").read_bytes())
+    assert read.stdout.split() == [expected.hexdigest()] * 2

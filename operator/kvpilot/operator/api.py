@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.policy import Bounds
+from kvpilot.runtime.model_source import parse_model_uri
 
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
@@ -40,6 +41,7 @@ URI_PATTERN = (
     r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*|s3://[^\s]+|file:///[^\s]*)$"
 )
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
 # the CRD's defaults, so the simulator measures what a ModelDeployment without settings gets.
@@ -56,6 +58,10 @@ class _Model(BaseModel):
     )
 
 
+class SecretRef(_Model):
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+
+
 class ModelSource(_Model):
     """Where the weights are, and the architecture facts for models the catalog lacks."""
 
@@ -68,6 +74,11 @@ class ModelSource(_Model):
         default=None,
         max_length=256,
         description="model name in the OpenAI API; default: the URI's last path element",
+    )
+    secret_ref: SecretRef | None = Field(
+        default=None,
+        description="a Secret in this namespace whose keys (HF_TOKEN; AWS_ACCESS_KEY_ID,"
+        " AWS_SECRET_ACCESS_KEY) become the model fetch's environment; never put tokens inline",
     )
     parameters: int | None = Field(default=None, ge=1, description="number of parameters")
     layers: int | None = Field(default=None, ge=1, le=1024)
@@ -314,6 +325,7 @@ def allowed_quantizations(policy: QuantizationPolicy) -> tuple[str, ...]:
 
 
 def served_name(source: ModelSource) -> str:
+    """The spec's servedName, else the URI's last path element (without an hf:// @revision)."""
     if source.served_name:
         return source.served_name
-    return source.uri.rstrip("/").rsplit("/", 1)[-1]
+    return parse_model_uri(source.uri).name

@@ -13,12 +13,15 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import api, metrics
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import GPU_RESOURCE
 from kvpilot.operator.planner import NodePlan
+from kvpilot.runtime import serve_config
+from kvpilot.runtime.model_source import parse_model_uri
 
 LABEL_MODEL = "kvpilot.dev/model"
 LABEL_NODE_TYPE = "kvpilot.dev/node-type"
@@ -33,6 +36,12 @@ MAX_NUM_SEQS_CAP = (
     256  # the batch the runtime schedules; more KV room serves longer prompts instead
 )
 DRAIN_DELAY_SECONDS = 5  # lets endpoints drop the pod before SIGTERM starts the runtime's drain
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 Obj = Mapping[str, Any]
 Manifest = dict[str, Any]
@@ -79,40 +88,82 @@ def spec_hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def model_location(uri: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
-    """The --model value the pod sees, with the volumes and mounts that make it reachable."""
-    if not uri.startswith("pvc://"):
-        return uri, [], []
-    claim, _, path = uri.removeprefix("pvc://").partition("/")
-    volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-    return f"file://{MODEL_MOUNT}/{path}", [volume], [mount]
+@dataclass(frozen=True)
+class ModelMount:
+    """How the pod reaches the model: the --model value, the volume and mounts that hold it,
+    and for hf:// and s3:// the init container that fetches it into that volume."""
+
+    model_arg: str
+    volumes: list[dict[str, Any]]
+    mounts: list[dict[str, Any]]
+    needs_fetch: bool
+
+
+def model_location(uri: str) -> ModelMount:
+    source = parse_model_uri(uri)
+    read_only_mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    if source.scheme == "pvc":
+        claim = {"claimName": source.location, "readOnly": True}
+        volume = {"name": "model", "persistentVolumeClaim": claim}
+        model = f"file://{MODEL_MOUNT}/{source.path}".rstrip("/")
+        return ModelMount(model, [volume], [read_only_mount], needs_fetch=False)
+    if source.is_fetched:
+        volume = {"name": "model", "emptyDir": {}}
+        return ModelMount(f"file://{MODEL_MOUNT}", [volume], [read_only_mount], needs_fetch=True)
+    return ModelMount(uri, [], [], needs_fetch=False)
 
 
 def runtime_args(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, port: int, grace_seconds: int
 ) -> list[str]:
-    """The flags of DESIGN.md §3.4; optional ones only when they differ from the runtime default."""
+    """`serve` flags by the runtime's own field names (serve_config.to_args refuses any other);
+    optional ones only when they differ from the runtime's default."""
     # The runtime drains on SIGTERM; it must finish before the kubelet's SIGKILL, which comes
     # `grace_seconds` after the preStop hook started, with a margin for the process to exit.
     shutdown_timeout = max(1, grace_seconds - DRAIN_DELAY_SECONDS - 10)
-    model, _, _ = model_location(spec.model.uri)
-    args = [
-        "serve",
-        f"--model={model}",
-        f"--served-name={api.served_name(spec.model)}",
-        f"--quantization={node_plan.quantization}",
-        f"--max-model-len={spec.serving.max_context_length}",
-        f"--max-num-seqs={max_num_seqs(spec, node_plan)}",
-        f"--gpu-memory-utilization={spec.serving.gpu_memory_utilization}",
-        f"--port={port}",
-        f"--shutdown-timeout={shutdown_timeout}",
-    ]
-    if node_plan.tensor_parallel > 1:
-        args.append(f"--tensor-parallel-size={node_plan.tensor_parallel}")
-    if spec.serving.kv_cache_dtype != "auto":
-        args.append(f"--kv-cache-dtype={spec.serving.kv_cache_dtype}")
-    return args
+    values = {
+        "model": model_location(spec.model.uri).model_arg,
+        "served_name": api.served_name(spec.model),
+        "quantization": node_plan.quantization,
+        "max_model_len": spec.serving.max_context_length,
+        "max_num_seqs": max_num_seqs(spec, node_plan),
+        "gpu_memory_utilization": spec.serving.gpu_memory_utilization,
+        "port": port,
+        "shutdown_timeout": shutdown_timeout,
+        "tensor_parallel_size": node_plan.tensor_parallel
+        if node_plan.tensor_parallel > 1
+        else None,
+        "kv_cache_dtype": None
+        if spec.serving.kv_cache_dtype == "auto"
+        else spec.serving.kv_cache_dtype,
+    }
+    return ["serve", *serve_config.to_args(values)]
+
+
+def fetch_container(spec: api.ModelDeploymentSpec, config: OperatorConfig) -> dict[str, Any]:
+    """The init container that copies an hf:// or s3:// model into the pod's model volume; the
+    Secret named by spec.model.secretRef is its environment (tokens never appear in the spec)."""
+    container: dict[str, Any] = {
+        "name": "fetch-model",
+        "image": spec.runtime.image or config.runtime_image,
+        "command": ["kvpilot-runtime"],
+        "args": ["fetch", f"--model={spec.model.uri}", f"--to={MODEL_MOUNT}"],
+        "env": _env(spec),
+        "securityContext": CONTAINER_SECURITY,
+        "volumeMounts": [
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "model", "mountPath": MODEL_MOUNT},
+        ],
+    }
+    if spec.model.secret_ref is not None:
+        container["envFrom"] = [{"secretRef": {"name": spec.model.secret_ref.name}}]
+    return container
+
+
+def _env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
+    env = [{"name": "HF_HOME", "value": CACHE_MOUNT}]
+    return env + [{"name": e.name, "value": e.value} for e in spec.runtime.env]
 
 
 def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
@@ -133,29 +184,22 @@ def _resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, 
 def _container(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
-    _, _, model_mounts = model_location(spec.model.uri)
+    model_mounts = model_location(spec.model.uri).mounts
     port = config.runtime_port
-    env = [{"name": "HF_HOME", "value": CACHE_MOUNT}]
-    env += [{"name": e.name, "value": e.value} for e in spec.runtime.env]
     return {
         "name": "runtime",
         "image": spec.runtime.image or config.runtime_image,
         "command": ["kvpilot-runtime"],
         "args": runtime_args(spec, node_plan, port, config.termination_grace_seconds),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": env,
+        "env": _env(spec),
         "resources": _resources(spec, node_plan.tensor_parallel),
         "readinessProbe": _probe("/ready", period=5, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),
         # Loading weights can take minutes; the startup probe holds liveness off until then.
         "startupProbe": _probe("/health", period=10, failures=90),
         "lifecycle": {"preStop": {"sleep": {"seconds": DRAIN_DELAY_SECONDS}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -176,8 +220,8 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def _pod_spec(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
-    _, model_volumes, _ = model_location(spec.model.uri)
-    return {
+    model = model_location(spec.model.uri)
+    pod: dict[str, Any] = {
         "nodeSelector": dict(node_plan.node_type.node_selector),
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "terminationGracePeriodSeconds": config.termination_grace_seconds,
@@ -194,9 +238,12 @@ def _pod_spec(
         "volumes": [
             {"name": "cache", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
-            *model_volumes,
+            *model.volumes,
         ],
     }
+    if model.needs_fetch:
+        pod["initContainers"] = [fetch_container(spec, config)]
+    return pod
 
 
 def build_deployment(

@@ -11,11 +11,12 @@ import sys
 SUBCOMMANDS = {
     "serve": ("kvpilot.runtime.server", "serve the OpenAI-compatible API over the engine"),
     "eval": ("kvpilot.runtime.evaluate", "perplexity per quantisation level and relative loss"),
+    "fetch": ("kvpilot.runtime.fetch", "copy a model (hf://, s3://, file://) into a directory"),
 }
 
 
 def usage() -> str:
-    lines = ["usage: kvpilot-runtime {serve,eval} [options]", ""]
+    lines = ["usage: kvpilot-runtime {serve,eval,fetch} [options]", ""]
     lines += [f"  {name:<6} {text}" for name, (_, text) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 

@@ -1,8 +1,13 @@
-"""The engine's one frozen configuration, built at the edge (CLI flags or a test)."""
+"""The engine's one frozen configuration, built at the edge (CLI flags or a test).
+
+Each field's metadata carries its command-line help (and choices), so `kvpilot-runtime serve`'s
+parser is derived from these fields (serve_config.py) and a field cannot exist without a flag.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -13,22 +18,36 @@ CPU_KV_CACHE_BYTES = (
 )  # default KV pool on CPU, where there is no GPU memory to size by
 
 
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
+    """A config field that is also a command-line flag (`--field-name`); `extra` goes to the
+    flag's metadata (`group` for mutually exclusive flags, `negate` for a `--no-…` switch)."""
+    return field(default=default, metadata={"help": help, "choices": choices, **extra})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # local path to an HF-format directory
-    served_name: str | None = None
-    quantization: str = "none"  # none | bf16 | int8 | int4
-    dtype: str = "auto"  # auto: config.json dtype on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda if available else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None  # bytes; overrides gpu_memory_utilization
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1  # ranks, one process each; rank 0 schedules
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; fp8: float8_e4m3fn with a scale
+    model: str = field(metadata={"help": "local path to an HF-format checkpoint directory"})
+    served_name: str | None = option(None, "model id clients send (default: the model's name)")
+    quantization: str = option("none", "weight quantisation", QUANTIZATION_CHOICES)
+    dtype: str = option("auto", "auto: config.json dtype on CUDA, float32 on CPU", DTYPE_CHOICES)
+    device: str = option("auto", "auto, cpu, cuda, cuda:N (auto: cuda if available)")
+    max_model_len: int | None = option(None, "default: the model's max_position_embeddings")
+    max_num_seqs: int = option(64, "sequences in the running batch")
+    max_num_batched_tokens: int = option(2048, "token budget of one engine step")
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of GPU memory for weights + KV cache", group="memory"
+    )
+    kv_cache_memory: int | None = option(
+        None, "KV-cache pool size in bytes (overrides --gpu-memory-utilization)", group="memory"
+    )
+    enable_prefix_caching: bool = option(
+        True, "reuse KV blocks of shared prompt prefixes", negate="--no-prefix-caching"
+    )
+    seed: int = option(0, "sampling seed")
+    tensor_parallel_size: int = option(1, "ranks, one process each (gloo on CPU, NCCL on CUDA)")
+    kv_cache_dtype: str = option(
+        "auto", "auto: the model dtype; fp8: float8_e4m3fn with a scale", KV_CACHE_DTYPE_CHOICES
+    )
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)

@@ -1,129 +1,147 @@
-"""`kvpilot-runtime serve` flags, parsed once at the edge into a frozen `ServeConfig`.
+"""`kvpilot-runtime serve` flags: one frozen `ServeConfig` is the schema, the parser is derived.
 
-The flag names follow DESIGN.md §3.4 (and vLLM's where they overlap) so a pod spec written for one
-reads the same for the other.
+`ServeConfig` is the engine's `EngineConfig` plus the server's own fields. Every field is a flag
+named after it (`max_num_seqs` -> `--max-num-seqs`, vLLM's names where they overlap), so the
+runtime's parser and the operator's pod args (`to_args`, called by operator/manifests.py) come
+from the same fields and cannot drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from typing import Any
 
-QUANTIZATIONS = ("none", "bf16", "int8", "int4")
-DTYPES = ("auto", "float32", "float16", "bfloat16")
+from kvpilot.runtime.config import EngineConfig, option
+from kvpilot.runtime.model_source import ModelSource, parse_model_uri
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    model: str  # local path to an HF-format directory (already resolved from the URI)
-    served_name: str
-    host: str = "0.0.0.0"
-    port: int = 8000
-    quantization: str = "none"
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    max_waiting: int = 256
-    api_key: str | None = None
-    shutdown_timeout: float = 30.0
-    seed: int = 0
-    log_level: str = "info"
+class ServeConfig(EngineConfig):
+    # The URI as given: a local directory, or hf:// / s3:// fetched when the model loads.
+    model: str = field(
+        metadata={
+            "help": "local path, file:///PATH, hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+        }
+    )
+    served_name: str = option("", "model id clients send (default: the model's name)")
+    host: str = option("0.0.0.0", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    max_waiting: int = option(256, "queued requests before 429")
+    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on /v1/*")
+    shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
+    log_level: str = option("info", "debug, info, warning, error")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         checks = [
             (1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}"),
-            (self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}"),
-            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
-            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
-            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
-            (
-                0.0 < self.gpu_memory_utilization <= 1.0,
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-            ),
-            (
-                self.kv_cache_memory is None or self.kv_cache_memory > 0,
-                "kv_cache_memory must be > 0",
-            ),
             (self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}"),
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
+            (self.served_name != "", "served_name must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
+    @property
+    def source(self) -> ModelSource:
+        return parse_model_uri(self.model)
 
-def resolve_model_path(uri: str) -> str:
-    """`--model` as a local directory: a plain path or file:///path; other schemes are errors."""
-    parsed = urlparse(uri)
-    if parsed.scheme == "file":
-        path = Path(unquote(parsed.path))
-    elif parsed.scheme == "" or len(parsed.scheme) == 1:  # len 1: a Windows drive letter
-        path = Path(uri)
-    else:
-        raise ValueError(
-            f"--model {uri!r}: this runtime loads models from a local path (or file:///path); "
-            f"the kvpilot operator mounts {parsed.scheme}:// models into the pod at a path and "
-            "passes that path here"
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(f: Field[Any]) -> type:
+    """int for `int | None`, str for `str`, …: the type argparse converts a flag's text to."""
+    hint = typing.get_type_hints(ServeConfig)[f.name]
+    if isinstance(hint, types.UnionType):
+        return next(t for t in typing.get_args(hint) if t is not type(None))
+    return typing.cast(type, hint)
+
+
+def _add_flag(
+    parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, f: Field[Any]
+) -> None:
+    meta = f.metadata
+    kind = _value_type(f)
+    if f.name == "model":
+        parser.add_argument(flag_name(f.name), required=True, help=meta["help"])
+    elif kind is bool:
+        parser.add_argument(
+            meta["negate"], dest=f.name, action="store_false", help=f"do not {meta['help']}"
         )
-    if not path.is_dir():
-        raise ValueError(f"--model {uri!r}: {path} is not a directory with an HF-format checkpoint")
-    return str(path)
+    else:
+        parser.add_argument(
+            flag_name(f.name),
+            type=kind,
+            choices=meta.get("choices"),
+            help=meta["help"]
+            if f.default in (None, "")
+            else f"{meta['help']} (default: {f.default})",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpilot-runtime serve", description=__doc__)
-    p.add_argument("--model", required=True, help="local path or file:///path of an HF checkpoint")
-    p.add_argument("--served-name", help="model id clients send (default: directory name)")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none")
-    p.add_argument("--dtype", choices=DTYPES, default="auto")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    memory = p.add_mutually_exclusive_group()
-    memory.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    memory.add_argument("--kv-cache-memory", type=int, help="KV-cache pool size in bytes")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
-    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-level", default="info")
+    p = argparse.ArgumentParser(
+        prog="kvpilot-runtime serve",
+        description="Serve the OpenAI-compatible API over kvpilot's batching engine.",
+        argument_default=argparse.SUPPRESS,  # an absent flag keeps the field's default
+    )
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for f in fields(ServeConfig):
+        group = f.metadata.get("group")
+        if group and group not in groups:
+            groups[group] = p.add_mutually_exclusive_group()
+        _add_flag(groups[group] if group else p, f)
     return p
 
 
 def parse_args(argv: list[str]) -> ServeConfig:
     """Parse flags into a `ServeConfig`; raises ValueError for values argparse cannot check."""
-    args = build_parser().parse_args(argv)
-    model = resolve_model_path(args.model)
-    return ServeConfig(
-        model=model,
-        served_name=args.served_name or Path(model).resolve().name,
-        host=args.host,
-        port=args.port,
-        quantization=args.quantization,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_waiting=args.max_waiting,
-        api_key=args.api_key,
-        shutdown_timeout=args.shutdown_timeout,
-        seed=args.seed,
-        log_level=args.log_level,
+    values = vars(build_parser().parse_args(argv))
+    source = parse_model_uri(values["model"])
+    if source.scheme == "pvc":
+        raise ValueError(
+            f"--model {source.uri!r}: the runtime cannot open a PersistentVolumeClaim; the kvpilot "
+            "operator mounts pvc:// models into the pod at a path and passes that path here"
+        )
+    if source.scheme == "file":
+        values["model"] = _local_dir(source)
+    values.setdefault(
+        "served_name", source.name if source.is_fetched else Path(values["model"]).name
     )
+    return ServeConfig(**values)
+
+
+def _local_dir(source: ModelSource) -> str:
+    path = Path(source.location)
+    if not path.is_dir():
+        raise ValueError(
+            f"--model {source.uri!r}: {path} is not a directory with an HF-format checkpoint"
+        )
+    return str(path)
+
+
+def to_args(values: Mapping[str, object]) -> list[str]:
+    """`--flag=value` for each field name in `values` (None: left out, False: the `--no-…`
+    switch); a name that is not a ServeConfig field is a KeyError, so a writer of pod args
+    cannot invent a flag the runtime does not parse."""
+    by_name = {f.name: f for f in fields(ServeConfig)}
+    args = []
+    for name, value in values.items():
+        if name not in by_name:
+            raise KeyError(f"{name!r} is not a kvpilot-runtime serve flag")
+        if value is None or value is True:
+            continue
+        if value is False:
+            args.append(by_name[name].metadata["negate"])
+        else:
+            args.append(f"{flag_name(name)}={value}")
+    return args

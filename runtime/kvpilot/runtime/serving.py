@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 from fastapi.responses import JSONResponse
@@ -21,6 +21,7 @@ from kvpilot.runtime import responses
 from kvpilot.runtime.chat import ChatTemplateError, render_chat
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
+from kvpilot.runtime.fetch import fetch
 from kvpilot.runtime.metrics import ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
     GREEDY_EPSILON,
@@ -64,21 +65,16 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JS
     return JSONResponse(body, status_code=error.status, headers=extra)
 
 
-def engine_config(config: ServeConfig) -> EngineConfig:
-    return EngineConfig(
-        model=config.model,
-        served_name=config.served_name,
-        quantization=config.quantization,
-        dtype=config.dtype,
-        device=config.device,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        kv_cache_memory=config.kv_cache_memory,
-        enable_prefix_caching=config.enable_prefix_caching,
-        seed=config.seed,
-    )
+def engine_config(config: ServeConfig, model_dir: str) -> EngineConfig:
+    """The engine's fields of the serve config (the same names), with the model as a directory."""
+    values = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
+    return EngineConfig(**{**values, "model": model_dir})
+
+
+def local_model_dir(config: ServeConfig) -> str:
+    """`--model` as a directory: hf:// and s3:// are fetched first (into HF_HOME's cache)."""
+    source = config.source
+    return str(fetch(source, None).path) if source.is_fetched else config.model
 
 
 class Ticket:
@@ -114,7 +110,8 @@ class ServerState:
     async def load(self) -> None:
         """Load the model off the event loop so /health answers meanwhile."""
         try:
-            core = await asyncio.to_thread(Engine, engine_config(self.config))
+            model_dir = await asyncio.to_thread(local_model_dir, self.config)
+            core = await asyncio.to_thread(Engine, engine_config(self.config, model_dir))
         except Exception as exc:  # any load failure ends the process with its message
             self.load_error = f"cannot load model {self.config.model}: {exc}"
             log.error(self.load_error)

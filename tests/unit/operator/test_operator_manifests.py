@@ -68,7 +68,7 @@ def test_deployment_carries_the_plan() -> None:
     assert container["image"] == CONFIG.runtime_image
     assert container["args"] == [
         "serve",
-        "--model=hf://Qwen/Qwen2.5-72B-Instruct",
+        "--model=file:///mnt/models",  # the init container fetched hf:// into this volume
         "--served-name=Qwen2.5-72B-Instruct",
         "--quantization=bf16",
         "--max-model-len=4096",
@@ -115,6 +115,33 @@ def test_pvc_models_are_mounted_read_only() -> None:
         "persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
     } in pod["volumes"]
     assert "--model=file:///mnt/models/llama/70b" in pod["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("uri", ["hf://Qwen/Qwen2.5-7B-Instruct@main", "s3://models/qwen-7b"])
+def test_fetched_models_come_through_an_init_container(uri: str) -> None:
+    s = spec(
+        model={"uri": uri, "secretRef": {"name": "model-creds"}},
+        runtime={"env": [{"name": "HF_ENDPOINT", "value": "http://hub.local"}]},
+    )
+    pod = deployment(s)["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["args"] == ["fetch", f"--model={uri}", "--to=/mnt/models"]
+    assert init["envFrom"] == [{"secretRef": {"name": "model-creds"}}]  # tokens never inline
+    assert {"name": "HF_ENDPOINT", "value": "http://hub.local"} in init["env"]
+    assert {"name": "model", "mountPath": "/mnt/models"} in init["volumeMounts"]
+    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    (runtime,) = pod["containers"]
+    assert "--model=file:///mnt/models" in runtime["args"]
+    assert "envFrom" not in runtime  # the runtime itself never sees the token
+    assert {"name": "model", "mountPath": "/mnt/models", "readOnly": True} in runtime[
+        "volumeMounts"
+    ]
+
+
+def test_local_models_need_no_init_container() -> None:
+    pod = deployment(spec(model={"uri": "file:///srv/models/qwen"}))["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert "--model=file:///srv/models/qwen" in pod["containers"][0]["args"]
 
 
 def test_pod_template_overrides_merge() -> None:

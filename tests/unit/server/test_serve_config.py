@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.runtime.serve_config import ServeConfig, parse_args, resolve_model_path
+from kvpilot.runtime.serve_config import ServeConfig, build_parser, parse_args, to_args
 
 
 @pytest.fixture
@@ -45,21 +45,62 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
     ("uri", "match"),
     [
         ("pvc://claim/models/llama", "operator mounts pvc:// models"),
-        ("hf://meta-llama/Llama-3-8B", "loads models from a local path"),
-        ("s3://bucket/model", "local path"),
+        ("gs://bucket/model", "unknown scheme gs://"),
+        ("hf://just-a-name", "expected hf://ORG/NAME"),
+        ("s3://bucket", "name the folder"),
         ("/does/not/exist", "not a directory"),
         ("file:///does/not/exist", "not a directory"),
     ],
 )
-def test_model_uris_other_than_local_paths_are_clear_errors(uri: str, match: str) -> None:
+def test_model_uris_the_runtime_cannot_load_are_clear_errors(uri: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        resolve_model_path(uri)
+        parse_args(["--model", uri])
+
+
+@pytest.mark.parametrize(
+    ("uri", "served_name"),
+    [
+        ("hf://kvpilot/tiny-llama", "tiny-llama"),
+        ("hf://kvpilot/tiny-llama@v1", "tiny-llama"),
+        ("s3://models/team/tiny-llama/", "tiny-llama"),
+    ],
+)
+def test_fetched_models_stay_uris_until_load(uri: str, served_name: str) -> None:
+    config = parse_args(["--model", uri])
+    assert (config.model, config.served_name) == (uri, served_name)
 
 
 def test_file_uri_with_escapes(tmp_path: Path) -> None:
     path = tmp_path / "with space"
     path.mkdir()
-    assert resolve_model_path(f"file://{str(path).replace(' ', '%20')}") == str(path)
+    config = parse_args(["--model", f"file://{str(path).replace(' ', '%20')}"])
+    assert config.model == str(path)
+
+
+def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
+    """The operator's writer and the runtime's parser agree on every field."""
+    values = {
+        "model": str(model_dir), "served_name": "m", "quantization": "int8", "dtype": "float16",
+        "device": "cpu", "max_model_len": 99, "max_num_seqs": 5, "max_num_batched_tokens": 77,
+        "kv_cache_memory": 4096, "enable_prefix_caching": False, "seed": 3,
+        "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "host": "127.0.0.2", "port": 9001,
+        "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
+    }  # fmt: skip
+    fields_of_config = {
+        f for f in ServeConfig.__dataclass_fields__ if f != "gpu_memory_utilization"
+    }
+    assert set(values) == fields_of_config  # a new field must be added here, with a flag
+    assert parse_args(to_args(values)) == ServeConfig(**values)  # type: ignore[arg-type]
+
+
+def test_to_args_refuses_a_name_the_runtime_does_not_parse() -> None:
+    with pytest.raises(KeyError, match="kv_dtype"):
+        to_args({"kv_dtype": "fp8"})
+
+
+def test_every_flag_has_help() -> None:
+    for action in build_parser()._actions:
+        assert action.help, action.dest
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,83 @@
+"""The contract across the pod boundary, from both sides: every pod spec the operator can write
+(each example in examples/, each plan shape) is parsed by the runtime's own parsers
+(`kvpilot-runtime serve` and `fetch`), so a flag the runtime does not know fails here, not in a
+crash-looping pod on a GPU node."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpilot.operator import api, manifests, planner
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.inventory import NodeType
+from kvpilot.runtime import fetch, serve_config
+from kvpilot.runtime.memory import ModelFacts
+
+EXAMPLES = sorted((Path(__file__).parents[3] / "examples").glob("*.yaml"))
+CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
+MD = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
+H100 = NodeType("h100", "NVIDIA-H100", 81559, 8, 98.0, {"t": "h100"}, ("n",), (8,))
+QUANTIZATIONS = ("bf16", "int8", "int4")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
+URIS = ("hf://org/model@rev", "s3://models/org/model", "pvc://weights/model", "file:///srv/model")
+
+
+def parsed_serve(container: dict[str, Any]) -> serve_config.ServeConfig:
+    """What the runtime makes of the container's args (file:// checked by the parser only: the
+    path exists in the pod, not here)."""
+    command, *args = container["args"]
+    assert (container["command"], command) == (["kvpilot-runtime"], "serve")
+    values = vars(serve_config.build_parser().parse_args(args))
+    return serve_config.ServeConfig(**values)
+
+
+def parsed_fetch(container: dict[str, Any]) -> None:
+    command, *args = container["args"]
+    assert command == "fetch"
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in args)
+    assert set(flags) == {"model", "to"}
+    with pytest.raises(SystemExit) as exit_:  # the real parser accepts them (then --help exits)
+        fetch.main([*args, "--help"])
+    assert exit_.value.code == 0
+
+
+def plan(tp: int, quantization: str) -> planner.NodePlan:
+    return planner.NodePlan(H100, True, quantization, tp, max_concurrency=8)
+
+
+@pytest.mark.parametrize(
+    ("tp", "quantization", "kv_dtype", "uri"),
+    list(itertools.product((1, 2, 4, 8), QUANTIZATIONS, KV_DTYPES, URIS)),
+)
+def test_every_plan_shape_parses_in_the_runtime(
+    tp: int, quantization: str, kv_dtype: str, uri: str
+) -> None:
+    spec = api.parse_spec({"model": {"uri": uri}, "serving": {"kvCacheDtype": kv_dtype}})
+    pod = manifests.build_deployment(MD, spec, plan(tp, quantization), 1, CONFIG)
+    pod_spec = pod["spec"]["template"]["spec"]
+    config = parsed_serve(pod_spec["containers"][0])
+    assert config.tensor_parallel_size == tp
+    assert config.quantization == quantization
+    assert config.kv_cache_dtype == kv_dtype
+    assert config.served_name == "model"
+    for init in pod_spec.get("initContainers", []):
+        parsed_fetch(init)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses_in_the_runtime(path: Path) -> None:
+    md = yaml.safe_load(path.read_text())
+    spec = api.parse_spec(md["spec"])
+    facts = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
+    node_plan = planner.plan_node_type(planner.PlanRequest.from_spec(spec, facts), H100)
+    md = {**md, "metadata": {**md["metadata"], "namespace": "ns", "uid": "u"}}
+    pod = manifests.build_deployment(md, spec, node_plan, 1, CONFIG)["spec"]["template"]["spec"]
+    config = parsed_serve(pod["containers"][0])
+    assert config.served_name == api.served_name(spec.model)
+    for init in pod.get("initContainers", []):
+        parsed_fetch(init)
