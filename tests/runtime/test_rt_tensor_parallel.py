@@ -25,6 +25,7 @@ from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
+from tests.support.processes import is_gone
 
 # A rank's o_proj/down_proj product is a partial sum over half the features; the all-reduce adds
 # the halves, so float32 rounds in a different order than one full matmul. Measured: at most
@@ -130,15 +131,6 @@ def test_heads_not_dividing_is_a_clear_error_and_starts_no_process(
     assert "tensor_parallel_size 3" in message
     assert "num_attention_heads 8" in message and "num_key_value_heads 2" in message
     assert set(mp.active_children()) == before
-
-
-def is_gone(pid: int) -> bool:
-    """No such process, or one that has exited and waits for a reaper (a zombie)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
