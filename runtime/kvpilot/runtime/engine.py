@@ -139,13 +139,13 @@ class Engine:
     def shutdown(self) -> None:
         """Stop and reap the tensor-parallel workers, if any; idempotent. A single-process
         engine needs no shutdown, but calling it does no harm."""
-        workers = getattr(self, "workers", None)
-        if workers is not None:
-            workers.shutdown()
+        if self.workers is not None:
+            self.workers.shutdown()
 
     def _num_kv_blocks(self, dtype: torch.dtype) -> int:
         """Pool size from the shared memory arithmetic (DESIGN.md §3.3). The budget is per rank
-        (per GPU), and so is the pool: each rank caches only its own KV heads."""
+        (per GPU), and so is the pool: each rank caches only its own KV heads. Rank 0 sizes it
+        for every rank, so the ranks' GPUs are taken to be alike (one GPU type per replica)."""
         budget: float
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory

@@ -103,7 +103,10 @@ def init_process_group(group: TPGroup, init_method: str, device: torch.device) -
         raise ValueError(
             "a tensor-parallel engine already runs in this process; shut it down first"
         )
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL works on the current device: cuda:rank
+        backend = "nccl"
     dist.init_process_group(
         backend,
         init_method=init_method,

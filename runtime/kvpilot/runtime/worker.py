@@ -174,8 +174,6 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
 
 
 def load_rank(args: WorkerArgs, device: torch.device) -> ModelRunner:
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL uses the current device
     model = load_model(
         args.model_dir, args.model_config, args.quantization, args.dtype, device, args.group
     )
