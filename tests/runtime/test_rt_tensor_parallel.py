@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 ranks) against the single-process engine on tiny-llama
-(8 attention heads, 2 KV heads): same logits, same greedy tokens, int8 too, a clear error when the
-heads do not divide, and no worker process left behind, whether the engine shuts down or dies.
+(8 attention heads, 2 KV heads): same logits, same greedy tokens, int8 and int4 too, a clear
+error when the heads do not divide, and no worker left behind, whether the engine shuts down or
+dies.
 
 One tensor-parallel engine runs in a process at a time (torch.distributed has one default group),
 so each test starts and shuts down its own.
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.layers.quant import Int4Weight, Int8Weight, Weight
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
@@ -111,13 +113,21 @@ def test_tp2_logits_and_greedy_tokens_match_one_process(
     assert tokens == greedy_tokens(tp1)
 
 
-def test_tp2_int8_greedy_matches_tp1_int8(make_engine: Callable[..., Engine]) -> None:
-    """Shard first, then quantise: int8 scales are per output channel, so the column-parallel
-    shards quantise exactly as the whole matrix does; o_proj/down_proj shards get scales of their
-    own half of the inputs (no worse, not identical), hence greedy tokens, not bits, must agree."""
-    expected = greedy_tokens(make_engine(quantization="int8", enable_prefix_caching=False))
-    with tp_engine(make_engine, quantization="int8") as tp2:
-        assert tp2.runner.model.layers[0].qkv.weight.qweight.dtype == torch.int8  # type: ignore[attr-defined]
+@pytest.mark.parametrize(
+    ("quantization", "weight_type"), [("int8", Int8Weight), ("int4", Int4Weight)]
+)
+def test_tp2_quantised_greedy_matches_tp1(
+    make_engine: Callable[..., Engine], quantization: str, weight_type: type[Weight]
+) -> None:
+    """Shard first, then quantise. int8 scales are per output channel, so the column-parallel
+    shards quantise exactly as the whole matrix does, while o_proj/down_proj shards get scales of
+    their own half of the inputs (int4: groups of 128 of their half): no worse, not identical,
+    hence greedy tokens, not bits, must agree."""
+    expected = greedy_tokens(make_engine(quantization=quantization, enable_prefix_caching=False))
+    with tp_engine(make_engine, quantization=quantization) as tp2:
+        layer = tp2.runner.model.layers[0]
+        assert isinstance(layer.down.weight, weight_type)
+        assert layer.down.weight.dequantize(torch.float32).shape == (256, 344)  # [hidden, I / 2]
         assert greedy_tokens(tp2) == expected
 
 
@@ -158,6 +168,7 @@ RANK0_SCRIPT = """
 import sys, time
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.layers.quant import Int4Weight, Int8Weight, Weight
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", max_model_len=256,
                              kv_cache_memory=4 * 2**20, tensor_parallel_size=2))
 print(engine.workers.pids[0], flush=True)

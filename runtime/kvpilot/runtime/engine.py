@@ -2,6 +2,8 @@
 
 Thread model: `step()` runs in one thread (AsyncEngine's worker). `add_request`, `abort` and
 `stats` may be called from any thread: they only touch a lock-protected inbox and snapshot.
+With tensor_parallel_size > 1 the engine also owns worker processes (worker.py), which
+`shutdown()` stops and reaps.
 """
 
 from __future__ import annotations
