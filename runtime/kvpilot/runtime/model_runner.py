@@ -17,7 +17,7 @@ from kvpilot.runtime.layers.attention import (
     decode_mask,
 )
 from kvpilot.runtime.layers.sampler import sample
-from kvpilot.runtime.loader import ModelConfig, iter_weights
+from kvpilot.runtime.loader import ModelConfig, open_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.parallel import TPGroup
@@ -45,14 +45,15 @@ def load_model(
     group: TPGroup | None = None,
 ) -> LlamaModel:
     """The model, or this rank's shard of it: every rank reads the checkpoint, keeps its part."""
-    tensors = dict(iter_weights(model_dir))
+    with open_weights(model_dir) as read:
 
-    def get(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"checkpoint in {model_dir} is missing tensor {name!r}")
-        return tensors[name]
+        def get(name: str) -> torch.Tensor:
+            tensor = read(name)
+            if tensor is None:
+                raise ValueError(f"checkpoint in {model_dir} is missing tensor {name!r}")
+            return tensor
 
-    return LlamaModel(cfg, get, quantization, dtype, device, group)
+        return LlamaModel(cfg, get, quantization, dtype, device, group)
 
 
 def slot_ids(block_table: list[int], first: int, end: int) -> list[int]:
