@@ -4,6 +4,7 @@ Rank 0 (the engine's own process) schedules and samples. Each worker holds its s
 and its share of the KV pool, and runs every step's forward pass alongside rank 0; the layers'
 all-reduces keep the ranks in lockstep. One pipe per worker carries, from rank 0:
 
+    ("join", None)       join the process group (once every rank has loaded its shard)
     ("kv", num_blocks)   allocate the KV pool; the worker answers "ok" or an error
     ("step", StepPlan)   run the step; no answer (the all-reduces are the handshake)
     None                 leave the process group and exit
@@ -22,6 +23,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -33,7 +35,6 @@ import torch
 from kvpilot.runtime.loader import ModelConfig
 from kvpilot.runtime.model_runner import ModelRunner, StepPlan, load_model
 from kvpilot.runtime.parallel import (
-    TIMEOUT,
     TPGroup,
     destroy_process_group,
     init_process_group,
@@ -88,8 +89,10 @@ class WorkerPool:
         return [proc.pid for proc in self.procs if proc.pid is not None]
 
     def join_group(self, group: TPGroup, device: torch.device) -> None:
-        """Once every worker has loaded its shard, rank 0 joins them in the process group."""
+        """Once every rank has loaded its shard (however long that takes), all join the process
+        group together, so its rendezvous timeout only covers the rendezvous."""
         self._wait_all("load")
+        self._send_all(("join", None))
         init_process_group(group, self.init_method, device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -105,7 +108,7 @@ class WorkerPool:
 
     def _wait_all(self, what: str) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
-            answer = _receive(proc, conn, TIMEOUT.total_seconds())
+            answer = _receive(proc, conn)
             if answer != "ok":
                 raise RuntimeError(f"tensor-parallel rank {rank} failed at {what}: {answer}")
 
@@ -136,17 +139,15 @@ def start_workers(args: WorkerArgs) -> WorkerPool:
     return WorkerPool(pool_args, store_dir)
 
 
-def _receive(proc: BaseProcess, conn: Connection, timeout_s: float) -> Any:
-    """The worker's next answer, or a description of why none came."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _receive(proc: BaseProcess, conn: Connection) -> Any:
+    """The worker's next answer, or why none will come. No deadline: loading a large shard takes
+    as long as it takes, and a worker that dies is noticed within a poll."""
+    while proc.is_alive() or conn.poll(0):
         if conn.poll(0.2):
             try:
                 return conn.recv()
             except EOFError:
                 break
-        if not proc.is_alive():
-            break
     return f"no answer (exit code {proc.exitcode})"
 
 
@@ -166,9 +167,13 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         conn.send(f"{type(error).__name__}: {error}")
         return
     conn.send("ok")
-    init_process_group(args.group, args.init_method, device)
+    handlers: dict[str, Callable[[Any], object]] = {
+        "join": lambda _: init_process_group(args.group, args.init_method, device),
+        "kv": lambda num_blocks: conn.send(_try(runner.allocate_kv_cache, num_blocks)),
+        "step": runner.run_model,
+    }
     try:
-        follow(runner, conn)
+        follow(conn, handlers)
     finally:
         destroy_process_group()
 
@@ -180,7 +185,8 @@ def load_rank(args: WorkerArgs, device: torch.device) -> ModelRunner:
     return ModelRunner(model, device, args.seed)
 
 
-def follow(runner: ModelRunner, conn: Connection) -> None:
+def follow(conn: Connection, handlers: dict[str, Callable[[Any], object]]) -> None:
+    """Handle rank 0's messages until it says stop or is gone."""
     while True:
         try:
             message = conn.recv()
@@ -189,15 +195,12 @@ def follow(runner: ModelRunner, conn: Connection) -> None:
         if message is None:
             return
         kind, payload = message
-        if kind == "step":
-            runner.run_model(payload)
-        else:
-            conn.send(_try(runner.allocate_kv_cache, payload))
+        handlers[kind](payload)
 
 
-def _try(fn: Any, *args: Any) -> str:
+def _try(fn: Callable[[int], None], arg: int) -> str:
     try:
-        fn(*args)
+        fn(arg)
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "ok"
