@@ -164,6 +164,18 @@ def test_shutdown_stops_and_reaps_the_workers(make_engine: Callable[..., Engine]
     assert not mp.active_children()
 
 
+def test_a_dead_worker_fails_the_step_with_its_rank(make_engine: Callable[..., Engine]) -> None:
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    with tp_engine(make_engine) as tp2:
+        assert tp2.workers is not None
+        tp2.add_request(PROMPTS[0], params, "doomed")
+        tp2.step()
+        os.kill(tp2.workers.pids[0], signal.SIGKILL)
+        tp2.workers.procs[0].join()
+        with pytest.raises(RuntimeError, match=r"rank 1 is gone \(exit code -9\)"):
+            tp2.step()  # at once, not after a collective's timeout
+
+
 RANK0_SCRIPT = """
 import sys, time
 from kvpilot.runtime.config import EngineConfig

@@ -103,8 +103,14 @@ class WorkerPool:
         self._send_all(("step", plan))
 
     def _send_all(self, message: Any) -> None:
-        for conn in self.conns:
-            conn.send(message)
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
+            try:
+                conn.send(message)
+            except OSError as error:  # its end of the pipe closed: the worker exited
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} is gone (exit code {proc.exitcode}); "
+                    "the engine cannot run without it"
+                ) from error
 
     def _wait_all(self, what: str) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
