@@ -15,7 +15,13 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+# KVPILOT_BENCH_DOC redirects every section to another file (bench/gpu_check.sh writes a copy
+# under its output folder, so a run on a lent machine leaves the tree alone).
+DOC = Path(
+    os.environ.get(
+        "KVPILOT_BENCH_DOC", Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    )
+)
 HEADER = (
     "# kvpilot benchmarks\n\n"
     "Written by `make bench` (bench/); each section names the command that made it. Figures are\n"

@@ -7,7 +7,9 @@ is how several pods listen on the same container port on one machine (no network
 from __future__ import annotations
 
 import ipaddress
+import re
 import shutil
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -35,24 +37,96 @@ def next_pod_ip(pod_cidr: str, taken: set[str]) -> str:
     raise ValueError(f"podCIDR {pod_cidr} has no free address left ({len(taken)} taken)")
 
 
-def container_env(pod: dict[str, Any], container: dict[str, Any], pod_ip: str) -> dict[str, str]:
-    """Literal values and downward-API field refs; other sources are not available locally."""
+SecretReader = Callable[[str, str], dict[str, str] | None]  # (ns, name) -> data, None: absent
+
+
+def container_env(
+    pod: dict[str, Any],
+    container: dict[str, Any],
+    pod_ip: str,
+    read_secret: SecretReader | None = None,
+    mounts: Sequence[tuple[str, str]] = (),
+) -> dict[str, str]:
+    """envFrom Secrets, literal values, downward-API field refs and Secret key refs, as the
+    kubelet resolves them; a missing Secret or key is a ValueError (CreateContainerConfigError).
+    Values naming a mount path are rewritten to the volume's local directory."""
+    namespace = pod["metadata"]["namespace"]
     env: dict[str, str] = {}
+    for source in container.get("envFrom") or []:
+        if "secretRef" in source:
+            env.update(_secret(read_secret, namespace, source["secretRef"]["name"]))
     for var in container.get("env") or []:
         if "value" in var:
-            env[var["name"]] = str(var["value"])
-        field = (var.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+            env[var["name"]] = rewrite_paths(str(var["value"]), mounts)
+        ref = var.get("valueFrom") or {}
+        field = ref.get("fieldRef", {}).get("fieldPath")
         if field in FIELD_REFS:
             env[var["name"]] = FIELD_REFS[field](pod, pod_ip)
+        if "secretKeyRef" in ref:
+            secret, key = ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"]
+            data = _secret(read_secret, namespace, secret)
+            if key not in data:
+                raise ValueError(f"couldn't find key {key} in Secret {namespace}/{secret}")
+            env[var["name"]] = data[key]
     return env
 
 
-def container_argv(container: dict[str, Any], pod_ip: str, bin_dirs: list[Path]) -> list[str]:
-    """command + args, the executable resolved locally, and `--host` bound to the pod's IP."""
+def _secret(read_secret: SecretReader | None, namespace: str, name: str) -> dict[str, str]:
+    data = read_secret(namespace, name) if read_secret else None
+    if data is None:
+        raise ValueError(f'secret "{name}" not found')
+    return data
+
+
+def volume_dirs(pod: dict[str, Any], pod_dir: Path, claims_dir: Path) -> dict[str, Path]:
+    """Each volume as a local directory: an emptyDir per pod; a PersistentVolumeClaim per claim,
+    shared by every pod that mounts it (as a volume bound to that claim is); hostPath as is."""
+    namespace = pod["metadata"]["namespace"]
+    dirs: dict[str, Path] = {}
+    for volume in pod["spec"].get("volumes") or []:
+        if "persistentVolumeClaim" in volume:
+            claim = volume["persistentVolumeClaim"]["claimName"]
+            dirs[volume["name"]] = claims_dir / namespace / claim
+        elif "hostPath" in volume:
+            dirs[volume["name"]] = Path(volume["hostPath"]["path"])
+        else:  # emptyDir, and the projected/config volumes a local process does not need
+            dirs[volume["name"]] = pod_dir / "volumes" / volume["name"]
+    return dirs
+
+
+def container_mounts(container: dict[str, Any], dirs: dict[str, Path]) -> list[tuple[str, str]]:
+    """(mountPath, local directory) of the container's mounts, the longest paths first so that
+    /mnt/models/x wins over /mnt/models."""
+    mounts = []
+    for mount in container.get("volumeMounts") or []:
+        local = dirs[mount["name"]] / mount.get("subPath", "")
+        mounts.append((mount["mountPath"].rstrip("/"), str(local).rstrip("/")))
+    return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+
+def rewrite_paths(text: str, mounts: Sequence[tuple[str, str]]) -> str:
+    """A process cannot see a mount at /mnt/models; each mount path in `text` (at a path
+    boundary) becomes its local directory, the way the container would have seen it."""
+    for mount_path, local in mounts:
+        text = re.sub(re.escape(mount_path) + r"(?=/|$|\s|=)", local.replace("\\", r"\\"), text)
+    return text
+
+
+def container_argv(
+    container: dict[str, Any],
+    pod_ip: str,
+    bin_dirs: list[Path],
+    mounts: Sequence[tuple[str, str]] = (),
+) -> list[str]:
+    """command + args, the executable resolved locally, mount paths rewritten, and a serving
+    container (one with ports) bound to the pod's IP with `--host`."""
     argv = [*(container.get("command") or []), *(container.get("args") or [])]
     if not argv:
         raise ValueError(f"container {container['name']} has no command: a local pod needs one")
+    argv = [argv[0]] + [rewrite_paths(arg, mounts) for arg in argv[1:]]
     argv[0] = resolve_executable(argv[0], bin_dirs)
+    if not container.get("ports"):
+        return argv
     if "--host" in argv:
         argv[argv.index("--host") + 1] = pod_ip
     else:
@@ -84,6 +158,17 @@ def probe_url(probe: dict[str, Any] | None, container: dict[str, Any], pod_ip: s
 
 
 def running_status(
+    pod: dict[str, Any], pod_ip: str, ready: bool, restarts: int, started_at: str
+) -> dict[str, Any]:
+    status = _app_status(pod, pod_ip, ready, restarts, started_at)
+    inits = pod["spec"].get("initContainers") or []
+    if inits:  # the app container runs only after every init container exited 0
+        completed = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": now()}}
+        status["initContainerStatuses"] = [_container_status(c, completed, 0) for c in inits]
+    return status
+
+
+def _app_status(
     pod: dict[str, Any], pod_ip: str, ready: bool, restarts: int, started_at: str
 ) -> dict[str, Any]:
     container = pod["spec"]["containers"][0]
@@ -162,3 +247,63 @@ def node_ready_status() -> dict[str, Any]:
         ],
         "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
     }
+
+
+def initializing_status(
+    pod: dict[str, Any], pod_ip: str, index: int, state: dict[str, Any], restarts: int
+) -> dict[str, Any]:
+    """Phase Pending while init container `index` is in `state`: the ones before it completed,
+    the app containers wait in PodInitializing, as the kubelet reports it."""
+    stamp = now()
+    inits = pod["spec"].get("initContainers") or []
+    done = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": stamp}}
+    waiting = {"waiting": {"reason": "PodInitializing"}}
+    init_states = [
+        done if i < index else state if i == index else waiting for i in range(len(inits))
+    ]
+    message = f"containers with incomplete status: [{inits[index]['name']}]"
+    return {
+        "phase": "Pending",
+        "hostIP": "127.0.0.1",
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp},
+            {
+                "type": "Initialized",
+                "status": "False",
+                "reason": "ContainersNotInitialized",
+                "message": message,
+                "lastTransitionTime": stamp,
+            },
+            {"type": "ContainersReady", "status": "False", "lastTransitionTime": stamp},
+            {"type": "Ready", "status": "False", "lastTransitionTime": stamp},
+        ],
+        "initContainerStatuses": [
+            _container_status(c, s, restarts if i == index else 0)
+            for i, (c, s) in enumerate(zip(inits, init_states, strict=True))
+        ],
+        "containerStatuses": [_container_status(c, waiting, 0) for c in pod["spec"]["containers"]],
+    }
+
+
+def _container_status(
+    container: dict[str, Any], state: dict[str, Any], restarts: int
+) -> dict[str, Any]:
+    return {
+        "name": container["name"],
+        "image": container.get("image", ""),
+        "imageID": "",
+        "ready": False,
+        "started": "running" in state,
+        "restartCount": restarts,
+        "state": state,
+    }
+
+
+def termination_message(container: dict[str, Any], log_tail: str) -> str:
+    """The log's last lines when the container asks for them (FallbackToLogsOnError), as the
+    kubelet puts them in `terminated.message`; else nothing."""
+    if container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+        return ""
+    return "\n".join(log_tail.strip().splitlines()[-5:])[-4096:]

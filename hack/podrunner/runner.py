@@ -6,8 +6,10 @@ stand-in for the kubelet, not a kubelet.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -45,12 +47,22 @@ class LocalPod:
     restart_at: float | None = None
     terminating: bool = False
     exit_code: int | None = None
+    num_inits_done: int = 0
+    volumes: dict[str, Path] = field(default_factory=dict)
     reported: dict[str, Any] = field(default_factory=dict)
 
 
 class PodRunner:
-    def __init__(self, api: client.ApiClient, log_dir: Path, bin_dirs: list[Path]) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        log_dir: Path,
+        bin_dirs: list[Path],
+        state_dir: Path | None = None,
+    ) -> None:
         self.core = client.CoreV1Api(api)
+        # Volumes live here: emptyDirs per pod, claims shared by the pods that mount them.
+        self.state_dir = state_dir or log_dir.parent / "podrunner"
         self.coordination = client.CoordinationV1Api(api)
         self.log_dir = log_dir
         self.bin_dirs = bin_dirs
@@ -128,9 +140,17 @@ class PodRunner:
     def admit(self, pod: dict[str, Any], pod_cidr: str) -> LocalPod:
         taken = {p.pod_ip for p in self.pods.values()}
         ip = pod["status"].get("podIP") or pods.next_pod_ip(pod_cidr, taken)
-        return LocalPod(pod["metadata"]["namespace"], pod["metadata"]["name"], ip)
+        pod_dir = self.state_dir / "pods" / pod["metadata"]["uid"]
+        volumes = pods.volume_dirs(pod, pod_dir, self.state_dir / "claims")
+        for folder in volumes.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        return LocalPod(pod["metadata"]["namespace"], pod["metadata"]["name"], ip, volumes=volumes)
 
     def sync_running(self, pod: dict[str, Any], local: LocalPod) -> None:
+        inits = pod["spec"].get("initContainers") or []
+        if local.num_inits_done < len(inits):
+            self.sync_init(pod, inits[local.num_inits_done], local)
+            return
         container = pod["spec"]["containers"][0]
         if local.restart_at is not None:  # crashed: restart once the back-off is over
             if time.monotonic() >= local.restart_at:
@@ -143,28 +163,106 @@ class PodRunner:
         elif local.proc is not None and time.monotonic() >= local.next_probe:
             self.probe(pod, container, local)
 
-    def start(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
-        local.restart_at, local.ready, local.exit_code = None, False, None
-        env = {**os.environ, **pods.container_env(pod, container, local.pod_ip)}
-        env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])
-        log = self.log_dir / f"{local.namespace}_{local.name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            argv = pods.container_argv(container, local.pod_ip, self.bin_dirs)
-        except ValueError as err:
-            log.write_text(f"podrunner: {err}\n")
-            self.on_exit(pod, local, 127)
-            return
-        with log.open("ab") as out:
-            local.proc = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    def sync_init(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
+        """Init containers run one after the other, each to exit 0, before the app container;
+        a failed one restarts with back-off (restartPolicy Always), as the kubelet does."""
+        if local.restart_at is not None:
+            if time.monotonic() >= local.restart_at and self.launch(pod, container, local):
+                local.restarts += 1
+                self.report_init(pod, local, {"running": {"startedAt": pods.now()}})
+        elif local.proc is None:
+            if self.launch(pod, container, local):
+                self.report_init(pod, local, {"running": {"startedAt": pods.now()}})
+        elif local.proc.poll() is not None:
+            code, local.proc = local.proc.returncode, None
+            if code == 0:
+                local.num_inits_done, local.restarts = local.num_inits_done + 1, 0
+                return
+            backoff = RESTART_BACKOFF_S[min(local.restarts, len(RESTART_BACKOFF_S) - 1)]
+            local.restart_at = time.monotonic() + backoff
+            message = pods.termination_message(container, self.log_tail(local))
+            failed = {"terminated": {"exitCode": code, "reason": "Error", "message": message}}
+            status = pods.initializing_status(
+                pod,
+                local.pod_ip,
+                local.num_inits_done,
+                {"waiting": {"reason": "CrashLoopBackOff"}},
+                local.restarts,
             )
+            status["initContainerStatuses"][local.num_inits_done]["lastState"] = failed
+            self.report(pod, local, status)
+
+    def report_init(self, pod: dict[str, Any], local: LocalPod, state: dict[str, Any]) -> None:
+        status = pods.initializing_status(
+            pod, local.pod_ip, local.num_inits_done, state, local.restarts
+        )
+        self.report(pod, local, status)
+
+    def start(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
+        if not self.launch(pod, container, local):
+            return
         local.started_at = pods.now()
         self.report(
             pod,
             local,
             pods.running_status(pod, local.pod_ip, False, local.restarts, local.started_at),
         )
+
+    def launch(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> bool:
+        """The container's process, with its volumes as local directories; False when its
+        config cannot be resolved (a missing Secret: retried, as CreateContainerConfigError)."""
+        local.restart_at, local.ready, local.exit_code = None, False, None
+        log = self.log_path(local)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        mounts = pods.container_mounts(container, local.volumes)
+        try:
+            own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret, mounts)
+            argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts)
+        except ValueError as err:
+            self.refuse(pod, container, local, str(err))
+            return False
+        env = {**os.environ, **own_env}
+        env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])
+        with log.open("ab") as out:
+            local.proc = subprocess.Popen(
+                argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        return True
+
+    def refuse(
+        self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod, why: str
+    ) -> None:
+        local.restart_at = time.monotonic() + RESTART_BACKOFF_S[-1]
+        waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": why}}
+        is_init = container in (pod["spec"].get("initContainers") or [])
+        if is_init:
+            self.report_init(pod, local, waiting)
+            return
+        status = pods.running_status(pod, local.pod_ip, False, local.restarts, pods.now())
+        status["phase"] = "Pending"
+        status["containerStatuses"][0]["state"] = waiting
+        self.report(pod, local, status)
+
+    def read_secret(self, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        data = secret.data or {}
+        return {key: base64.b64decode(value).decode() for key, value in data.items()}
+
+    def log_path(self, local: LocalPod) -> Path:
+        return self.log_dir / f"{local.namespace}_{local.name}.log"
+
+    def log_tail(self, local: LocalPod) -> str:
+        try:
+            with self.log_path(local).open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def probe(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
         probe = container.get("readinessProbe")
@@ -215,6 +313,8 @@ class PodRunner:
             if err.status != 404:
                 raise
         self.pods.pop(pod["metadata"]["uid"], None)
+        # emptyDirs go with the pod; claims stay, as a bound volume outlives its pods.
+        shutil.rmtree(self.state_dir / "pods" / pod["metadata"]["uid"], ignore_errors=True)
 
     def report(self, pod: dict[str, Any], local: LocalPod, status: dict[str, Any]) -> None:
         local.reported = status

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
+from kvpilot.runtime.layers.kv_cache import dequantize, quantize
 from kvpilot.runtime.layers.rotary import apply_rotary, signed_sin
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.memory import BLOCK_SIZE
@@ -128,7 +129,7 @@ def test_paged_attention_matches_reference(
     torch.manual_seed(0)
     runner.decode_group_limits = decode_group_limits
     for k_cache, v_cache in runner.kv_caches:
-        k_cache.normal_(), v_cache.normal_()
+        k_cache.data.normal_(), v_cache.data.normal_()
     contexts = [(40, 1), (0, 1), (16, 1), (3, 1), (0, 12), (33, 1), (20, 7), (15, 1), (63, 1)]
     batch = scheduled(contexts)
     _, _, meta, _ = runner.prepare(batch)
@@ -142,7 +143,9 @@ def test_paged_attention_matches_reference(
     start = 0
     for item in batch_layout(batch):
         rows = slice(start, start + item.num_new_tokens)
-        expected = reference_attention(q[rows], k_cache, v_cache, item.seq, item.num_new_tokens)
+        expected = reference_attention(
+            q[rows], k_cache.data, v_cache.data, item.seq, item.num_new_tokens
+        )
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
         start += item.num_new_tokens
 
@@ -156,3 +159,34 @@ def test_chunk_over_cached_kv_needs_its_mask(runner: ModelRunner) -> None:
     k_cache, v_cache = runner.kv_caches[0]
     with pytest.raises(ValueError, match="needs its mask"):
         paged_attention(q, k, v, k_cache, v_cache, meta, 1.0)
+
+
+def test_paged_attention_reads_fp8_through_its_scales(tiny_llama_dir: Path) -> None:
+    """Decodes and chunks over cached context read fp8 keys and values dequantised with their
+    own scales: the same output as attention over the dequantised cache (to 1e-4, as the values
+    are ~4x larger than in the float32 test)."""
+    cfg = load_model_config(tiny_llama_dir)
+    model = load_model(tiny_llama_dir, cfg, "none", torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, torch.device("cpu"), seed=0)
+    runner.allocate_kv_cache(NUM_BLOCKS, torch.float8_e4m3fn, [(0.05, 0.2)] * cfg.num_layers)
+    torch.manual_seed(0)
+    k_cache, v_cache = runner.kv_caches[0]
+    for cache in (k_cache, v_cache):
+        fresh = torch.randn(cache.data.shape) * 4
+        cache.data.copy_(quantize(fresh, cache.data.dtype, cache.scale))
+    contexts = [(40, 1), (0, 1), (16, 1), (20, 7), (63, 1), (5, 12)]  # no chunk without context
+    batch = scheduled(contexts)
+    _, _, meta, _ = runner.prepare(batch)
+    num_tokens = sum(num_new for _, num_new in contexts)
+    q = torch.randn(num_tokens, cfg.num_heads, cfg.head_dim)
+    k, v = (torch.randn(2, num_tokens, cfg.num_kv_heads, cfg.head_dim) * 4).unbind(0)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, cfg.head_dim**-0.5)
+    keys = dequantize(k_cache.data, torch.float32, k_cache.scale)  # after this step's writes
+    values = dequantize(v_cache.data, torch.float32, v_cache.scale)
+    assert not torch.equal(keys, dequantize(k_cache.data, torch.float32, 1.0))  # scales count
+    start = 0
+    for item in batch_layout(batch):
+        rows = slice(start, start + item.num_new_tokens)
+        expected = reference_attention(q[rows], keys, values, item.seq, item.num_new_tokens)
+        torch.testing.assert_close(out[rows], expected, atol=1e-4, rtol=1e-4)
+        start += item.num_new_tokens

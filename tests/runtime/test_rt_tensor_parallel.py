@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU (gloo, 2 ranks) against the single-process engine on tiny-llama
-(8 attention heads, 2 KV heads): same logits, same greedy tokens, int8 and int4 too, a clear
+(8 attention heads, 2 KV heads): same logits, same greedy tokens, int8, int4 and fp8 KV too, a clear
 error when the heads do not divide, and no worker left behind, whether the engine shuts down or
 dies.
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.layers.quant import Int4Weight, Int8Weight, Weight
+from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
@@ -105,7 +105,7 @@ def test_tp2_logits_and_greedy_tokens_match_one_process(
         steps = step_logits(tp2, prompts)
         tokens = greedy_tokens(tp2)
         # each rank's pool holds 1 of the 2 KV heads, so the same budget holds twice the blocks
-        assert tp2.runner.kv_caches[0][0].shape[2] == 1
+        assert tp2.runner.kv_caches[0][0].data.shape[2] == 1
         assert tp2.num_kv_blocks == 2 * tp1.num_kv_blocks
     assert [s.shape[0] for s in reference] == [0, 1, 3, 3, 3]  # prompts finish in steps 2-3
     for ours, theirs in zip(steps, reference, strict=True):
@@ -114,20 +114,27 @@ def test_tp2_logits_and_greedy_tokens_match_one_process(
 
 
 @pytest.mark.parametrize(
-    ("quantization", "weight_type"), [("int8", Int8Weight), ("int4", Int4Weight)]
+    ("kwargs", "weight_type"),
+    [
+        ({"quantization": "int8"}, Int8Weight),
+        ({"quantization": "int4"}, Int4Weight),
+        ({"kv_cache_dtype": "fp8"}, DenseWeight),
+    ],
+    ids=["int8", "int4", "fp8-kv"],
 )
 def test_tp2_quantised_greedy_matches_tp1(
-    make_engine: Callable[..., Engine], quantization: str, weight_type: type[Weight]
+    make_engine: Callable[..., Engine], kwargs: dict[str, str], weight_type: type[Weight]
 ) -> None:
     """Shard first, then quantise. int8 scales are per output channel, so the column-parallel
     shards quantise exactly as the whole matrix does, while o_proj/down_proj shards get scales of
     their own half of the inputs (int4: groups of 128 of their half): no worse, not identical,
-    hence greedy tokens, not bits, must agree."""
-    expected = greedy_tokens(make_engine(quantization=quantization, enable_prefix_caching=False))
-    with tp_engine(make_engine, quantization=quantization) as tp2:
+    hence greedy tokens, not bits, must agree. fp8 KV has one fixed scale, whatever the heads."""
+    expected = greedy_tokens(make_engine(enable_prefix_caching=False, **kwargs))
+    with tp_engine(make_engine, **kwargs) as tp2:
         layer = tp2.runner.model.layers[0]
         assert isinstance(layer.down.weight, weight_type)
         assert layer.down.weight.dequantize(torch.float32).shape == (256, 344)  # [hidden, I / 2]
+        assert tp2.runner.kv_caches[0][0].data.dtype == tp2.kv_dtype
         assert greedy_tokens(tp2) == expected
 
 
@@ -180,7 +187,7 @@ RANK0_SCRIPT = """
 import sys, time
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.layers.quant import Int4Weight, Int8Weight, Weight
+from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", max_model_len=256,
                              kv_cache_memory=4 * 2**20, tensor_parallel_size=2))
 print(engine.workers.pids[0], flush=True)

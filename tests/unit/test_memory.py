@@ -76,3 +76,18 @@ def test_max_concurrency_rounds_to_whole_blocks() -> None:
 def test_bad_input_names_the_problem(call: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "expected_bytes", "expected_blocks"),
+    [("auto", 2, 512), ("bf16", 2, 512), ("fp16", 2, 512), ("fp8", 1, 1024)],
+)
+def test_kv_dtype_bytes_size_the_pool(
+    kv_cache_dtype: str, expected_bytes: int, expected_blocks: int
+) -> None:
+    """The planner's bytes per KV value (auto: the checkpoint's 16 bits on a GPU); fp8 holds
+    twice the blocks of bf16 in the same 1 GiB, so twice the concurrency."""
+    kv_bytes = memory.kv_dtype_bytes(kv_cache_dtype)
+    assert kv_bytes == expected_bytes
+    assert memory.num_kv_blocks(M7B, kv_bytes, 1 * GIB) == expected_blocks
+    assert memory.max_concurrency(M7B, kv_bytes, 4000, 1 * GIB) == expected_blocks // 250

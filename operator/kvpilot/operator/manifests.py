@@ -149,6 +149,8 @@ def fetch_container(spec: api.ModelDeploymentSpec, config: OperatorConfig) -> di
         "command": ["kvpilot-runtime"],
         "args": ["fetch", f"--model={spec.model.uri}", f"--to={MODEL_MOUNT}"],
         "env": _env(spec),
+        # Its one-line error becomes the pod's status message, which the operator's conditions show.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_MOUNT},

@@ -22,6 +22,7 @@ import torch
 from kvpilot.runtime import memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.loader import ModelConfig, load_model_config, resolve_dtype
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.output_processor import (
@@ -94,6 +95,8 @@ class Engine:
         if tp > 1:
             self.device = rank_device(self.device, 0, tp)
         dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
         self.workers = self._start_workers(dtype) if tp > 1 else None
         try:
             self._load(model_dir, dtype)
@@ -135,8 +138,8 @@ class Engine:
             self.workers.join_group(group, self.device)
         self.weight_bytes = model.weight_bytes()  # per rank
         self.runner = ModelRunner(model, self.device, self.config.seed, self.workers)
-        self.num_kv_blocks = self._num_kv_blocks(dtype)
-        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self.num_kv_blocks = self._num_kv_blocks(self.kv_dtype)
+        self.runner.allocate_kv_cache(self.num_kv_blocks, self.kv_dtype)
 
     def shutdown(self) -> None:
         """Stop and reap the tensor-parallel workers, if any; idempotent. A single-process
@@ -144,10 +147,11 @@ class Engine:
         if self.workers is not None:
             self.workers.shutdown()
 
-    def _num_kv_blocks(self, dtype: torch.dtype) -> int:
-        """Pool size from the shared memory arithmetic (DESIGN.md §3.3). The budget is per rank
-        (per GPU), and so is the pool: each rank caches only its own KV heads. Rank 0 sizes it
-        for every rank, so the ranks' GPUs are taken to be alike (one GPU type per replica)."""
+    def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
+        """Pool size from the shared memory arithmetic (DESIGN.md §3.3), at the bytes of the
+        KV storage dtype: fp8 holds twice the blocks of bf16 in the same budget. The budget is
+        per rank (per GPU), and so is the pool: each rank caches only its own KV heads. Rank 0
+        sizes it for every rank, so the ranks' GPUs are taken to be alike (one per replica type)."""
         budget: float
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
@@ -158,7 +162,7 @@ class Engine:
             )
         else:
             budget = CPU_KV_CACHE_BYTES
-        kv_bytes = torch.tensor([], dtype=dtype).element_size()
+        kv_bytes = torch.tensor([], dtype=kv_dtype).element_size()
         rank_facts = model_facts(self.runner.model.cfg)  # this rank's share of the KV heads
         num_blocks = memory.num_kv_blocks(rank_facts, kv_bytes, budget)
         needed = -(-self.max_model_len // memory.BLOCK_SIZE)

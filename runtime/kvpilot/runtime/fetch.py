@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,10 +77,16 @@ def read_config_json(source: ModelSource) -> dict[str, Any]:
         if source.scheme == "hf":
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(
-                source.location, "config.json", revision=source.revision, token=_hf_token()
-            )
-            return dict(json.loads(Path(path).read_text()))
+            with tempfile.TemporaryDirectory() as cache:  # the operator keeps no model files
+                path = hf_hub_download(
+                    source.location,
+                    "config.json",
+                    revision=source.revision,
+                    token=_hf_token(),
+                    cache_dir=cache,
+                    endpoint=os.environ.get("HF_ENDPOINT"),
+                )
+                return dict(json.loads(Path(path).read_text()))
         if source.scheme == "s3":
             key = f"{source.path.rstrip('/')}/config.json"
             body = _s3_client().get_object(Bucket=source.location, Key=key)["Body"].read()
@@ -95,50 +103,81 @@ def _hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int | None
+    sha256: str | None  # the hub publishes it for LFS files (the weights)
+
+
 def _fetch_hf(source: ModelSource, dest: Path | None, log: Log) -> Path:
     from huggingface_hub import constants, snapshot_download
 
     where = f"into {dest}" if dest else "into the Hugging Face cache"
     log(f"fetching {source.uri} from {constants.ENDPOINT} {where}")
+    offline = constants.HF_HUB_OFFLINE
+    revision, remote = (source.revision, []) if offline else _hf_listing(source)
+    if dest is not None:
+        _drop_torn_files(dest, remote, log)  # snapshot_download trusts what is there
     path = Path(
         snapshot_download(
             source.location,
-            revision=source.revision,
+            revision=revision,
             allow_patterns=list(HF_ALLOW_PATTERNS),
             local_dir=dest,
             token=_hf_token(),
         )
     )
-    if constants.HF_HUB_OFFLINE:
+    if offline:
         log("HF_HUB_OFFLINE=1: files taken from the local cache, not checked against the hub")
     else:
-        _verify_hf(source, path, log)
+        _verify(path, remote, log)
     return path
 
 
-def _verify_hf(source: ModelSource, path: Path, log: Log) -> None:
-    """Sizes of every file, sha256 of the LFS ones (the weights), against the hub's listing."""
+def _hf_listing(source: ModelSource) -> tuple[str | None, list[RemoteFile]]:
+    """The commit a revision names and the files to fetch there, with sizes and sha256s."""
     from fnmatch import fnmatch
 
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, RepoFile
 
-    info = HfApi().model_info(
-        source.location, revision=source.revision, files_metadata=True, token=_hf_token()
-    )
-    wanted = [
-        s
+    api, token = HfApi(), _hf_token()
+    # "main" named: mirrors answer only /api/models/<repo>/revision/<rev>
+    info = api.model_info(source.location, revision=source.revision or "main", token=token)
+    names = [
+        s.rfilename
         for s in info.siblings or []
         if any(fnmatch(s.rfilename, pattern) for pattern in HF_ALLOW_PATTERNS)
     ]
-    for sibling in wanted:
-        local = path / sibling.rfilename
-        if sibling.size is not None and local.stat().st_size != sibling.size:
-            raise FetchError(
-                f"{sibling.rfilename}: {local.stat().st_size} bytes, expected {sibling.size}"
-            )
-        if sibling.lfs is not None and _sha256(local) != sibling.lfs.sha256:
-            raise FetchError(f"{sibling.rfilename}: sha256 differs from the hub's")
-    log(f"verified {len(wanted)} files (sizes; sha256 of the LFS files) at revision {info.sha}")
+    entries = api.get_paths_info(
+        source.location, names, expand=True, revision=info.sha, token=token
+    )
+    files = [
+        RemoteFile(e.path, e.size, e.lfs.sha256 if e.lfs else None)
+        for e in entries
+        if isinstance(e, RepoFile)
+    ]
+    return info.sha, files
+
+
+def _drop_torn_files(dest: Path, remote: list[RemoteFile], log: Log) -> None:
+    for file in remote:
+        local = dest / file.name
+        if local.is_file() and file.size is not None and local.stat().st_size != file.size:
+            log(f"  {file.name}: {local.stat().st_size} of {file.size} bytes, fetching again")
+            local.unlink()
+
+
+def _verify(path: Path, remote: list[RemoteFile], log: Log) -> None:
+    """Sizes of every file, sha256 where the source publishes one."""
+    for file in remote:
+        local = path / file.name
+        if file.size is not None and local.stat().st_size != file.size:
+            raise FetchError(f"{file.name}: {local.stat().st_size} bytes, expected {file.size}")
+        if file.sha256 is not None and _sha256(local) != file.sha256:
+            raise FetchError(f"{file.name}: sha256 differs from the source's")
+    num_hashed = sum(f.sha256 is not None for f in remote)
+    log(f"verified {len(remote)} files: sizes, and sha256 of {num_hashed}")
 
 
 # -- s3:// -------------------------------------------------------------------------------------
@@ -290,13 +329,20 @@ def _explain_s3(err: Exception) -> str | None:
 
 
 def _explain_network(err: Exception) -> str | None:
-    try:
-        import httpx
-    except ImportError:
-        return None
-    if isinstance(err, httpx.TransportError | ConnectionError | TimeoutError):
+    if isinstance(err, (*_transport_errors(), ConnectionError, TimeoutError)):
         return f"network error ({type(err).__name__}: {err}): check HF_ENDPOINT / AWS_ENDPOINT_URL"
     return None
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """httpx's and httpx2's (huggingface_hub 2 uses the latter) connection-level errors."""
+    found: list[type[Exception]] = []
+    for module in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(module).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
 
 
 def main(argv: list[str]) -> int:

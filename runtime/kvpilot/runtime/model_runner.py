@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
@@ -169,19 +170,20 @@ class ModelRunner:
         block_bytes = 2 * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * element_size  # K and V
         return max(1, CPU_DECODE_GROUP_BYTES // block_bytes), sys.maxsize
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """The KV pool of this rank's heads: [num_blocks, BLOCK_SIZE, H_kv / tp, D] per layer."""
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        kv_dtype: torch.dtype | None = None,
+        scales: list[tuple[float, float]] | None = None,
+    ) -> None:
+        """The pool in `kv_dtype` (default: the model dtype), with (k, v) scales per layer, of
+        this rank's heads: [num_blocks, BLOCK_SIZE, H_kv / tp, D] per layer, on every rank."""
         if self.workers is not None:
-            self.workers.allocate_kv_cache(num_blocks)
+            self.workers.allocate_kv_cache(num_blocks, kv_dtype, scales)
         cfg = self.model.cfg
         shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.model.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.model.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        dtype = kv_dtype or self.model.dtype
+        self.kv_caches = kv_cache.allocate(cfg.num_layers, shape, dtype, self.device, scales)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

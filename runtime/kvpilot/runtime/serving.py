@@ -22,6 +22,7 @@ from kvpilot.runtime.chat import ChatTemplateError, render_chat
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
+from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
     GREEDY_EPSILON,
@@ -121,7 +122,13 @@ class ServerState:
         engine.add_step_listener(self.metrics.on_step)
         await engine.start()
         self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
-        log.info("model %s loaded; ready", self.served_name)
+        log.info(
+            "model %s loaded; ready (KV cache %s, %d blocks of %d tokens)",
+            self.served_name,
+            str(core.kv_dtype).removeprefix("torch."),
+            core.block_manager.num_total_blocks,
+            BLOCK_SIZE,
+        )
 
     async def close(self) -> None:
         if self.engine is not None:

@@ -5,7 +5,8 @@ and its share of the KV pool, and runs every step's forward pass alongside rank 
 all-reduces keep the ranks in lockstep. One pipe per worker carries, from rank 0:
 
     ("join", None)       join the process group (once every rank has loaded its shard)
-    ("kv", num_blocks)   allocate the KV pool; the worker answers "ok" or an error
+    ("kv", args)         allocate the KV pool (ModelRunner.allocate_kv_cache's arguments); the
+                         worker answers "ok" or an error
     ("step", StepPlan)   run the step; no answer (the all-reduces are the handshake)
     None                 leave the process group and exit
 
@@ -95,8 +96,13 @@ class WorkerPool:
         self._send_all(("join", None))
         init_process_group(group, self.init_method, device)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._send_all(("kv", num_blocks))
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        kv_dtype: torch.dtype | None,
+        scales: list[tuple[float, float]] | None,
+    ) -> None:
+        self._send_all(("kv", (num_blocks, kv_dtype, scales)))
         self._wait_all("KV-cache allocation")
 
     def execute(self, plan: StepPlan) -> None:
@@ -175,7 +181,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     conn.send("ok")
     handlers: dict[str, Callable[[Any], object]] = {
         "join": lambda _: init_process_group(args.group, args.init_method, device),
-        "kv": lambda num_blocks: conn.send(_try(runner.allocate_kv_cache, num_blocks)),
+        "kv": lambda kv_args: conn.send(_try(runner.allocate_kv_cache, *kv_args)),
         "step": runner.run_model,
     }
     try:
@@ -204,9 +210,9 @@ def follow(conn: Connection, handlers: dict[str, Callable[[Any], object]]) -> No
         handlers[kind](payload)
 
 
-def _try(fn: Callable[[int], None], arg: int) -> str:
+def _try(fn: Callable[..., None], *args: Any) -> str:
     try:
-        fn(arg)
+        fn(*args)
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return "ok"

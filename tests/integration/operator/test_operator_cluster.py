@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 import yaml
 
@@ -550,3 +551,93 @@ def test_a_pod_monitor_follows_the_spec_on_and_off(
 
     wait_for(gone, "the PodMonitor deleted once monitoring is off", operator)
     assert is_ready(cluster, namespace, "watched")  # the model kept serving
+
+
+def tiny_llama_from(uri: str, cluster: Any, secret: str) -> dict[str, Any]:
+    """tiny-llama on the `local` pool (real processes) from the dev cluster's model servers;
+    the endpoints come through spec.runtime.env, the credentials through the Secret."""
+    endpoints = {
+        k: v
+        for k, v in model_server_env(cluster).items()
+        if k.endswith(("ENDPOINT", "URL", "REGION"))
+    }
+    md = model_deployment(
+        "tiny",
+        uri,
+        serving={"maxContextLength": 256, "targetConcurrency": 2},
+        placement={"nodeTypes": ["local"]},
+        autoscaling={"mode": "off", "replicas": 1},
+        runtime={"env": [{"name": k, "value": v} for k, v in endpoints.items()]},
+    )
+    facts = {"parameters": 3819776, "layers": 4, "kvHeads": 2, "headDim": 32, "vocabSize": 4096}
+    md["spec"]["model"].update(servedName="tiny", secretRef={"name": secret}, **facts)
+    return md
+
+
+def model_server_env(cluster: Any) -> dict[str, str]:
+    env = cluster.client_env() if hasattr(cluster, "client_env") else dict(os.environ)
+    if not env.get("HF_ENDPOINT") or not env.get("AWS_ENDPOINT_URL"):
+        pytest.skip("the cluster runs no model servers (hack/devcluster up starts them)")
+    return env
+
+
+def apply_secret(cluster: Any, namespace: str, name: str, data: dict[str, str]) -> None:
+    literals = [f"--from-literal={k}={v}" for k, v in data.items()]
+    made = cluster.kubectl(
+        "create",
+        "secret",
+        "generic",
+        name,
+        "-n",
+        namespace,
+        *literals,
+        "--dry-run=client",
+        "-o",
+        "json",
+    )
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=made.stdout)
+
+
+def complete(pod: dict[str, Any]) -> dict[str, Any]:
+    url = f"http://{pod['status']['podIP']}:8000/v1/completions"
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4}
+    return dict(httpx.post(url, json=body, timeout=60).json())
+
+
+@pytest.mark.parametrize("scheme", ["hf", "s3"])
+def test_fetched_models_serve_on_real_pods(
+    cluster: Any, operator: Operator, namespace: str, scheme: str
+) -> None:
+    env = model_server_env(cluster)
+    uri = {"hf": "hf://kvpilot/tiny-llama", "s3": "s3://models/tiny-llama"}[scheme]
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    apply_secret(
+        cluster, namespace, "model-creds", {"HF_TOKEN": "unused-here", **{k: env[k] for k in keys}}
+    )
+    apply_doc(cluster, namespace, tiny_llama_from(uri, cluster, "model-creds"))
+    wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=240)
+    (pod,) = pods(cluster, namespace, "tiny")
+    (init,) = pod["status"]["initContainerStatuses"]
+    assert init["name"] == "fetch-model" and init["state"]["terminated"]["exitCode"] == 0
+    assert complete(pod)["usage"]["completion_tokens"] == 4
+
+
+def test_a_fetch_that_fails_says_why_in_the_pod_status(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    model_server_env(cluster)
+    apply_secret(cluster, namespace, "model-creds", {"HF_TOKEN": "unused-here"})
+    apply_doc(
+        cluster, namespace, tiny_llama_from("hf://kvpilot/no-such-model", cluster, "model-creds")
+    )
+
+    def failed_fetch() -> str:
+        (pod,) = pods(cluster, namespace, "tiny")
+        (init,) = pod["status"].get("initContainerStatuses") or [{}]
+        return str(init.get("lastState", {}).get("terminated", {}).get("message", ""))
+
+    message = wait_for(failed_fetch, "the fetch to fail", operator, timeout=120)
+    assert message.splitlines()[-1].startswith(
+        "kvpilot-runtime fetch: hf://kvpilot/no-such-model: 404 repository not found"
+    )
+    assert "Traceback" not in message

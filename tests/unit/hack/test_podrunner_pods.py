@@ -40,10 +40,14 @@ def test_next_pod_ip_reports_exhaustion() -> None:
     ("container", "expected_tail"),
     [
         (
-            {"name": "c", "command": ["python3"], "args": ["--port", "8000"]},
+            {"name": "c", "command": ["python3"], "args": ["--port", "8000"], "ports": [{}]},
             ["--port", "8000", "--host", "127.70.0.2"],
         ),
-        ({"name": "c", "command": ["python3", "--host", "0.0.0.0"]}, ["--host", "127.70.0.2"]),
+        (
+            {"name": "c", "command": ["python3", "--host", "0.0.0.0"], "ports": [{}]},
+            ["--host", "127.70.0.2"],
+        ),
+        ({"name": "init", "command": ["python3"], "args": ["fetch"]}, ["fetch"]),  # no ports
     ],
 )
 def test_argv_binds_the_pod_ip(container: dict[str, Any], expected_tail: list[str]) -> None:
@@ -59,21 +63,122 @@ def test_argv_errors_name_the_problem() -> None:
         pods.container_argv({"name": "c", "command": ["no-such-binary-xyz"]}, "127.0.0.2", [])
 
 
-def test_env_resolves_values_and_downward_api_fields() -> None:
+SECRETS = {("ml", "creds"): {"HF_TOKEN": "hf_x", "AWS_ACCESS_KEY_ID": "ak"}}
+
+
+def read_secret(namespace: str, name: str) -> dict[str, str] | None:
+    return SECRETS.get((namespace, name))
+
+
+def test_env_resolves_values_secrets_and_downward_api_fields() -> None:
     container = {
         "name": "c",
+        "envFrom": [{"secretRef": {"name": "creds"}}],
         "env": [
             {"name": "A", "value": "1"},
+            {"name": "HF_HOME", "value": "/var/cache/kvpilot"},
             {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+            {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "HF_TOKEN"}}},
         ],
     }
-    assert pods.container_env(POD, container, "127.70.0.9") == {
+    mounts = [("/var/cache/kvpilot", "/state/pods/u1/volumes/cache")]
+    assert pods.container_env(POD, container, "127.70.0.9", read_secret, mounts) == {
+        "HF_TOKEN": "hf_x",
+        "AWS_ACCESS_KEY_ID": "ak",
         "A": "1",
+        "HF_HOME": "/state/pods/u1/volumes/cache",
         "POD": "rt-0",
         "IP": "127.70.0.9",
+        "KEY": "hf_x",
     }
+
+
+@pytest.mark.parametrize(
+    ("env_source", "match"),
+    [
+        ({"envFrom": [{"secretRef": {"name": "missing"}}]}, 'secret "missing" not found'),
+        (
+            {"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "x"}}}]},
+            "couldn't find key x in Secret ml/creds",
+        ),
+    ],
+)
+def test_missing_secrets_are_config_errors(env_source: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        pods.container_env(POD, {"name": "c", **env_source}, "127.70.0.9", read_secret)
+
+
+def test_volumes_map_to_local_directories(tmp_path: Path) -> None:
+    pod = {
+        "metadata": {"namespace": "ml"},
+        "spec": {
+            "volumes": [
+                {"name": "model", "emptyDir": {}},
+                {"name": "weights", "persistentVolumeClaim": {"claimName": "w"}},
+                {"name": "host", "hostPath": {"path": "/srv/m"}},
+            ]
+        },
+    }
+    dirs = pods.volume_dirs(pod, tmp_path / "pod", tmp_path / "claims")
+    assert dirs == {
+        "model": tmp_path / "pod" / "volumes" / "model",
+        "weights": tmp_path / "claims" / "ml" / "w",  # shared by every pod of the claim
+        "host": Path("/srv/m"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("arg", "expected"),
+    [
+        ("--model=file:///mnt/models", "--model=file:///local/model"),
+        ("--model=file:///mnt/models/llama/8b", "--model=file:///local/weights/8b"),
+        ("--to=/mnt/models", "--to=/local/model"),
+        ("/mnt/modelsX", "/mnt/modelsX"),  # not a path boundary
+        ("--port=8000", "--port=8000"),
+    ],
+)
+def test_mount_paths_in_args_become_local_directories(arg: str, expected: str) -> None:
+    container = {
+        "volumeMounts": [
+            {"name": "model", "mountPath": "/mnt/models"},
+            {"name": "weights", "mountPath": "/mnt/models/llama", "subPath": "x"},
+        ]
+    }
+    dirs = {"model": Path("/local/model"), "weights": Path("/local/weights")}
+    mounts = pods.container_mounts(container, dirs)
+    assert mounts[0] == ("/mnt/models/llama", "/local/weights/x")  # the longest first
+    mounts = [("/mnt/models/llama", "/local/weights"), ("/mnt/models", "/local/model")]
+    assert pods.rewrite_paths(arg, mounts) == expected
+
+
+def test_initializing_status_is_pending_with_earlier_inits_completed() -> None:
+    pod = {
+        **POD,
+        "spec": {
+            **POD["spec"],
+            "initContainers": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+        },
+    }
+    state = {"waiting": {"reason": "CrashLoopBackOff"}}
+    status = pods.initializing_status(pod, "127.70.0.2", 1, state, restarts=3)
+    assert status["phase"] == "Pending"
+    reasons = [
+        next(iter(s["state"].values())).get("reason") for s in status["initContainerStatuses"]
+    ]
+    assert reasons == ["Completed", "CrashLoopBackOff", "PodInitializing"]
+    assert status["initContainerStatuses"][1]["restartCount"] == 3
+    initialized = next(c for c in status["conditions"] if c["type"] == "Initialized")
+    assert initialized["status"] == "False" and "[b]" in initialized["message"]
+
+
+def test_termination_message_falls_back_to_the_log() -> None:
+    log = "".join(f"line {i}\n" for i in range(6)) + "kvpilot-runtime fetch: hf://a/b: 404\n"
+    fallback = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+    assert pods.termination_message(fallback, log).splitlines() == [
+        "line 2", "line 3", "line 4", "line 5", "kvpilot-runtime fetch: hf://a/b: 404"
+    ]  # fmt: skip
+    assert pods.termination_message({"terminationMessagePolicy": "File"}, log) == ""
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """Paged attention in plain torch (CPU and CUDA).
 
 The KV cache of a layer is [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim] for keys and for
-values. New keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset); attention
-reads a sequence's context back by gathering its block table. Decodes are batched into gathers of
+values, stored in the `--kv-cache-dtype` and read back in the query's dtype (kv_cache.py). New
+keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset); attention reads a
+sequence's context back by gathering its block table. Decodes are batched into gathers of
 similar context length; prefill chunks run one sequence at a time, so no query padding is wasted.
 
 Everything that is the same in every layer (which rows a group owns, the flattened block tables,
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
+
+from kvpilot.runtime.layers.kv_cache import PagedCache
 
 # SDPA shares K/V heads itself from torch 2.5 on (twice as fast as copying them on CPU).
 HAS_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -80,38 +83,18 @@ def repeat_kv(x: torch.Tensor, num_groups: int) -> torch.Tensor:
     return x if num_groups == 1 else x.repeat_interleave(num_groups, dim=1)
 
 
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """k, v: [T, H_kv, D] stored at their slots of the [num_blocks, BLOCK_SIZE, H_kv, D] caches."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """[num_blocks, BS, H_kv, D] by [num_seqs * max_blocks] -> [num_seqs, H_kv, L, D].
-
-    index_select copies whole blocks; on CPU it is about 1.5x faster than advanced indexing."""
-    gathered = cache.index_select(0, block_ids)  # [num_seqs * max_blocks, BS, H_kv, D]
-    return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: PagedCache,
+    v_cache: PagedCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, H_kv, D] -> [T, H, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    k_cache.write(k, meta.slot_mapping)
+    v_cache.write(v, meta.slot_mapping)
     out = torch.empty_like(q)
     for group in meta.decodes:
         rows = slice(group.start, group.start + group.num_seqs)
@@ -139,12 +122,12 @@ def ungrouped(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
     """q: [B, H, D], one query per sequence -> [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
-    keys = gather_kv(k_cache, group.block_ids, num_seqs)  # [B, H_kv, L, D]
-    values = gather_kv(v_cache, group.block_ids, num_seqs)
+    keys = k_cache.gather(group.block_ids, num_seqs, q.dtype)  # [B, H_kv, L, D]
+    values = v_cache.gather(group.block_ids, num_seqs, q.dtype)
     q_grouped = q.view(num_seqs, keys.shape[1], -1, head_dim)  # [B, H_kv, G, D]
     out = F.scaled_dot_product_attention(
         q_grouped, keys, values, attn_mask=group.mask, scale=scale
@@ -156,14 +139,16 @@ def _prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    k_cache: PagedCache,
+    v_cache: PagedCache,
     span: PrefillSpan,
     scale: float,
 ) -> torch.Tensor:
     """One sequence's chunk. q: [T, H, D], k/v: [T, H_kv, D] -> [T, H, D]."""
     num_kv_heads = k.shape[1]
-    if span.num_computed == 0:  # the whole context is this chunk: plain causal attention
+    # The whole context is this chunk: plain causal attention on the fresh keys and values, so
+    # a first chunk never reads its own context back through a lossy (fp8) cache.
+    if span.num_computed == 0:
         keys, values = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H_kv, T, D]
         if not HAS_SDPA_GQA:
             num_groups = q.shape[1] // num_kv_heads
@@ -181,8 +166,8 @@ def _prefill(
         raise ValueError("a prefill chunk over cached KV needs its mask (see chunk_mask)")
     # Earlier tokens (prefix cache or earlier chunks) come from the cache.
     num_context = span.num_computed + span.num_tokens
-    keys = gather_kv(k_cache, span.block_table, 1)[0, :, :num_context]  # [H_kv, ctx, D]
-    values = gather_kv(v_cache, span.block_table, 1)[0, :, :num_context]
+    keys = k_cache.gather(span.block_table, 1, q.dtype)[0, :, :num_context]  # [H_kv, ctx, D]
+    values = v_cache.gather(span.block_table, 1, q.dtype)[0, :, :num_context]
     out = F.scaled_dot_product_attention(
         grouped(q, num_kv_heads), keys, values, attn_mask=span.mask, scale=scale
     )  # [H_kv, G * T, D]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
+from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.layers.quant import Weight, make_weight
 from kvpilot.runtime.layers.rotary import (
     apply_rotary,
@@ -25,7 +26,7 @@ from kvpilot.runtime.loader import ModelConfig
 from kvpilot.runtime.parallel import TPGroup, shard_config
 
 GetTensor = Callable[[str], torch.Tensor]
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: k, v [num_blocks, BS, H_kv, D]
+KVCache = list[tuple[PagedCache, PagedCache]]  # per layer: k, v [num_blocks, BS, H_kv, D]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,7 +71,7 @@ class DecoderLayer:
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor],
+        cache: tuple[PagedCache, PagedCache],
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:

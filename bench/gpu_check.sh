@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# GPU checks for a lent device machine (no network), about 3-5 minutes on one H200, 8 at most:
+#   1. python -m bench.gpu.check: logits and greedy tokens against transformers on the same GPU
+#      for quantisation none/bf16/int8/int4 (float32) and none (bfloat16); fp8 KV (pool blocks,
+#      greedy against the model-dtype cache, perplexity); tensor parallel 2 when 2+ GPUs.
+#   2. python -m bench.engine_throughput: kvpilot against transformers generate() on this GPU.
+#   3. python -m bench.engine_kv_dtype: KV blocks, concurrency and quality auto vs fp8.
+# Results go to the output folder (--out DIR, else $OUT, else /tmp/kvpilot-gpu-check): gpu_check.md /
+# .json, gpu_check.log, nvidia-smi.txt, and benchmarks.md (a copy of docs/benchmarks.md with the
+# two bench sections rewritten; paste those sections into docs/benchmarks.md). The tree itself is
+# not modified.
+#
+#   bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR]
+#
+# --device cpu is the dry run of every step on CPU (smaller throughput workload), for checking
+# the script on a machine without a GPU. Needs a Python with torch and transformers: the project
+# venv (.venv from `bash hack/venv.sh`, which needs network once) or PYTHON=/path/to/python.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+device=cuda
+out=${OUT:-}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    *) echo "usage: bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR]" >&2; exit 2 ;;
+  esac
+done
+case "$device" in cuda|cpu) ;; *) echo "--device must be cuda or cpu, got $device" >&2; exit 2 ;; esac
+out=${out:-${TMPDIR:-/tmp}/kvpilot-gpu-check}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+  if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
+fi
+if ! "$python" -c 'import torch, transformers, safetensors, tokenizers' 2>/dev/null; then
+  echo "bench/gpu_check.sh: $python lacks torch/transformers/safetensors/tokenizers." >&2
+  echo "  Create the project venv with 'bash hack/venv.sh' (needs network once), or run with" >&2
+  echo "  PYTHON=/path/to/python that has them. Nothing is installed here (no network)." >&2
+  exit 2
+fi
+export PYTHONPATH=$PWD/runtime:$PWD/operator:$PWD
+if [ "$device" = cuda ] && ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  echo "bench/gpu_check.sh: torch sees no CUDA device here; use --device cpu for the dry run" >&2
+  exit 2
+fi
+
+exec > >(tee "$out/gpu_check.log") 2>&1
+echo "==> $(date -u +%FT%TZ) device $device, python $python, output $out"
+"$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.version.cuda, "GPUs", torch.cuda.device_count())'
+if [ "$device" = cuda ]; then nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true; fi
+
+if [ "$device" = cuda ]; then
+  throughput_args=(--num-requests 32 --max-output 128)
+else
+  throughput_args=(--num-requests 8 --max-output 32)
+fi
+cp docs/benchmarks.md "$out/benchmarks.md"
+export KVPILOT_BENCH_DOC=$out/benchmarks.md
+
+failed=()
+step() {  # step NAME SECONDS COMMAND...: run with a deadline, remember a failure, carry on
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  echo "==> $name (limit ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@"
+  rc=$?
+  echo "==> $name: exit $rc after $((SECONDS - start))s"
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+step "checks" 200 "$python" -m bench.gpu.check --device "$device" --out "$out"
+step "throughput vs transformers" 180 "$python" -m bench.engine_throughput "${throughput_args[@]}"
+step "KV dtype" 90 "$python" -m bench.engine_kv_dtype
+
+echo "==> summary ($out)"
+[ -f "$out/gpu_check.md" ] && cat "$out/gpu_check.md"
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "all steps passed"
