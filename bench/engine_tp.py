@@ -12,6 +12,7 @@ other engine benchmarks use: TP=2's work is spread over two processes. Each conf
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         Config(f"TP=1, {TP_SIZE} threads", 1, TP_SIZE),
         Config(f"TP={TP_SIZE}, 1 thread per rank", TP_SIZE, 1),
     ]
+    load_before = os.getloadavg()[0]
     results = run_all(configs, requests, args.repeats)
     baseline = results[0]
     rows = [
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         for config, result in zip(configs, results, strict=True)
     ]
     body = (
-        f"Device: CPU (gloo), wall-clock time, best of {args.repeats} interleaved runs. "
+        f"Device: CPU (gloo), wall-clock time, best of {args.repeats} interleaved runs; "
+        f"1-minute load average {load_before:.1f} at the start (the cores are shared). "
         f"Workload: {len(requests)} requests, prompts 32-256 tokens ({num_prompt} tokens), "
         f"outputs 16-{args.max_output} tokens ({num_output} tokens), greedy, EOS ignored; "
         "model models/tiny-llama (fp32, 8 heads and 2 KV heads, split 4+1 per rank).\n\n"
