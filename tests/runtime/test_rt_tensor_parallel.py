@@ -190,7 +190,7 @@ from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", max_model_len=256,
                              kv_cache_memory=4 * 2**20, tensor_parallel_size=2))
-print(engine.workers.pids[0], flush=True)
+print(engine.workers.pids[0], engine.workers.store_dir, flush=True)
 time.sleep(600)
 """
 
@@ -202,12 +202,14 @@ def test_workers_exit_when_rank0_is_killed(tiny_llama_dir: Path) -> None:
         text=True,
     )
     assert rank0.stdout is not None
-    worker_pid = int(rank0.stdout.readline())
+    pid_text, store_dir = rank0.stdout.readline().split()
+    worker_pid = int(pid_text)
     try:
         assert not is_gone(worker_pid)
         os.kill(rank0.pid, signal.SIGKILL)  # no shutdown, no atexit: only the worker can notice
         rank0.wait()
         wait_until(lambda: is_gone(worker_pid), f"worker {worker_pid} exits")
+        wait_until(lambda: not Path(store_dir).exists(), f"the worker removes {store_dir}")
     finally:
         rank0.kill()
         rank0.wait()

@@ -170,7 +170,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """A worker's whole life: load its shard, join the group, follow steps until told to stop."""
     # Ctrl-C reaches the whole foreground process group; only rank 0 decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch_parent(args.parent_pid)
+    watch_parent(args.parent_pid, args.init_method)
     torch.set_num_threads(args.num_threads)
     try:
         device = rank_device(args.device, args.group.rank, args.group.size)
@@ -185,7 +185,8 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         "step": runner.run_model,
     }
     try:
-        follow(conn, handlers)
+        if not follow(conn, handlers):
+            remove_store(args.init_method)  # rank 0 died and could not
     finally:
         destroy_process_group()
 
@@ -197,15 +198,15 @@ def load_rank(args: WorkerArgs, device: torch.device) -> ModelRunner:
     return ModelRunner(model, device, args.seed)
 
 
-def follow(conn: Connection, handlers: dict[str, Callable[[Any], object]]) -> None:
-    """Handle rank 0's messages until it says stop or is gone."""
+def follow(conn: Connection, handlers: dict[str, Callable[[Any], object]]) -> bool:
+    """Handle rank 0's messages until it says stop (True) or is gone (False)."""
     while True:
         try:
             message = conn.recv()
-        except (EOFError, OSError):  # rank 0 is gone
-            return
+        except (EOFError, OSError):
+            return False
         if message is None:
-            return
+            return True
         kind, payload = message
         handlers[kind](payload)
 
@@ -218,12 +219,18 @@ def _try(fn: Callable[..., None], *args: Any) -> str:
     return "ok"
 
 
-def watch_parent(parent_pid: int) -> None:
+def watch_parent(parent_pid: int, init_method: str) -> None:
     """Exit as soon as the parent (rank 0) is gone, even while blocked in a collective."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
+        remove_store(init_method)
         os._exit(1)
 
     threading.Thread(target=watch, name="kvpilot-watch-parent", daemon=True).start()
+
+
+def remove_store(init_method: str) -> None:
+    """The rendezvous directory (start_workers) of a group whose rank 0 is gone."""
+    shutil.rmtree(Path(init_method.removeprefix("file://")).parent, ignore_errors=True)
