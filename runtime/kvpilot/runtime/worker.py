@@ -2,7 +2,8 @@
 
 Rank 0 (the engine's own process) schedules and samples. Each worker holds its shard of the model
 and its share of the KV pool, and runs every step's forward pass alongside rank 0; the layers'
-all-reduces keep the ranks in lockstep. One pipe per worker carries, from rank 0:
+all-reduces keep the ranks in lockstep. A worker first loads its shard and answers "ok" (or the
+error); then one pipe per worker carries, from rank 0:
 
     ("join", None)       join the process group (once every rank has loaded its shard)
     ("kv", args)         allocate the KV pool (ModelRunner.allocate_kv_cache's arguments); the
