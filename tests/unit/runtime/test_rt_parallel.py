@@ -1,8 +1,9 @@
-"""Tensor-parallel sharding rules: which tensors split along which dimension, and when a
-tensor_parallel_size is refused."""
+"""Tensor-parallel sharding rules: which tensors split along which dimension, when a
+tensor_parallel_size is refused, and the step plan rank 0 sends to the other ranks."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 from typing import Any
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from kvpilot.runtime.loader import ModelConfig
+from kvpilot.runtime.model_runner import PrefillPlan, plan_step
 from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, shard_config, shard_dim
+from kvpilot.runtime.scheduler import ScheduledSequence
+from kvpilot.runtime.sequence import Sequence
 
 LLAMA = ModelConfig(
     architecture="LlamaForCausalLM",
@@ -105,3 +109,19 @@ def test_shard_refuses_a_tensor_that_does_not_split() -> None:
 def test_single_rank_all_reduce_is_identity() -> None:
     x = torch.ones(3)
     assert TPGroup().all_reduce(x) is x
+
+
+def test_plan_step_is_what_every_rank_needs_in_plain_ints() -> None:
+    """Decodes first (by context length), then prefill chunks; sample rows in batch order."""
+    prefill = Sequence("p", list(range(100, 120)), block_table=[7, 3])  # 20 tokens, 4 computed
+    prefill.num_computed_tokens = 4
+    decode = Sequence("d", [5, 6, 7], block_table=[2])  # 2 computed, its 3rd token is new
+    decode.num_computed_tokens = 2
+    plan = plan_step([ScheduledSequence(prefill, 16), ScheduledSequence(decode, 1)])
+    assert plan.input_ids == [7, *range(104, 120)]
+    assert plan.positions == [2, *range(4, 20)]
+    assert plan.slot_mapping == [2 * 16 + 2, *range(7 * 16 + 4, 7 * 16 + 16), *range(48, 52)]
+    assert (plan.decode_block_tables, plan.decode_context_lens) == ([[2]], [3])
+    assert plan.prefills == [PrefillPlan(1, num_tokens=16, num_computed=4, block_table=[7, 3])]
+    assert plan.sample_rows == [16, 0]  # the prefill reaches its last token, then the decode
+    assert pickle.loads(pickle.dumps(plan)) == plan  # what the pipe to a worker does
