@@ -56,7 +56,17 @@ def start(
             env=env,
         )
     (run_dir / f"{name}.pid").write_text(f"{proc.pid}\n{argv[0]}\n")
+    # Just after exec the kernel may still show an empty command line, in which `pid_runs`
+    # would not recognise the process yet: wait the few milliseconds until it shows.
+    wait_for(lambda: proc.poll() is not None or _has_cmdline(proc.pid), 2.0, interval_s=0.005)
     return proc
+
+
+def _has_cmdline(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().strip(b"\0") != b""
+    except OSError:
+        return False
 
 
 def recorded(run_dir: Path, name: str) -> tuple[int, str] | None:

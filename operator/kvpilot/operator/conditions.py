@@ -42,6 +42,37 @@ def summarize(deployments: Iterable[Mapping[str, Any]]) -> Rollout:
     return Rollout(replicas=replicas, ready=ready, updated=updated, is_settled=settled)
 
 
+# Container states that will not fix themselves: the pod's own words say what to change.
+STUCK_REASONS = (
+    "CrashLoopBackOff",
+    "CreateContainerConfigError",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+)
+
+
+def pod_problem(pod: Mapping[str, Any]) -> str | None:
+    """`container: reason: last line of its message` of a pod stuck on one container (the model
+    fetch's one-line error reaches here through FallbackToLogsOnError); None when none is."""
+    status = pod.get("status") or {}
+    containers = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for container in containers:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") not in STUCK_REASONS:
+            continue
+        terminated = (container.get("lastState") or {}).get("terminated") or {}
+        message = terminated.get("message") or waiting.get("message") or ""
+        last_line = (message.strip().splitlines() or [""])[-1]
+        if not last_line and terminated:
+            last_line = f"exit code {terminated.get('exitCode')}"
+        return f"{container.get('name')}: {waiting['reason']}: {last_line}".rstrip(": ")
+    return None
+
+
 def _condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> Condition:
     return Condition.model_validate(
         {
@@ -60,8 +91,10 @@ def compute(
     rollout: Rollout,
     num_unplaceable: int,
     generation: int,
+    pod_problems: Sequence[str] = (),
 ) -> list[Condition]:
-    """The four conditions, from the plan's outcome and the Deployments' progress."""
+    """The four conditions, from the plan's outcome, the Deployments' progress and the pods
+    stuck on a container (`pod_problem`)."""
     if plan_error is not None:
         return [
             _condition(PLANNED, False, "PlanFailed", plan_error, generation),
@@ -75,7 +108,10 @@ def compute(
         ready_reason = "ScaledToZero"
     else:
         ready_reason = "ReplicasReady" if is_ready else "ReplicasNotReady"
-    if num_unplaceable:
+    if pod_problems:
+        ready_text = f"{ready_text}; {pod_problems[0]}"
+        degraded = (True, "PodsFailing", "; ".join(sorted(set(pod_problems))[:3]))
+    elif num_unplaceable:
         degraded = (True, "InsufficientGPUs", f"{num_unplaceable} replicas wait for free GPUs")
     else:
         degraded = (False, "AsExpected", ready_text)

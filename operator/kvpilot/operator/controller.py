@@ -8,6 +8,7 @@ decides comes from the API and the node/pod indexes, so nothing here needs to su
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -165,7 +166,10 @@ class Controller:
         node_types = inventory.discover(nodes, others, self.config.node_types)
         wants_monitor = bool(((md.get("spec") or {}).get("monitoring") or {}).get("podMonitor"))
         has_crd = wants_monitor and k8s.has_crd(self.client, POD_MONITOR_CRD)
-        return reconcile.desire(md, node_types, self.config, has_crd)
+        desired = reconcile.desire(md, node_types, self.config, has_crd)
+        own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
+        problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
+        return dataclasses.replace(desired, pod_problems=problems)
 
     def _converge(
         self, md: Obj, desired: reconcile.Desired, apply_children: bool

@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import api, inventory, manifests, observability
+from kvpilot.operator import api, conditions, inventory, manifests, observability
 from kvpilot.operator.actuator import AutoscalerLoop
 from kvpilot.operator.controller import Controller, Replanner, controller_owner
 
@@ -157,6 +157,23 @@ def child_deployment(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs:
     try:
         memo["controller"].refresh_status(namespace, owner, _values(nodes), _values(pods))
     except ApiException as error:  # the next status change refreshes again
+        logging.getLogger(__name__).warning("status refresh failed: %s", error.reason)
+
+
+@kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, id="child-pod")
+def child_pod(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """A runtime pod stuck on a container (a failed model fetch, a missing Secret) shows in its
+    ModelDeployment's conditions; Deployments report no such thing, so this watches the pods.
+    A pod getting better needs no pass here: it turns Ready, and its Deployment's event comes."""
+    if event["type"] == "DELETED" or conditions.pod_problem(body) is None:
+        return
+    owner = (body["metadata"].get("labels") or {}).get(manifests.LABEL_MODEL)
+    if owner is None:
+        return
+    namespace, nodes, pods = body["metadata"]["namespace"], kwargs["gpu_nodes"], kwargs["gpu_pods"]
+    try:
+        memo["controller"].refresh_status(namespace, owner, _values(nodes), _values(pods))
+    except ApiException as error:  # the pod's next status change refreshes again
         logging.getLogger(__name__).warning("status refresh failed: %s", error.reason)
 
 

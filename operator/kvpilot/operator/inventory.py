@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from kvpilot.operator.conditions import pod_problem
 from kvpilot.operator.config import DeclaredNodeType
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -243,5 +244,8 @@ def trim_pod(pod: Obj) -> dict[str, Any] | None:
             "nodeName": (pod.get("spec") or {}).get("nodeName", ""),
             "containers": [{"resources": {"requests": {GPU_RESOURCE: str(gpus)}}}],
         },
-        "status": {"phase": (pod.get("status") or {}).get("phase", "")},
+        "status": {
+            "phase": (pod.get("status") or {}).get("phase", ""),
+            "problem": pod_problem(pod),  # shown in the owner's conditions
+        },
     }

@@ -29,6 +29,7 @@ class Desired:
     is_invalid_spec: bool = False  # the user must change the spec; retrying cannot help
     num_unplaceable: int = 0
     quantization: str = ""
+    pod_problems: tuple[str, ...] = ()  # conditions.pod_problem of this ModelDeployment's pods
 
 
 def desire(
@@ -115,7 +116,12 @@ def build_status(
     generation = int(meta.get("generation", 0))
     rollout = conditions.summarize(deployments)
     new = conditions.compute(
-        desired.error, desired.summary, rollout, desired.num_unplaceable, generation
+        desired.error,
+        desired.summary,
+        rollout,
+        desired.num_unplaceable,
+        generation,
+        desired.pod_problems,
     )
     return {
         "observedGeneration": generation,

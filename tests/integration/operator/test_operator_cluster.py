@@ -641,3 +641,10 @@ def test_a_fetch_that_fails_says_why_in_the_pod_status(
         "kvpilot-runtime fetch: hf://kvpilot/no-such-model: 404 repository not found"
     )
     assert "Traceback" not in message
+
+    def degraded() -> dict[str, Any]:
+        found = condition(get(cluster, "modeldeployment", "tiny", "-n", namespace), "Degraded")
+        return found if found.get("reason") == "PodsFailing" else {}
+
+    found = wait_for(degraded, "Degraded=PodsFailing on the ModelDeployment", operator, timeout=60)
+    assert "404 repository not found" in found["message"]
