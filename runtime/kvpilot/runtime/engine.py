@@ -2,12 +2,15 @@
 
 Thread model: `step()` runs in one thread (AsyncEngine's worker). `add_request`, `abort` and
 `stats` may be called from any thread: they only touch a lock-protected inbox and snapshot.
+With tensor_parallel_size > 1 the engine also owns worker processes (worker.py), which
+`shutdown()` stops and reaps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -29,10 +32,12 @@ from kvpilot.runtime.output_processor import (
     make_output,
     update_text,
 )
+from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, rank_device
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence, Scheduler
 from kvpilot.runtime.sequence import Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
 __all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestOutput"]
 
@@ -84,16 +89,21 @@ class Engine:
         self.tokenizer = Tokenizer(model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.served_name = config.served_name or model_dir.resolve().name
+        tp = config.tensor_parallel_size
+        check_tensor_parallel(self.model_config, tp)  # before any process starts
         self.device = resolve_device(config.device)
+        if tp > 1:
+            self.device = rank_device(self.device, 0, tp)
         dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
         # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
-        model = load_model(model_dir, self.model_config, config.quantization, dtype, self.device)
-        self.weight_bytes = model.weight_bytes()
-        self.runner = ModelRunner(model, self.device, config.seed)
-        num_blocks = self._num_kv_blocks(self.kv_dtype)
-        self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
-        self.block_manager = BlockManager(num_blocks, config.enable_prefix_caching)
+        self.workers = self._start_workers(dtype) if tp > 1 else None
+        try:
+            self._load(model_dir, dtype)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.block_manager = BlockManager(self.num_kv_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -103,9 +113,45 @@ class Engine:
         self._aborts: list[str] = []
         self._snapshot = self._make_stats()
 
+    def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
+        args = WorkerArgs(
+            model_dir=Path(self.config.model),
+            model_config=self.model_config,
+            quantization=self.config.quantization,
+            dtype=dtype,
+            device=self.device,
+            seed=self.config.seed,
+            group=TPGroup(0, self.config.tensor_parallel_size),
+            init_method="",  # chosen by start_workers
+            parent_pid=os.getpid(),
+            num_threads=torch.get_num_threads(),
+        )
+        return start_workers(args)
+
+    def _load(self, model_dir: Path, dtype: torch.dtype) -> None:
+        """This rank's shard of the model and KV pool; with workers, theirs alongside."""
+        group = TPGroup(0, self.config.tensor_parallel_size)
+        model = load_model(
+            model_dir, self.model_config, self.config.quantization, dtype, self.device, group
+        )
+        if self.workers is not None:
+            self.workers.join_group(group, self.device)
+        self.weight_bytes = model.weight_bytes()  # per rank
+        self.runner = ModelRunner(model, self.device, self.config.seed, self.workers)
+        self.num_kv_blocks = self._num_kv_blocks(self.kv_dtype)
+        self.runner.allocate_kv_cache(self.num_kv_blocks, self.kv_dtype)
+
+    def shutdown(self) -> None:
+        """Stop and reap the tensor-parallel workers, if any; idempotent. A single-process
+        engine needs no shutdown, but calling it does no harm."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         """Pool size from the shared memory arithmetic (DESIGN.md §3.3), at the bytes of the
-        KV storage dtype: fp8 holds twice the blocks of bf16 in the same budget."""
+        KV storage dtype: fp8 holds twice the blocks of bf16 in the same budget. The budget is
+        per rank (per GPU), and so is the pool: each rank caches only its own KV heads. Rank 0
+        sizes it for every rank, so the ranks' GPUs are taken to be alike (one per replica type)."""
         budget: float
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
@@ -117,7 +163,8 @@ class Engine:
         else:
             budget = CPU_KV_CACHE_BYTES
         kv_bytes = torch.tensor([], dtype=kv_dtype).element_size()
-        num_blocks = memory.num_kv_blocks(model_facts(self.model_config), kv_bytes, budget)
+        rank_facts = model_facts(self.runner.model.cfg)  # this rank's share of the KV heads
+        num_blocks = memory.num_kv_blocks(rank_facts, kv_bytes, budget)
         needed = -(-self.max_model_len // memory.BLOCK_SIZE)
         if num_blocks < needed:
             raise ValueError(

@@ -7,7 +7,8 @@ every missing file, is a clear error naming what is supported or missing.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     )
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, handle.get_tensor(name)
+@contextmanager
+def open_weights(model_dir: Path) -> Iterator[Callable[[str], torch.Tensor | None]]:
+    """A reader of checkpoint tensors by name (None if absent), one tensor at a time on demand:
+    a tensor-parallel rank that keeps a shard of each never holds the whole checkpoint."""
+    with ExitStack() as stack:
+        files: dict[str, Any] = {}
+        for path in weight_files(model_dir):
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            files.update(dict.fromkeys(handle.keys(), handle))
+        yield lambda name: files[name].get_tensor(name) if name in files else None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,11 +18,15 @@ from kvpilot.runtime.layers.attention import (
     decode_mask,
 )
 from kvpilot.runtime.layers.sampler import sample
-from kvpilot.runtime.loader import ModelConfig, iter_weights
+from kvpilot.runtime.loader import ModelConfig, open_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
+from kvpilot.runtime.parallel import TPGroup
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.worker import WorkerPool
 
 # How decodes are cut into attention groups. On a CPU the gather and the attention are
 # memory-bound, so a group's gathered keys and values (padding included) should stay in a core's
@@ -32,16 +38,23 @@ CUDA_DECODE_GROUP_SEQS = 16
 
 
 def load_model(
-    model_dir: Path, cfg: ModelConfig, quantization: str, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    cfg: ModelConfig,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: TPGroup | None = None,
 ) -> LlamaModel:
-    tensors = dict(iter_weights(model_dir))
+    """The model, or this rank's shard of it: every rank reads the checkpoint, keeps its part."""
+    with open_weights(model_dir) as read:
 
-    def get(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"checkpoint in {model_dir} is missing tensor {name!r}")
-        return tensors[name]
+        def get(name: str) -> torch.Tensor:
+            tensor = read(name)
+            if tensor is None:
+                raise ValueError(f"checkpoint in {model_dir} is missing tensor {name!r}")
+            return tensor
 
-    return LlamaModel(cfg, get, quantization, dtype, device)
+        return LlamaModel(cfg, get, quantization, dtype, device, group)
 
 
 def slot_ids(block_table: list[int], first: int, end: int) -> list[int]:
@@ -63,6 +76,57 @@ def batch_layout(batch: list[ScheduledSequence]) -> list[ScheduledSequence]:
     return decodes + [item for item in batch if item.num_new_tokens > 1]
 
 
+@dataclass(frozen=True)
+class PrefillPlan:
+    start: int  # first row of this chunk in the flat token batch
+    num_tokens: int
+    num_computed: int  # tokens already in the cache before this chunk
+    block_table: list[int]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's model inputs as plain ints. Rank 0 builds it from the scheduled batch and sends
+    it to the other ranks; each rank turns it into tensors (and masks) on its own device."""
+
+    input_ids: list[int]  # [T] flat, rows in `batch_layout` order
+    positions: list[int]  # [T]
+    slot_mapping: list[int]  # [T] cache slot of each row's key and value
+    decode_block_tables: list[list[int]]  # [B] the decodes' tables, rows 0..B-1
+    decode_context_lens: list[int]  # [B] tokens each decode attends to, its own included
+    prefills: list[PrefillPlan]
+    sample_rows: list[int]  # [S] rows whose output is sampled, in batch order
+
+
+def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
+    """Flatten the scheduled chunks into one token batch and describe where their KV lives."""
+    layout = batch_layout(batch)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    last_rows: dict[Sequence, int] = {}
+    prefills: list[PrefillPlan] = []
+    for item in layout:
+        seq, start, first = item.seq, len(input_ids), item.seq.num_computed_tokens
+        end = first + item.num_new_tokens
+        input_ids += seq.token_ids[first:end]
+        positions += range(first, end)
+        slots += slot_ids(seq.block_table, first, end)
+        last_rows[seq] = start + item.num_new_tokens - 1
+        if item.num_new_tokens > 1:
+            prefills.append(PrefillPlan(start, item.num_new_tokens, first, list(seq.block_table)))
+    decodes = [item.seq for item in layout if item.num_new_tokens == 1]
+    return StepPlan(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        decode_block_tables=[list(seq.block_table) for seq in decodes],
+        decode_context_lens=[seq.num_computed_tokens + 1 for seq in decodes],
+        prefills=prefills,
+        sample_rows=[last_rows[item.seq] for item in batch if item.is_sampling],
+    )
+
+
 def decode_group_bounds(
     num_blocks: list[int], max_group_blocks: int, max_group_seqs: int
 ) -> list[tuple[int, int]]:
@@ -82,8 +146,16 @@ def decode_group_bounds(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, device: torch.device, seed: int) -> None:
-        self.model, self.device = model, device
+    """Runs steps on rank 0, and on the other ranks' `workers` alongside when there are any."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        device: torch.device,
+        seed: int,
+        workers: WorkerPool | None = None,
+    ) -> None:
+        self.model, self.device, self.workers = model, device, workers
         self.kv_caches: KVCache = []
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # per request with its own seed
@@ -104,7 +176,10 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         scales: list[tuple[float, float]] | None = None,
     ) -> None:
-        """The pool in `kv_dtype` (default: the model dtype), with (k, v) scales per layer."""
+        """The pool in `kv_dtype` (default: the model dtype), with (k, v) scales per layer, of
+        this rank's heads: [num_blocks, BLOCK_SIZE, H_kv / tp, D] per layer, on every rank."""
+        if self.workers is not None:
+            self.workers.allocate_kv_cache(num_blocks, kv_dtype, scales)
         cfg = self.model.cfg
         shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or self.model.dtype
@@ -125,62 +200,54 @@ class ModelRunner:
     def prepare(
         self, batch: list[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the scheduled chunks into one token batch and describe where KV lives.
+        """`plan_step` then `inputs`, for a single process: the sample rows stay a list."""
+        plan = plan_step(batch)
+        input_ids, positions, meta, _ = self.inputs(plan)
+        return input_ids, positions, meta, plan.sample_rows
 
-        Rows follow `batch_layout`; the sample rows are in batch order."""
-        layout = batch_layout(batch)
-        num_decodes = sum(1 for item in batch if item.num_new_tokens == 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_rows: dict[Sequence, int] = {}
-        prefills: list[PrefillSpan] = []
-        for item in layout:
-            seq, start, first = item.seq, len(input_ids), item.seq.num_computed_tokens
-            end = first + item.num_new_tokens
-            input_ids += seq.token_ids[first:end]
-            positions += range(first, end)
-            slots += slot_ids(seq.block_table, first, end)
-            last_rows[seq] = start + item.num_new_tokens - 1
-            if item.num_new_tokens > 1:
-                prefills.append(self._prefill_span(start, item))
+    def inputs(
+        self, plan: StepPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """A step's plan as tensors on this rank's device: input_ids [T], positions [T],
+        attention metadata, and the rows to sample [S]."""
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            decodes=self._decode_groups(layout[:num_decodes]),
-            prefills=prefills,
+            slot_mapping=self._tensor(plan.slot_mapping),
+            decodes=self._decode_groups(plan.decode_block_tables, plan.decode_context_lens),
+            prefills=[self._prefill_span(prefill) for prefill in plan.prefills],
         )
-        sample_rows = [last_rows[item.seq] for item in batch if item.is_sampling]
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
+        ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
+        return ids, positions, meta, self._tensor(plan.sample_rows)
 
-    def _prefill_span(self, start: int, item: ScheduledSequence) -> PrefillSpan:
-        seq, num_computed = item.seq, item.seq.num_computed_tokens
-        span = PrefillSpan(start, item.num_new_tokens, num_computed, self._tensor(seq.block_table))
+    def _prefill_span(self, prefill: PrefillPlan) -> PrefillSpan:
+        num_computed, num_tokens = prefill.num_computed, prefill.num_tokens
+        block_table = self._tensor(prefill.block_table)
+        span = PrefillSpan(prefill.start, num_tokens, num_computed, block_table)
         if num_computed > 0:  # a chunk over cached KV: one mask for every layer
             cfg = self.model.cfg
             num_groups = cfg.num_heads // cfg.num_kv_heads
             span.mask = chunk_mask(
-                item.num_new_tokens, num_computed, num_groups, self.model.dtype, self.device
+                num_tokens, num_computed, num_groups, self.model.dtype, self.device
             )
         return span
 
-    def _decode_groups(self, decodes: list[ScheduledSequence]) -> list[DecodeGroup]:
+    def _decode_groups(
+        self, block_tables: list[list[int]], context_lens: list[int]
+    ) -> list[DecodeGroup]:
         """Decodes sorted by length and batched in groups: each group pads its block tables to
         its own longest sequence, so the gather copies far less padding than one big batch.
         The groups' block ids and masks are slices of one tensor each: a few tensor ops per
         step rather than per group."""
-        if not decodes:
+        if not block_tables:
             return []
-        num_blocks = [len(item.seq.block_table) for item in decodes]
+        num_blocks = [len(block_table) for block_table in block_tables]
         bounds = decode_group_bounds(num_blocks, *self.decode_group_limits)
         widths = [max(num_blocks[first:end]) for first, end in bounds]
         block_ids: list[int] = []
         for (first, end), width in zip(bounds, widths, strict=True):
-            for item in decodes[first:end]:
-                block_ids += item.seq.block_table
-                block_ids += [0] * (width - len(item.seq.block_table))
+            for block_table in block_tables[first:end]:
+                block_ids += block_table + [0] * (width - len(block_table))
         all_ids = self._tensor(block_ids)
-        context_lens = self._tensor([item.seq.num_computed_tokens + 1 for item in decodes])
-        mask = decode_mask(context_lens, max(widths) * BLOCK_SIZE, self.model.dtype)
+        mask = decode_mask(self._tensor(context_lens), max(widths) * BLOCK_SIZE, self.model.dtype)
         groups, offset = [], 0
         for (first, end), width in zip(bounds, widths, strict=True):
             size = (end - first) * width
@@ -192,17 +259,29 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
+    def run_model(self, plan: StepPlan) -> torch.Tensor:
+        """This rank's share of one step: the final hidden states of the sampled rows [S, hidden],
+        the same on every rank once the layers' all-reduces are done."""
+        input_ids, positions, meta, rows = self.inputs(plan)
+        return self.model.forward(input_ids, positions, self.kv_caches, meta, rows)
+
+    def logits(self, batch: list[ScheduledSequence]) -> torch.Tensor:
+        """Run one step on every rank; logits [S, vocab] (float32) of the items that sample,
+        in batch order."""
+        plan = plan_step(batch)
+        if self.workers is not None:
+            self.workers.execute(plan)  # the other ranks run the same step alongside
+        hidden = self.run_model(plan)  # [S, hidden]
+        return self.model.compute_logits(hidden)
+
     def execute(
         self, batch: list[ScheduledSequence]
     ) -> list[tuple[ScheduledSequence, int, dict[int, float] | None]]:
         """Run one step; returns (item, next token, logprobs) for each item that samples."""
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        rows = self._tensor(sample_rows)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta, rows)  # [S, hidden]
         sampling = [item for item in batch if item.is_sampling]
+        logits = self.logits(batch)  # [S, vocab]
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden)  # [S, vocab]
         generators: list[torch.Generator | None] = [self._generator(i) for i in sampling]
         tokens, logprobs = sample(logits, [i.seq.params for i in sampling], generators)
         return list(zip(sampling, tokens, logprobs, strict=True))

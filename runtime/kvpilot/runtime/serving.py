@@ -133,6 +133,8 @@ class ServerState:
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.stop()
+        if self.engine_core is not None:
+            self.engine_core.shutdown()  # reaps the tensor-parallel workers, if any
 
     def snapshot(self) -> Snapshot:
         if self.engine is None:

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Llama 3, Mistral, Qwen2): GQA, RMSNorm, SwiGLU, rotary, paged KV.
 
 Weights are taken from the checkpoint's tensor names; q/k/v and gate/up are fused into one matrix
-each so a layer does three matmuls fewer, then stored in the requested weight format.
+each so a layer does three matmuls fewer, then stored in the requested weight format. Under tensor
+parallelism (parallel.py) each rank builds the same model from its shard of every tensor, with
+`cfg` holding its share of the heads, and sums o_proj's and down_proj's partial outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvpilot.runtime.layers.rotary import (
     signed_sin,
 )
 from kvpilot.runtime.loader import ModelConfig
+from kvpilot.runtime.parallel import TPGroup, shard_config
 
 GetTensor = Callable[[str], torch.Tensor]
 KVCache = list[tuple[PagedCache, PagedCache]]  # per layer: k, v [num_blocks, BS, H_kv, D]
@@ -42,7 +45,14 @@ class Linear:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, prefix: str, get: GetTensor, make: Callable[..., Linear]):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        prefix: str,
+        get: GetTensor,
+        make: Callable[..., Linear],
+        group: TPGroup,
+    ):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         names = [f"{attn}.{p}_proj" for p in "qkv"]
         bias = torch.cat([get(f"{n}.bias") for n in names]) if cfg.has_qkv_bias else None
@@ -54,7 +64,7 @@ class DecoderLayer:
         self.down = make(get(f"{mlp}.down_proj.weight"))
         self.input_norm = get(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = get(f"{prefix}.post_attention_layernorm.weight")
-        self.cfg = cfg
+        self.cfg, self.group = cfg, group
 
     def __call__(
         self,
@@ -81,29 +91,37 @@ class DecoderLayer:
         attn = paged_attention(q, k, v, cache[0], cache[1], meta, cfg.head_dim**-0.5)
         if output_rows is not None:
             x, attn = x[output_rows], attn[output_rows]
-        x = x + self.o(attn.flatten(1))
+        x = x + self.group.all_reduce(self.o(attn.flatten(1)))
         gate, up = self.gate_up(rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate).mul_(up))
+        return x + self.group.all_reduce(self.down(F.silu(gate).mul_(up)))
 
 
 class LlamaModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        get: GetTensor,
+        get_full: GetTensor,
         quantization: str,
         dtype: torch.dtype,
         device: torch.device,
+        group: TPGroup | None = None,
     ) -> None:
+        """`cfg` is the whole model's; the model keeps this rank's share of it (parallel.py)."""
+        group = group or TPGroup()
+
+        def get(name: str) -> torch.Tensor:  # shard first, then quantise
+            return group.shard(name, get_full(name))
+
         def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
             return Linear(make_weight(weight.to(device), quantization, dtype), bias, dtype)
 
         def get_dense(name: str) -> torch.Tensor:
             return get(name).to(device=device, dtype=dtype)
 
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype = shard_config(cfg, group.size), dtype
         self.layers = [
-            DecoderLayer(cfg, f"model.layers.{i}", get_dense, make) for i in range(cfg.num_layers)
+            DecoderLayer(self.cfg, f"model.layers.{i}", get_dense, make, group)
+            for i in range(cfg.num_layers)
         ]
         self.embed = make_weight(get("model.embed_tokens.weight").to(device), quantization, dtype)
         tied = cfg.tie_word_embeddings

@@ -1,0 +1,127 @@
+"""Tensor-parallel sharding rules: which tensors split along which dimension, when a
+tensor_parallel_size is refused, and the step plan rank 0 sends to the other ranks."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from kvpilot.runtime.loader import ModelConfig
+from kvpilot.runtime.model_runner import PrefillPlan, plan_step
+from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, shard_config, shard_dim
+from kvpilot.runtime.scheduler import ScheduledSequence
+from kvpilot.runtime.sequence import Sequence
+
+LLAMA = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=688,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    has_qkv_bias=False,
+    torch_dtype="bfloat16",
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "dim"),
+    [
+        ("model.layers.0.self_attn.q_proj.weight", 0),
+        ("model.layers.0.self_attn.k_proj.weight", 0),
+        ("model.layers.3.self_attn.v_proj.weight", 0),
+        ("model.layers.0.self_attn.q_proj.bias", 0),  # Qwen2: the bias follows its outputs
+        ("model.layers.0.mlp.gate_proj.weight", 0),
+        ("model.layers.0.mlp.up_proj.weight", 0),
+        ("model.layers.0.self_attn.o_proj.weight", 1),
+        ("model.layers.0.mlp.down_proj.weight", 1),
+        ("model.layers.0.input_layernorm.weight", None),
+        ("model.layers.0.post_attention_layernorm.weight", None),
+        ("model.embed_tokens.weight", None),
+        ("lm_head.weight", None),
+        ("model.norm.weight", None),
+    ],
+)
+def test_shard_dim(name: str, dim: int | None) -> None:
+    assert shard_dim(name) == dim
+
+
+@pytest.mark.parametrize(
+    ("tp", "changes", "message"),
+    [
+        (1, {}, None),
+        (2, {}, None),
+        (4, {"num_kv_heads": 4}, None),
+        (3, {}, "tensor_parallel_size 3 must divide num_attention_heads and num_key_value_heads"),
+        (4, {}, "tensor_parallel_size 4 must divide num_key_value_heads; the model has"),
+        (2, {"intermediate_size": 687}, "must divide intermediate_size"),
+    ],
+)
+def test_check_tensor_parallel(tp: int, changes: dict[str, Any], message: str | None) -> None:
+    cfg = replace(LLAMA, **changes)
+    if message is None:
+        check_tensor_parallel(cfg, tp)
+        return
+    with pytest.raises(ValueError, match=message) as error:
+        check_tensor_parallel(cfg, tp)
+    assert f"num_attention_heads {cfg.num_heads}, num_key_value_heads" in str(error.value)
+
+
+def test_shard_config_divides_heads_and_mlp_only() -> None:
+    rank_cfg = shard_config(LLAMA, 2)
+    assert (rank_cfg.num_heads, rank_cfg.num_kv_heads, rank_cfg.intermediate_size) == (4, 1, 344)
+    assert (rank_cfg.hidden_size, rank_cfg.head_dim, rank_cfg.vocab_size) == (256, 32, 4096)
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "rows", "cols"),
+    [
+        ("model.layers.0.self_attn.k_proj.weight", 0, slice(0, 2), slice(0, 6)),
+        ("model.layers.0.self_attn.k_proj.weight", 1, slice(2, 4), slice(0, 6)),
+        ("model.layers.0.self_attn.o_proj.weight", 0, slice(0, 4), slice(0, 3)),
+        ("model.layers.0.self_attn.o_proj.weight", 1, slice(0, 4), slice(3, 6)),
+        ("model.norm.weight", 1, slice(0, 4), slice(0, 6)),
+    ],
+)
+def test_shard_takes_this_ranks_slice(name: str, rank: int, rows: slice, cols: slice) -> None:
+    full = torch.arange(24.0).view(4, 6)  # [out, in]
+    shard = TPGroup(rank, 2).shard(name, full)
+    assert torch.equal(shard, full[rows, cols])
+    assert shard.is_contiguous()
+
+
+def test_shard_refuses_a_tensor_that_does_not_split() -> None:
+    with pytest.raises(ValueError, match="does not split into tensor_parallel_size 2"):
+        TPGroup(0, 2).shard("model.layers.0.mlp.up_proj.weight", torch.zeros(5, 4))
+
+
+def test_single_rank_all_reduce_is_identity() -> None:
+    x = torch.ones(3)
+    assert TPGroup().all_reduce(x) is x
+
+
+def test_plan_step_is_what_every_rank_needs_in_plain_ints() -> None:
+    """Decodes first (by context length), then prefill chunks; sample rows in batch order."""
+    prefill = Sequence("p", list(range(100, 120)), block_table=[7, 3])  # 20 tokens, 4 computed
+    prefill.num_computed_tokens = 4
+    decode = Sequence("d", [5, 6, 7], block_table=[2])  # 2 computed, its 3rd token is new
+    decode.num_computed_tokens = 2
+    plan = plan_step([ScheduledSequence(prefill, 16), ScheduledSequence(decode, 1)])
+    assert plan.input_ids == [7, *range(104, 120)]
+    assert plan.positions == [2, *range(4, 20)]
+    assert plan.slot_mapping == [2 * 16 + 2, *range(7 * 16 + 4, 7 * 16 + 16), *range(48, 52)]
+    assert (plan.decode_block_tables, plan.decode_context_lens) == ([[2]], [3])
+    assert plan.prefills == [PrefillPlan(1, num_tokens=16, num_computed=4, block_table=[7, 3])]
+    assert plan.sample_rows == [16, 0]  # the prefill reaches its last token, then the decode
+    assert pickle.loads(pickle.dumps(plan)) == plan  # what the pipe to a worker does
