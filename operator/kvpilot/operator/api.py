@@ -143,7 +143,11 @@ class Placement(_Model):
             (
                 "!('auto' in self.nodeTypes) || size(self.nodeTypes) == 1",
                 "nodeTypes is either [auto] or a list of node type names",
-            )
+            ),
+            (
+                "self.minGpusPerReplica <= self.maxGpusPerReplica",
+                "minGpusPerReplica must be <= maxGpusPerReplica",
+            ),
         )
     )
 
@@ -159,11 +163,20 @@ class Placement(_Model):
     )
     prefer: Prefer = "quality"
     max_gpus_per_replica: int = Field(default=8, ge=1, le=8)
+    min_gpus_per_replica: int = Field(
+        default=1,
+        ge=1,
+        le=8,
+        description="tensor parallelism of at least this many GPUs, even where fewer hold the"
+        " model (lower latency per token); degrees that do not divide the KV heads are skipped",
+    )
 
     @model_validator(mode="after")
     def _auto_alone(self) -> Placement:
         if "auto" in self.node_types and len(self.node_types) != 1:
             raise ValueError("nodeTypes is either [auto] or a list of node type names")
+        if self.min_gpus_per_replica > self.max_gpus_per_replica:
+            raise ValueError("minGpusPerReplica must be <= maxGpusPerReplica")
         return self
 
 

@@ -38,6 +38,7 @@ class PlanRequest:
     kv_bytes: int = 2
     gpu_memory_utilization: float = 0.9
     max_gpus_per_replica: int = 8
+    min_gpus_per_replica: int = 1
     prefer: str = "quality"
     node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
 
@@ -60,6 +61,7 @@ class PlanRequest:
             kv_bytes=memory.kv_dtype_bytes(spec.serving.kv_cache_dtype),
             gpu_memory_utilization=spec.serving.gpu_memory_utilization,
             max_gpus_per_replica=spec.placement.max_gpus_per_replica,
+            min_gpus_per_replica=spec.placement.min_gpus_per_replica,
             prefer=spec.placement.prefer,
             node_types=() if names == ("auto",) else names,
         )
@@ -95,10 +97,9 @@ def plan(request: PlanRequest, node_types: Iterable[NodeType]) -> list[NodePlan]
 
 
 def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
-    max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
-    degrees = [tp for tp in TP_DEGREES if tp <= max_tp]
+    degrees = tp_degrees(request, node_type)
     if not degrees:
-        return NodePlan(node_type, fits=False, reason=f"{node_type.name}: no GPUs per node")
+        return NodePlan(node_type, fits=False, reason=_no_degree_reason(request, node_type))
     options = [(q, tp) for q in request.quantizations for tp in degrees]
     for quantization, tp in options:
         estimate = _estimate(request, node_type, quantization, tp)
@@ -114,6 +115,32 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
         tensor_parallel=tp,
         estimate=estimate,
         reason=f"{node_type.name}: {quantization}{_tp_text(tp)} needs {estimate.describe()}",
+    )
+
+
+def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
+    """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
+    those that split the KV heads evenly (the runtime refuses any other)."""
+    max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
+    return [
+        tp
+        for tp in TP_DEGREES
+        if request.min_gpus_per_replica <= tp <= max_tp and request.facts.kv_heads % tp == 0
+    ]
+
+
+def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
+    if node_type.gpus_per_node < request.min_gpus_per_replica:
+        return (
+            f"{node_type.name}: {node_type.gpus_per_node} GPUs per node, minGpusPerReplica is "
+            f"{request.min_gpus_per_replica}"
+        )
+    if node_type.gpus_per_node < 1:
+        return f"{node_type.name}: no GPUs per node"
+    return (
+        f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
+        f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "
+        f"{request.facts.kv_heads} KV heads"
     )
 
 

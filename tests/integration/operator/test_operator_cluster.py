@@ -664,3 +664,25 @@ def test_a_fetch_that_fails_says_why_in_the_pod_status(
 
     found = wait_for(degraded, "Degraded=PodsFailing on the ModelDeployment", operator, timeout=60)
     assert "404 repository not found" in found["message"]
+
+
+def test_a_tensor_parallel_plan_runs_on_real_pods(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    """TP 2 on the two-GPU local pool: the operator's args start two ranks that answer."""
+    md = model_deployment(
+        "tiny",
+        f"file://{ROOT / 'models' / 'tiny-llama'}",
+        serving={"maxContextLength": 256, "targetConcurrency": 2},
+        placement={"nodeTypes": ["local-tp2"], "minGpusPerReplica": 2},
+        autoscaling={"mode": "off", "replicas": 1},
+    )
+    md["spec"]["model"].update(servedName="tiny", **TINY_FACTS)
+    apply_doc(cluster, namespace, md)
+    wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=240)
+    plan = get(cluster, "modeldeployment", "tiny", "-n", namespace)["status"]["plan"][0]
+    assert (plan["nodeType"], plan["tensorParallel"]) == ("local-tp2", 2)
+    (pod,) = pods(cluster, namespace, "tiny")
+    assert "--tensor-parallel-size=2" in pod["spec"]["containers"][0]["args"]
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert complete(pod)["usage"]["completion_tokens"] == 4

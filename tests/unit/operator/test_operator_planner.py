@@ -204,3 +204,37 @@ def test_assign_replicas(total: int, free: list[int], expected: list[int]) -> No
 def test_request_rejects_empty_quantizations() -> None:
     with pytest.raises(ValueError, match=r"quantization\.allowed is empty"):
         request(quantizations=())
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "gpus", "min_gpus", "max_gpus", "expected"),
+    [
+        (8, 8, 1, 8, [1, 2, 4, 8]),
+        (8, 8, 2, 8, [2, 4, 8]),  # minGpusPerReplica: tensor parallel for latency
+        (8, 8, 1, 2, [1, 2]),
+        (4, 8, 1, 8, [1, 2, 4]),  # 8 ranks cannot split 4 KV heads: the runtime would refuse
+        (2, 4, 4, 8, []),
+        (8, 1, 2, 8, []),
+    ],
+)
+def test_tp_degrees(
+    kv_heads: int, gpus: int, min_gpus: int, max_gpus: int, expected: list[int]
+) -> None:
+    facts = ModelFacts(parameters=1_000_000, layers=2, kv_heads=kv_heads, head_dim=64)
+    req = request(facts, min_gpus_per_replica=min_gpus, max_gpus_per_replica=max_gpus)
+    assert planner.tp_degrees(req, pool("p", 81559, gpus)) == expected
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "gpus", "min_gpus", "reason"),
+    [
+        (8, 1, 2, "p: 1 GPUs per node, minGpusPerReplica is 2"),
+        (2, 4, 4, "p: no tensor-parallel degree in 4..4 divides the model's 2 KV heads"),
+    ],
+)
+def test_no_degree_says_why(kv_heads: int, gpus: int, min_gpus: int, reason: str) -> None:
+    facts = ModelFacts(parameters=1_000_000, layers=2, kv_heads=kv_heads, head_dim=64)
+    plan = planner.plan_node_type(
+        request(facts, min_gpus_per_replica=min_gpus), pool("p", 81559, gpus)
+    )
+    assert not plan.fits and plan.reason == reason
