@@ -288,8 +288,9 @@ class PodRunner:
             status["containerStatuses"][0]["state"] = {
                 "waiting": {"reason": "CrashLoopBackOff", "message": f"exited with code {code}"}
             }
+            message = pods.termination_message(pod["spec"]["containers"][0], self.log_tail(local))
             status["containerStatuses"][0]["lastState"] = {
-                "terminated": {"exitCode": code, "finishedAt": pods.now()}
+                "terminated": {"exitCode": code, "finishedAt": pods.now(), "message": message}
             }
         else:
             local.exit_code = code

@@ -193,6 +193,9 @@ def _container(
         "image": spec.runtime.image or config.runtime_image,
         "command": ["kvpilot-runtime"],
         "args": runtime_args(spec, node_plan, port, config.termination_grace_seconds),
+        # A runtime that cannot start says why in its last log line; the pod status carries it
+        # to the ModelDeployment's Degraded condition (conditions.pod_problem).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": _env(spec),
         "resources": _resources(spec, node_plan.tensor_parallel),

@@ -686,3 +686,27 @@ def test_a_tensor_parallel_plan_runs_on_real_pods(
     assert "--tensor-parallel-size=2" in pod["spec"]["containers"][0]["args"]
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert complete(pod)["usage"]["completion_tokens"] == 4
+
+
+def test_a_runtime_that_cannot_start_says_why_on_the_model_deployment(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    """tiny-llama holds 2048 positions; a 4096 context plans (the catalog-free facts do not
+    say) but the runtime refuses it, and its last log line reaches the Degraded condition."""
+    md = model_deployment(
+        "tiny",
+        f"file://{ROOT / 'models' / 'tiny-llama'}",
+        serving={"maxContextLength": 4096, "targetConcurrency": 1},
+        placement={"nodeTypes": ["local"]},
+        autoscaling={"mode": "off", "replicas": 1},
+    )
+    md["spec"]["model"].update(servedName="tiny", **TINY_FACTS)
+    apply_doc(cluster, namespace, md)
+
+    def degraded() -> str:
+        found = condition(get(cluster, "modeldeployment", "tiny", "-n", namespace), "Degraded")
+        return str(found.get("message", "")) if found.get("reason") == "PodsFailing" else ""
+
+    message = wait_for(degraded, "Degraded=PodsFailing", operator, timeout=120)
+    assert "max_model_len 4096 exceeds the model's limit 2048" in message
+    assert message.startswith("runtime: CrashLoopBackOff: kvpilot-runtime serve: cannot load")
