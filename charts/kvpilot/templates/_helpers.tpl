@@ -66,11 +66,13 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch, delete]
+{{- if .Values.rbac.readModelSecrets }}
 # the Secret a ModelDeployment's spec.model.secretRef names, read by name (never listed) to
 # fetch config.json of a model the catalog lacks, as its pods would (model_facts.py)
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+{{- end }}
 # Events on ModelDeployments (k8s.emit_event, kopf's error posting)
 - apiGroups: [""]
   resources: [events]

@@ -31,20 +31,22 @@ class ModelFactsReader:
         key = (namespace, spec.model.uri)
         if key not in self._known:
             source = parse_model_uri(spec.model.uri)
-            env = self._env(namespace, spec)
+            env, note = self._env(namespace, spec)
             try:
                 config = read_config_json(source, env)
                 facts = catalog.facts_from_config(config, count_parameters(source, env))
             except (FetchError, KeyError, ValueError) as error:
-                raise ValueError(f"cannot read the model's config.json: {error}") from error
+                raise ValueError(f"cannot read the model's config.json: {error}{note}") from error
             self._known[key] = facts
         return self._known[key]
 
-    def _env(self, namespace: str, spec: api.ModelDeploymentSpec) -> dict[str, str]:
+    def _env(self, namespace: str, spec: api.ModelDeploymentSpec) -> tuple[dict[str, str], str]:
+        """The pods' endpoints and, where the operator may read it, their Secret; else a note
+        that says how to give the operator the Secret (the chart's rbac.readModelSecrets)."""
         env = {e.name: e.value for e in spec.runtime.env}
         ref = spec.model.secret_ref
         if ref is None:
-            return env
+            return env, ""
         try:
             secret = k8s_client.CoreV1Api(self.client).read_namespaced_secret(ref.name, namespace)
         except ApiException as error:
@@ -52,9 +54,15 @@ class ModelFactsReader:
                 raise ValueError(
                     f"spec.model.secretRef: Secret {ref.name} not found in namespace {namespace}"
                 ) from error
+            if error.status == 403:  # an opt-in right: public sources need no Secret
+                return env, (
+                    f" (read without Secret {ref.name}: the operator may not read Secrets; set"
+                    " the chart's rbac.readModelSecrets=true, or give spec.model parameters,"
+                    " layers, kvHeads and headDim)"
+                )
             raise
         data = secret.data or {}
-        return env | {k: base64.b64decode(v).decode() for k, v in data.items()}
+        return env | {k: base64.b64decode(v).decode() for k, v in data.items()}, ""
 
 
 def needs_reading(spec: api.ModelDeploymentSpec) -> bool:

@@ -144,8 +144,6 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "create", "patch"},
         ("coordination.k8s.io", "leases"): {"get", "create", "update"},
-        # by name, the one spec.model.secretRef names (model_facts.py): never list or watch
-        ("", "secrets"): {"get"},
     }
     got = {
         (group, resource): granted(objects, group, resource)
@@ -154,7 +152,10 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         for resource in rule["resources"]
     }
     assert got == want
-    assert not granted(objects, "", "secrets") & {"list", "watch"}  # no reading them all
+    assert not granted(objects, "", "secrets")
+    # Opt-in: by name, the Secret spec.model.secretRef names (model_facts.py); never list/watch.
+    opted_in = render(helm_bin, {"rbac.readModelSecrets": "true"})
+    assert granted(opted_in, "", "secrets") == {"get"}
     assert not granted(objects, "kvpilot.dev", "modeldeployments") & {"update", "create"}
 
 
