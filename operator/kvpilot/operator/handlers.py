@@ -101,6 +101,9 @@ def _pass(
     try:
         desired = controller.run_pass(namespace, name, _values(nodes), _values(pods), full, body)
     except ApiException as error:
+        if error.status == 404:  # the object or its namespace went away mid-pass: nothing to do
+            logging.getLogger(__name__).info("%s/%s is gone; pass dropped", namespace, name)
+            return
         observability.record_reconcile(time.monotonic() - started, "error")
         delay = min(MAX_BACKOFF_SECONDS, 2**retry)
         raise kopf.TemporaryError(
