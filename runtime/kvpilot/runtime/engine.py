@@ -81,6 +81,18 @@ def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len or limit
 
 
+def check_token_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
+    """Every token id a request names must index the vocabulary (the sampler indexes with them)."""
+    named = {
+        "prompt token ids": prompt_ids,
+        "stop_token_ids": params.stop_token_ids,
+        "logit_bias token ids": [token for token, _ in params.logit_bias],
+    }
+    for name, ids in named.items():
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise ValueError(f"{name} must be in [0, {vocab_size})")
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -137,7 +149,8 @@ class Engine:
         if self.workers is not None:
             self.workers.join_group(group, self.device)
         self.weight_bytes = model.weight_bytes()  # per rank
-        self.runner = ModelRunner(model, self.device, self.config.seed, self.workers)
+        eos = tuple(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(model, self.device, self.config.seed, self.workers, eos)
         self.num_kv_blocks = self._num_kv_blocks(self.kv_dtype)
         self.runner.allocate_kv_cache(self.num_kv_blocks, self.kv_dtype)
 
@@ -181,9 +194,7 @@ class Engine:
         if not prompt:
             raise ValueError("prompt is empty")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab_size = self.model_config.vocab_size
-        if any(not 0 <= t < vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        check_token_ids(token_ids, params, self.model_config.vocab_size)
         if len(token_ids) + 1 > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}"

@@ -17,7 +17,7 @@ from kvpilot.runtime.layers.attention import (
     chunk_mask,
     decode_mask,
 )
-from kvpilot.runtime.layers.sampler import sample
+from kvpilot.runtime.layers.sampler import SamplingRow, sample
 from kvpilot.runtime.loader import ModelConfig, open_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
@@ -154,8 +154,10 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         workers: WorkerPool | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model, self.device, self.workers = model, device, workers
+        self.eos_token_ids = eos_token_ids  # masked with stop ids until a row's min_tokens
         self.kv_caches: KVCache = []
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # per request with its own seed
@@ -188,10 +190,10 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def _generator(self, item: ScheduledSequence) -> torch.Generator:
-        seq = item.seq
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """The request's own generator when it has a seed; None: the shared default one."""
         if seq.params.seed is None:
-            return self.default_generator
+            return None
         if seq.request_id not in self.generators:
             generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
             self.generators[seq.request_id] = generator
@@ -282,6 +284,9 @@ class ModelRunner:
         logits = self.logits(batch)  # [S, vocab]
         if not sampling:
             return []
-        generators: list[torch.Generator | None] = [self._generator(i) for i in sampling]
-        tokens, logprobs = sample(logits, [i.seq.params for i in sampling], generators)
+        rows = [self._sampling_row(item.seq) for item in sampling]
+        tokens, logprobs = sample(logits, rows, self.default_generator, self.eos_token_ids)
         return list(zip(sampling, tokens, logprobs, strict=True))
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, self._generator(seq))

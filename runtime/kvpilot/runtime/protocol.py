@@ -2,7 +2,7 @@
 
 Validation lives here so every bad input becomes a 400 naming its field before the engine sees it.
 Unknown request fields are ignored, as OpenAI's and vLLM's servers do, so newer clients still work;
-fields we accept but cannot honour (n > 1, penalties, logit_bias) are rejected rather than ignored,
+fields we accept but cannot honour (best_of > 1, suffix) are rejected rather than ignored,
 because silently returning something else than asked is worse than a clear error.
 """
 
@@ -52,6 +52,9 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM extension; 1 disables")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension")
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = Field(False, description="vLLM extension, used by benchmarks")
     user: str | None = None
@@ -63,18 +66,15 @@ class _SamplingFields(_Request):
             raise ValueError(f"only n=1 is supported, got {n}")
         return n
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported by this runtime; send 0")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this runtime")
+    def _bias_by_token_id(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's shape: token ids as strings, biases in [-100, 100]."""
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
         return value
 
     @field_validator("stop_token_ids")
@@ -83,6 +83,9 @@ class _SamplingFields(_Request):
         if value and min(value) < 0:
             raise ValueError("token ids must be >= 0")
         return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), bias) for key, bias in (self.logit_bias or {}).items())
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,6 +1,7 @@
 """Sampling parameters and the pure text-side rules: stop strings and what text may be emitted.
 
-The tensor side (temperature, top-k, top-p, seeded draws, logprobs) lives in layers/sampler.py.
+The tensor side (penalties, logit bias, min_tokens, temperature, min-p, top-k, top-p, seeded
+draws, logprobs) lives in layers/sampler.py, batched over the whole step.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ class SamplingParams:
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0 or -1 => disabled
     seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings (not included in output text)
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the top token's probability
+    stop: tuple[str, ...] = ()  # stop strings (not in the output text unless included below)
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
     logprobs: int | None = None  # top-N logprobs per generated token (None = off)
+    # OpenAI semantics over the generated tokens; vLLM's repetition penalty over prompt + output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages, < 1 encourages repeats
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -35,10 +44,29 @@ class SamplingParams:
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
+        self._check_sampling_extras()
+
+    def _check_sampling_extras(self) -> None:
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(t < 0 for t, _ in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def effective_top_k(self) -> int:

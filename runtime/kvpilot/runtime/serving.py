@@ -280,12 +280,29 @@ def _max_tokens(state: ServerState, ids: list[int], requested: int | None, field
     return requested
 
 
+def check_vocabulary(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
+    """Token ids in stop_token_ids and logit_bias must exist: 400 naming the field otherwise."""
+    named = {
+        "stop_token_ids": body.stop_token_ids or [],
+        "logit_bias": [token for token, _ in body.logit_bias_pairs()],
+    }
+    for name, ids in named.items():
+        outside = [token for token in ids if token >= vocab_size]
+        if outside:
+            raise ApiError(
+                400,
+                f"{name}: token id {outside[0]} is outside the vocabulary (size {vocab_size})",
+                name,
+            )
+
+
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
 ) -> SamplingParams:
+    check_vocabulary(body, vocab_size)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -299,7 +316,13 @@ def sampling_params(
             stop=body.stop_strings(),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            min_p=body.min_p,
+            logit_bias=body.logit_bias_pairs(),
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), str(exc).split(" ", 1)[0]) from exc

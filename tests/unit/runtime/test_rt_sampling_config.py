@@ -26,6 +26,10 @@ from kvpilot.runtime.sampling import (
         ({"logprobs": -1}, "logprobs must be"),
         ({"stop": ("",)}, "stop must not contain empty"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"min_p": 1.5}, "min_p must be in"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias token ids"),
     ],
 )
 def test_sampling_params_errors_name_the_field(kwargs: dict[str, Any], message: str) -> None:

@@ -1,61 +1,263 @@
-"""Turning one row of logits per sequence into the next token (and optional logprobs)."""
+"""One step's logits [S, V] -> the next token of every sequence (and logprobs), batched.
+
+The order is vLLM's: logit bias and min_tokens (EOS and stop ids masked) -> presence, frequency
+and repetition penalties -> greedy rows take the argmax; the others go through temperature ->
+min-p -> top-k -> top-p -> one draw. Each parameter becomes a per-step tensor over the rows that
+use it, so a step costs a handful of tensor ops however many sequences it holds; Python only
+walks the rows to gather their parameters. A batch of plain greedy rows skips all of it: one
+max and one device sync, as before.
+
+The draw is the exponential race: argmax(p / q) with q ~ Exp(1) per token picks token i with
+probability p_i. A seeded request fills its own row of q from its own generator, so its tokens do
+not depend on which other sequences share its steps.
+
+Logprobs are those of the model's raw distribution, before any of the above (vLLM's default).
+"""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvpilot.runtime.sampling import SamplingParams
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [V] float32; entries outside the top-k / nucleus set to -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs of one sequence in this step."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far (read, not copied)
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None  # the request's own (seeded); None: the shared one
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def banned_ids(self, eos_token_ids: Sequence[int]) -> set[int]:
+        """Token ids that would end the sequence before min_tokens: masked until then."""
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            return set()
+        eos = () if params.ignore_eos else eos_token_ids
+        return {*params.stop_token_ids, *eos}
 
 
-def sample_row(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
-    """logits: [V] float32."""
-    if params.is_greedy:
-        return int(logits.argmax())
-    filtered = filter_top_k_top_p(logits / params.temperature, params.effective_top_k, params.top_p)
-    probs = filtered.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def is_plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return params.is_greedy and not (
+        params.logit_bias or params.has_penalties or row.num_output_tokens < params.min_tokens
+    )
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    generator: torch.Generator | None = None,
+    eos_token_ids: Sequence[int] = (),
 ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """logits: [S, V] float32 -> one token per row, and the top-N logprobs where asked for."""
-    if all(p.is_greedy for p in params):
-        # One device sync for the common greedy batch. max() gives the first maximal index, as
-        # argmax does, and is 3x faster on CPU.
-        tokens = logits.max(-1).indices.tolist()
+    """logits: [S, V] float32 -> one token per row, and the top-N logprobs where asked for.
+    `generator` draws for the rows without their own."""
+    if all(is_plain_greedy(row) for row in rows):
+        # max() gives the first maximal index, as argmax does, and is 3x faster on CPU.
+        chosen = logits.max(-1).indices
     else:
-        tokens = [sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
-    logprobs: list[dict[int, float] | None] = [None] * len(params)
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if wanted:
-        all_logprobs = logits[wanted].log_softmax(-1)  # [W, V], of the model's raw distribution
-        for row, i in enumerate(wanted):
-            logprobs[i] = _top_logprobs(all_logprobs[row], tokens[i], params[i].logprobs or 0)
-    return tokens, logprobs
+        chosen = sample_tensor(logits, rows, generator, eos_token_ids)
+    tokens: list[int] = chosen.tolist()  # the step's one device sync
+    return tokens, logprobs_of(logits, tokens, [row.params.logprobs for row in rows])
 
 
-def _top_logprobs(row: torch.Tensor, token: int, num_top: int) -> dict[int, float]:
-    """The sampled token's logprob plus the `num_top` most likely tokens'."""
-    result = {token: float(row[token])}
-    if num_top:
-        values, ids = torch.topk(row, num_top)
-        result.update(zip(ids.tolist(), values.tolist(), strict=True))
+def sample_tensor(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    generator: torch.Generator | None,
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """[S, V] -> [S] token ids, without a device sync."""
+    logits = apply_logit_bias(logits, rows)
+    logits = apply_min_tokens(logits, rows, eos_token_ids)
+    logits = apply_penalties(logits, rows)
+    chosen = logits.max(-1).indices  # [S]: right for the greedy rows
+    drawn = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if drawn:
+        index = _long(drawn, logits.device)
+        params = [rows[i].params for i in drawn]
+        generators = [rows[i].generator for i in drawn]
+        chosen = chosen.index_copy(0, index, draw(logits[index], params, generators, generator))
+    return chosen
+
+
+# -- logits processors: each returns new logits, or the same tensor when no row asks -------------
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    entries = [(i, t, bias) for i, row in enumerate(rows) for t, bias in row.params.logit_bias]
+    if not entries:
+        return logits
+    row_ids, token_ids, biases = zip(*entries, strict=True)
+    device = logits.device
+    index = (_long(list(row_ids), device), _long(list(token_ids), device))
+    values = torch.tensor(biases, dtype=logits.dtype, device=device)
+    return logits.index_put(index, values, accumulate=True)
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    entries = [(i, token) for i, row in enumerate(rows) for token in row.banned_ids(eos_token_ids)]
+    if not entries:
+        return logits
+    row_ids, token_ids = zip(*entries, strict=True)
+    index = (_long(list(row_ids), logits.device), _long(list(token_ids), logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's penalties on the rows that have any: repetition divides a positive logit (and
+    multiplies a negative one) of every token seen in the prompt or output; frequency subtracts
+    per occurrence in the output, presence once per token present in it."""
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not penalised:
+        return logits
+    device, vocab_size = logits.device, logits.shape[-1]
+    subset = [rows[i] for i in penalised]
+    index = _long(penalised, device)
+    part = logits[index]  # [R, V]
+    counts = token_counts([r.token_ids[r.num_prompt_tokens :] for r in subset], vocab_size, device)
+    is_in_output = counts > 0
+    if any(r.params.repetition_penalty != 1.0 for r in subset):
+        prompts = [r.token_ids[: r.num_prompt_tokens] for r in subset]
+        is_seen = is_in_output | (token_counts(prompts, vocab_size, device) > 0)
+        repetition = _column([r.params.repetition_penalty for r in subset], device)
+        factor = torch.where(is_seen, repetition, 1.0)
+        part = torch.where(part > 0, part / factor, part * factor)
+    frequency = _column([r.params.frequency_penalty for r in subset], device)
+    presence = _column([r.params.presence_penalty for r in subset], device)
+    part = part - frequency * counts - presence * is_in_output
+    return logits.index_copy(0, index, part)
+
+
+def token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32: how often each token occurs in each list, in one scatter-add."""
+    lengths = _long([len(ids) for ids in id_lists], device)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths)
+    flat = _long(list(itertools.chain.from_iterable(id_lists)), device)
+    counts = torch.zeros(len(id_lists) * vocab_size, device=device)
+    counts.scatter_add_(0, rows * vocab_size + flat, torch.ones_like(flat, dtype=counts.dtype))
+    return counts.view(len(id_lists), vocab_size)
+
+
+# -- the draw ------------------------------------------------------------------------------------
+
+
+def draw(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None,
+) -> torch.Tensor:
+    """logits: [N, V] of rows with temperature > 0 -> [N] drawn token ids."""
+    probs = filter_logits(logits, params).softmax(-1)
+    return (probs / exponential_noise(probs, generators, shared)).argmax(-1)
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[N, V] -> [N, V]: temperature, then min-p, top-k and top-p set dropped tokens to -inf."""
+    device = logits.device
+    logits = logits / _column([p.temperature for p in params], device)
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, _column([p.min_p for p in params], device))
+    top_ks = [p.effective_top_k for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        return apply_top_k_top_p(logits, _long(top_ks, device), _column(top_ps, device))
+    if any(top_ks):
+        return apply_top_k(logits, top_ks)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """min_p: [N, 1]. Drop tokens less likely than min_p x the most likely token."""
+    probs = logits.softmax(-1)
+    threshold = probs.max(-1, keepdim=True).values * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """Top-k alone needs only the largest max(k) logits, not a sort of the vocabulary; ties
+    with the k-th logit stay. top_ks: 0 = off."""
+    vocab_size = logits.shape[-1]
+    max_k = min(max(top_ks), vocab_size)
+    largest = logits.topk(max_k, dim=-1).values  # [N, max_k], descending
+    ks = [min(k, vocab_size) if k > 0 else max_k for k in top_ks]
+    kth = largest.gather(1, _long(ks, logits.device).unsqueeze(1) - 1)  # [N, 1]
+    is_off = _long(top_ks, logits.device).unsqueeze(1) == 0
+    return logits.masked_fill((logits < kth) & ~is_off, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """top_k: [N] (0 = off), top_p: [N, 1]. One ascending sort serves both filters: the k-th
+    largest logit sits at V - k, and a token's mass of strictly more likely tokens is 1 minus the
+    cumulative sum up to it; the token is dropped once that mass reaches top_p."""
+    vocab_size = logits.shape[-1]
+    ordered, order = logits.sort(-1)  # ascending
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+    kth = ordered.gather(1, (vocab_size - k).unsqueeze(1))  # [N, 1]
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    cumulative = ordered.softmax(-1).cumsum(-1)
+    drop = cumulative <= 1 - top_p
+    drop[:, -1] = False  # the most likely token always stays
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def exponential_noise(
+    probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator | None
+) -> torch.Tensor:
+    """[N, V] of Exp(1) draws: the shared generator's for every row, then each seeded row's
+    own (the only per-row loop: a generator cannot fill several rows at once)."""
+    noise = torch.empty_like(probs).exponential_(generator=shared)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    return noise
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+
+
+def logprobs_of(
+    logits: torch.Tensor, tokens: list[int], num_tops: list[int | None]
+) -> list[dict[int, float] | None]:
+    """Per row: None, or the chosen token's logprob plus the `num_top` most likely tokens'."""
+    result: list[dict[int, float] | None] = [None] * len(num_tops)
+    wanted = [i for i, num_top in enumerate(num_tops) if num_top is not None]
+    if not wanted:
+        return result
+    logprobs = logits[_long(wanted, logits.device)].log_softmax(-1)  # [W, V]
+    chosen = [tokens[i] for i in wanted]
+    chosen_values = logprobs.gather(1, _long(chosen, logits.device).unsqueeze(1)).squeeze(1)
+    max_top = max(num_tops[i] or 0 for i in wanted)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1)  # [W, max_top]
+    values, ids = top_values.tolist(), top_ids.tolist()
+    chosen_list = chosen_values.tolist()
+    for row, i in enumerate(wanted):
+        num_top = num_tops[i] or 0
+        entry = {chosen[row]: chosen_list[row]}
+        entry.update(zip(ids[row][:num_top], values[row][:num_top], strict=True))
+        result[i] = entry
     return result
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
