@@ -30,6 +30,7 @@ from kvpilot.runtime.output_processor import (
     RequestState,
     finish_reason_for_token,
     make_output,
+    stop_reason_for_token,
     update_text,
 )
 from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, rank_device
@@ -271,9 +272,10 @@ class Engine:
         state.seq.append_token(token_id)
         if logprobs is not None:
             state.pending_logprobs.append(logprobs)
-        reason = finish_reason_for_token(
-            state.seq, token_id, self.tokenizer.eos_token_ids, self.max_model_len
-        )
+        eos_token_ids = self.tokenizer.eos_token_ids
+        reason = finish_reason_for_token(state.seq, token_id, eos_token_ids, self.max_model_len)
+        if reason == "stop":
+            state.seq.stop_reason = stop_reason_for_token(state.seq.params, token_id, eos_token_ids)
         reason = update_text(state, self.tokenizer, reason)
         if reason is not None:
             return self._finish(state, reason)

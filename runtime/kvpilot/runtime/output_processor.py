@@ -8,7 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvpilot.runtime.sampling import find_stop, num_emittable_chars, stop_search_start
+from kvpilot.runtime.sampling import (
+    SamplingParams,
+    find_stop_match,
+    num_emittable_chars,
+    stop_search_start,
+)
 from kvpilot.runtime.sequence import Sequence
 
 
@@ -27,6 +32,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: str | int | None = None  # once finished: the stop string or stop token id
 
 
 @dataclass
@@ -54,22 +60,36 @@ def finish_reason_for_token(
     return None
 
 
-def update_text(state: RequestState, decoder: Decoder, reason: str | None) -> str | None:
-    """Re-decode the output and apply stop strings; returns the (possibly new) finish reason.
+def stop_reason_for_token(
+    params: SamplingParams, token_id: int, eos_token_ids: list[int]
+) -> int | None:
+    """The stop token id that ended a sequence, as vLLM reports it: None for EOS."""
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return None
+    return token_id if token_id in params.stop_token_ids else None
 
-    A token that ended the request by being a stop/EOS token is not part of the text.
+
+def update_text(state: RequestState, decoder: Decoder, reason: str | None) -> str | None:
+    """Re-decode the output and apply stop strings; returns the (possibly new) finish reason and
+    records a matched stop string as the sequence's stop reason.
+
+    A token that ended the request by being a stop/EOS token is not part of the text, nor is a
+    stop string, unless the request asks for include_stop_str_in_output.
     """
     seq = state.seq
+    include_stop = seq.params.include_stop_str_in_output
     ids = seq.output_token_ids
-    if reason == "stop" and ids:
+    if reason == "stop" and ids and not include_stop:
         ids = ids[:-1]
     previous = len(state.text)
     state.text = decoder.decode(ids)
     stops = seq.params.stop
     if stops:
-        index = find_stop(state.text, stops, stop_search_start(previous, stops))
-        if index is not None:
-            state.text = state.text[:index]
+        match = find_stop_match(state.text, stops, stop_search_start(previous, stops))
+        if match is not None:
+            index, stop = match
+            state.text = state.text[: index + len(stop) if include_stop else index]
+            seq.stop_reason = stop
             return "stop"
     return reason
 
@@ -94,4 +114,5 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
         num_cached_tokens=seq.num_cached_tokens,
         num_output_tokens=seq.num_output_tokens,
         logprobs=logprobs,
+        stop_reason=seq.stop_reason if is_finished else None,
     )

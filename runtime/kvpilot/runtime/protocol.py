@@ -57,6 +57,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0, description="vLLM extension")
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = Field(False, description="vLLM extension, used by benchmarks")
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension")
     user: str | None = None
 
     @field_validator("n")
@@ -209,6 +210,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -244,6 +246,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -265,6 +268,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):

@@ -127,13 +127,17 @@ class Accumulator:
     def response(self) -> dict[str, Any]:
         job, last = self.job, self.last
         reason = last.finish_reason if last else "abort"
+        stop_reason = last.stop_reason if last else None
         usage = usage_of(last, len(job.prompt_ids))
         if job.chat:
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = chat_logprobs(self.decoder, self.ids, self.lps, job.params.logprobs)
             choice = ChatChoice(
-                message=AssistantMessage(content=self.text), logprobs=logprobs, finish_reason=reason
+                message=AssistantMessage(content=self.text),
+                logprobs=logprobs,
+                finish_reason=reason,
+                stop_reason=stop_reason,
             )
             return ChatCompletionResponse(
                 id=job.request_id,
@@ -145,7 +149,9 @@ class Accumulator:
         lp = None
         if job.params.logprobs is not None:
             lp = completion_logprobs(self.decoder, self.ids, self.lps, len(job.echo))
-        choice_c = CompletionChoice(text=self.text, logprobs=lp, finish_reason=reason)
+        choice_c = CompletionChoice(
+            text=self.text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
+        )
         return CompletionResponse(
             id=job.request_id, created=job.created, model=job.model, choices=[choice_c], usage=usage
         ).model_dump()
@@ -176,15 +182,19 @@ class ChunkBuilder:
         if not out.new_text and not out.finished and not out.logprobs:
             return None  # tokens held back (partial UTF-8 or a possible stop string)
         reason = out.finish_reason if out.finished else None
+        stop_reason = out.stop_reason  # None until finished
         if self.job.params.logprobs is None and not self.is_echo_pending:
-            return self._plain(out.new_text, reason)
+            return self._plain(out.new_text, reason, stop_reason)
         ids, lps = out.new_token_ids, out.logprobs or []
         if self.job.chat:
             logprobs = None
             if self.job.params.logprobs is not None:
                 logprobs = chat_logprobs(self.decoder, ids, lps, self.job.params.logprobs)
             choice = ChatChunkChoice(
-                delta=DeltaMessage(content=out.new_text), logprobs=logprobs, finish_reason=reason
+                delta=DeltaMessage(content=out.new_text),
+                logprobs=logprobs,
+                finish_reason=reason,
+                stop_reason=stop_reason,
             )
             return self._chat([choice])
         text = out.new_text
@@ -196,14 +206,22 @@ class ChunkBuilder:
                 self.decoder, ids, lps, self.offset + len(text) - len(out.new_text)
             )
         self.offset += len(text)
-        choice_c = CompletionChoice(text=text, logprobs=lp, finish_reason=reason)
+        choice_c = CompletionChoice(
+            text=text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
+        )
         return self._completion([choice_c])
 
-    def _plain(self, text: str, reason: str | None) -> dict[str, Any]:
+    def _plain(self, text: str, reason: str | None, stop_reason: str | int | None) -> dict:
         """The hot path (one chunk per sequence per step): plain dicts, same JSON as the models."""
         self.offset += len(text)
         key, value = ("delta", {"content": text}) if self.job.chat else ("text", text)
-        choice = {"index": 0, key: value, "logprobs": None, "finish_reason": reason}
+        choice = {
+            "index": 0,
+            key: value,
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+        }
         return {**self.head, "choices": [choice], "usage": None}
 
     def usage(self) -> dict[str, Any]:

@@ -76,8 +76,15 @@ class SamplingParams:
 
 def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
     """Index in `text` where the earliest stop string begins, searching from `start`, or None."""
-    found = [index for stop in stops if (index := text.find(stop, start)) != -1]
-    return min(found) if found else None
+    match = find_stop_match(text, stops, start)
+    return match[0] if match else None
+
+
+def find_stop_match(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string in `text` from `start`, or None; of
+    two starting at the same index, the one listed first."""
+    found = [(index, stop) for stop in stops if (index := text.find(stop, start)) != -1]
+    return min(found, key=lambda match: match[0]) if found else None
 
 
 def stop_search_start(previous_len: int, stops: tuple[str, ...]) -> int:

@@ -31,6 +31,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     is_admitted_once: bool = False
 

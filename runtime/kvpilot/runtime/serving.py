@@ -316,6 +316,7 @@ def sampling_params(
             stop=body.stop_strings(),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             min_tokens=body.min_tokens,
             logprobs=logprobs,
             presence_penalty=body.presence_penalty,

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from kvpilot.runtime.output_processor import (
+    RequestOutput,
     RequestState,
     finish_reason_for_token,
     make_output,
+    stop_reason_for_token,
     update_text,
 )
 from kvpilot.runtime.sampling import SamplingParams
@@ -21,22 +27,30 @@ class CharDecoder:
         return "".join(chr(t) for t in token_ids if t != EOS)
 
 
-def stream(text: str, params: SamplingParams, max_model_len: int = 100) -> tuple[str, str, int]:
-    """Feed `text` token by token; returns (streamed text, finish reason, tokens generated)."""
+def feed(text: str, params: SamplingParams, max_model_len: int) -> tuple[str, RequestOutput]:
+    """Feed `text` token by token as the engine does; returns (streamed text, last output)."""
     state = RequestState(Sequence("r", [1, 2, 3], params))
     streamed = ""
     for char in text:
         token = EOS if char == "$" else ord(char)
         state.seq.append_token(token)
         reason = finish_reason_for_token(state.seq, token, [EOS], max_model_len)
+        if reason == "stop":
+            state.seq.stop_reason = stop_reason_for_token(params, token, [EOS])
         reason = update_text(state, CharDecoder(), reason)
         if reason is not None:
             state.seq.finish(reason)
         out = make_output(state, is_finished=reason is not None)
         streamed += out.new_text
         if out.finished:
-            return streamed, str(out.finish_reason), out.num_output_tokens
-    return streamed, "running", state.seq.num_output_tokens
+            break
+    return streamed, out
+
+
+def stream(text: str, params: SamplingParams, max_model_len: int = 100) -> tuple[str, str, int]:
+    """(streamed text, finish reason or "running", tokens generated)."""
+    streamed, out = feed(text, params, max_model_len)
+    return streamed, str(out.finish_reason or "running"), out.num_output_tokens
 
 
 def test_stop_string_is_cut_and_never_streamed() -> None:
@@ -74,3 +88,25 @@ def test_prefix_of_stop_that_does_not_complete_is_released() -> None:
         "length",
         7,
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "fields", "expected"),
+    [
+        ("hello world, more", {"stop": ("world",)}, ("hello ", "world")),
+        ("hello world, more", {"stop": ("world",), "include_stop_str_in_output": True},
+         ("hello world", "world")),
+        ("ab cd", {"stop": ("cd", "b c")}, ("a", "b c")),  # the earliest match is the reason
+        ("wow! no", {"stop_token_ids": (ord("!"),)}, ("wow", ord("!"))),
+        ("wow! no", {"stop_token_ids": (ord("!"),), "include_stop_str_in_output": True},
+         ("wow!", ord("!"))),
+        ("hi$there", {}, ("hi", None)),  # EOS: no stop reason
+        ("hi$there", {"stop_token_ids": (EOS,)}, ("hi", None)),  # EOS first, as vLLM
+        ("abcdef", {"max_tokens": 3}, ("abc", None)),  # length
+    ],
+)  # fmt: skip
+def test_stop_reason_and_include_stop_str(
+    text: str, fields: dict[str, Any], expected: tuple[str, str | int | None]
+) -> None:
+    streamed, out = feed(text, SamplingParams(**{"max_tokens": 50, **fields}), 100)
+    assert out.finished and (streamed, out.stop_reason) == expected
