@@ -128,20 +128,17 @@ def test_bad_sampling_fields_are_400s_naming_them(
 
 def test_stop_string_is_the_stop_reason_and_may_be_included(client: OpenAI) -> None:
     greedy = complete(client, max_tokens=24).choices[0]
-    assert greedy.finish_reason == "length" and greedy.stop_reason is None  # type: ignore[attr-defined]
+    assert greedy.finish_reason == "length" and greedy.stop_reason is None
     stop = greedy.text[6:9]
     cut = complete(client, stop=[stop, "never seen"]).choices[0]
-    assert (
-        (cut.text, cut.finish_reason, cut.stop_reason)
-        == (  # type: ignore[attr-defined]
-            greedy.text[: greedy.text.index(stop)],
-            "stop",
-            stop,
-        )
+    assert (cut.text, cut.finish_reason, cut.stop_reason) == (
+        greedy.text[: greedy.text.index(stop)],
+        "stop",
+        stop,
     )
     kept = complete(client, stop=[stop], include_stop_str_in_output=True).choices[0]
     assert kept.text == greedy.text[: greedy.text.index(stop) + len(stop)]
-    assert kept.stop_reason == stop  # type: ignore[attr-defined]
+    assert kept.stop_reason == stop
 
 
 def test_stop_token_is_the_stop_reason_in_every_shape(client: OpenAI, engine: Engine) -> None:
@@ -149,12 +146,12 @@ def test_stop_token_is_the_stop_reason_in_every_shape(client: OpenAI, engine: En
     stop_id = ids[2]
     fields = {"stop_token_ids": [stop_id], "max_tokens": 24}
     whole = complete(client, **fields).choices[0]
-    assert whole.stop_reason == stop_id and whole.text == engine.tokenizer.decode(ids[:2])  # type: ignore[attr-defined]
+    assert whole.stop_reason == stop_id and whole.text == engine.tokenizer.decode(ids[:2])
     included = complete(client, include_stop_str_in_output=True, **fields).choices[0]
     assert included.text == engine.tokenizer.decode(ids[:3])
     chunks = [c for c in complete(client, stream=True, **fields) if c.choices]
-    assert chunks[-1].choices[0].stop_reason == stop_id  # type: ignore[attr-defined]
-    assert all(c.choices[0].stop_reason is None for c in chunks[:-1])  # type: ignore[attr-defined]
+    assert chunks[-1].choices[0].stop_reason == stop_id
+    assert all(c.choices[0].stop_reason is None for c in chunks[:-1])
 
 
 def test_chat_choices_carry_the_stop_reason(client: OpenAI) -> None:
@@ -170,6 +167,6 @@ def test_chat_choices_carry_the_stop_reason(client: OpenAI) -> None:
     plain = chat()
     stop = plain.message.content[4:7]
     cut = chat(stop=[stop])
-    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)  # type: ignore[attr-defined]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
     kept = chat(stop=[stop], include_stop_str_in_output=True)
     assert kept.message.content == plain.message.content[: plain.message.content.index(stop) + 3]
