@@ -75,7 +75,8 @@ def sample_row(
 def sample_rows(
     logits: torch.Tensor, rows: list[SamplingRow], eos: Sequence[int] = ()
 ) -> list[int]:
-    """Every row on its own; each drawn row's noise from its own generator (all must have one)."""
+    """Every row on its own; each drawn row's noise from its own generator (torch's global one
+    for a row without)."""
     tokens = []
     for row_logits, row in zip(logits, rows, strict=True):
         noise = None

@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,7 +40,9 @@ from kvpilot.runtime.sequence import Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
-__all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestOutput"]
+__all__ = ["AsyncEngine", "Engine", "EngineStats", "NewRequest", "RequestOutput"]
+
+NewRequest = tuple[str | list[int], SamplingParams, str]  # (prompt, params, request id)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ class Engine:
         )
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
-        self._inbox: list[Sequence] = []
+        self._inbox: list[tuple[Sequence, str | None]] = []  # (sequence, leader's request id)
+        self._followers: dict[str, list[Sequence]] = {}  # leader id -> sequences held for it
         self._aborts: list[str] = []
         self._snapshot = self._make_stats()
 
@@ -192,6 +195,30 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
+        return self.add_requests([(prompt, params, request_id or uuid.uuid4().hex)])[0]
+
+    def add_requests(self, requests: Collection[NewRequest]) -> list[str]:
+        """Add several requests at once, all or none. A request whose prompt equals an earlier
+        one's in the same call (n > 1 choices of one prompt) waits until that one's prompt is in
+        the cache, then reads it from there rather than computing it again."""
+        seqs = [self._make_sequence(prompt, params, rid) for prompt, params, rid in requests]
+        leaders: dict[tuple[int, ...], str] = {}
+        entries: list[tuple[Sequence, str | None]] = []
+        for seq in seqs:
+            leader = leaders.setdefault(tuple(seq.token_ids), seq.request_id)
+            is_follower = leader != seq.request_id and self.config.enable_prefix_caching
+            entries.append((seq, leader if is_follower else None))
+        with self._lock:
+            ids = [seq.request_id for seq in seqs]
+            taken = self._states.keys() | {seq.request_id for seq, _ in self._inbox}
+            if len(set(ids)) != len(ids) or taken & set(ids):
+                raise ValueError(f"request ids {ids} collide with each other or one in use")
+            self._inbox += entries
+        return ids
+
+    def _make_sequence(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> Sequence:
         if not prompt:
             raise ValueError("prompt is empty")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -200,13 +227,7 @@ class Engine:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}"
             )
-        request_id = request_id or uuid.uuid4().hex
-        seq = Sequence(request_id, token_ids, params)
-        with self._lock:
-            if request_id in self._states or any(s.request_id == request_id for s in self._inbox):
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._inbox.append(seq)
-        return request_id
+        return Sequence(request_id, token_ids, params)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -243,6 +264,8 @@ class Engine:
             results = self.runner.execute(batch.scheduled)
             self.scheduler.update_after_step(batch)
             outputs += [self._on_token(item, tok, lp) for item, tok, lp in results]
+        if self._followers:
+            outputs += self._release_followers()
         with self._lock:
             self._snapshot = self._make_stats()
         return outputs
@@ -252,17 +275,39 @@ class Engine:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
         outputs: list[RequestOutput] = []
-        for seq in inbox:
-            try:
-                self.scheduler.add(seq)
+        for seq, leader in inbox:
+            if leader is not None and leader in self._states:
                 self._states[seq.request_id] = RequestState(seq)
-            except ValueError:
-                seq.finish("abort")  # cannot ever fit the pool; report instead of hanging
-                outputs.append(make_output(RequestState(seq), is_finished=True))
+                self._followers.setdefault(leader, []).append(seq)
+            else:
+                outputs += self._schedule(seq)
         for request_id in aborts:
             state = self._states.get(request_id)
             if state is not None:
                 outputs.append(self._finish(state, "abort"))
+        return outputs
+
+    def _schedule(self, seq: Sequence, at_front: bool = False) -> list[RequestOutput]:
+        try:
+            self.scheduler.add(seq, at_front)
+            self._states[seq.request_id] = RequestState(seq)
+            return []
+        except ValueError:
+            seq.finish("abort")  # cannot ever fit the pool; report instead of hanging
+            self._states.pop(seq.request_id, None)
+            return [make_output(RequestState(seq), is_finished=True)]
+
+    def _release_followers(self) -> list[RequestOutput]:
+        """Followers whose leader has its first token (so its prompt blocks are cached), or is
+        gone (aborted, finished), queue up: first in line, as they arrived with it."""
+        outputs: list[RequestOutput] = []
+        for leader_id in list(self._followers):
+            leader = self._states.get(leader_id)
+            if leader is not None and leader.seq.num_output_tokens == 0:
+                continue
+            for seq in reversed(self._followers.pop(leader_id)):
+                if not seq.is_finished:  # an aborted follower is already answered
+                    outputs += self._schedule(seq, at_front=True)
         return outputs
 
     def _on_token(
@@ -329,29 +374,42 @@ class AsyncEngine:
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs until finished. A bad prompt raises ValueError on the
-        first iteration; leaving the loop early or cancelling aborts the request."""
+        """Stream one request's outputs until finished (see `generate_many`)."""
+        async for output in self.generate_many([(prompt, params, request_id)]):
+            yield output
+
+    async def generate_many(
+        self, requests: Collection[NewRequest]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream several requests' outputs, interleaved as the steps make them, until all are
+        finished (n > 1 choices, several prompts: see `Engine.add_requests`). A bad prompt
+        raises ValueError on the first iteration; leaving the loop early or cancelling aborts
+        the requests still running."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._queues[request_id] = queue
+        ids = [request_id for _, _, request_id in requests]
+        if any(request_id in self._queues for request_id in ids):
+            raise ValueError(f"request ids {ids}: one is already in use")
+        self._queues.update(dict.fromkeys(ids, queue))
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engine.add_requests(requests)
         except BaseException:
-            del self._queues[request_id]
+            for request_id in ids:
+                del self._queues[request_id]
             raise
         self._wake.set()
-        is_finished = False
+        running = set(ids)
         try:
-            while not is_finished:
+            while running:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                is_finished = item.finished
+                if item.finished:
+                    running.discard(item.request_id)
                 yield item
         finally:
-            self._queues.pop(request_id, None)
-            if not is_finished:  # consumer went away or was cancelled
+            for request_id in ids:
+                self._queues.pop(request_id, None)
+            for request_id in running:  # consumer went away or was cancelled
                 self.abort(request_id)
 
     def _run(self) -> None:
@@ -385,5 +443,5 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._fail_all, error)
 
     def _fail_all(self, error: Exception) -> None:
-        for queue in self._queues.values():
+        for queue in {id(q): q for q in self._queues.values()}.values():  # shared by a group
             queue.put_nowait(error)

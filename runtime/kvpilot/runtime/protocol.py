@@ -11,11 +11,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's limit on choices per prompt
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_SEED = 2**63 - 1
 # Below this a temperature is greedy: dividing logits by ~1e-300 would overflow to inf/nan.
 GREEDY_EPSILON = 1e-5
@@ -44,7 +46,7 @@ class _SamplingFields(_Request):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="vLLM extension; -1 or 0 disables")
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension")
@@ -59,13 +61,6 @@ class _SamplingFields(_Request):
     ignore_eos: bool = Field(False, description="vLLM extension, used by benchmarks")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension")
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
 
     @field_validator("logit_bias")
     @classmethod
@@ -106,19 +101,23 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt: Any) -> str | list[int]:
-        """Unwrap a one-element batch; several prompts in one request are not supported."""
-        if isinstance(prompt, str):
-            return prompt
-        if prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(f"exactly one prompt per request is supported, got {len(prompt)}")
-            prompt = prompt[0]
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and min(prompt) < 0:
-            raise ValueError("token ids must be >= 0")
+    def _prompts_not_empty(cls, prompt: Any) -> Any:
+        """A prompt, or a batch of them: text or token ids, none empty, ids >= 0."""
+        is_batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        prompts = prompt if is_batch else [prompt]
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"must hold 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
+        for item in prompts:
+            if isinstance(item, list) and (not item or min(item) < 0):
+                raise ValueError("a token-id prompt must be non-empty, with ids >= 0")
         return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request, a single one as a batch of one."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return list(prompt)
+        return [cast(str | list[int], prompt)]
 
     @field_validator("suffix")
     @classmethod

@@ -25,7 +25,7 @@ from kvpilot.runtime.protocol import (
 )
 
 if TYPE_CHECKING:
-    from kvpilot.runtime.serving import Job
+    from kvpilot.runtime.serving import Choice, Job
 
 
 class Decoder(Protocol):
@@ -65,10 +65,17 @@ class Tracker:
         self.metrics.record_finished(e2e, self.num_prompt, self.num_output, self.reason or "abort")
 
 
-def usage_of(out: RequestOutput | None, num_prompt: int) -> Usage:
-    if out is None:
-        return Usage.build(num_prompt, 0, 0)
-    return Usage.build(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+def usage_of(job: Job, lasts: list[RequestOutput | None]) -> Usage:
+    """Usage of the whole job, as vLLM and OpenAI count it: each prompt (and its cached part)
+    once however many choices it has, every choice's generated tokens."""
+    by_index = dict(zip((choice.index for choice in job.choices), lasts, strict=True))
+    num_prompt = num_cached = num_output = 0
+    for choice in job.firsts:
+        last = by_index[choice.index]
+        num_prompt += last.num_prompt_tokens if last else len(choice.prompt_ids)
+        num_cached += last.num_cached_tokens if last else 0
+    num_output = sum(last.num_output_tokens for last in lasts if last)
+    return Usage.build(num_prompt, num_output, num_cached)
 
 
 def completion_logprobs(
@@ -109,11 +116,11 @@ def chat_logprobs(
 
 
 class Accumulator:
-    """A whole non-streamed response."""
+    """One choice of a non-streamed response."""
 
-    def __init__(self, job: Job, decoder: Decoder):
-        self.job, self.decoder = job, decoder
-        self.text = job.echo
+    def __init__(self, job: Job, choice: Choice, decoder: Decoder):
+        self.job, self.choice, self.decoder = job, choice, decoder
+        self.text = choice.echo
         self.ids: list[int] = []
         self.lps: list[dict[int, float]] = []
         self.last: RequestOutput | None = None
@@ -124,47 +131,55 @@ class Accumulator:
         self.lps += out.logprobs or []
         self.last = out
 
-    def response(self) -> dict[str, Any]:
-        job, last = self.job, self.last
-        reason = last.finish_reason if last else "abort"
-        stop_reason = last.stop_reason if last else None
-        usage = usage_of(last, len(job.prompt_ids))
-        if job.chat:
-            logprobs = None
-            if job.params.logprobs is not None:
-                logprobs = chat_logprobs(self.decoder, self.ids, self.lps, job.params.logprobs)
-            choice = ChatChoice(
-                message=AssistantMessage(content=self.text),
-                logprobs=logprobs,
-                finish_reason=reason,
-                stop_reason=stop_reason,
-            )
-            return ChatCompletionResponse(
-                id=job.request_id,
-                created=job.created,
-                model=job.model,
-                choices=[choice],
-                usage=usage,
-            ).model_dump()
-        lp = None
-        if job.params.logprobs is not None:
-            lp = completion_logprobs(self.decoder, self.ids, self.lps, len(job.echo))
-        choice_c = CompletionChoice(
-            text=self.text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
+    def chat_choice(self) -> ChatChoice:
+        last, num_top = self.last, self.choice.params.logprobs
+        logprobs = None
+        if num_top is not None:
+            logprobs = chat_logprobs(self.decoder, self.ids, self.lps, num_top)
+        return ChatChoice(
+            index=self.choice.index,
+            message=AssistantMessage(content=self.text),
+            logprobs=logprobs,
+            finish_reason=last.finish_reason if last else "abort",
+            stop_reason=last.stop_reason if last else None,
         )
-        return CompletionResponse(
-            id=job.request_id, created=job.created, model=job.model, choices=[choice_c], usage=usage
+
+    def completion_choice(self) -> CompletionChoice:
+        last = self.last
+        lp = None
+        if self.choice.params.logprobs is not None:
+            lp = completion_logprobs(self.decoder, self.ids, self.lps, len(self.choice.echo))
+        return CompletionChoice(
+            index=self.choice.index,
+            text=self.text,
+            logprobs=lp,
+            finish_reason=last.finish_reason if last else "abort",
+            stop_reason=last.stop_reason if last else None,
+        )
+
+
+def response(job: Job, accumulators: list[Accumulator]) -> dict[str, Any]:
+    """The whole response: every choice in index order, usage summed."""
+    usage = usage_of(job, [acc.last for acc in accumulators])
+    if job.chat:
+        return ChatCompletionResponse(
+            id=job.request_id,
+            created=job.created,
+            model=job.model,
+            choices=[acc.chat_choice() for acc in accumulators],
+            usage=usage,
         ).model_dump()
+    return completion_chunk(job, [acc.completion_choice() for acc in accumulators], usage)
 
 
 class ChunkBuilder:
-    """SSE chunks of a streamed response."""
+    """SSE chunks of one choice of a streamed response."""
 
-    def __init__(self, job: Job, decoder: Decoder):
-        self.job, self.decoder = job, decoder
+    def __init__(self, job: Job, choice: Choice, decoder: Decoder):
+        self.job, self.choice, self.decoder = job, choice, decoder
         self.offset = 0
         self.last: RequestOutput | None = None
-        self.is_echo_pending = bool(job.echo)
+        self.is_echo_pending = bool(choice.echo)
         kind = "chat.completion.chunk" if job.chat else "text_completion"
         self.head = {
             "id": job.request_id,
@@ -175,48 +190,50 @@ class ChunkBuilder:
 
     def role(self) -> dict[str, Any]:
         delta = DeltaMessage(role="assistant", content="")
-        return self._chat([ChatChunkChoice(delta=delta)])
+        return chat_chunk(self.job, [ChatChunkChoice(index=self.choice.index, delta=delta)])
 
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
         self.last = out
         if not out.new_text and not out.finished and not out.logprobs:
             return None  # tokens held back (partial UTF-8 or a possible stop string)
         reason = out.finish_reason if out.finished else None
-        stop_reason = out.stop_reason  # None until finished
-        if self.job.params.logprobs is None and not self.is_echo_pending:
+        stop_reason, index = out.stop_reason, self.choice.index  # stop_reason: None until finished
+        num_top = self.choice.params.logprobs
+        if num_top is None and not self.is_echo_pending:
             return self._plain(out.new_text, reason, stop_reason)
         ids, lps = out.new_token_ids, out.logprobs or []
         if self.job.chat:
             logprobs = None
-            if self.job.params.logprobs is not None:
-                logprobs = chat_logprobs(self.decoder, ids, lps, self.job.params.logprobs)
+            if num_top is not None:
+                logprobs = chat_logprobs(self.decoder, ids, lps, num_top)
             choice = ChatChunkChoice(
+                index=index,
                 delta=DeltaMessage(content=out.new_text),
                 logprobs=logprobs,
                 finish_reason=reason,
                 stop_reason=stop_reason,
             )
-            return self._chat([choice])
+            return chat_chunk(self.job, [choice])
         text = out.new_text
         if self.is_echo_pending:
-            text, self.is_echo_pending = self.job.echo + text, False
+            text, self.is_echo_pending = self.choice.echo + text, False
         lp = None
-        if self.job.params.logprobs is not None:
+        if num_top is not None:
             lp = completion_logprobs(
                 self.decoder, ids, lps, self.offset + len(text) - len(out.new_text)
             )
         self.offset += len(text)
         choice_c = CompletionChoice(
-            text=text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
+            index=index, text=text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
         )
-        return self._completion([choice_c])
+        return completion_chunk(self.job, [choice_c])
 
     def _plain(self, text: str, reason: str | None, stop_reason: str | int | None) -> dict:
         """The hot path (one chunk per sequence per step): plain dicts, same JSON as the models."""
         self.offset += len(text)
         key, value = ("delta", {"content": text}) if self.job.chat else ("text", text)
         choice = {
-            "index": 0,
+            "index": self.choice.index,
             key: value,
             "logprobs": None,
             "finish_reason": reason,
@@ -224,20 +241,20 @@ class ChunkBuilder:
         }
         return {**self.head, "choices": [choice], "usage": None}
 
-    def usage(self) -> dict[str, Any]:
-        usage = usage_of(self.last, len(self.job.prompt_ids))
-        if self.job.chat:
-            return self._chat([], usage)
-        return self._completion([], usage)
 
-    def _chat(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict[str, Any]:
-        job = self.job
-        return ChatCompletionChunk(
-            id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
-        ).model_dump()
+def usage_chunk(job: Job, lasts: list[RequestOutput | None]) -> dict[str, Any]:
+    """The final chunk of a stream that asked for usage: no choices, the job's usage."""
+    usage = usage_of(job, lasts)
+    return chat_chunk(job, [], usage) if job.chat else completion_chunk(job, [], usage)
 
-    def _completion(self, choices: list[CompletionChoice], usage: Usage | None = None) -> dict:
-        job = self.job
-        return CompletionResponse(
-            id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
-        ).model_dump()
+
+def chat_chunk(job: Job, choices: list[ChatChunkChoice], usage: Usage | None = None) -> dict:
+    return ChatCompletionChunk(
+        id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
+    ).model_dump()
+
+
+def completion_chunk(job: Job, choices: list[CompletionChoice], usage: Usage | None = None) -> dict:
+    return CompletionResponse(
+        id=job.request_id, created=job.created, model=job.model, choices=choices, usage=usage
+    ).model_dump()

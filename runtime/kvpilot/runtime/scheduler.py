@@ -53,14 +53,18 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, at_front: bool = False) -> None:
+        """Queue `seq` last, or first (`at_front`) when it arrived before those waiting."""
         num_blocks = -(-seq.num_tokens // BLOCK_SIZE)
         if num_blocks > self.block_manager.num_total_blocks:
             raise ValueError(
                 f"prompt needs {num_blocks} KV blocks, the pool has "
                 f"{self.block_manager.num_total_blocks}"
             )
-        self.waiting.append(seq)
+        if at_front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

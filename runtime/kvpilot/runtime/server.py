@@ -136,7 +136,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def respond(request: Request, state: ServerState, job: serving.Job) -> Response:
-    ticket = state.admit()  # 429 past --max-waiting; released exactly once, however we end
+    ticket = state.admit(len(job.choices))  # 429 past --max-waiting; released exactly once
     if job.stream:
         stream = serving.stream_events(state, job, ticket)
         return StreamingResponse(

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -26,6 +26,7 @@ from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
     GREEDY_EPSILON,
+    MAX_SEED,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
@@ -79,15 +80,15 @@ def local_model_dir(config: ServeConfig) -> str:
 
 
 class Ticket:
-    """One admitted request's place in the in-flight count; `release` is idempotent."""
+    """One admitted request's sequences in the in-flight count; `release` is idempotent."""
 
-    def __init__(self, state: ServerState):
-        self.state, self.is_released = state, False
+    def __init__(self, state: ServerState, num_seqs: int = 1):
+        self.state, self.num_seqs, self.is_released = state, num_seqs, False
 
     def release(self) -> None:
         if not self.is_released:
             self.is_released = True
-            self.state.num_in_flight -= 1
+            self.state.num_in_flight -= self.num_seqs
             if self.state.num_in_flight == 0:
                 self.state.idle.set()
 
@@ -151,21 +152,23 @@ class ServerState:
             s.num_preemptions,
         )
 
-    def admit(self) -> Ticket:
-        """A place for one request, or 429 when it would queue past --max-waiting.
+    def admit(self, num_seqs: int = 1) -> Ticket:
+        """A place for one request of `num_seqs` sequences (n choices x prompts), or 429 when
+        they would queue past --max-waiting.
 
-        Counted from the server's own in-flight number, not the engine's last-step snapshot, so
-        a burst between two steps cannot overshoot: at most max_num_seqs + max_waiting requests
-        (and their prompts) are ever held.
+        Counted in sequences from the server's own in-flight number, not the engine's last-step
+        snapshot, so a burst between two steps cannot overshoot: at most max_num_seqs +
+        max_waiting sequences (and their prompts) are ever held, or one request's when it
+        arrives at an idle server.
         """
         if self.engine is None:
             raise ApiError(503, "model is still loading")
         num_queued = self.num_in_flight - self.config.max_num_seqs
-        if num_queued + 1 > self.config.max_waiting:
-            raise ApiError(429, f"server overloaded: {num_queued} requests already waiting")
-        self.num_in_flight += 1
+        if self.num_in_flight and num_queued + num_seqs > self.config.max_waiting:
+            raise ApiError(429, f"server overloaded: {num_queued} sequences already waiting")
+        self.num_in_flight += num_seqs
         self.idle.clear()
-        return Ticket(self)
+        return Ticket(self, num_seqs)
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work, let accepted requests finish, abort what is left at the timeout."""
@@ -185,14 +188,24 @@ class ServerState:
 
 
 @dataclass
+class Choice:
+    """One sequence of a response: choice `index` of prompt `index // n`."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str = ""  # completions with echo=true: prompt text before the output
+    request_id: str = ""  # the engine's id of this sequence, set by its Job
+
+
+@dataclass
 class Job:
     chat: bool
     model: str
-    prompt_ids: list[int]
-    params: SamplingParams
+    choices: list[Choice]  # prompt-major: prompt i's n choices are i*n .. i*n + n - 1
     stream: bool
     include_usage: bool
-    echo: str = ""  # completions with echo=true: prompt text before the output
+    n: int = 1
     request_id: str = ""
     created: int = 0
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
@@ -200,26 +213,58 @@ class Job:
     def __post_init__(self) -> None:
         self.request_id = new_id("chatcmpl" if self.chat else "cmpl")
         self.created = now()
+        for choice in self.choices:
+            is_single = len(self.choices) == 1
+            choice.request_id = (
+                self.request_id if is_single else f"{self.request_id}-{choice.index}"
+            )
+
+    @property
+    def firsts(self) -> list[Choice]:
+        """Each prompt's first choice: usage counts a prompt once however many choices it has."""
+        return self.choices[:: self.n]
+
+
+def choices_of(prompt_ids: list[int], params: SamplingParams, n: int, first: int) -> list[Choice]:
+    """The n choices of one prompt; with a seed, choice j draws with seed + j (as vLLM does), so
+    they differ and each is reproducible."""
+    return [
+        Choice(first + j, prompt_ids, params if params.seed is None else seeded(params, j))
+        for j in range(n)
+    ]
+
+
+def seeded(params: SamplingParams, offset: int) -> SamplingParams:
+    return replace(params, seed=((params.seed or 0) + offset) % (MAX_SEED + 1))
 
 
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
     core = _core(state)
-    prompt = body.prompt
+    choices: list[Choice] = []
+    for prompt in body.prompts():
+        ids = _completion_ids(core, prompt)
+        max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
+        params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
+        echo = ""
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)
+        for choice in choices_of(ids, params, body.n, len(choices)):
+            choice.echo = echo
+            choices.append(choice)
+    return Job(False, body.model, choices, body.stream, body.include_usage(), body.n)
+
+
+def _completion_ids(core: Engine, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        ids = core.tokenizer.encode(prompt)
-    else:
-        ids = list(cast(list[int], prompt))  # the validator left one list of token ids
-        vocab = core.tokenizer.vocab_size
-        if max(ids) >= vocab:
-            raise ApiError(
-                400,
-                f"prompt: token id {max(ids)} is outside the vocabulary (size {vocab})",
-                "prompt",
-            )
-    max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
-    params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
-    echo = (prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)) if body.echo else ""
-    return Job(False, body.model, ids, params, body.stream, body.include_usage(), echo)
+        return core.tokenizer.encode(prompt)
+    vocab = core.tokenizer.vocab_size
+    if max(prompt) >= vocab:
+        raise ApiError(
+            400,
+            f"prompt: token id {max(prompt)} is outside the vocabulary (size {vocab})",
+            "prompt",
+        )
+    return list(prompt)
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
@@ -241,7 +286,8 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
         ids = ids[1:]  # the template wrote BOS and the encoder added one: keep exactly one
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
     params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
-    return Job(True, body.model, ids, params, body.stream, body.include_usage())
+    choices = choices_of(ids, params, body.n, 0)
+    return Job(True, body.model, choices, body.stream, body.include_usage(), body.n)
 
 
 def _core(state: ServerState) -> Engine:
@@ -329,41 +375,55 @@ def sampling_params(
         raise ApiError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
 
 
-async def outputs(state: ServerState, job: Job) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs for `job`, recording the latency metrics as they arrive."""
+async def outputs(state: ServerState, job: Job) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """The engine's outputs for every choice of `job`, interleaved as the steps make them,
+    recording each sequence's latency metrics as they arrive."""
     engine = state.engine
     if engine is None:
         raise ApiError(503, "model is still loading")
-    tracker = responses.Tracker(state.metrics, job.arrival, len(job.prompt_ids))
-    state.active.add(job.request_id)
+    by_id = {choice.request_id: choice for choice in job.choices}
+    trackers = {
+        rid: responses.Tracker(state.metrics, job.arrival, len(choice.prompt_ids))
+        for rid, choice in by_id.items()
+    }
+    state.active.update(by_id)
+    requests = [(c.prompt_ids, c.params, c.request_id) for c in job.choices]
     try:
-        async for out in engine.generate(job.prompt_ids, job.params, job.request_id):
-            tracker.on_output(out)
-            yield out
+        async for out in engine.generate_many(requests):
+            trackers[out.request_id].on_output(out)
+            yield by_id[out.request_id], out
     finally:
-        state.active.discard(job.request_id)
-        tracker.close()
+        state.active.difference_update(by_id)
+        for tracker in trackers.values():
+            tracker.close()
 
 
 async def collect(state: ServerState, job: Job) -> dict[str, Any]:
-    acc = responses.Accumulator(job, _core(state).tokenizer)
-    async for out in outputs(state, job):
-        acc.add(out)
-    return acc.response()
+    decoder = _core(state).tokenizer
+    accumulators = {
+        choice.index: responses.Accumulator(job, choice, decoder) for choice in job.choices
+    }
+    async for choice, out in outputs(state, job):
+        accumulators[choice.index].add(out)
+    return responses.response(job, list(accumulators.values()))
 
 
 async def stream_events(state: ServerState, job: Job, ticket: Ticket) -> AsyncIterator[str]:
-    """SSE: one chunk per engine output, usage if asked, then `data: [DONE]`."""
-    chunks = responses.ChunkBuilder(job, _core(state).tokenizer)
+    """SSE: chunks of every choice as their tokens come, usage if asked, then `data: [DONE]`."""
+    decoder = _core(state).tokenizer
+    builders = {
+        choice.index: responses.ChunkBuilder(job, choice, decoder) for choice in job.choices
+    }
     try:
         if job.chat:
-            yield responses.sse(chunks.role())
-        async for out in outputs(state, job):
-            chunk = chunks.chunk(out)
+            for builder in builders.values():
+                yield responses.sse(builder.role())
+        async for choice, out in outputs(state, job):
+            chunk = builders[choice.index].chunk(out)
             if chunk is not None:
                 yield responses.sse(chunk)
         if job.include_usage:
-            yield responses.sse(chunks.usage())
+            yield responses.sse(responses.usage_chunk(job, [b.last for b in builders.values()]))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # the engine failed mid-stream: headers are out, tell the client
         log.exception("stream %s failed", job.request_id)

@@ -27,7 +27,8 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
     ({"seed": -1}, "seed"),
     ({"seed": 2**64}, "seed"),
     ({"logprobs": 21}, "logprobs"),
@@ -44,7 +45,9 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"prompt": ""}, None),  # empty text is a tokenisation question, decided by the server
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": ["a"] * 1025}, "prompt"),
     ({"prompt": [1, -5]}, "prompt"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": None}, "prompt"),  # null means unset, and prompt is required
@@ -103,17 +106,19 @@ def test_top_logprobs_without_logprobs_is_rejected() -> None:
         ChatCompletionRequest.model_validate({**CHAT, "top_logprobs": 2})
 
 
-GOOD: list[tuple[dict[str, Any], str | list[int]]] = [
-    ({"prompt": "hi"}, "hi"),
-    ({"prompt": ["hi"]}, "hi"),
-    ({"prompt": [1, 2, 3]}, [1, 2, 3]),
-    ({"prompt": [[4, 5]]}, [4, 5]),
+GOOD: list[tuple[dict[str, Any], list[str | list[int]]]] = [
+    ({"prompt": "hi"}, ["hi"]),
+    ({"prompt": ["hi"]}, ["hi"]),
+    ({"prompt": ["hi", "there"]}, ["hi", "there"]),
+    ({"prompt": [1, 2, 3]}, [[1, 2, 3]]),
+    ({"prompt": [[4, 5]]}, [[4, 5]]),
+    ({"prompt": [[4, 5], [6]]}, [[4, 5], [6]]),
 ]
 
 
-@pytest.mark.parametrize(("patch", "prompt"), GOOD)
-def test_prompt_shapes_unwrap_to_one_prompt(patch: dict[str, Any], prompt: object) -> None:
-    assert CompletionRequest.model_validate({**COMPLETION, **patch}).prompt == prompt
+@pytest.mark.parametrize(("patch", "prompts"), GOOD)
+def test_prompt_shapes_are_batches_of_prompts(patch: dict[str, Any], prompts: object) -> None:
+    assert CompletionRequest.model_validate({**COMPLETION, **patch}).prompts() == prompts
 
 
 def test_defaults_and_helpers() -> None:

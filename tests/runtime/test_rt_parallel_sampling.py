@@ -1,0 +1,79 @@
+"""n > 1 choices of one prompt: the prompt is computed once, the others read it from the cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.runtime.sampling import SamplingParams
+
+PROMPT = list(range(5, 105))  # 100 tokens: 6 full blocks before the last token's block
+
+
+def run(engine: Engine, requests: list[tuple[list[int], SamplingParams, str]]) -> dict:
+    engine.add_requests(requests)
+    tokens: dict[str, list[int]] = {request_id: [] for _, _, request_id in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+def sampled(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+
+
+@pytest.mark.parametrize("num_choices", [2, 4])
+def test_choices_read_the_prompt_from_the_cache(
+    make_engine: Callable[..., Engine], num_choices: int
+) -> None:
+    engine = make_engine()
+    requests = [(PROMPT, sampled(seed), f"c{seed}") for seed in range(num_choices)]
+    tokens = run(engine, requests)
+    stats = engine.stats()
+    cacheable = (len(PROMPT) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert stats.prefix_cache_hits == (num_choices - 1) * cacheable
+    assert stats.prefix_cache_queries == num_choices * len(PROMPT)
+    assert len({tuple(ids) for ids in tokens.values()}) == num_choices  # seeds differ
+    assert all(len(ids) == 12 for ids in tokens.values())
+
+
+def test_a_choice_is_the_request_it_would_be_alone(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    together = run(engine, [(PROMPT, greedy, f"g{i}") for i in range(3)])
+    alone = run(make_engine(), [(PROMPT, greedy, "alone")])["alone"]
+    assert list(together.values()) == [alone] * 3
+
+
+def test_without_prefix_caching_every_choice_computes_the_prompt(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine(enable_prefix_caching=False)
+    tokens = run(engine, [(PROMPT, sampled(seed), f"c{seed}") for seed in range(3)])
+    assert engine.stats().prefix_cache_hits == 0
+    assert all(len(ids) == 12 for ids in tokens.values())
+
+
+def test_aborting_the_first_choice_leaves_the_others_running(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine()
+    engine.add_requests([(PROMPT, sampled(seed), f"c{seed}") for seed in range(3)])
+    engine.abort("c0")  # before the first step: the followers were waiting on it
+    reasons: dict[str, str | None] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {"c0": "abort", "c1": "length", "c2": "length"}
+
+
+def test_request_ids_of_one_call_must_be_distinct(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine()
+    with pytest.raises(ValueError, match="collide"):
+        engine.add_requests([(PROMPT, sampled(0), "same"), (PROMPT, sampled(1), "same")])
+    assert not engine.has_unfinished_requests()  # all or none
