@@ -30,7 +30,7 @@ def processed_logits(
         for token in [*params.stop_token_ids, *([] if params.ignore_eos else eos)]:
             logits[token] = NEG_INF
     output = Counter(row.token_ids[row.num_prompt_tokens :])
-    for token in set(row.token_ids):  # every other token keeps its logit
+    for token in set(row.token_ids) if params.has_penalties else ():  # others keep theirs
         value = float(logits[token])
         if params.repetition_penalty != 1.0:
             penalty = params.repetition_penalty
@@ -81,6 +81,7 @@ def sample_rows(
     for row_logits, row in zip(logits, rows, strict=True):
         noise = None
         if not row.params.is_greedy:
-            noise = torch.empty_like(row_logits).exponential_(generator=row.generator)
+            # Exp(1) draws as -log(U), the batched sampler's way of drawing them.
+            noise = -torch.rand(row_logits.shape, generator=row.generator).log()
         tokens.append(sample_row(row_logits, row, eos, noise))
     return tokens

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.runtime.layers import sampler
 from kvpilot.runtime.layers.sampler import (
     SamplingRow,
     apply_logit_bias,
@@ -111,6 +112,23 @@ def test_processors_match_the_reference(case: int) -> None:
 def test_filters_match_the_reference(seed: int) -> None:
     rows = [row for row in make_rows(seed) if not row.params.is_greedy]
     logits = make_logits(seed, len(rows))
+    got = filter_logits(logits, [row.params for row in rows])
+    for index, row in enumerate(rows):
+        assert same_logits(got[index], reference.filtered_logits(logits[index], row))
+
+
+@pytest.mark.parametrize("num_candidates", [4, 16, 1024])
+def test_top_p_sorts_only_rows_its_candidates_do_not_cover(
+    num_candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flat rows (the candidates hold little mass) take the full sort, peaked rows do not; both
+    must filter as the reference does."""
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", num_candidates)
+    rng = torch.Generator().manual_seed(5)
+    scales = [0.1, 8.0, 0.3, 5.0, 1.0, 0.05]
+    logits = torch.cat([torch.randn(1, VOCAB, generator=rng) * scale for scale in scales])
+    top_ps = [0.9, 0.9, 0.5, 0.99, 0.7, 0.3]
+    rows = [SamplingRow(SamplingParams(top_p=p), [1], 1) for p in top_ps]
     got = filter_logits(logits, [row.params for row in rows])
     for index, row in enumerate(rows):
         assert same_logits(got[index], reference.filtered_logits(logits[index], row))
