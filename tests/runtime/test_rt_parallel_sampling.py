@@ -1,10 +1,13 @@
-"""n > 1 choices of one prompt: the prompt is computed once, the others read it from the cache."""
+"""n > 1 choices of one prompt (computed once, the others read it from the prefix cache), and
+prompt logprobs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
@@ -77,3 +80,36 @@ def test_request_ids_of_one_call_must_be_distinct(make_engine: Callable[..., Eng
     with pytest.raises(ValueError, match="collide"):
         engine.add_requests([(PROMPT, sampled(0), "same"), (PROMPT, sampled(1), "same")])
     assert not engine.has_unfinished_requests()  # all or none
+
+
+def prompt_logprobs_of(engine: Engine, prompt: list[int], params: SamplingParams) -> list:
+    engine.add_request(prompt, params, "p")
+    scored = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                assert scored is None, "prompt logprobs come once"
+                scored = out.prompt_logprobs
+    assert scored is not None
+    return scored
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [512, 16])  # whole prefill, and in chunks
+def test_prompt_logprobs_are_transformers_log_softmax(
+    make_engine: Callable[..., Engine], hf_tiny_llama: Any, max_num_batched_tokens: int
+) -> None:
+    engine = make_engine(max_num_batched_tokens=max_num_batched_tokens)
+    prompt = [1, *engine.tokenizer.encode("The sort method orders a list in place, and returns")]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
+    with torch.no_grad():
+        reference = hf_tiny_llama(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for _ in range(2):  # the second time the prompt is cached, and must be scored all the same
+        scored = prompt_logprobs_of(engine, prompt, params)
+        assert [s.token_id for s in scored] == prompt[1:]
+        for position, s in enumerate(scored):
+            row = reference[position]
+            assert s.logprob == pytest.approx(float(row[s.token_id]), abs=1e-3)
+            assert s.rank == int((row > row[s.token_id]).sum()) + 1
+            top = row.topk(3)
+            assert list(s.top) == top.indices.tolist()
+            assert list(s.top.values()) == pytest.approx(top.values.tolist(), abs=1e-3)

@@ -261,9 +261,11 @@ class Engine:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
         if batch.scheduled:
-            results = self.runner.execute(batch.scheduled)
+            result = self.runner.execute(batch.scheduled)
             self.scheduler.update_after_step(batch)
-            outputs += [self._on_token(item, tok, lp) for item, tok, lp in results]
+            for request_id, scored in result.prompt_logprobs.items():
+                self._states[request_id].add_prompt_logprobs(scored)
+            outputs += [self._on_token(item, tok, lp) for item, tok, lp in result.samples]
         if self._followers:
             outputs += self._release_followers()
         with self._lock:

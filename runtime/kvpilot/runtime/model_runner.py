@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,11 +17,12 @@ from kvpilot.runtime.layers.attention import (
     chunk_mask,
     decode_mask,
 )
-from kvpilot.runtime.layers.sampler import SamplingRow, sample
+from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
 from kvpilot.runtime.loader import ModelConfig, open_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.parallel import TPGroup
+from kvpilot.runtime.sampling import PromptLogprob
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
 
@@ -96,6 +97,10 @@ class StepPlan:
     decode_context_lens: list[int]  # [B] tokens each decode attends to, its own included
     prefills: list[PrefillPlan]
     sample_rows: list[int]  # [S] rows whose output is sampled, in batch order
+    # [P] rows whose logits score the next prompt token (prompt logprobs), and per sequence that
+    # has any: (request id, first prompt position scored, number of rows), in row order.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
@@ -116,6 +121,7 @@ def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
         if item.num_new_tokens > 1:
             prefills.append(PrefillPlan(start, item.num_new_tokens, first, list(seq.block_table)))
     decodes = [item.seq for item in layout if item.num_new_tokens == 1]
+    prompt_rows, prompt_spans = plan_prompt_rows(layout)
     return StepPlan(
         input_ids=input_ids,
         positions=positions,
@@ -124,7 +130,36 @@ def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
         decode_context_lens=[seq.num_computed_tokens + 1 for seq in decodes],
         prefills=prefills,
         sample_rows=[last_rows[item.seq] for item in batch if item.is_sampling],
+        prompt_rows=prompt_rows,
+        prompt_spans=prompt_spans,
     )
+
+
+def plan_prompt_rows(
+    layout: list[ScheduledSequence],
+) -> tuple[list[int], list[tuple[str, int, int]]]:
+    """The rows whose logits score a prompt token not scored yet: position p scores token p + 1,
+    so positions up to num_prompt_tokens - 2 (the last one's output is the first sampled token).
+    A recompute after preemption scores nothing twice."""
+    rows: list[int] = []
+    spans: list[tuple[str, int, int]] = []
+    start = 0
+    for item in layout:
+        seq, first = item.seq, item.seq.num_computed_tokens
+        if seq.wants_prompt_logprobs:
+            begin = max(first, seq.num_scored_prompt_tokens)
+            end = min(first + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if end > begin:
+                rows += range(start + begin - first, start + end - first)
+                spans.append((seq.request_id, begin, end - begin))
+        start += item.num_new_tokens
+    return rows, spans
+
+
+@dataclass(frozen=True)
+class StepResult:
+    samples: list[tuple[ScheduledSequence, int, dict[int, float] | None]]
+    prompt_logprobs: dict[str, list[PromptLogprob]]  # request id -> positions scored this step
 
 
 def decode_group_bounds(
@@ -211,14 +246,15 @@ class ModelRunner:
         self, plan: StepPlan
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """A step's plan as tensors on this rank's device: input_ids [T], positions [T],
-        attention metadata, and the rows to sample [S]."""
+        attention metadata, and the rows whose output is needed [S + P]: those to sample, then
+        those scoring prompt tokens."""
         meta = AttentionMetadata(
             slot_mapping=self._tensor(plan.slot_mapping),
             decodes=self._decode_groups(plan.decode_block_tables, plan.decode_context_lens),
             prefills=[self._prefill_span(prefill) for prefill in plan.prefills],
         )
         ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
-        return ids, positions, meta, self._tensor(plan.sample_rows)
+        return ids, positions, meta, self._tensor(plan.sample_rows + plan.prompt_rows)
 
     def _prefill_span(self, prefill: PrefillPlan) -> PrefillSpan:
         num_computed, num_tokens = prefill.num_computed, prefill.num_tokens
@@ -268,25 +304,50 @@ class ModelRunner:
         return self.model.forward(input_ids, positions, self.kv_caches, meta, rows)
 
     def logits(self, batch: list[ScheduledSequence]) -> torch.Tensor:
-        """Run one step on every rank; logits [S, vocab] (float32) of the items that sample,
-        in batch order."""
-        plan = plan_step(batch)
+        """Run one step on every rank; logits [S + P, vocab] (float32): the items that sample,
+        in batch order, then the prompt rows."""
+        return self.plan_logits(plan_step(batch))
+
+    def plan_logits(self, plan: StepPlan) -> torch.Tensor:
         if self.workers is not None:
             self.workers.execute(plan)  # the other ranks run the same step alongside
-        hidden = self.run_model(plan)  # [S, hidden]
+        hidden = self.run_model(plan)  # [S + P, hidden]
         return self.model.compute_logits(hidden)
 
-    def execute(
-        self, batch: list[ScheduledSequence]
-    ) -> list[tuple[ScheduledSequence, int, dict[int, float] | None]]:
-        """Run one step; returns (item, next token, logprobs) for each item that samples."""
+    def execute(self, batch: list[ScheduledSequence]) -> StepResult:
+        """Run one step: (item, next token, logprobs) for each item that samples, and the
+        prompt logprobs scored in this step."""
         sampling = [item for item in batch if item.is_sampling]
-        logits = self.logits(batch)  # [S, vocab]
+        plan = plan_step(batch)
+        logits = self.plan_logits(plan)  # [S + P, vocab]
+        prompt = self._prompt_logprobs(batch, plan, logits[len(sampling) :])
         if not sampling:
-            return []
+            return StepResult([], prompt)
         rows = [self._sampling_row(item.seq) for item in sampling]
-        tokens, logprobs = sample(logits, rows, self.default_generator, self.eos_token_ids)
-        return list(zip(sampling, tokens, logprobs, strict=True))
+        tokens, logprobs = sample(
+            logits[: len(sampling)], rows, self.default_generator, self.eos_token_ids
+        )
+        return StepResult(list(zip(sampling, tokens, logprobs, strict=True)), prompt)
+
+    def _prompt_logprobs(
+        self, batch: list[ScheduledSequence], plan: StepPlan, logits: torch.Tensor
+    ) -> dict[str, list[PromptLogprob]]:
+        """logits: [P, vocab] of the plan's prompt rows -> per request, its scored positions."""
+        if not plan.prompt_spans:
+            return {}
+        seqs = {item.seq.request_id: item.seq for item in batch}
+        targets: list[int] = []
+        num_tops: list[int] = []
+        for request_id, begin, count in plan.prompt_spans:
+            seq = seqs[request_id]
+            targets += seq.token_ids[begin + 1 : begin + 1 + count]
+            num_tops += [seq.params.prompt_logprobs or 0] * count
+        scored = score_tokens(logits, targets, num_tops)
+        result, offset = {}, 0
+        for request_id, _, count in plan.prompt_spans:
+            result[request_id] = scored[offset : offset + count]
+            offset += count
+        return result
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, self._generator(seq))

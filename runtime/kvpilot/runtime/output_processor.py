@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpilot.runtime.sampling import (
+    PromptLogprob,
     SamplingParams,
     find_stop_match,
     num_emittable_chars,
@@ -33,6 +34,9 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None  # once finished: the stop string or stop token id
+    # With prompt_logprobs, in the first output: positions 1 .. num_prompt_tokens - 1 (position
+    # 0 has nothing before it to be scored by).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass
@@ -44,6 +48,12 @@ class RequestState:
     num_sent_chars: int = 0
     num_sent_tokens: int = 0
     pending_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    is_prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(self, scored: list[PromptLogprob]) -> None:
+        self.prompt_logprobs += scored
+        self.seq.num_scored_prompt_tokens += len(scored)
 
 
 def finish_reason_for_token(
@@ -104,6 +114,9 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
     state.num_sent_chars, state.num_sent_tokens = end, seq.num_output_tokens
     logprobs = state.pending_logprobs if seq.params.logprobs is not None else None
     state.pending_logprobs = []
+    prompt_logprobs = None
+    if seq.wants_prompt_logprobs and not state.is_prompt_logprobs_sent:
+        prompt_logprobs, state.is_prompt_logprobs_sent = state.prompt_logprobs, True
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=new_ids,
@@ -115,4 +128,5 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
         num_output_tokens=seq.num_output_tokens,
         logprobs=logprobs,
         stop_reason=seq.stop_reason if is_finished else None,
+        prompt_logprobs=prompt_logprobs,
     )

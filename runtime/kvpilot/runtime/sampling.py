@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
     logprobs: int | None = None  # top-N logprobs per generated token (None = off)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token after the first
     # OpenAI semantics over the generated tokens; vLLM's repetition penalty over prompt + output.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -40,6 +41,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
@@ -72,6 +75,17 @@ class SamplingParams:
     def effective_top_k(self) -> int:
         """0 when top-k is disabled (the API allows both 0 and -1 for that)."""
         return max(self.top_k, 0)
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token scored by the model: its logprob and rank (1 = the most likely) given
+    the tokens before it, and the `num_top` most likely tokens' logprobs there."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

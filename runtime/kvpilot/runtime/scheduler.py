@@ -114,7 +114,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_blocks(seq)
+            # Prompt logprobs need every prompt position's logits: nothing from the cache.
+            cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
             if not self.block_manager.can_allocate_slots(seq, num_new, cached):
                 break

@@ -32,6 +32,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    num_scored_prompt_tokens: int = 0  # prompt positions whose logprobs are out (prompt_logprobs)
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     is_admitted_once: bool = False
 
@@ -52,6 +53,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.sampling import PromptLogprob, SamplingParams
 
 # Top-p first looks at this many of a row's most likely tokens (see apply_top_k_top_p).
 TOP_P_CANDIDATES = 1024
@@ -298,6 +298,26 @@ def logprobs_of(
         entry.update(zip(ids[row][:num_top], values[row][:num_top], strict=True))
         result[i] = entry
     return result
+
+
+def score_tokens(
+    logits: torch.Tensor, targets: list[int], num_tops: list[int]
+) -> list[PromptLogprob]:
+    """logits: [P, V] -> how likely each row's target token was, in a few batched ops."""
+    logprobs = logits.log_softmax(-1)  # [P, V]
+    target_ids = _long(targets, logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, target_ids)  # [P, 1]
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(max(num_tops, default=0), dim=-1)
+    values, ids = top_values.tolist(), top_ids.tolist()
+    return [
+        PromptLogprob(
+            target, value, rank, dict(zip(ids[row][:num], values[row][:num], strict=True))
+        )
+        for row, (target, value, rank, num) in enumerate(
+            zip(targets, chosen.squeeze(1).tolist(), ranks, num_tops, strict=True)
+        )
+    ]
 
 
 def _long(values: list[int], device: torch.device) -> torch.Tensor:
