@@ -15,9 +15,9 @@ import torch
 from kvpilot.runtime.layers import sampler
 from kvpilot.runtime.layers.sampler import (
     SamplingRow,
-    apply_logit_bias,
-    apply_min_tokens,
-    apply_penalties,
+    apply_logit_bias_,
+    apply_min_tokens_,
+    apply_penalties_,
     filter_logits,
     sample,
 )
@@ -104,7 +104,10 @@ def test_batch_draws_the_reference_tokens(seed: int) -> None:
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[name for name, _, _ in CASES])
 def test_processors_match_the_reference(case: int) -> None:
     logits, rows = make_logits(case), make_rows(case)
-    got = apply_penalties(apply_min_tokens(apply_logit_bias(logits, rows), rows, EOS), rows)
+    got = logits.clone()
+    apply_logit_bias_(got, rows)
+    apply_min_tokens_(got, rows, EOS)
+    apply_penalties_(got, rows)
     assert same_logits(got[case], reference.processed_logits(logits[case], rows[case], EOS))
 
 

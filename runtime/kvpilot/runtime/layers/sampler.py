@@ -81,9 +81,14 @@ def sample_tensor(
     eos_token_ids: Sequence[int],
 ) -> torch.Tensor:
     """[S, V] -> [S] token ids, without a device sync."""
-    logits = apply_logit_bias(logits, rows)
-    logits = apply_min_tokens(logits, rows, eos_token_ids)
-    logits = apply_penalties(logits, rows)
+    if any(
+        row.params.logit_bias or row.params.has_penalties or row.banned_ids(eos_token_ids)
+        for row in rows
+    ):
+        logits = logits.clone()  # the processors work in place; logprobs read the raw logits
+        apply_logit_bias_(logits, rows)
+        apply_min_tokens_(logits, rows, eos_token_ids)
+        apply_penalties_(logits, rows)
     chosen = logits.max(-1).indices  # [S]: right for the greedy rows
     drawn = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if drawn:
@@ -94,64 +99,78 @@ def sample_tensor(
     return chosen
 
 
-# -- logits processors: each returns new logits, or the same tensor when no row asks -------------
+# -- logits processors, in place on [S, V] logits; each does nothing when no row asks ------------
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_logit_bias_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     entries = [(i, t, bias) for i, row in enumerate(rows) for t, bias in row.params.logit_bias]
     if not entries:
-        return logits
+        return
     row_ids, token_ids, biases = zip(*entries, strict=True)
     device = logits.device
     index = (_long(list(row_ids), device), _long(list(token_ids), device))
     values = torch.tensor(biases, dtype=logits.dtype, device=device)
-    return logits.index_put(index, values, accumulate=True)
+    logits.index_put_(index, values, accumulate=True)
 
 
-def apply_min_tokens(
+def apply_min_tokens_(
     logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: Sequence[int]
-) -> torch.Tensor:
+) -> None:
     entries = [(i, token) for i, row in enumerate(rows) for token in row.banned_ids(eos_token_ids)]
     if not entries:
-        return logits
+        return
     row_ids, token_ids = zip(*entries, strict=True)
     index = (_long(list(row_ids), logits.device), _long(list(token_ids), logits.device))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """vLLM's penalties on the rows that have any: repetition divides a positive logit (and
     multiplies a negative one) of every token seen in the prompt or output; frequency subtracts
-    per occurrence in the output, presence once per token present in it."""
+    per occurrence in the output, presence once per token present in it. Only the (row, token)
+    entries of tokens that occurred are touched: the work follows the context lengths, not
+    rows x vocabulary."""
     penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
     if not penalised:
-        return logits
+        return
     device, vocab_size = logits.device, logits.shape[-1]
-    subset = [rows[i] for i in penalised]
-    index = _long(penalised, device)
-    part = logits[index]  # [R, V]
-    counts = token_counts([r.token_ids[r.num_prompt_tokens :] for r in subset], vocab_size, device)
-    is_in_output = counts > 0
-    if any(r.params.repetition_penalty != 1.0 for r in subset):
-        prompts = [r.token_ids[: r.num_prompt_tokens] for r in subset]
-        is_seen = is_in_output | (token_counts(prompts, vocab_size, device) > 0)
-        repetition = _column([r.params.repetition_penalty for r in subset], device)
-        factor = torch.where(is_seen, repetition, 1.0)
-        part = torch.where(part > 0, part / factor, part * factor)
-    frequency = _column([r.params.frequency_penalty for r in subset], device)
-    presence = _column([r.params.presence_penalty for r in subset], device)
-    part = part - frequency * counts - presence * is_in_output
-    return logits.index_copy(0, index, part)
+    flat = logits.view(-1)  # entry (row, token) at row * V + token
+    per_row = {
+        name: _per_row(rows, penalised, name, device)
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    }
+    if any(rows[i].params.repetition_penalty != 1.0 for i in penalised):
+        seen, _ = occurrences([rows[i].token_ids for i in penalised], penalised, vocab_size, device)
+        factor = per_row["repetition_penalty"][seen // vocab_size]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / factor, values * factor)
+    outputs = [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in penalised]
+    keys, counts = occurrences(outputs, penalised, vocab_size, device)
+    row_of = keys // vocab_size
+    flat[keys] -= per_row["frequency_penalty"][row_of] * counts
+    flat[keys] -= per_row["presence_penalty"][row_of]
 
 
-def token_counts(id_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[R, V] float32: how often each token occurs in each list, in one scatter-add."""
+def _per_row(
+    rows: list[SamplingRow], penalised: list[int], name: str, device: torch.device
+) -> torch.Tensor:
+    """[S]: the penalty `name` of each penalised row (the others' are never read)."""
+    values = [0.0] * len(rows)
+    for i in penalised:
+        values[i] = getattr(rows[i].params, name)
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def occurrences(
+    id_lists: list[list[int]], row_ids: list[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) entries of the lists as flat indices row * V + token, and how
+    often each occurs: one unique() over the concatenated ids."""
     lengths = _long([len(ids) for ids in id_lists], device)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists), device=device), lengths)
-    flat = _long(list(itertools.chain.from_iterable(id_lists)), device)
-    counts = torch.zeros(len(id_lists) * vocab_size, device=device)
-    counts.scatter_add_(0, rows * vocab_size + flat, torch.ones_like(flat, dtype=counts.dtype))
-    return counts.view(len(id_lists), vocab_size)
+    rows = torch.repeat_interleave(_long(row_ids, device), lengths)
+    flat = rows * vocab_size + _long(list(itertools.chain.from_iterable(id_lists)), device)
+    keys, counts = torch.unique(flat, return_counts=True)
+    return keys, counts.to(torch.float32)
 
 
 # -- the draw ------------------------------------------------------------------------------------
@@ -173,8 +192,10 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     each filter runs on the rows that use it."""
     device = logits.device
     logits = logits / _column([p.temperature for p in params], device)
-    if any(p.min_p > 0 for p in params):
-        logits = apply_min_p(logits, _column([p.min_p for p in params], device))
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
+    if min_p_rows:
+        min_p = _column([params[i].min_p for i in min_p_rows], device)
+        logits = _on_rows(logits, min_p_rows, lambda part: apply_min_p(part, min_p))
     top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     top_k_rows = [i for i, p in enumerate(params) if p.top_p == 1.0 and p.effective_top_k]
     if top_p_rows:
