@@ -139,21 +139,24 @@ def test_stop_string_ends_the_text(client: OpenAI, engine: Engine) -> None:
     assert resp.choices[0].text == text[: text.index(stop)]
 
 
-def test_logprobs_and_echo(client: OpenAI) -> None:
+def test_logprobs_and_echo(client: OpenAI, engine: Engine) -> None:
     resp = client.completions.create(
         model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2, echo=True
     )
     choice = resp.choices[0]
     assert choice.text.startswith(PROMPTS[0])
-    assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 4
+    num_prompt = len(engine.tokenizer.encode(PROMPTS[0]))
+    # OpenAI's legacy echo: the prompt's tokens lead, the first with nothing to be scored by.
+    assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == num_prompt + 4
     lp = choice.logprobs
+    assert (lp.token_logprobs or [])[0] is None and (lp.top_logprobs or [])[0] is None
     rows = zip(lp.tokens or [], lp.token_logprobs or [], lp.top_logprobs or [], strict=True)
-    for token, logprob, top in rows:
-        assert logprob is not None and logprob <= 0
-        assert max(top.values()) == pytest.approx(
-            logprob
-        )  # greedy: the sampled token is the top one
-        assert token in top
+    for position, (token, logprob, top) in enumerate(rows):
+        if position == 0:
+            continue
+        assert logprob is not None and logprob <= 0 and token in top
+        if position >= num_prompt:  # greedy: the sampled token is the top one
+            assert max(top.values()) == pytest.approx(logprob)
 
 
 def test_models_and_probes(client: OpenAI, server: RuntimeServer) -> None:

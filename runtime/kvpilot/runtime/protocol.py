@@ -93,9 +93,10 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 (with echo): score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM extension")
     best_of: int | None = Field(None, ge=1, le=1)
     suffix: str | None = None
 
@@ -151,6 +152,14 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = Field(True, description="vLLM extension")
+    prompt_logprobs: int | None = None
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_on_completions(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("prompt logprobs are served on /v1/completions; send the prompt there")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -204,12 +213,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprobEntry(BaseModel):
+    """vLLM's prompt_logprobs entry for one candidate token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+    # vLLM: per prompt token (None for the first), token id -> entry, the prompt's token first
+    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

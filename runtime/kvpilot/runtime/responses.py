@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.runtime.engine import RequestOutput
@@ -19,10 +20,12 @@ from kvpilot.runtime.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprobEntry,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from kvpilot.runtime.sampling import PromptLogprob
 
 if TYPE_CHECKING:
     from kvpilot.runtime.serving import Choice, Job
@@ -74,7 +77,11 @@ def usage_of(job: Job, lasts: list[RequestOutput | None]) -> Usage:
         last = by_index[choice.index]
         num_prompt += last.num_prompt_tokens if last else len(choice.prompt_ids)
         num_cached += last.num_cached_tokens if last else 0
-    num_output = sum(last.num_output_tokens for last in lasts if last)
+    num_output = sum(
+        last.num_output_tokens
+        for choice, last in zip(job.choices, lasts, strict=True)
+        if last and not choice.is_prompt_only
+    )
     return Usage.build(num_prompt, num_output, num_cached)
 
 
@@ -89,6 +96,53 @@ def completion_logprobs(
         result.top_logprobs.append({decoder.decode([t]): lp for t, lp in top.items()})
         result.text_offset.append(offset)
         offset += len(text)
+    return result
+
+
+def echo_logprobs(
+    decoder: Decoder, prompt_ids: list[int], scored: list[PromptLogprob], num_top: int
+) -> CompletionLogprobs:
+    """The prompt's tokens as OpenAI's legacy echo shows them: the first has nothing before it
+    to be scored by, so its logprob and top logprobs are null."""
+    tops: list[dict[int, float] | None] = [None]
+    tops += [{s.token_id: s.logprob, **dict(list(s.top.items())[:num_top])} for s in scored]
+    result, offset = CompletionLogprobs(), 0
+    for token_id, top in zip(prompt_ids, tops, strict=False):
+        text = decoder.decode([token_id])
+        result.tokens.append(text)
+        result.token_logprobs.append(top[token_id] if top else None)
+        result.top_logprobs.append(
+            {decoder.decode([t]): lp for t, lp in top.items()} if top else None
+        )
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
+
+
+def joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + second.text_offset,
+    )
+
+
+def vllm_prompt_logprobs(
+    decoder: Decoder, scored: list[PromptLogprob], num_top: int
+) -> list[dict[str, PromptLogprobEntry] | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first) its own entry, then the
+    num_top most likely tokens', keyed by token id."""
+    result: list[dict[str, PromptLogprobEntry] | None] = [None]
+    for s in scored:
+        ranked = [(s.token_id, s.logprob, s.rank)]
+        ranked += [(t, lp, rank) for rank, (t, lp) in enumerate(list(s.top.items())[:num_top], 1)]
+        entry: dict[str, PromptLogprobEntry] = {}
+        for token_id, logprob, rank in ranked:
+            decoded = decoder.decode([token_id])
+            entry.setdefault(str(token_id), PromptLogprobEntry(
+                logprob=logprob, rank=rank, decoded_token=decoded))  # fmt: skip
+        result.append(entry)
     return result
 
 
@@ -124,8 +178,13 @@ class Accumulator:
         self.ids: list[int] = []
         self.lps: list[dict[int, float]] = []
         self.last: RequestOutput | None = None
+        self.prompt_logprobs: list[PromptLogprob] = []
 
     def add(self, out: RequestOutput) -> None:
+        self.last = out
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        if self.choice.is_prompt_only:
+            return  # the one token the prefill sampled is not part of the answer
         self.text += out.new_text
         self.ids += out.new_token_ids
         self.lps += out.logprobs or []
@@ -145,16 +204,27 @@ class Accumulator:
         )
 
     def completion_choice(self) -> CompletionChoice:
-        last = self.last
+        last, choice, decoder = self.last, self.choice, self.decoder
         lp = None
-        if self.choice.params.logprobs is not None:
-            lp = completion_logprobs(self.decoder, self.ids, self.lps, len(self.choice.echo))
+        if choice.params.logprobs is not None:
+            lp = completion_logprobs(decoder, self.ids, self.lps, len(choice.echo))
+            if choice.echo:
+                prompt = echo_logprobs(
+                    decoder, choice.prompt_ids, self.prompt_logprobs, choice.params.logprobs
+                )
+                lp = joined(prompt, lp)
+        prompt_logprobs = None
+        if choice.num_prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(
+                decoder, self.prompt_logprobs, choice.num_prompt_logprobs
+            )
         return CompletionChoice(
-            index=self.choice.index,
+            index=choice.index,
             text=self.text,
             logprobs=lp,
             finish_reason=last.finish_reason if last else "abort",
             stop_reason=last.stop_reason if last else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -180,6 +250,7 @@ class ChunkBuilder:
         self.offset = 0
         self.last: RequestOutput | None = None
         self.is_echo_pending = bool(choice.echo)
+        self.prompt_logprobs: list[PromptLogprob] | None = None  # arrived, not yet sent
         kind = "chat.completion.chunk" if job.chat else "text_completion"
         self.head = {
             "id": job.request_id,
@@ -194,12 +265,16 @@ class ChunkBuilder:
 
     def chunk(self, out: RequestOutput) -> dict[str, Any] | None:
         self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if self.choice.is_prompt_only:  # the one token the prefill sampled is not sent
+            out = replace(out, new_text="", new_token_ids=[], logprobs=None)
         if not out.new_text and not out.finished and not out.logprobs:
             return None  # tokens held back (partial UTF-8 or a possible stop string)
         reason = out.finish_reason if out.finished else None
         stop_reason, index = out.stop_reason, self.choice.index  # stop_reason: None until finished
         num_top = self.choice.params.logprobs
-        if num_top is None and not self.is_echo_pending:
+        if num_top is None and not self.is_echo_pending and self.prompt_logprobs is None:
             return self._plain(out.new_text, reason, stop_reason)
         ids, lps = out.new_token_ids, out.logprobs or []
         if self.job.chat:
@@ -214,19 +289,33 @@ class ChunkBuilder:
                 stop_reason=stop_reason,
             )
             return chat_chunk(self.job, [choice])
-        text = out.new_text
-        if self.is_echo_pending:
+        text, is_echo = out.new_text, self.is_echo_pending
+        if is_echo:
             text, self.is_echo_pending = self.choice.echo + text, False
         lp = None
         if num_top is not None:
             lp = completion_logprobs(
                 self.decoder, ids, lps, self.offset + len(text) - len(out.new_text)
             )
+            if is_echo:
+                scored = self.prompt_logprobs or []
+                lp = joined(
+                    echo_logprobs(self.decoder, self.choice.prompt_ids, scored, num_top), lp
+                )
         self.offset += len(text)
         choice_c = CompletionChoice(
-            index=index, text=text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason
-        )
+            index=index, text=text, logprobs=lp, finish_reason=reason, stop_reason=stop_reason,
+            prompt_logprobs=self._take_prompt_logprobs(),
+        )  # fmt: skip
         return completion_chunk(self.job, [choice_c])
+
+    def _take_prompt_logprobs(self) -> list[dict[str, PromptLogprobEntry] | None] | None:
+        """vLLM's prompt_logprobs, in the first chunk after they arrive."""
+        scored, self.prompt_logprobs = self.prompt_logprobs, None
+        num_top = self.choice.num_prompt_logprobs
+        if scored is None or num_top is None:
+            return None
+        return vllm_prompt_logprobs(self.decoder, scored, num_top)
 
     def _plain(self, text: str, reason: str | None, stop_reason: str | int | None) -> dict:
         """The hot path (one chunk per sequence per step): plain dicts, same JSON as the models."""

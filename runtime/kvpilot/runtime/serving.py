@@ -196,6 +196,8 @@ class Choice:
     params: SamplingParams
     echo: str = ""  # completions with echo=true: prompt text before the output
     request_id: str = ""  # the engine's id of this sequence, set by its Job
+    is_prompt_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as asked
 
 
 @dataclass
@@ -241,17 +243,36 @@ def seeded(params: SamplingParams, offset: int) -> SamplingParams:
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
     core = _core(state)
     choices: list[Choice] = []
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(
+            400, "max_tokens: 0 only scores the prompt, which needs echo=true", "max_tokens"
+        )
+    is_prompt_only = body.max_tokens == 0
     for prompt in body.prompts():
         ids = _completion_ids(core, prompt)
-        max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
+        # Scoring the prompt alone still runs its prefill, which samples one token: dropped.
+        requested = 1 if is_prompt_only else body.max_tokens
+        max_tokens = _max_tokens(state, ids, requested, "prompt")
         params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
+        params = replace(params, prompt_logprobs=prompt_logprobs_wanted(body))
         echo = ""
         if body.echo:
             echo = prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)
         for choice in choices_of(ids, params, body.n, len(choices)):
-            choice.echo = echo
+            choice.echo, choice.is_prompt_only = echo, is_prompt_only
+            choice.num_prompt_logprobs = body.prompt_logprobs
             choices.append(choice)
     return Job(False, body.model, choices, body.stream, body.include_usage(), body.n)
+
+
+def prompt_logprobs_wanted(body: CompletionRequest) -> int | None:
+    """How many top logprobs the engine scores per prompt token: for vLLM's prompt_logprobs,
+    and for echo with logprobs (OpenAI's legacy way: the prompt's tokens get logprobs too)."""
+    wanted = [body.prompt_logprobs]
+    if body.echo and body.logprobs is not None:
+        wanted.append(body.logprobs)
+    numbers = [n for n in wanted if n is not None]
+    return max(numbers) if numbers else None
 
 
 def _completion_ids(core: Engine, prompt: str | list[int]) -> list[int]:

@@ -18,7 +18,8 @@ COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0}, None),  # scores the prompt with echo; the server checks echo
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"max_tokens": -3}, "max_tokens"),
     ({"max_tokens": "many"}, "max_tokens"),
     ({"temperature": -0.1}, "temperature"),
@@ -90,6 +91,7 @@ BAD_CHATS: list[tuple[dict[str, Any], str]] = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
     ({"messages": "hello"}, "messages"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),  # served on /v1/completions only
 ]
 
 
