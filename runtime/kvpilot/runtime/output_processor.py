@@ -94,7 +94,7 @@ def update_text(state: RequestState, decoder: Decoder, reason: str | None) -> st
     previous = len(state.text)
     state.text = decoder.decode(ids)
     stops = seq.params.stop
-    if stops:
+    if stops and seq.num_output_tokens > seq.params.min_tokens:  # vLLM: none before min_tokens
         match = find_stop_match(state.text, stops, stop_search_start(previous, stops))
         if match is not None:
             index, stop = match

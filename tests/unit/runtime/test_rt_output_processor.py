@@ -103,6 +103,7 @@ def test_prefix_of_stop_that_does_not_complete_is_released() -> None:
         ("hi$there", {}, ("hi", None)),  # EOS: no stop reason
         ("hi$there", {"stop_token_ids": (EOS,)}, ("hi", None)),  # EOS first, as vLLM
         ("abcdef", {"max_tokens": 3}, ("abc", None)),  # length
+        ("ab cd ab", {"stop": ("ab",), "min_tokens": 2}, ("ab cd ", "ab")),  # not before min_tokens
     ],
 )  # fmt: skip
 def test_stop_reason_and_include_stop_str(
