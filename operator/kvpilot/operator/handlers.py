@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import api, conditions, inventory, manifests, observability
+from kvpilot.operator import api, conditions, inventory, manifests, model_cache, observability
 from kvpilot.operator.actuator import AutoscalerLoop
 from kvpilot.operator.controller import Controller, Replanner, controller_owner
 
@@ -192,3 +192,22 @@ def child_service(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: An
             kwargs["gpu_pods"],
         )
         _pass(memo, namespace, owner, nodes, pods, 0, is_md_handler=False)
+
+
+@kopf.on.event(
+    "batch", "v1", "jobs", labels={model_cache.LABEL_CACHE: kopf.PRESENT}, id="model-cache-job"
+)
+def cache_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """A model cache's fill Job moved on: every ModelDeployment using that cache passes again, to
+    report it and, once it is Cached, to start replicas (the Job is shared, so not a child)."""
+    namespace, claim = body["metadata"]["namespace"], body["metadata"]["name"]
+    controller: Controller = memo["controller"]
+    try:
+        users = controller.cache_users(namespace, claim)
+    except ApiException as error:  # the Job's next event asks again
+        logging.getLogger(__name__).warning("listing users of %s: %s", claim, error.reason)
+        return
+    for name in users:
+        _pass(
+            memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], 0, is_md_handler=False
+        )

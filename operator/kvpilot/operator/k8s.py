@@ -28,6 +28,8 @@ _PLURALS = {
     "Event": "events",
     "Node": "nodes",
     "Pod": "pods",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Job": "jobs",
     "CustomResourceDefinition": "customresourcedefinitions",
     "ClusterKopfPeering": "clusterkopfpeerings",
     "KopfPeering": "kopfpeerings",
@@ -96,6 +98,31 @@ def apply(client: k8s_client.ApiClient, manifest: Obj, field_manager: str) -> di
         body=manifest,
         query={"fieldManager": field_manager, "force": "true"},
         content_type="application/apply-patch+yaml",
+    )
+
+
+def create(client: k8s_client.ApiClient, manifest: Obj) -> dict[str, Any] | None:
+    """Create the object; None when one of that name exists already (it is left as it is)."""
+    meta = manifest["metadata"]
+    target = path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
+    try:
+        return request(client, "POST", target, body=manifest)
+    except ApiException as error:
+        if error.status == 409:
+            return None
+        raise
+
+
+def add_owner_reference(client: k8s_client.ApiClient, obj: Obj, owner: Obj) -> None:
+    """Add `owner` to the object's owners, keeping the others (a strategic merge keyed by uid)."""
+    meta = obj["metadata"]
+    target = path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+    request(
+        client,
+        "PATCH",
+        target,
+        body={"metadata": {"ownerReferences": [dict(owner)]}},
+        content_type="application/strategic-merge-patch+json",
     )
 
 
