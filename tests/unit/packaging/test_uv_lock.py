@@ -75,3 +75,14 @@ def test_uv_itself_is_pinned_to_one_version_with_hashes() -> None:
     requirements = re.findall(r"^(\S+==\S+)", text, flags=re.MULTILINE)
     assert len(requirements) == 1 and requirements[0].startswith("uv=="), requirements
     assert re.findall(r"--hash=sha256:[0-9a-f]{64}", text)
+
+
+def test_a_pyproject_uv_cannot_read_is_reported_in_uvs_words(tmp_path: Path) -> None:
+    shutil.copy(ROOT / "uv.lock", tmp_path / "uv.lock")
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text() + "\n[oops\n")
+
+    result = lock_check(tmp_path)
+
+    assert result.returncode == 1
+    assert "uv could not check uv.lock against pyproject.toml" in result.stderr
+    assert "TOML parse error" in result.stderr
