@@ -32,11 +32,12 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 
 # The editable install points at one clone; redo it when another clone used the venv or when
-# pyproject.toml (entry points, package dirs) changed since.
+# pyproject.toml (entry points, package dirs) changed since. --inexact: a package someone added by
+# hand to the shared venv (trying a library before locking it) is left alone, as pip did.
 marker="$root $(sha256sum < pyproject.toml | cut -c1-16)"
 if [ "$(cat "$venv/.clone" 2>/dev/null)" != "$marker" ]; then
   echo "==> installing kvpilot (editable) from $root"
-  bash hack/uv.sh sync --locked --extra dev --reinstall-package kvpilot --quiet
+  bash hack/uv.sh sync --locked --inexact --extra dev --reinstall-package kvpilot --quiet
   echo "$marker" > "$venv/.clone"
 fi
 ln -sfn "$venv" .venv
