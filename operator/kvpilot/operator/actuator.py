@@ -25,10 +25,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
-from kvpilot.operator import api, autoscaler, conditions, inventory, k8s, manifests, observability
+from kvpilot.operator import (
+    api,
+    autoscaler,
+    conditions,
+    inventory,
+    k8s,
+    manifests,
+    observability,
+    timestamps,
+)
 from kvpilot.operator import metrics as metrics_source
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
@@ -222,7 +230,7 @@ class AutoscalerLoop:
         per_type: Mapping[str, int] | None,
     ) -> None:
         meta, status = md["metadata"], md.get("status") or {}
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = timestamps.rfc3339()
         old = status.get("autoscaling") or {}
         autoscaling = autoscaler.status_patch(decision, observations, time.time())
         if per_type is not None:

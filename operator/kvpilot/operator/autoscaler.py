@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
+from kvpilot.operator import timestamps
 from kvpilot.operator.manifests import LABEL_NODE_TYPE
 from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState
 
@@ -221,7 +222,7 @@ def _per_type(gpus_per_replica: Mapping[str, int] | int, order: list[str]) -> di
 def rfc3339(unix_s: float | None) -> str | None:
     if unix_s is None:
         return None
-    return datetime.fromtimestamp(unix_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return timestamps.rfc3339_from_unix(unix_s)
 
 
 def status_patch(decision: Decision, observations: Observations, now: float) -> dict[str, Any]:

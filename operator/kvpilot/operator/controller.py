@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client as k8s_client
@@ -29,6 +28,7 @@ from kvpilot.operator import (
     model_facts,
     observability,
     reconcile,
+    timestamps,
 )
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.runtime.memory import ModelFacts
@@ -314,7 +314,7 @@ class Controller:
         self, md: Obj, desired: reconcile.Desired, deployments: list[dict[str, Any]]
     ) -> None:
         meta = md["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = timestamps.rfc3339()
         status = reconcile.build_status(md, desired, deployments, self.config, now)
         old = md.get("status") or {}
         if any(old.get(k) != v for k, v in status.items()):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -18,7 +17,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import api
+from kvpilot.operator import api, timestamps
 
 Obj = Mapping[str, Any]
 _PLURALS = {
@@ -191,7 +190,7 @@ def emit_event(
 ) -> None:
     """A core/v1 Event on the ModelDeployment, as `kubectl describe` shows them."""
     meta = involved["metadata"]
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = timestamps.rfc3339()
     event = {
         "apiVersion": "v1",
         "kind": "Event",

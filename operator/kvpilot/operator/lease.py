@@ -21,7 +21,7 @@ from typing import Any
 
 from kubernetes import client as k8s_client
 
-from kvpilot.operator import k8s
+from kvpilot.operator import k8s, timestamps
 
 LEASE_NAME = "kvpilot-autoscaler"
 LEASE_API_VERSION = "coordination.k8s.io/v1"
@@ -56,10 +56,6 @@ def taken(spec: Mapping[str, Any], identity: str, duration_s: int, now: str) -> 
 def released(spec: Mapping[str, Any]) -> dict[str, Any]:
     """The spec after its holder lets it go: no holder, so the next instance takes it at once."""
     return {k: v for k, v in spec.items() if k != "holderIdentity"}
-
-
-def micro_time(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def default_identity() -> str:
@@ -127,7 +123,7 @@ class LeaderLease:
 
     def _take_or_renew(self, now: float) -> bool:
         lease = k8s.get(self.client, LEASE_API_VERSION, "Lease", self.namespace, self.name)
-        stamp = micro_time(datetime.now(UTC))
+        stamp = timestamps.micro_time(datetime.now(UTC))
         if lease is None:
             body = {
                 "apiVersion": LEASE_API_VERSION,

@@ -18,13 +18,12 @@ from typing import Any
 
 from kvpilot.operator import api, metrics
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import GPU_RESOURCE
+from kvpilot.operator.inventory import GPU_RESOURCE, LABEL_NODE_TYPE
 from kvpilot.operator.planner import NodePlan
 from kvpilot.runtime import serve_config
 from kvpilot.runtime.model_source import parse_model_uri
 
 LABEL_MODEL = "kvpilot.dev/model"
-LABEL_NODE_TYPE = "kvpilot.dev/node-type"
 RUNTIME_UID = 10001  # the user runtime/Dockerfile creates
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_SPEC_HASH = "kvpilot.dev/spec-hash"

@@ -15,10 +15,9 @@ import copy
 import json
 import math
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
-from kvpilot.operator import api, manifests
+from kvpilot.operator import api, manifests, timestamps
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planner import NodePlan
 
@@ -168,11 +167,7 @@ def _terminated(pod: Obj) -> Obj:
 def _seconds_between(start: str | None, end: str | None) -> float | None:
     if not start or not end:
         return None
-    return (_parse_time(end) - _parse_time(start)).total_seconds()
-
-
-def _parse_time(stamp: str) -> datetime:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return (timestamps.parse(end) - timestamps.parse(start)).total_seconds()
 
 
 def _cache(spec: api.ModelDeploymentSpec) -> api.ModelCache:
