@@ -17,7 +17,15 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import api, conditions, inventory, manifests, model_cache, observability
+from kvpilot.operator import (
+    api,
+    conditions,
+    inventory,
+    manifests,
+    model_cache,
+    observability,
+    reconcile,
+)
 from kvpilot.operator.actuator import AutoscalerLoop
 from kvpilot.operator.controller import Controller, Replanner, controller_owner
 
@@ -48,10 +56,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo["replanner"] = Replanner(memo["controller"], _values)
     memo["replanner"].start()
     interval = memo["controller"].config.autoscaler_interval_seconds
+    memo.setdefault("readiness", observability.Readiness())
     memo["autoscaler"] = AutoscalerLoop(
-        memo["controller"], interval, memo["replanner"].inventory, memo.get("lease")
+        memo["controller"],
+        interval,
+        memo["replanner"].inventory,
+        memo.get("lease"),
+        memo["readiness"],
     )
     memo["autoscaler"].start()
+    memo["readiness"].started = True
 
 
 @kopf.on.cleanup(id="stop-replanner")
@@ -126,6 +140,17 @@ def reconcile_md(
 ) -> None:
     # kopf passes the indexes by their ids as extra keyword arguments.
     _pass(memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], retry, body=body)
+
+
+@kopf.on.event(*MD, id="md-scaled")
+def md_scaled(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """The autoscaler wrote a decision to status that the children do not show yet: run the
+    pass that applies it. The autoscaler loop writes status only; this is its one way to pods."""
+    if event["type"] != "MODIFIED" or not reconcile.scale_pending(body):
+        return
+    namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
+    nodes, pods = kwargs["gpu_nodes"], kwargs["gpu_pods"]
+    _pass(memo, namespace, name, nodes, pods, 0, is_md_handler=False, body=body)
 
 
 @kopf.on.delete(*MD, id="md-delete", optional=True)

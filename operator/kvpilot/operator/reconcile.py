@@ -105,6 +105,23 @@ def _replicas(
     return planner.assign_replicas(total, plans)
 
 
+def scale_pending(md: Obj) -> bool:
+    """Whether the builtin autoscaler's last decision in status (its spread per node type, or
+    its count) differs from the replicas the last pass applied (status.plan): the one way from
+    a scaling decision to the children is a reconcile pass, which the watch runs on this."""
+    status = md.get("status") or {}
+    autoscaling = status.get("autoscaling") or {}
+    if ((md.get("spec") or {}).get("autoscaling") or {}).get("mode", "builtin") != "builtin":
+        return False
+    applied = {e.get("nodeType"): e.get("replicas") or 0 for e in status.get("plan") or []}
+    per_type = autoscaling.get("replicasPerNodeType") or {}
+    if per_type:
+        wanted = {t: n or 0 for t, n in per_type.items()}
+        return any(applied.get(t, 0) != wanted.get(t, 0) for t in {*applied, *wanted})
+    desired = autoscaling.get("desiredReplicas")
+    return desired is not None and desired != sum(applied.values())
+
+
 def _one_line(error: Exception) -> str:
     if isinstance(error, ValidationError):
         return "; ".join(
