@@ -1,19 +1,25 @@
-"""The runtime's Prometheus metrics (DESIGN.md §3.4): each under its kvpilot name AND vLLM alias.
+"""The runtime's Prometheus metrics (docs/architecture.md §3.4): each under its kvpilot name AND
+vLLM alias, with vLLM's types, buckets and `model_name` label (vllm/v1/metrics/loggers.py).
 
 The aliases let vLLM dashboards, KEDA triggers and the Gateway API Inference Extension read kvpilot
 pods unchanged. Queue length, running batch, KV usage, prefix-cache and preemption counts are the
 autoscaler's inputs, so they are not copied into gauges after each step (a scrape could then see a
-stale value): a custom collector reads the engine's stats at scrape time.
+stale value): a custom collector reads the engine's stats at scrape time. The per-request phase
+times (queue, prefill, decode) come from the engine's own timestamps (sequence.Timestamps).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvpilot.runtime.sequence import Timestamps
 
 # Buckets as vLLM uses them, so histogram_quantile over either name gives the same answer.
 TTFT_BUCKETS = (
@@ -84,7 +90,37 @@ E2E_BUCKETS = (
     1920.0,
     7680.0,
 )
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LABEL = "model_name"
+ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per kvpilot process
+
+
+def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: vLLM's buckets for per-request token counts."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What `vllm:cache_config_info` states about the KV pool; the Inference Extension's endpoint
+    picker reads block_size and num_gpu_blocks from its labels."""
+
+    block_size: int
+    num_gpu_blocks: int
+    cache_dtype: str
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+
+    def labels(self) -> dict[str, str]:
+        # vLLM writes each config value with str(): booleans as True/False
+        return {name: str(value) for name, value in self.__dict__.items()}
 
 
 @dataclass(frozen=True)
@@ -148,6 +184,13 @@ BLOCK_GAUGES = [  # kvpilot only: lets tests and operators see the pool itself
 ]
 
 
+class StepStats(Protocol):
+    """What the step listener reads of the engine's stats."""
+
+    @property
+    def num_step_tokens(self) -> int: ...
+
+
 class EngineStatsCollector(Collector):
     def __init__(self, model_name: str, snapshot: Callable[[], Snapshot]):
         self.model_name = model_name
@@ -171,8 +214,39 @@ class EngineStatsCollector(Collector):
             yield family
 
 
+class InfoCollector(Collector):
+    """The info-style gauges vLLM sets to a constant: `vllm:cache_config_info` (1, once the
+    pool is sized) and `vllm:lora_requests_info`, whose value is the time of the reading (the
+    endpoint picker takes the newest) and whose adapter lists are empty: kvpilot serves no LoRA
+    adapters, and says so the way a vLLM without adapters loaded does."""
+
+    def __init__(self, model_name: str, max_loras: int = 0):
+        self.model_name, self.max_loras = model_name, max_loras
+        self.cache: CacheInfo | None = None
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        if self.cache is not None:
+            labels = {LABEL: self.model_name, "engine": ENGINE_INDEX, **self.cache.labels()}
+            yield self._info("vllm:cache_config_info", "Information of the KV cache.", labels, 1)
+        lora = {
+            LABEL: self.model_name,
+            "max_lora": str(self.max_loras),
+            "running_lora_adapters": "",
+            "waiting_lora_adapters": "",
+        }
+        yield self._info(
+            "vllm:lora_requests_info", "Running stats on LoRA requests.", lora, time.time()
+        )
+
+    @staticmethod
+    def _info(name: str, text: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, text, labels=list(labels))
+        family.add_metric(list(labels.values()), value)
+        return family
+
+
 class _Pair:
-    """One observation recorded under the kvpilot name and the vLLM alias."""
+    """One observation recorded under the kvpilot name and the vLLM alias (or aliases)."""
 
     def __init__(self, metrics: list[Histogram] | list[Counter], model_name: str):
         self.children = [m.labels(model_name) for m in metrics]
@@ -194,8 +268,35 @@ class ServerMetrics:
         self.model_name = model_name
         h, c = self._histograms, self._counters
         self.ttft = h("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = h("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        # vLLM's older name for the same per-token interval, which its dashboards still chart
+        self.itl = h(
+            "inter_token_latency_seconds",
+            "Time between output tokens.",
+            ITL_BUCKETS,
+            aliases=("vllm:time_per_output_token_seconds",),
+        )
         self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.queue_time = h(
+            "request_queue_time_seconds", "Time waiting to be first scheduled.", E2E_BUCKETS
+        )
+        self.prefill_time = h(
+            "request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS
+        )
+        self.decode_time = h(
+            "request_decode_time_seconds", "First token to last token.", E2E_BUCKETS
+        )
+        self.inference_time = h(
+            "request_inference_time_seconds", "First scheduled to last token.", E2E_BUCKETS
+        )
+        # vLLM's name ends in _total although it is a histogram; kvpilot's own name does not
+        self.iteration_tokens = h(
+            "iteration_tokens",
+            "Tokens run per engine step.",
+            ITERATION_TOKENS_BUCKETS,
+            vllm_name="vllm:iteration_tokens_total",
+        )
+        self.request_tokens: tuple[_Pair, _Pair] | None = None  # buckets need max_model_len
+        self.info = InfoCollector(model_name)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.success = [
@@ -210,13 +311,32 @@ class ServerMetrics:
         self.steps = Counter("kvpilot_engine_steps", "Engine steps run.", [LABEL],
                              registry=self.registry).labels(model_name)  # fmt: skip
         self.registry.register(EngineStatsCollector(model_name, snapshot))
+        self.registry.register(self.info)
 
-    def _histograms(self, name: str, text: str, buckets: tuple[float, ...]) -> _Pair:
+    def _histograms(
+        self,
+        name: str,
+        text: str,
+        buckets: tuple[float, ...],
+        aliases: tuple[str, ...] = (),
+        vllm_name: str = "",
+    ) -> _Pair:
+        names = (f"kvpilot_{name}", vllm_name or f"vllm:{name}", *aliases)
         metrics = [
             Histogram(full, text, [LABEL], buckets=buckets, registry=self.registry)
-            for full in (f"kvpilot_{name}", f"vllm:{name}")
+            for full in names
         ]
         return _Pair(metrics, self.model_name)
+
+    def on_engine_ready(self, max_model_len: int, cache: CacheInfo) -> None:
+        """Once the engine is loaded: the pool's facts, and the per-request token histograms,
+        whose buckets (as vLLM's) run up to max_model_len."""
+        self.info.cache = cache
+        buckets = buckets_1_2_5(max_model_len)
+        self.request_tokens = (
+            self._histograms("request_prompt_tokens", "Prompt tokens per request.", buckets),
+            self._histograms("request_generation_tokens", "Tokens generated per request.", buckets),
+        )
 
     def _counters(self, name: str, text: str) -> _Pair:
         metrics = [
@@ -231,10 +351,27 @@ class ServerMetrics:
         self.generation_tokens.inc(num_output)
         for counter in self.success:
             counter.labels(self.model_name, reason).inc()
+        if self.request_tokens is not None:
+            self.request_tokens[0].observe(num_prompt)
+            self.request_tokens[1].observe(num_output)
 
-    def on_step(self, *_: object) -> None:
-        """Engine step listener (runs on the engine's thread; counters are thread-safe)."""
+    def record_phases(self, times: Timestamps) -> None:
+        """Queue, prefill, decode and inference time of a finished request; a request that
+        ended before it was scheduled or before its first token has no such phases."""
+        if times.scheduled is None:
+            return
+        self.queue_time.observe(times.scheduled - times.queued)
+        if times.first_token is None or times.last_token is None:
+            return
+        self.prefill_time.observe(times.first_token - times.scheduled)
+        self.decode_time.observe(times.last_token - times.first_token)
+        self.inference_time.observe(times.last_token - times.scheduled)
+
+    def on_step(self, _outputs: object, stats: StepStats) -> None:
+        """Engine step listener (runs on the engine's thread; metrics are thread-safe)."""
         self.steps.inc()
+        if stats.num_step_tokens:
+            self.iteration_tokens.observe(stats.num_step_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

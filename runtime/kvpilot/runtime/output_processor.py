@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvpilot.runtime.sampling import find_stop, num_emittable_chars, stop_search_start
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.sequence import Sequence, Timestamps
 
 
 class Decoder(Protocol):
@@ -27,6 +27,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
     logprobs: list[dict[int, float]] | None = None
+    times: Timestamps | None = None  # on the finished output only: the engine no longer moves it
 
 
 @dataclass
@@ -94,4 +95,5 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
         num_cached_tokens=seq.num_cached_tokens,
         num_output_tokens=seq.num_output_tokens,
         logprobs=logprobs,
+        times=seq.times if is_finished else None,
     )

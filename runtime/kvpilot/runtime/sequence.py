@@ -11,6 +11,27 @@ from kvpilot.runtime.sampling import SamplingParams
 _arrival_counter = itertools.count()
 
 
+@dataclass
+class Timestamps:
+    """Moments of one request on the engine's clock (time.monotonic, set by the engine), from
+    which the per-phase latency metrics are taken as vLLM defines them: queued until first
+    scheduled, prefill until the first token, decode from there to the last token."""
+
+    queued: float = 0.0
+    scheduled: float | None = None  # the first time the scheduler ran it (not after preemption)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def on_scheduled(self, now: float) -> None:
+        if self.scheduled is None:
+            self.scheduled = now
+
+    def on_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -33,6 +54,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     is_admitted_once: bool = False
+    times: Timestamps = field(default_factory=Timestamps)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
