@@ -192,7 +192,6 @@ class Engine:
             )
         request_id = request_id or uuid.uuid4().hex
         seq = Sequence(request_id, token_ids, params)
-        seq.times.queued = time.monotonic()
         with self._lock:
             if request_id in self._states or any(s.request_id == request_id for s in self._inbox):
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -239,7 +238,9 @@ class Engine:
             results = self.runner.execute(batch.scheduled)
             self.scheduler.update_after_step(batch)
             done = time.monotonic()
-            outputs += [self._on_token(item, tok, lp, done) for item, tok, lp in results]
+            for item, _, _ in results:
+                item.seq.times.on_token(done)
+            outputs += [self._on_token(item, tok, lp) for item, tok, lp in results]
         with self._lock:
             self._snapshot = self._make_stats(num_step_tokens)
         return outputs
@@ -263,15 +264,10 @@ class Engine:
         return outputs
 
     def _on_token(
-        self,
-        item: ScheduledSequence,
-        token_id: int,
-        logprobs: dict[int, float] | None,
-        now: float,
+        self, item: ScheduledSequence, token_id: int, logprobs: dict[int, float] | None
     ) -> RequestOutput:
         state = self._states[item.seq.request_id]
         state.seq.append_token(token_id)
-        state.seq.times.on_token(now)
         if logprobs is not None:
             state.pending_logprobs.append(logprobs)
         reason = finish_reason_for_token(

@@ -26,8 +26,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
-    logprobs: list[dict[int, float]] | None = None
     times: Timestamps | None = None  # on the finished output only: the engine no longer moves it
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -87,6 +87,7 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
     state.pending_logprobs = []
     return RequestOutput(
         request_id=seq.request_id,
+        times=seq.times if is_finished else None,
         new_token_ids=new_ids,
         new_text=new_text,
         finished=is_finished,
@@ -95,5 +96,4 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
         num_cached_tokens=seq.num_cached_tokens,
         num_output_tokens=seq.num_output_tokens,
         logprobs=logprobs,
-        times=seq.times if is_finished else None,
     )

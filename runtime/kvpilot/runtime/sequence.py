@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from kvpilot.runtime.sampling import SamplingParams
 
 _arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -17,7 +24,7 @@ class Timestamps:
     which the per-phase latency metrics are taken as vLLM defines them: queued until first
     scheduled, prefill until the first token, decode from there to the last token."""
 
-    queued: float = 0.0
+    queued: float = field(default_factory=time.monotonic)  # the Sequence's creation
     scheduled: float | None = None  # the first time the scheduler ran it (not after preemption)
     first_token: float | None = None
     last_token: float | None = None
@@ -32,12 +39,6 @@ class Timestamps:
         self.last_token = now
 
 
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
 @dataclass(eq=False)
 class Sequence:
     """One request. `num_computed_tokens` counts tokens whose KV is in the cache (vLLM v1): a
@@ -49,12 +50,12 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, first admission
+    times: Timestamps = field(default_factory=Timestamps)
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     is_admitted_once: bool = False
-    times: Timestamps = field(default_factory=Timestamps)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
