@@ -6,10 +6,13 @@ Pure Python: the tokenizer is passed in as anything with `decode(list[int]) -> s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.runtime.sampling import find_stop, num_emittable_chars, stop_search_start
-from kvpilot.runtime.sequence import Sequence, Timestamps
+from kvpilot.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.sequence import Timestamps
 
 
 class Decoder(Protocol):
