@@ -93,12 +93,15 @@ def greedy(model_dir: Path, prompts: list[list[int]], **config: Any) -> list[lis
         EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=16 * 2**20, **config)
     )
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, str(index))
     tokens: list[list[int]] = [[] for _ in prompts]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[int(out.request_id)] += out.new_token_ids
+    try:
+        for index, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, str(index))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[int(out.request_id)] += out.new_token_ids
+    finally:
+        engine.shutdown()  # reaps tensor-parallel workers
     return tokens
 
 
@@ -161,6 +164,13 @@ def test_int8_logits_and_tokens_match_transformers_on_the_same_weights(
         torch.testing.assert_close(logits, hf_logits(reference, prompt), atol=1e-4, rtol=0)
     tokens = greedy(path, PROMPTS, dtype="float32", quantization="int8")
     assert tokens == [hf_greedy(reference, p) for p in PROMPTS]
+
+
+def test_tensor_parallel_greedy_tokens_equal_transformers(qwen3: tuple[Path, Any]) -> None:
+    """Two gloo ranks, each with half the q heads and one KV head and its norm rows."""
+    path, hf_model = qwen3
+    ours = greedy(path, PROMPTS, dtype="float32", tensor_parallel_size=2)
+    assert ours == [hf_greedy(hf_model, p) for p in PROMPTS]
 
 
 def test_tensor_parallel_ranks_hold_their_heads_norms(qwen3: tuple[Path, Any]) -> None:

@@ -92,6 +92,13 @@ E2E_BUCKETS = (
 )
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LABEL = "model_name"
+# vLLM's per-request phases (request_{phase}_time_seconds), on the engine's clock
+PHASES = {
+    "queue": "Time waiting to be first scheduled.",
+    "prefill": "First scheduled to first token.",
+    "decode": "First token to last token.",
+    "inference": "First scheduled to last token (prefill + decode).",
+}
 ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per kvpilot process
 
 
@@ -276,18 +283,10 @@ class ServerMetrics:
             aliases=("vllm:time_per_output_token_seconds",),
         )
         self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
-        self.queue_time = h(
-            "request_queue_time_seconds", "Time waiting to be first scheduled.", E2E_BUCKETS
-        )
-        self.prefill_time = h(
-            "request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS
-        )
-        self.decode_time = h(
-            "request_decode_time_seconds", "First token to last token.", E2E_BUCKETS
-        )
-        self.inference_time = h(
-            "request_inference_time_seconds", "First scheduled to last token.", E2E_BUCKETS
-        )
+        self.phases = {
+            phase: h(f"request_{phase}_time_seconds", text, E2E_BUCKETS)
+            for phase, text in PHASES.items()
+        }
         # vLLM's name ends in _total although it is a histogram; kvpilot's own name does not
         self.iteration_tokens = h(
             "iteration_tokens",
@@ -360,12 +359,12 @@ class ServerMetrics:
         ended before it was scheduled or before its first token has no such phases."""
         if times.scheduled is None:
             return
-        self.queue_time.observe(times.scheduled - times.queued)
+        self.phases["queue"].observe(times.scheduled - times.queued)
         if times.first_token is None or times.last_token is None:
             return
-        self.prefill_time.observe(times.first_token - times.scheduled)
-        self.decode_time.observe(times.last_token - times.first_token)
-        self.inference_time.observe(times.last_token - times.scheduled)
+        self.phases["prefill"].observe(times.first_token - times.scheduled)
+        self.phases["decode"].observe(times.last_token - times.first_token)
+        self.phases["inference"].observe(times.last_token - times.scheduled)
 
     def on_step(self, _outputs: object, stats: StepStats) -> None:
         """Engine step listener (runs on the engine's thread; metrics are thread-safe)."""
