@@ -140,7 +140,7 @@ def test_fit_prompt_counts_special_tokens_when_asked() -> None:
     ("words", "costs", "target", "message"),
     [
         (["aa"], {"aa": 1}, 4, "1 words make fewer than 4 tokens"),
-        (["bbb", "bbb"], {"bbb": 2}, 3, "exactly 3 tokens"),  # every word costs two
+        (["bbb", "bbb"], {"bbb": 2}, 3, "exactly 3 tokens from"),  # every word costs two
     ],
 )
 def test_fit_prompt_says_why_it_cannot(
@@ -148,6 +148,12 @@ def test_fit_prompt_says_why_it_cannot(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         fit_prompt(words, target, WordCounter(costs), add_special_tokens=False)
+
+
+def test_fit_prompt_never_returns_an_empty_prompt() -> None:
+    """With a BOS, one token is the BOS alone: no text fits, and the error says why."""
+    with pytest.raises(ValueError, match=r"exactly 1 tokens with the tokenizer's special tokens"):
+        fit_prompt(["aa"] * 3, 1, WordCounter({"aa": 1}, special=1), add_special_tokens=True)
 
 
 def test_local_counter_names_a_directory_without_tokenizer(tmp_path: Path) -> None:

@@ -96,14 +96,14 @@ def fit_prompt(
     chosen = list(words[:high] if count(words[:high]) == target else words[:low])
     fillers = sorted(set(vocabulary or words), key=lambda w: (len(w), w))[:MAX_FILL_TRIES]
     for _ in range(MAX_FILL_TRIES):
-        found = count(chosen)
-        if found == target:
+        if chosen and count(chosen) == target:  # an empty prompt is no prompt, whatever it counts
             return " ".join(chosen)
         extra = next((w for w in fillers if count([*chosen, w]) <= target), None)
         if extra is None:
             break
         chosen.append(extra)
-    raise ValueError(f"cannot make a prompt of exactly {target} tokens from these words")
+    specials = " with the tokenizer's special tokens (e.g. BOS)" if add_special_tokens else ""
+    raise ValueError(f"cannot make a prompt of exactly {target} tokens{specials} from these words")
 
 
 def exact_prompt(
