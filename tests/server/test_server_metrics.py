@@ -37,10 +37,37 @@ PAIRS = [
     ("kvpilot_request_inference_time_seconds_count", "vllm:request_inference_time_seconds_count"),
     ("kvpilot_request_prompt_tokens_sum", "vllm:request_prompt_tokens_sum"),
     ("kvpilot_request_generation_tokens_sum", "vllm:request_generation_tokens_sum"),
+    ("kvpilot_request_generation_tokens_sum", "vllm:request_max_num_generation_tokens_sum"),
+    ("kvpilot_kv_cache_usage_ratio", "vllm:gpu_cache_usage_perc"),
     ("kvpilot_iteration_tokens_sum", "vllm:iteration_tokens_total_sum"),
     ("kvpilot_inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"),
 ]
 PHASES = ("queue", "prefill", "decode", "inference")
+# Every series vLLM's example Grafana dashboard queries, as written there
+# (vllm-project/vllm examples/online_serving/prometheus_grafana/grafana.json), by model_name.
+VLLM_DASHBOARD_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total",
+    "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
 NUM_SEQS = 2
 NUM_REQUESTS = 6
 
@@ -153,6 +180,14 @@ def test_names_the_operator_reads_exist(small_server: RuntimeServer) -> None:
     assert [(p.pod, p.node_type, p.waiting, p.running) for p in pods] == [
         ("pod-a", "local", 0.0, 0.0)
     ]
+
+
+@pytest.mark.parametrize("series", VLLM_DASHBOARD_SERIES)
+def test_vllm_dashboard_series_exist(small_server: RuntimeServer, series: str) -> None:
+    complete(small_server, "for the dashboard", 3)
+    found = samples_of(small_server)
+    assert series in found, series
+    assert {s.labels["model_name"] for s in found[series]} == {MODEL}
 
 
 def test_cache_config_and_lora_info_as_vllm_exposes_them(small_server: RuntimeServer) -> None:
