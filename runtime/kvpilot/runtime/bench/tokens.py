@@ -66,7 +66,8 @@ class ServerTokenCounter:
                 f"{self.url} answered {response.status_code}: this server cannot count tokens; "
                 "pass --tokenizer with the model's local directory"
             )
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise ValueError(f"{self.url} answered {response.status_code}: {response.text[:300]}")
         return int(response.json()["count"])
 
 
