@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, replace
@@ -55,6 +56,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int  # cumulative
+    num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -242,7 +244,7 @@ class Engine:
             snapshot = self._snapshot
             return replace(snapshot, num_waiting=snapshot.num_waiting + len(self._inbox))
 
-    def _make_stats(self) -> EngineStats:
+    def _make_stats(self, num_step_tokens: int = 0) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
@@ -253,6 +255,7 @@ class Engine:
             prefix_cache_queries=bm.num_queried_tokens,
             prefix_cache_hits=bm.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_step_tokens=num_step_tokens,
         )
 
     # -- the step loop (one thread) ---------------------------------------------------------------
@@ -260,16 +263,23 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         if batch.scheduled:
+            started = time.monotonic()
+            for item in batch.scheduled:
+                item.seq.times.on_scheduled(started)
             result = self.runner.execute(batch.scheduled)
             self.scheduler.update_after_step(batch)
+            done = time.monotonic()
+            for item, _, _ in result.samples:
+                item.seq.times.on_token(done)
             for request_id, scored in result.prompt_logprobs.items():
                 self._states[request_id].add_prompt_logprobs(scored)
             outputs += [self._on_token(item, tok, lp) for item, tok, lp in result.samples]
         if self._followers:
             outputs += self._release_followers()
         with self._lock:
-            self._snapshot = self._make_stats()
+            self._snapshot = self._make_stats(num_step_tokens)
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:

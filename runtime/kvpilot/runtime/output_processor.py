@@ -6,7 +6,7 @@ Pure Python: the tokenizer is passed in as anything with `decode(list[int]) -> s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.runtime.sampling import (
     PromptLogprob,
@@ -16,6 +16,9 @@ from kvpilot.runtime.sampling import (
     stop_search_start,
 )
 from kvpilot.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.sequence import Timestamps
 
 
 class Decoder(Protocol):
@@ -32,6 +35,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
+    times: Timestamps | None = None  # on the finished output only: the engine no longer moves it
     logprobs: list[dict[int, float]] | None = None
     stop_reason: str | int | None = None  # once finished: the stop string or stop token id
     # With prompt_logprobs, in the first output: positions 1 .. num_prompt_tokens - 1 (position
@@ -119,6 +123,7 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
         prompt_logprobs, state.is_prompt_logprobs_sent = state.prompt_logprobs, True
     return RequestOutput(
         request_id=seq.request_id,
+        times=seq.times if is_finished else None,
         new_token_ids=new_ids,
         new_text=new_text,
         finished=is_finished,

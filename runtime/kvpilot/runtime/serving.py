@@ -23,7 +23,7 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
 from kvpilot.runtime.memory import BLOCK_SIZE
-from kvpilot.runtime.metrics import ServerMetrics, Snapshot
+from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
     GREEDY_EPSILON,
     MAX_SEED,
@@ -79,6 +79,16 @@ def local_model_dir(config: ServeConfig) -> str:
     return str(fetch(source, None).path) if source.is_fetched else config.model
 
 
+def cache_info(config: ServeConfig, core: Engine) -> CacheInfo:
+    return CacheInfo(
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=core.block_manager.num_total_blocks,
+        cache_dtype=config.kv_cache_dtype,
+        enable_prefix_caching=config.enable_prefix_caching,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+
+
 class Ticket:
     """One admitted request's sequences in the in-flight count; `release` is idempotent."""
 
@@ -121,6 +131,7 @@ class ServerState:
             return
         engine = AsyncEngine(core)
         engine.add_step_listener(self.metrics.on_step)
+        self.metrics.on_engine_ready(core.max_model_len, cache_info(self.config, core))
         await engine.start()
         self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
         log.info(
