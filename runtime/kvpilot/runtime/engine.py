@@ -208,7 +208,9 @@ class Engine:
         entries: list[tuple[Sequence, str | None]] = []
         for seq in seqs:
             leader = leaders.setdefault(tuple(seq.token_ids), seq.request_id)
-            is_follower = leader != seq.request_id and self.config.enable_prefix_caching
+            # Only a sequence that can read the cache gains from waiting for its leader.
+            can_share = self.config.enable_prefix_caching and not seq.wants_prompt_logprobs
+            is_follower = leader != seq.request_id and can_share
             entries.append((seq, leader if is_follower else None))
         with self._lock:
             ids = [seq.request_id for seq in seqs]
