@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.runtime import model_runner
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sampling import SamplingParams
@@ -94,10 +95,19 @@ def prompt_logprobs_of(engine: Engine, prompt: list[int], params: SamplingParams
     return scored
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [512, 16])  # whole prefill, and in chunks
+@pytest.mark.parametrize(
+    ("max_num_batched_tokens", "logits_rows"),
+    [(512, 256), (16, 256), (512, 5)],
+    ids=["whole prefill", "chunked prefill", "logits 5 rows at a time"],
+)
 def test_prompt_logprobs_are_transformers_log_softmax(
-    make_engine: Callable[..., Engine], hf_tiny_llama: Any, max_num_batched_tokens: int
+    make_engine: Callable[..., Engine],
+    hf_tiny_llama: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    max_num_batched_tokens: int,
+    logits_rows: int,
 ) -> None:
+    monkeypatch.setattr(model_runner, "PROMPT_LOGITS_ROWS", logits_rows)
     engine = make_engine(max_num_batched_tokens=max_num_batched_tokens)
     prompt = [1, *engine.tokenizer.encode("The sort method orders a list in place, and returns")]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 # is launches, so groups stay as they were: 16 sequences, any length.
 CPU_DECODE_GROUP_BYTES = 1 << 20
 CUDA_DECODE_GROUP_SEQS = 16
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored per logits matrix (prompt_logprobs)
 
 
 def load_model(
@@ -306,33 +307,35 @@ class ModelRunner:
     def logits(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step on every rank; logits [S + P, vocab] (float32): the items that sample,
         in batch order, then the prompt rows."""
-        return self.plan_logits(plan_step(batch))
+        return self.model.compute_logits(self.hidden(plan_step(batch)))
 
-    def plan_logits(self, plan: StepPlan) -> torch.Tensor:
+    def hidden(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step on every rank; the final hidden states [S + P, hidden] of the rows
+        whose output is needed."""
         if self.workers is not None:
             self.workers.execute(plan)  # the other ranks run the same step alongside
-        hidden = self.run_model(plan)  # [S + P, hidden]
-        return self.model.compute_logits(hidden)
+        return self.run_model(plan)
 
     def execute(self, batch: list[ScheduledSequence]) -> StepResult:
         """Run one step: (item, next token, logprobs) for each item that samples, and the
         prompt logprobs scored in this step."""
         sampling = [item for item in batch if item.is_sampling]
         plan = plan_step(batch)
-        logits = self.plan_logits(plan)  # [S + P, vocab]
-        prompt = self._prompt_logprobs(batch, plan, logits[len(sampling) :])
+        hidden = self.hidden(plan)  # [S + P, hidden]
+        prompt = self._prompt_logprobs(batch, plan, hidden[len(sampling) :])
         if not sampling:
             return StepResult([], prompt)
+        logits = self.model.compute_logits(hidden[: len(sampling)])  # [S, vocab]
         rows = [self._sampling_row(item.seq) for item in sampling]
-        tokens, logprobs = sample(
-            logits[: len(sampling)], rows, self.default_generator, self.eos_token_ids
-        )
+        tokens, logprobs = sample(logits, rows, self.default_generator, self.eos_token_ids)
         return StepResult(list(zip(sampling, tokens, logprobs, strict=True)), prompt)
 
     def _prompt_logprobs(
-        self, batch: list[ScheduledSequence], plan: StepPlan, logits: torch.Tensor
+        self, batch: list[ScheduledSequence], plan: StepPlan, hidden: torch.Tensor
     ) -> dict[str, list[PromptLogprob]]:
-        """logits: [P, vocab] of the plan's prompt rows -> per request, its scored positions."""
+        """hidden: [P, hidden] of the plan's prompt rows -> per request, its scored positions.
+        Logits are made PROMPT_LOGITS_ROWS rows at a time: a whole 8k-token chunk's would be
+        8k x vocabulary floats (5 GB at 152k)."""
         if not plan.prompt_spans:
             return {}
         seqs = {item.seq.request_id: item.seq for item in batch}
@@ -342,7 +345,11 @@ class ModelRunner:
             seq = seqs[request_id]
             targets += seq.token_ids[begin + 1 : begin + 1 + count]
             num_tops += [seq.params.prompt_logprobs or 0] * count
-        scored = score_tokens(logits, targets, num_tops)
+        scored: list[PromptLogprob] = []
+        for first in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            end = first + PROMPT_LOGITS_ROWS
+            logits = self.model.compute_logits(hidden[first:end])  # [<= PROMPT_LOGITS_ROWS, V]
+            scored += score_tokens(logits, targets[first:end], num_tops[first:end])
         result, offset = {}, 0
         for request_id, _, count in plan.prompt_spans:
             result[request_id] = scored[offset : offset + count]
