@@ -162,6 +162,39 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (one of them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, description="with messages")
+    add_special_tokens: bool = Field(
+        True,
+        description="add the tokenizer's special tokens (e.g. BOS) as the generation endpoints "
+        "do; with messages a BOS the template writes is kept once",
+    )
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of `prompt` (text) or `messages` (a chat)")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative_ids(cls, value: list[int]) -> list[int]:
+        if value and min(value) < 0:
+            raise ValueError("token ids must be >= 0")
+        return value
+
+
 # ---- responses ---------------------------------------------------------------------------------
 
 
@@ -286,6 +319,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -297,7 +345,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: int | None = None) -> dict:
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | int | None = None
+) -> dict:
     info = ErrorInfo(message=message, type=kind, param=param, code=code)
     return ErrorResponse(error=info).model_dump()
 

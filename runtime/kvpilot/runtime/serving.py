@@ -15,10 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
-from fastapi.responses import JSONResponse
-
 from kvpilot.runtime import responses
-from kvpilot.runtime.chat import ChatTemplateError, render_chat
+from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
@@ -34,36 +32,11 @@ from kvpilot.runtime.protocol import (
 )
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.serve_config import ServeConfig
+from kvpilot.runtime.tokenization import chat_prompt_ids
+from kvpilot.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpilot.server")
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    429: "RateLimitError",
-    499: "ClientClosedRequest",
-    503: "ServiceUnavailableError",
-}
-RETRY_AFTER_S = 1
 MIN_TOP_P = 1e-8
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        default = "BadRequestError" if status < 500 else "InternalServerError"
-        self.kind = kind or ERROR_TYPES.get(status, default)
-
-
-def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    extra = dict(headers or {})
-    if error.status in (429, 503):
-        extra.setdefault("Retry-After", str(RETRY_AFTER_S))
-    body = error_body(error.message, error.kind, error.param, error.status)
-    return JSONResponse(body, status_code=error.status, headers=extra)
 
 
 def engine_config(config: ServeConfig, model_dir: str) -> EngineConfig:
@@ -223,22 +196,8 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
-    core = _core(state)
-    tok = core.tokenizer
-    messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
-    try:
-        text = render_chat(
-            tok.chat_template,
-            messages,
-            bos_token=tok.bos_token,
-            eos_token=tok.eos_token,
-            add_generation_prompt=body.add_generation_prompt,
-        )
-    except ChatTemplateError as exc:
-        raise ApiError(400, f"messages: {exc}", "messages") from exc
-    ids = tok.encode(text)
-    if tok.bos_token and text.startswith(tok.bos_token) and ids[1:2] == ids[:1]:
-        ids = ids[1:]  # the template wrote BOS and the encoder added one: keep exactly one
+    tok = _core(state).tokenizer
+    ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt)
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
     params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
     return Job(True, body.model, ids, params, body.stream, body.include_usage())
@@ -250,11 +209,8 @@ def _core(state: ServerState) -> Engine:
     return state.engine_core
 
 
-def _message_dict(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if isinstance(content, list):  # text parts -> one string, as templates expect
-        message["content"] = "".join(part["text"] for part in content)
-    return message
+def tokenizer_of(state: ServerState) -> Tokenizer:
+    return _core(state).tokenizer
 
 
 def _max_tokens(state: ServerState, ids: list[int], requested: int | None, field: str) -> int:
