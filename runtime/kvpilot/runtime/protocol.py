@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
@@ -28,9 +29,46 @@ class _Request(BaseModel):
     @classmethod
     def _null_means_unset(cls, data: Any) -> Any:
         # Clients send `"temperature": null` for "not set" (OpenAI accepts it): use the default.
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+        if not isinstance(data, dict):
+            return data
+        if (path := find_unencodable(data, "")) is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param}: the text is not valid Unicode (it holds a lone UTF-16 surrogate such "
+                "as \\ud800, which no tokenizer can encode); send well-formed UTF-8 text",
+                {"param": path},
+            )
+        return {key: value for key, value in data.items() if value is not None}
+
+
+def find_unencodable(value: Any, path: str) -> str | None:
+    """The path (e.g. 'messages.0.content') of the first string in a JSON value that cannot be
+    encoded as UTF-8, or None. JSON's "\\ud800" escape decodes to such a string in Python."""
+    if isinstance(value, str):
+        return None if _is_encodable(value) else path
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        items = enumerate(value)  # a list of token ids is skipped whole: it has no text
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and not _is_encodable(key):
+            return where
+        if (found := find_unencodable(item, where)) is not None:
+            return found
+    return None
+
+
+def _is_encodable(text: str) -> bool:
+    if text.isascii():  # the common case, without copying the text
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(_Request):
@@ -359,6 +397,9 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}".strip(), None
+    named = (first.get("ctx") or {}).get("param")
+    if named is not None:  # a whole-body check that names the field itself (find_unencodable)
+        return str(first.get("msg", "invalid value")), str(named)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # pydantic puts union member names (e.g. 'str', 'list[int]') in loc; they are not fields
     loc = [part for part in loc if not _is_type_name(part)]

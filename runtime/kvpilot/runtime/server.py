@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.runtime import serving, tokenization
 from kvpilot.runtime.api_errors import ApiError, error_response
+from kvpilot.runtime.input_limits import BodySizeLimit
 from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +64,7 @@ def build_app(state: ServerState) -> FastAPI:
             await state.close()
 
     app = FastAPI(title="kvpilot runtime", version=VERSION, lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
     add_error_handlers(app)
     add_routes(app, state)
     return app
@@ -133,25 +135,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(request, state, body.model)
-        job = serving.prepare_completion(state, body)
+        job = await state.off_loop(serving.prepare_completion, state, body)
         return await respond(request, state, job)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request(request, state, body.model)
-        job = serving.prepare_chat(state, body)
+        job = await state.off_loop(serving.prepare_chat, state, body)
         return await respond(request, state, job)
 
     @app.post("/tokenize", responses=ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         check_request(request, state, body.model)
         tok = serving.tokenizer_of(state)
-        return tokenization.tokenize(tok, body, state.max_model_len)
+        return await state.off_loop(tokenization.tokenize, tok, body, state.max_model_len)
 
     @app.post("/detokenize", responses=ERRORS)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         check_request(request, state, body.model)
-        return tokenization.detokenize(serving.tokenizer_of(state), body)
+        return await state.off_loop(tokenization.detokenize, serving.tokenizer_of(state), body)
 
     @app.get("/version")
     async def version() -> VersionResponse:

@@ -12,8 +12,9 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from kvpilot.runtime import responses
 from kvpilot.runtime.api_errors import ApiError
@@ -32,11 +33,12 @@ from kvpilot.runtime.protocol import (
 )
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.serve_config import ServeConfig
-from kvpilot.runtime.tokenization import chat_prompt_ids
+from kvpilot.runtime.tokenization import chat_prompt_ids, check_in_vocab, text_prompt_ids
 from kvpilot.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpilot.server")
 MIN_TOP_P = 1e-8
+T = TypeVar("T")
 
 
 def engine_config(config: ServeConfig, model_dir: str) -> EngineConfig:
@@ -80,6 +82,14 @@ class ServerState:
         self.idle.set()
         self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
         self.metrics = ServerMetrics(config.served_name, self.snapshot)
+        # Tokenising and rendering chat templates run here, off the event loop, so /health and
+        # running streams are not held up by a long prompt. Two threads: the work is bounded by
+        # the character check and mostly GIL-free (tokenizer.py), and more threads would only
+        # compete with the engine's step thread for the GIL.
+        self.prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpilot-prompt")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
 
     async def load(self) -> None:
         """Load the model off the event loop so /health answers meanwhile."""
@@ -104,6 +114,7 @@ class ServerState:
         )
 
     async def close(self) -> None:
+        self.prompt_pool.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             await self.engine.stop()
         if self.engine_core is not None:
@@ -176,30 +187,26 @@ class Job:
 
 
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
-    core = _core(state)
+    """Token ids and sampling params for a completion; slow on long text, so run off the loop."""
+    tok = _core(state).tokenizer
     prompt = body.prompt
     if isinstance(prompt, str):
-        ids = core.tokenizer.encode(prompt)
+        ids = text_prompt_ids(tok, prompt, state.max_model_len)
     else:
         ids = list(cast(list[int], prompt))  # the validator left one list of token ids
-        vocab = core.tokenizer.vocab_size
-        if max(ids) >= vocab:
-            raise ApiError(
-                400,
-                f"prompt: token id {max(ids)} is outside the vocabulary (size {vocab})",
-                "prompt",
-            )
+        check_in_vocab(tok, ids, "prompt")
     max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
-    params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
-    echo = (prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)) if body.echo else ""
+    params = sampling_params(body, max_tokens, body.logprobs, tok)
+    echo = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else ""
     return Job(False, body.model, ids, params, body.stream, body.include_usage(), echo)
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
+    """Token ids and sampling params for a chat; slow on long text, so run off the loop."""
     tok = _core(state).tokenizer
-    ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt)
+    ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt, state.max_model_len)
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
-    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
+    params = sampling_params(body, max_tokens, body.num_logprobs(), tok)
     return Job(True, body.model, ids, params, body.stream, body.include_usage())
 
 
@@ -240,8 +247,10 @@ def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
-    vocab_size: int,
+    tok: Tokenizer,
 ) -> SamplingParams:
+    vocab_size = tok.vocab_size
+    check_in_vocab(tok, body.stop_token_ids or [], "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens,

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.chat import ChatTemplateError, render_chat
+from kvpilot.runtime.input_limits import check_num_chars
 from kvpilot.runtime.protocol import (
     ChatMessage,
     DetokenizeRequest,
@@ -31,13 +32,28 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return result
 
 
+def text_prompt_ids(
+    tok: Tokenizer, prompt: str, max_model_len: int, add_special_tokens: bool = True
+) -> list[int]:
+    """A completion prompt's token ids; text that cannot fit is refused before tokenising."""
+    check_num_chars(len(prompt), "prompt", max_model_len, tok.max_chars_per_token)
+    return tok.encode(prompt, add_special_tokens)
+
+
 def chat_prompt_ids(
     tok: Tokenizer,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
+    max_model_len: int,
     add_special_tokens: bool = True,
 ) -> list[int]:
-    """The rendered chat template's token ids, with exactly one BOS when specials are added."""
+    """The rendered chat template's token ids, with exactly one BOS when specials are added.
+
+    The messages' text alone is checked against the context before rendering: the template only
+    adds to it, so text that cannot fit is refused before spending time on it.
+    """
+    num_chars = sum(len(message.text() or "") for message in messages)
+    check_num_chars(num_chars, "messages", max_model_len, tok.max_chars_per_token)
     try:
         text = render_chat(
             tok.chat_template,
@@ -55,12 +71,13 @@ def chat_prompt_ids(
 
 
 def tokenize(tok: Tokenizer, body: TokenizeRequest, max_model_len: int) -> TokenizeResponse:
+    specials = body.add_special_tokens
     if body.messages is not None:
         ids = chat_prompt_ids(
-            tok, body.messages, body.add_generation_prompt, body.add_special_tokens
+            tok, body.messages, body.add_generation_prompt, max_model_len, specials
         )
     else:
-        ids = tok.encode(body.prompt or "", body.add_special_tokens)
+        ids = text_prompt_ids(tok, body.prompt or "", max_model_len, specials)
     strs = tok.token_strs(ids) if body.return_token_strs else None
     return TokenizeResponse(
         count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs

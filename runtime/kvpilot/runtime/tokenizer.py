@@ -56,8 +56,13 @@ class Tokenizer:
         return int(self.hf.get_vocab_size())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids with the checkpoint's own special-token rules (e.g. a leading BOS)."""
-        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids with the checkpoint's own special-token rules (e.g. a leading BOS).
+
+        Through `encode_batch`, which releases the GIL while it works (`encode` holds it), so a
+        long prompt tokenised in the server's thread pool does not stall the event loop.
+        """
+        batch = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
