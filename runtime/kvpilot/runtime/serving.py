@@ -194,9 +194,9 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
         ids = text_prompt_ids(tok, prompt, state.max_model_len)
     else:
         ids = list(cast(list[int], prompt))  # the validator left one list of token ids
-        check_in_vocab(tok, ids, "prompt")
+        check_in_vocab(tok.vocab_size, ids, "prompt")
     max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
-    params = sampling_params(body, max_tokens, body.logprobs, tok)
+    params = sampling_params(body, max_tokens, body.logprobs, tok.vocab_size)
     echo = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else ""
     return Job(False, body.model, ids, params, body.stream, body.include_usage(), echo)
 
@@ -206,7 +206,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     tok = _core(state).tokenizer
     ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt, state.max_model_len)
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
-    params = sampling_params(body, max_tokens, body.num_logprobs(), tok)
+    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
     return Job(True, body.model, ids, params, body.stream, body.include_usage())
 
 
@@ -247,10 +247,9 @@ def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
-    tok: Tokenizer,
+    vocab_size: int,
 ) -> SamplingParams:
-    vocab_size = tok.vocab_size
-    check_in_vocab(tok, body.stop_token_ids or [], "stop_token_ids")
+    check_in_vocab(vocab_size, body.stop_token_ids or [], "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens,

@@ -85,17 +85,17 @@ def tokenize(tok: Tokenizer, body: TokenizeRequest, max_model_len: int) -> Token
 
 
 def detokenize(tok: Tokenizer, body: DetokenizeRequest) -> DetokenizeResponse:
-    check_in_vocab(tok, body.tokens, "tokens")
+    check_in_vocab(tok.vocab_size, body.tokens, "tokens")
     # special tokens are kept, so detokenize(tokenize(text)) shows what the model reads
     return DetokenizeResponse(prompt=tok.decode(body.tokens, skip_special_tokens=False))
 
 
-def check_in_vocab(tok: Tokenizer, ids: list[int] | tuple[int, ...], field: str) -> None:
-    vocab = tok.vocab_size
-    outside = [token_id for token_id in ids if token_id >= vocab]
+def check_in_vocab(vocab_size: int, ids: list[int] | tuple[int, ...], field: str) -> None:
+    outside = [token_id for token_id in ids if token_id >= vocab_size]
     if outside:
         raise ApiError(
             400,
-            f"{field}: token id {outside[0]} is outside the vocabulary (ids are 0..{vocab - 1})",
+            f"{field}: token id {outside[0]} is outside the vocabulary "
+            f"(ids are 0..{vocab_size - 1})",
             field,
         )
