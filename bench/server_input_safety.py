@@ -213,13 +213,29 @@ def oversized_requests(url: str, max_model_len_chars: int) -> dict[str, Callable
     return requests
 
 
+def token_id_flood(url: str) -> Callable[[], int]:
+    """The costliest body to parse under the limit: ~16 MB of token ids (JSON integers parse
+    ~10x slower per byte than text, on the event loop, in FastAPI, before any check of ours)."""
+    ids = [1234] * (16 * 2**20 // 6 - 10)
+    content = json.dumps({"model": "tiny", "prompt": ids}).encode()
+    return functools.partial(_post, f"{url}/v1/completions", content)
+
+
 def _post(url: str, content: bytes) -> int:
     headers = {"content-type": "application/json"}
     return httpx.post(url, content=content, headers=headers, timeout=120).status_code
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 @contextmanager
-def runtime_server(port: int, *args: str) -> Iterator[str]:
+def runtime_server(port: int, *args: str) -> Iterator[tuple[str, int]]:
     command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model", str(TINY),
                "--served-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning", *args]  # fmt: skip
@@ -231,7 +247,7 @@ def runtime_server(port: int, *args: str) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("runtime server did not become ready")
             time.sleep(0.2)
-        yield url
+        yield url, process.pid
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -266,7 +282,9 @@ def measure(url: str, rounds: int) -> list[list[object]]:
         time.sleep(3)  # idle baseline: the stream runs, nothing else
         t1 = time.perf_counter()
         rows.append(_row("none (baseline)", "-", "-", health.between(0, t1), stream.between(0, t1)))
-        for name, send in oversized_requests(url, max_chars).items():
+        kinds = oversized_requests(url, max_chars)
+        kinds["16 MB of token ids (just under the body limit)"] = token_id_flood(url)
+        for name, send in kinds.items():
             t0 = time.perf_counter()
             statuses, seconds = [], []
             for _ in range(rounds):
@@ -294,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    with runtime_server(_free_port(), "--max-model-len", "512", "--max-num-seqs", "8") as url:
+    with runtime_server(_free_port(), "--max-model-len", "512", "--max-num-seqs", "8") as served:
+        url, pid = served
+        rss_ready = peak_rss_mib(pid)
         rows = measure(url, args.rounds)
+        rss_after = peak_rss_mib(pid)
     header = ["input sent", "answer", "answer s (median)", "/health probes",
               "/health p50 ms", "p99 ms", "max ms", "stream gap p50 ms", "max ms"]  # fmt: skip
     body = (
@@ -306,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         "~5 s and a 50 MB one over 90 s, the prompt being tokenised on the event loop before any "
         "length check. On a shared CPU the baseline row is the noise floor.\n\n"
         + markdown_table(header, rows)
+        + f"\n\nServer peak RSS (VmHWM): {rss_ready:.0f} MiB once ready, {rss_after:.0f} MiB "
+        "after all of the above. The token-id row is the worst case the body limit allows: "
+        "FastAPI parses the JSON on the event loop before any check of ours, so a deployment "
+        "with short contexts can lower `--max-request-body-bytes` to shrink it."
     )
     print(body)
     command = f"python -m bench.server_input_safety --rounds {args.rounds}"
