@@ -32,7 +32,9 @@ class ServeConfig(EngineConfig):
     host: str = option("0.0.0.0", "address to listen on")
     port: int = option(8000, "port to listen on")
     max_waiting: int = option(256, "queued requests before 429")
-    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on /v1/*")
+    api_key: str | None = option(
+        None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize"
+    )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
     log_level: str = option("info", "debug, info, warning, error")
     # 16 MiB: a prompt that fills a 128k-token context is ~0.5-1 MB of text (or ~1 MB of token
