@@ -111,8 +111,9 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_unset(cls, data: Any) -> Any:
-        # Clients send `"temperature": null` for "not set" (OpenAI accepts it): use the default.
+    def _check_body(cls, data: Any) -> Any:
+        """Text that is not valid Unicode and NOT_HONOURED fields are 400s naming the field;
+        null means unset: clients send `"temperature": null` for "not set", as OpenAI accepts."""
         if not isinstance(data, dict):
             return data
         if (path := find_unencodable(data, "")) is not None:
