@@ -12,12 +12,20 @@ import openai
 import pytest
 from openai import OpenAI
 
-from bench.server_input_safety import MB, StreamWatch, health_probe, oversized_requests, upload
+from bench.server_input_safety import (
+    MB,
+    StreamWatch,
+    health_probe,
+    oversized_requests,
+    peak_rss_mib,
+    upload,
+)
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.server.server_process import MODEL, TINY, RuntimeServer, wait_for
 
 MAX_MODEL_LEN = 512
 GENEROUS_S = 1.0  # far above a healthy probe (~ms); a blocked event loop takes seconds
+MAX_PEAK_RSS_MIB = 2048  # generous: bench/server_input_safety measured ~850 ready, ~1100 after
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +145,6 @@ def test_health_and_streams_keep_going_while_huge_input_is_refused(
     probes, gaps = health.between(t0, t1), stream.between(t0, t1)
     assert len(probes) > 10 and max(probes) < GENEROUS_S, sorted(probes)[-5:]
     assert len(gaps) > 10 and max(gaps) < GENEROUS_S, sorted(gaps)[-5:]
+    # a 50 MB prompt once took ~9 GB; now bodies are capped at 16 MiB and huge text is never
+    # tokenised, so the server's peak over this whole module stays near its size when ready
+    assert peak_rss_mib(server.process.pid) < MAX_PEAK_RSS_MIB
