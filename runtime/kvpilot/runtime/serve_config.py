@@ -32,9 +32,17 @@ class ServeConfig(EngineConfig):
     host: str = option("0.0.0.0", "address to listen on")
     port: int = option(8000, "port to listen on")
     max_waiting: int = option(256, "queued requests before 429")
-    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on /v1/*")
+    api_key: str | None = option(
+        None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize"
+    )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
     log_level: str = option("info", "debug, info, warning, error")
+    # 16 MiB: a prompt that fills a 128k-token context is ~0.5-1 MB of text (or ~1 MB of token
+    # ids as JSON), so 16x that leaves room for long chats and 128k+ contexts, while one request
+    # can hold at most 16 MiB (plus its parsed copy) in memory: max_waiting of them stay < 10 GB.
+    max_request_body_bytes: int = option(
+        16 * 2**20, "largest request body in bytes; larger bodies are refused with 413"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +52,10 @@ class ServeConfig(EngineConfig):
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.served_name != "", "served_name must not be empty"),
+            (
+                self.max_request_body_bytes >= 1024,
+                f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -12,13 +12,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
-
-from fastapi.responses import JSONResponse
+from typing import Any, TypeVar
 
 from kvpilot.runtime import responses
-from kvpilot.runtime.chat import ChatTemplateError, render_chat
+from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
@@ -35,36 +34,12 @@ from kvpilot.runtime.protocol import (
 )
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.serve_config import ServeConfig
+from kvpilot.runtime.tokenization import chat_prompt_ids, check_in_vocab, text_prompt_ids
+from kvpilot.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpilot.server")
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    429: "RateLimitError",
-    499: "ClientClosedRequest",
-    503: "ServiceUnavailableError",
-}
-RETRY_AFTER_S = 1
 MIN_TOP_P = 1e-8
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        default = "BadRequestError" if status < 500 else "InternalServerError"
-        self.kind = kind or ERROR_TYPES.get(status, default)
-
-
-def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    extra = dict(headers or {})
-    if error.status in (429, 503):
-        extra.setdefault("Retry-After", str(RETRY_AFTER_S))
-    body = error_body(error.message, error.kind, error.param, error.status)
-    return JSONResponse(body, status_code=error.status, headers=extra)
+T = TypeVar("T")
 
 
 def engine_config(config: ServeConfig, model_dir: str) -> EngineConfig:
@@ -118,6 +93,14 @@ class ServerState:
         self.idle.set()
         self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
         self.metrics = ServerMetrics(config.served_name, self.snapshot)
+        # Tokenising and rendering chat templates run here, off the event loop, so /health and
+        # running streams are not held up by a long prompt. Two threads: the work is bounded by
+        # the character check and mostly GIL-free (tokenizer.py), and more threads would only
+        # compete with the engine's step thread for the GIL.
+        self.prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpilot-prompt")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
 
     async def load(self) -> None:
         """Load the model off the event loop so /health answers meanwhile."""
@@ -143,6 +126,7 @@ class ServerState:
         )
 
     async def close(self) -> None:
+        self.prompt_pool.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             await self.engine.stop()
         if self.engine_core is not None:
@@ -252,7 +236,8 @@ def seeded(params: SamplingParams, offset: int) -> SamplingParams:
 
 
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
-    core = _core(state)
+    """Token ids and sampling params for a completion; slow on long text, so run off the loop."""
+    tok = _core(state).tokenizer
     choices: list[Choice] = []
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(
@@ -260,15 +245,15 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
         )
     is_prompt_only = body.max_tokens == 0
     for prompt in body.prompts():
-        ids = _completion_ids(core, prompt)
+        ids = _completion_ids(state, prompt)
         # Scoring the prompt alone still runs its prefill, which samples one token: dropped.
         requested = 1 if is_prompt_only else body.max_tokens
         max_tokens = _max_tokens(state, ids, requested, "prompt")
-        params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
+        params = sampling_params(body, max_tokens, body.logprobs, tok.vocab_size)
         params = replace(params, prompt_logprobs=prompt_logprobs_wanted(body))
         echo = ""
         if body.echo:
-            echo = prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)
+            echo = prompt if isinstance(prompt, str) else tok.decode(ids)
         for choice in choices_of(ids, params, body.n, len(choices)):
             choice.echo, choice.is_prompt_only = echo, is_prompt_only
             choice.num_prompt_logprobs = body.prompt_logprobs
@@ -286,36 +271,18 @@ def prompt_logprobs_wanted(body: CompletionRequest) -> int | None:
     return max(numbers) if numbers else None
 
 
-def _completion_ids(core: Engine, prompt: str | list[int]) -> list[int]:
+def _completion_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
+    tok = _core(state).tokenizer
     if isinstance(prompt, str):
-        return core.tokenizer.encode(prompt)
-    vocab = core.tokenizer.vocab_size
-    if max(prompt) >= vocab:
-        raise ApiError(
-            400,
-            f"prompt: token id {max(prompt)} is outside the vocabulary (size {vocab})",
-            "prompt",
-        )
+        return text_prompt_ids(tok, prompt, state.max_model_len)
+    check_in_vocab(tok.vocab_size, prompt, "prompt")
     return list(prompt)
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
-    core = _core(state)
-    tok = core.tokenizer
-    messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
-    try:
-        text = render_chat(
-            tok.chat_template,
-            messages,
-            bos_token=tok.bos_token,
-            eos_token=tok.eos_token,
-            add_generation_prompt=body.add_generation_prompt,
-        )
-    except ChatTemplateError as exc:
-        raise ApiError(400, f"messages: {exc}", "messages") from exc
-    ids = tok.encode(text)
-    if tok.bos_token and text.startswith(tok.bos_token) and ids[1:2] == ids[:1]:
-        ids = ids[1:]  # the template wrote BOS and the encoder added one: keep exactly one
+    """Token ids and sampling params for a chat; slow on long text, so run off the loop."""
+    tok = _core(state).tokenizer
+    ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt, state.max_model_len)
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
     params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
     choices = choices_of(ids, params, body.n, 0)
@@ -328,11 +295,8 @@ def _core(state: ServerState) -> Engine:
     return state.engine_core
 
 
-def _message_dict(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if isinstance(content, list):  # text parts -> one string, as templates expect
-        message["content"] = "".join(part["text"] for part in content)
-    return message
+def tokenizer_of(state: ServerState) -> Tokenizer:
+    return _core(state).tokenizer
 
 
 def _max_tokens(state: ServerState, ids: list[int], requested: int | None, field: str) -> int:
@@ -358,29 +322,14 @@ def _max_tokens(state: ServerState, ids: list[int], requested: int | None, field
     return requested
 
 
-def check_vocabulary(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
-    """Token ids in stop_token_ids and logit_bias must exist: 400 naming the field otherwise."""
-    named = {
-        "stop_token_ids": body.stop_token_ids or [],
-        "logit_bias": [token for token, _ in body.logit_bias_pairs()],
-    }
-    for name, ids in named.items():
-        outside = [token for token in ids if token >= vocab_size]
-        if outside:
-            raise ApiError(
-                400,
-                f"{name}: token id {outside[0]} is outside the vocabulary (size {vocab_size})",
-                name,
-            )
-
-
 def sampling_params(
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
 ) -> SamplingParams:
-    check_vocabulary(body, vocab_size)
+    check_in_vocab(vocab_size, body.stop_token_ids or [], "stop_token_ids")
+    check_in_vocab(vocab_size, [token for token, _ in body.logit_bias_pairs()], "logit_bias")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
