@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from llguidance import LLMatcher
 
 from kvpilot.runtime import memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.loader import ModelConfig, load_model_config, resolve_dtype
 from kvpilot.runtime.model_runner import ModelRunner, load_model
@@ -40,6 +44,8 @@ from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
 __all__ = ["AsyncEngine", "Engine", "EngineStats", "RequestOutput"]
+
+log = logging.getLogger("kvpilot.engine")
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,17 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
         self._aborts: list[str] = []
+        # Sequences whose grammar is compiling (vLLM's WAITING_FOR_FSM): they join the inbox
+        # when it is ready, so the batch never waits for a compile.
+        self._compiling: dict[str, Sequence] = {}
+        self.on_work: Callable[[], None] = lambda: None  # a compiled sequence joined the inbox
+        self.grammar_compiler = GrammarCompiler(
+            make_tokenizer(
+                self.tokenizer.hf.to_str(),
+                self.model_config.vocab_size,
+                self.tokenizer.eos_token_ids,
+            )
+        )
         self._snapshot = self._make_stats()
 
     def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
@@ -146,6 +163,8 @@ class Engine:
         engine needs no shutdown, but calling it does no harm."""
         if self.workers is not None:
             self.workers.shutdown()
+        if hasattr(self, "grammar_compiler"):  # absent when loading failed
+            self.grammar_compiler.shutdown()
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         """Pool size from the shared memory arithmetic (DESIGN.md §3.3), at the bytes of the
@@ -191,10 +210,37 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         seq = Sequence(request_id, token_ids, params)
         with self._lock:
-            if request_id in self._states or any(s.request_id == request_id for s in self._inbox):
+            if self._is_known(request_id):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._inbox.append(seq)
+            if params.grammar is None:
+                self._inbox.append(seq)
+                return request_id
+            self._compiling[request_id] = seq
+        future = self.grammar_compiler.compile(params.grammar)
+        future.add_done_callback(lambda done: self._on_grammar_compiled(seq, done))
         return request_id
+
+    def _is_known(self, request_id: str) -> bool:
+        return (
+            request_id in self._states
+            or request_id in self._compiling
+            or any(s.request_id == request_id for s in self._inbox)
+        )
+
+    def _on_grammar_compiled(self, seq: Sequence, future: Future[LLMatcher]) -> None:
+        """On a compile thread (or at once, for a cached grammar): the sequence joins the inbox
+        with its own matcher, or finished as aborted when the grammar does not compile."""
+        error = future.exception()
+        if error is None:
+            seq.grammar = new_matcher(future.result())
+        else:  # the server compiles before it submits, so only direct engine users get here
+            log.warning("request %s: grammar does not compile: %s", seq.request_id, error)
+            seq.finish("abort")
+        with self._lock:
+            if self._compiling.pop(seq.request_id, None) is None:
+                return  # aborted meanwhile
+            self._inbox.append(seq)
+        self.on_work()
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -202,12 +248,18 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
+            return bool(self._inbox or self._aborts or self._states or self._compiling)
+
+    def has_steppable_work(self) -> bool:
+        """Unfinished requests that a step can advance (not those whose grammar compiles)."""
+        with self._lock:
             return bool(self._inbox or self._aborts or self._states)
 
     def stats(self) -> EngineStats:
         with self._lock:
             snapshot = self._snapshot
-            return replace(snapshot, num_waiting=snapshot.num_waiting + len(self._inbox))
+            num_waiting = snapshot.num_waiting + len(self._inbox) + len(self._compiling)
+            return replace(snapshot, num_waiting=num_waiting)
 
     def _make_stats(self) -> EngineStats:
         bm = self.block_manager
@@ -239,8 +291,15 @@ class Engine:
         with self._lock:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
+            compiling = [self._compiling.pop(r) for r in aborts if r in self._compiling]
         outputs: list[RequestOutput] = []
+        for seq in compiling:
+            seq.finish("abort")
+            outputs.append(make_output(RequestState(seq), is_finished=True))
         for seq in inbox:
+            if seq.is_finished:  # its grammar did not compile
+                outputs.append(make_output(RequestState(seq), is_finished=True))
+                continue
             try:
                 self.scheduler.add(seq)
                 self._states[seq.request_id] = RequestState(seq)
@@ -257,13 +316,20 @@ class Engine:
         self, item: ScheduledSequence, token_id: int, logprobs: dict[int, float] | None
     ) -> RequestOutput:
         state = self._states[item.seq.request_id]
-        state.seq.append_token(token_id)
+        seq = state.seq
+        seq.append_token(token_id)
         if logprobs is not None:
             state.pending_logprobs.append(logprobs)
+        if seq.grammar is not None:
+            seq.grammar.consume_token(token_id)
         reason = finish_reason_for_token(
-            state.seq, token_id, self.tokenizer.eos_token_ids, self.max_model_len
+            seq, token_id, self.tokenizer.eos_token_ids, self.max_model_len
         )
         reason = update_text(state, self.tokenizer, reason)
+        if reason is None and seq.grammar is not None and seq.grammar.is_stopped():
+            # The grammar is complete (or the matcher failed, which it logs): this token is
+            # part of the output, unlike an EOS, so the text was updated as for a running one.
+            reason = "stop"
         if reason is not None:
             return self._finish(state, reason)
         return make_output(state, is_finished=False)
@@ -342,9 +408,10 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _run(self) -> None:
+        self.engine.on_work = self._wake.set
         while not self._is_stopping:
             self._wake.clear()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_steppable_work():
                 self._wake.wait()
                 continue
             try:

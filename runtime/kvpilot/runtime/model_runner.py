@@ -17,6 +17,7 @@ from kvpilot.runtime.layers.attention import (
     chunk_mask,
     decode_mask,
 )
+from kvpilot.runtime.layers.grammar_mask import GrammarMasker
 from kvpilot.runtime.layers.sampler import sample
 from kvpilot.runtime.loader import ModelConfig, open_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
@@ -160,6 +161,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # per request with its own seed
         self.decode_group_limits = self._decode_group_limits()
+        self.grammar_masker = GrammarMasker(model.cfg.vocab_size, device)
 
     def _decode_group_limits(self) -> tuple[int, int]:
         """(max padded blocks, max sequences) per decode attention group."""
@@ -282,6 +284,7 @@ class ModelRunner:
         logits = self.logits(batch)  # [S, vocab]
         if not sampling:
             return []
+        self.grammar_masker.apply(logits, [item.seq.grammar for item in sampling])
         generators: list[torch.Generator | None] = [self._generator(i) for i in sampling]
         tokens, logprobs = sample(logits, [i.seq.params for i in sampling], generators)
         return list(zip(sampling, tokens, logprobs, strict=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.runtime.engine import RequestOutput
@@ -19,10 +20,14 @@ from kvpilot.runtime.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from kvpilot.runtime.tool_calls import ToolCall, ToolCallParser, parse
 
 if TYPE_CHECKING:
     from kvpilot.runtime.serving import Job
@@ -108,6 +113,18 @@ def chat_logprobs(
     return ChatLogprobs(content=content)
 
 
+def tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(
+        id=f"call_{uuid.uuid4().hex[:24]}",
+        function=FunctionCall(name=call.name, arguments=call.arguments),
+    )
+
+
+def chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """A request that ended by itself after calling tools says so, as OpenAI does."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 class Accumulator:
     """A whole non-streamed response."""
 
@@ -132,8 +149,16 @@ class Accumulator:
             logprobs = None
             if job.params.logprobs is not None:
                 logprobs = chat_logprobs(self.decoder, self.ids, self.lps, job.params.logprobs)
+            content: str | None = self.text
+            calls: list[ToolCall] = []
+            if job.tool_parser is not None:
+                content, calls = parse(job.tool_parser, self.text)
+            tool_calls = [tool_call_out(call) for call in calls]
+            message = AssistantMessage(content=content, tool_calls=tool_calls)
             choice = ChatChoice(
-                message=AssistantMessage(content=self.text), logprobs=logprobs, finish_reason=reason
+                message=message,
+                logprobs=logprobs,
+                finish_reason=chat_finish_reason(reason, bool(calls)),
             )
             return ChatCompletionResponse(
                 id=job.request_id,
@@ -151,11 +176,39 @@ class Accumulator:
         ).model_dump()
 
 
+class ToolCallStream:
+    """Splits a streamed chat output into content deltas and tool-call deltas: content is sent
+    until a call may begin; each call is sent whole (id, name, arguments) once it is complete."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.num_sent_chars = 0
+        self.num_sent_calls = 0
+
+    def add(self, new_text: str, is_finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        self.text += new_text
+        end = self.parser.content_end(self.text)
+        calls = self.parser.calls(self.text[end:], is_finished) if end < len(self.text) else []
+        if calls is None or (is_finished and not calls):
+            end, calls = len(self.text), []  # not calls after all: it is content
+        content = self.text[self.num_sent_chars : max(end, self.num_sent_chars)]
+        self.num_sent_chars = max(end, self.num_sent_chars)
+        new_calls = calls[self.num_sent_calls :]
+        deltas = [
+            ToolCallDelta(index=self.num_sent_calls + i, **tool_call_out(call).model_dump())
+            for i, call in enumerate(new_calls)
+        ]
+        self.num_sent_calls += len(new_calls)
+        return content, deltas
+
+
 class ChunkBuilder:
     """SSE chunks of a streamed response."""
 
     def __init__(self, job: Job, decoder: Decoder):
         self.job, self.decoder = job, decoder
+        self.tools = ToolCallStream(job.tool_parser) if job.tool_parser else None
         self.offset = 0
         self.last: RequestOutput | None = None
         self.is_echo_pending = bool(job.echo)
@@ -176,6 +229,8 @@ class ChunkBuilder:
         if not out.new_text and not out.finished and not out.logprobs:
             return None  # tokens held back (partial UTF-8 or a possible stop string)
         reason = out.finish_reason if out.finished else None
+        if self.tools is not None:
+            return self._tool_chunk(self.tools, out, reason)
         if self.job.params.logprobs is None and not self.is_echo_pending:
             return self._plain(out.new_text, reason)
         ids, lps = out.new_token_ids, out.logprobs or []
@@ -198,6 +253,20 @@ class ChunkBuilder:
         self.offset += len(text)
         choice_c = CompletionChoice(text=text, logprobs=lp, finish_reason=reason)
         return self._completion([choice_c])
+
+    def _tool_chunk(
+        self, tools: ToolCallStream, out: RequestOutput, reason: str | None
+    ) -> dict[str, Any] | None:
+        content, calls = tools.add(out.new_text, out.finished)
+        logprobs = None
+        if self.job.params.logprobs is not None:
+            lps = out.logprobs or []
+            logprobs = chat_logprobs(self.decoder, out.new_token_ids, lps, self.job.params.logprobs)
+        if not content and not calls and not out.finished and logprobs is None:
+            return None
+        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+        finish = chat_finish_reason(reason, tools.num_sent_calls > 0)
+        return self._chat([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
 
     def _plain(self, text: str, reason: str | None) -> dict[str, Any]:
         """The hot path (one chunk per sequence per step): plain dicts, same JSON as the models."""

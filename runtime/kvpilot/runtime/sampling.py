@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.runtime.structured import GrammarSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,6 +21,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (None = off)
+    grammar: GrammarSpec | None = None  # the output must match it (structured outputs, tools)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 _arrival_counter = itertools.count()
 
@@ -33,6 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     is_admitted_once: bool = False
+    # The output grammar's matcher (params.grammar compiled), advanced with each output token.
+    grammar: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

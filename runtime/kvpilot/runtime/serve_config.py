@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpilot.runtime.config import EngineConfig, option
 from kvpilot.runtime.model_source import ModelSource, parse_model_uri
+from kvpilot.runtime.tool_calls import PARSER_CHOICES
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class ServeConfig(EngineConfig):
     api_key: str | None = option(None, "require `Authorization: Bearer KEY` on /v1/*")
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
     log_level: str = option("info", "debug, info, warning, error")
+    tool_call_parser: str = option(
+        "auto",
+        "format of the model's tool calls (auto: from the architecture: Llama llama3_json, "
+        "Qwen/Mistral hermes)",
+        PARSER_CHOICES,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -44,6 +51,10 @@ class ServeConfig(EngineConfig):
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.served_name != "", "served_name must not be empty"),
+            (
+                self.tool_call_parser in PARSER_CHOICES,
+                f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -9,6 +9,8 @@ everything the engine would reject so that it becomes a 400 rather than a failur
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +24,7 @@ from kvpilot.runtime.chat import ChatTemplateError, render_chat
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
+from kvpilot.runtime.grammar import GrammarError
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
@@ -34,6 +37,8 @@ from kvpilot.runtime.protocol import (
 )
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.serve_config import ServeConfig
+from kvpilot.runtime.structured import GrammarSpec
+from kvpilot.runtime.tool_calls import PARSERS, ToolCallParser, parser_name
 
 log = logging.getLogger("kvpilot.server")
 ERROR_TYPES = {
@@ -193,6 +198,7 @@ class Job:
     stream: bool
     include_usage: bool
     echo: str = ""  # completions with echo=true: prompt text before the output
+    tool_parser: ToolCallParser | None = None  # chat with tools: calls are parsed out
     request_id: str = ""
     created: int = 0
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
@@ -217,7 +223,8 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
                 "prompt",
             )
     max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
-    params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size)
+    grammar = _output_grammar(body)
+    params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size, grammar)
     echo = (prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)) if body.echo else ""
     return Job(False, body.model, ids, params, body.stream, body.include_usage(), echo)
 
@@ -226,6 +233,9 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     core = _core(state)
     tok = core.tokenizer
     messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
+    functions = body.tool_functions()
+    # As transformers: `tools` reaches the template only when there are any (templates test it).
+    tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools or []]}
     try:
         text = render_chat(
             tok.chat_template,
@@ -233,6 +243,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
             bos_token=tok.bos_token,
             eos_token=tok.eos_token,
             add_generation_prompt=body.add_generation_prompt,
+            **(tools if functions else {}),
         )
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", "messages") from exc
@@ -240,8 +251,36 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     if tok.bos_token and text.startswith(tok.bos_token) and ids[1:2] == ids[:1]:
         ids = ids[1:]  # the template wrote BOS and the encoder added one: keep exactly one
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
-    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
-    return Job(True, body.model, ids, params, body.stream, body.include_usage())
+    parser = PARSERS[parser_name(state.config.tool_call_parser, core.model_config.architecture)]
+    grammar = _output_grammar(body)
+    if body.is_call_forced():
+        if grammar is not None:
+            raise ApiError(400, f"{grammar.source}: cannot be combined with a forced tool call")
+        is_parallel = body.parallel_tool_calls and body.tool_choice == "required"
+        grammar = parser.grammar(functions, is_parallel)
+    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size, grammar)
+    job = Job(True, body.model, ids, params, body.stream, body.include_usage())
+    job.tool_parser = parser if functions else None
+    return job
+
+
+def _output_grammar(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
+    try:
+        return body.output_grammar()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), str(exc).split(":", 1)[0]) from exc
+
+
+async def check_grammar(state: ServerState, job: Job) -> None:
+    """Compile the job's grammar (off the event loop, into the engine's cache) so that a grammar
+    that does not compile is a 400 naming its field, before any response starts."""
+    spec = job.params.grammar
+    if spec is None:
+        return
+    try:
+        await asyncio.wrap_future(_core(state).grammar_compiler.compile(spec))
+    except GrammarError as exc:
+        raise ApiError(400, f"{spec.source}: {exc}", spec.source) from exc
 
 
 def _core(state: ServerState) -> Engine:
@@ -254,6 +293,13 @@ def _message_dict(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
     if isinstance(content, list):  # text parts -> one string, as templates expect
         message["content"] = "".join(part["text"] for part in content)
+    for call in message.get("tool_calls") or []:
+        # Templates write the arguments with `| tojson` (Qwen, Llama 3.1), so they get the
+        # object, as vLLM gives them; arguments that are not JSON stay text.
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            with contextlib.suppress(json.JSONDecodeError):
+                function["arguments"] = json.loads(function["arguments"])
     return message
 
 
@@ -285,6 +331,7 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -300,6 +347,7 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), str(exc).split(" ", 1)[0]) from exc

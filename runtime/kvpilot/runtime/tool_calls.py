@@ -1,0 +1,184 @@
+"""Tool calls in a model family's own format (pure Python): parse them out of the output text,
+and write the grammar that forces a call when `tool_choice` is `required` or a named function.
+
+- hermes (Qwen2.5, Qwen3, Hermes): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`,
+  one block per call, after any plain text.
+- llama3_json (Llama 3.1+): the whole output is `{"name": ..., "parameters": {...}}`, several
+  separated by `;` (`"arguments"` accepted too, as vLLM does).
+
+A parser never guesses: output that is not well-formed calls stays plain content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpilot.runtime.structured import GrammarSpec
+
+PARSER_CHOICES = ("auto", "hermes", "llama3_json")
+# The format each architecture's instruction-tuned checkpoints were trained on.
+PARSER_BY_ARCHITECTURE = {
+    "LlamaForCausalLM": "llama3_json",
+    "MistralForCausalLM": "hermes",
+    "Qwen2ForCausalLM": "hermes",
+    "Qwen3ForCausalLM": "hermes",
+}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# llguidance's per-schema options inside a Lark grammar: compact JSON, as for response formats
+# (grammar.JSON_OPTIONS), so a weak model cannot fill a forced call with blanks.
+COMPACT_JSON = {"x-guidance": {"whitespace_flexible": False}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+
+class ToolCallParser(Protocol):
+    def content_end(self, text: str) -> int:
+        """How much of `text` (a prefix of the output) is plain content for sure: what follows
+        may be, or may become, a tool call."""
+        ...
+
+    def calls(self, tail: str, is_finished: bool) -> list[ToolCall] | None:
+        """The complete calls in `tail` (the output from `content_end` on); None when the tail
+        is not well-formed calls (then, once finished, it is content after all)."""
+        ...
+
+    def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
+        """A grammar that admits only calls of `functions` (OpenAI function definitions)."""
+        ...
+
+
+def parse(parser: ToolCallParser, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished output; content None when the output is only calls."""
+    end = parser.content_end(text)
+    calls = parser.calls(text[end:], is_finished=True) if end < len(text) else []
+    if not calls:
+        return text, []
+    return (text[:end].strip() or None), calls
+
+
+def parser_name(configured: str, architecture: str) -> str:
+    """The `--tool-call-parser` flag, `auto` resolved from the checkpoint's architecture."""
+    if configured != "auto":
+        return configured
+    return PARSER_BY_ARCHITECTURE.get(architecture, "hermes")
+
+
+def call_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
+    """A JSON schema for one call of any of `functions`: the name, then its arguments."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                arguments_key: f.get("parameters") or ANY_OBJECT,
+            },
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    return {**COMPACT_JSON, **(options[0] if len(options) == 1 else {"anyOf": options})}
+
+
+def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = next((k for k in argument_keys if k in obj), None)
+    arguments = obj.get(key, {}) if key else {}
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+class HermesParser:
+    START, END = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.START)
+        return start if start >= 0 else len(text) - held_back(text, self.START)
+
+    def calls(self, tail: str, is_finished: bool) -> list[ToolCall] | None:
+        calls: list[ToolCall] = []
+        for match in self.BLOCK.finditer(tail):
+            is_closed = match.group(0).endswith(self.END)
+            if not is_closed and not is_finished:
+                break  # still being written
+            try:
+                call = _call_from(json.loads(match.group(1)), ("arguments", "parameters"))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
+        schema = json.dumps(call_schema(functions, "arguments"), ensure_ascii=False)
+        repeat = ' ("\\n" call)*' if is_parallel else ""
+        lark = (
+            f"start: call{repeat}\n"
+            'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+            f"body: %json {schema}\n"
+        )
+        return GrammarSpec("lark", lark, "tool_choice")
+
+
+class Llama3JsonParser:
+    PYTHON_TAG = "<|python_tag|>"
+
+    def content_end(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or self.PYTHON_TAG.startswith(stripped[: len(self.PYTHON_TAG)]):
+            return len(text) - len(stripped)  # nothing yet, or the start of a call
+        return len(text) - len(stripped) if stripped.startswith("{") else len(text)
+
+    def calls(self, tail: str, is_finished: bool) -> list[ToolCall] | None:
+        text = tail.strip().removeprefix(self.PYTHON_TAG)
+        decoder, pos = json.JSONDecoder(), 0
+        calls: list[ToolCall] = []
+        while pos < len(text):
+            try:
+                obj, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                return calls if not is_finished else None  # running: the object is incomplete
+            call = _call_from(obj, ("parameters", "arguments"))
+            if call is None:
+                return None
+            calls.append(call)
+            pos = _skip_separator(text, pos)
+        return calls
+
+    def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
+        schema = json.dumps(call_schema(functions, "parameters"), ensure_ascii=False)
+        repeat = ' ("; " call)*' if is_parallel else ""
+        return GrammarSpec("lark", f"start: call{repeat}\ncall: %json {schema}\n", "tool_choice")
+
+
+def _skip_separator(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\n;":
+        pos += 1
+    return pos
+
+
+PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
