@@ -255,7 +255,8 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     grammar = _output_grammar(body)
     if body.is_call_forced():
         if grammar is not None:
-            raise ApiError(400, f"{grammar.source}: cannot be combined with a forced tool call")
+            message = f"{grammar.source}: cannot be combined with a forced tool call"
+            raise ApiError(400, message, grammar.source)
         is_parallel = body.parallel_tool_calls and body.tool_choice == "required"
         grammar = parser.grammar(functions, is_parallel)
     params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size, grammar)

@@ -128,6 +128,8 @@ class HermesParser:
                 call = _call_from(json.loads(match.group(1)), ("arguments", "parameters"))
             except json.JSONDecodeError:
                 call = None
+            if call is None and not is_closed and calls:
+                break  # a last call cut off (max_tokens): the complete ones stand
             if call is None:
                 return None
             calls.append(call)
