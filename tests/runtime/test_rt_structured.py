@@ -62,11 +62,15 @@ def test_unpacked_bitmask_is_llguidance_mask(engine: Engine) -> None:
         assert matcher.consume_token(token), matcher.get_error()
 
 
-def test_mask_touches_only_constrained_rows(engine: Engine) -> None:
+@pytest.mark.parametrize("is_parallel", [False, True])
+def test_mask_touches_only_constrained_rows(engine: Engine, is_parallel: bool) -> None:
+    """The same on the engine's thread and on llguidance's executor (machines with 4+ CPUs)."""
     template = engine.grammar_compiler.compile(regex_spec("[0-9]", "t")).result()
     logits = torch.randn(3, 4096)
     before = logits.clone()
-    GrammarMasker(4096, torch.device("cpu")).apply(logits, [None, new_matcher(template), None])
+    masker = GrammarMasker(4096, torch.device("cpu"))
+    masker.is_parallel = is_parallel
+    masker.apply(logits, [None, new_matcher(template), None])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     digits = {engine.tokenizer.hf.token_to_id(str(d)) for d in range(10)} - {None}
     allowed = set(torch.nonzero(logits[1] > float("-inf")).flatten().tolist())

@@ -327,7 +327,7 @@ def test_conversation_with_tool_results_is_accepted(tool_client: OpenAI) -> None
                 ],
                 "tool_choice": "required",
             },
-            "tool_choice",
+            "tools",
         ),
     ],
 )

@@ -234,7 +234,8 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     tok = core.tokenizer
     messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
     functions = body.tool_functions()
-    # As transformers: `tools` reaches the template only when there are any (templates test it).
+    # `tools` reaches the template only when a call is possible (not with tool_choice none);
+    # templates test `if tools`, as transformers passes tools= only when given.
     tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools or []]}
     try:
         text = render_chat(

@@ -50,7 +50,8 @@ class ToolCallParser(Protocol):
         ...
 
     def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
-        """A grammar that admits only calls of `functions` (OpenAI function definitions)."""
+        """A grammar that admits only calls of `functions` (OpenAI function definitions); its
+        source is `tools`, whose parameter schemas are what can fail to compile."""
         ...
 
 
@@ -143,7 +144,7 @@ class HermesParser:
             'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
             f"body: %json {schema}\n"
         )
-        return GrammarSpec("lark", lark, "tool_choice")
+        return GrammarSpec("lark", lark, "tools")
 
 
 class Llama3JsonParser:
@@ -174,7 +175,7 @@ class Llama3JsonParser:
     def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
         schema = json.dumps(call_schema(functions, "parameters"), ensure_ascii=False)
         repeat = ' ("; " call)*' if is_parallel else ""
-        return GrammarSpec("lark", f"start: call{repeat}\ncall: %json {schema}\n", "tool_choice")
+        return GrammarSpec("lark", f"start: call{repeat}\ncall: %json {schema}\n", "tools")
 
 
 def _skip_separator(text: str, pos: int) -> int:
