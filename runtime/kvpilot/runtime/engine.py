@@ -327,12 +327,21 @@ class Engine:
         )
         reason = update_text(state, self.tokenizer, reason)
         if reason is None and seq.grammar is not None and seq.grammar.is_stopped():
-            # The grammar is complete (or the matcher failed, which it logs): this token is
-            # part of the output, unlike an EOS, so the text was updated as for a running one.
-            reason = "stop"
+            # The grammar is complete: this token is part of the output, unlike an EOS, so the
+            # text was updated as for a running sequence.
+            reason = self._grammar_end(seq)
         if reason is not None:
             return self._finish(state, reason)
         return make_output(state, is_finished=False)
+
+    def _grammar_end(self, seq: Sequence) -> str:
+        """`stop`, or `abort` if the matcher refused a token (the mask makes that a bug)."""
+        if seq.grammar is not None and seq.grammar.is_error():
+            log.error(
+                "request %s: grammar matcher failed: %s", seq.request_id, seq.grammar.get_error()
+            )
+            return "abort"
+        return "stop"
 
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         self.scheduler.finish(state.seq, reason)

@@ -87,7 +87,7 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-# One constraint per request: (request field, how to build its spec).
+# The output-constraint fields, at most one per request (a 400 names the second one given).
 GRAMMAR_FIELDS = (
     "response_format",
     "structured_outputs",
