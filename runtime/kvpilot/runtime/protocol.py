@@ -424,8 +424,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ToolCallDelta(ToolCallOut):
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first has its id, type and name; the rest only add to
+    the arguments. Sent without the null keys, as OpenAI does (clients merge the pieces)."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class DeltaMessage(BaseModel):

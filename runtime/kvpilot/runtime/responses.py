@@ -21,13 +21,14 @@ from kvpilot.runtime.protocol import (
     CompletionResponse,
     DeltaMessage,
     FunctionCall,
+    FunctionCallDelta,
     TokenLogprob,
     ToolCallDelta,
     ToolCallOut,
     TopLogprob,
     Usage,
 )
-from kvpilot.runtime.tool_calls import ToolCall, ToolCallParser, parse
+from kvpilot.runtime.tool_calls import ToolCall, ToolCallParser, call_head, parse
 
 if TYPE_CHECKING:
     from kvpilot.runtime.serving import Job
@@ -113,10 +114,13 @@ def chat_logprobs(
     return ChatLogprobs(content=content)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def tool_call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(
-        id=f"call_{uuid.uuid4().hex[:24]}",
-        function=FunctionCall(name=call.name, arguments=call.arguments),
+        id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments)
     )
 
 
@@ -177,30 +181,61 @@ class Accumulator:
 
 
 class ToolCallStream:
-    """Splits a streamed chat output into content deltas and tool-call deltas: content is sent
-    until a call may begin; each call is sent whole (id, name, arguments) once it is complete."""
+    """Splits a streamed chat output into content deltas and tool-call deltas, as OpenAI streams
+    them: content until a call may begin; then per call a first delta with its id, name and the
+    arguments so far, and the rest of the arguments as the model writes them. A call whose
+    arguments cannot be followed as they come (not an object, or the name not first) is sent
+    whole once complete. A call cut off by max_tokens stays as far as it was sent (the
+    non-streamed response drops it, or returns the text as content if it was the only one)."""
 
     def __init__(self, parser: ToolCallParser) -> None:
         self.parser = parser
         self.text = ""
         self.num_sent_chars = 0
-        self.num_sent_calls = 0
+        self.num_sent_calls = 0  # calls sent to their end
+        self.open_id: str | None = None  # the call being streamed, once its first delta is out
+        self.num_sent_args = 0  # characters of its arguments sent
 
     def add(self, new_text: str, is_finished: bool) -> tuple[str, list[ToolCallDelta]]:
         self.text += new_text
         end = self.parser.content_end(self.text)
-        calls = self.parser.calls(self.text[end:], is_finished) if end < len(self.text) else []
-        if calls is None or (is_finished and not calls):
-            end, calls = len(self.text), []  # not calls after all: it is content
+        tail = self.text[end:]
+        calls = self.parser.calls(tail, is_finished) if tail else []
+        if (calls is None or (is_finished and not calls)) and self.open_id is None:
+            end, calls, tail = len(self.text), [], ""  # not calls after all: it is content
+        calls = calls or []  # a call already partly sent stays a call, cut off where it ended
         content = self.text[self.num_sent_chars : max(end, self.num_sent_chars)]
         self.num_sent_chars = max(end, self.num_sent_chars)
-        new_calls = calls[self.num_sent_calls :]
-        deltas = [
-            ToolCallDelta(index=self.num_sent_calls + i, **tool_call_out(call).model_dump())
-            for i, call in enumerate(new_calls)
-        ]
-        self.num_sent_calls += len(new_calls)
+        deltas = [self._complete(call) for call in calls[self.num_sent_calls :]]
+        pending = self.parser.pending(tail) if tail and not is_finished else None
+        head = call_head(pending) if pending else None
+        if head is not None:
+            deltas += self._partial(*head)
         return content, deltas
+
+    def _complete(self, call: ToolCall) -> ToolCallDelta:
+        index, self.num_sent_calls = self.num_sent_calls, self.num_sent_calls + 1
+        if self.open_id is None:
+            return ToolCallDelta(
+                index=index,
+                id=new_call_id(),
+                type="function",
+                function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+            )
+        rest = call.arguments[self.num_sent_args :]
+        self.open_id, self.num_sent_args = None, 0
+        return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=rest))
+
+    def _partial(self, name: str, arguments: str) -> list[ToolCallDelta]:
+        index, new = self.num_sent_calls, arguments[self.num_sent_args :]
+        self.num_sent_args = len(arguments)
+        if self.open_id is None:
+            self.open_id = new_call_id()
+            function = FunctionCallDelta(name=name, arguments=arguments)
+            return [ToolCallDelta(index=index, id=self.open_id, type="function", function=function)]
+        return (
+            [ToolCallDelta(index=index, function=FunctionCallDelta(arguments=new))] if new else []
+        )
 
 
 class ChunkBuilder:
@@ -264,9 +299,14 @@ class ChunkBuilder:
             logprobs = chat_logprobs(self.decoder, out.new_token_ids, lps, self.job.params.logprobs)
         if not content and not calls and not out.finished and logprobs is None:
             return None
-        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+        delta = DeltaMessage(content=content or None)
         finish = chat_finish_reason(reason, tools.num_sent_calls > 0)
-        return self._chat([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+        chunk = self._chat([ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish)])
+        if calls:  # without null keys: clients merge a call's pieces key by key
+            chunk["choices"][0]["delta"]["tool_calls"] = [
+                call.model_dump(exclude_none=True) for call in calls
+            ]
+        return chunk
 
     def _plain(self, text: str, reason: str | None) -> dict[str, Any]:
         """The hot path (one chunk per sequence per step): plain dicts, same JSON as the models."""

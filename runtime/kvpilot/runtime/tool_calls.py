@@ -49,6 +49,10 @@ class ToolCallParser(Protocol):
         is not well-formed calls (then, once finished, it is content after all)."""
         ...
 
+    def pending(self, tail: str) -> str | None:
+        """The text of the call being written after the complete ones in `tail`, if any."""
+        ...
+
     def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
         """A grammar that admits only calls of `functions` (OpenAI function definitions); its
         source is `tools`, whose parameter schemas are what can fail to compile."""
@@ -88,6 +92,60 @@ def call_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str
     return {**COMPACT_JSON, **(options[0] if len(options) == 1 else {"anyOf": options})}
 
 
+# A call that names its function first: `{"name": "...", "arguments": ` (or "parameters").
+CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+)
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """The end of the JSON object or array that begins at text[start], or None while it is
+    still open (a bracket-and-string scan; the value is checked by json.loads elsewhere)."""
+    depth, in_string, escaped = 0, False, False
+    for index in range(start, len(text)):
+        char = text[index]
+        if in_string:
+            in_string = escaped or char != '"'
+            escaped = not escaped and char == "\\"
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
+
+
+def call_head(body: str) -> tuple[str, str] | None:
+    """(name, the arguments object written so far) of a call that names its function first and
+    whose arguments are an object; None before that is known. Streamed calls use it, so the
+    arguments stream as the model writes them."""
+    match = CALL_HEAD.match(body)
+    if match is None or not body.startswith("{", match.end()):
+        return None
+    try:
+        name = json.loads(f'"{match.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    end = json_value_end(body, match.end())
+    return name, body[match.end() : end]
+
+
+def _call_from_text(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    """A well-formed call; its arguments as the model wrote them when the name came first (what
+    a stream sent), else re-serialised."""
+    try:
+        call = _call_from(json.loads(body), argument_keys)
+    except json.JSONDecodeError:
+        return None
+    head = call_head(body)
+    if call is not None and head is not None and head[0] == call.name:
+        return ToolCall(call.name, head[1])
+    return call
+
+
 def _call_from(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -125,16 +183,18 @@ class HermesParser:
             is_closed = match.group(0).endswith(self.END)
             if not is_closed and not is_finished:
                 break  # still being written
-            try:
-                call = _call_from(json.loads(match.group(1)), ("arguments", "parameters"))
-            except json.JSONDecodeError:
-                call = None
+            call = _call_from_text(match.group(1), ("arguments", "parameters"))
             if call is None and not is_closed and calls:
                 break  # a last call cut off (max_tokens): the complete ones stand
             if call is None:
                 return None
             calls.append(call)
         return calls
+
+    def pending(self, tail: str) -> str | None:
+        blocks = list(self.BLOCK.finditer(tail))
+        is_open = blocks and not blocks[-1].group(0).endswith(self.END)
+        return blocks[-1].group(1) if is_open else None
 
     def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
         schema = json.dumps(call_schema(functions, "arguments"), ensure_ascii=False)
@@ -157,20 +217,31 @@ class Llama3JsonParser:
         return len(text) - len(stripped) if stripped.startswith("{") else len(text)
 
     def calls(self, tail: str, is_finished: bool) -> list[ToolCall] | None:
+        calls, rest = self._complete(tail)
+        if calls is None or (rest and is_finished):
+            return None
+        return calls
+
+    def pending(self, tail: str) -> str | None:
+        calls, rest = self._complete(tail)
+        return rest if calls is not None and rest else None
+
+    def _complete(self, tail: str) -> tuple[list[ToolCall] | None, str]:
+        """(the complete calls, the text after them); None for text that is not calls."""
         text = tail.strip().removeprefix(self.PYTHON_TAG)
         decoder, pos = json.JSONDecoder(), 0
         calls: list[ToolCall] = []
         while pos < len(text):
             try:
-                obj, pos = decoder.raw_decode(text, pos)
+                _, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError:
-                return calls if not is_finished else None  # running: the object is incomplete
-            call = _call_from(obj, ("parameters", "arguments"))
+                return calls, text[pos:]  # incomplete (or not JSON: decided once finished)
+            call = _call_from_text(text[pos:end], ("parameters", "arguments"))
             if call is None:
-                return None
+                return None, ""
             calls.append(call)
-            pos = _skip_separator(text, pos)
-        return calls
+            pos = _skip_separator(text, end)
+        return calls, ""
 
     def grammar(self, functions: list[dict[str, Any]], is_parallel: bool) -> GrammarSpec:
         schema = json.dumps(call_schema(functions, "parameters"), ensure_ascii=False)

@@ -4,6 +4,7 @@ grammars; and tools rendered into a chat template exactly as transformers render
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from kvpilot.runtime.chat import render_chat
 from kvpilot.runtime.grammar import to_llguidance
 from kvpilot.runtime.responses import ToolCallStream
 from kvpilot.runtime.serving import _message_dict
-from kvpilot.runtime.tool_calls import PARSERS, ToolCall, parse, parser_name
+from kvpilot.runtime.tool_calls import PARSERS, ToolCall, call_head, parse, parser_name
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
 TIME = ToolCall("get_time", '{"tz": "UTC"}')
@@ -99,19 +100,53 @@ def test_streamed_output_equals_finished(
     name: str, text: str, content: str | None, calls: list[ToolCall], step: int
 ) -> None:
     """Streamed a few characters at a time: content deltas concatenate to the content, no part
-    of a call marker is ever sent as content, and each call is sent once, whole."""
+    of a call marker is ever sent as content, and each call's pieces (the first with its id,
+    type and name, the rest adding to the arguments) merge into the finished call."""
     stream = ToolCallStream(PARSERS[name])
-    sent_content, sent_calls = "", []
+    sent_content, merged = "", {}
+    num_argument_pieces = 0
     for start in range(0, len(text), step):
         is_last = start + step >= len(text)
         delta, deltas = stream.add(text[start : start + step], is_last)
         sent_content += delta
         assert "<tool_call>" not in sent_content or not calls
-        sent_calls += deltas
-    assert [d.index for d in sent_calls] == list(range(len(calls)))
-    assert [ToolCall(d.function.name, d.function.arguments) for d in sent_calls] == calls
-    assert all(d.id.startswith("call_") and d.type == "function" for d in sent_calls)
+        for piece in deltas:
+            if piece.index not in merged:  # a call's first piece says what it is
+                assert piece.id and piece.id.startswith("call_") and piece.type == "function"
+                merged[piece.index] = ToolCall(piece.function.name or "", "")
+            else:
+                assert piece.id is None and piece.function.name is None
+                num_argument_pieces += 1
+            call = merged[piece.index]
+            merged[piece.index] = ToolCall(
+                call.name, call.arguments + (piece.function.arguments or "")
+            )
+    streamed = [merged[i] for i in sorted(merged)]
+    if len(streamed) > len(calls):  # a last call cut off: sent as far as it went, then ended
+        cut_off = streamed.pop()
+        assert cut_off.arguments in text and not is_json(cut_off.arguments)
+        content = text[: text.find(cut_off.name) - len('{"name": "')].strip() or None
+    assert streamed == calls
     assert sent_content.strip() == (content or "").strip()
+    if calls and step == 1 and re.search(r'"(arguments|parameters)": \{', text):
+        # arguments written as an object stream as they come, not only at the end
+        assert num_argument_pieces > 0
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def test_call_head_follows_arguments_as_written() -> None:
+    body = '{"name": "get_weather", "arguments": {"city": "P\\"a}r'
+    assert call_head(body) == ("get_weather", '{"city": "P\\"a}r')
+    assert call_head(body + 'is"}}') == ("get_weather", '{"city": "P\\"a}ris"}')
+    assert call_head('{"arguments": {}, "name": "f"}') is None  # name not first: sent whole
+    assert call_head('{"name": "f", "arguments": "{}"}') is None  # not an object
 
 
 FUNCTIONS: list[dict[str, Any]] = [
