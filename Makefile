@@ -3,14 +3,19 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+LOCK_ARGS ?=
 
 .PHONY: help setup system-deps lint test unit bench crds cluster-build cluster-up cluster-down \
+        lock lock-check \
         cluster-env demo demo-down images
 
 help:
 	@echo "make demo        bring up the dev cluster with its fake GPU node pools and show them"
 	@echo "make test        lint + all tests (unit, local control plane) — what CI runs"
-	@echo "make lint        ruff + mypy"
+	@echo "make lint        lock check + ruff + mypy"
+	@echo "make lock        re-resolve uv.lock after editing pyproject.toml's dependencies (needs PyPI;"
+	@echo "                 LOCK_ARGS=--upgrade moves every package to its newest allowed version)"
+	@echo "make lock-check  fail when uv.lock does not match pyproject.toml (offline, ~0.1 s)"
 	@echo "make bench       run the benchmarks and rewrite docs/benchmarks.md"
 	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
 	@echo "make images      build the operator and runtime images (needs Docker)"
@@ -21,6 +26,14 @@ system-deps:
 
 setup: system-deps
 	@bash hack/venv.sh
+
+# uv.lock pins every dependency; hack/venv.sh installs from it and checks it first, so `make lint`
+# and `make test` fail on a stale lock. Keeps unchanged pins unless LOCK_ARGS=--upgrade.
+lock:
+	@bash hack/uv.sh lock $(LOCK_ARGS)
+
+lock-check:
+	@bash hack/lock_check.sh && echo "uv.lock matches pyproject.toml"
 
 lint: setup
 	@echo "==> ruff"

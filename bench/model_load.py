@@ -92,9 +92,10 @@ def report(runs: dict[str, list[tuple[float, float, float]]], repeats: int) -> s
         f"models/tiny-llama ({size:.1f} MiB on disk), CPU engine load, median of {repeats} "
         "interleaved runs. The fetch is `kvpilot-runtime fetch` as a process (what the init "
         "container runs: Python start-up, listing, download, sha256/size verification).\n\n"
-        f"{table}\n\nEvery replica pays the fetch today (an emptyDir per pod); the `local` row "
-        "is what a replica pays once its model is on local storage, which the model-cache "
-        "volume (not built yet) will give every replica after the first. On a 7.6 MiB model the "
+        f"{table}\n\nWithout spec.model.cache every replica pays the fetch (an emptyDir per pod); "
+        "the `local` row is what a replica pays once its model is on local storage, which the "
+        "model cache gives every replica after the fill (bench.model_cache_startup measures "
+        "that on real pods). On a 7.6 MiB model the "
         "fetch is mostly process start-up and verification; on a 15 GB checkpoint it is the "
         "download.\n"
     )

@@ -1,37 +1,44 @@
 #!/usr/bin/env bash
-# Creates (once) the project's virtualenv in a cache outside the clone, keyed by a hash of the
-# dependencies declared in pyproject.toml (and the Python version), and links it as ./.venv.
-# PyTorch is large, so a warm machine must not download it again; a changed dependency makes a
-# new venv (pip's cache keeps that quick), while editing tool config in pyproject.toml does not.
+# Creates (once) the project's virtualenv in a cache outside the clone, installed with uv from
+# uv.lock and keyed by a hash of the lock (and the Python version), and links it as ./.venv.
+# The lock pins every package and its hashes, so a new upstream release cannot change what a
+# fresh machine or CI installs. PyTorch is large, so a warm machine must not download it again; a
+# new lock makes a new venv (uv's cache keeps that quick), while editing tool config in
+# pyproject.toml does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 cache_dir=${KVPILOT_CACHE_DIR:-$HOME/.cache/kvpilot}
 python=${PYTHON:-python3}
-key=$( ("$python" hack/list_deps.py pyproject.toml dev; "$python" -c 'import sys; print(sys.version)') \
-  | sha256sum | cut -c1-16)
+
+# A lock that disagrees with pyproject.toml would install the wrong set: stop and say so first.
+bash hack/lock_check.sh
+
+key=$( (cat uv.lock; "$python" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)
 venv="$cache_dir/venv/$key"
+# uv sync installs into this venv instead of a .venv inside the clone.
+export UV_PROJECT_ENVIRONMENT=$venv
+mkdir -p "$cache_dir/venv"
+exec 9>"$venv.lock"
+flock 9  # another clone creating the same venv right now: wait for it, then reuse it
 
 if [ ! -f "$venv/.complete" ]; then
-  echo "==> creating virtualenv $venv (first run downloads PyTorch, a few GB; later runs reuse it)"
-  rm -rf "$venv"
-  mkdir -p "$cache_dir/venv"
-  "$python" -m venv "$venv"
-  "$venv/bin/pip" install --progress-bar off --upgrade pip hatchling >/dev/null
+  echo "==> creating virtualenv $venv from uv.lock (first run downloads PyTorch, a few GB; later runs reuse it)"
+  rm -rf "$venv"  # a half-made one from an interrupted run; uv sync creates it anew
   # Dependencies only: the project itself is installed editable per clone below, so two clones
   # (the work tree and CI's fresh clone) can share this venv without importing each other's code.
-  "$venv/bin/python" hack/list_deps.py pyproject.toml dev > "$venv/requirements.txt"
-  "$venv/bin/pip" install --progress-bar off -r "$venv/requirements.txt" \
-    | grep -E '^(Collecting|Successfully)' | sed 's/^/    /' || true
-  "$venv/bin/pip" check >/dev/null || { echo "pip check failed in $venv" >&2; exit 1; }
+  bash hack/uv.sh sync --locked --extra dev --no-install-project
   touch "$venv/.complete"
 fi
 
-# The editable install is a .pth pointing at this clone; redo it when another clone used the venv.
-if [ "$(cat "$venv/.clone" 2>/dev/null)" != "$root" ]; then
+# The editable install points at one clone; redo it when another clone used the venv or when
+# pyproject.toml (entry points, package dirs) changed since. --inexact: a package someone added by
+# hand to the shared venv (trying a library before locking it) is left alone, as pip did.
+marker="$root $(sha256sum < pyproject.toml | cut -c1-16)"
+if [ "$(cat "$venv/.clone" 2>/dev/null)" != "$marker" ]; then
   echo "==> installing kvpilot (editable) from $root"
-  "$venv/bin/pip" install --no-deps --no-build-isolation -q -e "$root"
-  echo "$root" > "$venv/.clone"
+  bash hack/uv.sh sync --locked --inexact --extra dev --reinstall-package kvpilot --quiet
+  echo "$marker" > "$venv/.clone"
 fi
 ln -sfn "$venv" .venv
 echo "==> virtualenv ready: .venv -> $venv"

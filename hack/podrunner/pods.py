@@ -107,9 +107,14 @@ def container_mounts(container: dict[str, Any], dirs: dict[str, Path]) -> list[t
 def rewrite_paths(text: str, mounts: Sequence[tuple[str, str]]) -> str:
     """A process cannot see a mount at /mnt/models; each mount path in `text` (at a path
     boundary) becomes its local directory, the way the container would have seen it."""
-    for mount_path, local in mounts:
-        text = re.sub(re.escape(mount_path) + r"(?=/|$|\s|=)", local.replace("\\", r"\\"), text)
-    return text
+    if not mounts:
+        return text
+    # One pass, so a local directory that itself starts with a mount path (/tmp) is never
+    # rewritten again; the longest path first, so /mnt/models/x wins over /mnt/models.
+    local_dirs = dict(mounts)
+    alternatives = "|".join(re.escape(path) for path in sorted(local_dirs, key=len, reverse=True))
+    pattern = rf"(?<![\w.-])({alternatives})(?=/|$|\s|=)"
+    return re.sub(pattern, lambda found: local_dirs[found.group(1)], text)
 
 
 def container_argv(
@@ -200,7 +205,9 @@ def _app_status(
     }
 
 
-def terminated_status(pod: dict[str, Any], exit_code: int, restarts: int) -> dict[str, Any]:
+def terminated_status(
+    pod: dict[str, Any], exit_code: int, restarts: int, message: str = ""
+) -> dict[str, Any]:
     container = pod["spec"]["containers"][0]
     stamp = now()
     return {
@@ -217,7 +224,14 @@ def terminated_status(pod: dict[str, Any], exit_code: int, restarts: int) -> dic
                 "ready": False,
                 "started": False,
                 "restartCount": restarts,
-                "state": {"terminated": {"exitCode": exit_code, "finishedAt": stamp}},
+                "state": {
+                    "terminated": {
+                        "exitCode": exit_code,
+                        "reason": "Completed" if exit_code == 0 else "Error",
+                        "finishedAt": stamp,
+                        "message": message,
+                    }
+                },
             }
         ],
     }
@@ -301,9 +315,18 @@ def _container_status(
     }
 
 
-def termination_message(container: dict[str, Any], log_tail: str) -> str:
-    """The log's last lines when the container asks for them (FallbackToLogsOnError), as the
-    kubelet puts them in `terminated.message`; else nothing."""
-    if container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+def termination_message_path(container: dict[str, Any]) -> str:
+    return str(container.get("terminationMessagePath") or "/dev/termination-log")
+
+
+def termination_message(
+    container: dict[str, Any], log_tail: str, written: str = "", exit_code: int = 1
+) -> str:
+    """What the kubelet puts in `terminated.message`: what the container wrote to its termination
+    log; else, for a failure of a container that asks for it (FallbackToLogsOnError), the log's
+    last lines; else nothing."""
+    if written.strip():
+        return written[-4096:]
+    if exit_code == 0 or container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
         return ""
     return "\n".join(log_tail.strip().splitlines()[-5:])[-4096:]

@@ -25,6 +25,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from hack.podrunner import pods
+from hack.podrunner.provisioner import Provisioner
 
 LOCAL_NODE_SELECTOR = "kvpilot.dev/local-execution=true"
 POLL_S = 0.5
@@ -48,6 +49,7 @@ class LocalPod:
     terminating: bool = False
     exit_code: int | None = None
     num_inits_done: int = 0
+    pod_dir: Path = Path()
     volumes: dict[str, Path] = field(default_factory=dict)
     reported: dict[str, Any] = field(default_factory=dict)
 
@@ -67,6 +69,8 @@ class PodRunner:
         self.log_dir = log_dir
         self.bin_dirs = bin_dirs
         self.pods: dict[str, LocalPod] = {}  # by pod uid
+        # The runner is also the dev cluster's storage: it serves the default StorageClass.
+        self.provisioner = Provisioner(api, self.state_dir / "claims")
         self.last_heartbeat = 0.0
 
     # -- loop ----------------------------------------------------------------------------------
@@ -81,6 +85,7 @@ class PodRunner:
         self.shutdown()
 
     def tick(self) -> None:
+        self.provisioner.tick()
         nodes = [
             self.as_dict(n) for n in self.core.list_node(label_selector=LOCAL_NODE_SELECTOR).items
         ]
@@ -144,7 +149,8 @@ class PodRunner:
         volumes = pods.volume_dirs(pod, pod_dir, self.state_dir / "claims")
         for folder in volumes.values():
             folder.mkdir(parents=True, exist_ok=True)
-        return LocalPod(pod["metadata"]["namespace"], pod["metadata"]["name"], ip, volumes=volumes)
+        meta = pod["metadata"]
+        return LocalPod(meta["namespace"], meta["name"], ip, pod_dir=pod_dir, volumes=volumes)
 
     def sync_running(self, pod: dict[str, Any], local: LocalPod) -> None:
         inits = pod["spec"].get("initContainers") or []
@@ -180,7 +186,7 @@ class PodRunner:
                 return
             backoff = RESTART_BACKOFF_S[min(local.restarts, len(RESTART_BACKOFF_S) - 1)]
             local.restart_at = time.monotonic() + backoff
-            message = pods.termination_message(container, self.log_tail(local))
+            message = self.termination_message(container, local)
             failed = {"terminated": {"exitCode": code, "reason": "Error", "message": message}}
             status = pods.initializing_status(
                 pod,
@@ -215,6 +221,11 @@ class PodRunner:
         log = self.log_path(local)
         log.parent.mkdir(parents=True, exist_ok=True)
         mounts = pods.container_mounts(container, local.volumes)
+        # The termination log is a file the kubelet mounts into the container; here a local file.
+        message_file = self.termination_file(local, container)
+        message_file.parent.mkdir(parents=True, exist_ok=True)
+        message_file.write_text("")
+        mounts.append((pods.termination_message_path(container), str(message_file)))
         try:
             own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret, mounts)
             argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts)
@@ -264,6 +275,18 @@ class PodRunner:
         except OSError:
             return ""
 
+    def termination_file(self, local: LocalPod, container: dict[str, Any]) -> Path:
+        return local.pod_dir / "termination" / container["name"]
+
+    def termination_message(
+        self, container: dict[str, Any], local: LocalPod, exit_code: int = 1
+    ) -> str:
+        try:
+            written = self.termination_file(local, container).read_text(errors="replace")
+        except OSError:
+            written = ""
+        return pods.termination_message(container, self.log_tail(local), written, exit_code)
+
     def probe(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
         probe = container.get("readinessProbe")
         url = pods.probe_url(probe, container, local.pod_ip)
@@ -288,13 +311,14 @@ class PodRunner:
             status["containerStatuses"][0]["state"] = {
                 "waiting": {"reason": "CrashLoopBackOff", "message": f"exited with code {code}"}
             }
-            message = pods.termination_message(pod["spec"]["containers"][0], self.log_tail(local))
+            message = self.termination_message(pod["spec"]["containers"][0], local)
             status["containerStatuses"][0]["lastState"] = {
                 "terminated": {"exitCode": code, "finishedAt": pods.now(), "message": message}
             }
         else:
             local.exit_code = code
-            status = pods.terminated_status(pod, code, local.restarts)
+            message = self.termination_message(pod["spec"]["containers"][0], local, code)
+            status = pods.terminated_status(pod, code, local.restarts, message)
         self.report(pod, local, status)
 
     def sync_terminating(self, pod: dict[str, Any], local: LocalPod) -> None:

@@ -23,11 +23,13 @@ def our_logits(
     prompts: list[list[int]],
     chunks: list[int],
     decode_group_limits: tuple[int, int] | None = None,
+    quantization: str = "none",
+    dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """Run all prompts together, split into the given chunk sizes per step (the last chunk is
     the rest); returns logits [len(prompt), vocab] per prompt, assembled over the steps."""
     cfg = load_model_config(model_dir)
-    model = load_model(model_dir, cfg, "none", torch.float32, torch.device("cpu"))
+    model = load_model(model_dir, cfg, quantization, dtype, torch.device("cpu"))
     runner = ModelRunner(model, torch.device("cpu"), seed=0)
     if decode_group_limits is not None:
         runner.decode_group_limits = decode_group_limits

@@ -15,7 +15,8 @@ import pytest
 
 from kvpilot.runtime.bench import main as bench_main
 from kvpilot.runtime.bench.cli import benchmark, parse_args
-from tests.server.server_process import MODEL, RuntimeServer
+from kvpilot.runtime.bench.tokens import LocalTokenCounter
+from tests.server.server_process import MODEL, TINY, RuntimeServer
 
 FIRST_TOKEN_S = 0.08  # the scripted server's timings, what the bench must measure
 TOKEN_GAP_S = 0.02
@@ -82,6 +83,7 @@ def scripted() -> Iterator[str]:
 def test_bench_measures_scripted_latencies(scripted: str, tmp_path: Path) -> None:
     config = parse_args([
         "--base-url", scripted, "--num-prompts", "12", "--concurrency", "4", "--input-len", "7",
+        "--tokenizer", str(TINY),
         "--output-len", "5", "--goodput", "ttft:1000", "tpot:1", "--price-per-gpu-hour", "3.6",
         "--result-json", str(tmp_path / "out.json"), "--plot-dir", str(tmp_path), "--no-progress",
     ])  # fmt: skip
@@ -89,7 +91,7 @@ def test_bench_measures_scripted_latencies(scripted: str, tmp_path: Path) -> Non
     assert summary.completed == 12 and summary.failed == 0
     assert ScriptedOpenAI.requests[0]["model"] == "scripted"  # found through /v1/models
     assert ScriptedOpenAI.requests[0]["stream_options"] == {"include_usage": True}
-    assert len(ScriptedOpenAI.requests[0]["prompt"].split()) == 7
+    assert LocalTokenCounter(TINY).count(ScriptedOpenAI.requests[0]["prompt"], True) == 7
     assert FIRST_TOKEN_S * 1000 <= summary.ttft_ms.median < FIRST_TOKEN_S * 1000 + 150
     assert TOKEN_GAP_S * 1000 <= summary.itl_ms.median < TOKEN_GAP_S * 1000 + 50
     assert TOKEN_GAP_S * 1000 <= summary.tpot_ms.mean < TOKEN_GAP_S * 1000 + 50
@@ -139,8 +141,8 @@ def test_bench_against_the_runtime_agrees_with_its_histogram(
     out = tmp_path / "bench.json"
     code = bench_main([
         "--base-url", server.url, "--num-prompts", "16", "--concurrency", "4", "--input-len", "32",
-        "--output-len", "8", "--ignore-eos", "--result-json", str(out), "--plot-dir",
-        str(tmp_path), "--no-progress", "--price-per-gpu-hour", "2",
+        "--tokenizer", str(TINY), "--output-len", "8", "--ignore-eos", "--result-json", str(out),
+        "--plot-dir", str(tmp_path), "--no-progress", "--price-per-gpu-hour", "2",
     ])  # fmt: skip
     assert code == 0
     assert "Successful requests" in capsys.readouterr().out
@@ -158,3 +160,35 @@ def test_bench_against_the_runtime_agrees_with_its_histogram(
 
 def test_models_endpoint_is_what_bench_discovers(server: RuntimeServer) -> None:
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def bench_prompt_lens(server: RuntimeServer, tmp_path: Path, *flags: str) -> list[int]:
+    """Each request's prompt tokens as the runtime's usage reported them."""
+    out = tmp_path / "lens.json"
+    code = bench_main([
+        "--base-url", server.url, "--num-prompts", "6", "--concurrency", "3", "--input-len", "64",
+        "--output-len", "2", "--result-json", str(out), "--save-detailed", "--no-progress", *flags,
+    ])  # fmt: skip
+    assert code == 0
+    return [r["prompt_len"] for r in json.loads(out.read_text())["requests"]]
+
+
+def test_input_len_is_tokens_with_a_local_tokenizer(server: RuntimeServer, tmp_path: Path) -> None:
+    assert bench_prompt_lens(server, tmp_path, "--tokenizer", str(TINY)) == [64] * 6
+
+
+def test_input_len_is_tokens_through_the_servers_tokenize(
+    server: RuntimeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --tokenizer the prompts are counted by POST /tokenize (vLLM's shape). A runtime
+    that does not answer it yet makes the bench stop and say how to count instead."""
+    probe = {"model": MODEL, "prompt": "hello", "add_special_tokens": True}
+    answer = httpx.post(f"{server.url}/tokenize", json=probe, timeout=10)
+    if answer.status_code == 200:
+        assert set(answer.json()) >= {"count", "max_model_len", "tokens"}
+        assert bench_prompt_lens(server, tmp_path) == [64] * 6
+        return
+    assert answer.status_code == 404
+    code = bench_main(["--base-url", server.url, "--num-prompts", "1", "--no-progress"])
+    assert code == 2
+    assert "cannot count tokens; pass --tokenizer" in capsys.readouterr().err

@@ -32,7 +32,7 @@ def guarded(start_server: Callable[..., RuntimeServer]) -> RuntimeServer:
                         "--api-key", KEY)  # fmt: skip
 
 
-def test_api_key_is_required_on_v1_only(guarded: RuntimeServer) -> None:
+def test_api_key_is_required_on_v1_and_tokenize_only(guarded: RuntimeServer) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         response = httpx.get(f"{guarded.url}/v1/models", headers=headers)
@@ -43,8 +43,11 @@ def test_api_key_is_required_on_v1_only(guarded: RuntimeServer) -> None:
     assert httpx.get(f"{guarded.url}/v1/models", headers=auth).status_code == 200
     ok = httpx.post(f"{guarded.url}/v1/completions", json=body(2, False), headers=auth)
     assert ok.status_code == 200
-    for probe in ("/health", "/ready", "/metrics"):  # kubelet and Prometheus carry no key
+    for probe in ("/health", "/ready", "/metrics", "/version"):  # kubelet, Prometheus: no key
         assert httpx.get(f"{guarded.url}{probe}").status_code == 200
+    tokenize = f"{guarded.url}/tokenize"  # costs CPU like a prompt does, so it is guarded too
+    assert httpx.post(tokenize, json={"prompt": "a"}).status_code == 401
+    assert httpx.post(tokenize, json={"prompt": "a"}, headers=auth).status_code == 200
 
 
 async def overload(server: RuntimeServer) -> None:

@@ -66,6 +66,14 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch, delete]
+# model caches (spec.model.cache, model_cache.py): a claim and the Job that fills it, created
+# once and patched only to add an owner; kopf watches the Jobs to start replicas once filled
+- apiGroups: [""]
+  resources: [persistentvolumeclaims]
+  verbs: [create, patch]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, list, watch, create, patch]
 {{- if .Values.rbac.readModelSecrets }}
 # the Secret a ModelDeployment's spec.model.secretRef names, read by name (never listed) to
 # fetch config.json of a model the catalog lacks, as its pods would (model_facts.py)

@@ -25,10 +25,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
-from kvpilot.operator import api, autoscaler, conditions, inventory, k8s, manifests, observability
+from kvpilot.operator import (
+    api,
+    autoscaler,
+    conditions,
+    inventory,
+    k8s,
+    manifests,
+    observability,
+    timestamps,
+)
 from kvpilot.operator import metrics as metrics_source
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
@@ -97,8 +105,10 @@ class AutoscalerLoop:
         interval_s: float,
         indexes: Callable[[], tuple[list[Any], list[Any]] | None] | None = None,
         lease: LeaderLease | None = None,
+        readiness: observability.Readiness | None = None,
     ) -> None:
         self.controller = controller
+        self.readiness = readiness or observability.Readiness()
         self.lease = lease  # None: this is the only instance (--standalone)
         self.indexes = indexes  # the kopf watch indexes' snapshot, once the operator has one
         self.interval_s = interval_s
@@ -115,6 +125,7 @@ class AutoscalerLoop:
         self.thread.join(timeout=10)
 
     def run(self) -> None:
+        self.may_act()  # learn the Lease's state at once: readiness waits for it
         while not self.stopping.wait(self.interval_s):
             if self.may_act():
                 self.tick()
@@ -137,7 +148,9 @@ class AutoscalerLoop:
 
     def may_act(self) -> bool:
         """Only the instance holding the Lease scales (cheap: it renews every third of it)."""
-        return self.lease is None or self.lease.hold()
+        holds = self.lease is None or self.lease.hold()
+        self.readiness.lease_known = self.lease is None or self.lease.state_known
+        return holds
 
     def safe_list(self) -> list[dict[str, Any]]:
         try:
@@ -165,7 +178,9 @@ class AutoscalerLoop:
         decision: Decision,
     ) -> None:
         """Spread the decided count over node types when it changes or pods are stuck, record
-        it, announce it, and run the reconcile pass that applies it."""
+        it in status and announce it. Only status is written here: the watch on the
+        ModelDeployment sees the decision and runs the reconcile that applies it
+        (handlers.md_scaled), so children are touched by the reconcile alone."""
         now, spill_after = time.time(), self.controller.config.spill_after_seconds
         where = autoscaler.placement(md.get("status"), pods)
         stuck = where.spilling(now, spill_after)
@@ -178,14 +193,10 @@ class AutoscalerLoop:
         self.record(md, observations, decision, per_type)
         if decision.replicas != current:
             self.announce_scale(md, current, decision)
-        elif per_type == dict(where.current):
-            return  # stuck, but no other node type has room: nothing to move yet
-        else:
+        elif per_type != dict(where.current):  # else stuck, but no other type has room yet
             self.announce(
                 md, "SpilledOver", autoscaler.spill_message(where.current, per_type, stuck)
             )
-        meta = md["metadata"]
-        self.controller.run_pass(meta["namespace"], meta["name"], nodes, all_pods)
 
     def model_pods(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
         """Runtime pods in the watched namespace(s), by (namespace, ModelDeployment name)."""
@@ -222,7 +233,7 @@ class AutoscalerLoop:
         per_type: Mapping[str, int] | None,
     ) -> None:
         meta, status = md["metadata"], md.get("status") or {}
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = timestamps.rfc3339()
         old = status.get("autoscaling") or {}
         autoscaling = autoscaler.status_patch(decision, observations, time.time())
         if per_type is not None:

@@ -40,6 +40,8 @@ QUALITY_LOSS_LEVELS: dict[str, tuple[str, ...]] = {
 URI_PATTERN = (
     r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*|s3://[^\s]+|file:///[^\s]*)$"
 )
+# A storage size as Kubernetes writes one (a subset of resource.Quantity: no exponents).
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -62,8 +64,41 @@ class SecretRef(_Model):
     name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
 
 
+class ModelCache(_Model):
+    """A PersistentVolumeClaim the operator fills once with a Job and every replica mounts
+    read-only, so N replicas do not download N times and a scale-up loads from local storage."""
+
+    storage_class_name: str | None = Field(
+        default=None, max_length=253, description="default: the cluster's default StorageClass"
+    )
+    size: str | None = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="the claim's size, e.g. 200Gi; default: 2 bytes per parameter + 20% + 1Gi",
+    )
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        default="ReadWriteMany",
+        description="ReadWriteMany (a shared filesystem) lets replicas on several nodes mount"
+        " it; ReadWriteOnce keeps every replica on the node that filled it",
+    )
+    delete_with_model: bool = Field(
+        default=False,
+        description="delete the cache with the last ModelDeployment using it; by default it"
+        " stays, shared by every ModelDeployment of the same model in the namespace",
+    )
+
+
 class ModelSource(_Model):
     """Where the weights are, and the architecture facts for models the catalog lacks."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "!has(self.cache) || self.uri.startsWith('hf://') || self.uri.startsWith('s3://')",
+                "cache applies to hf:// and s3:// models; pvc:// and file:// are local already",
+            )
+        )
+    )
 
     uri: str = Field(
         pattern=URI_PATTERN,
@@ -85,6 +120,17 @@ class ModelSource(_Model):
     kv_heads: int | None = Field(default=None, ge=1, le=1024)
     head_dim: int | None = Field(default=None, ge=1, le=4096)
     vocab_size: int | None = Field(default=None, ge=1)
+    cache: ModelCache | None = Field(
+        default=None, description="fetch once into a shared volume instead of once per pod"
+    )
+
+    @model_validator(mode="after")
+    def _cache_needs_a_remote_source(self) -> ModelSource:
+        if self.cache is not None and not self.uri.startswith(("hf://", "s3://")):
+            raise ValueError(
+                "cache applies to hf:// and s3:// models; pvc:// and file:// are local already"
+            )
+        return self
 
 
 class Serving(_Model):
@@ -312,6 +358,17 @@ class AutoscalingStatus(_Model):
     )
 
 
+class CacheStatus(_Model):
+    """The model cache as the fill Job reports it."""
+
+    claim_name: str
+    phase: Literal["Pending", "Downloading", "Cached", "Failed"]
+    bytes: int | None = None
+    files: int | None = None
+    duration_seconds: float | None = None
+    message: str = ""
+
+
 class ModelDeploymentStatus(_Model):
     model_config = ConfigDict(extra="ignore")
 
@@ -324,6 +381,7 @@ class ModelDeploymentStatus(_Model):
     quantization: str = Field(default="", description="quantisation of the first node type in use")
     endpoint: str = ""
     autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
+    cache: CacheStatus | None = None
 
 
 def parse_spec(spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -48,6 +48,25 @@ _QWEN25_32B = ModelFacts(
 _QWEN25_72B = ModelFacts(
     parameters=72_706_203_648, layers=80, kv_heads=8, head_dim=128, vocab_size=152_064
 )
+# Qwen3 dense: head_dim 128 from config.json (not hidden_size / heads); 0.6B-4B tie embeddings.
+_QWEN3_0_6B = ModelFacts(
+    parameters=596_049_920, layers=28, kv_heads=8, head_dim=128, vocab_size=151_936
+)
+_QWEN3_1_7B = ModelFacts(
+    parameters=1_720_574_976, layers=28, kv_heads=8, head_dim=128, vocab_size=151_936
+)
+_QWEN3_4B = ModelFacts(
+    parameters=4_022_468_096, layers=36, kv_heads=8, head_dim=128, vocab_size=151_936
+)
+_QWEN3_8B = ModelFacts(
+    parameters=8_190_735_360, layers=36, kv_heads=8, head_dim=128, vocab_size=151_936
+)
+_QWEN3_14B = ModelFacts(
+    parameters=14_768_307_200, layers=40, kv_heads=8, head_dim=128, vocab_size=151_936
+)
+_QWEN3_32B = ModelFacts(
+    parameters=32_762_123_264, layers=64, kv_heads=8, head_dim=128, vocab_size=151_936
+)
 _MISTRAL_7B = ModelFacts(
     parameters=7_248_023_552, layers=32, kv_heads=8, head_dim=128, vocab_size=32_768
 )
@@ -94,6 +113,19 @@ CATALOG: dict[str, ModelFacts] = {
     "qwen/qwen2.5-32b-instruct": _QWEN25_32B,
     "qwen/qwen2.5-72b": _QWEN25_72B,
     "qwen/qwen2.5-72b-instruct": _QWEN25_72B,
+    "qwen/qwen3-0.6b": _QWEN3_0_6B,
+    "qwen/qwen3-0.6b-base": _QWEN3_0_6B,
+    "qwen/qwen3-1.7b": _QWEN3_1_7B,
+    "qwen/qwen3-1.7b-base": _QWEN3_1_7B,
+    "qwen/qwen3-4b": _QWEN3_4B,
+    "qwen/qwen3-4b-base": _QWEN3_4B,
+    "qwen/qwen3-4b-instruct-2507": _QWEN3_4B,
+    "qwen/qwen3-4b-thinking-2507": _QWEN3_4B,
+    "qwen/qwen3-8b": _QWEN3_8B,
+    "qwen/qwen3-8b-base": _QWEN3_8B,
+    "qwen/qwen3-14b": _QWEN3_14B,
+    "qwen/qwen3-14b-base": _QWEN3_14B,
+    "qwen/qwen3-32b": _QWEN3_32B,
     "mistralai/mistral-7b-v0.3": _MISTRAL_7B,
     "mistralai/mistral-7b-instruct-v0.3": _MISTRAL_7B,
     "mistralai/mixtral-8x7b-v0.1": _MIXTRAL_8X7B,

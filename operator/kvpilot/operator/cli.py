@@ -66,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose)
     client = k8s.api_client(args.kubeconfig)
     standalone = args.standalone or not ensure_peering(client, namespace)
-    stop_metrics = observability.start_server(args.metrics_port) if args.metrics_port else None
+    readiness = observability.Readiness()
+    stop_metrics = (
+        observability.start_server(args.metrics_port, readiness=readiness)
+        if args.metrics_port
+        else None
+    )
     try:
         kopf.run(
             clusterwide=not namespace,
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             liveness_endpoint=args.liveness or None,
             memo=kopf.Memo(
                 controller=Controller(client=client, config=cfg),
+                readiness=readiness,
                 lease=None if standalone else autoscaler_lease(client, namespace, cfg),
             ),
         )

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator.api import Condition
+from kvpilot.operator.api import CacheStatus, Condition
 
 PLANNED, PROGRESSING, READY, DEGRADED = "Planned", "Progressing", "Ready", "Degraded"
 
@@ -92,9 +92,10 @@ def compute(
     num_unplaceable: int,
     generation: int,
     pod_problems: Sequence[str] = (),
+    cache: CacheStatus | None = None,
 ) -> list[Condition]:
-    """The four conditions, from the plan's outcome, the Deployments' progress and the pods
-    stuck on a container (`pod_problem`)."""
+    """The four conditions, from the plan's outcome, the Deployments' progress, the pods
+    stuck on a container (`pod_problem`) and the model cache's fill."""
     if plan_error is not None:
         return [
             _condition(PLANNED, False, "PlanFailed", plan_error, generation),
@@ -104,26 +105,34 @@ def compute(
         ]
     ready_text = f"{rollout.ready}/{rollout.replicas} replicas ready"
     is_ready = rollout.replicas > 0 and rollout.ready >= rollout.replicas
-    if rollout.replicas == 0:
+    if cache is not None and cache.phase != "Cached":
+        ready_reason = "CacheFailed" if cache.phase == "Failed" else "FillingCache"
+        ready_text = f"model cache {cache.claim_name}: {cache.phase}"
+        if cache.message:
+            ready_text = f"{ready_text}: {cache.message}"
+    elif rollout.replicas == 0:
         ready_reason = "ScaledToZero"
     else:
         ready_reason = "ReplicasReady" if is_ready else "ReplicasNotReady"
-    if pod_problems:
+    if cache is not None and cache.phase == "Failed":
+        degraded = (True, "CacheFailed", ready_text)
+    elif pod_problems:
         ready_text = f"{ready_text}; {pod_problems[0]}"
         degraded = (True, "PodsFailing", "; ".join(sorted(set(pod_problems))[:3]))
     elif num_unplaceable:
         degraded = (True, "InsufficientGPUs", f"{num_unplaceable} replicas wait for free GPUs")
     else:
         degraded = (False, "AsExpected", ready_text)
+    progressing = (
+        not rollout.is_settled,
+        "RollingOut" if not rollout.is_settled else "RolloutComplete",
+        f"{rollout.updated}/{rollout.replicas} replicas updated",
+    )
+    if cache is not None and cache.phase in ("Pending", "Downloading"):
+        progressing = (True, "FillingCache", ready_text)
     return [
         _condition(PLANNED, True, "Planned", plan_summary, generation),
-        _condition(
-            PROGRESSING,
-            not rollout.is_settled,
-            "RollingOut" if not rollout.is_settled else "RolloutComplete",
-            f"{rollout.updated}/{rollout.replicas} replicas updated",
-            generation,
-        ),
+        _condition(PROGRESSING, *progressing, generation),
         _condition(READY, is_ready, ready_reason, ready_text, generation),
         _condition(DEGRADED, *degraded, generation),
     ]

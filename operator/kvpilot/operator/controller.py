@@ -14,13 +14,22 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
-from kvpilot.operator import api, inventory, k8s, manifests, model_facts, observability, reconcile
+from kvpilot.operator import (
+    api,
+    inventory,
+    k8s,
+    manifests,
+    model_cache,
+    model_facts,
+    observability,
+    reconcile,
+    timestamps,
+)
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.runtime.memory import ModelFacts
 
@@ -165,6 +174,15 @@ class Controller:
         namespace = self.config.namespace or None
         return k8s.list_objects(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
 
+    def cache_users(self, namespace: str, claim: str) -> list[str]:
+        """Names of the ModelDeployments in `namespace` whose model cache is `claim`."""
+        users = []
+        for md in k8s.list_objects(self.client, k8s.MD_API_VERSION, api.KIND, namespace):
+            model = (md.get("spec") or {}).get("model") or {}
+            if model.get("cache") is not None and manifests.cache_claim_name(model["uri"]) == claim:
+                users.append(md["metadata"]["name"])
+        return users
+
     def _desire(self, md: Obj, nodes: list[Obj], pods: Iterable[Obj]) -> reconcile.Desired:
         meta = md["metadata"]
         # This ModelDeployment's own pods hold GPUs it may keep: count them as free for its plan.
@@ -172,10 +190,42 @@ class Controller:
         node_types = inventory.discover(nodes, others, self.config.node_types)
         wants_monitor = bool(((md.get("spec") or {}).get("monitoring") or {}).get("podMonitor"))
         has_crd = wants_monitor and k8s.has_crd(self.client, POD_MONITOR_CRD)
-        desired = reconcile.desire(md, node_types, self.config, has_crd, self._source_facts(md))
+        cache, job = self._read_cache(md)
+        desired = reconcile.desire(
+            md, node_types, self.config, has_crd, self._source_facts(md), cache
+        )
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
-        return dataclasses.replace(desired, pod_problems=problems)
+        owners = {
+            o.get("uid") for o in ((job or {}).get("metadata") or {}).get("ownerReferences") or []
+        }
+        wants_owner = any(c["metadata"]["ownerReferences"] for c in desired.cache_children)
+        return dataclasses.replace(
+            desired,
+            pod_problems=problems,
+            cache_missing=job is None,
+            cache_needs_owner=job is not None and wants_owner and meta["uid"] not in owners,
+        )
+
+    def _read_cache(self, md: Obj) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
+        """The model cache's state and its fill Job (None: not made yet); (None, None) when the
+        spec asks for no cache."""
+        try:
+            spec = api.parse_spec(md.get("spec") or {})
+        except ValidationError:
+            return None, None  # desire reports the bad spec
+        if spec.model.cache is None:
+            return None, None
+        namespace, name = md["metadata"]["namespace"], manifests.cache_claim_name(spec.model.uri)
+        job = k8s.get(self.client, "batch/v1", "Job", namespace, name)
+        old = ((md.get("status") or {}).get("cache")) or {}
+        if job is not None and old.get("phase") == "Cached" and old.get("claimName") == name:
+            return api.CacheStatus.model_validate(old), job  # final: no need to read the pods
+        selector = f"{model_cache.LABEL_CACHE}={name}"
+        pods = (
+            [] if job is None else k8s.list_objects(self.client, "v1", "Pod", namespace, selector)
+        )
+        return model_cache.status(name, job, pods), job
 
     def _source_facts(self, md: Obj) -> ModelFacts | str | None:
         """Facts read from an uncatalogued model's config.json, or why they could not be."""
@@ -211,6 +261,7 @@ class Controller:
         ]
         if desired.error is not None or not apply_children:
             return existing  # a spec that cannot run leaves the running pods serving
+        self._ensure_cache(md, desired)
         if reconcile.may_have_dropped_pod_monitor(md, desired):
             self._delete_pod_monitor(md)
         fm = self.config.field_manager
@@ -223,6 +274,15 @@ class Controller:
             )
             k8s.delete(self.client, stale)
         return [obj for obj in applied if obj.get("kind") == "Deployment"]
+
+    def _ensure_cache(self, md: Obj, desired: reconcile.Desired) -> None:
+        """Create the model cache's claim and fill Job if absent; with deleteWithModel, add this
+        ModelDeployment to the owners of a cache another one made."""
+        for child in desired.cache_children:
+            if desired.cache_missing:
+                k8s.create(self.client, child)
+            elif desired.cache_needs_owner:
+                k8s.add_owner_reference(self.client, child, child["metadata"]["ownerReferences"][0])
 
     def _delete_pod_monitor(self, md: Obj) -> None:
         """Delete the PodMonitor an earlier spec asked for, if this ModelDeployment owns one."""
@@ -254,7 +314,7 @@ class Controller:
         self, md: Obj, desired: reconcile.Desired, deployments: list[dict[str, Any]]
     ) -> None:
         meta = md["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = timestamps.rfc3339()
         status = reconcile.build_status(md, desired, deployments, self.config, now)
         old = md.get("status") or {}
         if any(old.get(k) != v for k, v in status.items()):

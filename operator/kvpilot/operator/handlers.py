@@ -17,7 +17,15 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import api, conditions, inventory, manifests, observability
+from kvpilot.operator import (
+    api,
+    conditions,
+    inventory,
+    manifests,
+    model_cache,
+    observability,
+    reconcile,
+)
 from kvpilot.operator.actuator import AutoscalerLoop
 from kvpilot.operator.controller import Controller, Replanner, controller_owner
 
@@ -48,10 +56,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo["replanner"] = Replanner(memo["controller"], _values)
     memo["replanner"].start()
     interval = memo["controller"].config.autoscaler_interval_seconds
+    memo.setdefault("readiness", observability.Readiness())
     memo["autoscaler"] = AutoscalerLoop(
-        memo["controller"], interval, memo["replanner"].inventory, memo.get("lease")
+        memo["controller"],
+        interval,
+        memo["replanner"].inventory,
+        memo.get("lease"),
+        memo["readiness"],
     )
     memo["autoscaler"].start()
+    memo["readiness"].started = True
 
 
 @kopf.on.cleanup(id="stop-replanner")
@@ -128,6 +142,17 @@ def reconcile_md(
     _pass(memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], retry, body=body)
 
 
+@kopf.on.event(*MD, id="md-scaled")
+def md_scaled(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """The autoscaler wrote a decision to status that the children do not show yet: run the
+    pass that applies it. The autoscaler loop writes status only; this is its one way to pods."""
+    if event["type"] != "MODIFIED" or not reconcile.scale_pending(body):
+        return
+    namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
+    nodes, pods = kwargs["gpu_nodes"], kwargs["gpu_pods"]
+    _pass(memo, namespace, name, nodes, pods, 0, is_md_handler=False, body=body)
+
+
 @kopf.on.delete(*MD, id="md-delete", optional=True)
 def md_deleted(namespace: str | None, name: str, logger: Any, **_: Any) -> None:
     # No finalizer: owner references let the garbage collector remove Deployments and Service.
@@ -192,3 +217,22 @@ def child_service(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: An
             kwargs["gpu_pods"],
         )
         _pass(memo, namespace, owner, nodes, pods, 0, is_md_handler=False)
+
+
+@kopf.on.event(
+    "batch", "v1", "jobs", labels={model_cache.LABEL_CACHE: kopf.PRESENT}, id="model-cache-job"
+)
+def cache_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """A model cache's fill Job moved on: every ModelDeployment using that cache passes again, to
+    report it and, once it is Cached, to start replicas (the Job is shared, so not a child)."""
+    namespace, claim = body["metadata"]["namespace"], body["metadata"]["name"]
+    controller: Controller = memo["controller"]
+    try:
+        users = controller.cache_users(namespace, claim)
+    except ApiException as error:  # the Job's next event asks again
+        logging.getLogger(__name__).warning("listing users of %s: %s", claim, error.reason)
+        return
+    for name in users:
+        _pass(
+            memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], 0, is_md_handler=False
+        )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -18,7 +17,7 @@ from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import api
+from kvpilot.operator import api, timestamps
 
 Obj = Mapping[str, Any]
 _PLURALS = {
@@ -28,6 +27,8 @@ _PLURALS = {
     "Event": "events",
     "Node": "nodes",
     "Pod": "pods",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Job": "jobs",
     "CustomResourceDefinition": "customresourcedefinitions",
     "ClusterKopfPeering": "clusterkopfpeerings",
     "KopfPeering": "kopfpeerings",
@@ -99,6 +100,31 @@ def apply(client: k8s_client.ApiClient, manifest: Obj, field_manager: str) -> di
     )
 
 
+def create(client: k8s_client.ApiClient, manifest: Obj) -> dict[str, Any] | None:
+    """Create the object; None when one of that name exists already (it is left as it is)."""
+    meta = manifest["metadata"]
+    target = path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
+    try:
+        return request(client, "POST", target, body=manifest)
+    except ApiException as error:
+        if error.status == 409:
+            return None
+        raise
+
+
+def add_owner_reference(client: k8s_client.ApiClient, obj: Obj, owner: Obj) -> None:
+    """Add `owner` to the object's owners, keeping the others (a strategic merge keyed by uid)."""
+    meta = obj["metadata"]
+    target = path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+    request(
+        client,
+        "PATCH",
+        target,
+        body={"metadata": {"ownerReferences": [dict(owner)]}},
+        content_type="application/strategic-merge-patch+json",
+    )
+
+
 def delete(client: k8s_client.ApiClient, obj: Obj) -> None:
     meta = obj["metadata"]
     target = path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
@@ -164,7 +190,7 @@ def emit_event(
 ) -> None:
     """A core/v1 Event on the ModelDeployment, as `kubectl describe` shows them."""
     meta = involved["metadata"]
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = timestamps.rfc3339()
     event = {
         "apiVersion": "v1",
         "kind": "Event",

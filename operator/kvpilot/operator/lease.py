@@ -19,9 +19,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client as k8s_client
 
-from kvpilot.operator import k8s
+from kvpilot.operator import k8s, timestamps
 
 LEASE_NAME = "kvpilot-autoscaler"
 LEASE_API_VERSION = "coordination.k8s.io/v1"
@@ -58,10 +59,6 @@ def released(spec: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if k != "holderIdentity"}
 
 
-def micro_time(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 def default_identity() -> str:
     """The pod's name (the chart passes it as POD_NAME) and this process's id."""
     return f"{os.environ.get('POD_NAME') or socket.gethostname()}_{os.getpid()}"
@@ -94,6 +91,8 @@ class LeaderLease:
         self._renewed_at: float | None = None  # monotonic time of our last successful write
         self._seen: tuple[str, float] | None = None  # (resourceVersion, first seen, monotonic)
         self._problem = ""
+        # Whether the last check learned who holds the Lease (an API error leaves it unknown).
+        self.state_known = False
 
     @property
     def path(self) -> str:
@@ -105,11 +104,16 @@ class LeaderLease:
             return True
         try:
             holds = self._take_or_renew(now)
+            self.state_known = True
         except k8s.ApiException as error:
             holds = False
             # 409: another instance wrote first. Anything else: we cannot know we still hold it.
+            self.state_known = error.status == 409
             if error.status != 409:
                 self._report(f"cannot take or renew Lease {self.namespace}/{self.name}: {error}")
+        except (urllib3.exceptions.HTTPError, OSError) as error:  # the API is unreachable
+            holds, self.state_known = False, False
+            self._report(f"cannot reach the API for Lease {self.namespace}/{self.name}: {error}")
         self._renewed_at = now if holds else None
         return holds
 
@@ -127,7 +131,7 @@ class LeaderLease:
 
     def _take_or_renew(self, now: float) -> bool:
         lease = k8s.get(self.client, LEASE_API_VERSION, "Lease", self.namespace, self.name)
-        stamp = micro_time(datetime.now(UTC))
+        stamp = timestamps.micro_time(datetime.now(UTC))
         if lease is None:
             body = {
                 "apiVersion": LEASE_API_VERSION,

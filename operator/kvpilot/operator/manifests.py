@@ -18,13 +18,12 @@ from typing import Any
 
 from kvpilot.operator import api, metrics
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import GPU_RESOURCE
+from kvpilot.operator.inventory import GPU_RESOURCE, LABEL_NODE_TYPE
 from kvpilot.operator.planner import NodePlan
 from kvpilot.runtime import serve_config
 from kvpilot.runtime.model_source import parse_model_uri
 
 LABEL_MODEL = "kvpilot.dev/model"
-LABEL_NODE_TYPE = "kvpilot.dev/node-type"
 RUNTIME_UID = 10001  # the user runtime/Dockerfile creates
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_SPEC_HASH = "kvpilot.dev/spec-hash"
@@ -99,18 +98,28 @@ class ModelMount:
     needs_fetch: bool
 
 
-def model_location(uri: str) -> ModelMount:
-    source = parse_model_uri(uri)
+def cache_claim_name(uri: str) -> str:
+    """The model cache's claim (and fill Job) name: one per model source in a namespace, so
+    ModelDeployments of the same model share it."""
+    return f"kvpilot-model-cache-{spec_hash(uri)}"
+
+
+def model_location(model: api.ModelSource) -> ModelMount:
+    source = parse_model_uri(model.uri)
     read_only_mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    if model.cache is not None:  # filled once by the cache Job (model_cache.py)
+        claim = {"claimName": cache_claim_name(model.uri), "readOnly": True}
+        volume = {"name": "model", "persistentVolumeClaim": claim}
+        return ModelMount(f"file://{MODEL_MOUNT}", [volume], [read_only_mount], needs_fetch=False)
     if source.scheme == "pvc":
         claim = {"claimName": source.location, "readOnly": True}
         volume = {"name": "model", "persistentVolumeClaim": claim}
-        model = f"file://{MODEL_MOUNT}/{source.path}".rstrip("/")
-        return ModelMount(model, [volume], [read_only_mount], needs_fetch=False)
+        path = f"file://{MODEL_MOUNT}/{source.path}".rstrip("/")
+        return ModelMount(path, [volume], [read_only_mount], needs_fetch=False)
     if source.is_fetched:
         volume = {"name": "model", "emptyDir": {}}
         return ModelMount(f"file://{MODEL_MOUNT}", [volume], [read_only_mount], needs_fetch=True)
-    return ModelMount(uri, [], [], needs_fetch=False)
+    return ModelMount(model.uri, [], [], needs_fetch=False)
 
 
 def runtime_args(
@@ -122,7 +131,7 @@ def runtime_args(
     # `grace_seconds` after the preStop hook started, with a margin for the process to exit.
     shutdown_timeout = max(1, grace_seconds - DRAIN_DELAY_SECONDS - 10)
     values = {
-        "model": model_location(spec.model.uri).model_arg,
+        "model": model_location(spec.model).model_arg,
         "served_name": api.served_name(spec.model),
         "quantization": node_plan.quantization,
         "max_model_len": spec.serving.max_context_length,
@@ -140,14 +149,17 @@ def runtime_args(
     return ["serve", *serve_config.to_args(values)]
 
 
-def fetch_container(spec: api.ModelDeploymentSpec, config: OperatorConfig) -> dict[str, Any]:
-    """The init container that copies an hf:// or s3:// model into the pod's model volume; the
-    Secret named by spec.model.secretRef is its environment (tokens never appear in the spec)."""
+def fetch_container(
+    spec: api.ModelDeploymentSpec, config: OperatorConfig, *extra_args: str
+) -> dict[str, Any]:
+    """The container that copies an hf:// or s3:// model into the model volume (a pod's init
+    container, or the cache fill Job's); the Secret named by spec.model.secretRef is its
+    environment (tokens never appear in the spec)."""
     container: dict[str, Any] = {
         "name": "fetch-model",
         "image": spec.runtime.image or config.runtime_image,
         "command": ["kvpilot-runtime"],
-        "args": ["fetch", f"--model={spec.model.uri}", f"--to={MODEL_MOUNT}"],
+        "args": ["fetch", f"--model={spec.model.uri}", f"--to={MODEL_MOUNT}", *extra_args],
         "env": _env(spec),
         # Its one-line error becomes the pod's status message, which the operator's conditions show.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -186,7 +198,7 @@ def _resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, 
 def _container(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
-    model_mounts = model_location(spec.model.uri).mounts
+    model_mounts = model_location(spec.model).mounts
     port = config.runtime_port
     return {
         "name": "runtime",
@@ -222,29 +234,33 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+# runtime/Dockerfile's user; above 10000 so it maps to no user of the node
+POD_SECURITY = {
+    "runAsNonRoot": True,
+    "runAsUser": RUNTIME_UID,
+    "runAsGroup": RUNTIME_UID,
+    "fsGroup": RUNTIME_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+GPU_TOLERATIONS = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+SCRATCH_VOLUMES = [
+    {"name": "cache", "emptyDir": {}},
+    {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+]
+
+
 def _pod_spec(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
-    model = model_location(spec.model.uri)
+    model = model_location(spec.model)
     pod: dict[str, Any] = {
         "nodeSelector": dict(node_plan.node_type.node_selector),
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "tolerations": copy.deepcopy(GPU_TOLERATIONS),
         "terminationGracePeriodSeconds": config.termination_grace_seconds,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            # runtime/Dockerfile's user; above 10000 so it maps to no user of the node
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-            "fsGroup": RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [_container(spec, node_plan, config)],
-        "volumes": [
-            {"name": "cache", "emptyDir": {}},
-            {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
-            *model.volumes,
-        ],
+        "volumes": [*copy.deepcopy(SCRATCH_VOLUMES), *model.volumes],
     }
     if model.needs_fetch:
         pod["initContainers"] = [fetch_container(spec, config)]

@@ -29,11 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator.policy import Observations
 
-# Pod labels the operator sets, and the Prometheus labels kubernetes_sd relabelling makes of
-# them (labelmap of __meta_kubernetes_pod_label_kvpilot_dev_*, plus namespace and pod). The
-# Prometheus config and the PodMonitor must produce exactly these.
-POD_LABEL_MODEL = "kvpilot.dev/model"
-POD_LABEL_NODE_TYPE = "kvpilot.dev/node-type"
+# The Prometheus labels kubernetes_sd relabelling makes of the pod labels the operator sets
+# (manifests.LABEL_MODEL, inventory.LABEL_NODE_TYPE: labelmap of
+# __meta_kubernetes_pod_label_kvpilot_dev_*, plus namespace and pod). The Prometheus config and
+# the PodMonitor must produce exactly these.
 PROM_LABEL_NAMESPACE = "namespace"
 PROM_LABEL_POD = "pod"
 PROM_LABEL_MODEL = "kvpilot_model"

@@ -1,4 +1,12 @@
-"""The operator's own health and Prometheus metrics: `/healthz` and `/metrics` on one port.
+"""The operator's own health and Prometheus metrics: `/healthz`, `/readyz` and `/metrics` on one
+port.
+
+`/healthz` says the process answers; `/readyz` says the operator can do its job: kopf has run the
+startup handler (settings applied, the replanner and the autoscaler loop started) and this
+instance has learned from the API whether it holds the autoscaler's Lease (`Readiness`). Until
+both, it answers 503 with what is missing. It does not wait for kopf's first listing: kopf keeps
+a peering standby's watches paused, and a standby that never turned Ready would stall the
+operator Deployment's rolling update.
 
 Handlers call the plain `record_*` functions; `start_server(port)` serves them from a daemon thread
 (stdlib HTTP server, so it runs beside kopf's event loop without touching it) and returns a callable
@@ -110,6 +118,26 @@ def record_metrics_error(source: str, metrics: OperatorMetrics | None = None) ->
     (metrics or METRICS).metrics_errors.labels(source=source).inc()
 
 
+@dataclass
+class Readiness:
+    """Set by the startup handler and by the autoscaler loop after each Lease check; read by
+    `/readyz`. Plain booleans, each written by one thread."""
+
+    started: bool = False
+    lease_known: bool = False
+
+    def missing(self) -> list[str]:
+        missing = []
+        if not self.started:
+            missing.append("kopf has not run the startup handler")
+        if not self.lease_known:
+            missing.append("the autoscaler Lease's holder is not known (API unreachable?)")
+        return missing
+
+    def is_ready(self) -> bool:
+        return not self.missing()
+
+
 class ServerHandle:
     """What `start_server` returns: call it to stop the server; `port` is the bound port."""
 
@@ -123,7 +151,9 @@ class ServerHandle:
         self._thread.join(timeout=5)
 
 
-def _handler(metrics: OperatorMetrics, is_healthy: Callable[[], bool]) -> type:
+def _handler(
+    metrics: OperatorMetrics, is_healthy: Callable[[], bool], readiness: Readiness | None
+) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             route = self.path.split("?", 1)[0]
@@ -131,6 +161,10 @@ def _handler(metrics: OperatorMetrics, is_healthy: Callable[[], bool]) -> type:
                 healthy = is_healthy()
                 body = b"ok\n" if healthy else b"unhealthy\n"
                 self._send(200 if healthy else 503, "text/plain; charset=utf-8", body)
+            elif route == "/readyz":
+                missing = ["readiness is not tracked"] if readiness is None else readiness.missing()
+                body = ("not ready: " + "; ".join(missing) if missing else "ready").encode()
+                self._send(503 if missing else 200, "text/plain; charset=utf-8", body + b"\n")
             elif route == "/metrics":
                 self._send(200, CONTENT_TYPE_LATEST, metrics.exposition())
             else:
@@ -154,11 +188,13 @@ def start_server(
     host: str = "0.0.0.0",
     metrics: OperatorMetrics | None = None,
     is_healthy: Callable[[], bool] = lambda: True,
+    readiness: Readiness | None = None,
 ) -> ServerHandle:
-    """Serve /healthz and /metrics on host:port (0 picks a free port) until the handle is called."""
+    """Serve /healthz, /readyz and /metrics on host:port (0 picks a free port) until the handle
+    is called."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in 0..65535, got {port}")
-    server = ThreadingHTTPServer((host, port), _handler(metrics or METRICS, is_healthy))
+    server = ThreadingHTTPServer((host, port), _handler(metrics or METRICS, is_healthy, readiness))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="kvpilot-metrics", daemon=True)
     thread.start()

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
 from kvpilot.operator.inventory import NodeType
+from kvpilot.operator.spread import spread_replicas
 from kvpilot.runtime import memory
 from kvpilot.runtime.memory import MemoryEstimate, ModelFacts
 
@@ -208,20 +209,26 @@ def order(plans: Sequence[NodePlan], request: PlanRequest) -> list[NodePlan]:
 
 
 def assign_replicas(total: int, plans: Sequence[NodePlan]) -> list[int]:
-    """Spread `total` replicas over fitting node types in plan order, honouring free GPUs.
+    """Spread `total` replicas over fitting node types in plan order, honouring free GPUs: the
+    autoscaler's spread (spread.py) with nothing running yet.
 
     What no node type has room for goes to the first fitting type, where it waits Pending in plain
     sight (the autoscaler's spill-over moves it) rather than silently vanishing.
     """
-    counts = [0] * len(plans)
-    remaining = max(0, total)
-    for i, p in enumerate(plans):
-        counts[i] = min(remaining, p.num_free_slots())
-        remaining -= counts[i]
-    first_fitting = next((i for i, p in enumerate(plans) if p.fits), None)
-    if remaining and first_fitting is not None:
-        counts[first_fitting] += remaining
-    return counts
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        return [0] * len(plans)
+    per_type = spread_replicas(
+        max(0, total),
+        [p.node_type.name for p in fitting],
+        {p.node_type.name: p.num_free_slots() * p.tensor_parallel for p in fitting},
+        {p.node_type.name: p.tensor_parallel for p in fitting},
+        current_per_type={},
+        unschedulable_since={},
+        now=0.0,
+        spill_after_s=math.inf,  # nothing has been Unschedulable yet
+    )
+    return [per_type.get(p.node_type.name, 0) if p.fits else 0 for p in plans]
 
 
 def desired_total(spec: ModelDeploymentSpec, autoscaler_desired: int | None) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpilot.operator import api, catalog, conditions, manifests, planner
+from kvpilot.operator import api, catalog, conditions, manifests, model_cache, planner
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -32,6 +32,13 @@ class Desired:
     num_unplaceable: int = 0
     quantization: str = ""
     pod_problems: tuple[str, ...] = ()  # conditions.pod_problem of this ModelDeployment's pods
+    # The model cache's claim and fill Job, created if absent and never patched (model_cache.py)
+    cache_children: list[manifests.Manifest] = field(default_factory=list)
+    cache: api.CacheStatus | None = None
+    # Set by the controller from what it read: the fill Job is absent (create the cache), or
+    # exists without this ModelDeployment among its owners while deleteWithModel asks for it.
+    cache_missing: bool = False
+    cache_needs_owner: bool = False
 
 
 def desire(
@@ -40,9 +47,11 @@ def desire(
     config: OperatorConfig,
     has_pod_monitor_crd: bool,
     source_facts: ModelFacts | str | None = None,
+    cache: api.CacheStatus | None = None,
 ) -> Desired:
     """`source_facts`: what the operator read from the model's config.json, or why it could
-    not (then the plan fails for now and the pass is retried)."""
+    not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
+    fill Job reports it; replicas wait at zero until it is Cached."""
     read = source_facts if isinstance(source_facts, ModelFacts) else None
     try:
         spec = api.parse_spec(md.get("spec") or {})
@@ -58,8 +67,14 @@ def desire(
         reasons = "; ".join(p.reason for p in plans) or "the cluster has no GPU node types"
         return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}")
     replicas = _replicas(spec, plans, (md.get("status") or {}).get("autoscaling") or {})
+    first_fitting = next(p for p in plans if p.fits)
+    cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
+    if cache_children and (cache is None or cache.phase != "Cached"):
+        replicas = [0] * len(plans)  # nothing to load yet: the cache is still being filled
     children = manifests.build_all(md, spec, plans, replicas, config, has_pod_monitor_crd)
     return Desired(
+        cache_children=cache_children,
+        cache=cache if cache_children else None,
         children=children,
         plan=planner.status_entries(plans, replicas),
         summary=_summary(plans, replicas),
@@ -88,6 +103,23 @@ def _replicas(
         if sum(spread) == total:
             return spread
     return planner.assign_replicas(total, plans)
+
+
+def scale_pending(md: Obj) -> bool:
+    """Whether the builtin autoscaler's last decision in status (its spread per node type, or
+    its count) differs from the replicas the last pass applied (status.plan): the one way from
+    a scaling decision to the children is a reconcile pass, which the watch runs on this."""
+    status = md.get("status") or {}
+    autoscaling = status.get("autoscaling") or {}
+    if ((md.get("spec") or {}).get("autoscaling") or {}).get("mode", "builtin") != "builtin":
+        return False
+    applied = {e.get("nodeType"): e.get("replicas") or 0 for e in status.get("plan") or []}
+    per_type = autoscaling.get("replicasPerNodeType") or {}
+    if per_type:
+        wanted = {t: n or 0 for t, n in per_type.items()}
+        return any(applied.get(t, 0) != wanted.get(t, 0) for t in {*applied, *wanted})
+    desired = autoscaling.get("desiredReplicas")
+    return desired is not None and desired != sum(applied.values())
 
 
 def _one_line(error: Exception) -> str:
@@ -133,8 +165,9 @@ def build_status(
         desired.num_unplaceable,
         generation,
         desired.pod_problems,
+        desired.cache,
     )
-    return {
+    status: dict[str, Any] = {
         "observedGeneration": generation,
         "conditions": [c.model_dump(by_alias=True) for c in conditions.merge(old, new, now)],
         "plan": [entry.model_dump(by_alias=True) for entry in desired.plan],
@@ -146,6 +179,9 @@ def build_status(
         "quantization": desired.quantization,
         "endpoint": manifests.endpoint(md, config) if desired.error is None else "",
     }
+    if desired.cache is not None:
+        status["cache"] = desired.cache.model_dump(by_alias=True, exclude_none=True)
+    return status
 
 
 def _conditions(raw: Sequence[Any]) -> list[api.Condition]:

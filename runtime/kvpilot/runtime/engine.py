@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
@@ -58,6 +59,7 @@ class EngineStats:
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int  # cumulative
+    num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -261,7 +263,7 @@ class Engine:
             num_waiting = snapshot.num_waiting + len(self._inbox) + len(self._compiling)
             return replace(snapshot, num_waiting=num_waiting)
 
-    def _make_stats(self) -> EngineStats:
+    def _make_stats(self, num_step_tokens: int = 0) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
@@ -272,6 +274,7 @@ class Engine:
             prefix_cache_queries=bm.num_queried_tokens,
             prefix_cache_hits=bm.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_step_tokens=num_step_tokens,
         )
 
     # -- the step loop (one thread) ---------------------------------------------------------------
@@ -279,12 +282,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         batch = self.scheduler.schedule()
+        num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         if batch.scheduled:
+            started = time.monotonic()
+            for item in batch.scheduled:
+                item.seq.times.on_scheduled(started)
             results = self.runner.execute(batch.scheduled)
             self.scheduler.update_after_step(batch)
+            done = time.monotonic()
+            for item, _, _ in results:
+                item.seq.times.on_token(done)
             outputs += [self._on_token(item, tok, lp) for item, tok, lp in results]
         with self._lock:
-            self._snapshot = self._make_stats()
+            self._snapshot = self._make_stats(num_step_tokens)
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -39,6 +40,9 @@ class FetchResult:
     num_files: int
     num_bytes: int
     seconds: float
+
+    def summary(self) -> dict[str, float]:
+        return {"files": self.num_files, "bytes": self.num_bytes, "seconds": round(self.seconds, 3)}
 
 
 def log_line(text: str) -> None:
@@ -324,10 +328,18 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--model", required=True, help="hf://ORG/NAME[@REV], s3://BUCKET/PREFIX")
     parser.add_argument("--to", required=True, type=Path, help="directory to fill")
+    parser.add_argument(
+        "--summary-file",
+        type=Path,
+        help="write what was fetched there as JSON (files, bytes, seconds); a cache-filling Job"
+        " points it at its termination log, so the operator can report it in status",
+    )
     args = parser.parse_args(argv)
     try:
-        fetch(parse_model_uri(args.model), args.to)
+        result = fetch(parse_model_uri(args.model), args.to)
     except (FetchError, ValueError) as err:
         print(f"kvpilot-runtime fetch: {err}", file=sys.stderr)
         return 1
+    if args.summary_file is not None:
+        args.summary_file.write_text(json.dumps(result.summary()))
     return 0

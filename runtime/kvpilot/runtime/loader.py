@@ -1,7 +1,8 @@
 """Reading a Hugging Face model directory: config, safetensors weights, tokenizer files.
 
-Supported: Llama (incl. Llama-3 RoPE scaling), Qwen2 (q/k/v bias), Mistral. Everything else, and
-every missing file, is a clear error naming what is supported or missing.
+Supported: Llama (incl. Llama-3 RoPE scaling), Qwen2 (q/k/v bias), Qwen3 dense (per-head q/k
+RMSNorm), Mistral. Everything else, and every missing file, is a clear error naming what is
+supported or missing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# Architectures whose attention RMS-normalises each q and k head before RoPE (`q_norm`, `k_norm`).
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,6 +46,7 @@ class ModelConfig:
     has_qkv_bias: bool
     torch_dtype: str  # the checkpoint's dtype name
     sliding_window: int | None = None
+    has_qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k, weights [head_dim] each
 
     @property
     def num_parameters(self) -> int:
@@ -45,6 +54,7 @@ class ModelConfig:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
         attn += (self.num_heads * self.head_dim + 2 * kv) if self.has_qkv_bias else 0
+        attn += 2 * self.head_dim if self.has_qk_norm else 0
         layer = attn + 3 * h * self.intermediate_size + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + h
@@ -91,6 +101,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         has_qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         sliding_window=window,
+        has_qk_norm=arch in _QK_NORM_ARCHITECTURES,
     )
 
 

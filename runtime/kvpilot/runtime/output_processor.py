@@ -6,10 +6,13 @@ Pure Python: the tokenizer is passed in as anything with `decode(list[int]) -> s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvpilot.runtime.sampling import find_stop, num_emittable_chars, stop_search_start
 from kvpilot.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvpilot.runtime.sequence import Timestamps
 
 
 class Decoder(Protocol):
@@ -26,6 +29,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
+    times: Timestamps | None = None  # on the finished output only: the engine no longer moves it
     logprobs: list[dict[int, float]] | None = None
 
 
@@ -86,6 +90,7 @@ def make_output(state: RequestState, is_finished: bool) -> RequestOutput:
     state.pending_logprobs = []
     return RequestOutput(
         request_id=seq.request_id,
+        times=seq.times if is_finished else None,
         new_token_ids=new_ids,
         new_text=new_text,
         finished=is_finished,

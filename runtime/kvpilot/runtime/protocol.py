@@ -1,17 +1,20 @@
 """OpenAI-compatible request and response models (the subset kvpilot serves).
 
 Validation lives here so every bad input becomes a 400 naming its field before the engine sees it.
-Unknown request fields are ignored, as OpenAI's and vLLM's servers do, so newer clients still work;
-fields we accept but cannot honour (n > 1, penalties, logit_bias) are rejected rather than ignored,
-because silently returning something else than asked is worse than a clear error.
+Unknown request fields are ignored, as OpenAI's and vLLM's servers do, so newer clients still work.
+Every field a request model declares is honoured; the known OpenAI/vLLM fields this runtime does
+not honour are listed in NOT_HONOURED, and a request that sets one to anything but a value that
+asks for nothing is a 400 naming it, because silently returning something else than asked is
+worse than a clear error. tests/server/test_every_field.py proves both halves, field by field.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -21,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from kvpilot.runtime.structured import (
     ANY_JSON_OBJECT,
@@ -37,16 +41,131 @@ MAX_SEED = 2**63 - 1
 GREEDY_EPSILON = 1e-5
 
 
+# Known OpenAI / vLLM request fields this runtime does not honour, each with the values that ask
+# for nothing (null is always fine). Any other value is a 400 naming the field. A name is checked
+# on every request model that does not declare it (completions declares `echo`, so only chat's
+# `echo` is refused). When a feature lands: declare its field on the model, remove it here.
+NOT_HONOURED: dict[str, tuple[object, ...]] = {
+    # sampling
+    "n": (1,),
+    "best_of": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "truncate_prompt_tokens": (),
+    # output
+    "suffix": ("",),
+    "echo": (False,),
+    "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    # tools: chat declares (honours) the first three; completions refuses them
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    # chat template
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "continue_final_message": (False,),
+    "documents": ([],),
+    # inputs and scheduling this runtime does not have
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "priority": (0,),
+}
+
+
+def asks_for_nothing(value: object, neutral: tuple[object, ...]) -> bool:
+    """`value` equals one of the field's do-nothing values (True is not 1 here, as in JSON)."""
+    return any(type(value) is type(n) or _both_numbers(value, n) for n in neutral if n == value)
+
+
+def _both_numbers(a: object, b: object) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
+
+
+def not_honoured_error(name: str, neutral: tuple[object, ...]) -> PydanticCustomError:
+    allowed = f" (or send {json.dumps(neutral[0])})" if neutral else ""
+    return PydanticCustomError(
+        "not_supported",
+        "{param}: this runtime does not support {param}; leave it out" + allowed,
+        {"param": name},
+    )
+
+
+def refuse_not_honoured(data: dict[str, Any], declared: set[str]) -> None:
+    for name, neutral in NOT_HONOURED.items():
+        is_set = name in data and name not in declared
+        if is_set and not asks_for_nothing(data[name], neutral):
+            raise not_honoured_error(name, neutral)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # top-level bodies refuse the NOT_HONOURED names they do not declare; nested parts do not
+    checks_not_honoured: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_unset(cls, data: Any) -> Any:
-        # Clients send `"temperature": null` for "not set" (OpenAI accepts it): use the default.
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
+    def _check_body(cls, data: Any) -> Any:
+        """Text that is not valid Unicode and NOT_HONOURED fields are 400s naming the field;
+        null means unset: clients send `"temperature": null` for "not set", as OpenAI accepts."""
+        if not isinstance(data, dict):
+            return data
+        if (path := find_unencodable(data, "")) is not None:
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param}: the text is not valid Unicode (it holds a lone UTF-16 surrogate such "
+                "as \\ud800, which no tokenizer can encode); send well-formed UTF-8 text",
+                {"param": path},
+            )
+        data = {key: value for key, value in data.items() if value is not None}
+        if cls.checks_not_honoured:
+            refuse_not_honoured(data, set(cls.model_fields))
         return data
+
+
+def find_unencodable(value: Any, path: str) -> str | None:
+    """The path (e.g. 'messages.0.content') of the first string in a JSON value that cannot be
+    encoded as UTF-8, or None. JSON's "\\ud800" escape decodes to such a string in Python."""
+    if isinstance(value, str):
+        return None if _is_encodable(value) else path
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        items = enumerate(value)  # a list of token ids is skipped whole: it has no text
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and not _is_encodable(key):
+            return where
+        if (found := find_unencodable(item, where)) is not None:
+            return found
+    return None
+
+
+def _is_encodable(text: str) -> bool:
+    if text.isascii():  # the common case, without copying the text
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(_Request):
@@ -101,19 +220,17 @@ GRAMMAR_FIELDS = (
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    checks_not_honoured: ClassVar[bool] = True
+
     model: str
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="vLLM extension; -1 or 0 disables")
-    n: int = Field(1, ge=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="vLLM extension")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = Field(False, description="vLLM extension, used by benchmarks")
     user: str | None = None
     response_format: ResponseFormat | None = None
@@ -122,27 +239,6 @@ class _SamplingFields(_Request):
     guided_regex: str | None = Field(None, description="vLLM extension")
     guided_choice: list[str] | None = Field(None, description="vLLM extension")
     guided_grammar: str | None = Field(None, description="vLLM extension")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported by this runtime; send 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this runtime")
-        return value
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -205,8 +301,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=1)
-    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -223,13 +317,6 @@ class CompletionRequest(_SamplingFields):
         if isinstance(prompt, list) and min(prompt) < 0:
             raise ValueError("token ids must be >= 0")
         return prompt
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported by this runtime")
-        return value
 
 
 class TextPart(_Request):
@@ -320,6 +407,42 @@ class ChatCompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (one of them)."""
+
+    checks_not_honoured: ClassVar[bool] = True
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, description="with messages")
+    add_special_tokens: bool = Field(
+        True,
+        description="add the tokenizer's special tokens (e.g. BOS) as the generation endpoints "
+        "do; with messages a BOS the template writes is kept once",
+    )
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of `prompt` (text) or `messages` (a chat)")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    checks_not_honoured: ClassVar[bool] = True
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative_ids(cls, value: list[int]) -> list[int]:
+        if value and min(value) < 0:
+            raise ValueError("token ids must be >= 0")
+        return value
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -474,6 +597,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
@@ -485,7 +623,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: int | None = None) -> dict:
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | int | None = None
+) -> dict:
     info = ErrorInfo(message=message, type=kind, param=param, code=code)
     return ErrorResponse(error=info).model_dump()
 
@@ -497,6 +637,9 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}".strip(), None
+    named = (first.get("ctx") or {}).get("param")
+    if named is not None:  # a whole-body check that names the field itself (find_unencodable)
+        return str(first.get("msg", "invalid value")), str(named)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # pydantic puts union member names (e.g. 'str', 'list[int]') in loc; they are not fields
     loc = [part for part in loc if not _is_type_name(part)]

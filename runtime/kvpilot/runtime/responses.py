@@ -43,7 +43,7 @@ def sse(payload: dict[str, Any]) -> str:
 
 
 class Tracker:
-    """TTFT, inter-token latency, e2e and token counters for one request."""
+    """TTFT, inter-token latency, e2e, phase times and token counts for one request."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float, num_prompt: int):
         self.metrics, self.arrival, self.last = metrics, arrival, arrival
@@ -64,6 +64,8 @@ class Tracker:
         self.num_prompt = out.num_prompt_tokens
         if out.finished:
             self.reason = out.finish_reason or "stop"
+            if out.times is not None:
+                self.metrics.record_phases(out.times)
 
     def close(self) -> None:
         """At the end, whether finished or aborted because the client left."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,27 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class Timestamps:
+    """Moments of one request on the engine's clock (time.monotonic, set by the engine), from
+    which the per-phase latency metrics are taken as vLLM defines them: queued until first
+    scheduled, prefill until the first token, decode from there to the last token."""
+
+    queued: float = field(default_factory=time.monotonic)  # the Sequence's creation
+    scheduled: float | None = None  # the first time the scheduler ran it (not after preemption)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def on_scheduled(self, now: float) -> None:
+        if self.scheduled is None:
+            self.scheduled = now
+
+    def on_token(self, now: float) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.last_token = now
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request. `num_computed_tokens` counts tokens whose KV is in the cache (vLLM v1): a
@@ -32,6 +54,7 @@ class Sequence:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, first admission
+    times: Timestamps = field(default_factory=Timestamps)
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

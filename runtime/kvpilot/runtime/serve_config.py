@@ -33,7 +33,9 @@ class ServeConfig(EngineConfig):
     host: str = option("0.0.0.0", "address to listen on")
     port: int = option(8000, "port to listen on")
     max_waiting: int = option(256, "queued requests before 429")
-    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on /v1/*")
+    api_key: str | None = option(
+        None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize"
+    )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
     log_level: str = option("info", "debug, info, warning, error")
     tool_call_parser: str = option(
@@ -41,6 +43,12 @@ class ServeConfig(EngineConfig):
         "format of the model's tool calls (auto: from the architecture: Llama llama3_json, "
         "Qwen/Mistral hermes)",
         PARSER_CHOICES,
+    )
+    # 16 MiB: a prompt that fills a 128k-token context is ~0.5-1 MB of text (or ~1 MB of token
+    # ids as JSON), so 16x that leaves room for long chats and 128k+ contexts, while one request
+    # can hold at most 16 MiB (plus its parsed copy) in memory: max_waiting of them stay < 10 GB.
+    max_request_body_bytes: int = option(
+        16 * 2**20, "largest request body in bytes; larger bodies are refused with 413"
     )
 
     def __post_init__(self) -> None:
@@ -54,6 +62,10 @@ class ServeConfig(EngineConfig):
             (
                 self.tool_call_parser in PARSER_CHOICES,
                 f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}",
+            ),
+            (
+                self.max_request_body_bytes >= 1024,
+                f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",
             ),
         ]
         for ok, message in checks:

@@ -10,6 +10,7 @@ finish, exit 0).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import secrets
 import signal
@@ -26,21 +27,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpilot.runtime import serving
+from kvpilot.runtime import serving, tokenization
+from kvpilot.runtime.api_errors import ApiError, error_response
+from kvpilot.runtime.input_limits import BodySizeLimit
 from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
     describe_validation_error,
 )
 from kvpilot.runtime.serve_config import ServeConfig, parse_args
-from kvpilot.runtime.serving import ApiError, ServerState, error_response
+from kvpilot.runtime.serving import ServerState
 
 log = logging.getLogger("kvpilot.server")
+VERSION = importlib.metadata.version("kvpilot")
 ERRORS: dict[int | str, dict] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
 
 
@@ -54,7 +63,8 @@ def build_app(state: ServerState) -> FastAPI:
             loader.cancel()
             await state.close()
 
-    app = FastAPI(title="kvpilot runtime", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvpilot runtime", version=VERSION, lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
     add_error_handlers(app)
     add_routes(app, state)
     return app
@@ -93,10 +103,10 @@ def check_request(request: Request, state: ServerState, model: str | None) -> No
         raise ApiError(503, "model is still loading")
     if model is not None and model != state.config.served_name:
         raise ApiError(
-            400,
+            404,
             f"model {model!r} is not served here; use {state.served_name!r}",
             "model",
-            kind="NotFoundError",
+            code="model_not_found",
         )
 
 
@@ -125,16 +135,31 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(request, state, body.model)
-        job = serving.prepare_completion(state, body)
+        job = await state.off_loop(serving.prepare_completion, state, body)
         await serving.check_grammar(state, job)
         return await respond(request, state, job)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request(request, state, body.model)
-        job = serving.prepare_chat(state, body)
+        job = await state.off_loop(serving.prepare_chat, state, body)
         await serving.check_grammar(state, job)
         return await respond(request, state, job)
+
+    @app.post("/tokenize", responses=ERRORS)
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        check_request(request, state, body.model)
+        tok = serving.tokenizer_of(state)
+        return await state.off_loop(tokenization.tokenize, tok, body, state.max_model_len)
+
+    @app.post("/detokenize", responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        check_request(request, state, body.model)
+        return await state.off_loop(tokenization.detokenize, serving.tokenizer_of(state), body)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=VERSION)
 
 
 async def respond(request: Request, state: ServerState, job: serving.Job) -> Response:

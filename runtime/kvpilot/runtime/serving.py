@@ -9,24 +9,21 @@ everything the engine would reject so that it becomes a 400 rather than a failur
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
-from typing import Any, cast
-
-from fastapi.responses import JSONResponse
+from typing import Any, TypeVar, cast
 
 from kvpilot.runtime import responses
-from kvpilot.runtime.chat import ChatTemplateError, render_chat
+from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
 from kvpilot.runtime.grammar import GrammarError
 from kvpilot.runtime.memory import BLOCK_SIZE
-from kvpilot.runtime.metrics import ServerMetrics, Snapshot
+from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
     GREEDY_EPSILON,
     ChatCompletionRequest,
@@ -38,37 +35,13 @@ from kvpilot.runtime.protocol import (
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.serve_config import ServeConfig
 from kvpilot.runtime.structured import GrammarSpec
+from kvpilot.runtime.tokenization import chat_prompt_ids, check_in_vocab, text_prompt_ids
+from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.tool_calls import PARSERS, ToolCallParser, parser_name
 
 log = logging.getLogger("kvpilot.server")
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    429: "RateLimitError",
-    499: "ClientClosedRequest",
-    503: "ServiceUnavailableError",
-}
-RETRY_AFTER_S = 1
 MIN_TOP_P = 1e-8
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        default = "BadRequestError" if status < 500 else "InternalServerError"
-        self.kind = kind or ERROR_TYPES.get(status, default)
-
-
-def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
-    extra = dict(headers or {})
-    if error.status in (429, 503):
-        extra.setdefault("Retry-After", str(RETRY_AFTER_S))
-    body = error_body(error.message, error.kind, error.param, error.status)
-    return JSONResponse(body, status_code=error.status, headers=extra)
+T = TypeVar("T")
 
 
 def engine_config(config: ServeConfig, model_dir: str) -> EngineConfig:
@@ -81,6 +54,16 @@ def local_model_dir(config: ServeConfig) -> str:
     """`--model` as a directory: hf:// and s3:// are fetched first (into HF_HOME's cache)."""
     source = config.source
     return str(fetch(source, None).path) if source.is_fetched else config.model
+
+
+def cache_info(config: ServeConfig, core: Engine) -> CacheInfo:
+    return CacheInfo(
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=core.block_manager.num_total_blocks,
+        cache_dtype=config.kv_cache_dtype,
+        enable_prefix_caching=config.enable_prefix_caching,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
 
 
 class Ticket:
@@ -112,6 +95,14 @@ class ServerState:
         self.idle.set()
         self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
         self.metrics = ServerMetrics(config.served_name, self.snapshot)
+        # Tokenising and rendering chat templates run here, off the event loop, so /health and
+        # running streams are not held up by a long prompt. Two threads: the work is bounded by
+        # the character check and mostly GIL-free (tokenizer.py), and more threads would only
+        # compete with the engine's step thread for the GIL.
+        self.prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpilot-prompt")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
 
     async def load(self) -> None:
         """Load the model off the event loop so /health answers meanwhile."""
@@ -125,6 +116,7 @@ class ServerState:
             return
         engine = AsyncEngine(core)
         engine.add_step_listener(self.metrics.on_step)
+        self.metrics.on_engine_ready(core.max_model_len, cache_info(self.config, core))
         await engine.start()
         self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
         log.info(
@@ -136,6 +128,7 @@ class ServerState:
         )
 
     async def close(self) -> None:
+        self.prompt_pool.shutdown(wait=False, cancel_futures=True)
         if self.engine is not None:
             await self.engine.stop()
         if self.engine_core is not None:
@@ -209,48 +202,32 @@ class Job:
 
 
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
-    core = _core(state)
+    """Token ids and sampling params for a completion; slow on long text, so run off the loop."""
+    tok = _core(state).tokenizer
     prompt = body.prompt
     if isinstance(prompt, str):
-        ids = core.tokenizer.encode(prompt)
+        ids = text_prompt_ids(tok, prompt, state.max_model_len)
     else:
         ids = list(cast(list[int], prompt))  # the validator left one list of token ids
-        vocab = core.tokenizer.vocab_size
-        if max(ids) >= vocab:
-            raise ApiError(
-                400,
-                f"prompt: token id {max(ids)} is outside the vocabulary (size {vocab})",
-                "prompt",
-            )
+        check_in_vocab(tok.vocab_size, ids, "prompt")
     max_tokens = _max_tokens(state, ids, body.max_tokens, "prompt")
     grammar = _output_grammar(body)
-    params = sampling_params(body, max_tokens, body.logprobs, core.tokenizer.vocab_size, grammar)
-    echo = (prompt if isinstance(prompt, str) else core.tokenizer.decode(ids)) if body.echo else ""
+    params = sampling_params(body, max_tokens, body.logprobs, tok.vocab_size, grammar)
+    echo = (prompt if isinstance(prompt, str) else tok.decode(ids)) if body.echo else ""
     return Job(False, body.model, ids, params, body.stream, body.include_usage(), echo)
 
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
+    """Token ids and sampling params for a chat; slow on long text, so run off the loop."""
     core = _core(state)
     tok = core.tokenizer
-    messages = [_message_dict(m.model_dump(exclude_none=True)) for m in body.messages]
     functions = body.tool_functions()
     # `tools` reaches the template only when a call is possible (not with tool_choice none);
     # templates test `if tools`, as transformers passes tools= only when given.
-    tools = {"tools": [t.model_dump(exclude_none=True) for t in body.tools or []]}
-    try:
-        text = render_chat(
-            tok.chat_template,
-            messages,
-            bos_token=tok.bos_token,
-            eos_token=tok.eos_token,
-            add_generation_prompt=body.add_generation_prompt,
-            **(tools if functions else {}),
-        )
-    except ChatTemplateError as exc:
-        raise ApiError(400, f"messages: {exc}", "messages") from exc
-    ids = tok.encode(text)
-    if tok.bos_token and text.startswith(tok.bos_token) and ids[1:2] == ids[:1]:
-        ids = ids[1:]  # the template wrote BOS and the encoder added one: keep exactly one
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if functions else None
+    ids = chat_prompt_ids(
+        tok, body.messages, body.add_generation_prompt, state.max_model_len, tools=tools
+    )
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
     parser = PARSERS[parser_name(state.config.tool_call_parser, core.model_config.architecture)]
     grammar = _output_grammar(body)
@@ -291,18 +268,8 @@ def _core(state: ServerState) -> Engine:
     return state.engine_core
 
 
-def _message_dict(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if isinstance(content, list):  # text parts -> one string, as templates expect
-        message["content"] = "".join(part["text"] for part in content)
-    for call in message.get("tool_calls") or []:
-        # Templates write the arguments with `| tojson` (Qwen, Llama 3.1), so they get the
-        # object, as vLLM gives them; arguments that are not JSON stay text.
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            with contextlib.suppress(json.JSONDecodeError):
-                function["arguments"] = json.loads(function["arguments"])
-    return message
+def tokenizer_of(state: ServerState) -> Tokenizer:
+    return _core(state).tokenizer
 
 
 def _max_tokens(state: ServerState, ids: list[int], requested: int | None, field: str) -> int:
@@ -335,6 +302,7 @@ def sampling_params(
     vocab_size: int,
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
+    check_in_vocab(vocab_size, body.stop_token_ids or [], "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,31 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.hf.get_vocab_size())
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids with the checkpoint's own special-token rules (e.g. a leading BOS)."""
-        return list(self.hf.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids with the checkpoint's own special-token rules (e.g. a leading BOS).
 
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self.hf.decode(token_ids, skip_special_tokens=True))
+        Through `encode_batch`, which releases the GIL while it works (`encode` holds it), so a
+        long prompt tokenised in the server's thread pool does not stall the event loop.
+        """
+        batch = self.hf.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry as stored (e.g. 'Ġthe' for byte-level BPE)."""
+        return [self.hf.id_to_token(token_id) or "" for token_id in token_ids]
+
+    @cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of text one token can stand for, from the vocabulary.
+
+        A vocabulary entry is never shorter than the text it encodes: byte-level BPE stores one
+        character per byte (and a character is at least one byte), SentencePiece stores the text
+        with spaces as '▁', and added tokens are their own text. So a text of N characters needs
+        at least N / max_chars_per_token tokens, which lets the server refuse an oversized prompt
+        before spending time to tokenise it.
+        """
+        vocab = self.hf.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.operator import cli
 from tests.integration.helm.chart import ROOT, container, render, require
 from tests.integration.helm.release import Release
 from tests.support.kube import fresh_namespace, get_json, wait_until
@@ -69,8 +68,7 @@ def free_port() -> int:
 
 
 def chart_args(helm_binary: Path, config: Path, kubeconfig: Path) -> tuple[list[str], int]:
-    """The chart's container args, with this machine's paths and free ports; the metrics port
-    (0 while the CLI has no --metrics-port)."""
+    """The chart's container args, with this machine's paths and free ports; the metrics port."""
     metrics_port = free_port()
     local = {
         "--config": f"--config={config}",
@@ -78,9 +76,6 @@ def chart_args(helm_binary: Path, config: Path, kubeconfig: Path) -> tuple[list[
         "--metrics-port": f"--metrics-port={metrics_port}",
     }
     args = [local.get(a.split("=", 1)[0], a) for a in container(render(helm_binary))["args"]]
-    if cli.parser().parse_known_args(args)[1]:  # --metrics-port is not wired into the CLI yet
-        args = [a for a in args if not a.startswith("--metrics-port=")]
-        metrics_port = 0
     return [*args, f"--kubeconfig={kubeconfig}"], metrics_port
 
 
@@ -208,9 +203,11 @@ def test_operator_as_its_service_account_reconciles_the_examples(
 
 
 def operator_reconciles(port: int) -> float:
-    """Successful reconciles an instance reports on its own /metrics (and /healthz answers)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
-        assert response.status == 200
+    """Successful reconciles an instance reports on its own /metrics (and /healthz answers, and
+    /readyz: the chart's rights let it learn the Lease's holder, active instance or standby)."""
+    for probe in ("/healthz", "/readyz"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{probe}", timeout=5) as response:
+            assert response.status == 200
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     return sum(

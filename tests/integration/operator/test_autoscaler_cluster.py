@@ -20,7 +20,7 @@ import pytest
 
 from hack.devcluster import nodepools
 from kvpilot.operator import autoscaler, manifests
-from tests.integration.operator.test_operator_cluster import (
+from tests.support.operator_cluster import (
     ROOT,
     Operator,
     apply_doc,

@@ -35,8 +35,10 @@ def holder(cluster: Any, name: str) -> str | None:
 
 def test_one_holder_until_it_stops_renewing(cluster: Any, lease_name: str) -> None:
     a, b = instance(cluster, lease_name, "a"), instance(cluster, lease_name, "b")
+    assert not a.state_known  # nothing asked yet: the operator is not ready
     assert a.hold() and not b.hold()
     assert holder(cluster, lease_name) == "a"
+    assert a.state_known and b.state_known  # holding or not, each knows who does
 
     # a keeps renewing: b never takes over, however long it waits
     deadline = time.monotonic() + 2 * DURATION_S
@@ -83,3 +85,11 @@ def test_instances_racing_for_a_new_lease_elect_one(cluster: Any, lease_name: st
         thread.join(timeout=30)
     winners = [identity for identity, won in results.items() if won]
     assert len(results) == len(instances) and winners == [holder(cluster, lease_name)]
+
+
+def test_an_unreachable_api_leaves_the_lease_state_unknown(cluster: Any, lease_name: str) -> None:
+    client = cluster.api_client()
+    client.configuration.host = "https://127.0.0.1:1"  # nothing listens there
+    lease = LeaderLease(client, "default", "a", DURATION_S, lease_name)
+    assert not lease.hold()
+    assert not lease.state_known

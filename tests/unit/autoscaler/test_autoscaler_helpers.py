@@ -13,12 +13,12 @@ from kvpilot.operator.autoscaler import (
     bounds_from_spec,
     event_message,
     metrics_condition,
-    spread_replicas,
     state_from_status,
     status_patch,
 )
 from kvpilot.operator.metrics import PodSample, aggregate, aggregate_by_node_type
 from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.operator.spread import spread_replicas
 
 NOW = 1_700_000_000.0
 ORDER = ["h100", "a100", "l40s"]

@@ -152,6 +152,20 @@ def test_mount_paths_in_args_become_local_directories(arg: str, expected: str) -
     assert pods.rewrite_paths(arg, mounts) == expected
 
 
+@pytest.mark.parametrize(
+    ("arg", "expected"),
+    [
+        ("--model=file:///mnt/models/x", "--model=file:///tmp/pod/model/x"),
+        ("--scratch=/tmp/a /var/tmp/b", "--scratch=/tmp/pod/tmp/a /var/tmp/b"),
+    ],
+)
+def test_a_path_is_rewritten_once_even_when_its_directory_starts_with_a_mount_path(
+    arg: str, expected: str
+) -> None:
+    mounts = [("/mnt/models", "/tmp/pod/model"), ("/tmp", "/tmp/pod/tmp")]
+    assert pods.rewrite_paths(arg, mounts) == expected
+
+
 def test_initializing_status_is_pending_with_earlier_inits_completed() -> None:
     pod = {
         **POD,
@@ -179,6 +193,17 @@ def test_termination_message_falls_back_to_the_log() -> None:
         "line 2", "line 3", "line 4", "line 5", "kvpilot-runtime fetch: hf://a/b: 404"
     ]  # fmt: skip
     assert pods.termination_message({"terminationMessagePolicy": "File"}, log) == ""
+    assert pods.termination_message(fallback, log, exit_code=0) == ""  # only on error
+
+
+@pytest.mark.parametrize("policy", ["File", "FallbackToLogsOnError"])
+@pytest.mark.parametrize("exit_code", [0, 1])
+def test_termination_message_written_by_the_container_wins(policy: str, exit_code: int) -> None:
+    container = {"terminationMessagePolicy": policy}
+    written = '{"files": 3, "bytes": 1024}'
+    assert pods.termination_message(container, "log line\n", written, exit_code) == written
+    assert pods.termination_message_path({}) == "/dev/termination-log"
+    assert pods.termination_message_path({"terminationMessagePath": "/x"}) == "/x"
 
 
 @pytest.mark.parametrize(
@@ -217,4 +242,6 @@ def test_status_documents() -> None:
     failed = pods.terminated_status(POD, 1, 0)
     assert failed["phase"] == "Failed"
     assert failed["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
-    assert pods.terminated_status(POD, 0, 0)["phase"] == "Succeeded"
+    done = pods.terminated_status(POD, 0, 0, "fetched")
+    assert done["phase"] == "Succeeded"
+    assert done["containerStatuses"][0]["state"]["terminated"]["message"] == "fetched"

@@ -134,6 +134,8 @@ def test_invalid_examples_fail_the_models_too(path: Path) -> None:
         ("hf://qwen/qwen2.5-0.5b@main", 24),
         ("hf://meta-llama/Llama-3.1-70B-Instruct", 80),
         ("hf://mistralai/Mistral-7B-Instruct-v0.3", 32),
+        ("hf://Qwen/Qwen3-8B", 36),
+        ("hf://Qwen/Qwen3-0.6B-Base@main", 28),
     ],
 )
 def test_catalog_lookup(uri: str, layers: int) -> None:

@@ -275,3 +275,34 @@ def test_facts_in_the_spec_win_over_the_source() -> None:
     read = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
     desired = reconcile.desire(md(spec), [H100], CONFIG, False, read)
     assert desired.plan[0].weights_gi_b < 0.01
+
+
+def _scaled(
+    per_type: dict[str, int | None] | None,
+    desired: int | None,
+    applied: dict[str, int],
+    mode: str = "builtin",
+) -> dict[str, Any]:
+    autoscaling: dict[str, Any] = {"desiredReplicas": desired}
+    if per_type is not None:
+        autoscaling["replicasPerNodeType"] = per_type
+    plan = [{"nodeType": t, "fits": True, "replicas": n} for t, n in applied.items()]
+    return md({"autoscaling": {"mode": mode}}, {"autoscaling": autoscaling, "plan": plan})
+
+
+@pytest.mark.parametrize(
+    ("obj", "pending"),
+    [
+        (_scaled({"l4": 2}, 2, {"l4": 2}), False),  # applied
+        (_scaled({"l4": 3}, 3, {"l4": 2}), True),  # scaled up, not applied yet
+        (_scaled({"l4": 1, "t4": 1}, 2, {"l4": 2, "t4": 0}), True),  # spilled over
+        (_scaled({"l4": 2, "t4": None}, 2, {"l4": 2}), False),  # a dropped type is null
+        (_scaled(None, 4, {"l4": 3}), True),  # a count without a spread
+        (_scaled(None, None, {"l4": 1}), False),  # no decision yet
+        (_scaled({"l4": 3}, 3, {"l4": 2}, mode="off"), False),  # not the autoscaler's to scale
+    ],
+)
+def test_scale_pending_compares_the_decision_with_what_was_applied(
+    obj: dict[str, Any], pending: bool
+) -> None:
+    assert reconcile.scale_pending(obj) is pending

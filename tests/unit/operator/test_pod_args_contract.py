@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator import api, manifests, planner
+from kvpilot.operator import api, manifests, model_cache, planner
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime import fetch, serve_config
@@ -40,7 +40,7 @@ def parsed_fetch(container: dict[str, Any]) -> None:
     command, *args = container["args"]
     assert command == "fetch"
     flags = dict(arg.removeprefix("--").split("=", 1) for arg in args)
-    assert set(flags) == {"model", "to"}
+    assert set(flags) <= {"model", "to", "summary-file"} and {"model", "to"} <= set(flags)
     with pytest.raises(SystemExit) as exit_:  # the real parser accepts them (then --help exits)
         fetch.main([*args, "--help"])
     assert exit_.value.code == 0
@@ -67,6 +67,16 @@ def test_every_plan_shape_parses_in_the_runtime(
     assert config.served_name == "model"
     for init in pod_spec.get("initContainers", []):
         parsed_fetch(init)
+
+
+@pytest.mark.parametrize("uri", [u for u in URIS if u.startswith(("hf://", "s3://"))])
+def test_a_cached_model_is_fetched_by_the_fill_job_and_served_from_the_claim(uri: str) -> None:
+    spec = api.parse_spec({"model": {"uri": uri, "cache": {}}})
+    job = model_cache.build_fill_job(MD, spec, plan(1, "bf16"), CONFIG)
+    parsed_fetch(job["spec"]["template"]["spec"]["containers"][0])
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    assert "initContainers" not in pod["spec"]  # nothing to fetch: the claim holds the model
+    assert parsed_serve(pod["spec"]["containers"][0]).model == f"file://{manifests.MODEL_MOUNT}"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

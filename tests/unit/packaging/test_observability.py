@@ -132,3 +132,28 @@ def test_stop_closes_the_port(metrics: obs.OperatorMetrics) -> None:
 def test_port_out_of_range_is_rejected() -> None:
     with pytest.raises(ValueError, match="port"):
         obs.start_server(70000)
+
+
+@pytest.mark.parametrize(
+    ("started", "lease_known", "status", "says"),
+    [
+        (False, False, 503, "startup handler"),
+        (True, False, 503, "Lease's holder is not known"),
+        (False, True, 503, "startup handler"),
+        (True, True, 200, "ready"),
+    ],
+)
+def test_readyz_waits_for_the_start_and_the_lease(
+    metrics: obs.OperatorMetrics, started: bool, lease_known: bool, status: int, says: str
+) -> None:
+    readiness = obs.Readiness(started=started, lease_known=lease_known)
+    handle = obs.start_server(0, host="127.0.0.1", metrics=metrics, readiness=readiness)
+    try:
+        code, _, body = fetch(handle.port, "/readyz")
+        assert code == status and says in body
+    finally:
+        handle()
+
+
+def test_readyz_without_tracking_is_never_ready(server: obs.ServerHandle) -> None:
+    assert fetch(server.port, "/readyz")[0] == 503

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kvpilot.runtime.bench.workload import load_jsonl, parse_jsonl_line, synthetic_requests
+from kvpilot.runtime.bench.tokens import LocalTokenCounter, fit_prompt
+from kvpilot.runtime.bench.workload import (
+    BenchRequest,
+    load_jsonl,
+    parse_jsonl_line,
+    synthetic_requests,
+)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -57,13 +64,98 @@ def test_load_jsonl_cycles_and_skips_blank_lines(tmp_path: Path) -> None:
         load_jsonl(tmp_path / "empty.jsonl", 5, False, 3)
 
 
-def test_synthetic_requests_are_reproducible_and_sized() -> None:
-    a = synthetic_requests(20, input_len=50, output_len=10, range_ratio=0.2, seed=3, chat=False)
-    b = synthetic_requests(20, input_len=50, output_len=10, range_ratio=0.2, seed=3, chat=False)
+TINY_LLAMA = Path(__file__).resolve().parents[3] / "models" / "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tiny_counter() -> LocalTokenCounter:
+    return LocalTokenCounter(TINY_LLAMA)
+
+
+def synthetic(counter: LocalTokenCounter, chat: bool, **kwargs: Any) -> list[BenchRequest]:
+    settings = {"input_len": 50, "output_len": 10, "range_ratio": 0.2, "seed": 3, **kwargs}
+    return synthetic_requests(20, chat=chat, counter=counter, **settings)
+
+
+def test_synthetic_requests_are_reproducible_and_exact_in_tokens(
+    tiny_counter: LocalTokenCounter,
+) -> None:
+    a, b = synthetic(tiny_counter, False), synthetic(tiny_counter, False)
     assert a == b
     for r in a:
-        assert isinstance(r.prompt, str) and len(r.prompt.split()) == r.prompt_len
+        assert isinstance(r.prompt, str)
+        assert tiny_counter.count(r.prompt, add_special_tokens=True) == r.prompt_len  # BOS too
         assert 40 <= r.prompt_len <= 60 and 8 <= r.max_tokens <= 12
     assert len({r.prompt for r in a}) == 20  # no shared prompts to flatter the prefix cache
-    chat = synthetic_requests(1, input_len=5, output_len=2, range_ratio=0.0, seed=0, chat=True)
-    assert chat[0].prompt[0]["role"] == "user"  # type: ignore[index]
+    assert len({r.prompt_len for r in a}) > 1  # the range ratio is honoured in tokens
+
+
+@pytest.mark.parametrize("input_len", [1, 2, 7, 64, 300])
+def test_chat_content_has_exactly_input_len_tokens(
+    tiny_counter: LocalTokenCounter, input_len: int
+) -> None:
+    [request] = synthetic_requests(
+        1, input_len=input_len, output_len=2, range_ratio=0.0, seed=input_len, chat=True,
+        counter=tiny_counter,
+    )  # fmt: skip
+    assert isinstance(request.prompt, list) and len(request.prompt) == 1
+    message = request.prompt[0]
+    assert isinstance(message, dict) and message["role"] == "user"
+    assert tiny_counter.count(message["content"], add_special_tokens=False) == input_len
+
+
+class WordCounter:
+    """Counts with a table of tokens per word, to drive fit_prompt through its branches."""
+
+    def __init__(self, costs: dict[str, int], special: int = 0) -> None:
+        self.costs, self.special = costs, special
+
+    def count(self, text: str, add_special_tokens: bool) -> int:
+        words = text.split()
+        return sum(self.costs[w] for w in words) + (self.special if add_special_tokens else 0)
+
+
+@pytest.mark.parametrize(
+    ("words", "costs", "target", "expected"),
+    [
+        (["aa", "bb", "cc"], {"aa": 1, "bb": 1, "cc": 1}, 2, "aa bb"),  # one token per word
+        (["aa", "bbb", "cc"], {"aa": 1, "bbb": 2, "cc": 1}, 3, "aa bbb"),  # a two-token word
+        # "bbb" would overshoot 2: the shortest word that fits tops the prefix up instead
+        (["aa", "bbb", "cc"], {"aa": 1, "bbb": 2, "cc": 1}, 2, "aa aa"),
+        (["bbb", "bbb", "aa"], {"aa": 1, "bbb": 2}, 5, "bbb bbb aa"),
+    ],
+)
+def test_fit_prompt_lands_on_the_target(
+    words: list[str], costs: dict[str, int], target: int, expected: str
+) -> None:
+    assert fit_prompt(words, target, WordCounter(costs), add_special_tokens=False) == expected
+
+
+def test_fit_prompt_counts_special_tokens_when_asked() -> None:
+    counter = WordCounter({"aa": 1}, special=1)  # a BOS
+    assert fit_prompt(["aa"] * 5, 3, counter, add_special_tokens=True) == "aa aa"
+
+
+@pytest.mark.parametrize(
+    ("words", "costs", "target", "message"),
+    [
+        (["aa"], {"aa": 1}, 4, "1 words make fewer than 4 tokens"),
+        (["bbb", "bbb"], {"bbb": 2}, 3, "exactly 3 tokens from"),  # every word costs two
+    ],
+)
+def test_fit_prompt_says_why_it_cannot(
+    words: list[str], costs: dict[str, int], target: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        fit_prompt(words, target, WordCounter(costs), add_special_tokens=False)
+
+
+def test_fit_prompt_never_returns_an_empty_prompt() -> None:
+    """With a BOS, one token is the BOS alone: no text fits, and the error says why."""
+    with pytest.raises(ValueError, match=r"exactly 1 tokens with the tokenizer's special tokens"):
+        fit_prompt(["aa"] * 3, 1, WordCounter({"aa": 1}, special=1), add_special_tokens=True)
+
+
+def test_local_counter_names_a_directory_without_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no tokenizer\.json there"):
+        LocalTokenCounter(tmp_path)

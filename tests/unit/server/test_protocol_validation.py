@@ -157,6 +157,43 @@ def test_null_fields_take_their_defaults() -> None:
     nulls = {"temperature": None, "top_p": None, "n": None, "max_tokens": None, "stop": None,
              "seed": None, "stream_options": None, "logprobs": None}  # fmt: skip
     req = CompletionRequest.model_validate({**COMPLETION, **nulls})
-    assert (req.temperature, req.top_p, req.n, req.max_tokens) == (1.0, 1.0, 1, 16)
+    assert (req.temperature, req.top_p, req.max_tokens) == (1.0, 1.0, 16)
     chat = ChatCompletionRequest.model_validate({**CHAT, **nulls, "top_logprobs": None})
     assert chat.output_limit() is None and chat.num_logprobs() is None
+
+
+REALISTIC_REFUSALS: list[tuple[dict[str, Any], str]] = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"min_p": 0.05}, "min_p"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"echo": True}, "echo"),  # chat's echo; completions honour theirs
+    ({"n": True}, "n"),  # JSON true is not the number 1
+]
+
+
+@pytest.mark.parametrize(("patch", "param"), REALISTIC_REFUSALS)
+def test_not_honoured_fields_are_refused_naming_them(patch: dict[str, Any], param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({**CHAT, **patch})
+    message, named = describe_validation_error(info.value.errors())
+    assert named == param
+    assert message.startswith(f"{param}: this runtime does not support {param}; leave it out")
+
+
+def test_values_that_ask_for_nothing_pass() -> None:
+    nothing = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {},
+               "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+               "parallel_tool_calls": True, "echo": None, "unknown_new_field": 3}  # fmt: skip
+    ChatCompletionRequest.model_validate({**CHAT, **nothing})
+    CompletionRequest.model_validate({**COMPLETION, **nothing, "echo": True})

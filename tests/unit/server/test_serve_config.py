@@ -31,13 +31,13 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         "--max-model-len", "128", "--max-num-seqs", "3", "--kv-cache-memory", "1048576",
         "--port", "9000", "--host", "127.0.0.1", "--max-num-batched-tokens", "64",
         "--max-waiting", "5", "--api-key", "k", "--shutdown-timeout", "7", "--dtype", "bfloat16",
-        "--device", "cpu", "--no-prefix-caching",
+        "--device", "cpu", "--no-prefix-caching", "--max-request-body-bytes", "4096",
     ])  # fmt: skip
     assert config == ServeConfig(
         model=str(model_dir), served_name="m", host="127.0.0.1", port=9000,
         quantization="int4", dtype="bfloat16", device="cpu", max_model_len=128, max_num_seqs=3,
         max_num_batched_tokens=64, kv_cache_memory=1048576, enable_prefix_caching=False,
-        max_waiting=5, api_key="k", shutdown_timeout=7.0,
+        max_waiting=5, api_key="k", shutdown_timeout=7.0, max_request_body_bytes=4096,
     )  # fmt: skip
 
 
@@ -86,6 +86,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "host": "127.0.0.2", "port": 9001,
         "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
         "tool_call_parser": "hermes",
+        "max_request_body_bytes": 2048,
     }  # fmt: skip
     fields_of_config = {
         f for f in ServeConfig.__dataclass_fields__ if f != "gpu_memory_utilization"
@@ -116,6 +117,7 @@ def test_every_flag_has_help() -> None:
         ("shutdown_timeout", -1.0, "shutdown_timeout"),
         ("api_key", "", "api_key"),
         ("max_model_len", 0, "max_model_len"),
+        ("max_request_body_bytes", 100, "max_request_body_bytes"),
     ],
 )
 def test_bad_values_raise_value_error(field: str, value: object, match: str) -> None:

@@ -15,8 +15,9 @@ from transformers import PreTrainedTokenizerFast
 
 from kvpilot.runtime.chat import render_chat
 from kvpilot.runtime.grammar import to_llguidance
+from kvpilot.runtime.protocol import ChatMessage
 from kvpilot.runtime.responses import ToolCallStream
-from kvpilot.runtime.serving import _message_dict
+from kvpilot.runtime.tokenization import message_dicts
 from kvpilot.runtime.tool_calls import PARSERS, ToolCall, call_head, parse, parser_name
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
@@ -275,7 +276,7 @@ def test_tools_and_tool_messages_render_as_in_transformers(tmp_path: Path) -> No
     ]
     # What the server hands the template: the OpenAI message with its arguments as an object.
     ours = render_chat(
-        TOOL_TEMPLATE, [_message_dict(json.loads(json.dumps(m))) for m in messages], tools=tools
+        TOOL_TEMPLATE, message_dicts([ChatMessage.model_validate(m) for m in messages]), tools=tools
     )
     # transformers, given the arguments as an object, as its chat-template docs ask
     hf_messages = json.loads(json.dumps(messages))

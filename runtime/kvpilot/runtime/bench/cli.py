@@ -3,6 +3,9 @@
     kvpilot bench --base-url http://127.0.0.1:8000 --num-prompts 200 --concurrency 8 \\
         --input-len 256 --output-len 128 --goodput ttft:500 tpot:50 \\
         --price-per-gpu-hour 2.5 --result-json out/bench.json --plot-dir out/
+
+Synthetic prompts are --input-len tokens long, counted by the model's tokenizer: --tokenizer DIR
+(a local model directory), else the server's POST /tokenize (vLLM and kvpilot answer it).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .client import Endpoint
 from .output import format_summary, result_document, write_json, write_plots
 from .runner import run
 from .stats import Summary, parse_percentiles, parse_slos, summarize
+from .tokens import LocalTokenCounter, ServerTokenCounter, TokenCounter
 from .workload import BenchRequest, arrival_times, load_jsonl, synthetic_requests
 
 
@@ -31,6 +35,7 @@ class BenchConfig:
     chat: bool
     api_key: str | None
     dataset: str | None
+    tokenizer: str | None
     num_prompts: int
     input_len: int
     output_len: int
@@ -84,9 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api", choices=("completions", "chat"), default="completions")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--dataset", help='JSONL: {"prompt": ...} or {"messages": [...]}, "max_tokens"')
+    p.add_argument(
+        "--tokenizer",
+        help="local model directory whose tokenizer.json counts the synthetic prompts' tokens "
+        "(default: the server's /tokenize)",
+    )
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=128, help="synthetic prompt length (tokens)")
-    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=128,
+        help="synthetic prompt length in tokens (completions: as the server counts the prompt; "
+        "chat: the message content)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=64,
+        help="max_tokens per request (with --ignore-eos, exactly this many tokens)",
+    )
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary +/- this ratio")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, help="closed loop with N clients")
@@ -122,6 +143,7 @@ def parse_args(argv: list[str]) -> BenchConfig:
         chat=a.api == "chat",
         api_key=a.api_key,
         dataset=a.dataset,
+        tokenizer=a.tokenizer,
         num_prompts=a.num_prompts,
         input_len=a.input_len,
         output_len=a.output_len,
@@ -145,7 +167,7 @@ def parse_args(argv: list[str]) -> BenchConfig:
     )
 
 
-def build_requests(config: BenchConfig) -> list[BenchRequest]:
+def build_requests(config: BenchConfig, model: str) -> list[BenchRequest]:
     if config.dataset:
         return load_jsonl(Path(config.dataset), config.num_prompts, config.chat, config.output_len)
     return synthetic_requests(
@@ -155,7 +177,14 @@ def build_requests(config: BenchConfig) -> list[BenchRequest]:
         range_ratio=config.range_ratio,
         seed=config.seed,
         chat=config.chat,
+        counter=token_counter(config, model),
     )
+
+
+def token_counter(config: BenchConfig, model: str) -> TokenCounter:
+    if config.tokenizer:
+        return LocalTokenCounter(config.tokenizer)
+    return ServerTokenCounter(config.base_url, model, config.api_key, config.timeout_s)
 
 
 def discover_model(config: BenchConfig) -> str:
@@ -173,7 +202,7 @@ def benchmark(config: BenchConfig) -> tuple[Summary, dict]:
     endpoint = Endpoint(
         config.base_url, model, config.chat, config.api_key, config.temperature, config.ignore_eos
     )
-    requests = build_requests(config)
+    requests = build_requests(config, model)
     times = None
     if config.concurrency is None:
         times = arrival_times(len(requests), config.request_rate, config.burstiness, config.seed)

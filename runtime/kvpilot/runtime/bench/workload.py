@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Common short English words: most BPE tokenizers encode " word" as one token, so a synthetic
-# prompt of N words is close to N tokens on any model (the server's usage reports the exact count).
+from .tokens import TokenCounter, exact_prompt
+
+# Common short English words, the material of synthetic prompts; tokens.py cuts them to an exact
+# number of tokens with the model's own tokenizer.
 _WORD_TEXT = (
     "the of and to in is was for on that with as by at from his her an are were which this be or "
     "had not but have one all their there been has when who will more no if out so said what up "
@@ -43,15 +45,25 @@ def synthetic_lengths(n: int, mean: int, range_ratio: float, rng: random.Random)
 
 
 def synthetic_requests(
-    n: int, *, input_len: int, output_len: int, range_ratio: float, seed: int, chat: bool
+    n: int,
+    *,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    seed: int,
+    chat: bool,
+    counter: TokenCounter,
 ) -> list[BenchRequest]:
+    """Prompts of exactly their drawn length in tokens: a completions prompt as the server counts
+    it (special tokens such as BOS included), a chat message's content without them (the chat
+    template adds its own)."""
     rng = random.Random(seed)
     inputs = synthetic_lengths(n, input_len, range_ratio, rng)
     outputs = synthetic_lengths(n, output_len, range_ratio, rng)
     requests = []
     for num_in, num_out in zip(inputs, outputs, strict=True):
         # Random words per request: prompts share no prefix, so the prefix cache does not flatter.
-        text = " ".join(rng.choice(WORDS) for _ in range(num_in))
+        text = exact_prompt(rng, WORDS, num_in, counter, add_special_tokens=not chat)
         prompt: str | list[dict[str, Any]] = [{"role": "user", "content": text}] if chat else text
         requests.append(BenchRequest(prompt=prompt, max_tokens=num_out, prompt_len=num_in))
     return requests

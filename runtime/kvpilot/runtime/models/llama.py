@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Llama 3, Mistral, Qwen2): GQA, RMSNorm, SwiGLU, rotary, paged KV.
+"""Llama-family decoder (Llama, Llama 3, Mistral, Qwen2, Qwen3 dense): GQA, RMSNorm, SwiGLU,
+rotary, paged KV. Qwen3 differs only by RMS-normalising each q and k head before RoPE.
 
 Weights are taken from the checkpoint's tensor names; q/k/v and gate/up are fused into one matrix
 each so a layer does three matmuls fewer, then stored in the requested weight format. Under tensor
@@ -44,6 +45,14 @@ class Linear:
         return F.linear(x, self.weight.dequantize(self.dtype), self.bias)
 
 
+def qk_norm_weight(cfg: ModelConfig, attn: str, get: GetTensor) -> torch.Tensor:
+    """Qwen3's q_norm and k_norm weights ([D] each, shared by the heads) as one row per q head
+    then per KV head, [H + H_kv, D], so the fused q/k tensor is normalised in one pass. `cfg`
+    is this rank's: under tensor parallelism each rank repeats them for its own heads."""
+    q_norm, k_norm = get(f"{attn}.q_norm.weight"), get(f"{attn}.k_norm.weight")
+    return torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
+
+
 class DecoderLayer:
     def __init__(
         self,
@@ -62,6 +71,7 @@ class DecoderLayer:
             torch.cat([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")])
         )
         self.down = make(get(f"{mlp}.down_proj.weight"))
+        self.qk_norm = qk_norm_weight(cfg, attn, get) if cfg.has_qk_norm else None
         self.input_norm = get(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = get(f"{prefix}.post_attention_layernorm.weight")
         self.cfg, self.group = cfg, group
@@ -86,6 +96,8 @@ class DecoderLayer:
         )
         # q and k rotate in one pass: [T, H + H_kv, D]
         qk = qk.unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+        if self.qk_norm is not None:  # Qwen3: each head normalised before it rotates
+            qk = rms_norm(qk, self.qk_norm, cfg.rms_norm_eps)
         q, k = apply_rotary(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.unflatten(-1, (cfg.num_kv_heads, cfg.head_dim))
         attn = paged_attention(q, k, v, cache[0], cache[1], meta, cfg.head_dim**-0.5)
@@ -149,6 +161,7 @@ class LlamaModel:
             t for layer in self.layers for t in (layer.input_norm, layer.post_attn_norm)
         ]
         small += [layer.qkv.bias for layer in self.layers if layer.qkv.bias is not None]
+        small += [layer.qk_norm for layer in self.layers if layer.qk_norm is not None]
         return total + sum(t.numel() * t.element_size() for t in small)
 
     @torch.inference_mode()

@@ -1,0 +1,58 @@
+"""The pure parts of the runtime's metrics: vLLM's 1-2-5 buckets, the engine's timestamps, and
+which phases a request that ended early has."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.runtime.metrics import ServerMetrics, Snapshot, buckets_1_2_5
+from kvpilot.runtime.sequence import Timestamps
+
+
+@pytest.mark.parametrize(
+    ("max_value", "buckets"),
+    [
+        (1, (1,)),
+        (4, (1, 2)),
+        (100, (1, 2, 5, 10, 20, 50, 100)),
+        (2048, (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)),
+    ],
+)
+def test_buckets_1_2_5(max_value: int, buckets: tuple[int, ...]) -> None:
+    assert buckets_1_2_5(max_value) == buckets
+
+
+def test_timestamps_keep_the_first_schedule_and_the_last_token() -> None:
+    times = Timestamps(queued=1.0)
+    for now in (2.0, 5.0):  # scheduled again after a preemption: the first one counts
+        times.on_scheduled(now)
+    for now in (3.0, 4.0, 6.0):
+        times.on_token(now)
+    assert (times.scheduled, times.first_token, times.last_token) == (2.0, 3.0, 6.0)
+
+
+def phase_counts(metrics: ServerMetrics) -> dict[str, float]:
+    text = metrics.render().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm:request_") and s.name.endswith("_time_seconds_count")
+    }
+
+
+@pytest.mark.parametrize(
+    ("times", "observed"),
+    [
+        (Timestamps(queued=1.0), set()),  # aborted while queued: no phase at all
+        (Timestamps(queued=1.0, scheduled=2.0), {"queue"}),  # aborted during its prefill
+        (Timestamps(1.0, 2.0, 3.0, 3.0), {"queue", "prefill", "decode", "inference"}),
+    ],
+)
+def test_phases_of_a_request_that_ended(times: Timestamps, observed: set[str]) -> None:
+    metrics = ServerMetrics("m", lambda: Snapshot(0, 0, 0.0, 0, 0, 0, 0, 0))
+    metrics.record_phases(times)
+    counts = phase_counts(metrics)
+    assert {name.split("_")[1] for name, value in counts.items() if value == 1} == observed
+    assert len(counts) == 4
