@@ -9,6 +9,8 @@ the server's own request code builds.
 
 from __future__ import annotations
 
+import json
+import re
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -366,6 +368,167 @@ def check_part_type(ctx: Ctx) -> None:
     check_content_and_text(ctx)
 
 
+# ---- structured outputs (both endpoints) and tool calls (chat) --------------------------------
+
+ENUM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"pick": {"enum": ["left", "right"]}},
+    "required": ["pick"],
+    "additionalProperties": False,
+}
+PICKED = r'\{"pick":"(left|right)"\}'
+
+
+def constrained(ctx: Ctx, chat: bool, pattern: str, **fields: Any) -> None:
+    """Sampled output (so not by chance) matches `pattern` and ends with the grammar."""
+    for seed in (1, 2):
+        result = generate(ctx, chat, max_tokens=40, **HOT | {"seed": seed}, **extra(**fields))
+        assert re.fullmatch(pattern, result.text), result.text
+        assert result.finish_reason == "stop"
+
+
+def json_object(ctx: Ctx, chat: bool, **fields: Any) -> None:
+    """Any JSON object: unbounded, so tiny-llama may not close it within max_tokens; the object
+    grammar is the one the request gets, and the output starts as an object, unlike free text."""
+    grammar = prepare(ctx, chat, **fields).choices[0].params.grammar
+    assert grammar is not None and json.loads(grammar.text) == {"type": "object"}
+    assert generate(ctx, chat, **HOT, **extra(**fields)).text.startswith("{")
+    assert not generate(ctx, chat, **HOT).text.startswith("{")
+
+
+def check_response_format(ctx: Ctx, chat: bool) -> None:
+    json_object(ctx, chat, response_format={"type": "json_object"})
+    json_schema = {"name": "pick", "schema": ENUM_SCHEMA}
+    format_ = {"type": "json_schema", "json_schema": json_schema}
+    constrained(ctx, chat, PICKED, response_format=format_)
+    assert prepare(ctx, chat, response_format={"type": "text"}).choices[0].params.grammar is None
+
+
+def check_structured_outputs(ctx: Ctx, chat: bool) -> None:
+    constrained(ctx, chat, "alpha|beta", structured_outputs={"choice": ["alpha", "beta"]})
+
+
+def check_guided_json(ctx: Ctx, chat: bool) -> None:
+    constrained(ctx, chat, PICKED, guided_json=ENUM_SCHEMA)
+
+
+def check_guided_regex(ctx: Ctx, chat: bool) -> None:
+    constrained(ctx, chat, "[0-9]{3}-[a-z]", guided_regex="[0-9]{3}-[a-z]")
+
+
+def check_guided_choice(ctx: Ctx, chat: bool) -> None:
+    constrained(ctx, chat, "yes|no", guided_choice=["yes", "no"])
+
+
+def check_guided_grammar(ctx: Ctx, chat: bool) -> None:
+    constrained(ctx, chat, "x[0-9]y", guided_grammar='start: "x" /[0-9]/ "y"')
+
+
+def check_response_format_type(ctx: Ctx) -> None:
+    kinds = {
+        t: prepare(ctx, False, response_format={"type": t}).choices[0].params.grammar
+        for t in ("text", "json_object")
+    }
+    assert kinds["text"] is None and kinds["json_object"] is not None
+    check_response_format(ctx, False)
+
+
+def check_json_schema_fields(ctx: Ctx) -> None:
+    """name, description and strict are accepted; the schema is enforced, strict or not."""
+    for strict in (True, False):
+        json_schema = {
+            "name": "p",
+            "description": "a pick",
+            "schema": ENUM_SCHEMA,
+            "strict": strict,
+        }
+        constrained(
+            ctx, True, PICKED, response_format={"type": "json_schema", "json_schema": json_schema}
+        )
+
+
+def check_structured_outputs_fields(ctx: Ctx) -> None:
+    for fields, pattern in [
+        ({"json": ENUM_SCHEMA}, PICKED),
+        ({"regex": "[a-c]{4}"}, "[a-c]{4}"),
+        ({"choice": ["one", "two"]}, "one|two"),
+        ({"grammar": 'start: "v" /[0-9]/'}, "v[0-9]"),
+    ]:
+        constrained(ctx, False, pattern, structured_outputs=fields)
+    json_object(ctx, False, structured_outputs={"json_object": True})
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "pick", "description": "Pick a side", "parameters": ENUM_SCHEMA},
+}
+OTHER_TOOL = {"type": "function", "function": {"name": "other", "parameters": ENUM_SCHEMA}}
+
+
+def tool_calls(ctx: Ctx, **fields: Any) -> Any:
+    result = generate(ctx, True, max_tokens=120, tools=[TOOL, OTHER_TOOL], **HOT, **fields)
+    return result.finish_reason, result.raw.choices[0].message.tool_calls or []
+
+
+def check_tools(ctx: Ctx) -> None:
+    reason, calls = tool_calls(ctx, tool_choice="required", parallel_tool_calls=False)
+    assert reason == "tool_calls" and len(calls) == 1
+    assert json.loads(calls[0].function.arguments)["pick"] in ("left", "right")
+    assert generate(ctx, True, tools=[TOOL]).raw.choices[0].message.content  # auto: text stays
+
+
+def check_tool_choice(ctx: Ctx) -> None:
+    named = {"type": "function", "function": {"name": "other"}}
+    _, calls = tool_calls(ctx, tool_choice=named)
+    assert [call.function.name for call in calls] == ["other"]
+    assert prepare(ctx, True, tools=[TOOL], tool_choice="none").choices[0].params.grammar is None
+
+
+def check_parallel_tool_calls(ctx: Ctx) -> None:
+    def repeats(parallel: bool) -> bool:
+        fields = {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": parallel}
+        grammar = prepare(ctx, True, **fields).choices[0].params.grammar
+        return grammar is not None and "call)*" in grammar.text
+
+    assert repeats(True) and not repeats(False)
+    check_tools(ctx)  # the single call parallel_tool_calls=false allows
+
+
+def check_tool_definition(ctx: Ctx) -> None:
+    """type and function: a function tool is called by name with arguments under its schema; a
+    tool of another type is a 400 naming it."""
+    bad = {**MINIMAL_CHAT, "tools": [{"type": "code", "function": TOOL["function"]}]}
+    response = ctx.post("/v1/chat/completions", bad)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools.0.type"
+    check_tool_choice(ctx)
+
+
+def check_tool_description(ctx: Ctx) -> None:
+    """The function definition reaches the chat template (tiny-llama's ignores tools, so a
+    template that writes them shows it) and its parameters bind the forced call."""
+    tok = ctx.tokenizer()
+    template, tok.chat_template = tok.chat_template, "{{ tools | tojson }}{{ messages[0].content }}"
+    try:
+        plain = prepare(ctx, True, tools=[OTHER_TOOL]).choices[0].prompt_ids
+        described = prepare(ctx, True, tools=[TOOL, OTHER_TOOL]).choices[0].prompt_ids
+        assert len(described) > len(plain)
+        assert "Pick a side" in tok.decode(described)
+    finally:
+        tok.chat_template = template
+    check_tools(ctx)
+
+
+MINIMAL_CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+STRUCTURED: dict[str, Callable[[Ctx, bool], None]] = {
+    "response_format": check_response_format,
+    "structured_outputs": check_structured_outputs,
+    "guided_json": check_guided_json,
+    "guided_regex": check_guided_regex,
+    "guided_choice": check_guided_choice,
+    "guided_grammar": check_guided_grammar,
+}
+
+
 def both(check: Callable[[Ctx, bool], None]) -> dict[str, Callable[[Ctx], None]]:
     return {
         "CompletionRequest": lambda ctx: check(ctx, False),
@@ -375,6 +538,7 @@ def both(check: Callable[[Ctx, bool], None]) -> dict[str, Callable[[Ctx], None]]
 
 HONOURED: dict[tuple[str, str], Callable[[Ctx], None]] = {
     **{(model, name): fn for name, check in SHARED.items() for model, fn in both(check).items()},
+    **{(m, name): fn for name, check in STRUCTURED.items() for m, fn in both(check).items()},
     ("CompletionRequest", "prompt"): check_prompt,
     ("CompletionRequest", "echo"): check_echo,
     ("CompletionRequest", "prompt_logprobs"): check_prompt_logprobs,
@@ -395,6 +559,28 @@ HONOURED: dict[tuple[str, str], Callable[[Ctx], None]] = {
     ("TokenizeRequest", "return_token_strs"): check_tokenize_return_token_strs,
     ("DetokenizeRequest", "model"): check_detokenize_model,
     ("DetokenizeRequest", "tokens"): check_detokenize_tokens,
+    ("ChatCompletionRequest", "tools"): check_tools,
+    ("ChatCompletionRequest", "tool_choice"): check_tool_choice,
+    ("ChatCompletionRequest", "parallel_tool_calls"): check_parallel_tool_calls,
+    ("ResponseFormat", "type"): check_response_format_type,
+    ("ResponseFormat", "json_schema"): check_json_schema_fields,
+    **{
+        ("JsonSchemaFormat", f): check_json_schema_fields
+        for f in ("name", "description", "schema_", "strict")
+    },
+    **{
+        ("StructuredOutputs", f): check_structured_outputs_fields
+        for f in ("json_", "regex", "choice", "grammar", "json_object")
+    },
+    ("ToolDefinition", "type"): check_tool_definition,
+    ("ToolDefinition", "function"): check_tool_definition,
+    ("FunctionDefinition", "name"): check_tool_choice,
+    ("FunctionDefinition", "description"): check_tool_description,
+    ("FunctionDefinition", "parameters"): check_tools,
+    ("FunctionDefinition", "strict"): check_tools,  # forced calls always match the parameters
+    ("NamedToolChoice", "type"): check_tool_choice,
+    ("NamedToolChoice", "function"): check_tool_choice,
+    ("FunctionName", "name"): check_tool_choice,
 }
 
 
@@ -429,9 +615,14 @@ def test_every_field_has_a_check() -> None:
 
 def test_no_honoured_field_is_in_the_not_honoured_table() -> None:
     """A feature that lands declares its field and leaves NOT_HONOURED (completions' `echo` and
-    `prompt_logprobs` are honoured there and refused on chat, which does not declare them)."""
+    `prompt_logprobs` are honoured there and refused on chat, which does not declare them; chat's
+    tool fields likewise are refused on completions)."""
     both_ways = {(m, name) for m, name in HONOURED if name in NOT_HONOURED}
-    assert both_ways == {("CompletionRequest", "echo"), ("CompletionRequest", "prompt_logprobs")}
+    chat_only = {
+        ("ChatCompletionRequest", n) for n in ("tools", "tool_choice", "parallel_tool_calls")
+    }
+    completion_only = {("CompletionRequest", n) for n in ("echo", "prompt_logprobs")}
+    assert both_ways == {*completion_only, *chat_only}
 
 
 @pytest.fixture(scope="module")

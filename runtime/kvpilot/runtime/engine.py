@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from llguidance import LLMatcher
 
 from kvpilot.runtime import memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.loader import ModelConfig, load_model_config, resolve_dtype
 from kvpilot.runtime.model_runner import ModelRunner, load_model
@@ -44,6 +48,8 @@ from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 __all__ = ["AsyncEngine", "Engine", "EngineStats", "NewRequest", "RequestOutput"]
 
 NewRequest = tuple[str | list[int], SamplingParams, str]  # (prompt, params, request id)
+
+log = logging.getLogger("kvpilot.engine")
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,17 @@ class Engine:
         self._inbox: list[tuple[Sequence, str | None]] = []  # (sequence, leader's request id)
         self._followers: dict[str, list[Sequence]] = {}  # leader id -> sequences held for it
         self._aborts: list[str] = []
+        # Sequences whose grammar is compiling (vLLM's WAITING_FOR_FSM): they join the inbox
+        # when it is ready, so the batch never waits for a compile.
+        self._compiling: dict[str, tuple[Sequence, str | None]] = {}  # as in the inbox
+        self.on_work: Callable[[], None] = lambda: None  # a compiled sequence joined the inbox
+        self.grammar_compiler = GrammarCompiler(
+            make_tokenizer(
+                self.tokenizer.hf.to_str(),
+                self.model_config.vocab_size,
+                self.tokenizer.eos_token_ids,
+            )
+        )
         self._snapshot = self._make_stats()
 
     def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
@@ -165,6 +182,8 @@ class Engine:
         engine needs no shutdown, but calling it does no harm."""
         if self.workers is not None:
             self.workers.shutdown()
+        if hasattr(self, "grammar_compiler"):  # absent when loading failed
+            self.grammar_compiler.shutdown()
 
     def _num_kv_blocks(self, kv_dtype: torch.dtype) -> int:
         """Pool size from the shared memory arithmetic (DESIGN.md §3.3), at the bytes of the
@@ -214,11 +233,22 @@ class Engine:
             entries.append((seq, leader if is_follower else None))
         with self._lock:
             ids = [seq.request_id for seq in seqs]
-            taken = self._states.keys() | {seq.request_id for seq, _ in self._inbox}
-            if len(set(ids)) != len(ids) or taken & set(ids):
+            if len(set(ids)) != len(ids) or any(self._is_known(i) for i in ids):
                 raise ValueError(f"request ids {ids} collide with each other or one in use")
-            self._inbox += entries
+            self._inbox += [e for e in entries if e[0].params.grammar is None]
+            to_compile = [e for e in entries if e[0].params.grammar is not None]
+            for entry in to_compile:
+                self._compiling[entry[0].request_id] = entry
+        # A grammar compiles off the step (as vLLM's WAITING_FOR_FSM): its sequence joins the
+        # inbox once compiled, so other sequences never wait for it.
+        for waiting, _ in to_compile:
+            self._compile_grammar(waiting)
         return ids
+
+    def _compile_grammar(self, seq: Sequence) -> None:
+        assert seq.params.grammar is not None
+        future = self.grammar_compiler.compile(seq.params.grammar)
+        future.add_done_callback(lambda done: self._on_grammar_compiled(seq, done))
 
     def _make_sequence(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
@@ -233,18 +263,47 @@ class Engine:
             )
         return Sequence(request_id, token_ids, params)
 
+    def _is_known(self, request_id: str) -> bool:
+        return (
+            request_id in self._states
+            or request_id in self._compiling
+            or any(s.request_id == request_id for s, _ in self._inbox)
+        )
+
+    def _on_grammar_compiled(self, seq: Sequence, future: Future[LLMatcher]) -> None:
+        """On a compile thread (or at once, for a cached grammar): the sequence joins the inbox
+        with its own matcher, or finished as aborted when the grammar does not compile."""
+        error = future.exception()
+        if error is None:
+            seq.grammar = new_matcher(future.result())
+        else:  # the server compiles before it submits, so only direct engine users get here
+            log.warning("request %s: grammar does not compile: %s", seq.request_id, error)
+            seq.finish("abort")
+        with self._lock:
+            waiting = self._compiling.pop(seq.request_id, None)
+            if waiting is None:
+                return  # aborted meanwhile
+            self._inbox.append(waiting)
+        self.on_work()
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
+            return bool(self._inbox or self._aborts or self._states or self._compiling)
+
+    def has_steppable_work(self) -> bool:
+        """Unfinished requests that a step can advance (not those whose grammar compiles)."""
+        with self._lock:
             return bool(self._inbox or self._aborts or self._states)
 
     def stats(self) -> EngineStats:
         with self._lock:
             snapshot = self._snapshot
-            return replace(snapshot, num_waiting=snapshot.num_waiting + len(self._inbox))
+            num_waiting = snapshot.num_waiting + len(self._inbox) + len(self._compiling)
+            return replace(snapshot, num_waiting=num_waiting)
 
     def _make_stats(self, num_step_tokens: int = 0) -> EngineStats:
         bm = self.block_manager
@@ -288,9 +347,15 @@ class Engine:
         with self._lock:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
+            compiling = [self._compiling.pop(r)[0] for r in aborts if r in self._compiling]
         outputs: list[RequestOutput] = []
+        for seq in compiling:
+            seq.finish("abort")
+            outputs.append(make_output(RequestState(seq), is_finished=True))
         for seq, leader in inbox:
-            if leader is not None and leader in self._states:
+            if seq.is_finished:  # its grammar did not compile
+                outputs.append(make_output(RequestState(seq), is_finished=True))
+            elif leader is not None and leader in self._states:
                 self._states[seq.request_id] = RequestState(seq)
                 self._followers.setdefault(leader, []).append(seq)
             else:
@@ -328,17 +393,33 @@ class Engine:
         self, item: ScheduledSequence, token_id: int, logprobs: dict[int, float] | None
     ) -> RequestOutput:
         state = self._states[item.seq.request_id]
-        state.seq.append_token(token_id)
+        seq = state.seq
+        seq.append_token(token_id)
         if logprobs is not None:
             state.pending_logprobs.append(logprobs)
+        if seq.grammar is not None:
+            seq.grammar.consume_token(token_id)
         eos_token_ids = self.tokenizer.eos_token_ids
-        reason = finish_reason_for_token(state.seq, token_id, eos_token_ids, self.max_model_len)
+        reason = finish_reason_for_token(seq, token_id, eos_token_ids, self.max_model_len)
         if reason == "stop":
-            state.seq.stop_reason = stop_reason_for_token(state.seq.params, token_id, eos_token_ids)
+            seq.stop_reason = stop_reason_for_token(seq.params, token_id, eos_token_ids)
         reason = update_text(state, self.tokenizer, reason)
+        if reason is None and seq.grammar is not None and seq.grammar.is_stopped():
+            # The grammar is complete: this token is part of the output, unlike an EOS, so the
+            # text was updated as for a running sequence.
+            reason = self._grammar_end(seq)
         if reason is not None:
             return self._finish(state, reason)
         return make_output(state, is_finished=False)
+
+    def _grammar_end(self, seq: Sequence) -> str:
+        """`stop`, or `abort` if the matcher refused a token (the mask makes that a bug)."""
+        if seq.grammar is not None and seq.grammar.is_error():
+            log.error(
+                "request %s: grammar matcher failed: %s", seq.request_id, seq.grammar.get_error()
+            )
+            return "abort"
+        return "stop"
 
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         self.scheduler.finish(state.seq, reason)
@@ -427,9 +508,10 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _run(self) -> None:
+        self.engine.on_work = self._wake.set
         while not self._is_stopping:
             self._wake.clear()
-            if not self.engine.has_unfinished_requests():
+            if not self.engine.has_steppable_work():
                 self._wake.wait()
                 continue
             try:

@@ -17,6 +17,7 @@ from kvpilot.runtime.layers.attention import (
     chunk_mask,
     decode_mask,
 )
+from kvpilot.runtime.layers.grammar_mask import GrammarMasker
 from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
 from kvpilot.runtime.loader import ModelConfig, open_weights
 from kvpilot.runtime.memory import BLOCK_SIZE
@@ -198,6 +199,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}  # per request with its own seed
         self.decode_group_limits = self._decode_group_limits()
+        self.grammar_masker = GrammarMasker(model.cfg.vocab_size, device)
 
     def _decode_group_limits(self) -> tuple[int, int]:
         """(max padded blocks, max sequences) per decode attention group."""
@@ -326,6 +328,7 @@ class ModelRunner:
         if not sampling:
             return StepResult([], prompt)
         logits = self.model.compute_logits(hidden[: len(sampling)])  # [S, vocab]
+        self.grammar_masker.apply(logits, [item.seq.grammar for item in sampling])
         rows = [self._sampling_row(item.seq) for item in sampling]
         tokens, logprobs = sample(logits, rows, self.default_generator, self.eos_token_ids)
         return StepResult(list(zip(sampling, tokens, logprobs, strict=True)), prompt)

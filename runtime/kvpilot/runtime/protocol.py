@@ -16,8 +16,24 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
+
+from kvpilot.runtime.structured import (
+    ANY_JSON_OBJECT,
+    GrammarSpec,
+    choice_spec,
+    grammar_spec,
+    json_schema_spec,
+    regex_spec,
+)
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit on choices per prompt
@@ -46,14 +62,7 @@ NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,),
-    # structured outputs
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    # tools
+    # tools: chat declares (honours) the first three; completions refuses them
     "tools": ([],),
     "tool_choice": ("none", "auto"),
     "parallel_tool_calls": (True,),
@@ -157,6 +166,51 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class _Strict(_Request):
+    """A nested object whose every key we honour: an unknown key is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of its constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# The output-constraint fields, at most one per request (a 400 names the second one given).
+GRAMMAR_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -181,6 +235,12 @@ class _SamplingFields(_Request):
     ignore_eos: bool = Field(False, description="vLLM extension, used by benchmarks")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension")
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM extension")
+    guided_regex: str | None = Field(None, description="vLLM extension")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension")
+    guided_grammar: str | None = Field(None, description="vLLM extension")
 
     @field_validator("logit_bias")
     @classmethod
@@ -209,6 +269,47 @@ class _SamplingFields(_Request):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def output_grammar(self) -> GrammarSpec | None:
+        """The one output constraint asked for, or None; ValueError (message starting with the
+        field) for two at once or an unusable one."""
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if isinstance(self.response_format, ResponseFormat) and self.response_format.type == "text":
+            given.remove("response_format")  # plain text: no constraint
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one output constraint per request ({given})")
+        return _grammar_of(self, given[0]) if given else None
+
+
+def _grammar_of(body: _SamplingFields, name: str) -> GrammarSpec:
+    value = getattr(body, name)
+    if name == "response_format":
+        if value.json_schema is None:
+            return json_schema_spec(ANY_JSON_OBJECT, name)
+        return json_schema_spec(value.json_schema.schema_, "response_format.json_schema.schema")
+    if name == "structured_outputs":
+        return _structured_outputs_grammar(value)
+    build = {
+        "guided_json": json_schema_spec,
+        "guided_regex": regex_spec,
+        "guided_choice": choice_spec,
+        "guided_grammar": grammar_spec,
+    }[name]
+    return build(value, name)  # type: ignore[operator]
+
+
+def _structured_outputs_grammar(value: StructuredOutputs) -> GrammarSpec:
+    given = {k: v for k, v in value.model_dump(by_alias=True).items() if v not in (None, False)}
+    if len(given) != 1:
+        raise ValueError(
+            "structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
+            f"got {sorted(given) or 'none'}"
+        )
+    (key, item), source = next(iter(given.items())), f"structured_outputs.{next(iter(given))}"
+    if key == "json_object":
+        return json_schema_spec(ANY_JSON_OBJECT, source)
+    build = {"json": json_schema_spec, "regex": regex_spec, "choice": choice_spec}
+    return build.get(key, grammar_spec)(item, source)  # type: ignore[operator]
 
 
 class CompletionRequest(_SamplingFields):
@@ -256,8 +357,32 @@ class ChatMessage(BaseModel):
         return self.content
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls forced by tool_choice always match the parameters
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -269,6 +394,34 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(
+        cls, choice: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
+        names = [tool.function.name for tool in info.data.get("tools") or []]
+        if choice in ("required", None, "none", "auto"):
+            if choice == "required" and not names:
+                raise ValueError("'required' needs at least one tool in tools")
+            return choice
+        if not isinstance(choice, NamedToolChoice) or choice.function.name not in names:
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+            raise ValueError(f"function {name!r} is not among tools {names}")
+        return choice
+
+    def tool_functions(self) -> list[dict[str, Any]]:
+        """The function definitions a call may use (all, or the named one); [] for none."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none" or not self.tools:
+            return []
+        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            return [f for f in functions if f["name"] == choice.function.name]
+        return functions
+
+    def is_call_forced(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -393,9 +546,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON object text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(BaseModel):
@@ -415,9 +580,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first has its id, type and name; the rest only add to
+    the arguments. Sent without the null keys, as OpenAI does (clients merge the pieces)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

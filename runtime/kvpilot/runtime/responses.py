@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -20,12 +21,17 @@ from kvpilot.runtime.protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
     PromptLogprobEntry,
     TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
 from kvpilot.runtime.sampling import PromptLogprob
+from kvpilot.runtime.tool_calls import ToolCall, ToolCallParser, call_head, parse
 
 if TYPE_CHECKING:
     from kvpilot.runtime.serving import Choice, Job
@@ -171,6 +177,21 @@ def chat_logprobs(
     return ChatLogprobs(content=content)
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(
+        id=new_call_id(), function=FunctionCall(name=call.name, arguments=call.arguments)
+    )
+
+
+def chat_finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """A request that ended by itself after calling tools says so, as OpenAI does."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
+
+
 class Accumulator:
     """One choice of a non-streamed response."""
 
@@ -194,14 +215,20 @@ class Accumulator:
 
     def chat_choice(self) -> ChatChoice:
         last, num_top = self.last, self.choice.params.logprobs
+        reason = last.finish_reason if last else "abort"
         logprobs = None
         if num_top is not None:
             logprobs = chat_logprobs(self.decoder, self.ids, self.lps, num_top)
+        content: str | None = self.text
+        calls: list[ToolCall] = []
+        if self.job.tool_parser is not None:
+            content, calls = parse(self.job.tool_parser, self.text)
+        tool_calls = [tool_call_out(call) for call in calls]
         return ChatChoice(
             index=self.choice.index,
-            message=AssistantMessage(content=self.text),
+            message=AssistantMessage(content=content, tool_calls=tool_calls),
             logprobs=logprobs,
-            finish_reason=last.finish_reason if last else "abort",
+            finish_reason=chat_finish_reason(reason, bool(calls)),
             stop_reason=last.stop_reason if last else None,
         )
 
@@ -244,11 +271,70 @@ def response(job: Job, accumulators: list[Accumulator]) -> dict[str, Any]:
     return completion_chunk(job, [acc.completion_choice() for acc in accumulators], usage)
 
 
+class ToolCallStream:
+    """Splits a streamed chat output into content deltas and tool-call deltas, as OpenAI streams
+    them: content until a call may begin; then per call a first delta with its id, name and the
+    arguments so far, and the rest of the arguments as the model writes them. A call whose
+    arguments cannot be followed as they come (not an object, or the name not first) is sent
+    whole once complete. A call cut off by max_tokens stays as far as it was sent (the
+    non-streamed response drops it, or returns the text as content if it was the only one)."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.num_sent_chars = 0
+        self.num_sent_calls = 0  # calls sent to their end
+        self.open_id: str | None = None  # the call being streamed, once its first delta is out
+        self.num_sent_args = 0  # characters of its arguments sent
+
+    def add(self, new_text: str, is_finished: bool) -> tuple[str, list[ToolCallDelta]]:
+        self.text += new_text
+        end = self.parser.content_end(self.text)
+        tail = self.text[end:]
+        calls = self.parser.calls(tail, is_finished) if tail else []
+        if (calls is None or (is_finished and not calls)) and self.open_id is None:
+            end, calls, tail = len(self.text), [], ""  # not calls after all: it is content
+        calls = calls or []  # a call already partly sent stays a call, cut off where it ended
+        content = self.text[self.num_sent_chars : max(end, self.num_sent_chars)]
+        self.num_sent_chars = max(end, self.num_sent_chars)
+        deltas = [self._complete(call) for call in calls[self.num_sent_calls :]]
+        pending = self.parser.pending(tail) if tail and not is_finished else None
+        head = call_head(pending) if pending else None
+        if head is not None:
+            deltas += self._partial(*head)
+        return content, deltas
+
+    def _complete(self, call: ToolCall) -> ToolCallDelta:
+        index, self.num_sent_calls = self.num_sent_calls, self.num_sent_calls + 1
+        if self.open_id is None:
+            return ToolCallDelta(
+                index=index,
+                id=new_call_id(),
+                type="function",
+                function=FunctionCallDelta(name=call.name, arguments=call.arguments),
+            )
+        rest = call.arguments[self.num_sent_args :]
+        self.open_id, self.num_sent_args = None, 0
+        return ToolCallDelta(index=index, function=FunctionCallDelta(arguments=rest))
+
+    def _partial(self, name: str, arguments: str) -> list[ToolCallDelta]:
+        index, new = self.num_sent_calls, arguments[self.num_sent_args :]
+        self.num_sent_args = len(arguments)
+        if self.open_id is None:
+            self.open_id = new_call_id()
+            function = FunctionCallDelta(name=name, arguments=arguments)
+            return [ToolCallDelta(index=index, id=self.open_id, type="function", function=function)]
+        return (
+            [ToolCallDelta(index=index, function=FunctionCallDelta(arguments=new))] if new else []
+        )
+
+
 class ChunkBuilder:
     """SSE chunks of one choice of a streamed response."""
 
     def __init__(self, job: Job, choice: Choice, decoder: Decoder):
         self.job, self.choice, self.decoder = job, choice, decoder
+        self.tools = ToolCallStream(job.tool_parser) if job.tool_parser else None
         self.offset = 0
         self.last: RequestOutput | None = None
         self.is_echo_pending = bool(choice.echo)
@@ -276,6 +362,8 @@ class ChunkBuilder:
         reason = out.finish_reason if out.finished else None
         stop_reason, index = out.stop_reason, self.choice.index  # stop_reason: None until finished
         num_top = self.choice.params.logprobs
+        if self.tools is not None:
+            return self._tool_chunk(self.tools, out, reason, stop_reason)
         if num_top is None and not self.is_echo_pending and self.prompt_logprobs is None:
             return self._plain(out.new_text, reason, stop_reason)
         ids, lps = out.new_token_ids, out.logprobs or []
@@ -318,6 +406,33 @@ class ChunkBuilder:
         if scored is None or num_top is None:
             return None
         return vllm_prompt_logprobs(self.decoder, scored, num_top)
+
+    def _tool_chunk(
+        self,
+        tools: ToolCallStream,
+        out: RequestOutput,
+        reason: str | None,
+        stop_reason: str | int | None,
+    ) -> dict[str, Any] | None:
+        content, calls = tools.add(out.new_text, out.finished)
+        num_top, logprobs = self.choice.params.logprobs, None
+        if num_top is not None:
+            logprobs = chat_logprobs(self.decoder, out.new_token_ids, out.logprobs or [], num_top)
+        if not content and not calls and not out.finished and logprobs is None:
+            return None
+        choice = ChatChunkChoice(
+            index=self.choice.index,
+            delta=DeltaMessage(content=content or None),
+            logprobs=logprobs,
+            finish_reason=chat_finish_reason(reason, tools.num_sent_calls > 0),
+            stop_reason=stop_reason,
+        )
+        chunk = chat_chunk(self.job, [choice])
+        if calls:  # without null keys: clients merge a call's pieces key by key
+            chunk["choices"][0]["delta"]["tool_calls"] = [
+                call.model_dump(exclude_none=True) for call in calls
+            ]
+        return chunk
 
     def _plain(self, text: str, reason: str | None, stop_reason: str | int | None) -> dict:
         """The hot path (one chunk per sequence per step): plain dicts, same JSON as the models."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.runtime.structured import GrammarSpec
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,6 +31,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages, < 1 encourages repeats
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: GrammarSpec | None = None  # the output must match it (structured outputs, tools)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 _arrival_counter = itertools.count()
 
@@ -58,6 +62,8 @@ class Sequence:
     num_scored_prompt_tokens: int = 0  # prompt positions whose logprobs are out (prompt_logprobs)
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
     is_admitted_once: bool = False
+    # The output grammar's matcher (params.grammar compiled), advanced with each output token.
+    grammar: LLMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

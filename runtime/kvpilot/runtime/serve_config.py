@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpilot.runtime.config import EngineConfig, option
 from kvpilot.runtime.model_source import ModelSource, parse_model_uri
+from kvpilot.runtime.tool_calls import PARSER_CHOICES
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class ServeConfig(EngineConfig):
     )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
     log_level: str = option("info", "debug, info, warning, error")
+    tool_call_parser: str = option(
+        "auto",
+        "format of the model's tool calls (auto: from the architecture: Llama llama3_json, "
+        "Qwen/Mistral hermes)",
+        PARSER_CHOICES,
+    )
     # 16 MiB: a prompt that fills a 128k-token context is ~0.5-1 MB of text (or ~1 MB of token
     # ids as JSON), so 16x that leaves room for long chats and 128k+ contexts, while one request
     # can hold at most 16 MiB (plus its parsed copy) in memory: max_waiting of them stay < 10 GB.
@@ -52,6 +59,10 @@ class ServeConfig(EngineConfig):
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.served_name != "", "served_name must not be empty"),
+            (
+                self.tool_call_parser in PARSER_CHOICES,
+                f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}",
+            ),
             (
                 self.max_request_body_bytes >= 1024,
                 f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}",

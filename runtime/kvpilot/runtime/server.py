@@ -136,12 +136,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(request, state, body.model)
         job = await state.off_loop(serving.prepare_completion, state, body)
+        await serving.check_grammar(state, job)
         return await respond(request, state, job)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_request(request, state, body.model)
         job = await state.off_loop(serving.prepare_chat, state, body)
+        await serving.check_grammar(state, job)
         return await respond(request, state, job)
 
     @app.post("/tokenize", responses=ERRORS)

@@ -21,6 +21,7 @@ from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import AsyncEngine, Engine, RequestOutput
 from kvpilot.runtime.fetch import fetch
+from kvpilot.runtime.grammar import GrammarError
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
 from kvpilot.runtime.protocol import (
@@ -34,8 +35,10 @@ from kvpilot.runtime.protocol import (
 )
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.serve_config import ServeConfig
+from kvpilot.runtime.structured import GrammarSpec
 from kvpilot.runtime.tokenization import chat_prompt_ids, check_in_vocab, text_prompt_ids
 from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.tool_calls import PARSERS, ToolCallParser, parser_name
 
 log = logging.getLogger("kvpilot.server")
 MIN_TOP_P = 1e-8
@@ -203,6 +206,7 @@ class Job:
     stream: bool
     include_usage: bool
     n: int = 1
+    tool_parser: ToolCallParser | None = None  # chat with tools: calls are parsed out
     request_id: str = ""
     created: int = 0
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
@@ -244,12 +248,13 @@ def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
             400, "max_tokens: 0 only scores the prompt, which needs echo=true", "max_tokens"
         )
     is_prompt_only = body.max_tokens == 0
+    grammar = _output_grammar(body)
     for prompt in body.prompts():
         ids = _completion_ids(state, prompt)
         # Scoring the prompt alone still runs its prefill, which samples one token: dropped.
         requested = 1 if is_prompt_only else body.max_tokens
         max_tokens = _max_tokens(state, ids, requested, "prompt")
-        params = sampling_params(body, max_tokens, body.logprobs, tok.vocab_size)
+        params = sampling_params(body, max_tokens, body.logprobs, tok.vocab_size, grammar)
         params = replace(params, prompt_logprobs=prompt_logprobs_wanted(body))
         echo = ""
         if body.echo:
@@ -281,12 +286,49 @@ def _completion_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
 
 def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     """Token ids and sampling params for a chat; slow on long text, so run off the loop."""
-    tok = _core(state).tokenizer
-    ids = chat_prompt_ids(tok, body.messages, body.add_generation_prompt, state.max_model_len)
+    core = _core(state)
+    tok = core.tokenizer
+    functions = body.tool_functions()
+    # `tools` reaches the template only when a call is possible (not with tool_choice none);
+    # templates test `if tools`, as transformers passes tools= only when given.
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if functions else None
+    ids = chat_prompt_ids(
+        tok, body.messages, body.add_generation_prompt, state.max_model_len, tools=tools
+    )
     max_tokens = _max_tokens(state, ids, body.output_limit(), "messages")
-    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size)
+    parser = PARSERS[parser_name(state.config.tool_call_parser, core.model_config.architecture)]
+    grammar = _output_grammar(body)
+    if body.is_call_forced():
+        if grammar is not None:
+            message = f"{grammar.source}: cannot be combined with a forced tool call"
+            raise ApiError(400, message, grammar.source)
+        is_parallel = body.parallel_tool_calls and body.tool_choice == "required"
+        grammar = parser.grammar(functions, is_parallel)
+    params = sampling_params(body, max_tokens, body.num_logprobs(), tok.vocab_size, grammar)
     choices = choices_of(ids, params, body.n, 0)
-    return Job(True, body.model, choices, body.stream, body.include_usage(), body.n)
+    job = Job(True, body.model, choices, body.stream, body.include_usage(), body.n)
+    job.tool_parser = parser if functions else None
+    return job
+
+
+def _output_grammar(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
+    try:
+        return body.output_grammar()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), str(exc).split(":", 1)[0]) from exc
+
+
+async def check_grammar(state: ServerState, job: Job) -> None:
+    """Compile the job's grammar (off the event loop, into the engine's cache) so that a grammar
+    that does not compile is a 400 naming its field, before any response starts. Every choice
+    shares the one grammar the request asks for."""
+    spec = job.choices[0].params.grammar
+    if spec is None:
+        return
+    try:
+        await asyncio.wrap_future(_core(state).grammar_compiler.compile(spec))
+    except GrammarError as exc:
+        raise ApiError(400, f"{spec.source}: {exc}", spec.source) from exc
 
 
 def _core(state: ServerState) -> Engine:
@@ -327,6 +369,7 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     vocab_size: int,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     check_in_vocab(vocab_size, body.stop_token_ids or [], "stop_token_ids")
     check_in_vocab(vocab_size, [token for token, _ in body.logit_bias_pairs()], "logit_bias")
@@ -351,6 +394,7 @@ def sampling_params(
             repetition_penalty=body.repetition_penalty,
             min_p=body.min_p,
             logit_bias=body.logit_bias_pairs(),
+            grammar=grammar,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), str(exc).split(" ", 1)[0]) from exc

@@ -6,6 +6,8 @@ some messages is exactly the `prompt_tokens` a chat completion of them reports.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any
 
 from kvpilot.runtime.api_errors import ApiError
@@ -28,8 +30,19 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         data = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
             data["content"] = message.text()
+        for call in data.get("tool_calls") or []:
+            _arguments_as_object(call)
         result.append(data)
     return result
+
+
+def _arguments_as_object(call: Any) -> None:
+    """Templates write an assistant tool call's arguments with `| tojson` (Qwen, Llama 3.1), so
+    they get the object, as vLLM gives them; arguments that are not JSON stay text."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        with contextlib.suppress(json.JSONDecodeError):
+            function["arguments"] = json.loads(function["arguments"])
 
 
 def text_prompt_ids(
@@ -46,6 +59,7 @@ def chat_prompt_ids(
     add_generation_prompt: bool,
     max_model_len: int,
     add_special_tokens: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The rendered chat template's token ids, with exactly one BOS when specials are added.
 
@@ -61,6 +75,7 @@ def chat_prompt_ids(
             bos_token=tok.bos_token,
             eos_token=tok.eos_token,
             add_generation_prompt=add_generation_prompt,
+            **({"tools": tools} if tools else {}),  # as transformers: only when there are any
         )
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", "messages") from exc

@@ -176,16 +176,9 @@ def test_null_fields_take_their_defaults() -> None:
 
 
 REALISTIC_REFUSALS: list[tuple[dict[str, Any], str]] = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"continue_final_message": True}, "continue_final_message"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"echo": True}, "echo"),  # chat's echo; completions honour theirs
 ]
 
@@ -197,6 +190,21 @@ def test_not_honoured_fields_are_refused_naming_them(patch: dict[str, Any], para
     message, named = describe_validation_error(info.value.errors())
     assert named == param
     assert message.startswith(f"{param}: this runtime does not support {param}; leave it out")
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ],
+)
+def test_tool_fields_are_refused_on_completions(patch: dict[str, Any], param: str) -> None:
+    """Chat honours them (test_structured_protocol.py); completions have no tools."""
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({**COMPLETION, **patch})
+    assert describe_validation_error(info.value.errors())[1] == param
 
 
 def test_values_that_ask_for_nothing_pass() -> None:

@@ -85,6 +85,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "kv_cache_memory": 4096, "enable_prefix_caching": False, "seed": 3,
         "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "host": "127.0.0.2", "port": 9001,
         "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
+        "tool_call_parser": "hermes",
         "max_request_body_bytes": 2048,
     }  # fmt: skip
     fields_of_config = {
