@@ -17,21 +17,19 @@ import functools
 import json
 import os
 import select
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.report import markdown_table, write_section
+from bench.server_common import runtime_server
 from kvpilot.runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,32 +232,6 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-@contextmanager
-def runtime_server(port: int, *args: str) -> Iterator[tuple[str, int]]:
-    command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model", str(TINY),
-               "--served-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning", *args]  # fmt: skip
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not _is_ready(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("runtime server did not become ready")
-            time.sleep(0.2)
-        yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-
-
-def _is_ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -312,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    with runtime_server(_free_port(), "--max-model-len", "512", "--max-num-seqs", "8") as served:
+    limits = ("--max-model-len", "512", "--max-num-seqs", "8")
+    with runtime_server(TINY, _free_port(), *limits) as served:
         url, pid = served
         rss_ready = peak_rss_mib(pid)
         rows = measure(url, args.rounds)

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import torch
 
+from bench import server_common
 from bench.engine_common import (
     MODEL,
     Request,
@@ -93,31 +91,10 @@ def free_port() -> int:
 
 @contextmanager
 def runtime_server() -> Iterator[tuple[str, int]]:
-    port = free_port()
-    command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model", str(MODEL),
-               "--served-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-               "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN),
-               "--log-level", "warning"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(TORCH_THREADS)}
-    process = subprocess.Popen(command, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not _is_ready(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("runtime server did not become ready")
-            time.sleep(0.2)
-        yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=120)
-
-
-def _is_ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    limits = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN)]
+    with server_common.runtime_server(MODEL, free_port(), *limits, env=env) as served:
+        yield served
 
 
 def run_http(url: str, dataset: Path, num_requests: int, concurrency: int) -> Summary:
