@@ -24,6 +24,12 @@ from tests.support.kube import get_json, wait_until
 pytestmark = pytest.mark.cluster
 
 
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+NOT_LOCAL = {
+    "matchExpressions": [{"key": "kvpilot.dev/local-execution", "operator": "DoesNotExist"}]
+}
+
+
 def gpu_deployment(name: str, gpus: int, node_selector: dict[str, str]) -> dict[str, Any]:
     labels = {"app": name}
     return {
@@ -37,6 +43,8 @@ def gpu_deployment(name: str, gpus: int, node_selector: dict[str, str]) -> dict[
                 "metadata": {"labels": labels},
                 "spec": {
                     "nodeSelector": node_selector,
+                    # kwok nodes only: the pod runner's L4 nodes would try to run this image
+                    "affinity": {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [NOT_LOCAL]}}},
                     "containers": [
                         {
                             "name": "main",
