@@ -156,6 +156,11 @@ def runtime_pid(pod_ip: str) -> int:
 def test_a_killed_runtime_fails_its_requests_cleanly_and_restarts(
     cluster: Any, loop: str, tmp_path: Path
 ) -> None:
+    # One replica throughout: a scale-up during the load and the scale-down after it would let
+    # the ReplicaSet delete the killed pod (it ranks pods with restarts first), leaving no pod
+    # whose restart this test can see.
+    one = {"spec": {"autoscaling": {"maxReplicas": 1}}}
+    cluster.kubectl("patch", "modeldeployment", NAME, "--type=merge", "-p", json.dumps(one))
     pod = get_json(cluster, "pods", "-l", f"kvpilot.dev/model={NAME}")["items"][0]
     pid = runtime_pid(pod["status"]["podIP"])
     result = tmp_path / "bench.json"
@@ -183,8 +188,8 @@ def test_a_killed_runtime_fails_its_requests_cleanly_and_restarts(
     assert summary["failed"] >= 1 and summary["completed"] + summary["failed"] == 200
 
     def restarted() -> bool:
-        pods = get_json(cluster, "pods", "-l", f"kvpilot.dev/model={NAME}")["items"]
-        statuses = [p["status"].get("containerStatuses", [{}])[0] for p in pods]
-        return any(s.get("restartCount", 0) >= 1 and s.get("ready") for s in statuses)
+        killed = get_json(cluster, "pod", pod["metadata"]["name"])
+        state = killed["status"].get("containerStatuses", [{}])[0]
+        return bool(state.get("restartCount", 0) >= 1 and state.get("ready"))
 
     wait_until(restarted, 120, "the runtime to restart and be Ready")
