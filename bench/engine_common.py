@@ -99,3 +99,43 @@ def threads_note() -> str:
         "CUDA" if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} torch thread(s)"
     )
     return f"Device: {device}."
+
+
+# A Llama big enough that the matmuls, not Python, set the speed (~245 M parameters with the
+# tied 4,096-token vocabulary of tiny-llama, whose tokenizer it reuses): the engine-speed
+# benchmarks compare compute-bound throughput on it. Random weights, made once per machine.
+COMPUTE_BOUND_SHAPE = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
+
+def compute_bound_llama(cache_dir: Path | None = None) -> Path:
+    """A random-weight Llama (COMPUTE_BOUND_SHAPE, bf16 safetensors, tiny-llama's tokenizer) in
+    a cache outside the clone, keyed by its shape; made with transformers the first time."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    root = cache_dir or Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache/kvpilot"))
+    key = hashlib.sha256(json.dumps(COMPUTE_BOUND_SHAPE, sort_keys=True).encode()).hexdigest()
+    path = root / "models" / f"compute-bound-llama-{key[:12]}"
+    if (path / ".complete").exists():
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = json.loads((MODEL / "config.json").read_text())
+    config = LlamaConfig(**{**base, **COMPUTE_BOUND_SHAPE, "max_position_embeddings": 4096})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    shutil.rmtree(path, ignore_errors=True)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(MODEL / name, path / name)
+    (path / ".complete").touch()
+    return path
