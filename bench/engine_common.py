@@ -132,7 +132,8 @@ def compute_bound_llama(cache_dir: Path | None = None) -> Path:
     base = json.loads((MODEL / "config.json").read_text())
     config = LlamaConfig(**{**base, **COMPUTE_BOUND_SHAPE, "max_position_embeddings": 4096})
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16)  # type: ignore[arg-type]  # transformers wraps .to() oddly
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

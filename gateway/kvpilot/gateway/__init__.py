@@ -1,1 +1,1 @@
-"""kvpilot-gateway: one OpenAI endpoint in front of every ModelDeployment (docs/architecture.md §3.7)."""
+"""kvpilot-gateway: one OpenAI endpoint in front of every ModelDeployment (architecture §3.7)."""
