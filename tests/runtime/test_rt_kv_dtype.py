@@ -19,7 +19,14 @@ import torch
 
 from kvpilot.runtime.cli import main as cli_main
 from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.evaluate import evaluate_level, read_dataset, relative_loss, windows
+from kvpilot.runtime.evaluate import (
+    Sample,
+    evaluate_level,
+    perplexity,
+    read_dataset,
+    relative_loss,
+    windows,
+)
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.runtime.test_rt_greedy import make_prompts, run_all
 
@@ -87,9 +94,9 @@ def test_fp8_perplexity_costs_under_a_tenth_of_a_percent(tiny_llama_dir: Path) -
     """Measured +0.020% on these 2044 tokens; a scale of 0.01 (clipping K/V) costs +0.16%. The
     change must not be zero either: every token after a window's first reads the fp8 cache."""
     ids = Tokenizer(tiny_llama_dir).encode(read_dataset(tiny_llama_dir / "eval.txt"))
-    chunks = windows(ids, 512)[:4]
-    base = evaluate_level(tiny_llama_dir, "none", chunks, "float32", "cpu")["perplexity"]
-    fp8 = evaluate_level(tiny_llama_dir, "none", chunks, "float32", "cpu", "fp8")["perplexity"]
+    chunks = [Sample(chunk) for chunk in windows(ids, 512)[:4]]
+    base = perplexity(evaluate_level(tiny_llama_dir, "none", chunks, "float32", "cpu"))
+    fp8 = perplexity(evaluate_level(tiny_llama_dir, "none", chunks, "float32", "cpu", "fp8"))
     assert 0 < abs(relative_loss(fp8, base)) < 1e-3, f"{relative_loss(fp8, base):+.5%}"
 
 

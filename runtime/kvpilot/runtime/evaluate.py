@@ -1,12 +1,21 @@
-"""`kvpilot-runtime eval`: perplexity per quantisation level and the relative loss vs unquantised.
+"""`kvpilot-runtime eval`: quality per quantisation level and the relative loss vs unquantised.
 
     kvpilot-runtime eval --model models/tiny-llama --dataset models/tiny-llama/eval.txt \
-        --quantization bf16,int8,int4 [--kv-cache-dtype fp8] [--json]
+        --quantization bf16,int8,int4 [--metric perplexity|agreement|exact-match] \
+        [--kv-cache-dtype fp8] [--json] [--summary-file PATH]
+
+Metrics, all from one teacher-forced pass per level over the same tokens:
+- perplexity (text): relative loss = ppl(level) / ppl(none) - 1.
+- agreement (text): the share of positions where the level's greedy next token is the
+  baseline's; relative loss = 1 - agreement.
+- exact-match (.jsonl of {"prompt", "answer"}): the share of pairs whose answer greedy decoding
+  reproduces token for token (every answer token is the argmax given the prompt and the answer
+  before it, which is exactly what a greedy decode checks); relative loss = 1 - em / em(none).
 
 The baseline is the checkpoint's weights unquantised (`none`) with the KV cache in the compute
 dtype; every level runs in the same compute dtype, so the difference is the weight format alone,
 or with `--kv-cache-dtype fp8` (levels may include `none`) the weight format and the KV storage.
-Relative loss = ppl(level) / ppl(none) - 1, the number the operator gates
+The relative loss of the chosen metric is the number the operator gates
 `quantization.maxQualityLoss` on. Every token but a window's first reads its context back from
 the paged KV cache, as a decode does.
 """
@@ -14,9 +23,11 @@ the paged KV cache, as a decode does.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +45,16 @@ from kvpilot.runtime.model_runner import load_model
 from kvpilot.runtime.models.llama import LlamaModel
 from kvpilot.runtime.tokenizer import Tokenizer
 
+METRICS = ("perplexity", "agreement", "exact-match")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Token ids whose targets ids[scored_from:] are scored, each given everything before it."""
+
+    ids: list[int]
+    scored_from: int = 1
+
 
 def read_dataset(path: Path) -> str:
     """Plain text, or JSON lines with a `text` field per line."""
@@ -45,14 +66,55 @@ def read_dataset(path: Path) -> str:
     return path.read_text()
 
 
+def read_pairs(path: Path) -> list[tuple[str, str]]:
+    """JSON lines with `prompt` and `answer` fields (the exact-match metric's dataset)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    pairs = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not row.get("prompt") or not row.get("answer"):
+            raise ValueError(f"{path}:{number}: exact-match needs a non-empty prompt and answer")
+        pairs.append((str(row["prompt"]), str(row["answer"])))
+    return pairs
+
+
+def dataset_digest(path: Path) -> str:
+    """What the operator caches measurements by: the same bytes measure the same."""
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def windows(token_ids: list[int], max_length: int) -> list[list[int]]:
     """Non-overlapping windows; a trailing window of one token has nothing to predict."""
     chunks = [token_ids[i : i + max_length] for i in range(0, len(token_ids), max_length)]
     return [c for c in chunks if len(c) >= 2]
 
 
-def relative_loss(perplexity: float, baseline: float) -> float:
-    return perplexity / baseline - 1.0
+def relative_loss(value: float, baseline: float, metric: str = "perplexity") -> float:
+    """How much worse `value` is than the baseline's, as a fraction (0.01 = 1% worse)."""
+    if metric == "perplexity":
+        return value / baseline - 1.0
+    if metric == "agreement":
+        return 1.0 - value  # the baseline agrees with itself everywhere
+    if baseline <= 0:
+        raise ValueError("the baseline reproduces none of the answers: exact-match cannot measure")
+    return 1.0 - value / baseline
+
+
+def samples_for(metric: str, dataset: Path, tokenizer: Tokenizer, max_length: int) -> list[Sample]:
+    if metric == "exact-match":
+        out = []
+        for prompt, answer in read_pairs(dataset):
+            prompt_ids = tokenizer.encode(prompt)
+            ids = prompt_ids + tokenizer.encode(answer, add_special_tokens=False)
+            if len(ids) > max_length:
+                raise ValueError(f"a prompt and answer of {len(ids)} tokens exceed {max_length}")
+            out.append(Sample(ids, len(prompt_ids)))
+        return out
+    token_ids = tokenizer.encode(read_dataset(dataset))
+    return [Sample(chunk) for chunk in windows(token_ids, max_length)]
 
 
 def cached_context_meta(
@@ -92,56 +154,102 @@ def window_logits(
     return model.compute_logits(hidden[:-1])  # [T - 1, vocab]
 
 
-def window_nll(
-    model: LlamaModel, ids: list[int], device: torch.device, kv_dtype: torch.dtype | None = None
-) -> float:
-    """Summed negative log-likelihood of ids[1:] given the tokens before each."""
-    logits = window_logits(model, ids, device, kv_dtype)  # [T - 1, vocab]
-    targets = torch.tensor(ids[1:], device=device)
-    return float(F.cross_entropy(logits, targets, reduction="sum"))
+@dataclass
+class Scores:
+    """One level's pass: summed NLL of the scored targets, their count, its greedy tokens."""
+
+    nll: float
+    num_targets: int
+    greedy: list[torch.Tensor]
+    exact: int  # samples whose every scored target is the greedy token
+    weight_bytes: int = 0
+
+
+def score(
+    model: LlamaModel, samples: list[Sample], device: torch.device, kv_dtype: torch.dtype | None
+) -> Scores:
+    nll, num_targets, greedy, exact = 0.0, 0, [], 0
+    for sample in samples:
+        logits = window_logits(model, sample.ids, device, kv_dtype)[sample.scored_from - 1 :]
+        targets = torch.tensor(sample.ids[sample.scored_from :], device=device)
+        nll += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+        num_targets += len(targets)
+        tokens = logits.argmax(dim=-1)
+        greedy.append(tokens.cpu())
+        exact += int(bool((tokens == targets).all()))
+    return Scores(nll, num_targets, greedy, exact)
+
+
+def perplexity(scores: Scores) -> float:
+    return math.exp(scores.nll / scores.num_targets)
+
+
+def metric_value(metric: str, scores: Scores, baseline: Scores, num_samples: int) -> float:
+    if metric == "perplexity":
+        return perplexity(scores)
+    if metric == "agreement":
+        same = sum(int((a == b).sum()) for a, b in zip(scores.greedy, baseline.greedy, strict=True))
+        return same / scores.num_targets
+    return scores.exact / num_samples
 
 
 def evaluate_level(
     model_dir: Path,
     quantization: str,
-    chunks: list[list[int]],
+    samples: list[Sample],
     dtype_name: str,
     device_name: str,
     kv_cache_dtype: str = "auto",
-) -> dict[str, Any]:
+) -> Scores:
     cfg = load_model_config(model_dir)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, cfg.torch_dtype, device)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
     model = load_model(model_dir, cfg, quantization, dtype, device)
-    nll = sum(window_nll(model, chunk, device, kv_dtype) for chunk in chunks)
-    num_targets = sum(len(c) - 1 for c in chunks)
+    scores = score(model, samples, device, kv_dtype)
+    scores.weight_bytes = model.weight_bytes()
+    return scores
+
+
+def level_row(metric: str, scores: Scores, base: Scores, num_samples: int) -> dict[str, Any]:
+    value = metric_value(metric, scores, base, num_samples)
     return {
-        "perplexity": math.exp(nll / num_targets),
-        "weight_bytes": model.weight_bytes(),
-        "num_tokens": num_targets,
+        "value": value,
+        "relative_loss": relative_loss(
+            value, metric_value(metric, base, base, num_samples), metric
+        ),
+        "perplexity": perplexity(scores),
+        "agreement": metric_value("agreement", scores, base, num_samples),
+        "weight_bytes": scores.weight_bytes,
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir = Path(args.model)
+    model_dir, dataset = Path(args.model), Path(args.dataset)
     levels = [q.strip() for q in args.quantization.split(",") if q.strip()]
     unknown = [q for q in levels if q not in QUANTIZATION_CHOICES]
     if unknown:
         raise ValueError(f"unknown quantization {unknown}; expected among {QUANTIZATION_CHOICES}")
-    token_ids = Tokenizer(model_dir).encode(read_dataset(Path(args.dataset)))
     cfg = load_model_config(model_dir)
-    chunks = windows(token_ids, min(args.max_length, cfg.max_position_embeddings))
-    if not chunks:
-        raise ValueError(f"dataset {args.dataset} has fewer than 2 tokens")
-    base = evaluate_level(model_dir, "none", chunks, args.dtype, args.device)
+    max_length = min(args.max_length, cfg.max_position_embeddings)
+    samples = samples_for(args.metric, dataset, Tokenizer(model_dir), max_length)
+    if not samples:
+        raise ValueError(f"dataset {args.dataset} has nothing to score (fewer than 2 tokens?)")
+    base = evaluate_level(model_dir, "none", samples, args.dtype, args.device)
     result: dict[str, Any] = {
         "model": str(model_dir),
-        "dataset": str(args.dataset),
-        "num_tokens": base["num_tokens"],
+        "dataset": str(dataset),
+        "dataset_digest": dataset_digest(dataset),
+        "metric": args.metric,
+        "num_samples": len(samples),
+        "num_tokens": base.num_targets,
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "baseline": {"quantization": "none", "kv_cache_dtype": "auto", **base},
+        "baseline": {
+            "quantization": "none",
+            "kv_cache_dtype": "auto",
+            **level_row(args.metric, base, base, len(samples)),
+        },
         "levels": {},
     }
     kv_name = args.kv_cache_dtype
@@ -149,28 +257,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = (
             base
             if level == "none" and kv_name == "auto"
-            else evaluate_level(model_dir, level, chunks, args.dtype, args.device, kv_name)
+            else evaluate_level(model_dir, level, samples, args.dtype, args.device, kv_name)
         )
-        result["levels"][level] = {
-            "perplexity": measured["perplexity"],
-            "relative_loss": relative_loss(measured["perplexity"], base["perplexity"]),
-            "weight_bytes": measured["weight_bytes"],
-        }
+        result["levels"][level] = level_row(args.metric, measured, base, len(samples))
     return result
 
 
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """What a Job's termination message carries back to the operator (well under its 4 KiB)."""
+    keep = ("value", "relative_loss", "weight_bytes")
+    return {
+        "metric": result["metric"],
+        "dataset_digest": result["dataset_digest"],
+        "num_samples": result["num_samples"],
+        "baseline": result["baseline"]["value"],
+        "levels": {k: {f: v[f] for f in keep} for k, v in result["levels"].items()},
+    }
+
+
 def format_table(result: dict[str, Any]) -> str:
-    base, kv_name = result["baseline"], result["kv_cache_dtype"]
+    base, kv_name, metric = result["baseline"], result["kv_cache_dtype"], result["metric"]
     suffix = "" if kv_name == "auto" else f"+{kv_name}"  # e.g. none+fp8: that level, fp8 KV
     lines = [
-        f"model {result['model']}  dataset {result['dataset']}  tokens {result['num_tokens']}  "
-        f"KV cache {kv_name} (baseline: none, KV auto)",
-        f"{'level':<9} {'perplexity':>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{'none':<9} {base['perplexity']:>11.3f} {'-':>10} {base['weight_bytes'] / 2**20:>11.2f}",
+        f"model {result['model']}  dataset {result['dataset']}  samples {result['num_samples']}  "
+        f"tokens {result['num_tokens']}  KV cache {kv_name} (baseline: none, KV auto)",
+        f"{'level':<9} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
+        f"{'none':<9} {base['value']:>11.4g} {'-':>10} {base['weight_bytes'] / 2**20:>11.2f}",
     ]
     for level, row in result["levels"].items():
         lines.append(
-            f"{level + suffix:<9} {row['perplexity']:>11.3f} {row['relative_loss']:>+9.2%} "
+            f"{level + suffix:<9} {row['value']:>11.4g} {row['relative_loss']:>+9.2%} "
             f"{row['weight_bytes'] / 2**20:>11.2f}"
         )
     return "\n".join(lines)
@@ -181,7 +297,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="kvpilot-runtime eval", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--model", required=True, help="HF-format model directory")
-    parser.add_argument("--dataset", required=True, help="text file, or .jsonl with a text field")
+    parser.add_argument(
+        "--dataset",
+        required=True,
+        help="text file or .jsonl with a text field; for exact-match .jsonl of prompt and answer",
+    )
+    parser.add_argument("--metric", default="perplexity", choices=METRICS)
     parser.add_argument("--quantization", default="bf16,int8,int4", help="comma-separated levels")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per window")
     parser.add_argument("--dtype", default="float32", help="compute dtype for every level")
@@ -193,6 +314,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="KV-cache storage for every level (the baseline keeps auto)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--summary-file",
+        type=Path,
+        help="also write a short JSON summary here (a Job's /dev/termination-log)",
+    )
     return parser.parse_args(argv)
 
 
@@ -204,4 +330,6 @@ def main(argv: list[str]) -> int:
         print(f"kvpilot-runtime eval: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else format_table(result))
+    if args.summary_file:
+        args.summary_file.write_text(json.dumps(summary(result), separators=(",", ":")))
     return 0
