@@ -30,6 +30,8 @@ BIN = Path(sys.executable).parent
 NAME = "tiny-e2e"
 INTERVAL_S = 2
 DOWN_WINDOW_S = 10
+COST_WINDOW_S = 60
+LOCAL_PRICE_PER_GPU_HOUR = 0.98  # hack/nodepools.yaml, pool `local` (1 GPU per node)
 
 
 def manifest() -> dict[str, Any]:
@@ -49,6 +51,7 @@ def loop(cluster: Any) -> Iterator[str]:
         **cluster.env,
         "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
         "KVPILOT_AUTOSCALER_INTERVAL": str(INTERVAL_S),
+        "KVPILOT_COST_WINDOW": str(COST_WINDOW_S),
     }
     cluster.start_process(
         "e2e-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
@@ -193,3 +196,55 @@ def test_a_killed_runtime_fails_its_requests_cleanly_and_restarts(
         return bool(state.get("restartCount", 0) >= 1 and state.get("ready"))
 
     wait_until(restarted, 120, "the runtime to restart and be Ready")
+
+
+def test_status_cost_agrees_with_kvpilot_bench(cluster: Any, loop: str, tmp_path: Path) -> None:
+    """A steady open-loop load for longer than the cost window: status.cost, measured while it
+    runs, is within 15% of what `kvpilot bench --price-per-gpu-hour` computes for the run."""
+    one = {"spec": {"autoscaling": {"maxReplicas": 1}}}
+    cluster.kubectl("patch", "modeldeployment", NAME, "--type=merge", "-p", json.dumps(one))
+    rate, duration_s = 2.0, COST_WINDOW_S + 40
+    result = tmp_path / "bench.json"
+    argv = closedloop.bench_argv(loop, NAME, 1, int(rate * duration_s), result)
+    argv[argv.index("--concurrency") : argv.index("--concurrency") + 2] = []
+    argv += ["--request-rate", str(rate), "--output-len", "16"]
+    argv += ["--price-per-gpu-hour", str(LOCAL_PRICE_PER_GPU_HOUR)]
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        # The load starts when requests complete, not when the client starts (it loads a
+        # tokenizer first, slowly on a busy machine).
+        loaded = wait_until(lambda: completed(cluster) > 0 and time.time(), 180, "a completion")
+
+        def cost_under_load() -> dict[str, Any] | None:
+            figures = status(cluster).get("cost") or {}
+            measured = figures.get("measuredAt")
+            inside = measured and parse_stamp(measured) >= loaded + COST_WINDOW_S + 5
+            return figures if inside and figures.get("perThousandRequests") else None
+
+        figures = wait_until(cost_under_load, duration_s, "status.cost measured under load")
+        assert bench.wait(timeout=300) == 0
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    summary = json.loads(result.read_text())["summary"]
+    assert summary["failed"] == 0
+    seen = json.dumps({"status": figures, "bench": summary})
+    expected = summary["cost_per_1k_requests"]
+    assert figures["perThousandRequests"] == pytest.approx(expected, rel=0.15), seen
+    assert figures["window"] == "1m" and figures["currency"] == "USD"
+    assert figures["nodeTypes"]["local"]["replicas"] == 1
+    columns = cluster.kubectl("get", "modeldeployment", NAME).stdout
+    assert "$/1K REQ" in columns.splitlines()[0]  # kubectl upper-cases column names
+
+
+def completed(cluster: Any) -> float:
+    """Requests the model's pods have completed, as Prometheus has them now."""
+    query = urllib.parse.quote(f'sum(kvpilot_request_success_total{{kvpilot_model="{NAME}"}})')
+    url = f"{cluster.prometheus_url}/api/v1/query?query={query}"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        result = json.load(resp)["data"]["result"]
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def parse_stamp(rfc3339: str) -> float:
+    return autoscaler.from_rfc3339(rfc3339)

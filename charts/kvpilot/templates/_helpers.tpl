@@ -43,6 +43,7 @@ runtimeImage: {{ .Values.config.runtimeImage | quote }}
 prometheusUrl: {{ .Values.config.prometheusUrl | quote }}
 autoscalerIntervalSeconds: {{ .Values.config.autoscalerIntervalSeconds }}
 spillAfterSeconds: {{ .Values.config.spillAfterSeconds }}
+costWindowSeconds: {{ .Values.config.costWindowSeconds }}
 nodeTypes: {{- if .Values.config.nodeTypes }}
 {{ toYaml .Values.config.nodeTypes | indent 2 }}
 {{- else }} []

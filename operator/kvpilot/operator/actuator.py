@@ -31,6 +31,7 @@ from kvpilot.operator import (
     api,
     autoscaler,
     conditions,
+    cost,
     inventory,
     k8s,
     manifests,
@@ -66,6 +67,33 @@ VOLATILE_KEYS = ("lastDecisionTime", "metrics")
 def is_news(old: Obj, new: Obj) -> bool:
     """True when the decision, its reason, the policy state or metric availability changed."""
     return any(old.get(k) != v for k, v in new.items() if k not in VOLATILE_KEYS)
+
+
+def replicas_by_node_type(pods: Sequence[Obj]) -> dict[str, int]:
+    """Pods that exist and are not being deleted, per node type: what is billed (pure)."""
+    counts: dict[str, int] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        node_type = (meta.get("labels") or {}).get(manifests.LABEL_NODE_TYPE, "")
+        counts[node_type] = counts.get(node_type, 0) + 1
+    return counts
+
+
+def replica_prices(status: Obj) -> dict[str, float]:
+    """Price of one replica-hour per node type, as the plan worked it out (pure)."""
+    return {
+        str(entry.get("nodeType")): float(entry.get("pricePerHour") or 0.0)
+        for entry in status.get("plan") or []
+    }
+
+
+def cost_is_due(status: Obj, now: float, window_s: int) -> bool:
+    """status.cost is refreshed about five times per window: often enough to follow the
+    traffic, rarely enough not to churn the object (pure)."""
+    measured = (status.get("cost") or {}).get("measuredAt")
+    return not measured or now - autoscaler.from_rfc3339(measured) >= window_s / 5
 
 
 def ready_pod_urls(pods: Sequence[Obj], port: int) -> tuple[dict[str, str], dict[str, str]]:
@@ -166,6 +194,7 @@ class AutoscalerLoop:
             observations = self.observe(meta["namespace"], meta["name"], current, pods)
             decision = self.decide(md, observations)
             self.place(md, pods, current, observations, decision)
+            self.record_cost(md, pods)
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
             log.warning("autoscaler: %s/%s: %s", meta["namespace"], meta["name"], error)
 
@@ -245,6 +274,25 @@ class AutoscalerLoop:
             "autoscaling": autoscaling,
             "conditions": metrics_condition_patch(status.get("conditions") or [], decision, now),
         }
+        k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)
+
+    def record_cost(self, md: Obj, pods: Sequence[Obj]) -> None:
+        """status.cost from the traffic Prometheus measured over the window (none without it:
+        the rates need its counters' history)."""
+        status, window_s = md.get("status") or {}, self.controller.config.cost_window_seconds
+        if self.prometheus is None or not cost_is_due(status, time.time(), window_s):
+            return
+        meta, window = md["metadata"], metrics_source.prom_duration(window_s)
+        try:
+            traffic = self.prometheus.traffic(meta["namespace"], meta["name"], window)
+        except metrics_source.QUERY_ERRORS as error:
+            log.warning("autoscaler: cost of %s/%s: %s", meta["namespace"], meta["name"], error)
+            return
+        figures = cost.cost_status(
+            replicas_by_node_type(pods), replica_prices(status), traffic, window
+        )
+        figures["measuredAt"] = timestamps.rfc3339()
+        patch = {"cost": cost.merge_patch(status.get("cost"), figures)}
         k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)
 
     def announce_scale(self, md: Obj, current: int, decision: Decision) -> None:

@@ -369,6 +369,30 @@ class CacheStatus(_Model):
     message: str = ""
 
 
+class CostFigures(_Model):
+    """Price of the replicas running and the traffic they completed over the window."""
+
+    price_per_hour: float = Field(description="replicas x price of a replica-hour")
+    requests_per_second: float
+    output_tokens_per_second: float
+    per_thousand_requests: float | None = Field(description="None: no traffic or no price")
+    per_million_output_tokens: float | None = None
+
+
+class NodeTypeCost(CostFigures):
+    replicas: int
+
+
+class CostStatus(CostFigures):
+    """Cost per 1,000 requests and per 1M output tokens on measured traffic (cost.py)."""
+
+    currency: str = "USD"
+    window: str = Field(description="the PromQL range the rates were taken over, e.g. 5m")
+    measured_at: str = ""
+    reason: str = Field(default="", description="why a figure is null")
+    node_types: dict[str, NodeTypeCost] = Field(default_factory=dict)
+
+
 class ModelDeploymentStatus(_Model):
     model_config = ConfigDict(extra="ignore")
 
@@ -382,6 +406,7 @@ class ModelDeploymentStatus(_Model):
     endpoint: str = ""
     autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
     cache: CacheStatus | None = None
+    cost: CostStatus | None = None
 
 
 def parse_spec(spec: dict[str, Any]) -> ModelDeploymentSpec:

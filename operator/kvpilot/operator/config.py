@@ -4,6 +4,7 @@
     prometheusUrl: http://prometheus.monitoring:9090
     autoscalerIntervalSeconds: 10
     spillAfterSeconds: 180          # Unschedulable this long: replicas move to the next node type
+    costWindowSeconds: 300          # status.cost: traffic averaged over this window (Prometheus)
     nodeTypes:                      # for clusters without GPU Feature Discovery
       - name: a10g-24gb
         nodeSelector: {node.kubernetes.io/instance-type: g5.xlarge}
@@ -12,7 +13,7 @@
         pricePerHour: 1.006
 
 Environment variables override the file: KVPILOT_RUNTIME_IMAGE, KVPILOT_PROMETHEUS_URL,
-KVPILOT_AUTOSCALER_INTERVAL, KVPILOT_SPILL_AFTER, KVPILOT_NAMESPACE.
+KVPILOT_AUTOSCALER_INTERVAL, KVPILOT_SPILL_AFTER, KVPILOT_COST_WINDOW, KVPILOT_NAMESPACE.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class OperatorConfig:
     # Long enough for a cluster autoscaler or Karpenter to bring a GPU node of the preferred type
     # (often 2-3 minutes), short enough that users are not left waiting on a type that never comes.
     spill_after_seconds: float = 180.0
+    # status.cost averages traffic over this window and is refreshed about once per window/5.
+    cost_window_seconds: int = 300
     namespace: str = ""  # empty: all namespaces
     node_types: tuple[DeclaredNodeType, ...] = field(default_factory=tuple)
     field_manager: str = FIELD_MANAGER
@@ -69,6 +72,11 @@ class OperatorConfig:
             raise ValueError(
                 "autoscalerIntervalSeconds (KVPILOT_AUTOSCALER_INTERVAL) must be > 0, got"
                 f" {self.autoscaler_interval_seconds}"
+            )
+        if not 30 <= self.cost_window_seconds <= 86400:
+            raise ValueError(
+                "costWindowSeconds (KVPILOT_COST_WINDOW) must be between 30 and 86400, got"
+                f" {self.cost_window_seconds}"
             )
         if self.spill_after_seconds < 0:
             raise ValueError(
@@ -83,6 +91,7 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str]) -> OperatorCon
         "prometheusUrl",
         "autoscalerIntervalSeconds",
         "spillAfterSeconds",
+        "costWindowSeconds",
         "nodeTypes",
     }
     if unknown:
@@ -97,6 +106,9 @@ def from_mapping(data: Mapping[str, Any], env: Mapping[str, str]) -> OperatorCon
         ),
         spill_after_seconds=float(
             env.get("KVPILOT_SPILL_AFTER") or data.get("spillAfterSeconds", 180)
+        ),
+        cost_window_seconds=int(
+            env.get("KVPILOT_COST_WINDOW") or data.get("costWindowSeconds", 300)
         ),
         namespace=env.get("KVPILOT_NAMESPACE", ""),
         node_types=tuple(_declared(item) for item in data.get("nodeTypes") or ()),

@@ -170,6 +170,11 @@ def _version(schema: dict[str, Any]) -> dict[str, Any]:
             },
             {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
             {"name": "Quantization", "type": "string", "jsonPath": ".status.quantization"},
+            {
+                "name": "$/1k req",
+                "type": "number",
+                "jsonPath": ".status.cost.perThousandRequests",
+            },
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     }

@@ -27,6 +27,7 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.operator.cost import Traffic
 from kvpilot.operator.policy import Observations
 
 # The Prometheus labels kubernetes_sd relabelling makes of the pod labels the operator sets
@@ -50,7 +51,21 @@ TTFT = (
     "vllm_time_to_first_token_seconds",
 )
 
+# Completed requests and generated tokens (counters, as Prometheus stores them): status.cost.
+REQUEST_SUCCESS = (
+    "kvpilot_request_success_total",
+    "vllm:request_success_total",
+    "vllm_request_success_total",
+)
+GENERATION_TOKENS = (
+    "kvpilot_generation_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm_generation_tokens_total",
+)
+
 KV_AVERAGE = "1m"
+# What a failed or unreachable Prometheus query raises through prometheus_api_client.
+QUERY_ERRORS = (requests.RequestException, PrometheusApiClientException, ValueError)
 TTFT_RATE = "2m"
 DEFAULT_MAX_AGE_S = 60.0
 
@@ -156,6 +171,19 @@ def ttft_p95_query(namespace: str, model: str) -> str:
     return " or ".join(parts)
 
 
+def rate_query(names: tuple[str, ...], namespace: str, model: str, window: str) -> str:
+    """Per node type, the per-second rate of the first of `names` the pods export, summed."""
+    return " or ".join(
+        f"sum by ({PROM_LABEL_NODE_TYPE}) (rate({selector(namespace, model, name)}[{window}]))"
+        for name in names
+    )
+
+
+def prom_duration(seconds: int) -> str:
+    """A PromQL range: 300 -> "5m", 90 -> "90s"."""
+    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+
+
 def samples_from_vectors(
     waiting: list[dict[str, Any]],
     running: list[dict[str, Any]],
@@ -216,6 +244,21 @@ class PrometheusMetrics:
         finite = [v for v in values if math.isfinite(v)]
         return finite[0] if finite else None
 
+    def traffic(self, namespace: str, model: str, window: str) -> dict[str, Traffic]:
+        """Completed requests and output tokens per second per node type over `window`."""
+        requests_by = self._by_node_type(rate_query(REQUEST_SUCCESS, namespace, model, window))
+        tokens_by = self._by_node_type(rate_query(GENERATION_TOKENS, namespace, model, window))
+        return {
+            node_type: Traffic(requests_by.get(node_type, 0.0), tokens_by.get(node_type, 0.0))
+            for node_type in requests_by.keys() | tokens_by.keys()
+        }
+
+    def _by_node_type(self, promql: str) -> dict[str, float]:
+        vector = self._query(promql)
+        return {
+            item["metric"].get(PROM_LABEL_NODE_TYPE, ""): float(item["value"][1]) for item in vector
+        }
+
     def observe(
         self,
         namespace: str,
@@ -230,7 +273,7 @@ class PrometheusMetrics:
         try:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
-        except (requests.RequestException, PrometheusApiClientException, ValueError) as exc:
+        except QUERY_ERRORS as exc:
             return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
         now = time.time() if now is None else now
         return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft)

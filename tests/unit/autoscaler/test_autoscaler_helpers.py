@@ -213,6 +213,20 @@ def test_promql_selects_by_the_relabelled_labels() -> None:
     assert "histogram_quantile(0.95" in metrics.ttft_p95_query("prod", "m")
 
 
+def test_rate_queries_take_the_first_counter_name_per_node_type() -> None:
+    query = metrics.rate_query(metrics.REQUEST_SUCCESS, "prod", "m", "5m")
+    parts = query.split(" or ")
+    assert len(parts) == 3 and all("sum by (kvpilot_node_type) (rate(" in p for p in parts)
+    assert '__name__="kvpilot_request_success_total"' in parts[0]
+    assert '__name__="vllm_request_success_total"' in parts[2]  # as Prometheus stores it
+    assert all('namespace="prod"' in p and "[5m]" in p for p in parts)
+
+
+@pytest.mark.parametrize(("seconds", "window"), [(300, "5m"), (60, "1m"), (90, "90s"), (30, "30s")])
+def test_prom_duration(seconds: int, window: str) -> None:
+    assert metrics.prom_duration(seconds) == window
+
+
 KVPILOT_TEXT = """# TYPE kvpilot_requests_waiting gauge
 kvpilot_requests_waiting{model_name="m"} 3.0
 # TYPE vllm:num_requests_waiting gauge

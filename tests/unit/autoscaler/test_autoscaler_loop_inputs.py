@@ -231,6 +231,7 @@ def test_reconcile_applies_the_spread_only_while_it_adds_up(
 OPERATOR_CONFIG_ERRORS = [
     ({"KVPILOT_SPILL_AFTER": "-1"}, "spillAfterSeconds (KVPILOT_SPILL_AFTER) must be >= 0"),
     ({"KVPILOT_AUTOSCALER_INTERVAL": "0"}, "autoscalerIntervalSeconds"),
+    ({"KVPILOT_COST_WINDOW": "10"}, "costWindowSeconds (KVPILOT_COST_WINDOW) must be between 30"),
 ]
 
 
@@ -249,6 +250,13 @@ def test_spill_after_comes_from_the_file_or_the_environment() -> None:
         == 5
     )
     assert config.from_mapping({}, {}).spill_after_seconds == 180
+
+
+def test_cost_window_comes_from_the_file_or_the_environment() -> None:
+    assert config.from_mapping({}, {}).cost_window_seconds == 300
+    assert config.from_mapping({"costWindowSeconds": 120}, {}).cost_window_seconds == 120
+    env = {"KVPILOT_COST_WINDOW": "60"}
+    assert config.from_mapping({"costWindowSeconds": 120}, env).cost_window_seconds == 60
 
 
 def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
