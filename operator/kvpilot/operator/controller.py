@@ -202,9 +202,19 @@ class Controller:
         wants_owner = any(c["metadata"]["ownerReferences"] for c in desired.cache_children)
         return dataclasses.replace(
             desired,
+            missing_fallbacks=self._missing(meta["namespace"], desired.fallback_names),
             pod_problems=problems,
             cache_missing=job is None,
             cache_needs_owner=job is not None and wants_owner and meta["uid"] not in owners,
+        )
+
+    def _missing(self, namespace: str, names: Iterable[str]) -> tuple[str, ...]:
+        """The fallback ModelDeployments not found in the namespace (one GET each; a spec
+        has at most a few)."""
+        return tuple(
+            name
+            for name in names
+            if k8s.get(self.client, k8s.MD_API_VERSION, api.KIND, namespace, name) is None
         )
 
     def _read_cache(self, md: Obj) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
@@ -321,6 +331,9 @@ class Controller:
             k8s.patch_status(self.client, meta["namespace"], meta["name"], status)
         if reconcile.plan_changed(md, desired):
             self._event(md, desired)
+        missing = reconcile.fallbacks_news(md, desired)
+        if missing is not None:
+            self._post(md, "Warning", "FallbackMissing", missing)
 
     def _event(self, md: Obj, desired: reconcile.Desired) -> None:
         if desired.error is None:
@@ -330,6 +343,9 @@ class Controller:
             observability.record_plan_failure(
                 "invalid-spec" if desired.is_invalid_spec else "no-fit"
             )
+        self._post(md, kind, reason, message)
+
+    def _post(self, md: Obj, kind: str, reason: str, message: str) -> None:
         try:
             k8s.emit_event(self.client, md, kind, reason, message, COMPONENT)
         except k8s.ApiException as error:  # an Event is a courtesy; never fail the pass over it
