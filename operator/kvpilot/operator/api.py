@@ -22,6 +22,9 @@ KIND = "ModelDeployment"
 PLURAL = "modeldeployments"
 SINGULAR = "modeldeployment"
 SHORT_NAMES = ("md", "mdeploy")
+# kvpilot-gateway stamps this (RFC 3339, UTC) on a ModelDeployment whose requests it holds while
+# nothing runs; the operator then asks for a replica at once (policy.wake, handlers.md_wake).
+WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 
 Quantization = Literal["bf16", "int8", "int4"]
 KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]

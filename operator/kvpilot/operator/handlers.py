@@ -153,6 +153,23 @@ def md_scaled(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -
     _pass(memo, namespace, name, nodes, pods, 0, is_md_handler=False, body=body)
 
 
+@kopf.on.event(*MD, id="md-wake", annotations={api.WAKE_ANNOTATION: kopf.PRESENT})
+def md_wake(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A gateway holds requests for a ModelDeployment at zero replicas and stamped the wake
+    annotation: decide now, not on the next tick. Like the loop, this writes status only; the
+    md-scaled handler then runs the pass that starts the replica. Every later event of the
+    object comes here too, and the policy ignores a wake it has acted on."""
+    if event["type"] == "DELETED" or "autoscaler" not in memo:
+        return
+    try:
+        if memo["autoscaler"].wake(body):
+            logging.getLogger(__name__).info(
+                "woke %s/%s", body["metadata"].get("namespace"), body["metadata"]["name"]
+            )
+    except ApiException as error:  # the gateway wakes again, and the loop's tick sees it too
+        logging.getLogger(__name__).warning("wake failed: %s %s", error.status, error.reason)
+
+
 @kopf.on.delete(*MD, id="md-delete", optional=True)
 def md_deleted(namespace: str | None, name: str, logger: Any, **_: Any) -> None:
     # No finalizer: owner references let the garbage collector remove Deployments and Service.
