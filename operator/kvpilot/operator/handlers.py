@@ -27,7 +27,12 @@ from kvpilot.operator import (
     reconcile,
 )
 from kvpilot.operator.actuator import AutoscalerLoop
-from kvpilot.operator.controller import Controller, Replanner, controller_owner
+from kvpilot.operator.controller import (
+    INFERENCE_POOL_CRD,
+    Controller,
+    Replanner,
+    controller_owner,
+)
 
 MD = (api.GROUP, api.VERSION, api.PLURAL)
 CHILD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
@@ -234,6 +239,35 @@ def child_service(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: An
             kwargs["gpu_pods"],
         )
         _pass(memo, namespace, owner, nodes, pods, 0, is_md_handler=False)
+
+
+def _is_inference_pool_crd(name: str, **_: Any) -> bool:
+    return name == INFERENCE_POOL_CRD
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io",
+    "v1",
+    "customresourcedefinitions",
+    when=_is_inference_pool_crd,
+    id="inference-pool-crd",
+)
+def inference_pool_crd(event: kopf.RawEvent, memo: Any, **kwargs: Any) -> None:
+    """The InferencePool CRD was installed (or changed) after the ModelDeployments that ask for
+    a pool were planned: pass them again, so their pools appear now. The initial listing at
+    startup (event type None) is left to the resume handlers, which pass every object anyway."""
+    if event["type"] not in ("ADDED", "MODIFIED"):
+        return
+    controller: Controller = memo["controller"]
+    try:
+        users = controller.pool_users()
+    except ApiException as error:  # the CRD's next event, or a spec change, asks again
+        logging.getLogger(__name__).warning("listing pool users: %s", error.reason)
+        return
+    for namespace, name in users:
+        _pass(
+            memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], 0, is_md_handler=False
+        )
 
 
 @kopf.on.event(

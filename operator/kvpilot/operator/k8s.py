@@ -24,6 +24,7 @@ _PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "PodMonitor": "podmonitors",
+    "InferencePool": "inferencepools",
     "Event": "events",
     "Node": "nodes",
     "Pod": "pods",

@@ -52,6 +52,7 @@ def desire(
     has_pod_monitor_crd: bool,
     source_facts: ModelFacts | str | None = None,
     cache: api.CacheStatus | None = None,
+    has_inference_pool_crd: bool = False,
 ) -> Desired:
     """`source_facts`: what the operator read from the model's config.json, or why it could
     not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
@@ -76,7 +77,9 @@ def desire(
     cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
     if cache_children and (cache is None or cache.phase != "Cached"):
         replicas = [0] * len(plans)  # nothing to load yet: the cache is still being filled
-    children = manifests.build_all(md, spec, plans, replicas, config, has_pod_monitor_crd)
+    children = manifests.build_all(
+        md, spec, plans, replicas, config, has_pod_monitor_crd, has_inference_pool_crd
+    )
     return Desired(
         fallback_names=fallback_deployments(spec),
         cache_children=cache_children,
@@ -256,10 +259,16 @@ def may_have_dropped_pod_monitor(md: Obj, desired: Desired) -> bool:
     """Whether a PodMonitor an earlier spec asked for may be left over: this pass wants none,
     and the spec changed since the last pass (the first pass and ordinary passes cost no
     extra API reads)."""
+    return may_have_dropped(md, desired, "PodMonitor")
+
+
+def may_have_dropped(md: Obj, desired: Desired, kind: str) -> bool:
+    """Whether an optional child of `kind` (PodMonitor, InferencePool) an earlier spec asked for
+    may be left over: this pass wants none, and the spec changed since the last pass."""
     status = md.get("status") or {}
     observed = int(status.get("observedGeneration") or 0)
     changed = observed > 0 and int(md["metadata"].get("generation", 0)) != observed
-    return changed and not any(c["kind"] == "PodMonitor" for c in desired.children)
+    return changed and not any(c["kind"] == kind for c in desired.children)
 
 
 def plan_changed(md: Obj, desired: Desired) -> bool:
