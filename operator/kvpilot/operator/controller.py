@@ -175,6 +175,15 @@ class Controller:
         namespace = self.config.namespace or None
         return k8s.list_objects(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
 
+    def fallback_users(self, namespace: str, name: str) -> list[str]:
+        """Names of the ModelDeployments in `namespace` whose spec.routing falls back to `name`."""
+        users = []
+        for md in k8s.list_objects(self.client, k8s.MD_API_VERSION, api.KIND, namespace):
+            fallbacks = ((md.get("spec") or {}).get("routing") or {}).get("fallbacks") or []
+            if any(f.get("modelDeployment") == name for f in fallbacks):
+                users.append(md["metadata"]["name"])
+        return users
+
     def pool_users(self) -> list[tuple[str, str]]:
         """(namespace, name) of every ModelDeployment whose spec asks for an InferencePool."""
         return [

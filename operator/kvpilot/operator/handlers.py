@@ -175,6 +175,27 @@ def md_wake(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
         logging.getLogger(__name__).warning("wake failed: %s %s", error.status, error.reason)
 
 
+@kopf.on.event(*MD, id="md-fallback-target")
+def md_fallback_target(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """A ModelDeployment came or went: those naming it as a fallback pass again, so their
+    FallbacksResolved condition says so now rather than on their next spec change. The listing
+    at startup (type None) is left to the resume handlers."""
+    if event["type"] not in ("ADDED", "DELETED"):
+        return
+    namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
+    if namespace is None:
+        return
+    controller: Controller = memo["controller"]
+    try:
+        users = controller.fallback_users(namespace, name)
+    except ApiException as error:  # their next pass checks again
+        logging.getLogger(__name__).warning("listing users of %s: %s", name, error.reason)
+        return
+    nodes, pods = kwargs["gpu_nodes"], kwargs["gpu_pods"]
+    for user in users:
+        _pass(memo, namespace, user, nodes, pods, 0, is_md_handler=False)
+
+
 @kopf.on.delete(*MD, id="md-delete", optional=True)
 def md_deleted(namespace: str | None, name: str, logger: Any, **_: Any) -> None:
     # No finalizer: owner references let the garbage collector remove Deployments and Service.

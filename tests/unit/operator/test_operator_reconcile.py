@@ -374,3 +374,20 @@ def test_a_fallback_to_itself_is_an_invalid_spec() -> None:
     assert desired.error == "spec.routing.fallbacks: m cannot fall back to itself"
     fine = reconcile.desire(md(_routing({"modelDeployment": "small"})), [H100], CONFIG, False)
     assert fine.error is None and fine.fallback_names == ("small",)
+
+
+@pytest.mark.parametrize(
+    ("routing", "generation", "observed", "expected"),
+    [
+        ({"endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}, 4, 3, False),
+        ({}, 4, 3, True),  # the spec changed and wants no pool: look for one to delete
+        ({}, 3, 3, False),  # unchanged since the last pass: no extra reads
+    ],
+)
+def test_a_dropped_inference_pool_is_looked_for_after_a_spec_change(
+    routing: dict[str, Any], generation: int, observed: int, expected: bool
+) -> None:
+    obj = md({**LLAMA_70B, "routing": routing}, {"observedGeneration": observed})
+    obj["metadata"]["generation"] = generation
+    desired = reconcile.desire(obj, [H100], CONFIG, False, has_inference_pool_crd=True)
+    assert reconcile.may_have_dropped(obj, desired, "InferencePool") is expected
