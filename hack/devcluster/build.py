@@ -7,6 +7,7 @@ helm with `go install`. Progress is printed while each build runs; a failure is 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from hack.devcluster.versions import (
     PROMETHEUS_RELEASE,
     SEAWEEDFS,
     Component,
+    ModuleFile,
     cache_dir,
 )
 
@@ -136,16 +138,40 @@ def run_with_progress(
         raise DevClusterError(f"build of {name} failed (go exited {code})", log)
 
 
+def ensure_module_file(wanted: ModuleFile) -> Path:
+    """The file from the Go module at its pinned version: `go mod download` once (the module
+    proxy), then a copy in the version-keyed cache that later calls return at once."""
+    if wanted.cached.is_file():
+        return wanted.cached
+    require_go()
+    argv = ["go", "mod", "download", "-json", f"{wanted.module}@{wanted.version}"]
+    env = {**os.environ, "GOFLAGS": "-mod=mod"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    try:
+        folder = Path(json.loads(done.stdout)["Dir"])
+    except (ValueError, KeyError):
+        problem = (done.stdout or done.stderr).strip().splitlines()[-3:]
+        raise DevClusterError(
+            f"go mod download {wanted.module}@{wanted.version} failed: {' '.join(problem)}"
+        ) from None
+    wanted.cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = wanted.cached.with_name(wanted.cached.name + ".partial")
+    shutil.copyfile(folder / wanted.path, staging)
+    staging.rename(wanted.cached)
+    return wanted.cached
+
+
 def ensure_all(components: tuple[Component, ...]) -> None:
     for component in components:
         ensure_built(component)
 
 
 def main() -> int:
-    from hack.devcluster.versions import COMPONENTS
+    from hack.devcluster.versions import COMPONENTS, INFERENCE_POOL_CRD
 
     try:
         ensure_all(COMPONENTS)
+        ensure_module_file(INFERENCE_POOL_CRD)
     except DevClusterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -28,6 +28,9 @@ KUBE_SCORE_VERSION = "v1.20.0"
 # SeaweedFS (`weed`): the dev cluster's S3-compatible model store. Its module is untagged on the
 # proxy; this pseudo-version is pinned in hack/gotools/seaweedfs/go.mod too.
 SEAWEEDFS_VERSION = "v0.0.0-20261109003541-7506e5f91cd6"
+# Gateway API Inference Extension: its InferencePool CRD (inference.networking.k8s.io/v1), for
+# the operator's interop tests; only the CRD file is used, straight from the module.
+INFERENCE_EXTENSION_VERSION = "v1.2.0"
 
 
 def cache_dir() -> Path:
@@ -69,6 +72,27 @@ PROMETHEUS = Component("prometheus", PROMETHEUS_VERSION, ("prometheus",))
 KUBE_SCORE = Component("kube-score", KUBE_SCORE_VERSION, ("kube-score",))
 SEAWEEDFS = Component("seaweedfs", SEAWEEDFS_VERSION, ("weed",))
 COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS, KUBE_SCORE, SEAWEEDFS)
+
+
+@dataclass(frozen=True)
+class ModuleFile:
+    """One file of a Go module at a pinned version, kept under the cache by version."""
+
+    module: str
+    version: str
+    path: str  # inside the module
+
+    @property
+    def cached(self) -> Path:
+        folder = f"{self.module.rsplit('/', 1)[-1]}-{self.version}"
+        return cache_dir() / "go-files" / folder / Path(self.path).name
+
+
+INFERENCE_POOL_CRD = ModuleFile(
+    "sigs.k8s.io/gateway-api-inference-extension",
+    INFERENCE_EXTENSION_VERSION,
+    "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml",
+)
 
 
 def bin_path_entries() -> list[Path]:

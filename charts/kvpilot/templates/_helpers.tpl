@@ -94,6 +94,11 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
 - apiGroups: [kvpilot.dev]
   resources: [modeldeployments/status]
   verbs: [get, patch]
+# Inference Extension InferencePools for ModelDeployments with spec.routing.endpointPickerRef,
+# where that CRD is installed: server-side apply, read and delete when the spec drops the picker
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, create, patch, delete]
 {{- if .Values.podMonitors.enabled }}
 # PodMonitors for ModelDeployments with spec.monitoring.podMonitor (podMonitors.enabled)
 - apiGroups: [monitoring.coreos.com]
@@ -109,7 +114,7 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
   resources: [nodes]
   verbs: [get, list, watch]
 # kopf notices CRDs being added or removed (list, watch); the operator checks for the
-# PodMonitor CRD (get)
+# PodMonitor and InferencePool CRDs (get) and watches the latter arrive (inference-pool-crd)
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]

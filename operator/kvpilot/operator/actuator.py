@@ -42,7 +42,7 @@ from kvpilot.operator import metrics as metrics_source
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
 from kvpilot.operator.lease import LeaderLease
-from kvpilot.operator.policy import Decision, Observations, decide
+from kvpilot.operator.policy import Decision, Observations, decide, wake
 
 Obj = Mapping[str, Any]
 log = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ class AutoscalerLoop:
         self.indexes = indexes  # the kopf watch indexes' snapshot, once the operator has one
         self.interval_s = interval_s
         self.stopping = threading.Event()
+        self.lease_lock = threading.Lock()
         self.thread = threading.Thread(target=self.run, name="kvpilot-autoscaler", daemon=True)
         url = controller.config.prometheus_url
         self.prometheus = metrics_source.PrometheusMetrics(url) if url else None
@@ -176,8 +177,9 @@ class AutoscalerLoop:
 
     def may_act(self) -> bool:
         """Only the instance holding the Lease scales (cheap: it renews every third of it)."""
-        holds = self.lease is None or self.lease.hold()
-        self.readiness.lease_known = self.lease is None or self.lease.state_known
+        with self.lease_lock:  # the loop's thread and the wake handler's both ask
+            holds = self.lease is None or self.lease.hold()
+            self.readiness.lease_known = self.lease is None or self.lease.state_known
         return holds
 
     def safe_list(self) -> list[dict[str, Any]]:
@@ -192,11 +194,73 @@ class AutoscalerLoop:
         try:
             current = int((md.get("status") or {}).get("replicas") or 0)
             observations = self.observe(meta["namespace"], meta["name"], current, pods)
-            decision = self.decide(md, observations)
-            self.place(md, pods, current, observations, decision)
+            self.act(md, lambda fresh: (pods, observations, self.decide(fresh, observations)))
             self.record_cost(md, pods)
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
             log.warning("autoscaler: %s/%s: %s", meta["namespace"], meta["name"], error)
+
+    def wake(self, md: Obj) -> bool:
+        """A gateway's wake request, decided now rather than on the next tick (the `md-wake`
+        handler): True when it asked for a replica."""
+        current = int((md.get("status") or {}).get("replicas") or 0)
+        # Every event of an annotated object comes here: the pure check first, API calls after.
+        if not (is_builtin(md) and is_planned(md)) or self.wake_decision(md, current) is None:
+            return False
+        if not self.may_act():
+            return False  # the Lease holder's next tick sees the same wake
+        meta = md["metadata"]
+        pods = k8s.list_objects(
+            self.controller.client,
+            "v1",
+            "Pod",
+            meta["namespace"],
+            f"{manifests.LABEL_MODEL}={meta['name']}",
+        )
+
+        def woken(fresh: Obj) -> tuple[Sequence[Obj], Observations, Decision] | None:
+            current = int((fresh.get("status") or {}).get("replicas") or 0)
+            decision = self.wake_decision(fresh, current)
+            if decision is None:
+                return None
+            observations = self.observe(meta["namespace"], meta["name"], current, pods)
+            return pods, observations, decision
+
+        return self.act(md, woken)
+
+    def act(
+        self,
+        md: Obj,
+        decide: Callable[[Obj], tuple[Sequence[Obj], Observations, Decision] | None],
+        attempts: int = 3,
+    ) -> bool:
+        """Decide on `md` and record it, only over the version decided on: another writer of
+        status.autoscaling in between (the wake handler, the loop) means deciding again on the
+        object as it is now, so neither undoes the other's decision unseen."""
+        for _attempt in range(attempts):
+            found = decide(md)
+            if found is None:
+                return False
+            pods, observations, decision = found
+            current = int((md.get("status") or {}).get("replicas") or 0)
+            try:
+                self.place(md, pods, current, observations, decision)
+                return True
+            except k8s.ApiException as error:
+                if error.status != 409:
+                    raise
+            meta = md["metadata"]
+            fresh = k8s.get(
+                self.controller.client,
+                k8s.MD_API_VERSION,
+                api.KIND,
+                meta["namespace"],
+                meta["name"],
+            )
+            if fresh is None:
+                return False
+            md = fresh
+        log.info("autoscaler: %s kept changing; the next tick decides", md["metadata"]["name"])
+        return False
 
     def place(
         self,
@@ -248,10 +312,25 @@ class AutoscalerLoop:
         return observations
 
     def decide(self, md: Obj, observations: Observations) -> Decision:
+        """The policy's decision, or a pending wake's where that asks for more (a wake the
+        handler could not act on, e.g. on an instance without the Lease)."""
         spec = md.get("spec") or {}
         bounds = autoscaler.bounds_from_spec(spec.get("autoscaling") or {})
-        return decide(
-            observations, bounds, autoscaler.state_from_status(md.get("status")), time.time()
+        now = time.time()
+        decision = decide(observations, bounds, autoscaler.state_from_status(md.get("status")), now)
+        woken = self.wake_decision(md, observations.current_replicas, now)
+        return woken if woken is not None and woken.replicas > decision.replicas else decision
+
+    def wake_decision(self, md: Obj, current: int, now: float | None = None) -> Decision | None:
+        spec = md.get("spec") or {}
+        autoscaling = spec.get("autoscaling") or {}
+        return wake(
+            autoscaling.get("mode") or "builtin",
+            autoscaler.bounds_from_spec(autoscaling),
+            autoscaler.state_from_status(md.get("status")),
+            current,
+            autoscaler.wake_time(md),
+            time.time() if now is None else now,
         )
 
     def record(
@@ -274,7 +353,8 @@ class AutoscalerLoop:
             "autoscaling": autoscaling,
             "conditions": metrics_condition_patch(status.get("conditions") or [], decision, now),
         }
-        k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)
+        version = meta.get("resourceVersion")
+        k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch, version)
 
     def record_cost(self, md: Obj, pods: Sequence[Obj]) -> None:
         """status.cost from the traffic Prometheus measured over the window (none without it:

@@ -22,6 +22,9 @@ KIND = "ModelDeployment"
 PLURAL = "modeldeployments"
 SINGULAR = "modeldeployment"
 SHORT_NAMES = ("md", "mdeploy")
+# kvpilot-gateway stamps this (RFC 3339, UTC) on a ModelDeployment whose requests it holds while
+# nothing runs; the operator then asks for a replica at once (policy.wake, handlers.md_wake).
+WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 
 Quantization = Literal["bf16", "int8", "int4"]
 KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]
@@ -44,6 +47,9 @@ URI_PATTERN = (
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+BASE_URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
+MAX_FALLBACKS = 8
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
 # the CRD's defaults, so the simulator measures what a ModelDeployment without settings gets.
@@ -302,6 +308,136 @@ class Monitoring(_Model):
     )
 
 
+class SecretKeyRef(_Model):
+    """One key of a Secret in the ModelDeployment's namespace."""
+
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    key: str = Field(pattern=SECRET_KEY_PATTERN, max_length=253)
+
+
+class ProviderFallback(_Model):
+    """An external OpenAI-compatible endpoint (its base URL includes /v1)."""
+
+    base_url: str = Field(
+        alias="baseURL",
+        pattern=BASE_URL_PATTERN,
+        max_length=2048,
+        description="e.g. https://api.example.com/v1",
+    )
+    model: str = Field(min_length=1, max_length=256, description="the provider's model name")
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="the Secret key holding the API key (sent as a bearer token); none: no key",
+    )
+
+
+class Fallback(_Model):
+    """Exactly one of another ModelDeployment in this namespace or an external provider."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "has(self.modelDeployment) != has(self.provider)",
+                "a fallback names exactly one of modelDeployment or provider",
+            )
+        )
+    )
+
+    model_deployment: str | None = Field(
+        default=None,
+        pattern=DNS_LABEL_PATTERN,
+        max_length=63,
+        description="another ModelDeployment in this namespace (e.g. a smaller model)",
+    )
+    provider: ProviderFallback | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Fallback:
+        if (self.model_deployment is None) == (self.provider is None):
+            raise ValueError("a fallback names exactly one of modelDeployment or provider")
+        return self
+
+
+class PortNumber(_Model):
+    number: int = Field(ge=1, le=65535)
+
+
+class EndpointPickerRef(_Model):
+    """The Gateway API Inference Extension's endpoint picker for this model's InferencePool
+    (the same field as InferencePool's spec.endpointPickerRef)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "self.kind != 'Service' || has(self.port)",
+                "port is required when kind is 'Service' or unspecified",
+            )
+        )
+    )
+
+    group: str = Field(default="", max_length=253, pattern=r"^$|^" + DNS_SUBDOMAIN_PATTERN[1:])
+    kind: str = Field(
+        default="Service",
+        min_length=1,
+        max_length=63,
+        pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$",
+    )
+    name: str = Field(min_length=1, max_length=253)
+    port: PortNumber | None = Field(
+        default=None, description="the picker Service's port (not the target port)"
+    )
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+    @model_validator(mode="after")
+    def _port_for_service(self) -> EndpointPickerRef:
+        if self.kind == "Service" and self.port is None:
+            raise ValueError("port is required when kind is 'Service' or unspecified")
+        return self
+
+
+class Routing(_Model):
+    """How kvpilot-gateway routes to this model when its replicas cannot serve in time."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "self.fallbacks.all(f, !has(f.modelDeployment) || self.fallbacks.exists_one("
+                "g, has(g.modelDeployment) && g.modelDeployment == f.modelDeployment))",
+                "fallbacks name a ModelDeployment twice",
+            ),
+            (
+                "self.fallbacks.all(f, !has(f.provider) || self.fallbacks.exists_one("
+                "g, has(g.provider) && g.provider.baseURL == f.provider.baseURL"
+                " && g.provider.model == f.provider.model))",
+                "fallbacks name a provider (baseURL and model) twice",
+            ),
+        )
+    )
+
+    fallbacks: list[Fallback] = Field(
+        default_factory=list,
+        max_length=MAX_FALLBACKS,
+        description="tried in order when no replica can take a request within"
+        " fallbackAfterSeconds (cold start, saturation, failing replicas)",
+    )
+    fallback_after_seconds: int = Field(
+        default=30, ge=1, le=600, description="how long a request waits for a replica first"
+    )
+    endpoint_picker_ref: EndpointPickerRef | None = Field(
+        default=None,
+        description="an Inference Extension endpoint picker: the operator then makes an"
+        " InferencePool for this model where that CRD is installed",
+    )
+
+    @model_validator(mode="after")
+    def _no_duplicates(self) -> Routing:
+        keys = [fallback_key(f) for f in self.fallbacks]
+        doubled = sorted({k for k in keys if keys.count(k) > 1})
+        if doubled:
+            raise ValueError(f"fallbacks name {', '.join(doubled)} twice")
+        return self
+
+
 class ModelDeploymentSpec(_Model):
     model_config = ConfigDict(protected_namespaces=())
 
@@ -312,6 +448,7 @@ class ModelDeploymentSpec(_Model):
     autoscaling: Autoscaling = Field(default_factory=Autoscaling)
     runtime: Runtime = Field(default_factory=Runtime)
     monitoring: Monitoring = Field(default_factory=Monitoring)
+    routing: Routing = Field(default_factory=Routing)
 
 
 class Condition(_Model):
@@ -425,3 +562,17 @@ def served_name(source: ModelSource) -> str:
     if source.served_name:
         return source.served_name
     return parse_model_uri(source.uri).name
+
+
+def fallback_key(fallback: Fallback) -> str:
+    """What makes two fallbacks the same: the ModelDeployment, or the provider's URL and model."""
+    if fallback.provider is not None:
+        return f"provider {fallback.provider.base_url} {fallback.provider.model}"
+    return f"modelDeployment {fallback.model_deployment}"
+
+
+def check_routing(md_name: str, spec: ModelDeploymentSpec) -> None:
+    """What the spec alone cannot check: a ModelDeployment falling back to itself (the CRD's
+    root CEL rule says the same at `kubectl apply`)."""
+    if any(f.model_deployment == md_name for f in spec.routing.fallbacks):
+        raise ValueError(f"spec.routing.fallbacks: {md_name} cannot fall back to itself")

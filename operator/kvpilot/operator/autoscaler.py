@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kvpilot.operator import timestamps
+from kvpilot.operator import api, timestamps
 from kvpilot.operator.inventory import LABEL_NODE_TYPE
 from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState
 from kvpilot.operator.spread import is_given_up, spread_replicas
@@ -124,6 +124,19 @@ def unschedulable_since(pod: Mapping[str, Any]) -> float | None:
             stamp = condition.get("lastTransitionTime")
             return from_rfc3339(stamp) if stamp else None
     return None
+
+
+def wake_time(md: Mapping[str, Any]) -> float | None:
+    """When a gateway last asked to wake this ModelDeployment (its wake annotation), as unix
+    seconds; None without one or when it is not an RFC 3339 time (then it is ignored)."""
+    stamp = (((md.get("metadata") or {}).get("annotations")) or {}).get(api.WAKE_ANNOTATION)
+    if not stamp:
+        return None
+    try:
+        moment = datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment.timestamp() if moment.tzinfo is not None else None
 
 
 def from_rfc3339(rfc3339_time: str) -> float:

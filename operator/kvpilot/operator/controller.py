@@ -34,6 +34,7 @@ from kvpilot.operator.config import OperatorConfig
 from kvpilot.runtime.memory import ModelFacts
 
 POD_MONITOR_CRD = "podmonitors.monitoring.coreos.com"
+INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
 COMPONENT = "kvpilot-operator"
 Obj = Mapping[str, Any]
 log = logging.getLogger(__name__)
@@ -174,6 +175,23 @@ class Controller:
         namespace = self.config.namespace or None
         return k8s.list_objects(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
 
+    def fallback_users(self, namespace: str, name: str) -> list[str]:
+        """Names of the ModelDeployments in `namespace` whose spec.routing falls back to `name`."""
+        users = []
+        for md in k8s.list_objects(self.client, k8s.MD_API_VERSION, api.KIND, namespace):
+            fallbacks = ((md.get("spec") or {}).get("routing") or {}).get("fallbacks") or []
+            if any(f.get("modelDeployment") == name for f in fallbacks):
+                users.append(md["metadata"]["name"])
+        return users
+
+    def pool_users(self) -> list[tuple[str, str]]:
+        """(namespace, name) of every ModelDeployment whose spec asks for an InferencePool."""
+        return [
+            (md["metadata"]["namespace"], md["metadata"]["name"])
+            for md in self.list_model_deployments()
+            if ((md.get("spec") or {}).get("routing") or {}).get("endpointPickerRef")
+        ]
+
     def cache_users(self, namespace: str, claim: str) -> list[str]:
         """Names of the ModelDeployments in `namespace` whose model cache is `claim`."""
         users = []
@@ -188,11 +206,16 @@ class Controller:
         # This ModelDeployment's own pods hold GPUs it may keep: count them as free for its plan.
         others = [p for p in pods if not _belongs_to(p, meta["namespace"], meta["name"])]
         node_types = inventory.discover(nodes, others, self.config.node_types)
-        wants_monitor = bool(((md.get("spec") or {}).get("monitoring") or {}).get("podMonitor"))
+        spec = md.get("spec") or {}
+        wants_monitor = bool((spec.get("monitoring") or {}).get("podMonitor"))
         has_crd = wants_monitor and k8s.has_crd(self.client, POD_MONITOR_CRD)
+        # One GET per pass, and only for a ModelDeployment that asks for a pool; the
+        # inference-pool-crd handler passes those again when the CRD arrives later.
+        wants_pool = bool((spec.get("routing") or {}).get("endpointPickerRef"))
+        has_pool_crd = wants_pool and k8s.has_crd(self.client, INFERENCE_POOL_CRD)
         cache, job = self._read_cache(md)
         desired = reconcile.desire(
-            md, node_types, self.config, has_crd, self._source_facts(md), cache
+            md, node_types, self.config, has_crd, self._source_facts(md), cache, has_pool_crd
         )
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
@@ -202,9 +225,19 @@ class Controller:
         wants_owner = any(c["metadata"]["ownerReferences"] for c in desired.cache_children)
         return dataclasses.replace(
             desired,
+            missing_fallbacks=self._missing(meta["namespace"], desired.fallback_names),
             pod_problems=problems,
             cache_missing=job is None,
             cache_needs_owner=job is not None and wants_owner and meta["uid"] not in owners,
+        )
+
+    def _missing(self, namespace: str, names: Iterable[str]) -> tuple[str, ...]:
+        """The fallback ModelDeployments not found in the namespace (one GET each; a spec
+        has at most a few)."""
+        return tuple(
+            name
+            for name in names
+            if k8s.get(self.client, k8s.MD_API_VERSION, api.KIND, namespace, name) is None
         )
 
     def _read_cache(self, md: Obj) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
@@ -264,6 +297,10 @@ class Controller:
         self._ensure_cache(md, desired)
         if reconcile.may_have_dropped_pod_monitor(md, desired):
             self._delete_pod_monitor(md)
+        if reconcile.may_have_dropped(md, desired, "InferencePool"):
+            self._delete_optional(
+                md, INFERENCE_POOL_CRD, manifests.INFERENCE_POOL_API_VERSION, "InferencePool"
+            )
         fm = self.config.field_manager
         applied = [k8s.apply(self.client, child, fm) for child in desired.children]
         for stale in reconcile.stale_children(existing, desired):
@@ -286,29 +323,28 @@ class Controller:
 
     def _delete_pod_monitor(self, md: Obj) -> None:
         """Delete the PodMonitor an earlier spec asked for, if this ModelDeployment owns one."""
+        self._delete_optional(md, POD_MONITOR_CRD, "monitoring.coreos.com/v1", "PodMonitor")
+
+    def _delete_optional(self, md: Obj, crd: str, api_version: str, kind: str) -> None:
+        """Delete the optional child (named like the ModelDeployment) of a CRD that may not be
+        installed, which an earlier spec asked for, if this ModelDeployment owns one."""
         meta = md["metadata"]
         try:
-            if not k8s.has_crd(self.client, POD_MONITOR_CRD):
+            if not k8s.has_crd(self.client, crd):
                 return
-            found = k8s.get(
-                self.client,
-                "monitoring.coreos.com/v1",
-                "PodMonitor",
-                meta["namespace"],
-                meta["name"],
-            )
+            found = k8s.get(self.client, api_version, kind, meta["namespace"], meta["name"])
             if found is not None and _owned_by(found, meta["uid"]):
                 log.info(
-                    "deleting PodMonitor %s/%s: monitoring.podMonitor is off",
+                    "deleting %s %s/%s: the spec no longer asks for it",
+                    kind,
                     meta["namespace"],
                     meta["name"],
                 )
                 k8s.delete(self.client, found)
-        except k8s.ApiException as error:  # 403: the chart's podMonitors.enabled is off, so the
-            # operator never made one; anything else: the next spec change looks again
-            log.debug(
-                "PodMonitor check for %s/%s: %s", meta["namespace"], meta["name"], error.reason
-            )
+        except k8s.ApiException as error:  # 403: the chart grants no rights on it (e.g.
+            # podMonitors.enabled is off), so the operator never made one; anything else: the
+            # next spec change looks again
+            log.debug("%s check for %s/%s: %s", kind, meta["namespace"], meta["name"], error.reason)
 
     def _write_status(
         self, md: Obj, desired: reconcile.Desired, deployments: list[dict[str, Any]]
@@ -321,6 +357,9 @@ class Controller:
             k8s.patch_status(self.client, meta["namespace"], meta["name"], status)
         if reconcile.plan_changed(md, desired):
             self._event(md, desired)
+        missing = reconcile.fallbacks_news(md, desired)
+        if missing is not None:
+            self._post(md, "Warning", "FallbackMissing", missing)
 
     def _event(self, md: Obj, desired: reconcile.Desired) -> None:
         if desired.error is None:
@@ -330,6 +369,9 @@ class Controller:
             observability.record_plan_failure(
                 "invalid-spec" if desired.is_invalid_spec else "no-fit"
             )
+        self._post(md, kind, reason, message)
+
+    def _post(self, md: Obj, kind: str, reason: str, message: str) -> None:
         try:
             k8s.emit_event(self.client, md, kind, reason, message, COMPONENT)
         except k8s.ApiException as error:  # an Event is a courtesy; never fail the pass over it

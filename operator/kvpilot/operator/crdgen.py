@@ -124,7 +124,14 @@ def crd() -> dict[str, Any]:
                 "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
                 "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters"
                 " (it prefixes the Deployment names)",
-            }
+            },
+            {
+                # Only the root sees the name; api.check_routing says the same to the operator.
+                "rule": "!has(self.spec.routing) || !has(self.spec.routing.fallbacks)"
+                " || self.spec.routing.fallbacks.all(f, !has(f.modelDeployment)"
+                " || f.modelDeployment != self.metadata.name)",
+                "message": "spec.routing.fallbacks: a ModelDeployment cannot fall back to itself",
+            },
         ],
     }
     return {

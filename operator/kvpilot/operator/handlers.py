@@ -27,7 +27,12 @@ from kvpilot.operator import (
     reconcile,
 )
 from kvpilot.operator.actuator import AutoscalerLoop
-from kvpilot.operator.controller import Controller, Replanner, controller_owner
+from kvpilot.operator.controller import (
+    INFERENCE_POOL_CRD,
+    Controller,
+    Replanner,
+    controller_owner,
+)
 
 MD = (api.GROUP, api.VERSION, api.PLURAL)
 CHILD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
@@ -153,6 +158,44 @@ def md_scaled(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -
     _pass(memo, namespace, name, nodes, pods, 0, is_md_handler=False, body=body)
 
 
+@kopf.on.event(*MD, id="md-wake", annotations={api.WAKE_ANNOTATION: kopf.PRESENT})
+def md_wake(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A gateway holds requests for a ModelDeployment at zero replicas and stamped the wake
+    annotation: decide now, not on the next tick. Like the loop, this writes status only; the
+    md-scaled handler then runs the pass that starts the replica. Every later event of the
+    object comes here too, and the policy ignores a wake it has acted on."""
+    if event["type"] == "DELETED" or "autoscaler" not in memo:
+        return
+    try:
+        if memo["autoscaler"].wake(body):
+            logging.getLogger(__name__).info(
+                "woke %s/%s", body["metadata"].get("namespace"), body["metadata"]["name"]
+            )
+    except ApiException as error:  # the gateway wakes again, and the loop's tick sees it too
+        logging.getLogger(__name__).warning("wake failed: %s %s", error.status, error.reason)
+
+
+@kopf.on.event(*MD, id="md-fallback-target")
+def md_fallback_target(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """A ModelDeployment came or went: those naming it as a fallback pass again, so their
+    FallbacksResolved condition says so now rather than on their next spec change. The listing
+    at startup (type None) is left to the resume handlers."""
+    if event["type"] not in ("ADDED", "DELETED"):
+        return
+    namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
+    if namespace is None:
+        return
+    controller: Controller = memo["controller"]
+    try:
+        users = controller.fallback_users(namespace, name)
+    except ApiException as error:  # their next pass checks again
+        logging.getLogger(__name__).warning("listing users of %s: %s", name, error.reason)
+        return
+    nodes, pods = kwargs["gpu_nodes"], kwargs["gpu_pods"]
+    for user in users:
+        _pass(memo, namespace, user, nodes, pods, 0, is_md_handler=False)
+
+
 @kopf.on.delete(*MD, id="md-delete", optional=True)
 def md_deleted(namespace: str | None, name: str, logger: Any, **_: Any) -> None:
     # No finalizer: owner references let the garbage collector remove Deployments and Service.
@@ -217,6 +260,35 @@ def child_service(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: An
             kwargs["gpu_pods"],
         )
         _pass(memo, namespace, owner, nodes, pods, 0, is_md_handler=False)
+
+
+def _is_inference_pool_crd(name: str, **_: Any) -> bool:
+    return name == INFERENCE_POOL_CRD
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io",
+    "v1",
+    "customresourcedefinitions",
+    when=_is_inference_pool_crd,
+    id="inference-pool-crd",
+)
+def inference_pool_crd(event: kopf.RawEvent, memo: Any, **kwargs: Any) -> None:
+    """The InferencePool CRD was installed (or changed) after the ModelDeployments that ask for
+    a pool were planned: pass them again, so their pools appear now. The initial listing at
+    startup (event type None) is left to the resume handlers, which pass every object anyway."""
+    if event["type"] not in ("ADDED", "MODIFIED"):
+        return
+    controller: Controller = memo["controller"]
+    try:
+        users = controller.pool_users()
+    except ApiException as error:  # the CRD's next event, or a spec change, asks again
+        logging.getLogger(__name__).warning("listing pool users: %s", error.reason)
+        return
+    for namespace, name in users:
+        _pass(
+            memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], 0, is_md_handler=False
+        )
 
 
 @kopf.on.event(

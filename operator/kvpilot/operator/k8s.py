@@ -24,6 +24,7 @@ _PLURALS = {
     "Deployment": "deployments",
     "Service": "services",
     "PodMonitor": "podmonitors",
+    "InferencePool": "inferencepools",
     "Event": "events",
     "Node": "nodes",
     "Pod": "pods",
@@ -162,17 +163,19 @@ def list_objects(
 
 
 def patch_status(
-    client: k8s_client.ApiClient, namespace: str, name: str, status: Obj
+    client: k8s_client.ApiClient,
+    namespace: str,
+    name: str,
+    status: Obj,
+    resource_version: str | None = None,
 ) -> dict[str, Any]:
-    """Merge-patch the status subresource: keys we leave out (autoscaling) stay as they are."""
+    """Merge-patch the status subresource: keys we leave out (autoscaling) stay as they are.
+    With `resource_version`, only if the object is still that version (else 409 Conflict)."""
     target = path(MD_API_VERSION, api.KIND, namespace, name) + "/status"
-    return request(
-        client,
-        "PATCH",
-        target,
-        body={"status": status},
-        content_type="application/merge-patch+json",
-    )
+    body: dict[str, Any] = {"status": status}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
+    return request(client, "PATCH", target, body=body, content_type="application/merge-patch+json")
 
 
 def has_crd(client: k8s_client.ApiClient, name: str) -> bool:

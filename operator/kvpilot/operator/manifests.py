@@ -24,6 +24,11 @@ from kvpilot.runtime import serve_config
 from kvpilot.runtime.model_source import parse_model_uri
 
 LABEL_MODEL = "kvpilot.dev/model"
+# The Gateway API Inference Extension's endpoint pickers read the engine's metrics by its names;
+# the runtime exports vLLM's (DESIGN.md §3.4), so its pods say they are vLLM-compatible.
+LABEL_ENGINE_TYPE = "inference.networking.k8s.io/engine-type"
+ENGINE_TYPE = "vllm"
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 RUNTIME_UID = 10001  # the user runtime/Dockerfile creates
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_SPEC_HASH = "kvpilot.dev/spec-hash"
@@ -278,7 +283,7 @@ def build_deployment(
     pod_labels = labels(md_name, node_type)
     template = {
         "metadata": {
-            "labels": pod_labels,
+            "labels": {**pod_labels, LABEL_ENGINE_TYPE: ENGINE_TYPE},
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(config.runtime_port),
@@ -339,6 +344,24 @@ def build_pod_monitor(md: Obj) -> Manifest:
     }
 
 
+def build_inference_pool(
+    md: Obj, picker: api.EndpointPickerRef, config: OperatorConfig
+) -> Manifest:
+    """The Inference Extension's InferencePool over this ModelDeployment's runtime pods, so a
+    Gateway with an endpoint picker (Envoy Gateway, kgateway, Istio) routes to them unchanged."""
+    md_name = md["metadata"]["name"]
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": _metadata(md, md_name, labels(md_name)),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(md_name)},
+            "targetPorts": [{"number": config.runtime_port}],
+            "endpointPickerRef": picker.model_dump(by_alias=True, exclude_none=True),
+        },
+    }
+
+
 def _series_labels() -> list[dict[str, Any]]:
     """Pod labels -> the series labels the autoscaler's PromQL groups by (metrics.PROM_LABEL_*),
     as the dev cluster's Prometheus config makes them too; the Prometheus Operator adds
@@ -367,6 +390,7 @@ def build_all(
     replicas: Sequence[int],
     config: OperatorConfig,
     has_pod_monitor_crd: bool = False,
+    has_inference_pool_crd: bool = False,
 ) -> list[Manifest]:
     """Every child the ModelDeployment should have; anything else it owns is stale."""
     children = [
@@ -377,6 +401,9 @@ def build_all(
     children.append(build_service(md, config))
     if spec.monitoring.pod_monitor and has_pod_monitor_crd:
         children.append(build_pod_monitor(md))
+    picker = spec.routing.endpoint_picker_ref
+    if picker is not None and has_inference_pool_crd:
+        children.append(build_inference_pool(md, picker, config))
     return children
 
 

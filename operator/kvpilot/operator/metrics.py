@@ -62,6 +62,12 @@ GENERATION_TOKENS = (
     "vllm:generation_tokens_total",
     "vllm_generation_tokens_total",
 )
+# Requests kvpilot-gateway holds for a ModelDeployment that has no replica to take them (scale
+# from zero, saturation). The gateway labels them with the ModelDeployment it wakes, not with
+# `namespace`: the scrape's relabelling sets `namespace`/`pod` to the gateway pod's own.
+HELD = "kvpilot_gateway_requests_held"
+PROM_LABEL_MD_NAMESPACE = "md_namespace"
+PROM_LABEL_MD_NAME = "md_name"
 
 KV_AVERAGE = "1m"
 # What a failed or unreachable Prometheus query raises through prometheus_api_client.
@@ -90,15 +96,23 @@ def aggregate(
     ready_pods: Collection[str] | None = None,
     max_age_s: float = DEFAULT_MAX_AGE_S,
     ttft_p95_s: float | None = None,
+    requests_held: float = 0.0,
 ) -> Observations:
     """Observations from per-pod samples: only ready pods (when `ready_pods` is given) with
-    samples at most `max_age_s` old count as capacity."""
+    samples at most `max_age_s` old count as capacity. `requests_held` (held at gateways) join
+    the queue: they are demand no replica has seen yet, the only demand at zero replicas."""
     usable = [s for s in samples if ready_pods is None or s.pod in ready_pods]
     fresh = [s for s in usable if now - s.sampled_at <= max_age_s]
     if not fresh:
         if current_replicas == 0:
             # Nothing runs, so there is nothing to measure: an honest zero, not missing data.
-            return Observations(current_replicas=0, sampled_at=now, ttft_p95_s=ttft_p95_s)
+            return Observations(
+                current_replicas=0,
+                requests_waiting=requests_held,
+                requests_held=requests_held,
+                sampled_at=now,
+                ttft_p95_s=ttft_p95_s,
+            )
         if usable:  # only old samples: the policy reports them as stale
             newest = max(s.sampled_at for s in usable)
             return Observations(current_replicas=current_replicas, sampled_at=newest)
@@ -106,7 +120,8 @@ def aggregate(
     return Observations(
         current_replicas=current_replicas,
         ready_replicas=len(fresh),
-        requests_waiting=sum(s.waiting for s in fresh),
+        requests_waiting=sum(s.waiting for s in fresh) + requests_held,
+        requests_held=requests_held,
         requests_running=sum(s.running for s in fresh),
         kv_cache_usage=sum(s.kv_cache_usage for s in fresh) / len(fresh),
         sampled_at=min(s.sampled_at for s in fresh),
@@ -184,6 +199,13 @@ def prom_duration(seconds: int) -> str:
     return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
 
 
+def held_query(namespace: str, model: str) -> str:
+    """Requests every gateway replica holds for this ModelDeployment, summed (no series: none)."""
+    labels = {"__name__": HELD, PROM_LABEL_MD_NAMESPACE: namespace, PROM_LABEL_MD_NAME: model}
+    matchers = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    return f"sum({{{matchers}}})"
+
+
 def samples_from_vectors(
     waiting: list[dict[str, Any]],
     running: list[dict[str, Any]],
@@ -238,6 +260,10 @@ class PrometheusMetrics:
             self._query(timestamp_query(namespace, model)),
         )
 
+    def requests_held(self, namespace: str, model: str) -> float:
+        vector = self._query(held_query(namespace, model))
+        return sum(float(item["value"][1]) for item in vector)
+
     def ttft_p95(self, namespace: str, model: str) -> float | None:
         vector = self._query(ttft_p95_query(namespace, model))
         values = [float(item["value"][1]) for item in vector]
@@ -273,10 +299,11 @@ class PrometheusMetrics:
         try:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
+            held = self.requests_held(namespace, model)
         except QUERY_ERRORS as exc:
             return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
         now = time.time() if now is None else now
-        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft)
+        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held)
 
 
 def _brief(exc: Exception) -> str:

@@ -94,13 +94,14 @@ class Observations:
     """What the metrics adapter saw for one ModelDeployment (or one node type of it).
 
     Sums and means are over ready pods only: pods still starting report nothing useful and
-    must not be counted as capacity. With zero replicas, `requests_waiting` is whatever a gateway
-    reports for the model (or 0), which is how a scaled-to-zero deployment wakes up.
+    must not be counted as capacity. With zero replicas, `requests_waiting` is what the gateways
+    hold for the model (or 0), which is how a scaled-to-zero deployment wakes up.
     """
 
     current_replicas: int  # replicas the Deployments ask for now
     ready_replicas: int = 0  # ready pods whose metrics were read
-    requests_waiting: float = 0.0  # sum over ready pods
+    requests_waiting: float = 0.0  # sum over ready pods, plus requests_held
+    requests_held: float = 0.0  # of those, held at gateways (no replica has seen them yet)
     requests_running: float = 0.0  # sum over ready pods
     kv_cache_usage: float = 0.0  # mean over ready pods, 0-1
     sampled_at: float | None = None  # unix time of the oldest sample used; None: no data
@@ -116,6 +117,7 @@ class Observations:
             "currentReplicas": self.current_replicas,
             "readyReplicas": self.ready_replicas,
             "requestsWaiting": self.requests_waiting,
+            "requestsHeld": self.requests_held,
             "requestsRunning": self.requests_running,
             "kvCacheUsage": round(self.kv_cache_usage, 4),
             "sampledAt": self.sampled_at,
@@ -135,12 +137,14 @@ class PolicyState:
     recommendations: tuple[tuple[float, int], ...] = ()
     idle_since: float | None = None
     last_scale_time: float | None = None
+    woken_at: float | None = None  # the last wake request acted on (its own time)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "recommendations": [[t, r] for t, r in self.recommendations],
             "idleSince": self.idle_since,
             "lastScaleTime": self.last_scale_time,
+            "wokenAt": self.woken_at,
         }
 
     @classmethod
@@ -149,12 +153,12 @@ class PolicyState:
             return cls()
         try:
             pairs = tuple((float(t), int(r)) for t, r in data.get("recommendations") or [])
-            idle = data.get("idleSince")
-            last = data.get("lastScaleTime")
+            idle, last, woken = (data.get(k) for k in ("idleSince", "lastScaleTime", "wokenAt"))
             return cls(
                 recommendations=pairs,
                 idle_since=None if idle is None else float(idle),
                 last_scale_time=None if last is None else float(last),
+                woken_at=None if woken is None else float(woken),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"status.autoscaling.state is malformed: {data!r} ({exc})") from exc
@@ -198,6 +202,46 @@ def decide(observations: Observations, bounds: Bounds, state: PolicyState, now: 
     steps = (current, raw, wanted, stabilised, limited, final)
     reason = _explain(steps, why, bounds, settled)
     return _finish(current, final, reason, replace(state, recommendations=history), now)
+
+
+def wake(
+    mode: str,
+    bounds: Bounds,
+    state: PolicyState,
+    current: int,
+    requested_at: float | None,
+    now: float,
+) -> Decision | None:
+    """One replica at once for a request waiting at a gateway while nothing runs; None when the
+    wake changes nothing.
+
+    The gateway asks by stamping the time on the ModelDeployment (its wake annotation). A wake
+    counts when it is newer than the last scale (a wake from before the scale to zero is stale)
+    and than the last wake acted on, when the fleet is at zero with minReplicas 0, and only for
+    the builtin autoscaler (`off` and `external` fleets are someone else's to size). The idle
+    clock restarts from the wake, so the new replica serves the held requests instead of
+    meeting an idle period that began before it existed.
+    """
+    if mode != "builtin" or requested_at is None:
+        return None
+    if current > 0 or bounds.min_replicas > 0 or not is_new_wake(state, requested_at):
+        return None
+    replicas = clamp(1, bounds.min_replicas, bounds.max_replicas)
+    woken = replace(
+        state,
+        woken_at=requested_at,
+        idle_since=requested_at,
+        recommendations=((now, replicas),),
+    )
+    waited = f"{now - requested_at:.1f}s"
+    reason = f"scale up 0->{replicas}: a request is waiting at a gateway (woken {waited} ago)"
+    return _finish(current, replicas, reason, woken, now)
+
+
+def is_new_wake(state: PolicyState, requested_at: float) -> bool:
+    """Newer than the last scale and the last wake acted on."""
+    seen = [t for t in (state.last_scale_time, state.woken_at) if t is not None]
+    return not seen or requested_at > max(seen)
 
 
 def metrics_problem(observations: Observations, bounds: Bounds, now: float) -> str:

@@ -19,6 +19,7 @@ from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
 
 Obj = Mapping[str, Any]
+FALLBACKS_RESOLVED = "FallbacksResolved"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Desired:
     # exists without this ModelDeployment among its owners while deleteWithModel asks for it.
     cache_missing: bool = False
     cache_needs_owner: bool = False
+    # spec.routing's ModelDeployment fallbacks, and those of them the controller did not find
+    fallback_names: tuple[str, ...] = ()
+    missing_fallbacks: tuple[str, ...] = ()
 
 
 def desire(
@@ -48,6 +52,7 @@ def desire(
     has_pod_monitor_crd: bool,
     source_facts: ModelFacts | str | None = None,
     cache: api.CacheStatus | None = None,
+    has_inference_pool_crd: bool = False,
 ) -> Desired:
     """`source_facts`: what the operator read from the model's config.json, or why it could
     not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
@@ -55,6 +60,7 @@ def desire(
     read = source_facts if isinstance(source_facts, ModelFacts) else None
     try:
         spec = api.parse_spec(md.get("spec") or {})
+        api.check_routing(md["metadata"]["name"], spec)
         facts = catalog.resolve(spec.model, read)
         request = planner.PlanRequest.from_spec(spec, facts)
     except (ValidationError, ValueError) as error:
@@ -71,8 +77,11 @@ def desire(
     cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
     if cache_children and (cache is None or cache.phase != "Cached"):
         replicas = [0] * len(plans)  # nothing to load yet: the cache is still being filled
-    children = manifests.build_all(md, spec, plans, replicas, config, has_pod_monitor_crd)
+    children = manifests.build_all(
+        md, spec, plans, replicas, config, has_pod_monitor_crd, has_inference_pool_crd
+    )
     return Desired(
+        fallback_names=fallback_deployments(spec),
         cache_children=cache_children,
         cache=cache if cache_children else None,
         children=children,
@@ -103,6 +112,44 @@ def _replicas(
         if sum(spread) == total:
             return spread
     return planner.assign_replicas(total, plans)
+
+
+def fallback_deployments(spec: api.ModelDeploymentSpec) -> tuple[str, ...]:
+    """The ModelDeployments spec.routing falls back to, in order."""
+    return tuple(f.model_deployment for f in spec.routing.fallbacks if f.model_deployment)
+
+
+def fallbacks_condition(desired: Desired, generation: int) -> api.Condition | None:
+    """FallbacksResolved: whether every ModelDeployment named as a fallback exists in the
+    namespace (the gateway skips a missing one); None without ModelDeployment fallbacks."""
+    if not desired.fallback_names:
+        return None
+    missing = desired.missing_fallbacks
+    found = f"{len(desired.fallback_names) - len(missing)}/{len(desired.fallback_names)}"
+    message = f"{found} fallback ModelDeployments found"
+    if missing:
+        message = f"{message}; missing: {', '.join(missing)} (create them or edit spec.routing)"
+    return api.Condition(
+        type=FALLBACKS_RESOLVED,
+        status="False" if missing else "True",
+        reason="FallbackMissing" if missing else "FallbacksFound",
+        message=message,
+        observed_generation=generation,
+    )
+
+
+def fallbacks_news(md: Obj, desired: Desired) -> str | None:
+    """The Warning Event text when this pass finds fallbacks missing that the last did not."""
+    if not desired.missing_fallbacks:
+        return None
+    old = conditions.find(
+        _conditions((md.get("status") or {}).get("conditions") or []), FALLBACKS_RESOLVED
+    )
+    fresh = fallbacks_condition(desired, 0)
+    if old is not None and fresh is not None and old.message == fresh.message:
+        return None
+    names = ", ".join(desired.missing_fallbacks)
+    return f"spec.routing.fallbacks name missing ModelDeployments: {names}"
 
 
 def scale_pending(md: Obj) -> bool:
@@ -167,9 +214,16 @@ def build_status(
         desired.pod_problems,
         desired.cache,
     )
+    routing = fallbacks_condition(desired, generation)
+    new += [routing] if routing is not None else []
+    merged = [
+        c
+        for c in conditions.merge(old, new, now)
+        if c.type != FALLBACKS_RESOLVED or routing is not None  # fallbacks removed: so is it
+    ]
     status: dict[str, Any] = {
         "observedGeneration": generation,
-        "conditions": [c.model_dump(by_alias=True) for c in conditions.merge(old, new, now)],
+        "conditions": [c.model_dump(by_alias=True) for c in merged],
         "plan": [entry.model_dump(by_alias=True) for entry in desired.plan],
         "replicas": rollout.replicas,
         "readyReplicas": rollout.ready,
@@ -205,10 +259,16 @@ def may_have_dropped_pod_monitor(md: Obj, desired: Desired) -> bool:
     """Whether a PodMonitor an earlier spec asked for may be left over: this pass wants none,
     and the spec changed since the last pass (the first pass and ordinary passes cost no
     extra API reads)."""
+    return may_have_dropped(md, desired, "PodMonitor")
+
+
+def may_have_dropped(md: Obj, desired: Desired, kind: str) -> bool:
+    """Whether an optional child of `kind` (PodMonitor, InferencePool) an earlier spec asked for
+    may be left over: this pass wants none, and the spec changed since the last pass."""
     status = md.get("status") or {}
     observed = int(status.get("observedGeneration") or 0)
     changed = observed > 0 and int(md["metadata"].get("generation", 0)) != observed
-    return changed and not any(c["kind"] == "PodMonitor" for c in desired.children)
+    return changed and not any(c["kind"] == kind for c in desired.children)
 
 
 def plan_changed(md: Obj, desired: Desired) -> bool:

@@ -127,8 +127,16 @@ def prometheus_config(pods: dict[str, Pod]) -> dict[str, Any]:
 def prometheus(
     pods: dict[str, Pod], tmp_path: Path
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    with running_prometheus(prometheus_config(pods), tmp_path) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def running_prometheus(
+    settings: dict[str, Any], tmp_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(pods)))
+    config.write_text(yaml.safe_dump(settings))
     port = free_port()
     process = subprocess.Popen(
         [
@@ -259,3 +267,70 @@ def test_direct_scrape_of_ready_pods(pods: dict[str, Pod]) -> None:
     down = asyncio.run(observe_pods(urls, node_types, current_replicas=4, timeout_s=1.0))
     assert "none of 4 pods answered" in down.error
     assert decide(down, BOUNDS, PolicyState(), time.time()).replicas == 4
+
+
+def serve_gateway(held: dict[tuple[str, str, str], float]) -> tuple[int, Gauge, Callable[[], None]]:
+    """A gateway replica's exporter: kvpilot_gateway_requests_held per (md_namespace, md_name,
+    model), as kvpilot-gateway exports it."""
+    registry = CollectorRegistry()
+    gauge = Gauge(
+        "kvpilot_gateway_requests_held",
+        "requests held",
+        ["md_namespace", "md_name", "model"],
+        registry=registry,
+    )
+    for labels, value in held.items():
+        gauge.labels(*labels).set(value)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return port, gauge, stop
+
+
+def holding(source: PrometheusMetrics, count: float, what: str) -> Observations:
+    def probe() -> Observations | None:
+        seen = source.observe(NAMESPACE, MODEL, 0)
+        return seen if seen.requests_held == count else None
+
+    return wait_until(probe, timeout_s=30, what=what)
+
+
+def test_requests_held_at_gateways_wake_a_modeldeployment_at_zero(tmp_path: Path) -> None:
+    # Two gateway replicas in their own namespace; the scrape labels them with it, as the
+    # Kubernetes relabelling does, so only md_namespace/md_name say which ModelDeployment waits.
+    ours = (NAMESPACE, MODEL, "tiny-llama")
+    first_port, first, stop_first = serve_gateway({ours: 2, ("other", MODEL, "tiny-llama"): 50})
+    second_port, second, stop_second = serve_gateway({ours: 1, (NAMESPACE, "other", "x"): 40})
+    static = [
+        {
+            "targets": [f"127.0.0.1:{port}"],
+            "labels": {metrics.PROM_LABEL_NAMESPACE: "kvpilot-system", metrics.PROM_LABEL_POD: pod},
+        }
+        for port, pod in ((first_port, "gateway-a"), (second_port, "gateway-b"))
+    ]
+    settings = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "kvpilot-gateway", "static_configs": static}],
+    }
+    bounds = Bounds(min_replicas=0, max_replicas=4, target_queue_length=2.0)
+    try:
+        with running_prometheus(settings, tmp_path) as (url, _process):
+            source = PrometheusMetrics(url, timeout_s=2.0)
+            held = holding(source, 3, "3 requests held over both gateways")
+            assert held.requests_waiting == 3 and held.error == "" and held.ready_replicas == 0
+            up = decide(held, bounds, PolicyState(), time.time())
+            assert up.replicas == 2, up.reason  # ceil(3 held / 2 per replica), from zero
+            assert "3 waiting, 0 ready" in up.reason
+
+            first.labels(*ours).set(0)
+            second.labels(*ours).set(0)
+            drained = holding(source, 0, "nothing held")
+            assert decide(drained, bounds, PolicyState(), time.time()).replicas == 0
+    finally:
+        stop_first()
+        stop_second()

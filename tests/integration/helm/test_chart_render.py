@@ -147,6 +147,8 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "create", "patch"},
         ("coordination.k8s.io", "leases"): {"get", "create", "update"},
+        # InferencePools (spec.routing.endpointPickerRef): applied, read, deleted by name
+        ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
     }
     got = {
         (group, resource): granted(objects, group, resource)

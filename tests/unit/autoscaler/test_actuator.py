@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import actuator
+from kvpilot.operator import actuator, autoscaler
 from kvpilot.operator.policy import Decision, PolicyState
 
 
@@ -102,3 +102,21 @@ def test_status_is_written_only_when_the_decision_changes(new: dict[str, Any], n
         "metricsAvailable": True,
     }
     assert actuator.is_news(old, new) is news
+
+
+@pytest.mark.parametrize(
+    ("annotations", "expected"),
+    [
+        ({"kvpilot.dev/wake-requested-at": "2026-12-03T16:00:00Z"}, 1796313600.0),
+        ({"kvpilot.dev/wake-requested-at": "2026-12-03T16:00:00.250000+00:00"}, 1796313600.25),
+        ({"kvpilot.dev/wake-requested-at": "2026-12-03T16:00:00"}, None),  # no zone: ignored
+        ({"kvpilot.dev/wake-requested-at": "soon"}, None),
+        ({"kvpilot.dev/wake-requested-at": ""}, None),
+        ({}, None),
+    ],
+)
+def test_wake_time_reads_the_gateways_annotation(
+    annotations: dict[str, str], expected: float | None
+) -> None:
+    md = {"metadata": {"name": "m", "annotations": annotations}}
+    assert autoscaler.wake_time(md) == expected

@@ -262,3 +262,24 @@ def test_parse_exposition(text: str, expected: dict[str, float]) -> None:
         "kv": metrics.KV_USAGE[0],
     }
     assert parsed == {names[k]: v for k, v in expected.items()}
+
+
+def test_held_query_sums_the_gateways_gauge_by_the_modeldeployment() -> None:
+    assert metrics.held_query("prod", 'we"ird') == (
+        'sum({__name__="kvpilot_gateway_requests_held",md_namespace="prod",md_name="we\\"ird"})'
+    )
+    # the gateway pod's own namespace/pod labels must not select it
+    assert 'namespace="prod"' not in metrics.held_query("prod", "m").replace("md_namespace", "")
+
+
+def test_held_requests_are_queue_demand_even_at_zero_replicas() -> None:
+    zero = aggregate([], 0, NOW, requests_held=3)
+    assert (zero.requests_waiting, zero.requests_held, zero.error) == (3, 3, "")
+    bounds = Bounds(min_replicas=0, max_replicas=4, target_queue_length=2)
+    woken = decide(zero, bounds, PolicyState(), NOW)
+    assert woken.replicas == 2, woken.reason  # ceil(3 held / 2 per replica)
+    running = aggregate([sample("a", waiting=1, running=4)], 1, NOW, requests_held=2)
+    assert (running.requests_waiting, running.requests_held) == (3, 2)
+    assert running.to_dict()["requestsHeld"] == 2
+    # nothing held: what it was before
+    assert aggregate([], 0, NOW) == replace(zero, requests_waiting=0, requests_held=0)

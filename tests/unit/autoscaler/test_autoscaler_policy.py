@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState, decide
+from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState, decide, wake
 
 NOW = 1_000_000.0
 # Explicit targets and windows, so the tables do not move when the tuned defaults do.
@@ -329,3 +329,95 @@ def test_bounds_validation(kwargs: dict[str, float], message: str) -> None:
 def test_negative_current_is_rejected() -> None:
     with pytest.raises(ValueError, match="current replicas"):
         decide(Observations(current_replicas=-1), BOUNDS, PolicyState(), NOW)
+
+
+ZERO_OK = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_s=600.0)
+SCALED_TO_ZERO = PolicyState(idle_since=NOW - 700, last_scale_time=NOW - 100)
+
+
+# (case, mode, bounds, state, current replicas, wake time relative to NOW, expected replicas or
+# None when the wake changes nothing)
+WAKES = [
+    ("newer than the scale to zero", "builtin", ZERO_OK, SCALED_TO_ZERO, 0, -1.0, 1),
+    ("older than the scale to zero", "builtin", ZERO_OK, SCALED_TO_ZERO, 0, -200.0, None),
+    ("no decision yet", "builtin", ZERO_OK, PolicyState(), 0, -1.0, 1),
+    (
+        "already acted on",
+        "builtin",
+        ZERO_OK,
+        replace(SCALED_TO_ZERO, woken_at=NOW - 1),
+        0,
+        -1.0,
+        None,
+    ),
+    (
+        "a later wake after one acted on",
+        "builtin",
+        ZERO_OK,
+        replace(SCALED_TO_ZERO, woken_at=NOW - 30),
+        0,
+        -1.0,
+        1,
+    ),
+    ("replicas running already", "builtin", ZERO_OK, SCALED_TO_ZERO, 2, -1.0, None),
+    (
+        "minReplicas above zero",
+        "builtin",
+        replace(ZERO_OK, min_replicas=1),
+        PolicyState(),
+        0,
+        -1,
+        None,
+    ),
+    ("max bound of one", "builtin", replace(ZERO_OK, max_replicas=1), SCALED_TO_ZERO, 0, -1.0, 1),
+    ("mode off", "off", ZERO_OK, SCALED_TO_ZERO, 0, -1.0, None),
+    ("mode external", "external", ZERO_OK, SCALED_TO_ZERO, 0, -1.0, None),
+    ("no wake annotation", "builtin", ZERO_OK, SCALED_TO_ZERO, 0, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "bounds", "state", "current", "requested", "expected"),
+    [case[1:] for case in WAKES],
+    ids=[case[0] for case in WAKES],
+)
+def test_wake(
+    mode: str,
+    bounds: Bounds,
+    state: PolicyState,
+    current: int,
+    requested: float | None,
+    expected: int | None,
+) -> None:
+    requested_at = None if requested is None else NOW + requested
+    decision = wake(mode, bounds, state, current, requested_at, NOW)
+    if expected is None:
+        assert decision is None
+        return
+    assert decision is not None
+    assert decision.replicas == expected
+    assert decision.reason.startswith(f"scale up 0->{expected}: a request is waiting")
+    assert decision.state.woken_at == requested_at
+    assert decision.state.idle_since == requested_at  # the idle clock restarts from the wake
+    assert decision.state.last_scale_time == NOW
+    assert PolicyState.from_dict(json.loads(json.dumps(decision.state.to_dict()))) == (
+        decision.state
+    )
+
+
+def test_a_woken_replica_gets_a_full_idle_period() -> None:
+    # Idle since long before the scale to zero; the wake must not let the first look after the
+    # replica turns ready take it straight back to zero.
+    woken = wake("builtin", ZERO_OK, SCALED_TO_ZERO, 0, NOW, NOW)
+    assert woken is not None and woken.replicas == 1
+    starting = Observations.unavailable(1, "no samples from ready pods")
+    held = decide(starting, ZERO_OK, woken.state, NOW + 20)
+    assert held.replicas == 1
+    idle = replace(obs(1), sampled_at=NOW + 60)
+    assert decide(idle, ZERO_OK, held.state, NOW + 60).replicas == 1
+    later = replace(obs(1), sampled_at=NOW + 599)
+    assert decide(later, ZERO_OK, held.state, NOW + 599).replicas == 1
+    gone = replace(obs(1), sampled_at=NOW + 600)
+    assert decide(gone, ZERO_OK, held.state, NOW + 600).replicas == 0
+    # The same wake seen again (a later event of the object) changes nothing.
+    assert wake("builtin", ZERO_OK, held.state, 0, NOW, NOW + 601) is None

@@ -37,7 +37,7 @@ def test_kvpilot_in_the_simulator_is_the_real_policy() -> None:
     kvpilot = policies.build("kvpilot", burst(), CAPACITY, SETTINGS, BOUNDS)
     result = simulate(burst(), kvpilot, CAPACITY, replace(SETTINGS, initial_replicas=3))
     # its only memory is the status dict, which is what the operator stores
-    assert set(kvpilot.status) == {"recommendations", "idleSince", "lastScaleTime"}  # type: ignore[attr-defined]
+    assert set(kvpilot.status) == {"recommendations", "idleSince", "lastScaleTime", "wokenAt"}  # type: ignore[attr-defined]
     assert result.scale_events
 
 

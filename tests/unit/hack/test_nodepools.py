@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import yaml
 
 from hack.devcluster import build
 from hack.devcluster.nodepools import build_node, build_nodes, parse_pools
-from hack.devcluster.versions import KUBERNETES, NODEPOOLS
+from hack.devcluster.versions import INFERENCE_POOL_CRD, KUBERNETES, NODEPOOLS, ModuleFile
 
 L4 = {
     "name": "l4",
@@ -72,3 +73,18 @@ def test_kubernetes_ldflags_stamp_the_version() -> None:
     assert "gitMajor=1" in flags and "gitMinor=37" in flags
     argv, cwd = build.build_commands(KUBERNETES, KUBERNETES.bin_dir)[0]
     assert argv[:2] == ["go", "build"] and cwd is not None and cwd.name == "kubernetes"
+
+
+def test_module_files_are_cached_by_version_and_not_fetched_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path))
+    cached = INFERENCE_POOL_CRD.cached
+    assert cached.parent.name == "gateway-api-inference-extension-v1.2.0"
+    assert cached.name == "inference.networking.k8s.io_inferencepools.yaml"
+    other = ModuleFile(INFERENCE_POOL_CRD.module, "v9.9.9", INFERENCE_POOL_CRD.path)
+    assert other.cached != cached  # a new pin is fetched anew
+    cached.parent.mkdir(parents=True)
+    cached.write_text("kind: CustomResourceDefinition\n")
+    monkeypatch.setenv("PATH", "")  # no Go: the cached copy must do
+    assert build.ensure_module_file(INFERENCE_POOL_CRD) == cached

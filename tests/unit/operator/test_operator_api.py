@@ -69,6 +69,7 @@ def test_crd_subresources_columns_and_rules() -> None:
         "Ready",
         "Replicas",
         "Quantization",
+        "$/1k req",
         "Age",
     ]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
@@ -114,8 +115,8 @@ def test_examples_parse_and_resolve(path: Path) -> None:
     assert len(doc["metadata"]["name"]) <= crdgen.MAX_NAME_LENGTH
 
 
-def test_there_are_ten_invalid_examples_each_naming_its_field() -> None:
-    assert len(INVALID) == 10
+def test_there_are_twelve_invalid_examples_each_naming_its_field() -> None:
+    assert len(INVALID) == 12
     for path in INVALID:
         assert "the error names: spec" in path.read_text().splitlines()[0], path
 
@@ -166,3 +167,105 @@ def test_facts_from_the_tiny_llama_config() -> None:
         yaml.safe_load((ROOT / "examples" / "tiny-llama.yaml").read_text())["spec"]
     )
     assert facts == catalog.resolve(tiny.model)
+
+
+MODEL = {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}
+PROVIDER = {
+    "baseURL": "https://api.example.com/v1",
+    "model": "gpt-4o-mini",
+    "apiKeySecretRef": {"name": "example-key", "key": "api-key"},
+}
+
+
+def test_routing_defaults_and_the_contracts_example() -> None:
+    assert api.parse_spec({"model": MODEL}).routing == api.Routing()
+    assert api.Routing().fallback_after_seconds == 30 and api.Routing().fallbacks == []
+    routing = api.parse_spec(
+        {
+            "model": MODEL,
+            "routing": {
+                "fallbacks": [{"modelDeployment": "small-model"}, {"provider": PROVIDER}],
+                "fallbackAfterSeconds": 12,
+            },
+        }
+    ).routing
+    first, second = routing.fallbacks
+    assert first.model_deployment == "small-model" and first.provider is None
+    assert second.provider is not None and second.provider.base_url == PROVIDER["baseURL"]
+    assert second.provider.api_key_secret_ref == api.SecretKeyRef(name="example-key", key="api-key")
+    assert routing.fallback_after_seconds == 12
+    wire = routing.model_dump(by_alias=True, exclude_none=True)
+    assert wire["fallbacks"][1]["provider"]["baseURL"] == PROVIDER["baseURL"]
+
+
+@pytest.mark.parametrize(
+    ("routing", "error"),
+    [
+        ({"fallbacks": [{}]}, "exactly one of modelDeployment or provider"),
+        (
+            {"fallbacks": [{"modelDeployment": "a", "provider": PROVIDER}]},
+            "exactly one of modelDeployment or provider",
+        ),
+        (
+            {"fallbacks": [{"modelDeployment": "a"}, {"modelDeployment": "a"}]},
+            "fallbacks name modelDeployment a twice",
+        ),
+        (
+            {
+                "fallbacks": [
+                    {"provider": PROVIDER},
+                    {"provider": {**PROVIDER, "apiKeySecretRef": None}},
+                ]
+            },
+            "twice",
+        ),
+        ({"fallbackAfterSeconds": 0}, "fallbackAfterSeconds"),
+        ({"fallbackAfterSeconds": 601}, "fallbackAfterSeconds"),
+        ({"fallbacks": [{"modelDeployment": "Not_A_Name"}]}, "modelDeployment"),
+        ({"fallbacks": [{"provider": {**PROVIDER, "baseURL": "api.example.com"}}]}, "baseURL"),
+        ({"fallbacks": [{"provider": {"baseURL": PROVIDER["baseURL"]}}]}, "model"),
+        ({"fallbacks": [{"modelDeployment": f"m{i}"} for i in range(9)]}, "fallbacks"),
+        ({"endpointPickerRef": {"name": "epp"}}, "port is required"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_bad_routing_is_refused_naming_the_field(routing: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        api.parse_spec({"model": MODEL, "routing": routing})
+
+
+def test_a_fallback_to_itself_is_refused_by_name() -> None:
+    spec = api.parse_spec({"model": MODEL, "routing": {"fallbacks": [{"modelDeployment": "qwen"}]}})
+    api.check_routing("other", spec)
+    with pytest.raises(ValueError, match="qwen cannot fall back to itself"):
+        api.check_routing("qwen", spec)
+
+
+def test_routing_crd_rules() -> None:
+    schema = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    routing = schema["properties"]["spec"]["properties"]["routing"]
+    fallback = routing["properties"]["fallbacks"]["items"]
+    assert fallback["x-kubernetes-validations"][0]["rule"] == (
+        "has(self.modelDeployment) != has(self.provider)"
+    )
+    assert routing["properties"]["fallbacks"]["maxItems"] == api.MAX_FALLBACKS
+    assert "baseURL" in fallback["properties"]["provider"]["properties"]
+    after = routing["properties"]["fallbackAfterSeconds"]
+    assert (after["default"], after["minimum"], after["maximum"]) == (30, 1, 600)
+    assert [r["message"] for r in routing["x-kubernetes-validations"]] == [
+        "fallbacks name a ModelDeployment twice",
+        "fallbacks name a provider (baseURL and model) twice",
+    ]
+    root_rules = [r["rule"] for r in schema["x-kubernetes-validations"]]
+    assert any("f.modelDeployment != self.metadata.name" in rule for rule in root_rules)
+
+
+def test_endpoint_picker_ref_matches_the_inference_pool_field() -> None:
+    ref = api.EndpointPickerRef.model_validate({"name": "epp", "port": {"number": 9002}})
+    assert ref.model_dump(by_alias=True, exclude_none=True) == {
+        "group": "",
+        "kind": "Service",
+        "name": "epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }

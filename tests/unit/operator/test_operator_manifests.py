@@ -244,3 +244,51 @@ def test_pod_monitor_gives_series_the_labels_the_autoscaler_queries() -> None:
         metrics.PROM_LABEL_MODEL: "kvpilot.dev/model",
         metrics.PROM_LABEL_NODE_TYPE: "kvpilot.dev/node-type",
     }
+
+
+PICKER = {"name": "qwen-epp", "port": {"number": 9002}}
+
+
+@pytest.mark.parametrize("picker", [None, PICKER])
+@pytest.mark.parametrize("has_crd", [False, True])
+def test_an_inference_pool_only_with_a_picker_and_the_crd(
+    picker: dict[str, Any] | None, has_crd: bool
+) -> None:
+    s = spec(routing={"endpointPickerRef": picker} if picker else {})
+    children = manifests.build_all(MD, s, [plan_for(s)], [1], CONFIG, False, has_crd)
+    pools = [c for c in children if c["kind"] == "InferencePool"]
+    assert len(pools) == (1 if picker and has_crd else 0)
+
+
+def test_the_inference_pool_selects_the_runtime_pods_on_their_port() -> None:
+    s = spec(routing={"endpointPickerRef": {**PICKER, "failureMode": "FailOpen"}})
+    pool = manifests.build_inference_pool(MD, s.routing.endpoint_picker_ref, CONFIG)  # type: ignore[arg-type]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["metadata"]["name"] == "qwen" and pool["metadata"]["namespace"] == "ml"
+    assert pool["metadata"]["ownerReferences"][0]["uid"] == "1234-uid"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"kvpilot.dev/model": "qwen"}},
+        "targetPorts": [{"number": CONFIG.runtime_port}],
+        "endpointPickerRef": {
+            "group": "",
+            "kind": "Service",
+            "name": "qwen-epp",
+            "port": {"number": 9002},
+            "failureMode": "FailOpen",
+        },
+    }
+    pod = deployment(s)["spec"]["template"]
+    selected = pool["spec"]["selector"]["matchLabels"].items()
+    assert selected <= pod["metadata"]["labels"].items()
+    ports = pod["spec"]["containers"][0]["ports"]
+    assert [p["containerPort"] for p in ports] == [pool["spec"]["targetPorts"][0]["number"]]
+
+
+def test_runtime_pods_say_they_are_vllm_compatible() -> None:
+    labels = deployment()["spec"]["template"]["metadata"]["labels"]
+    assert labels["inference.networking.k8s.io/engine-type"] == "vllm"
+    # the label is the pods' alone: the Deployment's selector stays as it was
+    assert (
+        "inference.networking.k8s.io/engine-type"
+        not in deployment()["spec"]["selector"]["matchLabels"]
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -306,3 +307,87 @@ def test_scale_pending_compares_the_decision_with_what_was_applied(
     obj: dict[str, Any], pending: bool
 ) -> None:
     assert reconcile.scale_pending(obj) is pending
+
+
+def _routing(*fallbacks: dict[str, Any]) -> dict[str, Any]:
+    return {**LLAMA_70B, "routing": {"fallbacks": list(fallbacks)}}
+
+
+def _fallbacks_status(obj: dict[str, Any], missing: tuple[str, ...]) -> dict[str, Any] | None:
+    desired = dataclasses.replace(
+        reconcile.desire(obj, [H100], CONFIG, False), missing_fallbacks=missing
+    )
+    status = reconcile.build_status(obj, desired, [], CONFIG, "t")
+    return next((c for c in status["conditions"] if c["type"] == "FallbacksResolved"), None)
+
+
+@pytest.mark.parametrize(
+    ("fallbacks", "missing", "expected"),
+    [
+        ((), (), None),  # no ModelDeployment fallbacks: no condition
+        (({"provider": {"baseURL": "https://x.example/v1", "model": "m2"}},), (), None),
+        (({"modelDeployment": "small"},), (), ("True", "FallbacksFound", "1/1 fallback")),
+        (
+            ({"modelDeployment": "small"}, {"modelDeployment": "tiny"}),
+            ("tiny",),
+            ("False", "FallbackMissing", "1/2 fallback ModelDeployments found; missing: tiny"),
+        ),
+    ],
+)
+def test_fallbacks_resolved_condition(
+    fallbacks: tuple[dict[str, Any], ...],
+    missing: tuple[str, ...],
+    expected: tuple[str, str, str] | None,
+) -> None:
+    found = _fallbacks_status(md(_routing(*fallbacks)), missing)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    assert (found["status"], found["reason"]) == expected[:2]
+    assert found["message"].startswith(expected[2])
+
+
+def test_the_condition_goes_with_the_fallbacks() -> None:
+    obj = md(_routing({"modelDeployment": "small"}))
+    obj["status"] = {"conditions": [_fallbacks_status(obj, ("small",))]}
+    assert _fallbacks_status(md(LLAMA_70B, obj["status"]), ()) is None
+
+
+def test_missing_fallbacks_are_news_once() -> None:
+    obj = md(_routing({"modelDeployment": "small"}))
+    desired = dataclasses.replace(
+        reconcile.desire(obj, [H100], CONFIG, False), missing_fallbacks=("small",)
+    )
+    assert reconcile.fallbacks_news(obj, desired) == (
+        "spec.routing.fallbacks name missing ModelDeployments: small"
+    )
+    obj["status"] = reconcile.build_status(obj, desired, [], CONFIG, "t")
+    assert reconcile.fallbacks_news(obj, desired) is None
+    found = dataclasses.replace(desired, missing_fallbacks=())
+    assert reconcile.fallbacks_news(obj, found) is None
+
+
+def test_a_fallback_to_itself_is_an_invalid_spec() -> None:
+    desired = reconcile.desire(md(_routing({"modelDeployment": "m"})), [H100], CONFIG, False)
+    assert desired.is_invalid_spec
+    assert desired.error == "spec.routing.fallbacks: m cannot fall back to itself"
+    fine = reconcile.desire(md(_routing({"modelDeployment": "small"})), [H100], CONFIG, False)
+    assert fine.error is None and fine.fallback_names == ("small",)
+
+
+@pytest.mark.parametrize(
+    ("routing", "generation", "observed", "expected"),
+    [
+        ({"endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}, 4, 3, False),
+        ({}, 4, 3, True),  # the spec changed and wants no pool: look for one to delete
+        ({}, 3, 3, False),  # unchanged since the last pass: no extra reads
+    ],
+)
+def test_a_dropped_inference_pool_is_looked_for_after_a_spec_change(
+    routing: dict[str, Any], generation: int, observed: int, expected: bool
+) -> None:
+    obj = md({**LLAMA_70B, "routing": routing}, {"observedGeneration": observed})
+    obj["metadata"]["generation"] = generation
+    desired = reconcile.desire(obj, [H100], CONFIG, False, has_inference_pool_crd=True)
+    assert reconcile.may_have_dropped(obj, desired, "InferencePool") is expected
