@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections import Counter
 from typing import Any
 
 import httpx
@@ -194,13 +193,34 @@ def running(replica: Replica) -> float:
 def test_a_replica_killed_mid_burst_loses_no_request(
     gateway: GatewayProcess, replicas: list[Replica]
 ) -> None:
-    """Runs last: kills replicas[1]."""
+    """Runs last: kills the replica serving a long stream while a burst of 48 non-streamed
+    requests runs. The burst loses nothing (retried before their first byte reached the
+    client); the stream, past its first byte, ends with an SSE error event and [DONE]."""
     retries = gateway.metric("kvpilot_gateway_retries_total", model="tiny")
-    results = asyncio.run(burst(gateway.url, replicas[1], num_requests=48))
-    assert all(not isinstance(r, BaseException) for r in results), results
-    served = Counter(r for r in results if isinstance(r, str))
-    assert sum(served.values()) == 48
-    assert gateway.metric("kvpilot_gateway_retries_total", model="tiny") > retries, served
+    results, stream_end = asyncio.run(kill_during_burst(gateway.url, replicas, num_requests=48))
+    assert all(isinstance(r, str) for r in results), results
+    assert len(results) == 48
+    assert gateway.metric("kvpilot_gateway_retries_total", model="tiny") > retries
+    assert stream_end[-1] == "data: [DONE]", stream_end
+    assert json.loads(stream_end[-2].removeprefix("data: "))["error"]["code"] == 502
+
+
+async def kill_during_burst(
+    url: str, replicas: list[Replica], num_requests: int
+) -> tuple[list[object], list[str]]:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    async with (
+        httpx.AsyncClient(timeout=300) as http,
+        http.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as stream,
+    ):
+        lines = stream.aiter_lines()
+        while not await anext(lines):  # the stream's first event: it is past its first byte
+            pass
+        victim = next(r for r in replicas if r.url == stream.headers["x-kvpilot-backend"])
+        results = await burst(url, victim, num_requests)
+        rest = [line async for line in lines if line]
+    return results, rest
 
 
 async def burst(url: str, victim: Replica, num_requests: int) -> list[object]:

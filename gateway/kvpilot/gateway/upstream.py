@@ -125,18 +125,29 @@ async def relay(
 ) -> web.StreamResponse:
     response = web.StreamResponse(status=upstream.status, headers=response_headers(upstream, hop))
     await response.prepare(request)
-    await response.write(first)
-    last = first
-    while True:
+    try:
+        await copy_events(upstream, response, first, hop)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away; closing the upstream connection aborts the request there
+    return response
+
+
+async def copy_events(
+    upstream: aiohttp.ClientResponse, response: web.StreamResponse, first: bytes, hop: Hop
+) -> None:
+    """Relay the stream's bytes as they come; a stream that breaks, or ends without its
+    `data: [DONE]`, gets an SSE error event and [DONE] so the client sees a clean end."""
+    chunk, tail = first, b""
+    while chunk:
+        await response.write(chunk)
+        tail = (tail + chunk)[-32:]
         try:
             chunk = await upstream.content.readany()
         except (TimeoutError, aiohttp.ClientError) as error:
             message = f"the replica {hop.backend} failed mid-stream ({type(error).__name__}); retry"
-            await response.write(sse_error_event(message, last))
-            break
-        if not chunk:
-            break
-        await response.write(chunk)
-        last = chunk
-    await response.write_eof()
-    return response
+            await response.write(sse_error_event(message, tail))
+            return
+    if b"data: [DONE]" not in tail:
+        message = f"the replica {hop.backend} ended the stream early; retry"
+        await response.write(sse_error_event(message, tail))
