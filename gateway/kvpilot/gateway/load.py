@@ -19,19 +19,23 @@ log = logging.getLogger(__name__)
 
 # Names the kvpilot runtime and vLLM export; the first one a replica reports wins.
 WAITING = ("vllm:num_requests_waiting", "kvpilot_requests_waiting")
+RUNNING = ("vllm:num_requests_running", "kvpilot_requests_running")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "kvpilot_kv_cache_usage_ratio")
 
 
 def parse_replica_metrics(text: str) -> tuple[float, float]:
-    """(requests waiting, KV usage 0-1) from a replica's /metrics text; 0 for what is missing."""
+    """(requests running + waiting, KV usage 0-1) from a replica's /metrics text; 0 for what is
+    missing."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in WAITING or sample.name in KV_USAGE:
+            if sample.name in (*WAITING, *RUNNING, *KV_USAGE):
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    waiting = next((values[n] for n in WAITING if n in values), 0.0)
-    kv_usage = next((values[n] for n in KV_USAGE if n in values), 0.0)
-    return waiting, kv_usage
+
+    def first(names: tuple[str, ...]) -> float:
+        return next((values[n] for n in names if n in values), 0.0)
+
+    return first(RUNNING) + first(WAITING), first(KV_USAGE)
 
 
 class LoadBook:
@@ -47,8 +51,8 @@ class LoadBook:
     def finish(self, name: str) -> None:
         self._in_flight[name] = max(0, self._in_flight.get(name, 0) - 1)
 
-    def report(self, name: str, waiting: float, kv_usage: float) -> None:
-        self._reported[name] = (waiting, kv_usage)
+    def report(self, name: str, num_requests: float, kv_usage: float) -> None:
+        self._reported[name] = (num_requests, kv_usage)
 
     def eject(self, name: str) -> None:
         """A replica that refused a connection or answered 502/503: pass it over a while."""
@@ -69,8 +73,8 @@ class LoadBook:
         return {name: self.load(name) for name in names}
 
     def load(self, name: str) -> ReplicaLoad:
-        waiting, kv_usage = self._reported.get(name, (0.0, 0.0))
-        return ReplicaLoad(self._in_flight.get(name, 0), waiting, kv_usage)
+        num_requests, kv_usage = self._reported.get(name, (0.0, 0.0))
+        return ReplicaLoad(self._in_flight.get(name, 0), num_requests, kv_usage)
 
 
 async def scrape_forever(

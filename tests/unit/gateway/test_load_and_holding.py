@@ -16,6 +16,8 @@ from kvpilot.gateway.upstream import sse_error_event
 
 VLLM_TEXT = """# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="tiny"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="tiny"} 2.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{model_name="tiny"} 0.5
 """
@@ -25,7 +27,7 @@ vllm:gpu_cache_usage_perc{model_name="tiny"} 0.25
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [(VLLM_TEXT, (3.0, 0.5)), (OLD_VLLM_TEXT, (0.0, 0.25)), ("", (0, 0))]
+    ("text", "expected"), [(VLLM_TEXT, (5.0, 0.5)), (OLD_VLLM_TEXT, (0.0, 0.25)), ("", (0, 0))]
 )
 def test_parse_replica_metrics(text: str, expected: tuple[float, float]) -> None:
     assert parse_replica_metrics(text) == expected
