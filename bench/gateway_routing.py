@@ -47,6 +47,10 @@ SYSTEM_TOKENS = 1000  # per tenant, as the issue's workload; + question + output
 QUESTION_TOKENS = 32
 OUTPUT_TOKENS = 16
 OVERHEAD_CONCURRENCY = 64
+# 40 MiB = ~20k tokens per replica: the 16 tenants' prefixes (~17k tokens) plus the running
+# requests' KV fit on one replica only if it caches about half the tenants, as affinity asks, so
+# the KV pool is the scarce resource, as it is for real models on GPUs.
+KV_CACHE_MIB = 40
 STRATEGIES = ("prefix", "least-load", "random")
 
 
@@ -249,7 +253,12 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
                    for p in phases]  # fmt: skip
     random_p95 = next(p for p in phases if p.name == "random").summary.ttft_ms.percentiles["p95"]
     prefix_p95 = phases[0].summary.ttft_ms.percentiles["p95"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
+        f"Load average of this machine when the run ended: {load} (other jobs share its cores: "
+        "the replicas, the gateway and the client compete with them and with each other, so "
+        "wall-clock figures swing from round to round; read the per-round columns before the "
+        "ratios).\n\n"
         f"(a) Overhead: {args.overhead_requests} requests, 128-token prompts, 32 output tokens "
         f"(ignore_eos), {OVERHEAD_CONCURRENCY} clients in a closed loop, streamed, one tiny-llama "
         f"replica; direct and through the gateway alternate for {args.rounds} rounds (per-round "
@@ -261,7 +270,9 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
         + f"(b) Shared prefixes: {args.tenants} tenants x {args.questions} questions, system "
         f"prompts of ~{SYSTEM_TOKENS} tokens, questions of ~{QUESTION_TOKENS} tokens, "
         f"{OUTPUT_TOKENS} output tokens, chat, {args.tenants} clients in a closed loop, two "
-        "replicas (the last row: one replica alone, the hit-rate reference).\n\n"
+        f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{args.kv_cache_mib // 2}k "
+        "tokens; the last row: one replica alone, the hit-rate reference, which has to hold "
+        "every tenant in one pool).\n\n"
         + markdown_table(PREFIX_COLUMNS, prefix_rows)
         + f"\n\nTTFT p95, random / prefix affinity: {random_p95 / prefix_p95:.2f}x (goal >= 3x)\n"
     )
@@ -274,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-requests", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
+                        help="each replica's KV pool (tiny-llama fp32: 2 KiB a token)")  # fmt: skip
     args = parser.parse_args(argv)
-    limits = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs)]
+    limits = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
+              "--kv-cache-memory", str(args.kv_cache_mib * 1024**2)]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, runtime_replicas(2, limits) as replicas:
         workdir = Path(tmp)
         overhead = measure_overhead(replicas[0], workdir, args.overhead_requests, args.rounds)
@@ -283,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     body = report(args, overhead, phases)
     print(body)
     command = (f"python -m bench.gateway_routing --tenants {args.tenants} --questions "
-               f"{args.questions} --overhead-requests {args.overhead_requests}")  # fmt: skip
+               f"{args.questions} --overhead-requests {args.overhead_requests} --rounds "
+               f"{args.rounds} --kv-cache-mib {args.kv_cache_mib}")  # fmt: skip
     write_section("gateway_routing", "Gateway: overhead and prefix-affinity routing", command, body)
     return 0
 
