@@ -1,0 +1,308 @@
+"""kvpilot-gateway: what the proxy costs, and what prefix affinity buys over random routing.
+
+    .venv/bin/python -m bench.gateway_routing [--tenants 16] [--questions 8]
+
+Two real `kvpilot-runtime serve` replicas of tiny-llama and real `kvpilot-gateway` processes
+(static config), driven by `kvpilot bench` (streamed, so TTFT is measured at the client).
+(a) Overhead: the same closed loop of 64 clients straight to one replica and through a gateway in
+front of it, alternating; output tokens/s ratio and the added TTFT p50.
+(b) Shared prefixes: 16 tenants, each with a long system prompt of its own (sized to fit
+tiny-llama's 2048-token context) and distinct short questions, shuffled, 16 clients; the gateway
+with prefix affinity (CHWBL), least-load and random routing over the two replicas, side by side,
+plus one replica alone as the prefix-cache reference. Each phase uses tenants of its own, so no
+phase finds another's prefixes cached. Hit rate: prefix-cache hits / queries (tokens) over both
+replicas during the phase (the runtime's vllm:prefix_cache_* counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench import server_common
+from bench.report import markdown_table, write_section
+from kvpilot.runtime.bench.cli import benchmark, parse_args
+from kvpilot.runtime.bench.stats import Summary
+from kvpilot.runtime.bench.tokens import LocalTokenCounter
+
+MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
+MAX_MODEL_LEN = 2048
+SYSTEM_TOKENS = 1000  # per tenant, as the issue's workload; + question + output < 2048
+QUESTION_TOKENS = 32
+OUTPUT_TOKENS = 16
+OVERHEAD_CONCURRENCY = 64
+# 40 MiB = ~20k tokens per replica: the 16 tenants' prefixes (~17k tokens) plus the running
+# requests' KV fit on one replica only if it caches about half the tenants, as affinity asks, so
+# the KV pool is the scarce resource, as it is for real models on GPUs.
+KV_CACHE_MIB = 40
+STRATEGIES = ("prefix", "least-load", "random")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def runtime_replicas(count: int, limits: list[str]) -> Iterator[list[str]]:
+    """`count` `kvpilot-runtime serve` processes of tiny-llama, started together (loading torch
+    takes minutes on a busy shared CPU); their base URLs once all are ready."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # steadier on a shared CPU (server_throughput)
+    ports = [free_port() for _ in range(count)]
+    processes = [
+        subprocess.Popen([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model",
+                          str(MODEL), "--served-name", "tiny", "--host", "127.0.0.1", "--port",
+                          str(port), "--log-level", "warning", *limits], env=env)
+        for port in ports
+    ]  # fmt: skip
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    try:
+        deadline = time.monotonic() + 900
+        while not all(server_common.is_ready(url) for url in urls):
+            if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+                raise RuntimeError("a runtime replica did not become ready")
+            time.sleep(0.5)
+        yield urls
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            process.wait(timeout=120)
+
+
+@contextmanager
+def gateway(backends: list[str], strategy: str, workdir: Path) -> Iterator[str]:
+    """A `kvpilot-gateway` process routing model `tiny` to `backends`; its base URL."""
+    config = workdir / f"gateway-{strategy}-{len(backends)}.yaml"
+    config.write_text(yaml.safe_dump({"models": [{"name": "tiny", "backends": backends}]}))
+    port = free_port()
+    command = [sys.executable, "-m", "kvpilot.gateway.cli", "--config", str(config), "--host",
+               "127.0.0.1", "--port", str(port), "--strategy", strategy, "--log-level",
+               "warning"]  # fmt: skip
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not is_healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run_bench(url: str, *args: str) -> Summary:
+    config = parse_args(["--base-url", url, "--model", "tiny", "--no-progress", "--tokenizer",
+                         str(MODEL), *args])  # fmt: skip
+    summary, _ = benchmark(config)
+    if summary.failed:
+        raise RuntimeError(f"{summary.failed} requests failed: {summary.errors}")
+    return summary
+
+
+def overhead_run(url: str, num_requests: int) -> Summary:
+    return run_bench(url, "--num-prompts", str(num_requests), "--concurrency",
+                     str(OVERHEAD_CONCURRENCY), "--input-len", "128", "--output-len", "32",
+                     "--ignore-eos")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Overhead:
+    direct: list[Summary]
+    through: list[Summary]
+
+
+def measure_overhead(replica: str, workdir: Path, num_requests: int, rounds: int) -> Overhead:
+    result = Overhead([], [])
+    with gateway([replica], "prefix", workdir) as url:
+        overhead_run(url, 16)  # warm-up: connections, first requests' one-off costs
+        for _ in range(rounds):
+            result.direct.append(overhead_run(replica, num_requests))
+            result.through.append(overhead_run(url, num_requests))
+    return result
+
+
+def text_pool() -> list[str]:
+    """Words of text every machine has (the pydoc topics), to cut tenant prompts from."""
+    from pydoc_data.topics import topics
+
+    return " ".join(topics[k] for k in sorted(topics)).split()
+
+
+def cut(words: list[str], start: int, num_tokens: int, tokens: LocalTokenCounter) -> str:
+    """Words from `start` adding up to about `num_tokens` tokens."""
+    end = start + num_tokens // 2
+    while tokens.count(" ".join(words[start:end]), False) < num_tokens:
+        end += 8
+    return " ".join(words[start:end])
+
+
+def tenant_workload(phase: int, tenants: int, questions: int, path: Path) -> Path:
+    """Chat records: every tenant's system prompt (its own text, distinct per phase) with
+    `questions` distinct short questions, shuffled."""
+    words, tokens = text_pool(), LocalTokenCounter(MODEL)
+    stride = len(words) // (4 * tenants + 1)
+    rng = random.Random(phase)
+    records = []
+    for tenant in range(tenants):
+        offset = rng.randrange(len(words) - 2 * stride)
+        system = f"Tenant {phase}-{tenant}. " + cut(words, offset, SYSTEM_TOKENS, tokens)
+        for q in range(questions):
+            start = rng.randrange(len(words) - 100)
+            question = f"Question {q}: " + cut(words, start, QUESTION_TOKENS, tokens) + "?"
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ]
+            records.append({"messages": messages, "max_tokens": OUTPUT_TOKENS})
+    rng.shuffle(records)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def prefix_counters(replicas: list[str]) -> tuple[float, float]:
+    """(hits, queries) of the prefix cache summed over `replicas`."""
+    hits = queries = 0.0
+    for url in replicas:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "vllm:prefix_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "vllm:prefix_cache_queries_total":
+                    queries += sample.value
+    return hits, queries
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    summary: Summary
+    hit_rate: float
+
+
+def run_phase(name: str, url: str, replicas: list[str], dataset: Path, tenants: int) -> Phase:
+    before = prefix_counters(replicas)
+    count = sum(1 for _ in dataset.open())
+    summary = run_bench(url, "--api", "chat", "--dataset", str(dataset), "--num-prompts",
+                        str(count), "--concurrency", str(tenants))  # fmt: skip
+    after = prefix_counters(replicas)
+    queries = after[1] - before[1]
+    return Phase(name, summary, (after[0] - before[0]) / queries if queries else 0.0)
+
+
+def measure_prefix(replicas: list[str], workdir: Path, tenants: int, questions: int) -> list[Phase]:
+    phases = []
+    for index, strategy in enumerate(STRATEGIES, start=1):
+        dataset = tenant_workload(index, tenants, questions, workdir / f"{strategy}.jsonl")
+        with gateway(replicas, strategy, workdir) as url:
+            phases.append(run_phase(strategy, url, replicas, dataset, tenants))
+    dataset = tenant_workload(0, tenants, questions, workdir / "single.jsonl")
+    phases.append(run_phase("one replica alone", replicas[0], replicas[:1], dataset, tenants))
+    return phases
+
+
+PREFIX_COLUMNS = ["routing", "TTFT p95 (ms)", "TTFT p50 (ms)", "req/s", "prefix-cache hit rate",
+                  "hit rate / one replica's"]  # fmt: skip
+
+
+def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) -> str:
+    def best_tps(runs: list[Summary]) -> float:
+        return max(s.output_throughput for s in runs)
+
+    def p50s(runs: list[Summary]) -> list[float]:
+        return [s.ttft_ms.percentiles["p50"] for s in runs]
+
+    ratio = best_tps(overhead.through) / best_tps(overhead.direct)
+    added = min(p50s(overhead.through)) - min(p50s(overhead.direct))
+    rows = [[name, ", ".join(f"{s.output_throughput:.1f}" for s in runs),
+             ", ".join(f"{p:.1f}" for p in p50s(runs))]
+            for name, runs in (("direct to the replica", overhead.direct),
+                               ("through the gateway", overhead.through))]  # fmt: skip
+    reference = phases[-1].hit_rate
+    prefix_rows = [[p.name, f"{p.summary.ttft_ms.percentiles['p95']:.1f}",
+                    f"{p.summary.ttft_ms.percentiles['p50']:.1f}",
+                    f"{p.summary.request_throughput:.2f}", f"{100 * p.hit_rate:.1f}%",
+                    f"{p.hit_rate / reference:.2f}" if reference else "-"]
+                   for p in phases]  # fmt: skip
+    random_p95 = next(p for p in phases if p.name == "random").summary.ttft_ms.percentiles["p95"]
+    prefix_p95 = phases[0].summary.ttft_ms.percentiles["p95"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"Load average of this machine when the run ended: {load} (other jobs share its cores: "
+        "the replicas, the gateway and the client compete with them and with each other, so "
+        "wall-clock figures swing from round to round; read the per-round columns before the "
+        "ratios).\n\n"
+        f"(a) Overhead: {args.overhead_requests} requests, 128-token prompts, 32 output tokens "
+        f"(ignore_eos), {OVERHEAD_CONCURRENCY} clients in a closed loop, streamed, one tiny-llama "
+        f"replica; direct and through the gateway alternate for {args.rounds} rounds (per-round "
+        "figures; the ratio takes the best round of each, the added TTFT the lowest p50 of "
+        "each). Client, gateway and replica share this machine's cores.\n\n"
+        + markdown_table(["", "output tok/s", "TTFT p50 (ms)"], rows)
+        + f"\n\nThroughput through the gateway / direct: {ratio:.2f}x (goal >= 0.95x)  \n"
+        + f"Added TTFT p50: {added:.1f} ms (goal <= 2 ms)\n\n"
+        + f"(b) Shared prefixes: {args.tenants} tenants x {args.questions} questions, system "
+        f"prompts of ~{SYSTEM_TOKENS} tokens, questions of ~{QUESTION_TOKENS} tokens, "
+        f"{OUTPUT_TOKENS} output tokens, chat, {args.tenants} clients in a closed loop, two "
+        f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{args.kv_cache_mib // 2}k "
+        "tokens; the last row: one replica alone, the hit-rate reference, which has to hold "
+        "every tenant in one pool).\n\n"
+        + markdown_table(PREFIX_COLUMNS, prefix_rows)
+        + f"\n\nTTFT p95, random / prefix affinity: {random_p95 / prefix_p95:.2f}x (goal >= 3x)\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tenants", type=int, default=16)
+    parser.add_argument("--questions", type=int, default=8, help="per tenant")
+    parser.add_argument("--overhead-requests", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
+                        help="each replica's KV pool (tiny-llama fp32: 2 KiB a token)")  # fmt: skip
+    args = parser.parse_args(argv)
+    limits = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
+              "--kv-cache-memory", str(args.kv_cache_mib * 1024**2)]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp, runtime_replicas(2, limits) as replicas:
+        workdir = Path(tmp)
+        overhead = measure_overhead(replicas[0], workdir, args.overhead_requests, args.rounds)
+        phases = measure_prefix(replicas, workdir, args.tenants, args.questions)
+    body = report(args, overhead, phases)
+    print(body)
+    command = (f"python -m bench.gateway_routing --tenants {args.tenants} --questions "
+               f"{args.questions} --overhead-requests {args.overhead_requests} --rounds "
+               f"{args.rounds} --kv-cache-mib {args.kv_cache_mib}")  # fmt: skip
+    write_section("gateway_routing", "Gateway: overhead and prefix-affinity routing", command, body)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""`kvpilot-gateway`: the proxy in front of the model servers.
+
+    kvpilot-gateway --config gateway.yaml --port 8080
+
+The CLI builds a RouteTable, fills it from the discovery sources its flags name (`--config`: the
+static file, loaded once), and serves the proxy until SIGTERM/SIGINT. A discovery source runs on
+the gateway's loop (or hands changes over with `loop.call_soon_threadsafe`) and may supply the
+Waker that wakes models from zero; the static file has nothing to wake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from kvpilot.gateway.config import ConfigError, load_routes
+from kvpilot.gateway.picking import STRATEGIES, PickPolicy
+from kvpilot.gateway.proxy import Gateway, ProxyOptions
+from kvpilot.gateway.routes import RouteTable
+from kvpilot.gateway.wake import Waker
+
+log = logging.getLogger("kvpilot.gateway")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvpilot-gateway", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, help="static routes: YAML `models: [...]`")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--strategy", choices=STRATEGIES, default="prefix",
+                        help="replica picking: prefix affinity with bounded loads (default), "
+                        "least-load, or random (what a Service does)")  # fmt: skip
+    parser.add_argument("--prefix-chars", type=int, default=ProxyOptions.prefix_chars,
+                        help="prompt characters keying prefix affinity")  # fmt: skip
+    parser.add_argument("--load-factor", type=float, default=PickPolicy.load_factor,
+                        help="cap on a replica's load, times the mean")  # fmt: skip
+    parser.add_argument("--max-attempts", type=int, default=ProxyOptions.max_attempts)
+    parser.add_argument("--fallback-after", type=float, default=ProxyOptions.fallback_after_s,
+                        help="seconds to wait for a replica before the fallbacks")  # fmt: skip
+    parser.add_argument("--max-held", type=int, default=ProxyOptions.max_held_per_model,
+                        help="requests held per model at zero replicas before 429")  # fmt: skip
+    parser.add_argument("--max-request-body-bytes", type=int,
+                        default=ProxyOptions.max_body_bytes)  # fmt: skip
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+def build_options(args: argparse.Namespace) -> ProxyOptions:
+    numbers = {"--prefix-chars": args.prefix_chars, "--max-attempts": args.max_attempts,
+               "--fallback-after": args.fallback_after, "--max-held": args.max_held,
+               "--max-request-body-bytes": args.max_request_body_bytes}  # fmt: skip
+    for flag, value in numbers.items():
+        if value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    return ProxyOptions(
+        policy=PickPolicy(args.strategy, args.load_factor),
+        prefix_chars=args.prefix_chars,
+        max_attempts=args.max_attempts,
+        fallback_after_s=args.fallback_after,
+        max_held_per_model=args.max_held,
+        max_body_bytes=args.max_request_body_bytes,
+    )
+
+
+def start_discovery(args: argparse.Namespace, table: RouteTable) -> Waker | None:
+    """Fill `table` from the sources the flags name; the Waker of the one that can wake models."""
+    if args.config is None:
+        raise ValueError("give --config FILE (static routes)")
+    table.replace_all(load_routes(args.config))
+    return None
+
+
+async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
+    table = RouteTable()
+    waker = start_discovery(args, table)
+    gateway = Gateway(table, options, waker)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("kvpilot-gateway on %s:%d routing %s", args.host, args.port, table.models())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    try:
+        options = build_options(args)
+        asyncio.run(serve(args, options))
+    except (ConfigError, ValueError) as error:
+        sys.exit(f"kvpilot-gateway: {error}")
+
+
+if __name__ == "__main__":
+    main()

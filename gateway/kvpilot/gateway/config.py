@@ -1,0 +1,125 @@
+"""The static config file (`kvpilot-gateway --config FILE`): models, their replicas' URLs and their
+fallbacks, for use without Kubernetes. Parsed with pydantic; every mistake names its place in the
+file and what to write instead.
+
+    models:
+      - name: tiny
+        backends: [http://10.0.0.5:8000, http://10.0.0.6:8000]
+        fallbacks:
+          - small                          # another model in this file
+          - provider: {baseURL: https://api.example.com/v1, model: gpt-4o-mini,
+                       apiKeyEnv: EXAMPLE_API_KEY}
+        fallbackAfterSeconds: 30           # optional
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class ProviderSpec(_Strict):
+    base_url: str = Field(alias="baseURL")
+    model: str = Field(min_length=1)
+    api_key_env: str | None = Field(default=None, alias="apiKeyEnv")
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        return http_url(value)
+
+
+class ProviderFallback(_Strict):
+    provider: ProviderSpec
+
+
+class ModelSpec(_Strict):
+    name: str = Field(min_length=1)
+    backends: list[str] = Field(default_factory=list)
+    fallbacks: list[str | ProviderFallback] = Field(default_factory=list)
+    fallback_after_seconds: float | None = Field(default=None, alias="fallbackAfterSeconds", gt=0)
+
+    @field_validator("backends")
+    @classmethod
+    def _http_urls(cls, values: list[str]) -> list[str]:
+        return [http_url(value) for value in values]
+
+
+class GatewayConfig(_Strict):
+    models: list[ModelSpec] = Field(min_length=1)
+
+
+def http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{value!r} is not an http(s) URL like http://10.0.0.5:8000")
+    return value.rstrip("/")
+
+
+def load_routes(path: Path, env: Mapping[str, str] | None = None) -> list[Route]:
+    """The routes a config file describes; ConfigError saying what is wrong and where."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read the gateway config {path}: {error}") from None
+    return routes_from(data, os.environ if env is None else env, source=str(path))
+
+
+def routes_from(data: Any, env: Mapping[str, str], source: str = "config") -> list[Route]:
+    try:
+        config = GatewayConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {describe(error)}") from None
+    names = [model.name for model in config.models]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ConfigError(f"{source}: model names must be unique; repeated: {duplicates}")
+    return [to_route(model, set(names), env, source) for model in config.models]
+
+
+def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: str) -> Route:
+    backends = tuple(Backend(name=url, url=url) for url in model.backends)
+    fallbacks: list[Fallback] = []
+    for index, fallback in enumerate(model.fallbacks):
+        where = f"{source}: models[{model.name}].fallbacks[{index}]"
+        if isinstance(fallback, str):
+            if fallback not in names or fallback == model.name:
+                raise ConfigError(f"{where}: {fallback!r} is not another model of this file")
+            fallbacks.append(fallback)
+        else:
+            fallbacks.append(to_provider(fallback.provider, f"{model.name}/{index}", env, where))
+    return Route(model.name, backends, tuple(fallbacks), None, model.fallback_after_seconds)
+
+
+def to_provider(spec: ProviderSpec, name: str, env: Mapping[str, str], where: str) -> Provider:
+    key = None
+    if spec.api_key_env is not None:
+        key = env.get(spec.api_key_env)
+        if not key:
+            raise ConfigError(f"{where}: apiKeyEnv {spec.api_key_env!r} is not set or empty")
+    return Provider(name=name, base_url=spec.base_url, model=spec.model, api_key=key)
+
+
+def describe(error: ValidationError) -> str:
+    """pydantic's errors as `models.0.backends.1: message` lines."""
+    lines = []
+    for item in error.errors():
+        place = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"{place}: {item['msg']}")
+    return "; ".join(lines)

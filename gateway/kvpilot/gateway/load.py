@@ -1,0 +1,102 @@
+"""What the gateway knows of each replica's load: its own in-flight requests (exact, counted here),
+the queue and KV usage the replica reports on /metrics (scraped every few seconds, so it also sees
+other gateway replicas' traffic), and replicas that just failed (passed over for a short while)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.gateway.picking import ReplicaLoad
+from kvpilot.gateway.routes import Backend
+
+log = logging.getLogger(__name__)
+
+# Names the kvpilot runtime and vLLM export; the first one a replica reports wins.
+WAITING = ("vllm:num_requests_waiting", "kvpilot_requests_waiting")
+RUNNING = ("vllm:num_requests_running", "kvpilot_requests_running")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "kvpilot_kv_cache_usage_ratio")
+
+
+def parse_replica_metrics(text: str) -> tuple[float, float]:
+    """(requests running + waiting, KV usage 0-1) from a replica's /metrics text; 0 for what is
+    missing."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (*WAITING, *RUNNING, *KV_USAGE):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+
+    def first(names: tuple[str, ...]) -> float:
+        return next((values[n] for n in names if n in values), 0.0)
+
+    return first(RUNNING) + first(WAITING), first(KV_USAGE)
+
+
+class LoadBook:
+    def __init__(self, eject_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.eject_s, self.clock = eject_s, clock
+        self._in_flight: dict[str, int] = {}
+        self._reported: dict[str, tuple[float, float]] = {}
+        self._ejected_until: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        self._in_flight[name] = self._in_flight.get(name, 0) + 1
+
+    def finish(self, name: str) -> None:
+        self._in_flight[name] = max(0, self._in_flight.get(name, 0) - 1)
+
+    def report(self, name: str, num_requests: float, kv_usage: float) -> None:
+        self._reported[name] = (num_requests, kv_usage)
+
+    def eject(self, name: str) -> None:
+        """A replica that refused a connection or answered 502/503: pass it over a while."""
+        self._ejected_until[name] = self.clock() + self.eject_s
+        self._reported.pop(name, None)
+
+    def is_ejected(self, name: str) -> bool:
+        return self._ejected_until.get(name, 0.0) > self.clock()
+
+    def available(self, backends: Iterable[Backend], tried: set[str]) -> list[Backend]:
+        """The backends not yet tried by this request, without the ejected ones unless only
+        ejected ones are left (an ejected replica may be back; better to try than to fail)."""
+        untried = [b for b in backends if b.name not in tried]
+        return [b for b in untried if not self.is_ejected(b.name)] or untried
+
+    def loads(self) -> dict[str, ReplicaLoad]:
+        names = set(self._in_flight) | set(self._reported)
+        return {name: self.load(name) for name in names}
+
+    def load(self, name: str) -> ReplicaLoad:
+        num_requests, kv_usage = self._reported.get(name, (0.0, 0.0))
+        return ReplicaLoad(self._in_flight.get(name, 0), num_requests, kv_usage)
+
+
+async def scrape_forever(
+    session: aiohttp.ClientSession,
+    book: LoadBook,
+    backends: Callable[[], Iterable[Backend]],
+    interval_s: float,
+) -> None:
+    """Read every backend's /metrics each `interval_s` into `book` (a replica that does not answer
+    keeps no stale report)."""
+    while True:
+        await asyncio.gather(*(scrape_one(session, book, b) for b in set(backends())))
+        await asyncio.sleep(interval_s)
+
+
+async def scrape_one(session: aiohttp.ClientSession, book: LoadBook, backend: Backend) -> None:
+    timeout = aiohttp.ClientTimeout(total=2)
+    try:
+        async with session.get(f"{backend.url}/metrics", timeout=timeout) as response:
+            if response.status != 200:
+                raise aiohttp.ClientError(f"/metrics answered {response.status}")
+            book.report(backend.name, *parse_replica_metrics(await response.text()))
+    except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+        log.debug("no metrics from %s: %s", backend.name, error)
+        book.report(backend.name, 0.0, 0.0)

@@ -1,0 +1,41 @@
+"""The gateway's Prometheus metrics (its own registry, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvpilot_gateway_requests", "Requests answered, by requested model, the target that "
+            "served (model or provider; 'none' when none did) and status code.",
+            ["model", "target", "code"], registry=r,
+        )  # fmt: skip
+        # md_namespace/md_name, not namespace: Prometheus relabels namespace/pod to the gateway's.
+        self.held = Gauge(
+            "kvpilot_gateway_requests_held",
+            "Requests held for a model with no ready replica (scale from zero).",
+            ["md_namespace", "md_name", "model"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "kvpilot_gateway_retries", "Requests retried on another replica, by reason.",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.fallbacks = Counter(
+            "kvpilot_gateway_fallbacks", "Requests sent to a fallback target, by reason.",
+            ["model", "target", "reason"], registry=r,
+        )  # fmt: skip
+        self.picks = Counter(
+            "kvpilot_gateway_picks", "Replicas picked for a request (retries included).",
+            ["model", "backend"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kvpilot_gateway_upstream_ttft_seconds",
+            "From sending a request upstream to its first response byte.",
+            ["model", "target"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip

@@ -1,0 +1,127 @@
+"""Which replica serves a request: pure functions of the replicas' names, their loads and a key.
+
+`prefix` is consistent hashing with bounded loads (CHWBL, Mirrokni et al. 2016, as KubeAI routes):
+each replica owns points on a hash ring built from its name alone, so every gateway replica maps a
+prompt prefix to the same replica without shared state, and a replica's prefix cache sees all of a
+tenant's traffic. The bound keeps affinity from overloading one replica: walking the ring from the
+key's point, a replica is taken only while its load is under `load_factor` × the mean (counting the
+new request). A replica's load is the gateway's own in-flight requests to it, or the requests it
+reports running and waiting on /metrics when that is more (other gateway replicas' traffic); one
+whose KV cache is nearly full is passed over while another can take the request. `random` is what
+a Service does; `least-load` picks the least loaded replica; both are for comparison.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random as random_module
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from kvpilot.gateway.routes import Backend
+
+STRATEGIES = ("prefix", "least-load", "random")
+POINTS_PER_REPLICA = 160  # virtual nodes: the spread of keys per replica stays within a few %
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    in_flight: int = 0  # this gateway's requests now at the replica (exact, current)
+    reported: float = 0.0  # running + waiting, as the replica last reported (every gateway's)
+    kv_usage: float = 0.0  # 0-1 (vllm:kv_cache_usage_perc)
+
+    @property
+    def total(self) -> float:
+        # The report counts this gateway's requests too, but is seconds old: the larger of the
+        # two neither counts ours twice nor misses the other gateway replicas' traffic.
+        return max(self.in_flight, self.reported)
+
+
+@dataclass(frozen=True)
+class PickPolicy:
+    strategy: str = "prefix"
+    load_factor: float = 1.25
+    kv_hot: float = 0.95  # KV usage at which a replica counts as hot
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; use one of {STRATEGIES}")
+        if self.load_factor < 1:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+
+
+def pick(
+    policy: PickPolicy,
+    key: str,
+    backends: Sequence[Backend],
+    loads: Mapping[str, ReplicaLoad],
+    rng: random_module.Random | None = None,
+) -> Backend | None:
+    """The replica for a request keyed `key` among `backends` (None when there is none)."""
+    if not backends:
+        return None
+    load = {b.name: loads.get(b.name, ReplicaLoad()) for b in backends}
+    if policy.strategy == "random":
+        return (rng or random_module).choice(list(backends))
+    if policy.strategy == "least-load":
+        return least_loaded(backends, load, rng)
+    return bounded_ring_pick(key, backends, load, policy)
+
+
+def least_loaded(
+    backends: Sequence[Backend], load: Mapping[str, ReplicaLoad], rng: random_module.Random | None
+) -> Backend:
+    lowest = min(load[b.name].total for b in backends)
+    ties = [b for b in backends if load[b.name].total == lowest]
+    return (rng or random_module).choice(ties)
+
+
+def bounded_ring_pick(
+    key: str, backends: Sequence[Backend], load: Mapping[str, ReplicaLoad], policy: PickPolicy
+) -> Backend:
+    by_name = {b.name: b for b in backends}
+    order = ring_order(key, tuple(sorted(by_name)))
+    bound = load_bound([load[name].total for name in order], policy.load_factor)
+    cool = [name for name in order if load[name].kv_usage < policy.kv_hot] or list(order)
+    for name in cool:
+        if load[name].total + 1 <= bound:
+            return by_name[name]
+    # Every cool replica is over the bound (the hot ones carried little): the least loaded cool one.
+    return by_name[min(cool, key=lambda name: load[name].total)]
+
+
+def load_bound(loads: Sequence[float], load_factor: float) -> float:
+    """The most load a replica may carry after taking one more request: the mean with it, times
+    the factor, rounded up (so at least one replica is always under it)."""
+    mean = (sum(loads) + 1) / len(loads)
+    return math.ceil(mean * load_factor)
+
+
+def ring_order(key: str, names: tuple[str, ...]) -> list[str]:
+    """The replicas in the order met walking the ring clockwise from `key`'s point."""
+    points, owners = ring(names)
+    start = bisect_left(points, hash64(key))
+    order: list[str] = []
+    for index in range(start, start + len(points)):
+        owner = owners[index % len(points)]
+        if owner not in order:
+            order.append(owner)
+            if len(order) == len(names):
+                break
+    return order
+
+
+@lru_cache(maxsize=256)
+def ring(names: tuple[str, ...]) -> tuple[list[int], list[str]]:
+    """Sorted ring points and their owners; cached per replica set (it changes rarely)."""
+    placed = sorted(
+        (hash64(f"{name}#{i}"), name) for name in names for i in range(POINTS_PER_REPLICA)
+    )
+    return [p for p, _ in placed], [n for _, n in placed]
+
+
+def hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")

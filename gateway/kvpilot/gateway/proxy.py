@@ -1,0 +1,291 @@
+"""The gateway's HTTP side (aiohttp): OpenAI endpoints in, replicas and fallbacks out.
+
+A request for model M: its route (404 listing the served models when there is none), a replica
+picked by the policy (picking.py), retried on another replica while nothing reached the client
+(bounded, with jitter), held while M has no replica and can be woken (holding.py), then M's
+fallbacks in order; the response says who served it (`x-kvpilot-backend`, `x-kvpilot-target`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvpilot.gateway import bodies
+from kvpilot.gateway.bodies import BadRequestError, Inbound
+from kvpilot.gateway.holding import Holding
+from kvpilot.gateway.load import LoadBook, scrape_forever
+from kvpilot.gateway.metrics import GatewayMetrics
+from kvpilot.gateway.picking import PickPolicy, pick
+from kvpilot.gateway.routes import Backend, Provider, Route, RouteTable
+from kvpilot.gateway.upstream import Hop, Refusal, error_response, forward
+from kvpilot.gateway.wake import Waker
+
+access_log = logging.getLogger("kvpilot.gateway.access")
+
+
+@dataclass(frozen=True)
+class ProxyOptions:
+    policy: PickPolicy = field(default_factory=PickPolicy)
+    prefix_chars: int = 256  # of the prompt (chat: the messages, system first) keying affinity
+    max_attempts: int = 3  # replicas tried per request before the fallbacks
+    retry_backoff_s: float = 0.02  # times a random 0.5-1.5, per retry
+    fallback_after_s: float = 30.0  # longest wait for a replica (held at zero) before fallbacks
+    max_held_per_model: int = 256
+    max_body_bytes: int = 16 * 1024 * 1024  # as the runtime's --max-request-body-bytes
+    connect_timeout_s: float = 5.0
+    scrape_interval_s: float = 2.0  # replicas' /metrics (queue, KV usage)
+    eject_s: float = 5.0  # a replica that refused a connection or answered 502/503 sits out
+
+
+@dataclass
+class Outcome:
+    """How a request ended, for its log line and metrics."""
+
+    response: web.StreamResponse | None = None
+    target: str = "none"
+    backend: str = ""
+    attempts: int = 0
+    reason: str = ""
+    refusal: Refusal | None = None
+
+
+class Gateway:
+    def __init__(
+        self,
+        table: RouteTable,
+        options: ProxyOptions | None = None,
+        waker: Waker | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
+        self.table, self.options = table, options or ProxyOptions()
+        self.metrics = metrics or GatewayMetrics()
+        self.book = LoadBook(eject_s=self.options.eject_s)
+        self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.options.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.cleanup_ctx.append(self._client_session)
+        return app
+
+    async def _client_session(self, _: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)  # a pool per replica
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        scraper = asyncio.ensure_future(
+            scrape_forever(self.session, self.book, self.all_backends,
+                           self.options.scrape_interval_s)
+        )  # fmt: skip
+        yield
+        scraper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scraper
+        await self.session.close()
+
+    def all_backends(self) -> list[Backend]:
+        routes = (self.table.get(model) for model in self.table.models())
+        return [b for route in routes if route is not None for b in route.backends]
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"}
+                for m in self.table.models()]  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, bodies.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.handle(request, bodies.CHAT)
+
+    async def handle(self, request: web.Request, kind: str) -> web.StreamResponse:
+        started = asyncio.get_running_loop().time()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.options.max_body_bytes
+            return error_response(413, f"the body is over {limit} bytes; send a shorter prompt")
+        try:
+            inbound = bodies.parse_body(raw, kind, self.options.prefix_chars)
+        except BadRequestError as error:
+            return error_response(400, str(error), error.param)
+        route = self.table.get(inbound.model)
+        if route is None:
+            served = ", ".join(self.table.models()) or "none"
+            message = f"model {inbound.model!r} is not served here; served models: {served}"
+            return error_response(404, message, "model", "model_not_found")
+        outcome = await self.dispatch(request, kind, inbound, raw, route)
+        response = outcome.response or refused_response(outcome, inbound.model)
+        self.record(inbound, outcome, response.status, started)
+        return response
+
+    async def dispatch(
+        self, request: web.Request, kind: str, inbound: Inbound, raw: bytes, route: Route
+    ) -> Outcome:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (route.fallback_after_s or self.options.fallback_after_s)
+        first = await self.to_replicas(request, kind, inbound, raw, route, deadline)
+        if first.response is not None:
+            return first
+        last = first
+        for fallback in route.fallbacks:
+            name = fallback if isinstance(fallback, str) else fallback.name
+            self.metrics.fallbacks.labels(inbound.model, name, first.reason).inc()
+            if isinstance(fallback, Provider):
+                outcome = await self.to_provider(request, kind, inbound, fallback)
+            else:
+                outcome = await self.to_fallback_model(request, kind, inbound, fallback)
+            if outcome.response is not None:
+                outcome.reason = first.reason  # why it fell back, for the log line
+                return outcome
+            last = outcome if outcome.refusal else last
+        return Outcome(reason=first.reason, refusal=last.refusal, attempts=first.attempts)
+
+    async def to_fallback_model(
+        self, request: web.Request, kind: str, inbound: Inbound, model: str
+    ) -> Outcome:
+        route = self.table.get(model)
+        if route is None:
+            return Outcome(reason="no_route")
+        body = bodies.with_model(inbound.payload, model)
+        now = asyncio.get_running_loop().time()  # no holding for a fallback: its deadline passed
+        return await self.to_replicas(request, kind, inbound, body, route, now)
+
+    async def to_replicas(
+        self,
+        request: web.Request,
+        kind: str,
+        inbound: Inbound,
+        body: bytes,
+        route: Route,
+        deadline: float,
+    ) -> Outcome:
+        """Try `route`'s replicas (holding while it has none and can be woken) until one answers
+        or none is left; nothing reaches the client unless one answered."""
+        outcome, tried = Outcome(target=route.model), set[str]()
+        while outcome.attempts < self.options.max_attempts:
+            route = self.table.get(route.model) or route  # discovery may have changed it
+            candidates = self.book.available(route.backends, tried)
+            if not candidates:
+                is_late = deadline <= asyncio.get_running_loop().time()
+                if is_late or not self.holding.can_hold(route):
+                    outcome.reason = outcome.reason or "no_replicas"
+                    return outcome
+                held, why = await self.holding.hold(route, deadline)
+                if held is None:
+                    outcome.reason = why
+                    return outcome
+                continue
+            backend = pick(self.options.policy, inbound.prefix, candidates, self.book.loads())
+            if backend is None:  # pick returns one whenever candidates is not empty
+                return outcome
+            if outcome.attempts:
+                await self.before_retry(inbound.model, outcome.reason)
+            outcome.attempts += 1
+            tried.add(backend.name)
+            if await self.try_backend(request, kind, inbound, body, route, backend, outcome):
+                return outcome
+        return outcome
+
+    async def try_backend(
+        self,
+        request: web.Request,
+        kind: str,
+        inbound: Inbound,
+        body: bytes,
+        route: Route,
+        backend: Backend,
+        outcome: Outcome,
+    ) -> bool:
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:  # a replica may check the client's key itself
+            headers["Authorization"] = request.headers["Authorization"]
+        hop = Hop(f"{backend.url}/v1/{kind}", backend.name, route.model, headers)
+        self.metrics.picks.labels(inbound.model, backend.name).inc()
+        self.book.start(backend.name)
+        try:
+            answer = await self.send(request, hop, body, inbound)
+        finally:
+            self.book.finish(backend.name)
+        if isinstance(answer, Refusal):
+            outcome.reason, outcome.refusal = answer.reason, answer
+            if answer.status != 429:  # a saturated replica is alive; a failing one sits out
+                self.book.eject(backend.name)
+            return False
+        outcome.response, outcome.backend, outcome.target = answer, backend.name, route.model
+        return True
+
+    async def to_provider(
+        self, request: web.Request, kind: str, inbound: Inbound, provider: Provider
+    ) -> Outcome:
+        headers = {"Content-Type": "application/json"}
+        if provider.api_key:
+            headers["Authorization"] = f"Bearer {provider.api_key}"
+        url = f"{provider.base_url.rstrip('/')}/{kind}"
+        hop = Hop(url, provider.base_url, provider.name, headers)
+        body = bodies.with_model(inbound.payload, provider.model)
+        answer = await self.send(request, hop, body, inbound)
+        if isinstance(answer, Refusal):
+            return Outcome(reason=answer.reason, refusal=answer, attempts=1)
+        return Outcome(answer, provider.name, provider.base_url, attempts=1)
+
+    async def send(
+        self, request: web.Request, hop: Hop, body: bytes, inbound: Inbound
+    ) -> web.StreamResponse | Refusal:
+        if self.session is None:
+            raise RuntimeError("the gateway's client session opens with its app (Gateway.app)")
+        sent = asyncio.get_running_loop().time()
+        ttft = self.metrics.ttft.labels(inbound.model, hop.target)
+
+        def first_byte() -> None:
+            ttft.observe(asyncio.get_running_loop().time() - sent)
+
+        return await forward(self.session, request, hop, body, inbound.stream, first_byte)
+
+    async def before_retry(self, model: str, reason: str) -> None:
+        self.metrics.retries.labels(model, reason).inc()
+        await asyncio.sleep(self.options.retry_backoff_s * random.uniform(0.5, 1.5))
+
+    def record(self, inbound: Inbound, outcome: Outcome, status: int, started: float) -> None:
+        self.metrics.requests.labels(inbound.model, outcome.target, str(status)).inc()
+        elapsed_ms = (asyncio.get_running_loop().time() - started) * 1000
+        line = {"event": "request", "model": inbound.model, "target": outcome.target,
+                "backend": outcome.backend, "status": status, "stream": inbound.stream,
+                "attempts": outcome.attempts, "reason": outcome.reason,
+                "duration_ms": round(elapsed_ms, 1)}  # fmt: skip
+        access_log.info(json.dumps(line))
+
+
+def refused_response(outcome: Outcome, model: str) -> web.Response:
+    """No replica or fallback answered: the last upstream refusal as it was (a 429 stays a 429
+    with its Retry-After), else 429 for a full hold queue, else 503."""
+    refusal = outcome.refusal
+    if refusal is not None and refusal.status is not None:
+        headers = {**refusal.headers, "x-kvpilot-target": "none"}
+        return web.Response(status=refusal.status, body=refusal.body, headers=headers)
+    if outcome.reason == "hold_queue_full":
+        message = f"too many requests are waiting for {model!r} to start; retry shortly"
+        return error_response(429, message)
+    message = f"no replica of {model!r} could take the request ({outcome.reason}); retry shortly"
+    return error_response(503, message)

@@ -1,0 +1,153 @@
+"""One request sent to one upstream (a replica or a provider) and its answer relayed to the client.
+
+An answer is either relayed (`web.StreamResponse`, the client has it) or refused (`Refusal`: nothing
+reached the client, so the proxy may try elsewhere). A non-streamed answer is read whole before the
+client sees a byte, so a replica that dies mid-generation is retried; a stream is relayed byte for
+byte (never re-encoded) once its first chunk arrived, and a failure after that ends it with an SSE
+error event. A client that goes away ends the handler (aiohttp cancels it), which closes the
+upstream connection, so the replica aborts the request and frees its KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+# Answers another replica may do better with: overloaded, draining, or a broken proxy hop.
+RETRYABLE_STATUS = {429: "saturated", 502: "bad_gateway", 503: "unavailable"}
+# Upstream headers worth passing on; hop-by-hop and length headers are the server's own.
+PASSED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "X-Request-Id")
+
+
+@dataclass
+class Refusal:
+    """Nothing was sent to the client: why, and the upstream's answer if it gave one."""
+
+    reason: str
+    status: int | None = None
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """Where a request goes and what the response headers will say about it."""
+
+    url: str
+    backend: str  # x-kvpilot-backend
+    target: str  # x-kvpilot-target
+    headers: dict[str, str]
+
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
+               429: "RateLimitError", 503: "ServiceUnavailableError"}  # fmt: skip
+
+
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> bytes:
+    kind = ERROR_TYPES.get(status, "APIError")
+    error = {"message": message, "type": kind, "param": param, "code": code or status}
+    return json.dumps({"error": error}).encode()
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> web.Response:
+    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    body = error_body(message, status, param, code)
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+def sse_error_event(message: str, after: bytes) -> bytes:
+    """A clean end for a stream broken after its first byte: the error as one SSE event, then
+    [DONE], on an event boundary even if the last relayed chunk ended mid-event."""
+    start = b"" if after.endswith(b"\n\n") else b"\n\n"
+    error = json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}})
+    return start + f"data: {error}\n\ndata: [DONE]\n\n".encode()
+
+
+def response_headers(upstream: aiohttp.ClientResponse, hop: Hop) -> dict[str, str]:
+    headers = {name: upstream.headers[name] for name in PASSED_HEADERS if name in upstream.headers}
+    return {**headers, "x-kvpilot-backend": hop.backend, "x-kvpilot-target": hop.target}
+
+
+async def forward(
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    hop: Hop,
+    body: bytes,
+    stream: bool,
+    on_first_byte: Callable[[], None],
+) -> web.StreamResponse | Refusal:
+    """POST `body` to `hop`; the relayed response, or a Refusal when the client got nothing."""
+    try:
+        async with session.post(hop.url, data=body, headers=hop.headers) as upstream:
+            try:
+                return await answer(request, upstream, hop, stream, on_first_byte)
+            finally:
+                upstream.close()  # unread (client gone, or broken): never reuse this connection
+    except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as error:
+        if request.transport is None or request.transport.is_closing():
+            raise  # the client went away mid-relay: nothing to answer
+        return Refusal("connect" if isinstance(error, aiohttp.ClientConnectorError) else "broken")
+
+
+async def answer(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    hop: Hop,
+    stream: bool,
+    on_first_byte: Callable[[], None],
+) -> web.StreamResponse | Refusal:
+    if upstream.status in RETRYABLE_STATUS:
+        headers = {n: upstream.headers[n] for n in PASSED_HEADERS if n in upstream.headers}
+        return Refusal(RETRYABLE_STATUS[upstream.status], upstream.status, await upstream.read(),
+                       headers)  # fmt: skip
+    if not stream or upstream.content_type != "text/event-stream":
+        data = await upstream.read()
+        on_first_byte()
+        headers = response_headers(upstream, hop)
+        return web.Response(status=upstream.status, body=data, headers=headers)
+    first = await upstream.content.readany()
+    if not first:
+        return Refusal("broken")
+    on_first_byte()
+    return await relay(request, upstream, hop, first)
+
+
+async def relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, hop: Hop, first: bytes
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream.status, headers=response_headers(upstream, hop))
+    await response.prepare(request)
+    try:
+        await copy_events(upstream, response, first, hop)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away; closing the upstream connection aborts the request there
+    return response
+
+
+async def copy_events(
+    upstream: aiohttp.ClientResponse, response: web.StreamResponse, first: bytes, hop: Hop
+) -> None:
+    """Relay the stream's bytes as they come; a stream that breaks, or ends without its
+    `data: [DONE]`, gets an SSE error event and [DONE] so the client sees a clean end."""
+    chunk, tail = first, b""
+    while chunk:
+        await response.write(chunk)
+        tail = (tail + chunk)[-32:]
+        try:
+            chunk = await upstream.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as error:
+            message = f"the replica {hop.backend} failed mid-stream ({type(error).__name__}); retry"
+            await response.write(sse_error_event(message, tail))
+            return
+    if b"data: [DONE]" not in tail:
+        message = f"the replica {hop.backend} ended the stream early; retry"
+        await response.write(sse_error_event(message, tail))

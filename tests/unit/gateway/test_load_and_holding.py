@@ -1,0 +1,115 @@
+"""The load book (in-flight counts, scraped replica metrics, ejection) and holding requests for a
+model at zero replicas until discovery puts a backend (a Waker that records calls)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvpilot.gateway.holding import Holding
+from kvpilot.gateway.load import LoadBook, parse_replica_metrics
+from kvpilot.gateway.metrics import GatewayMetrics
+from kvpilot.gateway.picking import ReplicaLoad
+from kvpilot.gateway.routes import Backend, Route, RouteTable, ScaleTarget
+from kvpilot.gateway.upstream import sse_error_event
+
+VLLM_TEXT = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="tiny"} 3.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="tiny"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="tiny"} 0.5
+"""
+OLD_VLLM_TEXT = """# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="tiny"} 0.25
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [(VLLM_TEXT, (5.0, 0.5)), (OLD_VLLM_TEXT, (0.0, 0.25)), ("", (0, 0))]
+)
+def test_parse_replica_metrics(text: str, expected: tuple[float, float]) -> None:
+    assert parse_replica_metrics(text) == expected
+
+
+def test_load_book_counts_and_ejects() -> None:
+    now = [100.0]
+    book = LoadBook(eject_s=5, clock=lambda: now[0])
+    a, b = Backend("a", "http://a"), Backend("b", "http://b")
+    book.start("a")
+    book.start("a")
+    book.finish("a")
+    book.report("a", 2, 0.5)
+    assert book.load("a") == ReplicaLoad(1, 2, 0.5)
+    book.eject("b")
+    assert book.available([a, b], tried=set()) == [a]
+    assert book.available([a, b], tried={"a"}) == [b]  # only ejected ones left: try them
+    now[0] += 6
+    assert book.available([a, b], tried=set()) == [a, b]
+
+
+def test_sse_error_event_lands_on_an_event_boundary() -> None:
+    assert sse_error_event("x", b"data: {}\n\n").startswith(b"data: {")
+    assert sse_error_event("x", b'data: {"partial').startswith(b"\n\ndata: {")
+    assert sse_error_event("x", b"").endswith(b"data: [DONE]\n\n")
+
+
+class RecordingWaker:
+    def __init__(self) -> None:
+        self.calls: list[ScaleTarget] = []
+
+    async def wake(self, target: ScaleTarget) -> None:
+        self.calls.append(target)
+
+
+TARGET = ScaleTarget("team-a", "tiny-md")
+
+
+def held_value(metrics: GatewayMetrics) -> float | None:
+    labels = {"md_namespace": "team-a", "md_name": "tiny-md", "model": "tiny"}
+    return metrics.registry.get_sample_value("kvpilot_gateway_requests_held", labels)
+
+
+def test_hold_until_discovery_puts_a_backend() -> None:
+    async def scenario() -> None:
+        table, waker, metrics = RouteTable(), RecordingWaker(), GatewayMetrics()
+        table.put(Route("tiny", scale_target=TARGET))
+        holding = Holding(table, waker, metrics, max_held=4)
+        loop = asyncio.get_running_loop()
+        held = asyncio.ensure_future(holding.hold(table.get("tiny"), loop.time() + 30))  # type: ignore[arg-type]
+        while held_value(metrics) != 1:
+            await asyncio.sleep(0.01)
+        assert waker.calls == [TARGET]
+        table.put(Route("tiny", (Backend("team-a/pod", "http://p"),), scale_target=TARGET))
+        route, why = await asyncio.wait_for(held, 5)
+        assert route is not None and route.backends and why == ""
+        assert held_value(metrics) == 0
+
+    asyncio.run(scenario())
+
+
+def test_hold_times_out_and_the_queue_is_bounded() -> None:
+    async def scenario() -> None:
+        table, metrics = RouteTable(), GatewayMetrics()
+        route = Route("tiny", scale_target=TARGET)
+        table.put(route)
+        holding = Holding(table, RecordingWaker(), metrics, max_held=1)
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(holding.hold(route, loop.time() + 0.3))
+        while held_value(metrics) != 1:
+            await asyncio.sleep(0.01)
+        assert await holding.hold(route, loop.time() + 5) == (None, "hold_queue_full")
+        assert await first == (None, "hold_timeout")
+
+    asyncio.run(scenario())
+
+
+def test_only_routes_with_a_scale_target_and_no_backend_are_held() -> None:
+    holding = Holding(RouteTable(), RecordingWaker(), GatewayMetrics(), max_held=1)
+    assert holding.can_hold(Route("m", scale_target=TARGET))
+    assert not holding.can_hold(Route("m"))  # static config: nothing to wake
+    assert not holding.can_hold(Route("m", (Backend("b", "http://b"),), scale_target=TARGET))
+    assert not Holding(RouteTable(), None, GatewayMetrics(), 1).can_hold(
+        Route("m", scale_target=TARGET)
+    )

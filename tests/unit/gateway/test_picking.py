@@ -1,0 +1,110 @@
+"""Replica picking: prefix affinity agrees across gateway replicas, the load bound and hot KV push
+traffic off a replica, least-load and random behave as named."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvpilot.gateway.picking import PickPolicy, ReplicaLoad, load_bound, pick, ring_order
+from kvpilot.gateway.routes import Backend
+
+REPLICAS = [Backend(f"ns/pod-{i}", f"http://10.0.0.{i}:8000") for i in range(4)]
+PREFIX = PickPolicy("prefix")
+
+
+def test_same_key_same_replica_whatever_the_order_of_backends() -> None:
+    # Two gateway replicas with the replicas listed in different orders agree.
+    for key in (f"tenant-{i}: you are a helpful assistant" for i in range(50)):
+        first = pick(PREFIX, key, REPLICAS, {})
+        assert pick(PREFIX, key, list(reversed(REPLICAS)), {}) == first
+
+
+def test_keys_spread_over_replicas() -> None:
+    counts = Counter(pick(PREFIX, f"tenant-{i}", REPLICAS, {}) for i in range(2000))
+    assert set(counts) == set(REPLICAS)
+    assert min(counts.values()) > 2000 / 4 * 0.6, counts  # no replica starved
+
+
+def test_removing_a_replica_moves_only_its_keys() -> None:
+    keys = [f"tenant-{i}" for i in range(500)]
+    before = {k: pick(PREFIX, k, REPLICAS, {}) for k in keys}
+    after = {k: pick(PREFIX, k, REPLICAS[:3], {}) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == REPLICAS[3] for k in moved)
+
+
+@pytest.mark.parametrize(
+    ("loads", "factor", "bound"),
+    [
+        ([0, 0, 0, 0], 1.25, 1),  # mean with the new request 0.25 -> ceil 1
+        ([4, 4, 4, 4], 1.25, 6),  # (16 + 1) / 4 * 1.25 = 5.3 -> 6
+        ([10, 0], 1.0, 6),  # (10 + 1) / 2 = 5.5 -> 6
+    ],
+)
+def test_load_bound(loads: list[float], factor: float, bound: int) -> None:
+    assert load_bound(loads, factor) == bound
+
+
+def test_a_replica_over_the_bound_is_passed_over_to_the_next_on_the_ring() -> None:
+    key = "tenant-7: system prompt"
+    order = ring_order(key, tuple(sorted(b.name for b in REPLICAS)))
+    loads = {order[0]: ReplicaLoad(in_flight=6)}  # bound: ceil(7/4 * 1.25) = 3
+    chosen = pick(PREFIX, key, REPLICAS, loads)
+    assert chosen is not None and chosen.name == order[1]
+
+
+def test_our_requests_reported_back_by_the_replica_count_once() -> None:
+    pair = REPLICAS[:2]
+    key = "tenant-5"
+    first, second = ring_order(key, tuple(b.name for b in pair))
+    # One of ours at `first`, which also reports it: load 1, bound ceil((1 + 0 + 1) / 2 * 1.25)
+    # = 2, so it still takes the next one (counted twice, 2 + 1 would be over the bound).
+    loads = {first: ReplicaLoad(in_flight=1, reported=1), second: ReplicaLoad()}
+    chosen = pick(PREFIX, key, pair, loads)
+    assert chosen is not None and chosen.name == first
+
+
+def test_the_replicas_own_queue_counts_as_load() -> None:
+    key = "tenant-3"
+    order = ring_order(key, tuple(sorted(b.name for b in REPLICAS)))
+    loads = {order[0]: ReplicaLoad(reported=8)}  # sent by other gateway replicas
+    chosen = pick(PREFIX, key, REPLICAS, loads)
+    assert chosen is not None and chosen.name == order[1]
+
+
+def test_hot_kv_replica_is_passed_over_unless_all_are_hot() -> None:
+    key = "tenant-11"
+    order = ring_order(key, tuple(sorted(b.name for b in REPLICAS)))
+    hot = {order[0]: ReplicaLoad(kv_usage=0.99)}
+    assert pick(PREFIX, key, REPLICAS, hot).name == order[1]  # type: ignore[union-attr]
+    all_hot = {b.name: ReplicaLoad(kv_usage=0.99) for b in REPLICAS}
+    assert pick(PREFIX, key, REPLICAS, all_hot).name == order[0]  # type: ignore[union-attr]
+
+
+def test_least_load_picks_the_least_loaded() -> None:
+    loads = {b.name: ReplicaLoad(in_flight=3) for b in REPLICAS} | {
+        REPLICAS[2].name: ReplicaLoad(in_flight=1)
+    }
+    assert pick(PickPolicy("least-load"), "k", REPLICAS, loads) == REPLICAS[2]
+
+
+def test_random_uses_every_replica() -> None:
+    rng = random.Random(0)
+    picks = {pick(PickPolicy("random"), "same key", REPLICAS, {}, rng) for _ in range(200)}
+    assert picks == set(REPLICAS)
+
+
+def test_no_backends_no_pick() -> None:
+    assert pick(PREFIX, "k", [], {}) is None
+
+
+@pytest.mark.parametrize(
+    ("strategy", "factor", "message"),
+    [("round-robin", 1.25, "unknown strategy"), ("prefix", 0.5, "load_factor must be >= 1")],
+)
+def test_bad_policy(strategy: str, factor: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PickPolicy(strategy, factor)
