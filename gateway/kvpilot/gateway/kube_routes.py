@@ -1,0 +1,200 @@
+"""ModelDeployments and EndpointSlices (as the API returns them, plain dicts) -> the gateway's
+routes. Pure: the watch in discovery.py keeps the objects and calls `build_routes` on a change.
+
+- A ModelDeployment's served name is `api.served_name(spec.model)`, the name the runtime serves.
+- Its ready replicas are the endpoints of the EndpointSlices of its Service (the Service has the
+  ModelDeployment's name; label `kubernetes.io/service-name`), on the port named `http`, whose
+  `conditions.ready` is true and which are not `terminating`: a pod that turns not-Ready or starts
+  terminating leaves the route at the next EndpointSlice event.
+- `spec.routing.fallbacks` become the route's fallbacks in order: another ModelDeployment of the
+  same namespace by its served name, or an external provider named `<md>/<index>` with its API
+  key from a Secret of the same namespace.
+- Two ModelDeployments serving one name: the oldest wins (then namespace/name), and a problem
+  says so. Every problem is one line for the log; a bad object never stops the others' routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarget
+from kvpilot.operator import api
+
+Obj = Mapping[str, Any]
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+PORT_NAME = "http"  # the runtime container's port, as manifests.build_service names it
+
+# (namespace, Secret name, key) -> the value, or None when it cannot be read
+SecretLookup = Callable[[str, str, str], str | None]
+
+
+@dataclass(frozen=True)
+class SecretKey:
+    """A key of a Secret a route needs (a provider's API key)."""
+
+    namespace: str
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    routes: tuple[Route, ...]
+    problems: tuple[str, ...]
+
+
+def key_of(obj: Obj) -> str:
+    meta = obj["metadata"]
+    return f"{meta.get('namespace', '')}/{meta['name']}"
+
+
+def served_name(md: Obj) -> str:
+    """The name the runtime serves; ValueError naming the object when spec.model is invalid."""
+    try:
+        source = api.ModelSource.model_validate(dict(md["spec"]["model"]))
+    except (KeyError, TypeError, ValidationError) as error:
+        first = str(error).splitlines()[0]
+        raise ValueError(f"ModelDeployment {key_of(md)}: spec.model is invalid ({first})") from None
+    return api.served_name(source)
+
+
+def fallback_specs(md: Obj) -> list[Obj]:
+    routing = md.get("spec", {}).get("routing") or {}
+    return list(routing.get("fallbacks") or [])
+
+
+def secrets_needed(deployments: Iterable[Obj]) -> set[SecretKey]:
+    """The Secret keys the providers of these ModelDeployments name (read before building)."""
+    needed = set()
+    for md in deployments:
+        for spec in fallback_specs(md):
+            ref = (spec.get("provider") or {}).get("apiKeySecretRef")
+            if ref:
+                needed.add(SecretKey(md["metadata"]["namespace"], ref["name"], ref["key"]))
+    return needed
+
+
+def build_routes(
+    deployments: Iterable[Obj], slices: Iterable[Obj], secret: SecretLookup
+) -> Resolution:
+    """Every served model's route. `secret` answers for the keys `secrets_needed` names."""
+    problems: list[str] = []
+    owners = _owners(list(deployments), problems)
+    names = {(md["metadata"]["namespace"], md["metadata"]["name"]): n for n, md in owners.items()}
+    by_service = _slices_by_service(slices)
+    routes = []
+    for model, md in sorted(owners.items()):
+        meta = md["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        fallbacks = _fallbacks(md, names, secret, problems)
+        backends = ready_backends(by_service.get((namespace, name), []))
+        routes.append(Route(model, backends, fallbacks, ScaleTarget(namespace, name)))
+    return Resolution(tuple(routes), tuple(problems))
+
+
+def _age_order(md: Obj) -> tuple[str, str, str]:
+    # RFC 3339 UTC timestamps sort as text; a missing one (never from the API) sorts first.
+    meta = md["metadata"]
+    return meta.get("creationTimestamp", ""), meta["namespace"], meta["name"]
+
+
+def _owners(deployments: list[Obj], problems: list[str]) -> dict[str, Obj]:
+    """Served name -> the ModelDeployment that serves it (the oldest of several)."""
+    claims: dict[str, list[Obj]] = {}
+    for md in sorted(deployments, key=_age_order):
+        try:
+            claims.setdefault(served_name(md), []).append(md)
+        except ValueError as error:
+            problems.append(str(error))
+    for model, claimants in claims.items():
+        if len(claimants) > 1:
+            others = ", ".join(key_of(md) for md in claimants[1:])
+            problems.append(
+                f"served name {model!r} is claimed by {len(claimants)} ModelDeployments: routing"
+                f" to {key_of(claimants[0])} (the oldest), not {others}; give the others their"
+                " own spec.model.servedName"
+            )
+    return {model: claimants[0] for model, claimants in claims.items()}
+
+
+def _slices_by_service(slices: Iterable[Obj]) -> dict[tuple[str, str], list[Obj]]:
+    grouped: dict[tuple[str, str], list[Obj]] = {}
+    for eps in slices:
+        meta = eps["metadata"]
+        service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+        if service:
+            grouped.setdefault((meta["namespace"], service), []).append(eps)
+    return grouped
+
+
+def ready_backends(slices: Iterable[Obj]) -> tuple[Backend, ...]:
+    """The Service's ready, not terminating endpoints on port `http`, one per pod, by name."""
+    found: dict[str, Backend] = {}
+    for eps in sorted(slices, key=lambda s: str(s["metadata"]["name"])):
+        ports = eps.get("ports") or []
+        port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
+        if port is None or eps.get("addressType") == "FQDN":
+            continue
+        namespace = eps["metadata"]["namespace"]
+        for endpoint in eps.get("endpoints") or []:
+            if not _is_serving(endpoint) or not endpoint.get("addresses"):
+                continue
+            backend = _backend(namespace, endpoint, int(port))
+            found.setdefault(backend.name, backend)  # dual stack: a pod in two slices
+    return tuple(found[name] for name in sorted(found))
+
+
+def _is_serving(endpoint: Obj) -> bool:
+    conditions = endpoint.get("conditions") or {}
+    return conditions.get("ready") is True and conditions.get("terminating") is not True
+
+
+def _backend(namespace: str, endpoint: Obj, port: int) -> Backend:
+    address = endpoint["addresses"][0]
+    host = f"[{address}]" if ":" in address else address
+    target = endpoint.get("targetRef") or {}
+    pod = target.get("name") if target.get("kind", "Pod") == "Pod" else None
+    return Backend(f"{namespace}/{pod or address}", f"http://{host}:{port}")
+
+
+def _fallbacks(
+    md: Obj, served: Mapping[tuple[str, str], str], secret: SecretLookup, problems: list[str]
+) -> tuple[Fallback, ...]:
+    namespace, name = md["metadata"]["namespace"], md["metadata"]["name"]
+    out: list[Fallback] = []
+    for index, spec in enumerate(fallback_specs(md)):
+        where = f"ModelDeployment {namespace}/{name} spec.routing.fallbacks[{index}]"
+        if "modelDeployment" in spec:
+            other = served.get((namespace, spec["modelDeployment"]))
+            if other is None:
+                problems.append(
+                    f"{where}: no ModelDeployment {spec['modelDeployment']!r} serves in"
+                    f" {namespace}; that fallback is skipped until it exists"
+                )
+            elif other != served.get((namespace, name)):
+                out.append(other)
+        elif "provider" in spec:
+            provider = _provider(f"{name}/{index}", namespace, spec["provider"], secret)
+            if isinstance(provider, str):
+                problems.append(f"{where}: {provider}; that fallback is skipped")
+            else:
+                out.append(provider)
+    return tuple(out)
+
+
+def _provider(label: str, namespace: str, spec: Obj, secret: SecretLookup) -> Provider | str:
+    """The Provider, or what is wrong with it."""
+    ref = spec.get("apiKeySecretRef")
+    api_key = None
+    if ref:
+        api_key = secret(namespace, ref["name"], ref["key"])
+        if api_key is None:
+            return (
+                f"cannot read key {ref['key']!r} of Secret {namespace}/{ref['name']} (missing, or"
+                " the gateway may not get it: chart value gateway.rbac.readProviderSecrets)"
+            )
+    return Provider(label, str(spec["baseURL"]).rstrip("/"), str(spec["model"]), api_key)

@@ -1,0 +1,308 @@
+"""kube_routes.build_routes: ModelDeployments and EndpointSlices as the API returns them -> routes
+(served names, ready backends, fallbacks, conflicts), table-driven."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvpilot.gateway.kube_routes import Resolution, SecretKey, build_routes, secrets_needed
+from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
+
+
+def md(
+    name: str,
+    uri: str = "hf://org/Model-7B",
+    namespace: str = "ml",
+    created: str = "2026-01-01T00:00:00Z",
+    served: str | None = None,
+    fallbacks: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    model: dict[str, Any] = {"uri": uri}
+    if served:
+        model["servedName"] = served
+    spec: dict[str, Any] = {"model": model}
+    if fallbacks is not None:
+        spec["routing"] = {"fallbacks": fallbacks, "fallbackAfterSeconds": 30}
+    meta = {"name": name, "namespace": namespace, "creationTimestamp": created}
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": meta,
+        "spec": spec,
+    }
+
+
+def endpoint(
+    pod: str, ip: str, ready: bool | None = True, terminating: bool | None = False
+) -> dict[str, Any]:
+    conditions: dict[str, Any] = {}
+    if ready is not None:
+        conditions["ready"] = ready
+    if terminating is not None:
+        conditions["terminating"] = terminating
+    return {
+        "addresses": [ip],
+        "conditions": conditions,
+        "targetRef": {"kind": "Pod", "name": pod, "namespace": "ml"},
+    }
+
+
+def eps(
+    service: str,
+    endpoints: list[dict[str, Any]],
+    name: str = "",
+    namespace: str = "ml",
+    port: int = 8000,
+    port_name: str = "http",
+    address_type: str = "IPv4",
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name or f"{service}-abcde",
+            "namespace": namespace,
+            "labels": {"kubernetes.io/service-name": service, "kvpilot.dev/model": service},
+        },
+        "addressType": address_type,
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
+        "endpoints": endpoints,
+    }
+
+
+def no_secrets(namespace: str, name: str, key: str) -> str | None:
+    return None
+
+
+def backends(resolution: Resolution, model: str) -> list[str]:
+    route = next(r for r in resolution.routes if r.model == model)
+    return [b.name for b in route.backends]
+
+
+READY_CASES = [
+    ("ready", [endpoint("p0", "10.0.0.1")], ["ml/p0"]),
+    ("not ready", [endpoint("p0", "10.0.0.1", ready=False)], []),
+    ("ready unknown", [endpoint("p0", "10.0.0.1", ready=None)], []),
+    ("terminating", [endpoint("p0", "10.0.0.1", ready=True, terminating=True)], []),
+    ("terminating unknown", [endpoint("p0", "10.0.0.1", terminating=None)], ["ml/p0"]),
+    (
+        "sorted by pod, one of two ready",
+        [
+            endpoint("p1", "10.0.0.2"),
+            endpoint("p2", "10.0.0.3", ready=False),
+            endpoint("p0", "10.0.0.1"),
+        ],
+        ["ml/p0", "ml/p1"],
+    ),
+    ("no addresses", [{"conditions": {"ready": True}, "targetRef": {"name": "p0"}}], []),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "endpoints", "want"), READY_CASES, ids=[c[0] for c in READY_CASES]
+)
+def test_only_ready_not_terminating_endpoints_are_backends(
+    case: str, endpoints: list[dict[str, Any]], want: list[str]
+) -> None:
+    got = build_routes([md("llm")], [eps("llm", endpoints)], no_secrets)
+    assert backends(got, "Model-7B") == want, case
+
+
+SLICE_CASES = [
+    ("port http", eps("llm", [endpoint("p0", "10.0.0.1")], port=8000), "http://10.0.0.1:8000"),
+    ("other port name", eps("llm", [endpoint("p0", "10.0.0.1")], port_name="metrics"), None),
+    (
+        "IPv6 in brackets",
+        eps("llm", [endpoint("p0", "fd00::1")], address_type="IPv6"),
+        "http://[fd00::1]:8000",
+    ),
+    ("FQDN slices are not ours", eps("llm", [endpoint("p0", "a.b")], address_type="FQDN"), None),
+    ("another service", eps("other", [endpoint("p0", "10.0.0.1")]), None),
+    ("another namespace", eps("llm", [endpoint("p0", "10.0.0.1")], namespace="dev"), None),
+]
+
+
+@pytest.mark.parametrize(("case", "slice_", "want"), SLICE_CASES, ids=[c[0] for c in SLICE_CASES])
+def test_backend_urls_come_from_the_http_port_of_the_services_slices(
+    case: str, slice_: dict[str, Any], want: str | None
+) -> None:
+    (route,) = build_routes([md("llm")], [slice_], no_secrets).routes
+    assert [b.url for b in route.backends] == ([want] if want else []), case
+
+
+def test_a_pod_in_two_slices_is_one_backend() -> None:
+    """Dual stack (or a slice split) lists one pod twice; the first slice by name wins."""
+    v4 = eps("llm", [endpoint("p0", "10.0.0.1")], name="llm-a")
+    v6 = eps("llm", [endpoint("p0", "fd00::1")], name="llm-b", address_type="IPv6")
+    (route,) = build_routes([md("llm")], [v6, v4], no_secrets).routes
+    assert route.backends == (Backend("ml/p0", "http://10.0.0.1:8000"),)
+
+
+def test_backends_from_every_slice_of_the_service() -> None:
+    a = eps("llm", [endpoint("p0", "10.0.0.1")], name="llm-a")
+    b = eps("llm", [endpoint("p1", "10.0.0.2")], name="llm-b")
+    assert backends(build_routes([md("llm")], [a, b], no_secrets), "Model-7B") == ["ml/p0", "ml/p1"]
+
+
+SERVED_CASES = [
+    ("last element of the URI", md("a", uri="hf://org/Model-7B"), "Model-7B"),
+    ("without the hf revision", md("a", uri="hf://org/Model-7B@abc123"), "Model-7B"),
+    ("servedName wins", md("a", served="chat"), "chat"),
+    ("pvc path", md("a", uri="pvc://claim/models/qwen"), "qwen"),
+]
+
+
+@pytest.mark.parametrize(("case", "obj", "want"), SERVED_CASES, ids=[c[0] for c in SERVED_CASES])
+def test_route_is_keyed_by_the_served_name(case: str, obj: dict[str, Any], want: str) -> None:
+    (route,) = build_routes([obj], [], no_secrets).routes
+    assert route == Route(want, scale_target=ScaleTarget("ml", "a")), case
+
+
+def test_a_model_with_no_ready_replica_still_has_a_route_to_wake() -> None:
+    (route,) = build_routes([md("llm")], [], no_secrets).routes
+    assert route.backends == () and route.scale_target == ScaleTarget("ml", "llm")
+
+
+def test_an_invalid_spec_is_a_problem_not_a_crash() -> None:
+    broken = md("broken")
+    broken["spec"]["model"] = {"url": "hf://x/y"}
+    got = build_routes([broken, md("ok", served="ok")], [], no_secrets)
+    assert [r.model for r in got.routes] == ["ok"]
+    (problem,) = got.problems
+    assert problem.startswith("ModelDeployment ml/broken: spec.model is invalid")
+
+
+CONFLICT_CASES = [
+    (
+        "the oldest wins",
+        [md("new", created="2026-02-01T00:00:00Z"), md("old", created="2026-01-01T00:00:00Z")],
+        ScaleTarget("ml", "old"),
+    ),
+    (
+        "same age: namespace then name",
+        [md("b", namespace="x"), md("a", namespace="y"), md("c", namespace="x")],
+        ScaleTarget("x", "b"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "objs", "want"), CONFLICT_CASES, ids=[c[0] for c in CONFLICT_CASES]
+)
+def test_two_deployments_serving_one_name_pick_deterministically(
+    case: str, objs: list[dict[str, Any]], want: ScaleTarget
+) -> None:
+    for order in (objs, objs[::-1]):
+        got = build_routes(order, [], no_secrets)
+        (route,) = got.routes
+        assert route.scale_target == want, case
+        (problem,) = got.problems
+        assert f"routing to {want.namespace}/{want.name} (the oldest)" in problem
+        assert "servedName" in problem
+
+
+def test_the_loser_of_a_conflict_lends_no_backends() -> None:
+    old, new = md("old", created="2026-01-01T00:00:00Z"), md("new", created="2026-03-01T00:00:00Z")
+    slices = [eps("old", [endpoint("o0", "10.0.0.1")]), eps("new", [endpoint("n0", "10.0.0.2")])]
+    assert backends(build_routes([new, old], slices, no_secrets), "Model-7B") == ["ml/o0"]
+
+
+KEYS = {("ml", "example-key", "api-key"): "sk-test"}
+
+
+def lookup(namespace: str, name: str, key: str) -> str | None:
+    return KEYS.get((namespace, name, key))
+
+
+PROVIDER = {
+    "baseURL": "https://api.example.com/v1/",
+    "model": "gpt-4o-mini",
+    "apiKeySecretRef": {"name": "example-key", "key": "api-key"},
+}
+
+
+FALLBACK_CASES: list[tuple[str, list[dict[str, Any]], tuple[Any, ...], list[str]]] = [
+    ("none", [], (), []),
+    ("another deployment by served name", [{"modelDeployment": "small"}], ("small-chat",), []),
+    (
+        "provider with its key",
+        [{"provider": PROVIDER}],
+        (Provider("big/0", "https://api.example.com/v1", "gpt-4o-mini", "sk-test"),),
+        [],
+    ),
+    (
+        "in order, provider named by its index",
+        [{"provider": PROVIDER}, {"modelDeployment": "small"}],
+        (Provider("big/0", "https://api.example.com/v1", "gpt-4o-mini", "sk-test"), "small-chat"),
+        [],
+    ),
+    (
+        "provider without a key",
+        [{"provider": {"baseURL": "http://local:8080/v1", "model": "m"}}],
+        (Provider("big/0", "http://local:8080/v1", "m", None),),
+        [],
+    ),
+    (
+        "unreadable key: skipped, said",
+        [
+            {"provider": {**PROVIDER, "apiKeySecretRef": {"name": "gone", "key": "k"}}},
+            {"modelDeployment": "small"},
+        ],
+        ("small-chat",),
+        ["spec.routing.fallbacks[0]: cannot read key 'k' of Secret ml/gone"],
+    ),
+    (
+        "missing deployment: skipped, said",
+        [{"modelDeployment": "nope"}, {"modelDeployment": "small"}],
+        ("small-chat",),
+        ["spec.routing.fallbacks[0]: no ModelDeployment 'nope' serves in ml"],
+    ),
+    ("itself is no fallback", [{"modelDeployment": "big"}], (), []),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "specs", "want", "problems"), FALLBACK_CASES, ids=[c[0] for c in FALLBACK_CASES]
+)
+def test_fallbacks_from_spec_routing(
+    case: str, specs: list[dict[str, Any]], want: tuple[Any, ...], problems: list[str]
+) -> None:
+    objs = [md("big", served="big-chat", fallbacks=specs), md("small", served="small-chat")]
+    got = build_routes(objs, [], lookup)
+    route = next(r for r in got.routes if r.model == "big-chat")
+    assert route.fallbacks == want, case
+    assert len(got.problems) == len(problems)
+    for have, fragment in zip(got.problems, problems, strict=True):
+        assert fragment in have
+
+
+def test_a_deployment_in_another_namespace_is_no_fallback() -> None:
+    objs = [
+        md("big", served="big", fallbacks=[{"modelDeployment": "small"}]),
+        md("small", namespace="dev"),
+    ]
+    got = build_routes(objs, [], no_secrets)
+    assert next(r for r in got.routes if r.model == "big").fallbacks == ()
+    assert "no ModelDeployment 'small' serves in ml" in got.problems[0]
+
+
+def test_secrets_needed_names_every_provider_key() -> None:
+    other = {**PROVIDER, "apiKeySecretRef": {"name": "other", "key": "token"}}
+    objs = [
+        md("a", fallbacks=[{"provider": PROVIDER}, {"modelDeployment": "b"}]),
+        md("b", namespace="dev", fallbacks=[{"provider": other}]),
+        md("c"),
+    ]
+    assert secrets_needed(objs) == {
+        SecretKey("ml", "example-key", "api-key"),
+        SecretKey("dev", "other", "token"),
+    }
+
+
+def test_the_api_key_stays_out_of_repr() -> None:
+    (route,) = [
+        r for r in build_routes([md("a", fallbacks=[{"provider": PROVIDER}])], [], lookup).routes
+    ]
+    assert "sk-test" not in repr(route)
