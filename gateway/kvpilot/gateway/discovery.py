@@ -222,9 +222,9 @@ class KubernetesDiscovery:
     def _read_secrets(self, deployments: list[dict[str, Any]], force: bool) -> None:
         for needed in kube_routes.secrets_needed(deployments):
             if force or needed not in self._objects.secrets:
-                self._objects.secrets[needed] = self._secret_value(needed)
+                self._objects.secrets[needed] = self.secret_value(needed)
 
-    def _secret_value(self, needed: kube_routes.SecretKey) -> str | None:
+    def secret_value(self, needed: kube_routes.SecretKey) -> str | None:
         try:
             secret = k8s_client.CoreV1Api(self._client).read_namespaced_secret(
                 needed.name, needed.namespace, _request_timeout=k8s.TIMEOUT_SECONDS
