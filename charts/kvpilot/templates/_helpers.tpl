@@ -163,9 +163,9 @@ What the gateway reads, in the namespaces it routes to (discovery.py, kube_wake.
 - apiGroups: [kvpilot.dev]
   resources: [modeldeployments]
   verbs: [list, watch, patch]
-# the ready replicas behind each ModelDeployment's Service
-- apiGroups: [discovery.k8s.io]
-  resources: [endpointslices]
+# the ready replicas: runtime pods (label kvpilot.dev/model), their IP, readiness, deletion
+- apiGroups: [""]
+  resources: [pods]
   verbs: [list, watch]
 {{- if .Values.gateway.rbac.readProviderSecrets }}
 # the API key of a spec.routing.fallbacks provider, read by name from the Secret it names

@@ -1,4 +1,4 @@
-"""Kubernetes discovery: WATCHES ModelDeployments and EndpointSlices and keeps a RouteTable current.
+"""Kubernetes discovery: WATCHES ModelDeployments and their pods and keeps a RouteTable current.
 
 One thread per (resource, namespace) lists, then watches from the list's resourceVersion (with
 bookmarks, so a quiet resource's version stays fresh); a 410 Gone or an expired version re-lists,
@@ -35,7 +35,6 @@ log = logging.getLogger("kvpilot.gateway.discovery")
 
 WATCH_TIMEOUT_S = 300  # the server ends a watch after this; the thread watches on from there
 MAX_BACKOFF_S = 30.0
-MANAGED_SLICES = "kvpilot.dev/model"  # label the operator's Services carry, copied to slices
 
 
 @dataclass(frozen=True)
@@ -46,15 +45,15 @@ class Resource:
     list_path: Callable[[str | None], str]
     watch_fn: Callable[[k8s_client.ApiClient, str | None], tuple[Callable[..., Any], list[Any]]]
     selector: str = ""
+    keep: Callable[[dict[str, Any]], dict[str, Any]] = dict  # the part of an object we hold
 
 
 def _md_path(namespace: str | None) -> str:
     return k8s.path(k8s.MD_API_VERSION, api.KIND, namespace)
 
 
-def _slices_path(namespace: str | None) -> str:
-    scope = f"/namespaces/{namespace}" if namespace else ""
-    return f"/apis/discovery.k8s.io/v1{scope}/endpointslices"
+def _pods_path(namespace: str | None) -> str:
+    return k8s.path("v1", "Pod", namespace)
 
 
 def _md_watch(client: k8s_client.ApiClient, ns: str | None) -> tuple[Callable[..., Any], list[Any]]:
@@ -64,17 +63,18 @@ def _md_watch(client: k8s_client.ApiClient, ns: str | None) -> tuple[Callable[..
     return objects.list_cluster_custom_object, [api.GROUP, api.VERSION, api.PLURAL]
 
 
-def _slice_watch(
+def _pod_watch(
     client: k8s_client.ApiClient, ns: str | None
 ) -> tuple[Callable[..., Any], list[Any]]:
-    discovery = k8s_client.DiscoveryV1Api(client)
+    core = k8s_client.CoreV1Api(client)
     if ns:
-        return discovery.list_namespaced_endpoint_slice, [ns]
-    return discovery.list_endpoint_slice_for_all_namespaces, []
+        return core.list_namespaced_pod, [ns]
+    return core.list_pod_for_all_namespaces, []
 
 
 MODEL_DEPLOYMENTS = Resource("ModelDeployment", _md_path, _md_watch)
-ENDPOINT_SLICES = Resource("EndpointSlice", _slices_path, _slice_watch, MANAGED_SLICES)
+# Only the operator's runtime pods (label kvpilot.dev/model), and only what routing reads of them.
+PODS = Resource("Pod", _pods_path, _pod_watch, kube_routes.MODEL_LABEL, kube_routes.slim_pod)
 
 
 class GoneError(Exception):
@@ -86,11 +86,11 @@ class ClusterObjects:
     """What the watches have seen, keyed by namespace/name; guarded by the lock."""
 
     deployments: dict[str, dict[str, Any]] = field(default_factory=dict)
-    slices: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     secrets: dict[kube_routes.SecretKey, str | None] = field(default_factory=dict)
 
     def store(self, kind: str) -> dict[str, dict[str, Any]]:
-        return self.deployments if kind == MODEL_DEPLOYMENTS.kind else self.slices
+        return self.deployments if kind == MODEL_DEPLOYMENTS.kind else self.pods
 
 
 def apply_routes(table: RouteTable, routes: Iterable[Route]) -> None:
@@ -126,7 +126,7 @@ class KubernetesDiscovery:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        for resource in (MODEL_DEPLOYMENTS, ENDPOINT_SLICES):
+        for resource in (MODEL_DEPLOYMENTS, PODS):
             for scope in self._scopes:
                 name = f"discovery-{resource.kind}-{scope or 'all'}"
                 thread = threading.Thread(
@@ -165,7 +165,7 @@ class KubernetesDiscovery:
     def _relist(self, resource: Resource, scope: str | None) -> str:
         query = {"labelSelector": resource.selector} if resource.selector else None
         listing = k8s.request(self._client, "GET", resource.list_path(scope), query=query)
-        items = {kube_routes.key_of(item): item for item in listing.get("items", [])}
+        items = {kube_routes.key_of(i): resource.keep(i) for i in listing.get("items", [])}
         with self._lock:
             store = self._objects.store(resource.kind)
             for key in [k for k in store if _in_scope(k, scope)]:
@@ -213,7 +213,7 @@ class KubernetesDiscovery:
             if event["type"] == "DELETED":
                 store.pop(key, None)
             else:
-                store[key] = obj
+                store[key] = resource.keep(obj)
                 if resource is MODEL_DEPLOYMENTS:
                     self._read_secrets([obj], force=True)
             self._publish()
@@ -240,7 +240,7 @@ class KubernetesDiscovery:
         objects = self._objects
         resolution = kube_routes.build_routes(
             objects.deployments.values(),
-            objects.slices.values(),
+            objects.pods.values(),
             lambda ns, name, key: objects.secrets.get(kube_routes.SecretKey(ns, name, key)),
         )
         for problem in sorted(set(resolution.problems) - set(self._problems)):

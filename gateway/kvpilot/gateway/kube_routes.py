@@ -1,11 +1,13 @@
-"""ModelDeployments and EndpointSlices (as the API returns them, plain dicts) -> the gateway's
+"""ModelDeployments and their runtime pods (as the API returns them, plain dicts) -> the gateway's
 routes. Pure: the watch in discovery.py keeps the objects and calls `build_routes` on a change.
 
 - A ModelDeployment's served name is `api.served_name(spec.model)`, the name the runtime serves.
-- Its ready replicas are the endpoints of the EndpointSlices of its Service (the Service has the
-  ModelDeployment's name; label `kubernetes.io/service-name`), on the port named `http`, whose
-  `conditions.ready` is true and which are not `terminating`: a pod that turns not-Ready or starts
-  terminating leaves the route at the next EndpointSlice event.
+- Its ready replicas are its pods (label `kvpilot.dev/model=<name>`, the operator's selector) that
+  run, have an IP and the condition Ready, and are not terminating (no deletionTimestamp), on
+  their container port named `http`: a pod that turns not-Ready or is being deleted leaves the
+  route at its next watch event, before the endpoints controller would have noticed. (Pods, not
+  EndpointSlices: the apiserver refuses loopback addresses in EndpointSlices, and the dev
+  cluster's pods, real processes, have 127.x addresses.)
 - `spec.routing.fallbacks` become the route's fallbacks in order: another ModelDeployment of the
   same namespace by its served name, or an external provider named `<md>/<index>` with its API
   key from a Secret of the same namespace.
@@ -25,8 +27,8 @@ from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarg
 from kvpilot.operator import api
 
 Obj = Mapping[str, Any]
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-PORT_NAME = "http"  # the runtime container's port, as manifests.build_service names it
+MODEL_LABEL = "kvpilot.dev/model"  # manifests.LABEL_MODEL: the pods of one ModelDeployment
+PORT_NAME = "http"  # the runtime container's port, as manifests.build_deployment names it
 
 # (namespace, Secret name, key) -> the value, or None when it cannot be read
 SecretLookup = Callable[[str, str, str], str | None]
@@ -79,19 +81,19 @@ def secrets_needed(deployments: Iterable[Obj]) -> set[SecretKey]:
 
 
 def build_routes(
-    deployments: Iterable[Obj], slices: Iterable[Obj], secret: SecretLookup
+    deployments: Iterable[Obj], pods: Iterable[Obj], secret: SecretLookup
 ) -> Resolution:
     """Every served model's route. `secret` answers for the keys `secrets_needed` names."""
     problems: list[str] = []
     owners = _owners(list(deployments), problems)
     names = {(md["metadata"]["namespace"], md["metadata"]["name"]): n for n, md in owners.items()}
-    by_service = _slices_by_service(slices)
+    by_model = _pods_by_model(pods)
     routes = []
     for model, md in sorted(owners.items()):
         meta = md["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         fallbacks = _fallbacks(md, names, secret, problems)
-        backends = ready_backends(by_service.get((namespace, name), []))
+        backends = ready_backends(by_model.get((namespace, name), []))
         routes.append(Route(model, backends, fallbacks, ScaleTarget(namespace, name)))
     return Resolution(tuple(routes), tuple(problems))
 
@@ -121,44 +123,68 @@ def _owners(deployments: list[Obj], problems: list[str]) -> dict[str, Obj]:
     return {model: claimants[0] for model, claimants in claims.items()}
 
 
-def _slices_by_service(slices: Iterable[Obj]) -> dict[tuple[str, str], list[Obj]]:
+def _pods_by_model(pods: Iterable[Obj]) -> dict[tuple[str, str], list[Obj]]:
     grouped: dict[tuple[str, str], list[Obj]] = {}
-    for eps in slices:
-        meta = eps["metadata"]
-        service = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
-        if service:
-            grouped.setdefault((meta["namespace"], service), []).append(eps)
+    for pod in pods:
+        meta = pod["metadata"]
+        model = (meta.get("labels") or {}).get(MODEL_LABEL)
+        if model:
+            grouped.setdefault((meta["namespace"], model), []).append(pod)
     return grouped
 
 
-def ready_backends(slices: Iterable[Obj]) -> tuple[Backend, ...]:
-    """The Service's ready, not terminating endpoints on port `http`, one per pod, by name."""
-    found: dict[str, Backend] = {}
-    for eps in sorted(slices, key=lambda s: str(s["metadata"]["name"])):
-        ports = eps.get("ports") or []
-        port = next((p.get("port") for p in ports if p.get("name") == PORT_NAME), None)
-        if port is None or eps.get("addressType") == "FQDN":
-            continue
-        namespace = eps["metadata"]["namespace"]
-        for endpoint in eps.get("endpoints") or []:
-            if not _is_serving(endpoint) or not endpoint.get("addresses"):
-                continue
-            backend = _backend(namespace, endpoint, int(port))
-            found.setdefault(backend.name, backend)  # dual stack: a pod in two slices
-    return tuple(found[name] for name in sorted(found))
+def ready_backends(pods: Iterable[Obj]) -> tuple[Backend, ...]:
+    """The pods that can take a request now, by name."""
+    found = [backend for pod in pods if (backend := _backend(pod)) is not None]
+    return tuple(sorted(found, key=lambda b: b.name))
 
 
-def _is_serving(endpoint: Obj) -> bool:
-    conditions = endpoint.get("conditions") or {}
-    return conditions.get("ready") is True and conditions.get("terminating") is not True
+def is_serving(pod: Obj) -> bool:
+    """Running, Ready and not being deleted (a terminating pod drains; it takes nothing new)."""
+    status = pod.get("status") or {}
+    if pod["metadata"].get("deletionTimestamp") or status.get("phase") != "Running":
+        return False
+    conditions = status.get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
-def _backend(namespace: str, endpoint: Obj, port: int) -> Backend:
-    address = endpoint["addresses"][0]
+def http_port(pod: Obj) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == PORT_NAME:
+                return int(port["containerPort"])
+    return None
+
+
+def _backend(pod: Obj) -> Backend | None:
+    address, port = (pod.get("status") or {}).get("podIP"), http_port(pod)
+    if not is_serving(pod) or not address or port is None:
+        return None
     host = f"[{address}]" if ":" in address else address
-    target = endpoint.get("targetRef") or {}
-    pod = target.get("name") if target.get("kind", "Pod") == "Pod" else None
-    return Backend(f"{namespace}/{pod or address}", f"http://{host}:{port}")
+    meta = pod["metadata"]
+    return Backend(f"{meta['namespace']}/{meta['name']}", f"http://{host}:{port}")
+
+
+def slim_pod(pod: Obj) -> dict[str, Any]:
+    """What routing reads of a pod (the watch keeps this, not the whole object)."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return {
+        "metadata": {
+            key: meta[key]
+            for key in ("name", "namespace", "labels", "deletionTimestamp", "resourceVersion")
+            if key in meta
+        },
+        "spec": {"containers": [{"ports": c.get("ports") or []} for c in containers]},
+        "status": {
+            "phase": status.get("phase"),
+            "podIP": status.get("podIP"),
+            "conditions": [
+                {"type": c.get("type"), "status": c.get("status")}
+                for c in status.get("conditions") or []
+            ],
+        },
+    }
 
 
 def _fallbacks(

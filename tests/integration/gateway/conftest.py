@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
 from kvpilot.gateway.routes import Route, RouteTable
 from tests.support.kube import fresh_namespace
-from tests.support.operator_cluster import ROOT
+from tests.support.operator_cluster import ROOT, Operator
 
 T = TypeVar("T")
 
@@ -60,3 +61,12 @@ def loop_table() -> Iterator[LoopTable]:
     table = LoopTable()
     yield table
     table.close()
+
+
+@pytest.fixture
+def operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
+    """The real operator (`kvpilot-operator run`), as tests/integration/operator runs it."""
+    op = Operator(cluster, tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()

@@ -1,5 +1,5 @@
 """Kubernetes discovery and the waker against the real API server of the dev cluster: routes
-appear from ModelDeployments and EndpointSlices through the watches, follow a pod that turns
+appear from ModelDeployments and their pods through the watches, follow a pod that turns
 not-Ready or terminating, resolve a served-name conflict to the oldest, and the waker writes the
 wake annotation."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.integration.gateway.conftest import LoopTable
 from tests.integration.helm.chart import require
 from tests.integration.helm.release import Release
 from tests.support.kube import get_json, wait_until
+from tests.support.operator_cluster import Operator, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -36,26 +38,67 @@ def model_deployment(name: str, served: str) -> dict[str, Any]:
     }
 
 
-def endpoint_slice(service: str, endpoints: list[tuple[str, str, bool, bool]]) -> dict[str, Any]:
-    """What the EndpointSlice controller writes for the operator's Service (its labels copied)."""
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-manual",
-            "labels": {"kubernetes.io/service-name": service, "kvpilot.dev/model": service},
+def runtime_pod(cluster: Any, namespace: str, node: str, name: str, model: str) -> None:
+    """A pod labelled as the operator labels runtime pods, bound to a node no kubelet serves,
+    so the test alone writes its status (what a kubelet would write)."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"kvpilot.dev/model": model}},
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {
+                    "name": "runtime",
+                    "image": "kvpilot/runtime:test",
+                    "ports": [{"name": "http", "containerPort": 8000}],
+                }
+            ],
         },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
-        "endpoints": [
-            {
-                "addresses": [ip],
-                "conditions": {"ready": ready, "serving": ready, "terminating": terminating},
-                "targetRef": {"kind": "Pod", "name": pod},
-            }
-            for pod, ip, ready, terminating in endpoints
-        ],
     }
+    apply(cluster, namespace, pod)
+
+
+def set_status(cluster: Any, namespace: str, name: str, ip: str, ready: bool) -> None:
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    status = {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "conditions": [condition]}
+    cluster.kubectl(
+        "patch",
+        "pod",
+        name,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
+
+
+@pytest.fixture
+def bare_node(cluster: Any) -> Iterator[str]:
+    """A Node that neither kwok nor the pod runner manages: pods bound to it keep the status the
+    test writes, and a deleted one stays terminating."""
+    name = f"gw-bare-{uuid.uuid4().hex[:6]}"
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}}
+    cluster.kubectl("create", "-f", "-", input=json.dumps(node))
+    yield name
+    pods = cluster.kubectl(
+        "get", "pods", "-A", "--field-selector", f"spec.nodeName={name}", "-o", "json"
+    )
+    for pod in json.loads(pods.stdout)["items"]:
+        meta = pod["metadata"]
+        cluster.kubectl(
+            "delete",
+            "pod",
+            meta["name"],
+            "-n",
+            meta["namespace"],
+            "--grace-period=0",
+            "--force",
+            check=False,
+        )
+    cluster.kubectl("delete", "node", name, "--wait=false", check=False)
 
 
 def apply(cluster: Any, namespace: str, doc: dict[str, Any]) -> None:
@@ -79,9 +122,10 @@ def backends_of(loop_table: LoopTable, model: str) -> tuple[Backend, ...] | None
     return route.backends if route else None
 
 
-def test_routes_follow_deployments_and_endpoint_readiness(
+def test_routes_follow_deployments_and_pod_readiness(
     cluster: Any,
     namespace: str,
+    bare_node: str,
     discovery: KubernetesDiscovery,
     loop_table: LoopTable,
     caplog: pytest.LogCaptureFixture,
@@ -91,21 +135,21 @@ def test_routes_follow_deployments_and_endpoint_readiness(
     route = wait_until(lambda: loop_table.route(served), timeout_s=30, what="the route")
     assert route.scale_target == ScaleTarget(namespace, "llm") and route.backends == ()
 
-    pods = [("llm-0", "10.9.0.1", True, False), ("llm-1", "10.9.0.2", True, False)]
-    apply(cluster, namespace, endpoint_slice("llm", pods))
+    for pod, ip in (("llm-0", "127.90.0.1"), ("llm-1", "127.90.0.2")):
+        runtime_pod(cluster, namespace, bare_node, pod, "llm")
+        set_status(cluster, namespace, pod, ip, ready=True)
     want = (
-        Backend(f"{namespace}/llm-0", "http://10.9.0.1:8000"),
-        Backend(f"{namespace}/llm-1", "http://10.9.0.2:8000"),
+        Backend(f"{namespace}/llm-0", "http://127.90.0.1:8000"),
+        Backend(f"{namespace}/llm-1", "http://127.90.0.2:8000"),
     )
     wait_until(lambda: backends_of(loop_table, served) == want, 30, "two backends")
 
-    pods[1] = ("llm-1", "10.9.0.2", False, False)  # not Ready
-    apply(cluster, namespace, endpoint_slice("llm", pods))
-    wait_until(lambda: backends_of(loop_table, served) == want[:1], 30, "llm-1 left")
+    set_status(cluster, namespace, "llm-1", "127.90.0.2", ready=False)
+    wait_until(lambda: backends_of(loop_table, served) == want[:1], 30, "not-Ready llm-1 left")
 
-    pods[0] = ("llm-0", "10.9.0.1", True, True)  # terminating, still ready (draining)
-    apply(cluster, namespace, endpoint_slice("llm", pods))
-    wait_until(lambda: backends_of(loop_table, served) == (), 30, "llm-0 left")
+    # Deleted: terminating (no kubelet confirms it) while still Ready; it takes nothing new.
+    cluster.kubectl("delete", "pod", "llm-0", "-n", namespace, "--wait=false")
+    wait_until(lambda: backends_of(loop_table, served) == (), 30, "terminating llm-0 left")
 
     # A second ModelDeployment claims the name: the oldest keeps it, and the log says so.
     caplog.set_level(logging.WARNING, logger="kvpilot.gateway.discovery")
@@ -181,6 +225,7 @@ def gateway_identity(cluster: Any, crds: None, helm_binary: Path, tmp_path: Path
 def test_discovery_and_waker_need_no_right_the_chart_does_not_grant(
     cluster: Any,
     namespace: str,
+    bare_node: str,
     gateway_identity: Path,
     loop_table: LoopTable,
     caplog: pytest.LogCaptureFixture,
@@ -198,13 +243,14 @@ def test_discovery_and_waker_need_no_right_the_chart_does_not_grant(
     )
     md = model_deployment("llm", served)
     apply(cluster, namespace, md)
-    apply(cluster, namespace, endpoint_slice("llm", [("llm-0", "10.9.1.1", True, False)]))
+    runtime_pod(cluster, namespace, bare_node, "llm-0", "llm")
+    set_status(cluster, namespace, "llm-0", "127.90.1.1", ready=True)
     client = api_client(str(gateway_identity))
     source = KubernetesDiscovery(loop_table.table, loop_table.loop, client)
     source.start()
     try:
         assert source.synced.wait(timeout=30), "the first lists never arrived"
-        want = (Backend(f"{namespace}/llm-0", "http://10.9.1.1:8000"),)
+        want = (Backend(f"{namespace}/llm-0", "http://127.90.1.1:8000"),)
         wait_until(lambda: backends_of(loop_table, served) == want, 30, "the route")
         loop_table.run(KubernetesWaker(client).wake(ScaleTarget(namespace, "llm")))
         annotations = get_json(cluster, "modeldeployment", "llm", "-n", namespace)["metadata"]
@@ -215,3 +261,48 @@ def test_discovery_and_waker_need_no_right_the_chart_does_not_grant(
         source.stop()
     refusals = [r.message for r in caplog.records if "403" in r.message or "Forbidden" in r.message]
     assert not refusals
+
+
+def test_routes_follow_the_operators_replicas(
+    cluster: Any,
+    namespace: str,
+    operator: Operator,
+    discovery: KubernetesDiscovery,
+    loop_table: LoopTable,
+) -> None:
+    """The real operator's pods (kwok pods on the l4 pool: Ready, with pod IPs): the route holds
+    exactly the ready pods as they scale."""
+    served = f"qwen-{namespace}"
+    md = model_deployment("qwen", served)
+    md["spec"]["model"]["uri"] = "hf://Qwen/Qwen2.5-0.5B-Instruct"
+    md["spec"]["placement"] = {"nodeTypes": ["l4-24gb"]}
+    md["spec"]["autoscaling"] = {"mode": "off", "replicas": 2}
+    apply(cluster, namespace, md)
+
+    def pods_as_backends() -> tuple[Backend, ...]:
+        found = get_json(cluster, "pods", "-n", namespace, "-l", "kvpilot.dev/model=qwen")
+        ready = [p for p in found["items"] if is_ready_pod(p)]
+        return tuple(sorted((backend_of(p) for p in ready), key=lambda b: b.name))
+
+    def routed(count: int) -> bool:
+        want = pods_as_backends()
+        return len(want) == count and backends_of(loop_table, served) == want
+
+    wait_for(lambda: routed(2), "the route holds both ready pods", operator, timeout=120)
+    cluster.kubectl("scale", "modeldeployment/qwen", "--replicas=1", "-n", namespace)
+    wait_for(lambda: routed(1), "the route down to one pod", operator, timeout=120)
+
+
+def is_ready_pod(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp") or not pod["status"].get("podIP"):
+        return False
+    conditions = pod["status"].get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def backend_of(pod: dict[str, Any]) -> Backend:
+    """What discovery must make of a ready runtime pod: its IP and its container port `http`."""
+    ports = pod["spec"]["containers"][0]["ports"]
+    port = next(p["containerPort"] for p in ports if p["name"] == "http")
+    meta = pod["metadata"]
+    return Backend(f"{meta['namespace']}/{meta['name']}", f"http://{pod['status']['podIP']}:{port}")

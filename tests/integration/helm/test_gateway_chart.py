@@ -205,7 +205,7 @@ def test_rules_grant_what_discovery_and_the_waker_use_and_no_more(
 ) -> None:
     assert granted(defaults) == {
         ("kvpilot.dev", "modeldeployments"): {"list", "watch", "patch"},
-        ("discovery.k8s.io", "endpointslices"): {"list", "watch"},
+        ("", "pods"): {"list", "watch"},
         ("", "secrets"): {"get"},  # provider API keys, by name
     }
     for rule in rules(defaults, "gateway"):
@@ -231,7 +231,7 @@ def test_namespaced_gateway_gets_roles_in_its_namespaces(
     bindings = sorted(o["metadata"]["namespace"] for o in gateway if o["kind"] == "RoleBinding")
     assert roles == bindings == want
     assert parsed_args(objects).namespace == want
-    assert granted(objects)[("discovery.k8s.io", "endpointslices")] == {"list", "watch"}
+    assert granted(objects)[("", "pods")] == {"list", "watch"}
 
 
 def test_values_schema_rejects_a_misspelt_gateway_key(helm_bin: Path) -> None:

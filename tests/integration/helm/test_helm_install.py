@@ -128,14 +128,14 @@ def test_service_account_cannot_leave_its_list(release: tuple[Release, str]) -> 
     assert not granted
 
 
-# What the gateway does (discovery.py: list + watch; kube_wake.py: merge-patch the annotation;
-# provider API keys: get a Secret by name).
+# What the gateway does (discovery.py: list + watch ModelDeployments and pods; kube_wake.py:
+# merge-patch the annotation; provider API keys: get a Secret by name).
 GATEWAY_ALLOWED = [
     ("list", "modeldeployments.kvpilot.dev", "", ""),
     ("watch", "modeldeployments.kvpilot.dev", "", ""),
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", ""),
-    ("list", "endpointslices.discovery.k8s.io", "", ""),
-    ("watch", "endpointslices.discovery.k8s.io", "", ""),
+    ("list", "pods", "", ""),
+    ("watch", "pods", "", ""),
     ("get", "secrets", "anywhere", ""),
 ]
 GATEWAY_DENIED = [
@@ -146,8 +146,9 @@ GATEWAY_DENIED = [
     ("create", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("delete", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", "scale"),
-    ("patch", "endpointslices.discovery.k8s.io", "anywhere", ""),
-    ("list", "pods", "", ""),
+    ("patch", "pods", "anywhere", ""),
+    ("get", "pods", "anywhere", "log"),
+    ("create", "pods", "anywhere", "exec"),
     ("patch", "deployments.apps", "anywhere", ""),
     ("list", "nodes", "", ""),
     ("create", "serviceaccounts", "anywhere", "token"),

@@ -1,4 +1,4 @@
-"""kube_routes.build_routes: ModelDeployments and EndpointSlices as the API returns them -> routes
+"""kube_routes.build_routes: ModelDeployments and their pods as the API returns them -> routes
 (served names, ready backends, fallbacks, conflicts), table-driven."""
 
 from __future__ import annotations
@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from kvpilot.gateway.kube_routes import Resolution, SecretKey, build_routes, secrets_needed
+from kvpilot.gateway.kube_routes import (
+    Resolution,
+    SecretKey,
+    build_routes,
+    ready_backends,
+    secrets_needed,
+    slim_pod,
+)
 from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
 
 
@@ -34,42 +41,37 @@ def md(
     }
 
 
-def endpoint(
-    pod: str, ip: str, ready: bool | None = True, terminating: bool | None = False
-) -> dict[str, Any]:
-    conditions: dict[str, Any] = {}
-    if ready is not None:
-        conditions["ready"] = ready
-    if terminating is not None:
-        conditions["terminating"] = terminating
-    return {
-        "addresses": [ip],
-        "conditions": conditions,
-        "targetRef": {"kind": "Pod", "name": pod, "namespace": "ml"},
-    }
-
-
-def eps(
-    service: str,
-    endpoints: list[dict[str, Any]],
-    name: str = "",
+def pod(
+    name: str,
+    ip: str | None = "10.0.0.1",
+    model: str = "llm",
     namespace: str = "ml",
-    port: int = 8000,
+    ready: str | None = "True",
+    phase: str = "Running",
+    deleting: bool = False,
     port_name: str = "http",
-    address_type: str = "IPv4",
 ) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": name or f"{service}-abcde",
-            "namespace": namespace,
-            "labels": {"kubernetes.io/service-name": service, "kvpilot.dev/model": service},
-        },
-        "addressType": address_type,
-        "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
-        "endpoints": endpoints,
+    """A runtime pod as the API returns it (the fields routing reads, and some it does not)."""
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": {"kvpilot.dev/model": model, "kvpilot.dev/node-type": "l4"},
+        "uid": "u",
     }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    conditions = [{"type": "PodScheduled", "status": "True"}]
+    if ready is not None:
+        conditions.append({"type": "Ready", "status": ready, "lastTransitionTime": "x"})
+    status: dict[str, Any] = {"phase": phase, "conditions": conditions, "hostIP": "10.1.0.1"}
+    if ip:
+        status["podIP"] = ip
+    container = {
+        "name": "runtime",
+        "image": "runtime:1",
+        "ports": [{"name": port_name, "containerPort": 8000, "protocol": "TCP"}],
+    }
+    return {"metadata": meta, "spec": {"containers": [container]}, "status": status}
 
 
 def no_secrets(namespace: str, name: str, key: str) -> str | None:
@@ -82,68 +84,49 @@ def backends(resolution: Resolution, model: str) -> list[str]:
 
 
 READY_CASES = [
-    ("ready", [endpoint("p0", "10.0.0.1")], ["ml/p0"]),
-    ("not ready", [endpoint("p0", "10.0.0.1", ready=False)], []),
-    ("ready unknown", [endpoint("p0", "10.0.0.1", ready=None)], []),
-    ("terminating", [endpoint("p0", "10.0.0.1", ready=True, terminating=True)], []),
-    ("terminating unknown", [endpoint("p0", "10.0.0.1", terminating=None)], ["ml/p0"]),
+    ("ready", [pod("p0")], ["ml/p0"]),
+    ("not ready", [pod("p0", ready="False")], []),
+    ("no Ready condition yet", [pod("p0", ready=None)], []),
+    ("terminating, still ready", [pod("p0", deleting=True)], []),
+    ("pending", [pod("p0", phase="Pending")], []),
+    ("no IP yet", [pod("p0", ip=None)], []),
+    ("no port named http", [pod("p0", port_name="metrics")], []),
     (
-        "sorted by pod, one of two ready",
-        [
-            endpoint("p1", "10.0.0.2"),
-            endpoint("p2", "10.0.0.3", ready=False),
-            endpoint("p0", "10.0.0.1"),
-        ],
+        "sorted by pod, one of three not ready",
+        [pod("p1", "10.0.0.2"), pod("p2", "10.0.0.3", ready="False"), pod("p0")],
         ["ml/p0", "ml/p1"],
     ),
-    ("no addresses", [{"conditions": {"ready": True}, "targetRef": {"name": "p0"}}], []),
+    ("another model's pod", [pod("p0", model="other")], []),
+    ("same model name, other namespace", [pod("p0", namespace="dev")], []),
 ]
 
 
-@pytest.mark.parametrize(
-    ("case", "endpoints", "want"), READY_CASES, ids=[c[0] for c in READY_CASES]
-)
-def test_only_ready_not_terminating_endpoints_are_backends(
-    case: str, endpoints: list[dict[str, Any]], want: list[str]
+@pytest.mark.parametrize(("case", "pods", "want"), READY_CASES, ids=[c[0] for c in READY_CASES])
+def test_only_running_ready_not_terminating_pods_are_backends(
+    case: str, pods: list[dict[str, Any]], want: list[str]
 ) -> None:
-    got = build_routes([md("llm")], [eps("llm", endpoints)], no_secrets)
+    got = build_routes([md("llm")], pods, no_secrets)
     assert backends(got, "Model-7B") == want, case
 
 
-SLICE_CASES = [
-    ("port http", eps("llm", [endpoint("p0", "10.0.0.1")], port=8000), "http://10.0.0.1:8000"),
-    ("other port name", eps("llm", [endpoint("p0", "10.0.0.1")], port_name="metrics"), None),
-    (
-        "IPv6 in brackets",
-        eps("llm", [endpoint("p0", "fd00::1")], address_type="IPv6"),
-        "http://[fd00::1]:8000",
-    ),
-    ("FQDN slices are not ours", eps("llm", [endpoint("p0", "a.b")], address_type="FQDN"), None),
-    ("another service", eps("other", [endpoint("p0", "10.0.0.1")]), None),
-    ("another namespace", eps("llm", [endpoint("p0", "10.0.0.1")], namespace="dev"), None),
-]
+@pytest.mark.parametrize(
+    ("ip", "want"),
+    [("10.0.0.1", "http://10.0.0.1:8000"), ("fd00::1", "http://[fd00::1]:8000")],
+)
+def test_backend_url_is_the_pod_ip_and_its_http_port(ip: str, want: str) -> None:
+    (route,) = build_routes([md("llm")], [pod("p0", ip)], no_secrets).routes
+    assert route.backends == (Backend("ml/p0", want),)
 
 
-@pytest.mark.parametrize(("case", "slice_", "want"), SLICE_CASES, ids=[c[0] for c in SLICE_CASES])
-def test_backend_urls_come_from_the_http_port_of_the_services_slices(
-    case: str, slice_: dict[str, Any], want: str | None
-) -> None:
-    (route,) = build_routes([md("llm")], [slice_], no_secrets).routes
-    assert [b.url for b in route.backends] == ([want] if want else []), case
-
-
-def test_a_pod_in_two_slices_is_one_backend() -> None:
-    """Dual stack (or a slice split) lists one pod twice; the first slice by name wins."""
-    v4 = eps("llm", [endpoint("p0", "10.0.0.1")], name="llm-a")
-    v6 = eps("llm", [endpoint("p0", "fd00::1")], name="llm-b", address_type="IPv6")
-    (route,) = build_routes([md("llm")], [v6, v4], no_secrets).routes
-    assert route.backends == (Backend("ml/p0", "http://10.0.0.1:8000"),)
-
-
-def test_backends_from_every_slice_of_the_service() -> None:
-    a = eps("llm", [endpoint("p0", "10.0.0.1")], name="llm-a")
-    b = eps("llm", [endpoint("p1", "10.0.0.2")], name="llm-b")
-    assert backends(build_routes([md("llm")], [a, b], no_secrets), "Model-7B") == ["ml/p0", "ml/p1"]
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"ready": "False"}, {"deleting": True}, {"ip": None}, {"phase": "Pending"}],
+)
+def test_slim_pod_keeps_what_routing_reads(variant: dict[str, Any]) -> None:
+    full = pod("p0", **variant)
+    slim = slim_pod(full)
+    assert ready_backends([slim]) == ready_backends([full])
+    assert "uid" not in slim["metadata"] and "hostIP" not in slim["status"]
 
 
 SERVED_CASES = [
@@ -205,8 +188,8 @@ def test_two_deployments_serving_one_name_pick_deterministically(
 
 def test_the_loser_of_a_conflict_lends_no_backends() -> None:
     old, new = md("old", created="2026-01-01T00:00:00Z"), md("new", created="2026-03-01T00:00:00Z")
-    slices = [eps("old", [endpoint("o0", "10.0.0.1")]), eps("new", [endpoint("n0", "10.0.0.2")])]
-    assert backends(build_routes([new, old], slices, no_secrets), "Model-7B") == ["ml/o0"]
+    pods = [pod("o0", model="old"), pod("n0", "10.0.0.2", model="new")]
+    assert backends(build_routes([new, old], pods, no_secrets), "Model-7B") == ["ml/o0"]
 
 
 KEYS = {("ml", "example-key", "api-key"): "sk-test"}
