@@ -69,6 +69,12 @@ def fallback_specs(md: Obj) -> list[Obj]:
     return list(routing.get("fallbacks") or [])
 
 
+def fallback_after_s(md: Obj) -> float | None:
+    """spec.routing.fallbackAfterSeconds; None (the gateway's default) without spec.routing."""
+    seconds = (md.get("spec", {}).get("routing") or {}).get("fallbackAfterSeconds")
+    return float(seconds) if seconds is not None else None
+
+
 def secrets_needed(deployments: Iterable[Obj]) -> set[SecretKey]:
     """The Secret keys the providers of these ModelDeployments name (read before building)."""
     needed = set()
@@ -94,7 +100,8 @@ def build_routes(
         namespace, name = meta["namespace"], meta["name"]
         fallbacks = _fallbacks(md, names, secret, problems)
         backends = ready_backends(by_model.get((namespace, name), []))
-        routes.append(Route(model, backends, fallbacks, ScaleTarget(namespace, name)))
+        target = ScaleTarget(namespace, name)
+        routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md)))
     return Resolution(tuple(routes), tuple(problems))
 
 

@@ -51,6 +51,9 @@ class Route:
     backends: tuple[Backend, ...] = ()
     fallbacks: tuple[Fallback, ...] = ()
     scale_target: ScaleTarget | None = None
+    # How long a request may wait for a replica (held at zero, or retried) before the fallbacks;
+    # None: the gateway's --fallback-after default. spec.routing.fallbackAfterSeconds.
+    fallback_after_s: float | None = None
 
 
 class RouteTable:

@@ -18,7 +18,7 @@ import pytest
 from kvpilot.gateway.discovery import KubernetesDiscovery, api_client
 from kvpilot.gateway.kube_routes import SecretKey
 from kvpilot.gateway.kube_wake import WAKE_ANNOTATION, KubernetesWaker
-from kvpilot.gateway.routes import Backend, ScaleTarget
+from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
 from kvpilot.operator import timestamps
 from tests.integration.gateway.conftest import LoopTable
 from tests.integration.helm.chart import require
@@ -306,3 +306,45 @@ def backend_of(pod: dict[str, Any]) -> Backend:
     port = next(p["containerPort"] for p in ports if p["name"] == "http")
     meta = pod["metadata"]
     return Backend(f"{meta['namespace']}/{meta['name']}", f"http://{pod['status']['podIP']}:{port}")
+
+
+def crd_has_routing(cluster: Any) -> bool:
+    crd = get_json(cluster, "crd", "modeldeployments.kvpilot.dev")
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    return "routing" in spec
+
+
+def test_fallbacks_from_spec_routing_with_the_providers_key(
+    cluster: Any, namespace: str, discovery: KubernetesDiscovery, loop_table: LoopTable
+) -> None:
+    if not crd_has_routing(cluster):
+        pytest.skip("the ModelDeployment CRD has no spec.routing yet (gw-operator's API)")
+    cluster.kubectl(
+        "create", "secret", "generic", "example-key", "-n", namespace, "--from-literal=api-key=sk-9"
+    )
+    big = model_deployment("big", f"big-{namespace}")
+    big["spec"]["routing"] = {
+        "fallbacks": [
+            {"modelDeployment": "small"},
+            {
+                "provider": {
+                    "baseURL": "https://api.example.com/v1",
+                    "model": "gpt-4o-mini",
+                    "apiKeySecretRef": {"name": "example-key", "key": "api-key"},
+                }
+            },
+        ],
+        "fallbackAfterSeconds": 12,
+    }
+    apply(cluster, namespace, model_deployment("small", f"small-{namespace}"))
+    apply(cluster, namespace, big)
+    provider = Provider("big/1", "https://api.example.com/v1", "gpt-4o-mini", "sk-9")
+    want = (f"small-{namespace}", provider)
+
+    def resolved() -> Route | None:
+        route = loop_table.route(f"big-{namespace}")
+        return route if route is not None and route.fallbacks == want else None
+
+    route = wait_until(resolved, 30, "the fallbacks, the provider with its key")
+    assert route.fallback_after_s == 12

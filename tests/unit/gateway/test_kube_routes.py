@@ -289,3 +289,17 @@ def test_the_api_key_stays_out_of_repr() -> None:
         r for r in build_routes([md("a", fallbacks=[{"provider": PROVIDER}])], [], lookup).routes
     ]
     assert "sk-test" not in repr(route)
+
+
+@pytest.mark.parametrize(
+    ("routing", "want"),
+    [(None, None), ({"fallbacks": []}, None), ({"fallbackAfterSeconds": 12}, 12.0)],
+)
+def test_fallback_deadline_from_spec_routing(
+    routing: dict[str, Any] | None, want: float | None
+) -> None:
+    obj = md("a")
+    if routing is not None:
+        obj["spec"]["routing"] = routing
+    (route,) = build_routes([obj], [], no_secrets).routes
+    assert route.fallback_after_s == want
