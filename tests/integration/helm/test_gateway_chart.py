@@ -253,3 +253,14 @@ def test_networkpolicy_lets_clients_in_on_the_gateway_port(helm_bin: Path) -> No
     assert json.dumps(policy["spec"]["podSelector"]["matchLabels"]) == json.dumps(
         find(objects, "Deployment", part="gateway")["spec"]["selector"]["matchLabels"]
     )
+
+
+def test_extra_args_and_env_reach_the_container(helm_bin: Path) -> None:
+    flags = ["--strategy=least-load", "--fallback-after=20"]
+    env = [{"name": "HTTPS_PROXY", "value": "http://proxy.local:3128"}]
+    extra = ["--set-json", f"gateway.extraArgs={json.dumps(flags)}"]
+    extra += ["--set-json", f"gateway.env={json.dumps(env)}"]
+    gateway = container(render(helm_bin, extra=extra), "gateway")
+    assert gateway["args"][-2:] == flags
+    assert gateway["env"] == env
+    assert "env" not in container(render(helm_bin), "gateway")
