@@ -147,7 +147,7 @@ class KubernetesDiscovery:
             try:
                 version = self._relist(resource, scope)
                 failures = 0
-                self._watch(resource, scope, version)
+                self.watch_from(resource, scope, version)
             except GoneError:
                 log.info("%s watch (%s) expired; listing again", resource.kind, scope or "all")
             except Exception as error:  # the API or the network: back off, then list again
@@ -179,14 +179,14 @@ class KubernetesDiscovery:
             self.synced.set()
         return str(listing["metadata"]["resourceVersion"])
 
-    def _watch(self, resource: Resource, scope: str | None, version: str) -> None:
+    def watch_from(self, resource: Resource, scope: str | None, version: str) -> None:
+        """Apply the events after `version` until stopped; GoneError when it has expired."""
         func, args = resource.watch_fn(self._client, scope)
         watcher = k8s_watch.Watch()
         kwargs: dict[str, Any] = {
             "resource_version": version,
             "allow_watch_bookmarks": True,
             "timeout_seconds": WATCH_TIMEOUT_S,
-            "deserialize": False,
         }
         if resource.selector:
             kwargs["label_selector"] = resource.selector
@@ -203,7 +203,7 @@ class KubernetesDiscovery:
 
     def _handle(self, resource: Resource, event: dict[str, Any]) -> str:
         """Apply one watch event; the resourceVersion to resume from."""
-        obj = event["object"]
+        obj = event["raw_object"]  # the JSON as the API sent it (event["object"]: typed)
         version = str(obj["metadata"]["resourceVersion"])
         if event["type"] == "BOOKMARK":
             return version

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -15,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from kvpilot.gateway.discovery import KubernetesDiscovery, api_client
+from kvpilot.gateway.discovery import (
+    MODEL_DEPLOYMENTS,
+    PODS,
+    GoneError,
+    KubernetesDiscovery,
+    Resource,
+    api_client,
+)
 from kvpilot.gateway.kube_routes import SecretKey
 from kvpilot.gateway.kube_wake import WAKE_ANNOTATION, KubernetesWaker
 from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
@@ -348,3 +356,27 @@ def test_fallbacks_from_spec_routing_with_the_providers_key(
 
     route = wait_until(resolved, 30, "the fallbacks, the provider with its key")
     assert route.fallback_after_s == 12
+
+
+@pytest.mark.parametrize("resource", [MODEL_DEPLOYMENTS, PODS], ids=lambda r: r.kind)
+def test_an_expired_resource_version_is_gone_so_the_watch_lists_again(
+    cluster: Any, crds: None, loop_table: LoopTable, resource: Resource
+) -> None:
+    """The API answers a watch from a compacted version with 410 Gone (an ERROR event):
+    watch_from raises GoneError, on which the watch thread lists again, instead of backing off."""
+    source = KubernetesDiscovery(
+        loop_table.table, loop_table.loop, api_client(str(cluster.kubeconfig))
+    )
+    outcome: list[BaseException | None] = []
+
+    def watch() -> None:
+        try:
+            source.watch_from(resource, None, "1")
+            outcome.append(None)
+        except BaseException as error:  # handed to the test's thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert outcome and isinstance(outcome[0], GoneError), outcome
