@@ -7,8 +7,8 @@ rebuilt from the objects held (kube_routes.build_routes, pure) and handed to the
 `loop.call_soon_threadsafe`, where `apply_routes` puts only the routes that changed.
 
 Provider API keys are read (`get`, by name) from their Secrets when a ModelDeployment is added or
-changes and at every re-list; Secrets are not watched, so a rotated key reaches the gateway at the
-next change of its ModelDeployment or the next re-list.
+its spec changes (a new generation) and at every re-list; Secrets are not watched, so a rotated
+key reaches the gateway at the next spec change of its ModelDeployment or the next re-list.
 """
 
 from __future__ import annotations
@@ -213,9 +213,12 @@ class KubernetesDiscovery:
             if event["type"] == "DELETED":
                 store.pop(key, None)
             else:
+                before = store.get(key)
                 store[key] = resource.keep(obj)
                 if resource is MODEL_DEPLOYMENTS:
-                    self._read_secrets([obj], force=True)
+                    # the spec changed (not only status, which the operator writes every few
+                    # seconds): read its providers' keys again
+                    self._read_secrets([obj], force=_generation(before) != _generation(obj))
             self._publish()
         return version
 
@@ -248,6 +251,10 @@ class KubernetesDiscovery:
         self._problems = resolution.problems
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(apply_routes, self._table, resolution.routes)
+
+
+def _generation(obj: dict[str, Any] | None) -> int | None:
+    return None if obj is None else obj["metadata"].get("generation")
 
 
 def _in_scope(key: str, scope: str | None) -> bool:
