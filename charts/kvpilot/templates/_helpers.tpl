@@ -126,3 +126,58 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
   resources: [{{ if .Values.watchNamespace }}kopfpeerings{{ else }}clusterkopfpeerings{{ end }}]
   verbs: [get, list, watch, create, patch]
 {{- end -}}
+
+{{/* The gateway (kvpilot-gateway): its own name, labels, identity and image. */}}
+{{- define "kvpilot.gateway.fullname" -}}
+{{- printf "%s-gateway" (include "kvpilot.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvpilot.gateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpilot.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{- define "kvpilot.gateway.labels" -}}
+{{ include "kvpilot.gateway.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvpilot
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "kvpilot.gateway.serviceAccountName" -}}
+{{- if .Values.gateway.serviceAccount.create -}}
+{{- default (include "kvpilot.gateway.fullname" .) .Values.gateway.serviceAccount.name -}}
+{{- else -}}
+{{- required "gateway.serviceAccount.name is required when gateway.serviceAccount.create is false" .Values.gateway.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The operator image (it carries the gateway extra) unless gateway.image names another. */}}
+{{- define "kvpilot.gateway.image" -}}
+{{- $repository := default .Values.image.repository .Values.gateway.image.repository -}}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.gateway.image.tag -}}
+{{- printf "%s:%s" $repository $tag -}}
+{{- end -}}
+
+{{/*
+What the gateway reads, in the namespaces it routes to (discovery.py, kube_wake.py):
+*/}}
+{{- define "kvpilot.gateway.rules" -}}
+# ModelDeployments: listed and watched (served names, spec.routing); merge-patched only to set
+# the kvpilot.dev/wake-requested-at annotation (kube_wake.py: wake from zero)
+- apiGroups: [kvpilot.dev]
+  resources: [modeldeployments]
+  verbs: [list, watch, patch]
+# the ready replicas: runtime pods (label kvpilot.dev/model), their IP, readiness, deletion
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+{{- if .Values.gateway.rbac.readProviderSecrets }}
+# the API key of a spec.routing.fallbacks provider, read by name from the Secret it names
+# (never listed or watched)
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
+{{- end -}}

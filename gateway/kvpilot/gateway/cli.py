@@ -1,9 +1,11 @@
 """`kvpilot-gateway`: the proxy in front of the model servers.
 
     kvpilot-gateway --config gateway.yaml --port 8080
+    kvpilot-gateway --discovery kubernetes [--namespace NS ...] [--kubeconfig FILE] --port 8080
 
-The CLI builds a RouteTable, fills it from the discovery sources its flags name (`--config`: the
-static file, loaded once), and serves the proxy until SIGTERM/SIGINT. A discovery source runs on
+The CLI builds a RouteTable, fills it from the discovery source its flags name (`--config`: the
+static file, loaded once; `--discovery kubernetes`: a watch on ModelDeployments and their
+runtime pods, discovery.py), and serves the proxy until SIGTERM/SIGINT. A discovery source runs on
 the gateway's loop (or hands changes over with `loop.call_soon_threadsafe`) and may supply the
 Waker that wakes models from zero; the static file has nothing to wake.
 """
@@ -15,11 +17,12 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aiohttp import web
 
+from kvpilot.gateway import discovery
 from kvpilot.gateway.config import ConfigError, load_routes
 from kvpilot.gateway.picking import STRATEGIES, PickPolicy
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
@@ -32,6 +35,10 @@ log = logging.getLogger("kvpilot.gateway")
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kvpilot-gateway", description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, help="static routes: YAML `models: [...]`")
+    parser.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
+                        help="static: the --config file; kubernetes: watch ModelDeployments "
+                        "and their runtime pods")  # fmt: skip
+    discovery.add_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--strategy", choices=STRATEGIES, default="prefix",
@@ -69,17 +76,28 @@ def build_options(args: argparse.Namespace) -> ProxyOptions:
     )
 
 
-def start_discovery(args: argparse.Namespace, table: RouteTable) -> Waker | None:
-    """Fill `table` from the sources the flags name; the Waker of the one that can wake models."""
+def start_discovery(
+    args: argparse.Namespace, table: RouteTable
+) -> tuple[Waker | None, Callable[[], None]]:
+    """Fill `table` from the source the flags name: the Waker of a source that can wake models,
+    and the function that stops the source."""
+    if args.discovery == "kubernetes":
+        if args.config is not None:
+            raise ValueError("--config is for --discovery static; give one or the other")
+        loop = asyncio.get_running_loop()
+        stop, waker = discovery.start_kubernetes_discovery(
+            table, loop, args.namespace, args.kubeconfig
+        )
+        return waker, stop
     if args.config is None:
-        raise ValueError("give --config FILE (static routes)")
+        raise ValueError("give --config FILE (static routes) or --discovery kubernetes")
     table.replace_all(load_routes(args.config))
-    return None
+    return None, lambda: None
 
 
 async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     table = RouteTable()
-    waker = start_discovery(args, table)
+    waker, stop_discovery = start_discovery(args, table)
     gateway = Gateway(table, options, waker)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -91,6 +109,7 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    stop_discovery()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

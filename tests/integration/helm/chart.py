@@ -59,9 +59,25 @@ def render(
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
-def find(objects: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
-    matches = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
-    assert len(matches) == 1, f"want one {kind} {name or ''}, got {len(matches)}"
+def component(obj: dict[str, Any]) -> str:
+    """The chart's part an object belongs to (`operator` or `gateway`; CRDs belong to none)."""
+    labels = obj["metadata"].get("labels") or {}
+    return str(labels.get("app.kubernetes.io/component", ""))
+
+
+def find(
+    objects: Iterable[dict[str, Any]],
+    kind: str,
+    name: str | None = None,
+    part: str = "operator",
+) -> dict[str, Any]:
+    """The one object of `kind` (and `name`) of the chart's `part` (operator or gateway)."""
+    matches = [
+        o
+        for o in objects
+        if o["kind"] == kind and name in (None, o["metadata"]["name"]) and component(o) == part
+    ]
+    assert len(matches) == 1, f"want one {part} {kind} {name or ''}, got {len(matches)}"
     return matches[0]
 
 
@@ -69,13 +85,18 @@ def kinds(objects: Iterable[dict[str, Any]]) -> list[str]:
     return sorted(o["kind"] for o in objects)
 
 
-def rules(objects: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for o in objects if o["kind"] in ("ClusterRole", "Role") for r in o["rules"]]
+def rules(objects: Iterable[dict[str, Any]], part: str = "operator") -> list[dict[str, Any]]:
+    return [
+        r
+        for o in objects
+        if o["kind"] in ("ClusterRole", "Role") and component(o) == part
+        for r in o["rules"]
+    ]
 
 
-def container(objects: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    (operator,) = find(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
-    return operator
+def container(objects: Iterable[dict[str, Any]], part: str = "operator") -> dict[str, Any]:
+    (only,) = find(objects, "Deployment", part=part)["spec"]["template"]["spec"]["containers"]
+    return only
 
 
 def config_yaml(objects: Iterable[dict[str, Any]]) -> dict[str, Any]:

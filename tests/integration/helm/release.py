@@ -3,6 +3,7 @@ ServiceAccount (a token from `kubectl create token`), for the least-privilege te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ class Release:
     helm_bin: Path
     name: str
     namespace: str
+    part: str = "operator"  # whose identity can()/can_i() ask about: operator or gateway
 
     @classmethod
     def new(cls, cluster: Any, helm_bin: Path, prefix: str) -> Release:
@@ -28,7 +30,13 @@ class Release:
 
     @property
     def fullname(self) -> str:
-        return f"{self.name}-kvpilot"
+        """The part's objects' name (Deployment, ServiceAccount, ClusterRole)."""
+        base = f"{self.name}-kvpilot"
+        return f"{base}-gateway" if self.part == "gateway" else base
+
+    def gateway(self) -> Release:
+        """The same release, seen as its gateway (the gateway's ServiceAccount and names)."""
+        return dataclasses.replace(self, part="gateway")
 
     @property
     def service_account(self) -> str:

@@ -19,6 +19,7 @@ from kvpilot.runtime import metrics as runtime_metrics
 from tests.integration.helm.chart import (
     CHART,
     ROOT,
+    component,
     config_yaml,
     container,
     find,
@@ -99,7 +100,14 @@ def test_values_schema_rejects_bad_values(helm_bin: Path, key: str, value: str) 
 
 def test_values_schema_has_no_open_objects_by_accident() -> None:
     """Every object in the schema closes its keys, except the free-form maps listed here."""
-    free_form = {"global", "tolerations.items", "affinity"}
+    free_form = {
+        "global",
+        "tolerations.items",
+        "affinity",
+        "gateway.tolerations.items",
+        "gateway.affinity",
+        "gateway.env.items.valueFrom",
+    }
     schema = json.loads((CHART / "values.schema.json").read_text())
 
     def walk(node: dict[str, Any], where: str) -> list[str]:
@@ -117,7 +125,8 @@ def test_values_schema_has_no_open_objects_by_accident() -> None:
 
 def test_no_rule_uses_a_wildcard(helm_bin: Path) -> None:
     for values in ({}, ALL_ON, NAMESPACED):
-        for rule in rules(render(helm_bin, values)):
+        objects = render(helm_bin, values)
+        for rule in rules(objects) + rules(objects, "gateway"):
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert "*" not in rule.get(field, []), rule
 
@@ -228,7 +237,8 @@ def test_replicas_and_disruption_budget(helm_bin: Path) -> None:
     objects = render(helm_bin, {"replicaCount": "3"})
     assert find(objects, "Deployment")["spec"]["replicas"] == 3
     assert find(objects, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
-    assert "PodDisruptionBudget" not in kinds(render(helm_bin, {"replicaCount": "1"}))
+    one = render(helm_bin, {"replicaCount": "1"})
+    assert not [o for o in one if o["kind"] == "PodDisruptionBudget" and component(o) == "operator"]
 
 
 def test_configmap_is_a_config_the_operator_accepts(helm_bin: Path) -> None:

@@ -48,6 +48,7 @@ def test_install_creates_every_rendered_object(
         "RoleBinding",
         "Service",
         "Deployment",
+        "PodDisruptionBudget",  # the gateway's (2 replicas)
     }
     for obj in objects:
         meta = obj["metadata"]
@@ -64,6 +65,8 @@ def test_notes_tell_what_to_apply_next(release: tuple[Release, str]) -> None:
     assert f"kubectl -n {rel.namespace} rollout status deployment/{rel.fullname}" in notes
     assert "kubectl apply -n default -f examples/qwen2.5-7b-instruct.yaml" in notes
     assert "kubectl apply --server-side -f charts/kvpilot/crds/" in notes
+    gateway = f"port-forward service/{rel.gateway().fullname} 8080:80"
+    assert f"kubectl -n {rel.namespace} {gateway}" in notes
 
 
 # What the operator does (derived from handlers.py, controller.py, k8s.py, cli.py and kopf):
@@ -123,6 +126,41 @@ def test_service_account_cannot_leave_its_list(release: tuple[Release, str]) -> 
     rel, _ = release
     granted = [args for args in DENIED if rel.can(*args)]
     assert not granted
+
+
+# What the gateway does (discovery.py: list + watch ModelDeployments and pods; kube_wake.py:
+# merge-patch the annotation; provider API keys: get a Secret by name).
+GATEWAY_ALLOWED = [
+    ("list", "modeldeployments.kvpilot.dev", "", ""),
+    ("watch", "modeldeployments.kvpilot.dev", "", ""),
+    ("patch", "modeldeployments.kvpilot.dev", "anywhere", ""),
+    ("list", "pods", "", ""),
+    ("watch", "pods", "", ""),
+    ("get", "secrets", "anywhere", ""),
+]
+GATEWAY_DENIED = [
+    ("list", "secrets", "", ""),
+    ("watch", "secrets", "anywhere", ""),
+    ("patch", "modeldeployments.kvpilot.dev", "anywhere", "status"),
+    ("update", "modeldeployments.kvpilot.dev", "anywhere", ""),
+    ("create", "modeldeployments.kvpilot.dev", "anywhere", ""),
+    ("delete", "modeldeployments.kvpilot.dev", "anywhere", ""),
+    ("patch", "modeldeployments.kvpilot.dev", "anywhere", "scale"),
+    ("patch", "pods", "anywhere", ""),
+    ("get", "pods", "anywhere", "log"),
+    ("create", "pods", "anywhere", "exec"),
+    ("patch", "deployments.apps", "anywhere", ""),
+    ("list", "nodes", "", ""),
+    ("create", "serviceaccounts", "anywhere", "token"),
+]
+
+
+def test_gateway_service_account_can_do_what_the_gateway_needs_and_no_more(
+    release: tuple[Release, str],
+) -> None:
+    gateway = release[0].gateway()
+    assert not [args for args in GATEWAY_ALLOWED if not gateway.can(*args)]
+    assert not [args for args in GATEWAY_DENIED if gateway.can(*args)]
 
 
 def test_service_account_may_hold_only_the_autoscaler_lease(release: tuple[Release, str]) -> None:

@@ -1,5 +1,6 @@
-"""kube-score (built from Go modules) on the chart's operator Deployment and on the runtime
-Deployment the operator builds: every finding is fixed or explained in kube-score-allowlist.yaml."""
+"""kube-score (built from Go modules) on the chart's operator and gateway Deployments and on the
+runtime Deployment the operator builds: every finding is fixed or explained in
+kube-score-allowlist.yaml."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import yaml
 
 from kvpilot.operator import inventory, reconcile
 from kvpilot.operator.config import DeclaredNodeType, OperatorConfig
-from tests.integration.helm.chart import ROOT, kube_score_binary, render, require
+from tests.integration.helm.chart import ROOT, component, kube_score_binary, render, require
 
 ALLOWLIST = Path(__file__).with_name("kube-score-allowlist.yaml")
 Finding = tuple[str, str, str]  # (workload, check id, summary)
@@ -59,7 +60,13 @@ def findings(helm_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> set
     # the hardened, highly available configuration: a PDB exists only with 2+ replicas
     hardened = {"networkPolicy.enabled": "true", "replicaCount": "2"}
     chart = render(require(helm_binary), hardened)
-    return kube_score(chart, "operator", tmp) | kube_score(runtime_objects(), "runtime", tmp)
+    gateway = [o for o in chart if component(o) == "gateway"]
+    operator = [o for o in chart if component(o) != "gateway"]
+    return (
+        kube_score(operator, "operator", tmp)
+        | kube_score(gateway, "gateway", tmp)
+        | kube_score(runtime_objects(), "runtime", tmp)
+    )
 
 
 def test_every_finding_is_fixed_or_explained(findings: set[Finding]) -> None:

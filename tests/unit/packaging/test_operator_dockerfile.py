@@ -59,3 +59,12 @@ def test_runs_as_numeric_non_root_user_matching_the_chart() -> None:
 def test_entrypoint_is_the_operator_cli() -> None:
     final = stages()[-1]
     assert 'ENTRYPOINT ["kvpilot-operator"]' in final
+
+
+def test_the_image_carries_the_gateway_the_chart_runs_from_it() -> None:
+    """The chart's gateway Deployment runs `kvpilot-gateway` from this image by default."""
+    build = " ".join(stages()[0])
+    assert "COPY gateway/kvpilot gateway/kvpilot" in build
+    assert "[operator,gateway]" in build
+    chart = (ROOT / "charts" / "kvpilot" / "templates" / "gateway-deployment.yaml").read_text()
+    assert "command: [kvpilot-gateway]" in chart
