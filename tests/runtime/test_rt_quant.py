@@ -13,7 +13,14 @@ import torch
 from kvpilot.runtime import memory
 from kvpilot.runtime.engine import Engine, model_facts
 from kvpilot.runtime.evaluate import window_logits
-from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight, make_weight
+from kvpilot.runtime.layers.quant import (
+    DenseWeight,
+    Int4Weight,
+    Int8DynamicWeight,
+    Int8Weight,
+    Weight,
+    make_weight,
+)
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.model_runner import load_model
 from kvpilot.runtime.models.llama import LlamaModel
@@ -78,6 +85,34 @@ def test_kernel_equals_dequantized_reference(
     reference = x.to(torch.bfloat16).float() @ w.dequantize(torch.float32).T + bias.float()
     error = float((out.float() - reference).norm() / reference.norm())
     assert error < 8e-3, error
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "dtype"),
+    [(384, 256, torch.bfloat16), (96, 300, torch.float32), (1376, 256, torch.bfloat16)],
+)
+def test_int8_dynamic_equals_its_integer_reference(
+    out_features: int, in_features: int, dtype: torch.dtype
+) -> None:
+    """W8A8: each activation row quantised to int8 with scale absmax / 127, int32 products of
+    the stored int8 weights; the reference does that arithmetic in float64 (exact), so only
+    the output's rounding to `dtype` separates them."""
+    int8 = Int8Weight(random_weight(out_features, in_features), dtype)
+    dynamic = Int8DynamicWeight(int8)
+    x = torch.randn(5, in_features, dtype=dtype)
+    x64 = x.double()
+    x_scale = x64.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(x.float() / x_scale.float()).double()  # as the kernel rounds, in fp32
+    weights = int8.qweight[:, :in_features].double() * int8.scale.double()[:, None]
+    reference = (xq @ weights.T) * x_scale
+    out = dynamic.linear(x)
+    assert out.dtype == dtype
+    error = float((out.double() - reference).norm() / reference.norm())
+    assert error < (4e-3 if dtype == torch.bfloat16 else 1e-6), error
+    # Against the unquantised activations the error is int8's, bounded but not tiny.
+    exact = x64 @ weights.T
+    assert 1e-4 < float((out.double() - exact).norm() / exact.norm()) < 0.02
+    assert dynamic.num_bytes() == int8.num_bytes()  # the same stored weights, no copy
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,37 @@ class Int8Weight(Weight):
         return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
 
 
+class Int8DynamicWeight(Weight):
+    """Experimental, CPU only, not a `--quantization` level yet: the same stored int8 weights
+    multiplied by int8 activations (W8A8), each activation row quantised at the step with its
+    own scale (absmax / 127), `torch._int_mm` accumulating int8 x int8 in int32 (VNNI).
+    bench.engine_quant measures it against the weight-only kernel on identical weights."""
+
+    def __init__(self, weight: Int8Weight) -> None:
+        if weight.qweight.device.type != "cpu":
+            raise ValueError("Int8DynamicWeight runs on CPU only (CUDA's _int_mm needs M > 16)")
+        self.weight = weight
+        self.qweight_t = weight.qweight.t()  # [in, out], a view: no second copy
+        self.scale = weight.scale.float()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x32 = x.float()
+        x_scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / INT8_MAX  # [T, 1]
+        xq = torch.round(x32 / x_scale).to(torch.int8)
+        xq = _as_kernel_input(xq, torch.int8, self.qweight_t.shape[0])
+        out = torch._int_mm(xq, self.qweight_t).float() * x_scale * self.scale
+        return _finish(out, x.dtype, bias)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.dequantize(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.rows(ids, dtype)
+
+    def num_bytes(self) -> int:
+        return self.weight.num_bytes()
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
