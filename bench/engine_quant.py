@@ -1,28 +1,183 @@
-"""Quantisation: weight bytes and perplexity loss per level on the tiny-llama eval split.
+"""Quantisation: weight bytes and perplexity loss per level on the tiny-llama eval split, and
+decode speed per level (bf16, int8, int4) on the compute-bound model and on tiny-llama.
 
-.venv/bin/python -m bench.engine_quant
+    .venv/bin/python -m bench.engine_quant [--rounds 2] [--decode-steps 16] [--skip-perplexity]
+
+Decode speed: `concurrency` greedy requests of a 32-token prompt; once every one has its first
+token, `--decode-steps` engine steps that each decode one token per request are timed (the
+process's CPU time, one torch thread; see engine_common.clock). bf16 compute for every level
+(`--dtype bfloat16`). The levels alternate within a round and each keeps its best round, so a
+noisy neighbour slows one round, not one level.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
-from bench.engine_common import MODEL, setup_threads, threads_note
+from bench.engine_common import (
+    MODEL,
+    clock,
+    compute_bound_llama,
+    fmt_ratio,
+    greedy,
+    setup_threads,
+    threads_note,
+)
 from bench.report import markdown_table, write_section
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import parse_args, run
+from kvpilot.runtime.layers.quant import Int8DynamicWeight, Int8Weight
+from kvpilot.runtime.models.llama import LlamaModel
 
+W8A8 = "int8 W8A8"  # the int8 weights through Int8DynamicWeight (experimental, CPU only)
 TARGETS = {"bf16": (1.0, 0.0), "int8": (0.52, 0.01), "int4": (0.30, 0.10)}
+SPEED_LEVELS = ("bf16", "int8", "int4", W8A8)
+CONCURRENCIES = (1, 32)
+PROMPT_TOKENS = 32
+WARMUP_STEPS = 2
+INT8_VS_BF16_TARGET = 1.3  # at concurrency 1 on the compute-bound model (issue 19)
+
+
+W8A8_NOTE = (
+    "int8 is weight-only (`aten._weight_int8pack_mm`, bf16 activations): on one core its kernel "
+    "converts every int8 weight to fp32 before its FMA: compute-bound at concurrency 1, and "
+    "slower than bf16's GEMM at concurrency 32 (profile: 80% of an int8 step in that kernel). "
+    "The experimental column "
+    "runs the same int8 weights with int8 activations quantised per row at each step "
+    "(`torch._int_mm`, VNNI; layers/quant.Int8DynamicWeight): not selectable yet."
+)
 
 
 def verdict(is_met: bool) -> str:
     return "met" if is_met else "not met"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    setup_threads()
+@dataclass(frozen=True)
+class SpeedCase:
+    model: str  # a label
+    path: Path
+    level: str
+    concurrency: int
+
+
+def use_int8_activations(model: LlamaModel) -> None:
+    """Swap every int8 matmul of a loaded int8 model for its W8A8 kernel (same stored weights;
+    the embedding keeps looking its rows up in them)."""
+    for layer in model.layers:
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert isinstance(linear.weight, Int8Weight)
+            linear.weight = Int8DynamicWeight(linear.weight)
+    assert isinstance(model.lm_head, Int8Weight)
+    model.lm_head = Int8DynamicWeight(model.lm_head)
+
+
+def decode_tokens_per_second(engine: Engine, concurrency: int, decode_steps: int) -> float:
+    """Tokens per CPU-second over `decode_steps` all-decode steps after the prefill."""
+    prompt = list(range(10, 10 + PROMPT_TOKENS))
+    total = 1 + WARMUP_STEPS + decode_steps
+    for index in range(concurrency):
+        engine.add_request(prompt, greedy(total), f"r{index}")
+    for _ in range(1 + WARMUP_STEPS):  # one step prefills all (budget >= 32 x 32)
+        engine.step()
+    start = clock()
+    for _ in range(decode_steps):
+        engine.step()
+    elapsed = clock() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return concurrency * decode_steps / elapsed
+
+
+def measure_speed(cases: list[SpeedCase], rounds: int, decode_steps: int) -> dict[SpeedCase, float]:
+    engines: dict[tuple[Path, str], Engine] = {}
+    best: dict[SpeedCase, float] = {}
+    for _ in range(rounds):
+        for case in cases:
+            key = (case.path, case.level)
+            if key not in engines:
+                engines[key] = Engine(
+                    EngineConfig(
+                        model=str(case.path),
+                        quantization="int8" if case.level == W8A8 else case.level,
+                        dtype="bfloat16",
+                        device="auto",
+                        max_model_len=256,
+                        max_num_seqs=max(CONCURRENCIES),
+                        max_num_batched_tokens=2048,
+                        kv_cache_memory=64 * 2**20,
+                    )
+                )
+                if case.level == W8A8:
+                    use_int8_activations(engines[key].runner.model)
+            rate = decode_tokens_per_second(engines[key], case.concurrency, decode_steps)
+            best[case] = max(best.get(case, 0.0), rate)
+    return best
+
+
+def speed_section(rounds: int, decode_steps: int) -> str:
+    models = {"compute-bound (~237 M, random)": compute_bound_llama(), "tiny-llama (4 M)": MODEL}
+    cases = [
+        SpeedCase(label, path, level, concurrency)
+        for label, path in models.items()
+        for concurrency in CONCURRENCIES
+        for level in SPEED_LEVELS
+    ]
+    rates = measure_speed(cases, rounds, decode_steps)
+    rows: list[list[object]] = []
+    verdicts = []
+    for label, path in models.items():
+        for concurrency in CONCURRENCIES:
+            rate = {
+                c.level: r
+                for c, r in rates.items()
+                if c.path == path and c.concurrency == concurrency
+            }
+            int8_ratio, int4_ratio = rate["int8"] / rate["bf16"], rate["int4"] / rate["int8"]
+            rows.append(
+                [
+                    label,
+                    concurrency,
+                    f"{rate['bf16']:.1f}",
+                    f"{rate['int8']:.1f}",
+                    f"{rate['int4']:.1f}",
+                    f"{int8_ratio:.2f}x",
+                    f"{int4_ratio:.2f}x",
+                    f"{rate[W8A8]:.1f} ({rate[W8A8] / rate['bf16']:.2f}x bf16)",
+                ]
+            )
+            if path != MODEL and concurrency == 1:
+                verdicts.append(
+                    f"int8 vs bf16 at concurrency 1 on the compute-bound model: "
+                    f"{fmt_ratio(int8_ratio, INT8_VS_BF16_TARGET)}; int4 vs int8: "
+                    f"{fmt_ratio(int4_ratio, 1.0)}."
+                )
+    table = markdown_table(
+        [
+            "model",
+            "concurrency",
+            "bf16 tok/s",
+            "int8 tok/s",
+            "int4 tok/s",
+            "int8 / bf16",
+            "int4 / int8",
+            "int8 W8A8 tok/s (experimental)",
+        ],
+        rows,
+    )
+    return (
+        f"Decode tokens per CPU-second, bf16 compute, {PROMPT_TOKENS}-token prompts, "
+        f"{decode_steps} timed decode steps, best of {rounds} alternating rounds.\n\n"
+        f"{table}\n\n" + " ".join(verdicts) + "\n\n" + W8A8_NOTE
+    )
+
+
+def perplexity_section() -> str:
     dataset = MODEL / "eval.txt"
-    result = run(parse_args(["--model", str(MODEL), "--dataset", str(dataset), *argv]))
+    result = run(parse_args(["--model", str(MODEL), "--dataset", str(dataset)]))
     bf16_bytes = result["levels"]["bf16"]["weight_bytes"]
     rows: list[list[object]] = [
         [
@@ -46,17 +201,29 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ratio:.3f} (target <= {max_ratio}: {verdict(ratio <= max_ratio)})",
             ]
         )
-    body = (
-        threads_note()
-        + " "
-        + (
-            f"Model models/tiny-llama ({result['num_tokens']} held-out tokens of models/tiny-llama/"
-            "eval.txt, 512-token windows). Embeddings and lm_head are quantised too (tied).\n\n"
-            + markdown_table(
-                ["level", "perplexity", "relative loss", "weight MiB", "bytes vs bf16"], rows
-            )
+    return (
+        f"Quality: models/tiny-llama ({result['num_tokens']} held-out tokens of "
+        "models/tiny-llama/eval.txt, 512-token windows), fp32 compute (the int8/int4 kernels "
+        "take their activations in bf16). Embeddings and lm_head are quantised too (tied).\n\n"
+        + markdown_table(
+            ["level", "perplexity", "relative loss", "weight MiB", "bytes vs bf16"], rows
         )
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--skip-perplexity", action="store_true")
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    setup_threads()
+    parts = [threads_note()]
+    if not args.skip_perplexity:
+        parts.append(perplexity_section())
+    parts.append(speed_section(args.rounds, args.decode_steps))
+    body = "\n\n".join(parts)
     command = " ".join(["python -m bench.engine_quant", *argv])
     write_section("engine_quant", "Engine: weight-only quantisation", command, body)
     print(body)

@@ -18,9 +18,9 @@ M70B = ModelFacts(parameters=70_000_000_000, layers=80, kv_heads=8, head_dim=128
     [
         (M7B, "bf16", 14.0),
         (M7B, "int8", 7.0),
-        (M7B, "int4", 3.5 * (1 + 2 / 64)),  # 0.5 B/param + one 2-byte scale per 128 params
+        (M7B, "int4", 3.5 * (1 + 4 / 64)),  # 0.5 B/param + a 2-byte scale and zero per 128
         (M70B, "bf16", 140.0),
-        (M70B, "int4", 35.0 * (1 + 2 / 64)),
+        (M70B, "int4", 35.0 * (1 + 4 / 64)),
     ],
 )
 def test_weight_bytes(model: ModelFacts, quantization: str, expected_gb: float) -> None:

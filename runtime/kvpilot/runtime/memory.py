@@ -2,7 +2,7 @@
 
 DESIGN.md §3.3. Pure functions on plain numbers, no torch, so the operator can import it.
 
-    weights  = parameters x bytes_per_param(q)        bf16 2, int8 1, int4 0.5 + group scales
+    weights  = parameters x bytes_per_param(q)        bf16 2, int8 1, int4 0.5 + group scale/zero
     kv_cache = 2 x layers x kv_heads x head_dim x kv_bytes x tokens x concurrent_sequences
     per GPU  = (weights + kv_cache) / tensor_parallel + overhead
     fits     = per GPU <= gpu_memory x gpu_memory_utilization
@@ -18,17 +18,17 @@ BLOCK_SIZE = 16  # tokens per KV-cache block, runtime and planner alike
 
 QUANTIZATIONS = ("bf16", "int8", "int4")
 INT4_GROUP_SIZE = 128
-SCALE_BYTES = 2  # one fp16/bf16 scale per output channel (int8) or per group (int4)
+SCALE_BYTES = 2  # one bf16 scale per output channel (int8), a scale and a zero per group (int4)
 
-# Bytes per parameter of the stored weights. int4 packs two values per byte and adds one
-# 16-bit scale per group of 128, which is why it is 0.5 + 2/128 rather than 0.5.
+# Bytes per parameter of the stored weights. int4 packs two values per byte and adds a 16-bit
+# scale and a 16-bit zero per group of 128 (the int4 kernels' layout), so 0.5 + 4/128.
 _BYTES_PER_PARAM = {
     "none": 2.0,  # unquantised, at the checkpoint's 16-bit dtype
     "bf16": 2.0,
     "fp16": 2.0,
     "fp32": 4.0,
     "int8": 1.0,
-    "int4": 0.5 + SCALE_BYTES / INT4_GROUP_SIZE,
+    "int4": 0.5 + 2 * SCALE_BYTES / INT4_GROUP_SIZE,
 }
 _KV_BYTES = {"auto": 2, "fp16": 2, "bf16": 2, "fp8": 1, "fp32": 4}
 

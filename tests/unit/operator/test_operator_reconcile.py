@@ -62,7 +62,7 @@ def test_nothing_fits_reports_every_node_type_with_numbers() -> None:
     desired = reconcile.desire(md(LLAMA_70B), [T4], CONFIG, False)
     assert desired.children == [] and not desired.is_invalid_spec
     assert desired.error == (
-        "no node type fits: t4-16gb: int4 needs 56.6 GiB per GPU (weights 33.9 + KV 20.0"
+        "no node type fits: t4-16gb: int4 needs 57.7 GiB per GPU (weights 34.9 + KV 20.0"
         " + overhead 2.7) > 13.5 GiB usable"
     )
 

@@ -1,25 +1,46 @@
-"""Weight storage formats, dequantised on the fly into the compute dtype.
+"""Weight storage formats and the matmul each runs, packed once at load.
 
-- dense: the weight in the compute dtype (`none`) or stored in bfloat16 (`bf16`);
-- int8: symmetric, one float16 scale per output channel;
-- int4: symmetric, one float16 scale per group of 128 input channels, two values per byte.
+- dense: the weight in the compute dtype (`none`) or stored in bfloat16 (`bf16`); `F.linear`.
+- int8: symmetric, one scale per output channel; `aten._weight_int8pack_mm` (CPU and CUDA).
+- int4: asymmetric, a scale and a zero per group of 128 input channels, two values per byte;
+  `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` (tinygemm) on CUDA.
+
+The quantised matmuls never dequantise the matrix: each kernel reads the packed weights and
+scales as they are, so a decode step moves half (int8) or a quarter (int4) of bf16's bytes.
+Their activations, scales and zeros are bfloat16 (fp16 compute keeps fp16 for int8): under
+float32 compute the activation is rounded to bfloat16 at the kernel's input and its output
+returned in float32, because the float32 variant of the CPU kernels is not vectorised (7x slower
+than bf16, docs/benchmarks.md).
 
 Every format supports `rows(ids)` so a tied embedding and lm_head share one quantised matrix:
-an output channel of the lm_head is a row of the embedding.
+an output channel of the lm_head is a row of the embedding. `dequantize` is the reference the
+kernels are tested against (and what `rows` returns for the rows asked), never the hot path.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.runtime.memory import INT4_GROUP_SIZE
 
 INT8_MAX = 127
-INT4_MAX = 7  # symmetric range [-7, 7]; -8 unused so that scale = absmax / 7 keeps zero exact
+INT8_K_MULTIPLE = 16
+INT4_LEVELS = 15  # values 0..15; the kernels dequantise (q - 8) * scale + zero
+INT4_MID = 8
+# The CPU int4 kernel packs BLOCK_N output channels as one tile (AVX512: 64 rows, the low nibble
+# of byte j holding row j and the high nibble row j + 32, k by k); `Int4Weight` reads embedding
+# rows straight from that tile and checks the layout at load (see _unpack_cpu_tiles).
+CPU_INT4_TILE_ROWS = 64
+CUDA_INT4_INNER_K_TILES = 8  # tinygemm's widest inner tile; needs in_features % 128 == 0
 
 
 class Weight:
-    """Stores a [out_features, in_features] matrix; dequantises to the compute dtype."""
+    """Stores a [out_features, in_features] matrix and multiplies activations by its transpose."""
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, in] -> x @ W.T (+ bias): [T, out] in x's dtype."""
+        raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
@@ -35,6 +56,9 @@ class DenseWeight(Weight):
     def __init__(self, weight: torch.Tensor, storage_dtype: torch.dtype) -> None:
         self.weight = weight.to(storage_dtype).contiguous()  # [out, in]
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
 
@@ -45,66 +69,212 @@ class DenseWeight(Weight):
         return self.weight.numel() * self.weight.element_size()
 
 
+def kernel_dtype(compute_dtype: torch.dtype, allow_fp16: bool) -> torch.dtype:
+    """The activation dtype a quantised kernel runs in: bf16 unless fp16 compute and the kernel
+    takes fp16 (the int8 one does; tinygemm int4 is bf16 only)."""
+    return torch.float16 if allow_fp16 and compute_dtype == torch.float16 else torch.bfloat16
+
+
+def _as_kernel_input(x: torch.Tensor, dtype: torch.dtype, padded_in: int) -> torch.Tensor:
+    """x [T, in] in the kernel's dtype, contiguous, zero-padded to the packed input width."""
+    x = x.to(dtype)
+    if padded_in != x.shape[-1]:
+        x = F.pad(x, (0, padded_in - x.shape[-1]))
+    return x.contiguous()
+
+
+def _finish(out: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    out = out.to(dtype)
+    return out if bias is None else out + bias
+
+
 class Int8Weight(Weight):
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         w = weight.float()  # [out, in]
-        scale = (w.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=1e-8).half()  # [out, 1]
-        self.qweight = torch.round(w / scale.float()).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        self.kernel_dtype = kernel_dtype(compute_dtype, allow_fp16=True)
+        # The scale is rounded to the kernel's dtype before quantising, so the stored values
+        # are exactly what the kernel multiplies by (error within half a step per channel).
+        scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(self.kernel_dtype)  # [out]
+        q = torch.round(w / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        # The CPU kernel reads the input dimension 16 at a time (and returns garbage or crashes
+        # on a remainder): pad it with zero weights, which the padded activations meet.
+        self.in_features = weight.shape[1]
+        self.qweight = F.pad(q, (0, -self.in_features % INT8_K_MULTIPLE)).contiguous()
         self.scale = scale
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        xk = _as_kernel_input(x, self.kernel_dtype, self.qweight.shape[1])
+        return _finish(
+            torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scale), x.dtype, bias
+        )
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight.to(dtype) * self.scale.to(dtype)
+        return self.rows(torch.arange(self.scale.shape[0], device=self.scale.device), dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.qweight[ids].to(dtype) * self.scale[ids].to(dtype)
+        q = self.qweight[ids, : self.in_features]
+        return (q.float() * self.scale[ids].float()[:, None]).to(dtype)
 
     def num_bytes(self) -> int:
-        return self.qweight.numel() + self.scale.numel() * 2
+        return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
+
+
+class Int8DynamicWeight(Weight):
+    """Experimental, CPU only, not a `--quantization` level yet: the same stored int8 weights
+    multiplied by int8 activations (W8A8), each activation row quantised at the step with its
+    own scale (absmax / 127), `torch._int_mm` accumulating int8 x int8 in int32 (VNNI).
+    bench.engine_quant measures it against the weight-only kernel on identical weights."""
+
+    def __init__(self, weight: Int8Weight) -> None:
+        if weight.qweight.device.type != "cpu":
+            raise ValueError("Int8DynamicWeight runs on CPU only (CUDA's _int_mm needs M > 16)")
+        self.weight = weight
+        self.qweight_t = weight.qweight.t()  # [in, out], a view: no second copy
+        self.scale = weight.scale.float()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x32 = x.float()
+        x_scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / INT8_MAX  # [T, 1]
+        xq = torch.round(x32 / x_scale).to(torch.int8)
+        xq = _as_kernel_input(xq, torch.int8, self.qweight_t.shape[0])
+        out = torch._int_mm(xq, self.qweight_t).float() * x_scale * self.scale
+        return _finish(out, x.dtype, bias)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.dequantize(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.rows(ids, dtype)
+
+    def num_bytes(self) -> int:
+        return self.weight.num_bytes()
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] -> q int32 [out, in_padded] in 0..15, scale and zero bf16 [out, groups].
+
+    The input dimension is zero-padded to whole groups (e.g. 688 -> 768). Asymmetric: each
+    group's min..max spans the 16 levels, and (q - 8) * scale + zero dequantises, as tinygemm
+    does. Scale and zero are rounded to bf16 first so quantising sees the kernel's numbers."""
+    out_features, in_features = weight.shape
+    num_groups = -(-in_features // group_size)
+    w = torch.zeros(out_features, num_groups * group_size, device=weight.device)
+    w[:, :in_features] = weight.float()
+    groups = w.view(out_features, num_groups, group_size)
+    low, high = groups.amin(dim=2), groups.amax(dim=2)
+    scale = ((high - low) / INT4_LEVELS).clamp(min=1e-8).to(torch.bfloat16)
+    zero = (low + INT4_MID * scale.float()).to(torch.bfloat16)
+    q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None]) + INT4_MID
+    q = q.clamp(0, INT4_LEVELS).to(torch.int32).view(out_features, -1)
+    return q, scale, zero
+
+
+def _dequantize_int4(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """q [rows, in_padded] (0..15), scale/zero [rows, groups] -> float32 [rows, in_padded]."""
+    groups = (q.float() - INT4_MID).unflatten(-1, (-1, group_size))
+    return (groups * scale.float()[..., None] + zero.float()[..., None]).flatten(-2)
+
+
+def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the CPU int4 kernel's packed matrix (AVX512 tiles of 64 output channels:
+    byte j of a tile's k-th 32-byte line holds row j in its low nibble, row j + 32 in its high
+    one) -> int32 [len(ids), in_padded] in 0..15."""
+    tiles = packed.view(packed.shape[0] // CPU_INT4_TILE_ROWS, -1, CPU_INT4_TILE_ROWS // 2)
+    row = ids % CPU_INT4_TILE_ROWS
+    lines = tiles[ids // CPU_INT4_TILE_ROWS, :, row % (CPU_INT4_TILE_ROWS // 2)]  # [T, in]
+    shift = (row // (CPU_INT4_TILE_ROWS // 2) * 4).to(torch.uint8)[:, None]
+    return ((lines >> shift) & 0x0F).to(torch.int32)
 
 
 class Int4Weight(Weight):
-    def __init__(self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> None:
+    def __init__(
+        self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, rows_needed: bool = False
+    ) -> None:
+        """`rows_needed`: an embedding, whose rows are looked up as well as multiplied by."""
         out_features, in_features = weight.shape
-        num_groups = -(-in_features // group_size)
-        # Zero-pad the input dimension to whole groups (e.g. 688 -> 768); padding dequantises to 0.
-        w = torch.zeros(out_features, num_groups * group_size, device=weight.device)
-        w[:, :in_features] = weight.float()
-        groups = w.view(out_features, num_groups, group_size)
-        scale = (groups.abs().amax(dim=2, keepdim=True) / INT4_MAX).clamp(min=1e-8).half()
-        q = torch.round(groups / scale.float()).clamp(-INT4_MAX, INT4_MAX).to(torch.int16) + 8
-        q = q.view(out_features, -1).to(torch.uint8)  # [out, in_padded], values 1..15
-        self.packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [out, in_padded / 2]
-        self.scale = scale.squeeze(2)  # [out, num_groups]
-        self.in_features = in_features
-        self.group_size = group_size
+        q, scale, zero = quantize_int4(weight, group_size)
+        self.in_features, self.padded_in = in_features, q.shape[1]
+        self.group_size, self.out_features = group_size, out_features
+        # The kernels' layout, which rows() reads too: [groups, out, 2] (scale, zero) side by side.
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        self.on_cuda = weight.device.type == "cuda"
+        if self.on_cuda:  # tinygemm takes the values two per byte, high nibble first
+            pairs = q.to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(
+                (pairs[:, 0::2] << 4 | pairs[:, 1::2]).contiguous(), CUDA_INT4_INNER_K_TILES
+            )
+        else:
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # rows() reads the packed tiles when their layout is the one we know (checked here,
+        # once); otherwise an embedding keeps its own two-per-byte copy (CUDA, a CPU without
+        # AVX512, a vocabulary that is not a multiple of 64).
+        self.row_copy: torch.Tensor | None = None
+        self.tiles_readable = self._tiles_readable(q)
+        if rows_needed and not self.tiles_readable:
+            pairs = q.to(torch.uint8)
+            self.row_copy = pairs[:, 0::2] | (pairs[:, 1::2] << 4)
 
-    def _unpack(
-        self, packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        low = (packed & 0x0F).to(dtype) - 8
-        high = (packed >> 4).to(dtype) - 8
-        q = torch.stack((low, high), dim=-1).flatten(-2)  # [rows, in_padded]
-        q = q.unflatten(-1, (-1, self.group_size)) * scale.to(dtype).unsqueeze(-1)
-        return q.flatten(-2)[..., : self.in_features]
+    def _tiles_readable(self, q: torch.Tensor) -> bool:
+        if self.on_cuda or q.shape[0] % CPU_INT4_TILE_ROWS or self.packed.numel() * 2 != q.numel():
+            return False
+        # The first and the last tile: enough to tell the layout, cheap for a large vocabulary.
+        ids = torch.arange(q.shape[0], device=q.device)
+        ids = torch.cat([ids[:CPU_INT4_TILE_ROWS], ids[-CPU_INT4_TILE_ROWS:]])
+        return bool(torch.equal(_unpack_cpu_tiles(self.packed, ids), q[ids]))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        xk = _as_kernel_input(x, torch.bfloat16, self.padded_in)
+        if self.on_cuda:
+            out = torch.ops.aten._weight_int4pack_mm(
+                xk, self.packed, self.group_size, self.scales_and_zeros
+            )
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xk, self.packed, self.group_size, self.scales_and_zeros
+            )
+        return _finish(out, x.dtype, bias)
+
+    def _values(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tiles_readable:
+            return _unpack_cpu_tiles(self.packed, ids)
+        if self.row_copy is None:
+            raise RuntimeError("this int4 matrix was packed without rows_needed; rows unreadable")
+        pairs = self.row_copy[ids]
+        return torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(-2).to(torch.int32)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self._unpack(self.packed, self.scale, dtype)
+        if self.tiles_readable or self.row_copy is not None:
+            return self.rows(torch.arange(self.out_features, device=self.packed.device), dtype)
+        # Otherwise through the kernel itself (I @ W.T = W.T), to bf16 precision: a reference
+        # for tests and tools, never a step's work.
+        eye = torch.eye(self.in_features, device=self.packed.device, dtype=torch.bfloat16)
+        return self.linear(eye).t().to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self._unpack(self.packed[ids], self.scale[ids], dtype)
+        scale, zero = self.scales_and_zeros[:, ids].permute(2, 1, 0)  # each [T, groups]
+        w = _dequantize_int4(self._values(ids), scale, zero, self.group_size)
+        return w[:, : self.in_features].to(dtype)
 
     def num_bytes(self) -> int:
-        return self.packed.numel() + self.scale.numel() * 2
+        copy = 0 if self.row_copy is None else self.row_copy.numel()
+        return self.packed.numel() + self.scales_and_zeros.numel() * 2 + copy
 
 
-def make_weight(weight: torch.Tensor, quantization: str, dtype: torch.dtype) -> Weight:
-    """Store a checkpoint matrix in the format of a quantisation level."""
+def make_weight(
+    weight: torch.Tensor, quantization: str, dtype: torch.dtype, rows_needed: bool = False
+) -> Weight:
+    """Store a checkpoint matrix in the format of a quantisation level; `dtype` is the compute
+    dtype the model runs in; `rows_needed` for an embedding (see Int4Weight)."""
     if quantization == "none":
         return DenseWeight(weight, dtype)
     if quantization == "bf16":
         return DenseWeight(weight, torch.bfloat16)
     if quantization == "int8":
-        return Int8Weight(weight)
+        return Int8Weight(weight, dtype)
     if quantization == "int4":
-        return Int4Weight(weight)
+        return Int4Weight(weight, rows_needed=rows_needed)
     raise ValueError(f"quantization must be one of none, bf16, int8, int4, got {quantization!r}")

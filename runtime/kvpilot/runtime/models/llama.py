@@ -42,7 +42,7 @@ class Linear:
         self.weight, self.bias, self.dtype = weight, bias, dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.dequantize(self.dtype), self.bias)
+        return self.weight.linear(x, self.bias)
 
 
 def qk_norm_weight(cfg: ModelConfig, attn: str, get: GetTensor) -> torch.Tensor:
@@ -135,7 +135,8 @@ class LlamaModel:
             DecoderLayer(self.cfg, f"model.layers.{i}", get_dense, make, group)
             for i in range(cfg.num_layers)
         ]
-        self.embed = make_weight(get("model.embed_tokens.weight").to(device), quantization, dtype)
+        embed = get("model.embed_tokens.weight").to(device)
+        self.embed = make_weight(embed, quantization, dtype, rows_needed=True)
         tied = cfg.tie_word_embeddings
         self.lm_head = (
             self.embed
@@ -187,4 +188,4 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] -> logits [S, vocab] in float32."""
-        return F.linear(hidden, self.lm_head.dequantize(self.dtype)).float()
+        return self.lm_head.linear(hidden).float()
