@@ -288,10 +288,11 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     """Token ids and sampling params for a chat; slow on long text, so run off the loop."""
     core = _core(state)
     tok = core.tokenizer
-    functions = body.tool_functions()
-    # `tools` reaches the template only when a call is possible (not with tool_choice none);
-    # templates test `if tools`, as transformers passes tools= only when given.
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if functions else None
+    functions = body.tool_functions()  # those a call may use: none with tool_choice "none"
+    # Every tool reaches the template whatever tool_choice says, as in vLLM: "none" forbids
+    # calls, it does not hide the tools from the model. Templates test `if tools`, as
+    # transformers passes tools= only when given.
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     ids = chat_prompt_ids(
         tok, body.messages, body.add_generation_prompt, state.max_model_len, tools=tools
     )
