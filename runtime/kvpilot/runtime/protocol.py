@@ -34,6 +34,7 @@ from kvpilot.runtime.structured import (
     json_schema_spec,
     regex_spec,
 )
+from kvpilot.runtime.token_ids import TokenIds, has_negative
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit on choices per prompt
@@ -313,7 +314,7 @@ def _structured_outputs_grammar(value: StructuredOutputs) -> GrammarSpec:
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=0, description="0 (with echo): score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -328,7 +329,7 @@ class CompletionRequest(_SamplingFields):
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise ValueError(f"must hold 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
         for item in prompts:
-            if isinstance(item, list) and (not item or min(item) < 0):
+            if isinstance(item, list) and (not item or has_negative(item)):
                 raise ValueError("a token-id prompt must be non-empty, with ids >= 0")
         return prompt
 
@@ -456,12 +457,12 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     checks_not_honoured: ClassVar[bool] = True
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
     @field_validator("tokens")
     @classmethod
     def _non_negative_ids(cls, value: list[int]) -> list[int]:
-        if value and min(value) < 0:
+        if value and has_negative(value):
             raise ValueError("token ids must be >= 0")
         return value
 

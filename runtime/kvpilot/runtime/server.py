@@ -43,6 +43,7 @@ from kvpilot.runtime.protocol import (
     VersionResponse,
     describe_validation_error,
 )
+from kvpilot.runtime.request_body import off_loop_body_route
 from kvpilot.runtime.serve_config import ServeConfig, parse_args
 from kvpilot.runtime.serving import ServerState
 
@@ -65,6 +66,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvpilot runtime", version=VERSION, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
+    app.router.route_class = off_loop_body_route(state.off_loop)  # before the routes are added
     add_error_handlers(app)
     add_routes(app, state)
     return app

@@ -280,6 +280,8 @@ def _completion_ids(state: ServerState, prompt: str | list[int]) -> list[int]:
     tok = _core(state).tokenizer
     if isinstance(prompt, str):
         return text_prompt_ids(tok, prompt, state.max_model_len)
+    # The length first: a prompt too long for the context is refused without walking its ids.
+    _max_tokens(state, prompt, None, "prompt")
     check_in_vocab(tok.vocab_size, prompt, "prompt")
     return list(prompt)
 
