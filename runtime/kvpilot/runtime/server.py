@@ -34,18 +34,20 @@ from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvpilot.runtime.request_body import off_loop_body_route
+from kvpilot.runtime.request_checks import describe_validation_error
+from kvpilot.runtime.response_models import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
-    describe_validation_error,
 )
-from kvpilot.runtime.request_body import off_loop_body_route
 from kvpilot.runtime.serve_config import ServeConfig, parse_args
-from kvpilot.runtime.serving import ServerState
+from kvpilot.runtime.server_state import ServerState
 
 log = logging.getLogger("kvpilot.server")
 VERSION = importlib.metadata.version("kvpilot")
