@@ -17,7 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "models" / "tiny-llama"
 MODEL = "tiny"
-STARTUP_TIMEOUT_S = 120.0
+# A bound, not a wait: a ready server answers at once; on a shared 2-core machine under load
+# importing torch alone has taken 30 s and a start over 120 s.
+STARTUP_TIMEOUT_S = 300.0
 
 
 def free_port() -> int:
@@ -46,7 +48,13 @@ class RuntimeServer:
         self.log = log_path.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        wait_for(self.is_ready, STARTUP_TIMEOUT_S, f"server ready (log: {log_path})")
+        try:
+            wait_for(self.is_ready, STARTUP_TIMEOUT_S, f"server ready (log: {log_path})")
+        except BaseException:  # no fixture will stop a server that never became ready
+            self.process.kill()
+            self.process.wait()
+            self.log.close()
+            raise
 
     def is_ready(self) -> bool:
         if self.process.poll() is not None:

@@ -22,16 +22,16 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from kvpilot.runtime import serving
+from kvpilot.runtime import server_state, serving
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.protocol import (
-    NOT_HONOURED,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvpilot.runtime.request_checks import NOT_HONOURED
 from kvpilot.runtime.serve_config import ServeConfig
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.server.server_process import MODEL, TINY, RuntimeServer
@@ -51,7 +51,7 @@ HOT = {"temperature": 1.5, "seed": 7}  # sampling that differs from greedy on th
 class Ctx:
     client: OpenAI
     url: str
-    state: serving.ServerState  # the server's request code over an in-process engine
+    state: server_state.ServerState  # the server's request code over an in-process engine
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", json=body, timeout=60)
@@ -627,7 +627,9 @@ def test_no_honoured_field_is_in_the_not_honoured_table() -> None:
 
 @pytest.fixture(scope="module")
 def ctx(server: RuntimeServer) -> Ctx:
-    state = serving.ServerState(ServeConfig(model=str(TINY), served_name=MODEL, max_model_len=512))
+    state = server_state.ServerState(
+        ServeConfig(model=str(TINY), served_name=MODEL, max_model_len=512)
+    )
     state.engine_core = Engine(EngineConfig(model=str(TINY), max_model_len=512, max_num_seqs=8))
     state.max_model_len = 512
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

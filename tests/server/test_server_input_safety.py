@@ -18,8 +18,10 @@ from bench.server_input_safety import (
     health_probe,
     oversized_requests,
     peak_rss_mib,
+    token_id_flood,
     upload,
 )
+from kvpilot.runtime.request_body import OFF_LOOP_MIN_BYTES
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.server.server_process import MODEL, TINY, RuntimeServer, wait_for
 
@@ -148,3 +150,58 @@ def test_health_and_streams_keep_going_while_huge_input_is_refused(
     # a 50 MB prompt once took ~9 GB; now bodies are capped at 16 MiB and huge text is never
     # tokenised, so the server's peak over this whole module stays near its size when ready
     assert peak_rss_mib(server.process.pid) < MAX_PEAK_RSS_MIB
+
+
+def test_health_answers_while_a_16_mb_token_id_body_is_parsed(server: RuntimeServer) -> None:
+    """The costliest body under the limit (2.8 M JSON integers) is decoded and validated off the
+    event loop, in slices that let it run: /health keeps answering meanwhile. Before, FastAPI
+    decoded it on the loop and /health waited for most of the request (bench:
+    server_input_safety). The bound is relative to the request's own time, so a loaded machine
+    that slows both does not make it flake."""
+    send = token_id_flood(server.url)
+    health = health_probe(server.url)
+    try:
+        t0 = time.perf_counter()
+        assert send() == 400  # 2.8 M prompt tokens cannot fit in the context
+        took = time.perf_counter() - t0
+    finally:
+        health.close()
+    probes = health.between(t0, t0 + took)
+    assert not health.errors, health.errors
+    assert len(probes) > 10, probes
+    assert max(probes) < took / 4, (took, sorted(probes)[-5:])
+
+
+PADDING = b" " * OFF_LOOP_MIN_BYTES  # JSON whitespace: the same body, parsed off the loop
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2, "seed": 1}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "seed": 1}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "Hi", "max_tokens": "x"}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": [5, -6]}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": [5, true], "seed": 1}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "Hi", "best_of": 3}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}'),
+        ("/v1/completions", b'{"model": "other", "prompt": "Hi"}'),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "Hi",'),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": []}'),
+        ("/detokenize", b'{"tokens": [1, -2]}'),
+        ("/tokenize", b'{"prompt": "Hi", "messages": [{"role": "user", "content": "a"}]}'),
+    ],
+)
+def test_a_large_body_gets_the_answer_a_small_one_gets(
+    server: RuntimeServer, path: str, body: bytes
+) -> None:
+    headers = {"content-type": "application/json"}
+    small = httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=60)
+    large = httpx.post(f"{server.url}{path}", content=body + PADDING, headers=headers, timeout=60)
+    assert (large.status_code, large.json()) == (small.status_code, small.json()) or (
+        small.status_code == 200 and _without_ids(large.json()) == _without_ids(small.json())
+    )
+
+
+def _without_ids(answer: dict) -> dict:
+    return {key: value for key, value in answer.items() if key not in ("id", "created")}

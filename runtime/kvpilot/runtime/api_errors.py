@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from kvpilot.runtime.protocol import error_body
+from kvpilot.runtime.response_models import error_body
 
 ERROR_TYPES = {
     400: "BadRequestError",

@@ -1,4 +1,4 @@
-"""The engine: add requests, step the batch, stream outputs; and an asyncio driver for the server.
+"""The engine: add requests, step the batch, stream outputs (asyncio driver: async_engine.py).
 
 Thread model: `step()` runs in one thread (AsyncEngine's worker). `add_request`, `abort` and
 `stats` may be called from any thread: they only touch a lock-protected inbox and snapshot.
@@ -8,14 +8,12 @@ With tensor_parallel_size > 1 the engine also owns worker processes (worker.py),
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,9 +24,10 @@ from llguidance import LLMatcher
 from kvpilot.runtime import memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
-from kvpilot.runtime.loader import ModelConfig, load_model_config, resolve_dtype
+from kvpilot.runtime.loader import load_model_config, resolve_dtype
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.output_processor import (
     RequestOutput,
@@ -45,7 +44,7 @@ from kvpilot.runtime.sequence import Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
-__all__ = ["AsyncEngine", "Engine", "EngineStats", "NewRequest", "RequestOutput"]
+__all__ = ["Engine", "EngineStats", "NewRequest", "RequestOutput"]
 
 NewRequest = tuple[str | list[int], SamplingParams, str]  # (prompt, params, request id)
 
@@ -63,33 +62,6 @@ class EngineStats:
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int  # cumulative
     num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
-
-
-def model_facts(cfg: ModelConfig) -> memory.ModelFacts:
-    return memory.ModelFacts(
-        parameters=cfg.num_parameters,
-        layers=cfg.num_layers,
-        kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-    )
-
-
-def resolve_max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:  # full attention equals sliding-window attention inside the window
-        limit = min(limit, cfg.sliding_window)
-    if config.max_model_len is not None and config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
-    return config.max_model_len or limit
 
 
 def check_token_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:
@@ -426,118 +398,3 @@ class Engine:
         self.runner.release(state.seq.request_id)
         del self._states[state.seq.request_id]
         return make_output(state, is_finished=True)
-
-
-Listener = Callable[[list[RequestOutput], EngineStats], None]
-
-
-class AsyncEngine:
-    """Runs `Engine.step()` in a worker thread and streams each request's outputs to asyncio."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._listeners: list[Listener] = []
-        self._wake = threading.Event()
-        self._is_stopping = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._is_stopping = False
-        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        self._is_stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-            self._thread = None
-
-    def add_step_listener(self, fn: Listener) -> None:
-        self._listeners.append(fn)
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
-
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
-        self._wake.set()
-
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream one request's outputs until finished (see `generate_many`)."""
-        async for output in self.generate_many([(prompt, params, request_id)]):
-            yield output
-
-    async def generate_many(
-        self, requests: Collection[NewRequest]
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream several requests' outputs, interleaved as the steps make them, until all are
-        finished (n > 1 choices, several prompts: see `Engine.add_requests`). A bad prompt
-        raises ValueError on the first iteration; leaving the loop early or cancelling aborts
-        the requests still running."""
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        ids = [request_id for _, _, request_id in requests]
-        if any(request_id in self._queues for request_id in ids):
-            raise ValueError(f"request ids {ids}: one is already in use")
-        self._queues.update(dict.fromkeys(ids, queue))
-        try:
-            self.engine.add_requests(requests)
-        except BaseException:
-            for request_id in ids:
-                del self._queues[request_id]
-            raise
-        self._wake.set()
-        running = set(ids)
-        try:
-            while running:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    running.discard(item.request_id)
-                yield item
-        finally:
-            for request_id in ids:
-                self._queues.pop(request_id, None)
-            for request_id in running:  # consumer went away or was cancelled
-                self.abort(request_id)
-
-    def _run(self) -> None:
-        self.engine.on_work = self._wake.set
-        while not self._is_stopping:
-            self._wake.clear()
-            if not self.engine.has_steppable_work():
-                self._wake.wait()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:
-                self._deliver_error(error)
-                continue
-            stats = self.engine.stats()
-            for listener in self._listeners:
-                with contextlib.suppress(Exception):
-                    listener(outputs, stats)
-            if self._loop is not None and outputs:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            queue = self._queues.get(output.request_id)
-            if queue is not None:
-                queue.put_nowait(output)
-
-    def _deliver_error(self, error: Exception) -> None:
-        for request_id in list(self._queues):
-            self.engine.abort(request_id)
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fail_all, error)
-
-    def _fail_all(self, error: Exception) -> None:
-        for queue in {id(q): q for q in self._queues.values()}.values():  # shared by a group
-            queue.put_nowait(error)

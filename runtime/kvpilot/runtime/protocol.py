@@ -1,19 +1,16 @@
-"""OpenAI-compatible request and response models (the subset kvpilot serves).
+"""OpenAI-compatible request models (the subset kvpilot serves; responses: response_models.py).
 
 Validation lives here so every bad input becomes a 400 naming its field before the engine sees it.
 Unknown request fields are ignored, as OpenAI's and vLLM's servers do, so newer clients still work.
 Every field a request model declares is honoured; the known OpenAI/vLLM fields this runtime does
-not honour are listed in NOT_HONOURED, and a request that sets one to anything but a value that
-asks for nothing is a 400 naming it, because silently returning something else than asked is
-worse than a clear error. tests/server/test_every_field.py proves both halves, field by field.
+not honour are listed in request_checks.NOT_HONOURED, and a request that sets one to anything
+but a value that asks for nothing is a 400 naming it, because silently returning something else
+than asked is worse than a clear error. tests/server/test_every_field.py proves both halves,
+field by field.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, cast
 
 from pydantic import (
@@ -26,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kvpilot.runtime.request_checks import find_unencodable, refuse_not_honoured
 from kvpilot.runtime.structured import (
     ANY_JSON_OBJECT,
     GrammarSpec,
@@ -34,6 +32,7 @@ from kvpilot.runtime.structured import (
     json_schema_spec,
     regex_spec,
 )
+from kvpilot.runtime.token_ids import TokenIds, has_negative
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit on choices per prompt
@@ -41,70 +40,6 @@ MAX_PROMPTS = 1024  # prompts in one /v1/completions request
 MAX_SEED = 2**63 - 1
 # Below this a temperature is greedy: dividing logits by ~1e-300 would overflow to inf/nan.
 GREEDY_EPSILON = 1e-5
-
-
-# Known OpenAI / vLLM request fields this runtime does not honour, each with the values that ask
-# for nothing (null is always fine). Any other value is a 400 naming the field. A name is checked
-# on every request model that does not declare it (completions declares `echo`, so only chat's
-# `echo` is refused). When a feature lands: declare its field on the model, remove it here.
-NOT_HONOURED: dict[str, tuple[object, ...]] = {
-    # sampling
-    "best_of": (1,),
-    "bad_words": ([],),
-    "allowed_token_ids": (),
-    "use_beam_search": (False,),
-    "length_penalty": (1,),
-    "truncate_prompt_tokens": (),
-    # output
-    "suffix": ("",),
-    "echo": (False,),
-    "prompt_logprobs": (),
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
-    "return_tokens_as_token_ids": (False,),
-    # tools: chat declares (honours) the first three; completions refuses them
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "parallel_tool_calls": (True,),
-    "functions": ([],),
-    "function_call": ("none", "auto"),
-    # chat template
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "continue_final_message": (False,),
-    "documents": ([],),
-    # inputs and scheduling this runtime does not have
-    "modalities": (["text"],),
-    "audio": (),
-    "prediction": (),
-    "reasoning_effort": (),
-    "priority": (0,),
-}
-
-
-def asks_for_nothing(value: object, neutral: tuple[object, ...]) -> bool:
-    """`value` equals one of the field's do-nothing values (True is not 1 here, as in JSON)."""
-    return any(type(value) is type(n) or _both_numbers(value, n) for n in neutral if n == value)
-
-
-def _both_numbers(a: object, b: object) -> bool:
-    return all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
-
-
-def not_honoured_error(name: str, neutral: tuple[object, ...]) -> PydanticCustomError:
-    allowed = f" (or send {json.dumps(neutral[0])})" if neutral else ""
-    return PydanticCustomError(
-        "not_supported",
-        "{param}: this runtime does not support {param}; leave it out" + allowed,
-        {"param": name},
-    )
-
-
-def refuse_not_honoured(data: dict[str, Any], declared: set[str]) -> None:
-    for name, neutral in NOT_HONOURED.items():
-        is_set = name in data and name not in declared
-        if is_set and not asks_for_nothing(data[name], neutral):
-            raise not_honoured_error(name, neutral)
 
 
 class _Request(BaseModel):
@@ -130,36 +65,6 @@ class _Request(BaseModel):
         if cls.checks_not_honoured:
             refuse_not_honoured(data, set(cls.model_fields))
         return data
-
-
-def find_unencodable(value: Any, path: str) -> str | None:
-    """The path (e.g. 'messages.0.content') of the first string in a JSON value that cannot be
-    encoded as UTF-8, or None. JSON's "\\ud800" escape decodes to such a string in Python."""
-    if isinstance(value, str):
-        return None if _is_encodable(value) else path
-    if isinstance(value, dict):
-        items: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, list) and value and not isinstance(value[0], int):
-        items = enumerate(value)  # a list of token ids is skipped whole: it has no text
-    else:
-        return None
-    for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
-        if isinstance(key, str) and not _is_encodable(key):
-            return where
-        if (found := find_unencodable(item, where)) is not None:
-            return found
-    return None
-
-
-def _is_encodable(text: str) -> bool:
-    if text.isascii():  # the common case, without copying the text
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class StreamOptions(_Request):
@@ -313,7 +218,7 @@ def _structured_outputs_grammar(value: StructuredOutputs) -> GrammarSpec:
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | TokenIds | list[str] | list[TokenIds]
     max_tokens: int | None = Field(16, ge=0, description="0 (with echo): score the prompt only")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -328,7 +233,7 @@ class CompletionRequest(_SamplingFields):
         if not prompts or len(prompts) > MAX_PROMPTS:
             raise ValueError(f"must hold 1 to {MAX_PROMPTS} prompts, got {len(prompts)}")
         for item in prompts:
-            if isinstance(item, list) and (not item or min(item) < 0):
+            if isinstance(item, list) and (not item or has_negative(item)):
                 raise ValueError("a token-id prompt must be non-empty, with ids >= 0")
         return prompt
 
@@ -456,231 +361,11 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     checks_not_honoured: ClassVar[bool] = True
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
 
     @field_validator("tokens")
     @classmethod
     def _non_negative_ids(cls, value: list[int]) -> list[int]:
-        if value and min(value) < 0:
+        if value and has_negative(value):
             raise ValueError("token ids must be >= 0")
         return value
-
-
-# ---- responses ---------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def build(cls, prompt: int, completion: int, cached: int) -> Usage:
-        details = PromptTokensDetails(cached_tokens=cached)
-        return cls(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            prompt_tokens_details=details,
-        )
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
-    text_offset: list[int] = []
-
-
-class PromptLogprobEntry(BaseModel):
-    """vLLM's prompt_logprobs entry for one candidate token at one prompt position."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
-    # vLLM: per prompt token (None for the first), token id -> entry, the prompt's token first
-    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON object text
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] = []
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = None
-    arguments: str | None = None  # the next piece of the arguments' JSON text
-
-
-class ToolCallDelta(BaseModel):
-    """A piece of a streamed call: the first has its id, type and name; the rest only add to
-    the arguments. Sent without the null keys, as OpenAI does (clients merge the pieces)."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "kvpilot"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-def error_body(
-    message: str, kind: str, param: str | None = None, code: str | int | None = None
-) -> dict:
-    info = ErrorInfo(message=message, type=kind, param=param, code=code)
-    return ErrorResponse(error=info).model_dump()
-
-
-def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
-    """(message, param) for the first pydantic/FastAPI error, naming the field as OpenAI does."""
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('msg', '')}".strip(), None
-    named = (first.get("ctx") or {}).get("param")
-    if named is not None:  # a whole-body check that names the field itself (find_unencodable)
-        return str(first.get("msg", "invalid value")), str(named)
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # pydantic puts union member names (e.g. 'str', 'list[int]') in loc; they are not fields
-    loc = [part for part in loc if not _is_type_name(part)]
-    param = ".".join(loc) or None
-    message = str(first.get("msg", "invalid value"))
-    return (f"{param}: {message}" if param else message), param
-
-
-def _is_type_name(part: str) -> bool:
-    return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvpilot.runtime.engine import RequestOutput
 from kvpilot.runtime.metrics import ServerMetrics
-from kvpilot.runtime.protocol import (
+from kvpilot.runtime.response_models import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

@@ -34,17 +34,20 @@ from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvpilot.runtime.request_body import off_loop_body_route
+from kvpilot.runtime.request_checks import describe_validation_error
+from kvpilot.runtime.response_models import (
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
-    describe_validation_error,
 )
 from kvpilot.runtime.serve_config import ServeConfig, parse_args
-from kvpilot.runtime.serving import ServerState
+from kvpilot.runtime.server_state import ServerState
 
 log = logging.getLogger("kvpilot.server")
 VERSION = importlib.metadata.version("kvpilot")
@@ -65,6 +68,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvpilot runtime", version=VERSION, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
+    app.router.route_class = off_loop_body_route(state.off_loop)  # before the routes are added
     add_error_handlers(app)
     add_routes(app, state)
     return app

@@ -13,13 +13,8 @@ from typing import Any
 from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.chat import ChatTemplateError, render_chat
 from kvpilot.runtime.input_limits import check_num_chars
-from kvpilot.runtime.protocol import (
-    ChatMessage,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from kvpilot.runtime.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+from kvpilot.runtime.response_models import DetokenizeResponse, TokenizeResponse
 from kvpilot.runtime.tokenizer import Tokenizer
 
 

@@ -203,3 +203,20 @@ def test_min_tokens_masks_eos_and_stop_ids_only_until_reached() -> None:
     done = SamplingRow(params, [1, 5, 6, 7], 1)  # 3 out: free to stop
     assert sample(logits, [early], None, EOS)[0] == [30]
     assert sample(logits, [done], None, EOS)[0] == [EOS[0]]
+
+
+def test_min_tokens_yields_to_a_grammar_that_can_only_end() -> None:
+    """A grammar mask that leaves only EOS (the grammar is complete) beats min_tokens: the row
+    ends instead of drawing from an all -inf row; the rows beside it are masked as usual."""
+    logits = torch.full((3, VOCAB), -5.0)
+    logits[:, EOS[0]], logits[:, 30] = 10.0, 1.0
+    logits[0, :] = float("-inf")  # row 0's grammar allows EOS alone
+    logits[0, EOS[0]] = 0.0
+    params = SamplingParams(temperature=0, min_tokens=3)
+    rows = [SamplingRow(params, [1, 5], 1), SamplingRow(params, [1, 5], 1)]
+    drawn = SamplingRow(SamplingParams(temperature=1.0, min_tokens=3, seed=0), [1, 5], 1)
+    generators = torch.Generator().manual_seed(0)
+    rows.append(SamplingRow(drawn.params, drawn.token_ids, 1, generators))
+    tokens, _ = sample(logits, rows, None, EOS)
+    assert tokens[0] == EOS[0]
+    assert tokens[1] == 30 and tokens[2] != EOS[0]

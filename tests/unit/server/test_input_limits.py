@@ -9,7 +9,7 @@ import pytest
 
 from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.input_limits import check_num_chars, declared_length
-from kvpilot.runtime.protocol import find_unencodable
+from kvpilot.runtime.request_checks import find_unencodable
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.server.server_process import TINY
 

@@ -8,11 +8,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.runtime.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    describe_validation_error,
-)
+from kvpilot.runtime.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.request_checks import describe_validation_error
 from kvpilot.runtime.structured import GrammarSpec
 
 COMPLETION = {"model": "m", "prompt": "hello"}

@@ -121,7 +121,15 @@ def apply_min_tokens_(
         return
     row_ids, token_ids = zip(*entries, strict=True)
     index = (_long(list(row_ids), logits.device), _long(list(token_ids), logits.device))
+    touched = _long(sorted(set(row_ids)), logits.device)
+    before = logits[touched]  # a copy, [R, V]
     logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+    # A row left with no token at all had only ending tokens allowed (by its grammar, which can
+    # only end here): the grammar wins over min_tokens and the row keeps them, rather than
+    # drawing from nothing.
+    after = logits[touched]
+    is_dead = torch.isneginf(after).all(-1, keepdim=True)
+    logits[touched] = torch.where(is_dead, before, after)
 
 
 def apply_penalties_(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

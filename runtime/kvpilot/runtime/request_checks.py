@@ -1,0 +1,127 @@
+"""Checks every request body gets: the table of OpenAI/vLLM fields this runtime does not honour
+(a 400 naming the field when one asks for something), text that is not valid Unicode, and the
+400 message and param of a pydantic/FastAPI validation error (protocol.py's models use them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pydantic_core import PydanticCustomError
+
+# Known OpenAI / vLLM request fields this runtime does not honour, each with the values that ask
+# for nothing (null is always fine). Any other value is a 400 naming the field. A name is checked
+# on every request model that does not declare it (completions declares `echo`, so only chat's
+# `echo` is refused). When a feature lands: declare its field on the model, remove it here.
+NOT_HONOURED: dict[str, tuple[object, ...]] = {
+    # sampling
+    "best_of": (1,),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "truncate_prompt_tokens": (),
+    # output
+    "suffix": ("",),
+    "echo": (False,),
+    "prompt_logprobs": (),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    # tools: chat declares (honours) the first three; completions refuses them
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    # chat template
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "continue_final_message": (False,),
+    "documents": ([],),
+    # inputs and scheduling this runtime does not have
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "priority": (0,),
+}
+
+
+def asks_for_nothing(value: object, neutral: tuple[object, ...]) -> bool:
+    """`value` equals one of the field's do-nothing values (True is not 1 here, as in JSON)."""
+    return any(type(value) is type(n) or _both_numbers(value, n) for n in neutral if n == value)
+
+
+def _both_numbers(a: object, b: object) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
+
+
+def not_honoured_error(name: str, neutral: tuple[object, ...]) -> PydanticCustomError:
+    allowed = f" (or send {json.dumps(neutral[0])})" if neutral else ""
+    return PydanticCustomError(
+        "not_supported",
+        "{param}: this runtime does not support {param}; leave it out" + allowed,
+        {"param": name},
+    )
+
+
+def refuse_not_honoured(data: dict[str, Any], declared: set[str]) -> None:
+    for name, neutral in NOT_HONOURED.items():
+        is_set = name in data and name not in declared
+        if is_set and not asks_for_nothing(data[name], neutral):
+            raise not_honoured_error(name, neutral)
+
+
+def find_unencodable(value: Any, path: str) -> str | None:
+    """The path (e.g. 'messages.0.content') of the first string in a JSON value that cannot be
+    encoded as UTF-8, or None. JSON's "\\ud800" escape decodes to such a string in Python."""
+    if isinstance(value, str):
+        return None if _is_encodable(value) else path
+    if isinstance(value, dict):
+        items: Iterable[tuple[Any, Any]] = value.items()
+    elif isinstance(value, list) and value and not isinstance(value[0], int):
+        items = enumerate(value)  # a list of token ids is skipped whole: it has no text
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and not _is_encodable(key):
+            return where
+        if (found := find_unencodable(item, where)) is not None:
+            return found
+    return None
+
+
+def _is_encodable(text: str) -> bool:
+    if text.isascii():  # the common case, without copying the text
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for the first pydantic/FastAPI error, naming the field as OpenAI does."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('msg', '')}".strip(), None
+    named = (first.get("ctx") or {}).get("param")
+    if named is not None:  # a whole-body check that names the field itself (find_unencodable)
+        return str(first.get("msg", "invalid value")), str(named)
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic puts union member names (e.g. 'str', 'list[int]') in loc; they are not fields
+    loc = [part for part in loc if not _is_type_name(part)]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    return (f"{param}: {message}" if param else message), param
+
+
+def _is_type_name(part: str) -> bool:
+    return part in {"str", "int", "float", "bool"} or "[" in part or part.startswith("function-")

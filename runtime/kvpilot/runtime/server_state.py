@@ -1,0 +1,164 @@
+"""The server's state: the engine's lifecycle (load in the background, drain on SIGTERM) and
+admission (`--max-waiting`), between HTTP (server.py) and request handling (serving.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from typing import Any, TypeVar
+
+from kvpilot.runtime.api_errors import ApiError
+from kvpilot.runtime.async_engine import AsyncEngine
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.fetch import fetch
+from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
+from kvpilot.runtime.serve_config import ServeConfig
+
+log = logging.getLogger("kvpilot.server")
+T = TypeVar("T")
+
+
+def engine_config(config: ServeConfig, model_dir: str) -> EngineConfig:
+    """The engine's fields of the serve config (the same names), with the model as a directory."""
+    values = {f.name: getattr(config, f.name) for f in fields(EngineConfig)}
+    return EngineConfig(**{**values, "model": model_dir})
+
+
+def local_model_dir(config: ServeConfig) -> str:
+    """`--model` as a directory: hf:// and s3:// are fetched first (into HF_HOME's cache)."""
+    source = config.source
+    return str(fetch(source, None).path) if source.is_fetched else config.model
+
+
+def cache_info(config: ServeConfig, core: Engine) -> CacheInfo:
+    return CacheInfo(
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=core.block_manager.num_total_blocks,
+        cache_dtype=config.kv_cache_dtype,
+        enable_prefix_caching=config.enable_prefix_caching,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+
+
+class Ticket:
+    """One admitted request's sequences in the in-flight count; `release` is idempotent."""
+
+    def __init__(self, state: ServerState, num_seqs: int = 1):
+        self.state, self.num_seqs, self.is_released = state, num_seqs, False
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self.state.num_in_flight -= self.num_seqs
+            if self.state.num_in_flight == 0:
+                self.state.idle.set()
+
+
+class ServerState:
+    def __init__(self, config: ServeConfig, engine: AsyncEngine | None = None):
+        self.config = config
+        self.served_name = config.served_name
+        self.engine = engine
+        self.engine_core: Engine | None = engine.engine if engine else None
+        self.max_model_len = self.engine_core.max_model_len if self.engine_core else 0
+        self.is_draining = False
+        self.load_error: str | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+        self.num_in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
+        self.metrics = ServerMetrics(config.served_name, self.snapshot)
+        # Tokenising and rendering chat templates run here, off the event loop, so /health and
+        # running streams are not held up by a long prompt. Two threads: the work is bounded by
+        # the character check and mostly GIL-free (tokenizer.py), and more threads would only
+        # compete with the engine's step thread for the GIL.
+        self.prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpilot-prompt")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
+
+    async def load(self) -> None:
+        """Load the model off the event loop so /health answers meanwhile."""
+        try:
+            model_dir = await asyncio.to_thread(local_model_dir, self.config)
+            core = await asyncio.to_thread(Engine, engine_config(self.config, model_dir))
+        except Exception as exc:  # any load failure ends the process with its message
+            self.load_error = f"cannot load model {self.config.model}: {exc}"
+            log.error(self.load_error)
+            self.on_fatal()
+            return
+        engine = AsyncEngine(core)
+        engine.add_step_listener(self.metrics.on_step)
+        self.metrics.on_engine_ready(core.max_model_len, cache_info(self.config, core))
+        await engine.start()
+        self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
+        log.info(
+            "model %s loaded; ready (KV cache %s, %d blocks of %d tokens)",
+            self.served_name,
+            str(core.kv_dtype).removeprefix("torch."),
+            core.block_manager.num_total_blocks,
+            BLOCK_SIZE,
+        )
+
+    async def close(self) -> None:
+        self.prompt_pool.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.engine_core is not None:
+            self.engine_core.shutdown()  # reaps the tensor-parallel workers, if any
+
+    def snapshot(self) -> Snapshot:
+        if self.engine is None:
+            return Snapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
+        s = self.engine.stats()
+        return Snapshot(
+            s.num_waiting,
+            s.num_running,
+            s.kv_cache_usage,
+            s.num_total_blocks,
+            s.num_free_blocks,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.num_preemptions,
+        )
+
+    def admit(self, num_seqs: int = 1) -> Ticket:
+        """A place for one request of `num_seqs` sequences (n choices x prompts), or 429 when
+        they would queue past --max-waiting.
+
+        Counted in sequences from the server's own in-flight number, not the engine's last-step
+        snapshot, so a burst between two steps cannot overshoot: at most max_num_seqs +
+        max_waiting sequences (and their prompts) are ever held, or one request's when it
+        arrives at an idle server.
+        """
+        if self.engine is None:
+            raise ApiError(503, "model is still loading")
+        num_queued = self.num_in_flight - self.config.max_num_seqs
+        if self.num_in_flight and num_queued + num_seqs > self.config.max_waiting:
+            raise ApiError(429, f"server overloaded: {num_queued} sequences already waiting")
+        self.num_in_flight += num_seqs
+        self.idle.clear()
+        return Ticket(self, num_seqs)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work, let accepted requests finish, abort what is left at the timeout."""
+        self.is_draining = True
+        try:
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+            return
+        except TimeoutError:
+            log.warning("drain timeout: aborting %d requests", len(self.active))
+        if self.engine is not None:
+            for request_id in list(self.active):
+                self.engine.abort(request_id)
+        try:  # aborted requests end within a step or two
+            await asyncio.wait_for(self.idle.wait(), 10)
+        except TimeoutError:
+            log.warning("requests still open after abort; exiting anyway")
