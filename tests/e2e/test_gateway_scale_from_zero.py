@@ -1,0 +1,100 @@
+"""Scale from zero through the gateway, on the dev cluster: real operator, real runtime pods.
+
+A ModelDeployment with minReplicas 0 idles down to no pod. A request to kvpilot-gateway (watching
+the cluster) is held, the gateway writes the wake annotation, the operator decides one replica at
+once, the pod runner starts the runtime, discovery sees the pod Ready and the held request is
+served by it: one request, no error, no retry by the client.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from hack import closedloop
+from hack.devcluster import procs
+from hack.devcluster.versions import REPO_ROOT
+from tests.support.kube import get_json, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+BIN = Path(sys.executable).parent
+NAME = "tiny-zero"
+WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
+
+
+@pytest.fixture
+def gateway(cluster: Any) -> Iterator[str]:
+    """CRD + operator + a tiny-llama ModelDeployment that may go to zero + kvpilot-gateway."""
+    if not hasattr(cluster, "start_process"):
+        pytest.skip("needs the dev cluster (pod runner and Prometheus)")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
+    )
+    env = {
+        **cluster.env,
+        "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
+        "KVPILOT_AUTOSCALER_INTERVAL": "2",
+    }
+    cluster.start_process(
+        "zero-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
+    )
+    autoscaling = {
+        "mode": "builtin",
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 5,
+        "scaleToZeroIdleSeconds": 10,
+    }
+    md = closedloop.tiny_llama(NAME, 4, autoscaling)
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
+    port = procs.free_port()
+    argv = [str(BIN / "kvpilot-gateway"), "--discovery=kubernetes", "--namespace=default"]
+    argv += [f"--kubeconfig={cluster.kubeconfig}", f"--port={port}", "--host=127.0.0.1"]
+    argv += ["--fallback-after=280"]  # a cold start on a busy 2-core machine takes a while
+    cluster.start_process("zero-gateway", argv, env=cluster.env)
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: procs.http_ok(f"{url}/health"), 60, "the gateway")
+    try:
+        yield url
+    finally:
+        cluster.kubectl("delete", "modeldeployment", NAME, "--wait=false", check=False)
+        cluster.stop_process("zero-gateway")
+        cluster.stop_process("zero-operator")
+
+
+def pods(cluster: Any) -> list[dict[str, Any]]:
+    return list(get_json(cluster, "pods", "-l", f"kvpilot.dev/model={NAME}")["items"])
+
+
+def status(cluster: Any) -> dict[str, Any]:
+    return dict(get_json(cluster, "modeldeployment", NAME).get("status", {}))
+
+
+def test_a_request_wakes_a_model_at_zero_and_is_served(cluster: Any, gateway: str) -> None:
+    wait_until(
+        lambda: status(cluster).get("replicas") == 0 and not pods(cluster), 300, "zero replicas"
+    )
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+    started = time.monotonic()
+    raw = client.completions.with_raw_response.create(model=NAME, prompt="Once", max_tokens=8)
+    waited = time.monotonic() - started
+    completion = raw.parse()
+    assert completion.choices[0].text and completion.usage is not None
+    assert completion.usage.completion_tokens == 8
+    served_by = raw.headers["x-kvpilot-backend"]
+    assert served_by.startswith(f"default/{NAME}-"), served_by
+    assert raw.headers["x-kvpilot-target"] == NAME
+    annotations = get_json(cluster, "modeldeployment", NAME)["metadata"].get("annotations", {})
+    assert WAKE_ANNOTATION in annotations
+    assert status(cluster)["replicas"] == 1
+    assert [p["metadata"]["name"] for p in pods(cluster)] == [served_by.split("/")[1]]
+    print(f"first request from zero replicas answered in {waited:.1f} s")
