@@ -29,6 +29,14 @@ def tiny_llama(name: str, max_num_seqs: int, autoscaling: dict[str, Any]) -> dic
     return dict(doc)
 
 
+def apply_crds(cluster: DevCluster) -> None:
+    """The project's CRDs, applied and Established."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
+    )
+
+
 def builtin_autoscaling(max_replicas: int, down_window_s: int) -> dict[str, Any]:
     return {
         "mode": "builtin",

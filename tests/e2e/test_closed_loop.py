@@ -21,7 +21,6 @@ import pytest
 
 from hack import closedloop
 from hack.devcluster import procs
-from hack.devcluster.versions import REPO_ROOT
 from kvpilot.operator import autoscaler
 from tests.support.kube import get_json, wait_until
 
@@ -43,10 +42,7 @@ def loop(cluster: Any) -> Iterator[str]:
     """CRD + operator (reading the dev cluster's Prometheus) + tiny-llama + a proxy; its URL."""
     if not hasattr(cluster, "start_process"):
         pytest.skip("the closed loop needs the dev cluster (pod runner and Prometheus)")
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
-    )
+    closedloop.apply_crds(cluster)
     env = {
         **cluster.env,
         "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
@@ -67,13 +63,18 @@ def loop(cluster: Any) -> Iterator[str]:
         cluster.stop_process("e2e-operator")
 
 
-def queue(cluster: Any) -> float:
-    """Requests waiting for the model, summed over its pods, as Prometheus has them now."""
-    query = urllib.parse.quote(f'sum(kvpilot_requests_waiting{{kvpilot_model="{NAME}"}})')
+def model_sum(cluster: Any, metric: str) -> float:
+    """`metric` summed over the model's pods, as Prometheus has it now."""
+    query = urllib.parse.quote(f'sum({metric}{{kvpilot_model="{NAME}"}})')
     url = f"{cluster.prometheus_url}/api/v1/query?query={query}"
     with urllib.request.urlopen(url, timeout=5) as resp:
         result = json.load(resp)["data"]["result"]
     return float(result[0]["value"][1]) if result else 0.0
+
+
+def queue(cluster: Any) -> float:
+    """Requests waiting for the model."""
+    return model_sum(cluster, "kvpilot_requests_waiting")
 
 
 def desired(cluster: Any) -> int:
@@ -238,12 +239,8 @@ def test_status_cost_agrees_with_kvpilot_bench(cluster: Any, loop: str, tmp_path
 
 
 def completed(cluster: Any) -> float:
-    """Requests the model's pods have completed, as Prometheus has them now."""
-    query = urllib.parse.quote(f'sum(kvpilot_request_success_total{{kvpilot_model="{NAME}"}})')
-    url = f"{cluster.prometheus_url}/api/v1/query?query={query}"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        result = json.load(resp)["data"]["result"]
-    return float(result[0]["value"][1]) if result else 0.0
+    """Requests the model's pods have completed."""
+    return model_sum(cluster, "kvpilot_request_success_total")
 
 
 def parse_stamp(rfc3339: str) -> float:

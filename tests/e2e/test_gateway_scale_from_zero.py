@@ -20,7 +20,6 @@ import pytest
 
 from hack import closedloop
 from hack.devcluster import procs
-from hack.devcluster.versions import REPO_ROOT
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -34,10 +33,7 @@ def gateway(cluster: Any) -> Iterator[str]:
     """CRD + operator + a tiny-llama ModelDeployment that may go to zero + kvpilot-gateway."""
     if not hasattr(cluster, "start_process"):
         pytest.skip("needs the dev cluster (pod runner and Prometheus)")
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
-    )
+    closedloop.apply_crds(cluster)
     env = {
         **cluster.env,
         "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
