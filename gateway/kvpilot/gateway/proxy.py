@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
+from kvpilot.gateway.exchange import Exchange, Policy
 from kvpilot.gateway.holding import Holding
 from kvpilot.gateway.load import LoadBook, scrape_forever
 from kvpilot.gateway.metrics import GatewayMetrics
@@ -66,8 +67,10 @@ class Gateway:
         options: ProxyOptions | None = None,
         waker: Waker | None = None,
         metrics: GatewayMetrics | None = None,
+        policies: Sequence[Policy] = (),
     ) -> None:
         self.table, self.options = table, options or ProxyOptions()
+        self.policies = list(policies)  # run in order around each request (exchange.py)
         self.metrics = metrics or GatewayMetrics()
         self.book = LoadBook(eject_s=self.options.eject_s)
         self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
@@ -130,56 +133,72 @@ class Gateway:
             inbound = bodies.parse_body(raw, kind, self.options.prefix_chars)
         except BadRequestError as error:
             return error_response(400, str(error), error.param)
-        route = self.table.get(inbound.model)
-        if route is None:
-            served = ", ".join(self.table.models()) or "none"
-            message = f"model {inbound.model!r} is not served here; served models: {served}"
-            return error_response(404, message, "model", "model_not_found")
-        outcome = await self.dispatch(request, kind, inbound, raw, route)
-        response = outcome.response or refused_response(outcome, inbound.model)
+        exchange = Exchange(request, kind, inbound, raw, inbound.model)
+        ran: list[Policy] = []
+        outcome = Outcome()
+        try:
+            response = await self.apply_policies(exchange, ran)
+            if response is None:
+                response, outcome = await self.route_and_send(exchange)
+            exchange.status = response.status
+        finally:
+            for policy in reversed(ran):  # each reservation settled or released, whatever happened
+                await policy.after(exchange)
         self.record(inbound, outcome, response.status, started)
         return response
 
-    async def dispatch(
-        self, request: web.Request, kind: str, inbound: Inbound, raw: bytes, route: Route
-    ) -> Outcome:
+    async def apply_policies(
+        self, exchange: Exchange, ran: list[Policy]
+    ) -> web.StreamResponse | None:
+        for policy in self.policies:
+            ran.append(policy)
+            answered = await policy.before(exchange)
+            if answered is not None:
+                return answered
+        return None
+
+    async def route_and_send(self, exchange: Exchange) -> tuple[web.StreamResponse, Outcome]:
+        route = self.table.get(exchange.model)
+        if route is None:
+            served = ", ".join(self.table.models()) or "none"
+            message = f"model {exchange.model!r} is not served here; served models: {served}"
+            return error_response(404, message, "model", "model_not_found"), Outcome()
+        outcome = await self.dispatch(exchange, route)
+        exchange.served = outcome.response is not None
+        return outcome.response or refused_response(outcome, exchange.model), outcome
+
+    async def dispatch(self, exchange: Exchange, route: Route) -> Outcome:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (route.fallback_after_s or self.options.fallback_after_s)
-        first = await self.to_replicas(request, kind, inbound, raw, route, deadline)
+        body = exchange.body if route.model == exchange.inbound.model else (
+            bodies.with_model(exchange.payload, route.model))  # fmt: skip
+        first = await self.to_replicas(exchange, body, route, deadline)
         if first.response is not None:
             return first
         last = first
         for fallback in route.fallbacks:
             name = fallback if isinstance(fallback, str) else fallback.name
-            self.metrics.fallbacks.labels(inbound.model, name, first.reason).inc()
+            self.metrics.fallbacks.labels(exchange.model, name, first.reason).inc()
             if isinstance(fallback, Provider):
-                outcome = await self.to_provider(request, kind, inbound, fallback)
+                outcome = await self.to_provider(exchange, fallback)
             else:
-                outcome = await self.to_fallback_model(request, kind, inbound, fallback)
+                outcome = await self.to_fallback_model(exchange, fallback)
             if outcome.response is not None:
                 outcome.reason = first.reason  # why it fell back, for the log line
                 return outcome
             last = outcome if outcome.refusal else last
         return Outcome(reason=first.reason, refusal=last.refusal, attempts=first.attempts)
 
-    async def to_fallback_model(
-        self, request: web.Request, kind: str, inbound: Inbound, model: str
-    ) -> Outcome:
+    async def to_fallback_model(self, exchange: Exchange, model: str) -> Outcome:
         route = self.table.get(model)
         if route is None:
             return Outcome(reason="no_route")
-        body = bodies.with_model(inbound.payload, model)
+        body = bodies.with_model(exchange.payload, model)
         now = asyncio.get_running_loop().time()  # no holding for a fallback: its deadline passed
-        return await self.to_replicas(request, kind, inbound, body, route, now)
+        return await self.to_replicas(exchange, body, route, now)
 
     async def to_replicas(
-        self,
-        request: web.Request,
-        kind: str,
-        inbound: Inbound,
-        body: bytes,
-        route: Route,
-        deadline: float,
+        self, exchange: Exchange, body: bytes, route: Route, deadline: float
     ) -> Outcome:
         """Try `route`'s replicas (holding while it has none and can be woken) until one answers
         or none is left; nothing reaches the client unless one answered."""
@@ -197,35 +216,30 @@ class Gateway:
                     outcome.reason = why
                     return outcome
                 continue
-            backend = pick(self.options.policy, inbound.prefix, candidates, self.book.loads())
+            prefix = exchange.inbound.prefix
+            backend = pick(self.options.policy, prefix, candidates, self.book.loads())
             if backend is None:  # pick returns one whenever candidates is not empty
                 return outcome
             if outcome.attempts:
-                await self.before_retry(inbound.model, outcome.reason)
+                await self.before_retry(exchange.model, outcome.reason)
             outcome.attempts += 1
             tried.add(backend.name)
-            if await self.try_backend(request, kind, inbound, body, route, backend, outcome):
+            if await self.try_backend(exchange, body, route, backend, outcome):
                 return outcome
         return outcome
 
     async def try_backend(
-        self,
-        request: web.Request,
-        kind: str,
-        inbound: Inbound,
-        body: bytes,
-        route: Route,
-        backend: Backend,
-        outcome: Outcome,
+        self, exchange: Exchange, body: bytes, route: Route, backend: Backend, outcome: Outcome
     ) -> bool:
         headers = {"Content-Type": "application/json"}
-        if "Authorization" in request.headers:  # a replica may check the client's key itself
-            headers["Authorization"] = request.headers["Authorization"]
-        hop = Hop(f"{backend.url}/v1/{kind}", backend.name, route.model, headers)
-        self.metrics.picks.labels(inbound.model, backend.name).inc()
+        if "Authorization" in exchange.request.headers:  # a replica may check the client's key
+            headers["Authorization"] = exchange.request.headers["Authorization"]
+        url = f"{backend.url}/v1/{exchange.kind}"
+        hop = Hop(url, backend.name, route.model, headers, exchange.headers)
+        self.metrics.picks.labels(exchange.model, backend.name).inc()
         self.book.start(backend.name)
         try:
-            answer = await self.send(request, hop, body, inbound)
+            answer = await self.send(exchange, hop, body)
         finally:
             self.book.finish(backend.name)
         if isinstance(answer, Refusal):
@@ -236,32 +250,31 @@ class Gateway:
         outcome.response, outcome.backend, outcome.target = answer, backend.name, route.model
         return True
 
-    async def to_provider(
-        self, request: web.Request, kind: str, inbound: Inbound, provider: Provider
-    ) -> Outcome:
+    async def to_provider(self, exchange: Exchange, provider: Provider) -> Outcome:
         headers = {"Content-Type": "application/json"}
         if provider.api_key:
             headers["Authorization"] = f"Bearer {provider.api_key}"
-        url = f"{provider.base_url.rstrip('/')}/{kind}"
-        hop = Hop(url, provider.base_url, provider.name, headers)
-        body = bodies.with_model(inbound.payload, provider.model)
-        answer = await self.send(request, hop, body, inbound)
+        url = f"{provider.base_url.rstrip('/')}/{exchange.kind}"
+        hop = Hop(url, provider.base_url, provider.name, headers, exchange.headers)
+        body = bodies.with_model(exchange.payload, provider.model)
+        answer = await self.send(exchange, hop, body)
         if isinstance(answer, Refusal):
             return Outcome(reason=answer.reason, refusal=answer, attempts=1)
         return Outcome(answer, provider.name, provider.base_url, attempts=1)
 
-    async def send(
-        self, request: web.Request, hop: Hop, body: bytes, inbound: Inbound
-    ) -> web.StreamResponse | Refusal:
+    async def send(self, exchange: Exchange, hop: Hop, body: bytes) -> web.StreamResponse | Refusal:
         if self.session is None:
             raise RuntimeError("the gateway's client session opens with its app (Gateway.app)")
         sent = asyncio.get_running_loop().time()
-        ttft = self.metrics.ttft.labels(inbound.model, hop.target)
+        ttft = self.metrics.ttft.labels(exchange.model, hop.target)
 
         def first_byte() -> None:
             ttft.observe(asyncio.get_running_loop().time() - sent)
 
-        return await forward(self.session, request, hop, body, inbound.stream, first_byte)
+        stream = exchange.inbound.stream
+        return await forward(
+            self.session, exchange.request, hop, body, stream, first_byte, exchange.taps
+        )
 
     async def before_retry(self, model: str, reason: str) -> None:
         self.metrics.retries.labels(model, reason).inc()

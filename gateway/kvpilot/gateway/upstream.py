@@ -11,11 +11,13 @@ upstream connection, so the replica aborts the request and frees its KV cache.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+
+from kvpilot.gateway.exchange import Tap, end_taps, through_taps
 
 # Answers another replica may do better with: overloaded, draining, or a broken proxy hop.
 RETRYABLE_STATUS = {429: "saturated", 502: "bad_gateway", 503: "unavailable"}
@@ -40,7 +42,8 @@ class Hop:
     url: str
     backend: str  # x-kvpilot-backend
     target: str  # x-kvpilot-target
-    headers: dict[str, str]
+    headers: dict[str, str]  # sent upstream
+    reply_headers: dict[str, str] = field(default_factory=dict)  # added to the client's response
 
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
@@ -73,7 +76,8 @@ def sse_error_event(message: str, after: bytes) -> bytes:
 
 def response_headers(upstream: aiohttp.ClientResponse, hop: Hop) -> dict[str, str]:
     headers = {name: upstream.headers[name] for name in PASSED_HEADERS if name in upstream.headers}
-    return {**headers, "x-kvpilot-backend": hop.backend, "x-kvpilot-target": hop.target}
+    return {**headers, **hop.reply_headers, "x-kvpilot-backend": hop.backend,
+            "x-kvpilot-target": hop.target}  # fmt: skip
 
 
 async def forward(
@@ -83,12 +87,14 @@ async def forward(
     body: bytes,
     stream: bool,
     on_first_byte: Callable[[], None],
+    taps: Sequence[Tap] = (),
 ) -> web.StreamResponse | Refusal:
-    """POST `body` to `hop`; the relayed response, or a Refusal when the client got nothing."""
+    """POST `body` to `hop`; the relayed response (through `taps`), or a Refusal when the
+    client got nothing (the taps saw nothing either)."""
     try:
         async with session.post(hop.url, data=body, headers=hop.headers) as upstream:
             try:
-                return await answer(request, upstream, hop, stream, on_first_byte)
+                return await answer(request, upstream, hop, stream, on_first_byte, taps)
             finally:
                 upstream.close()  # unread (client gone, or broken): never reuse this connection
     except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as error:
@@ -103,6 +109,7 @@ async def answer(
     hop: Hop,
     stream: bool,
     on_first_byte: Callable[[], None],
+    taps: Sequence[Tap],
 ) -> web.StreamResponse | Refusal:
     if upstream.status in RETRYABLE_STATUS:
         headers = {n: upstream.headers[n] for n in PASSED_HEADERS if n in upstream.headers}
@@ -111,43 +118,60 @@ async def answer(
     if not stream or upstream.content_type != "text/event-stream":
         data = await upstream.read()
         on_first_byte()
+        data = through_taps(taps, data) + end_taps(taps, complete=True)
         headers = response_headers(upstream, hop)
         return web.Response(status=upstream.status, body=data, headers=headers)
     first = await upstream.content.readany()
     if not first:
         return Refusal("broken")
     on_first_byte()
-    return await relay(request, upstream, hop, first)
+    return await relay(request, upstream, hop, first, taps)
 
 
 async def relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, hop: Hop, first: bytes
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    hop: Hop,
+    first: bytes,
+    taps: Sequence[Tap],
 ) -> web.StreamResponse:
+    """Relay the stream's bytes as they come; a stream that breaks, or ends without its
+    `data: [DONE]`, gets an SSE error event and [DONE] so the client sees a clean end."""
     response = web.StreamResponse(status=upstream.status, headers=response_headers(upstream, hop))
     await response.prepare(request)
+    ended = False
     try:
-        await copy_events(upstream, response, first, hop)
+        broken, tail = await copy_events(upstream, response, first, taps)
+        if not broken and b"data: [DONE]" not in tail:
+            broken = "ended the stream early"
+        ended = True
+        await response.write(end_taps(taps, complete=not broken))
+        if broken:
+            message = f"the replica {hop.backend} {broken}; retry"
+            await response.write(sse_error_event(message, tail))
         await response.write_eof()
     except ConnectionResetError:
         pass  # the client went away; closing the upstream connection aborts the request there
+    finally:
+        if not ended:  # the client went away (or the handler was cancelled) mid-stream
+            end_taps(taps, complete=False)
     return response
 
 
 async def copy_events(
-    upstream: aiohttp.ClientResponse, response: web.StreamResponse, first: bytes, hop: Hop
-) -> None:
-    """Relay the stream's bytes as they come; a stream that breaks, or ends without its
-    `data: [DONE]`, gets an SSE error event and [DONE] so the client sees a clean end."""
+    upstream: aiohttp.ClientResponse,
+    response: web.StreamResponse,
+    first: bytes,
+    taps: Sequence[Tap],
+) -> tuple[str, bytes]:
+    """Copy chunks until the upstream ends; why it broke ("" when it did not) and the last
+    bytes seen (to find `data: [DONE]` and an event boundary)."""
     chunk, tail = first, b""
     while chunk:
-        await response.write(chunk)
         tail = (tail + chunk)[-32:]
+        await response.write(through_taps(taps, chunk))
         try:
             chunk = await upstream.content.readany()
         except (TimeoutError, aiohttp.ClientError) as error:
-            message = f"the replica {hop.backend} failed mid-stream ({type(error).__name__}); retry"
-            await response.write(sse_error_event(message, tail))
-            return
-    if b"data: [DONE]" not in tail:
-        message = f"the replica {hop.backend} ended the stream early; retry"
-        await response.write(sse_error_event(message, tail))
+            return f"failed mid-stream ({type(error).__name__})", tail
+    return "", tail

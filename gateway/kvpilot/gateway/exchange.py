@@ -1,0 +1,81 @@
+"""The seam between the proxy and its policies (keys, budgets, the response cache, cascade rules).
+
+The proxy turns each request into an `Exchange` and runs the gateway's policies around it, in
+order: each policy's `before` may answer the request itself (401, a 429 over budget, a cache hit),
+change where it goes (`model`: a cascade rule) or what is sent upstream (`replace_payload`), and
+add `taps` that see the response's bytes as they reach the client. Every policy whose `before` ran
+gets `after` once, in reverse order, whatever happened next, so a reservation is always settled or
+released.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from kvpilot.gateway.bodies import Inbound
+
+
+class Tap(Protocol):
+    """Sees a response on its way to the client; may filter it (one SSE event dropped, say)."""
+
+    def chunk(self, data: bytes) -> bytes:
+        """What the client gets for `data`; a filter may hold back part of an event."""
+        ...
+
+    def end(self, complete: bool) -> bytes:
+        """The response ended (`complete`: it reached its end, e.g. `data: [DONE]`); returns
+        anything held back, written before the end."""
+        ...
+
+
+@dataclass
+class Exchange:
+    """One request as the policies see it."""
+
+    request: web.Request
+    kind: str  # bodies.COMPLETIONS or bodies.CHAT
+    inbound: Inbound
+    body: bytes  # what goes upstream
+    model: str  # the served name it is routed to (a cascade rule may change it)
+    taps: list[Tap] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)  # added to the client's response
+    status: int = 0  # the status the client got, set before `after` runs
+    served: bool = False  # an upstream (replica or provider) answered it
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return self.inbound.payload
+
+    def replace_payload(self, payload: dict[str, Any]) -> None:
+        """Send `payload` upstream instead (fallbacks re-encode from it too)."""
+        self.inbound = Inbound(self.inbound.model, self.inbound.stream, self.inbound.prefix,
+                               payload)  # fmt: skip
+        self.body = json.dumps(payload).encode()
+
+
+class Policy(Protocol):
+    async def before(self, exchange: Exchange) -> web.StreamResponse | None:
+        """An answer ends the exchange here (the later policies and the upstream never see it)."""
+        ...
+
+    async def after(self, exchange: Exchange) -> None: ...
+
+
+def through_taps(taps: Sequence[Tap], data: bytes) -> bytes:
+    for tap in taps:
+        data = tap.chunk(data)
+    return data
+
+
+def end_taps(taps: Sequence[Tap], complete: bool) -> bytes:
+    """What the taps held back, in order; each later tap also filters what earlier ones release."""
+    held = b""
+    for tap in taps:
+        held = tap.chunk(held) if held else held
+        held += tap.end(complete)
+    return held

@@ -1,0 +1,56 @@
+"""The policy seam's taps: what the client gets when taps filter and hold back bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.gateway.exchange import end_taps, through_taps
+
+
+class HoldLastLine:
+    """Holds back bytes after the last newline (a filter that waits for whole events)."""
+
+    def __init__(self) -> None:
+        self.held, self.ended = b"", None
+
+    def chunk(self, data: bytes) -> bytes:
+        data, self.held = self.held + data, b""
+        cut = data.rfind(b"\n") + 1
+        data, self.held = data[:cut], data[cut:]
+        return data
+
+    def end(self, complete: bool) -> bytes:
+        self.ended = complete
+        held, self.held = self.held, b""
+        return held
+
+
+class Upper:
+    def __init__(self) -> None:
+        self.seen = b""
+
+    def chunk(self, data: bytes) -> bytes:
+        self.seen += data
+        return data.upper()
+
+    def end(self, complete: bool) -> bytes:
+        return b"!" if complete else b""
+
+
+@pytest.mark.parametrize(
+    ("chunks", "complete", "client"),
+    [
+        ([b"a\nb", b"c\n"], True, b"A\nBC\n!"),
+        ([b"a\nb"], False, b"A\nB"),  # held bytes pass the later tap when released
+        ([], True, b"!"),
+    ],
+)
+def test_taps_filter_in_order_and_release_what_they_held(
+    chunks: list[bytes], complete: bool, client: bytes
+) -> None:
+    hold, upper = HoldLastLine(), Upper()
+    taps = [hold, upper]
+    out = b"".join(through_taps(taps, chunk) for chunk in chunks) + end_taps(taps, complete)
+    assert out == client
+    assert hold.ended is complete
+    assert upper.seen == b"".join(chunks)
