@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table, write_section
+from hack.closedloop import apply_crds
 from hack.devcluster.cluster import DevCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,10 +93,7 @@ def run(repeats: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
         cluster.up()
         operator = None
         try:
-            cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "crds"))
-            cluster.kubectl(
-                "wait", "--for=condition=established", "crd/modeldeployments.kvpilot.dev"
-            )
+            apply_crds(cluster)
             log = (Path(work) / "operator.log").open("wb")
             operator = subprocess.Popen(
                 [str(ROOT / ".venv" / "bin" / "kvpilot-operator"), "run"],

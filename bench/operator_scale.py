@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table, write_section
+from hack.closedloop import apply_crds
 from hack.devcluster import DevCluster, nodepools
 from kvpilot.operator import k8s
 
@@ -104,8 +105,7 @@ def rss_mb(pid: int) -> tuple[float, float]:
 
 
 def run(cluster: Any, count: int, total_nodes: int, log: Path) -> dict[str, float]:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=established", "crd/modeldeployments.kvpilot.dev")
+    apply_crds(cluster)
     num_nodes = add_nodes(cluster, total_nodes)
     cluster.kubectl("create", "namespace", NAMESPACE, check=False)
     client = cluster.api_client()

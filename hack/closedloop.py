@@ -30,11 +30,10 @@ def tiny_llama(name: str, max_num_seqs: int, autoscaling: dict[str, Any]) -> dic
 
 
 def apply_crds(cluster: DevCluster) -> None:
-    """The project's CRDs, applied and Established."""
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
-    )
+    """The project's CRDs (crds/: ModelDeployment, kopf's peerings), applied and Established."""
+    crds = str(REPO_ROOT / "crds")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", crds)
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", crds)
 
 
 def builtin_autoscaling(max_replicas: int, down_window_s: int) -> dict[str, Any]:

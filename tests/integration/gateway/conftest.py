@@ -11,9 +11,10 @@ from typing import Any, TypeVar
 
 import pytest
 
+from hack.closedloop import apply_crds
 from kvpilot.gateway.routes import Route, RouteTable
 from tests.support.kube import fresh_namespace
-from tests.support.operator_cluster import ROOT, Operator
+from tests.support.operator_cluster import Operator
 
 T = TypeVar("T")
 
@@ -44,10 +45,7 @@ class LoopTable:
 
 @pytest.fixture(scope="module")
 def crds(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
-    )
+    apply_crds(cluster)
 
 
 @pytest.fixture

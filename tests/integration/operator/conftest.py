@@ -8,20 +8,14 @@ from typing import Any
 
 import pytest
 
+from hack.closedloop import apply_crds
 from tests.support.kube import fresh_namespace
-from tests.support.operator_cluster import ROOT, Operator
+from tests.support.operator_cluster import Operator
 
 
 @pytest.fixture(scope="module")
 def crds(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=established",
-        "--timeout=60s",
-        "crd/modeldeployments.kvpilot.dev",
-        "crd/clusterkopfpeerings.kopf.dev",
-    )
+    apply_crds(cluster)
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from hack.closedloop import apply_crds
 from hack.devcluster import nodepools
 from kvpilot.operator import autoscaler, manifests
 from tests.support.operator_cluster import (
-    ROOT,
     Operator,
     apply_doc,
     condition,
@@ -77,10 +77,7 @@ class WithEnv:
 
 @pytest.fixture
 def crds(cluster: Any) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    cluster.kubectl(
-        "wait", "--for=condition=established", "--timeout=60s", "crd/modeldeployments.kvpilot.dev"
-    )
+    apply_crds(cluster)
 
 
 @pytest.fixture
