@@ -1,0 +1,252 @@
+"""The real operator (`kvpilot-operator run`) through a ModelDeployment's life on the local control
+plane: scale, edit, drift, delete, a restart mid-reconcile, a new node pool, peering. Observed
+with real `kubectl`: what the apiserver stored, what the scheduler placed on which kwok GPU node,
+what the garbage collector removed. Each test gets its own namespace and operator process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hack.devcluster import nodepools
+from tests.support.operator_cluster import (
+    Operator,
+    apply_doc,
+    condition,
+    get,
+    is_ready,
+    model_deployment,
+    pods,
+    ready_check,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def _args(cluster: Any, namespace: str, name: str) -> list[str]:
+    deployment = get(cluster, "deployment", name, "-n", namespace)
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_scale_edit_drift_and_delete(cluster: Any, operator: Operator, namespace: str) -> None:
+    md = model_deployment(
+        "small",
+        "hf://Qwen/Qwen2.5-0.5B-Instruct",
+        placement={"nodeTypes": ["l4-24gb"]},
+        autoscaling={"mode": "off", "replicas": 1},
+    )
+    apply_doc(cluster, namespace, md)
+    wait_for(lambda: is_ready(cluster, namespace, "small"), "small Ready", operator)
+
+    cluster.kubectl("scale", "modeldeployment/small", "--replicas=3", "-n", namespace)
+    wait_for(
+        lambda: (
+            get(cluster, "modeldeployment", "small", "-n", namespace)["status"].get("readyReplicas")
+            == 3
+            and len(pods(cluster, namespace, "small")) == 3
+        ),
+        "3 ready replicas after kubectl scale",
+        operator,
+    )
+    before = {p["metadata"]["name"] for p in pods(cluster, namespace, "small")}
+
+    md["spec"]["serving"] = {"maxContextLength": 2048}
+    md["spec"]["autoscaling"]["replicas"] = 3
+    apply_doc(cluster, namespace, md)
+
+    def rolled() -> bool:
+        now = pods(cluster, namespace, "small")
+        fresh = [p for p in now if "--max-model-len=2048" in p["spec"]["containers"][0]["args"]]
+        ready = all(
+            p["status"]["phase"] == "Running" and not p["metadata"].get("deletionTimestamp")
+            for p in now
+        )
+        return (
+            len(fresh) == len(now) == 3
+            and ready
+            and not (before & {p["metadata"]["name"] for p in now})
+        )
+
+    wait_for(rolled, "pods rolled to the new context length", operator)
+    status = get(cluster, "modeldeployment", "small", "-n", namespace)["status"]
+    assert (
+        status["observedGeneration"]
+        == get(cluster, "modeldeployment", "small", "-n", namespace)["metadata"]["generation"]
+    )
+
+    # Someone edits the Deployment: server-side apply with force puts the operator's fields back.
+    patch = [{"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": ["serve"]}]
+    cluster.kubectl(
+        "patch",
+        "deployment",
+        "small-l4-24gb",
+        "-n",
+        namespace,
+        "--type=json",
+        "-p",
+        json.dumps(patch),
+    )
+    wait_for(
+        lambda: "--max-model-len=2048" in _args(cluster, namespace, "small-l4-24gb"),
+        "edit reverted",
+        operator,
+    )
+    uid = get(cluster, "deployment", "small-l4-24gb", "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", "small-l4-24gb", "-n", namespace)
+    wait_for(
+        lambda: (
+            get(cluster, "deployment", "small-l4-24gb", "-n", namespace)["metadata"]["uid"] != uid
+        ),
+        "deleted Deployment recreated",
+        operator,
+    )
+    cluster.kubectl("delete", "service", "small", "-n", namespace)
+    wait_for(
+        lambda: get(cluster, "service", "small", "-n", namespace),
+        "deleted Service recreated",
+        operator,
+    )
+
+    cluster.kubectl("delete", "modeldeployment", "small", "-n", namespace)
+    wait_for(
+        lambda: (
+            not get(
+                cluster, "deployments,services", "-n", namespace, "-l", "kvpilot.dev/model=small"
+            )["items"]
+        ),
+        "children garbage-collected",
+        operator,
+    )
+
+
+def test_restart_mid_reconcile_converges_without_duplicates(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    names = [f"m{i}" for i in range(8)]
+    docs = [
+        model_deployment(
+            name,
+            "hf://Qwen/Qwen2.5-1.5B-Instruct",
+            placement={"nodeTypes": ["h100-80gb", "a100-40gb"]},
+            autoscaling={"mode": "off", "replicas": 1},
+        )
+        for name in names
+    ]
+    cluster.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}),
+    )
+    wait_for(
+        lambda: get(cluster, "deployments", "-n", namespace)["items"],
+        "a first Deployment",
+        operator,
+    )
+    operator.stop(signal.SIGKILL)
+    operator.start()
+    for name in names:
+        wait_for(ready_check(cluster, namespace, name), f"{name} Ready after restart", operator)
+    deployments = get(cluster, "deployments", "-n", namespace)["items"]
+    owners = sorted(d["metadata"]["labels"]["kvpilot.dev/model"] for d in deployments)
+    assert owners == names  # exactly one Deployment each
+    assert all(d["spec"]["replicas"] == 1 for d in deployments)
+    assert len(get(cluster, "services", "-n", namespace)["items"]) == len(names)
+    assert len(get(cluster, "pods", "-n", namespace, "-l", "kvpilot.dev/model")["items"]) == len(
+        names
+    )
+
+
+def test_a_new_node_pool_is_planned_in(cluster: Any, operator: Operator, namespace: str) -> None:
+    pool_name = f"b200-{uuid.uuid4().hex[:6]}"
+    md = model_deployment(
+        "waits",
+        "hf://Qwen/Qwen2.5-72B-Instruct",
+        placement={"nodeTypes": [pool_name]},
+        autoscaling={"mode": "off", "replicas": 1},
+    )
+    apply_doc(cluster, namespace, md)
+
+    def planned() -> dict[str, Any]:
+        return condition(get(cluster, "modeldeployment", "waits", "-n", namespace), "Planned")
+
+    wait_for(lambda: planned().get("reason") == "PlanFailed", "PlanFailed", operator)
+    failed = planned()
+    assert f"{pool_name}: no such node type in the cluster" in failed["message"]
+
+    pool = nodepools.NodePool(
+        pool_name, 1, "64", "512Gi", 40.0, nodepools.Gpu("NVIDIA-B200", 183359, 8)
+    )
+    node = nodepools.build_node(pool, 0, 90)
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(node))
+        wait_for(
+            lambda: is_ready(cluster, namespace, "waits"),
+            "re-planned onto the new pool",
+            operator,
+            timeout=120,
+        )
+        entry = get(cluster, "modeldeployment", "waits", "-n", namespace)["status"]["plan"][0]
+        assert (entry["nodeType"], entry["fits"], entry["quantization"]) == (
+            pool_name,
+            True,
+            "bf16",
+        )
+        assert pods(cluster, namespace, "waits")[0]["spec"]["nodeName"] == node["metadata"]["name"]
+    finally:
+        cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_peering_lets_one_instance_act(
+    cluster: Any, crds: None, namespace: str, tmp_path: Path
+) -> None:
+    low = Operator(cluster, tmp_path / "low.log", "--priority=10")
+    high = Operator(cluster, tmp_path / "high.log", "--priority=20")
+    high.start()
+    low.start()
+    try:
+        # Until an instance has seen the other's peering record it acts on its own (as kopf
+        # does); apply only once both records are in the peering object.
+        wait_for(
+            lambda: len(get(cluster, "clusterkopfpeering", "kvpilot").get("status") or {}) >= 2,
+            "both instances in the peering object",
+            low,
+        )
+        md = model_deployment(
+            "peered",
+            "hf://Qwen/Qwen2.5-0.5B-Instruct",
+            placement={"nodeTypes": ["a100-40gb"]},
+            autoscaling={"mode": "off", "replicas": 1},
+        )
+        apply_doc(cluster, namespace, md)
+        wait_for(ready_check(cluster, namespace, "peered"), "peered Ready", high)
+        # kopf logs success after its own bookkeeping patch, a moment after our status write.
+        wait_for(
+            lambda: "Handler 'md-create' succeeded" in high.log.read_text(), "high's log", high
+        )
+        assert "Handler 'md-create'" not in low.log.read_text()
+
+        # The acting instance dies; the other resumes once its peering record expires.
+        high.stop(signal.SIGKILL)
+        cluster.kubectl("scale", "modeldeployment/peered", "--replicas=2", "-n", namespace)
+        wait_for(
+            lambda: (
+                get(cluster, "deployment", "peered-a100-40gb", "-n", namespace)["spec"]["replicas"]
+                == 2
+            ),
+            "the standby instance to take over",
+            low,
+            timeout=90,
+        )
+    finally:
+        low.stop()
+        high.stop()
