@@ -309,18 +309,9 @@ def backend_of(pod: dict[str, Any]) -> Backend:
     return Backend(f"{meta['namespace']}/{meta['name']}", f"http://{pod['status']['podIP']}:{port}")
 
 
-def crd_has_routing(cluster: Any) -> bool:
-    crd = get_json(cluster, "crd", "modeldeployments.kvpilot.dev")
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
-    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    return "routing" in spec
-
-
 def test_fallbacks_from_spec_routing_with_the_providers_key(
     cluster: Any, namespace: str, discovery: KubernetesDiscovery, loop_table: LoopTable
 ) -> None:
-    if not crd_has_routing(cluster):
-        pytest.skip("the ModelDeployment CRD has no spec.routing yet (gw-operator's API)")
     cluster.kubectl(
         "create", "secret", "generic", "example-key", "-n", namespace, "--from-literal=api-key=sk-9"
     )

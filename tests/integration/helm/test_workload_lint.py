@@ -45,7 +45,13 @@ def allowed() -> dict[Finding, str]:
 
 def runtime_objects() -> list[dict[str, Any]]:
     """What the operator applies for an example ModelDeployment (its real reconcile code)."""
-    l4 = DeclaredNodeType("l4-24gb", {"kvpilot.dev/pool": "l4"}, 23034, 1, 0.98)
+    l4 = DeclaredNodeType(
+        name="l4-24gb",
+        node_selector={"kvpilot.dev/pool": "l4"},
+        gpu_memory_mib=23034,
+        gpus_per_node=1,
+        price_per_hour=0.98,
+    )
     config = OperatorConfig(node_types=(l4,))
     md = yaml.safe_load((ROOT / "examples" / "qwen2.5-7b-instruct.yaml").read_text())
     md["metadata"].update(namespace="ml", uid="0000-uid", generation=1)

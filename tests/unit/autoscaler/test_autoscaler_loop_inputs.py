@@ -123,8 +123,26 @@ def test_spread_moves_stuck_replicas_to_the_next_type_with_room() -> None:
 
 def test_free_gpus_count_whole_replicas_per_node() -> None:
     node_types = [
-        NodeType("a", "NVIDIA-L4", 23034, 4, 1.0, {}, ("n1", "n2"), (3, 1)),
-        NodeType("other", "NVIDIA-L4", 23034, 4, 1.0, {}, ("n3",), (4,)),
+        NodeType(
+            name="a",
+            product="NVIDIA-L4",
+            gpu_memory_mib=23034,
+            gpus_per_node=4,
+            price_per_hour=1.0,
+            node_selector={},
+            nodes=("n1", "n2"),
+            free_gpus_per_node=(3, 1),
+        ),
+        NodeType(
+            name="other",
+            product="NVIDIA-L4",
+            gpu_memory_mib=23034,
+            gpus_per_node=4,
+            price_per_hour=1.0,
+            node_selector={},
+            nodes=("n3",),
+            free_gpus_per_node=(4,),
+        ),
     ]
     where = autoscaler.Placement(("a",), {"a": 2}, {"a": 0}, {}, {})
     # 3 + 1 free GPUs on two nodes hold one 2-GPU replica, not two
@@ -201,8 +219,26 @@ def md_with(per_type: dict[str, int], desired: int, max_replicas: int = 4) -> di
 
 def l4_types() -> list[NodeType]:
     return [
-        NodeType("cheap", "NVIDIA-L4", 23034, 1, 0.5, {"t": "cheap"}, ("c1",), (1,)),
-        NodeType("dear", "NVIDIA-L4", 23034, 1, 0.9, {"t": "dear"}, ("d1", "d2", "d3"), (1, 1, 1)),
+        NodeType(
+            name="cheap",
+            product="NVIDIA-L4",
+            gpu_memory_mib=23034,
+            gpus_per_node=1,
+            price_per_hour=0.5,
+            node_selector={"t": "cheap"},
+            nodes=("c1",),
+            free_gpus_per_node=(1,),
+        ),
+        NodeType(
+            name="dear",
+            product="NVIDIA-L4",
+            gpu_memory_mib=23034,
+            gpus_per_node=1,
+            price_per_hour=0.9,
+            node_selector={"t": "dear"},
+            nodes=("d1", "d2", "d3"),
+            free_gpus_per_node=(1, 1, 1),
+        ),
     ]
 
 

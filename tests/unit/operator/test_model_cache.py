@@ -12,7 +12,16 @@ from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 
 CONFIG = OperatorConfig()
-L4 = NodeType("l4", "NVIDIA-L4", 23034, 2, 0.8, {"kvpilot.dev/node-type": "l4"}, ("n",), (2,))
+L4 = NodeType(
+    name="l4",
+    product="NVIDIA-L4",
+    gpu_memory_mib=23034,
+    gpus_per_node=2,
+    price_per_hour=0.8,
+    node_selector={"kvpilot.dev/node-type": "l4"},
+    nodes=("n",),
+    free_gpus_per_node=(2,),
+)
 URI = "hf://kvpilot/tiny-llama"
 TINY = {"parameters": 1_000_000, "layers": 2, "kvHeads": 2, "headDim": 16, "vocabSize": 512}
 

@@ -124,7 +124,9 @@ def test_declared_node_types_claim_matching_nodes_without_gfd() -> None:
         allocatable=1,
         extra_labels={"node.kubernetes.io/instance-type": "g5.xlarge"},
     )
-    empty = DeclaredNodeType("h200", {"pool": "h200"}, 143771, 8)
+    empty = DeclaredNodeType(
+        name="h200", node_selector={"pool": "h200"}, gpu_memory_mib=143771, gpus_per_node=8
+    )
     types = {
         t.name: t
         for t in inventory.discover([bare, node("l4-0")], [pod("g5-0", 1)], [declared, empty])

@@ -20,14 +20,14 @@ MD = {
     "metadata": {"name": "qwen", "namespace": "ml", "uid": "1234-uid", "generation": 3},
 }
 H100 = NodeType(
-    "h100-80gb",
-    "NVIDIA-H100-80GB-HBM3",
-    81559,
-    8,
-    98.32,
-    {"kvpilot.dev/node-type": "h100-80gb"},
-    ("h0",),
-    (8,),
+    name="h100-80gb",
+    product="NVIDIA-H100-80GB-HBM3",
+    gpu_memory_mib=81559,
+    gpus_per_node=8,
+    price_per_hour=98.32,
+    node_selector={"kvpilot.dev/node-type": "h100-80gb"},
+    nodes=("h0",),
+    free_gpus_per_node=(8,),
 )
 FACTS = ModelFacts(parameters=70_000_000_000, layers=80, kv_heads=8, head_dim=128)
 
@@ -185,7 +185,15 @@ def test_build_all(wants_monitor: bool, has_crd: bool) -> None:
 def test_zero_replicas_keep_the_first_deployment_only() -> None:
     s = spec()
     second = planner.plan_node_type(
-        planner.PlanRequest.from_spec(s, FACTS), NodeType("b", "", 81559, 8, 1.0, {})
+        planner.PlanRequest.from_spec(s, FACTS),
+        NodeType(
+            name="b",
+            product="",
+            gpu_memory_mib=81559,
+            gpus_per_node=8,
+            price_per_hour=1.0,
+            node_selector={},
+        ),
     )
     children = manifests.build_all(MD, s, [plan_for(s), second], [0, 0], CONFIG)
     assert [c["metadata"]["name"] for c in children] == ["qwen-h100-80gb", "qwen"]

@@ -24,14 +24,14 @@ LLAMA_70B = catalog.lookup("hf://meta-llama/Llama-3.1-70B-Instruct")
 
 def pool(name: str, mib: int, gpus: int, nodes: int = 1, price: float = 1.0) -> NodeType:
     return NodeType(
-        name,
-        "",
-        mib,
-        gpus,
-        price,
-        {"kvpilot.dev/node-type": name},
-        tuple(f"{name}-{i}" for i in range(nodes)),
-        (gpus,) * nodes,
+        name=name,
+        product="",
+        gpu_memory_mib=mib,
+        gpus_per_node=gpus,
+        price_per_hour=price,
+        node_selector={"kvpilot.dev/node-type": name},
+        nodes=tuple(f"{name}-{i}" for i in range(nodes)),
+        free_gpus_per_node=(gpus,) * nodes,
     )
 
 

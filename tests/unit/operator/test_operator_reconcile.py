@@ -15,17 +15,24 @@ from kvpilot.runtime.memory import ModelFacts
 
 CONFIG = OperatorConfig()
 T4 = NodeType(
-    "t4-16gb",
-    "Tesla-T4",
-    15360,
-    1,
-    0.53,
-    {"kvpilot.dev/node-type": "t4-16gb"},
-    ("t0", "t1"),
-    (1, 1),
+    name="t4-16gb",
+    product="Tesla-T4",
+    gpu_memory_mib=15360,
+    gpus_per_node=1,
+    price_per_hour=0.53,
+    node_selector={"kvpilot.dev/node-type": "t4-16gb"},
+    nodes=("t0", "t1"),
+    free_gpus_per_node=(1, 1),
 )
 H100 = NodeType(
-    "h100-80gb", "H100", 81559, 8, 98.32, {"kvpilot.dev/node-type": "h100-80gb"}, ("h0",), (8,)
+    name="h100-80gb",
+    product="H100",
+    gpu_memory_mib=81559,
+    gpus_per_node=8,
+    price_per_hour=98.32,
+    node_selector={"kvpilot.dev/node-type": "h100-80gb"},
+    nodes=("h0",),
+    free_gpus_per_node=(8,),
 )
 
 

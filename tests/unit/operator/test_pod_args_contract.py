@@ -21,7 +21,16 @@ from kvpilot.runtime.memory import ModelFacts
 EXAMPLES = sorted((Path(__file__).parents[3] / "examples").glob("*.yaml"))
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
 MD = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
-H100 = NodeType("h100", "NVIDIA-H100", 81559, 8, 98.0, {"t": "h100"}, ("n",), (8,))
+H100 = NodeType(
+    name="h100",
+    product="NVIDIA-H100",
+    gpu_memory_mib=81559,
+    gpus_per_node=8,
+    price_per_hour=98.0,
+    node_selector={"t": "h100"},
+    nodes=("n",),
+    free_gpus_per_node=(8,),
+)
 QUANTIZATIONS = ("bf16", "int8", "int4")
 KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
 URIS = ("hf://org/model@rev", "s3://models/org/model", "pvc://weights/model", "file:///srv/model")
