@@ -94,6 +94,15 @@ def routing_rows(
     return rows
 
 
+def by_key(counts: dict[str, float]) -> str:
+    """`0`, or the total with each key's count: `3 (503: 1, connect: 2)`."""
+    total = sum(counts.values())
+    if not total:
+        return "0"
+    shares = ", ".join(f"{key}: {n:.0f}" for key, n in sorted(counts.items()) if n)
+    return f"{total:.0f} ({shares})"
+
+
 def rate(hits: dict[str, float], queries: dict[str, float], key: str) -> str:
     asked = queries.get(key, 0.0)
     return f"{hits.get(key, 0.0) / asked:.0%}" if asked else "-"
@@ -245,10 +254,9 @@ class Demo:
         figures = self.routing
         say("routing through the gateway (its pods' kvpilot_gateway_* and the replicas' counters)")
         print(table(routing_rows(figures["picks"], figures["hits"], figures["queries"])))
-        codes = ", ".join(f"{code}: {n:.0f}" for code, n in sorted(figures["codes"].items()))
-        retries, fallbacks = sum(figures["retries"].values()), sum(figures["fallbacks"].values())
         print(
-            f"  answers by status code: {codes}; retries {retries:.0f}; fallbacks {fallbacks:.0f}"
+            f"  answers by status code: {by_key(figures['codes'])};"
+            f" retries: {by_key(figures['retries'])}; fallbacks: {by_key(figures['fallbacks'])}"
         )
 
     # -- helpers -----------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from hack.demo import counter_sums, growth, routing_rows, tenant_prompts
+from hack.demo import by_key, counter_sums, growth, routing_rows, tenant_prompts
 from kvpilot.gateway.metrics import GatewayMetrics
 
 
@@ -65,3 +65,15 @@ def test_tenants_share_a_preamble_longer_than_the_prefix_key() -> None:
     prefixes = [r["prompt"][:256] for r in records]  # the gateway's default prefix key
     assert prefixes[0] == prefixes[3] and prefixes[0] != prefixes[1]  # tenant 0, tenants 0/1
     assert len({r["prompt"] for r in records}) == 6  # every question differs
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        ({}, "0"),
+        ({"connect": 0.0}, "0"),
+        ({"connect": 2.0, "503": 1.0}, "3 (503: 1, connect: 2)"),
+    ],
+)
+def test_by_key(counts: dict[str, float], expected: str) -> None:
+    assert by_key(counts) == expected
