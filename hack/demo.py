@@ -87,6 +87,8 @@ def routing_rows(
     """The routing table: per replica (`namespace/pod`) its picks and prefix-cache hit rate."""
     rows = [["REPLICA", "PICKS", "PREFIX-CACHE HIT RATE"]]
     for replica in sorted(set(picks) | set(queries)):
+        if not picks.get(replica) and not queries.get(replica):
+            continue  # a replica gone before the burst (its counters did not move)
         rows.append([replica, f"{picks.get(replica, 0):.0f}", rate(hits, queries, replica)])
     total_hits, total_queries = sum(hits.values()), sum(queries.values())
     everyone = {"all": total_hits}, {"all": total_queries}

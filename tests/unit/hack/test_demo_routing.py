@@ -46,9 +46,9 @@ def test_growth(
 
 def test_routing_rows_per_replica_and_overall() -> None:
     rows = routing_rows(
-        picks={"ns/a": 30, "ns/b": 10},
-        hits={"ns/a": 90, "ns/b": 0},
-        queries={"ns/a": 100, "ns/b": 100},
+        picks={"ns/a": 30, "ns/b": 10, "ns/idle": 0},
+        hits={"ns/a": 90, "ns/b": 0, "ns/idle": 0},
+        queries={"ns/a": 100, "ns/b": 100, "ns/idle": 0},
     )
     assert rows == [
         ["REPLICA", "PICKS", "PREFIX-CACHE HIT RATE"],
