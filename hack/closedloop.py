@@ -47,7 +47,7 @@ def builtin_autoscaling(max_replicas: int, down_window_s: int) -> dict[str, Any]
     }
 
 
-def start_proxy(cluster: DevCluster, process: str, service: str) -> str:
+def start_proxy(cluster: DevCluster, process: str, service: str, namespace: str = "default") -> str:
     """hack.serviceproxy in front of `service`, as a process `down` stops; its base URL."""
     port = procs.free_port()
     cluster.start_process(
@@ -57,11 +57,24 @@ def start_proxy(cluster: DevCluster, process: str, service: str) -> str:
             "-m",
             "hack.serviceproxy",
             f"--kubeconfig={cluster.kubeconfig}",
+            f"--namespace={namespace}",
             f"--service={service}",
             f"--port={port}",
         ],
     )
     return f"http://127.0.0.1:{port}"
+
+
+def start_operator(cluster: DevCluster, process: str, interval_s: int) -> None:
+    """`kvpilot-operator run --standalone` beside the cluster (a process `down` stops), its
+    autoscaler reading the dev cluster's Prometheus every `interval_s` seconds."""
+    env = {
+        **cluster.env,
+        "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
+        "KVPILOT_AUTOSCALER_INTERVAL": str(interval_s),
+    }
+    argv = [str(BIN / "kvpilot-operator"), "run", "--standalone"]
+    cluster.start_process(process, argv, env=env)
 
 
 def bench_argv(url: str, model: str, concurrency: int, prompts: int, result: Path) -> list[str]:

@@ -15,6 +15,9 @@ NODE_TYPE_LABEL = "kvpilot.dev/node-type"
 LOCAL_EXECUTION_LABEL = "kvpilot.dev/local-execution"
 PRICE_ANNOTATION = "kvpilot.dev/price-per-hour"
 GPU_RESOURCE = "nvidia.com/gpu"
+# Every node has a disk for logs and emptyDirs; pods that request ephemeral-storage (the chart's
+# operator and gateway do) fit only on a node that advertises it.
+EPHEMERAL_STORAGE = "100Gi"
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
     processes bind to their loopback pod IPs on this machine.
     """
     name = node_name(pool, index)
-    resources: dict[str, str] = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110"}
+    resources = {"cpu": pool.cpu, "memory": pool.memory, "pods": "110"}
+    resources["ephemeral-storage"] = EPHEMERAL_STORAGE
     labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -21,10 +22,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from hack.podrunner import pods
+from hack.podrunner import apiaccess, pods
 from hack.podrunner.provisioner import Provisioner
 
 LOCAL_NODE_SELECTOR = "kvpilot.dev/local-execution=true"
@@ -51,6 +53,8 @@ class LocalPod:
     num_inits_done: int = 0
     pod_dir: Path = Path()
     volumes: dict[str, Path] = field(default_factory=dict)
+    # When the projected volumes (the ServiceAccount token) are next filled; None: never yet.
+    projected_renew_at: float | None = None
     reported: dict[str, Any] = field(default_factory=dict)
 
 
@@ -168,6 +172,11 @@ class PodRunner:
             self.on_exit(pod, local, local.proc.returncode)
         elif local.proc is not None and time.monotonic() >= local.next_probe:
             self.probe(pod, container, local)
+        if local.projected_renew_at is not None and time.monotonic() >= local.projected_renew_at:
+            try:
+                self.fill_projected(pod, local)
+            except ValueError as err:  # the old token stays until it expires: retry
+                print(f"podrunner: {local.namespace}/{local.name}: {err}", flush=True)
 
     def sync_init(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> None:
         """Init containers run one after the other, each to exit 0, before the app container;
@@ -227,18 +236,93 @@ class PodRunner:
         message_file.write_text("")
         mounts.append((pods.termination_message_path(container), str(message_file)))
         try:
+            if local.projected_renew_at is None:
+                self.fill_projected(pod, local)
             own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret, mounts)
             argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts)
         except ValueError as err:
             self.refuse(pod, container, local, str(err))
             return False
-        env = {**os.environ, **own_env}
+        api_env = apiaccess.api_env(self.api_server, self.write_kubeconfig(pod, local, mounts))
+        env = {**apiaccess.inherited_env(os.environ), **api_env, **own_env}
         env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])
         with log.open("ab") as out:
             local.proc = subprocess.Popen(
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         return True
+
+    # -- the pod's API access (apiaccess.py) ---------------------------------------------------
+
+    @property
+    def api_server(self) -> str:
+        return str(self.core.api_client.configuration.host)
+
+    def fill_projected(self, pod: dict[str, Any], local: LocalPod) -> None:
+        """Fill the pod's projected volumes (its ServiceAccount token, the cluster's CA, its
+        namespace) as the kubelet does: before its first container, again before the token
+        expires. A ValueError names what is missing (the kubelet's FailedMount)."""
+        sources = apiaccess.Sources(
+            token=lambda audiences, seconds: self.request_token(pod, audiences, seconds),
+            config_map=self.read_config_map,
+            secret=self.read_secret,
+        )
+        lifetimes = []
+        for volume in apiaccess.projected_volumes(pod):
+            projection = apiaccess.project(volume, pod, sources)
+            write_files(local.volumes[volume["name"]], projection.files)
+            if projection.token_lifetime_s is not None:
+                lifetimes.append(projection.token_lifetime_s)
+        renew_after = apiaccess.renew_after_s(min(lifetimes)) if lifetimes else math.inf
+        local.projected_renew_at = time.monotonic() + renew_after
+
+    def request_token(
+        self, pod: dict[str, Any], audiences: list[str], seconds: int
+    ) -> apiaccess.IssuedToken:
+        """A TokenRequest for the pod's ServiceAccount, bound to the pod (invalid once the pod
+        is deleted), as the kubelet makes for a projected serviceAccountToken."""
+        meta = pod["metadata"]
+        account = pod["spec"].get("serviceAccountName") or "default"
+        bound = client.V1BoundObjectReference(
+            api_version="v1", kind="Pod", name=meta["name"], uid=meta["uid"]
+        )
+        spec = client.V1TokenRequestSpec(
+            audiences=audiences, expiration_seconds=seconds, bound_object_ref=bound
+        )
+        try:
+            answer = self.core.create_namespaced_service_account_token(
+                account, meta["namespace"], client.AuthenticationV1TokenRequest(spec=spec)
+            )
+        except ApiException as err:
+            if err.status == 404:
+                raise ValueError(f'serviceaccount "{account}" not found') from err
+            raise
+        status = answer.status
+        if status is None or not status.token:
+            raise ValueError(f'the TokenRequest for serviceaccount "{account}" returned no token')
+        expires = status.expiration_timestamp
+        lifetime = (expires - datetime.now(UTC)).total_seconds() if expires else float(seconds)
+        return apiaccess.IssuedToken(status.token, max(lifetime, 0.0))
+
+    def read_config_map(self, namespace: str, name: str) -> dict[str, str] | None:
+        try:
+            return dict(self.core.read_namespaced_config_map(name, namespace).data or {})
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def write_kubeconfig(
+        self, pod: dict[str, Any], local: LocalPod, mounts: list[tuple[str, str]]
+    ) -> Path | None:
+        """The pod's in-cluster kubeconfig (apiaccess.kubeconfig), when it mounts a token."""
+        account_dir = apiaccess.service_account_dir(mounts)
+        if account_dir is None:
+            return None
+        config = apiaccess.kubeconfig(self.api_server, account_dir, local.namespace)
+        path = local.pod_dir / "kubeconfig"
+        write_files(local.pod_dir, {path.name: yaml.safe_dump(config, sort_keys=False)})
+        return path
 
     def refuse(
         self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod, why: str
@@ -382,6 +466,18 @@ def terminate(proc: subprocess.Popen[bytes], container: dict[str, Any], grace_s:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def write_files(folder: Path, files: dict[str, str]) -> None:
+    """Each file replaced at once (write, then rename), so a reader never sees half a token."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for relative, content in files.items():
+        target = folder / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial")
+        partial.write_text(content)
+        partial.chmod(0o600)
+        os.replace(partial, target)
 
 
 def http_ok(url: str, timeout_s: float) -> bool:

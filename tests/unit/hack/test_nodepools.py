@@ -54,6 +54,7 @@ def test_node_carries_gfd_labels_and_gpu_capacity(
     assert labels["kvpilot.dev/node-type"] == raw["name"]
     assert status["allocatable"].get("nvidia.com/gpu") == gpus
     assert status["capacity"].get("nvidia.com/gpu") == gpus
+    assert status["allocatable"]["ephemeral-storage"] == "100Gi"  # the chart's pods request it
     assert labels.get("nvidia.com/gpu.product") == product
     assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
 
