@@ -53,15 +53,20 @@ class Harness:
         prices = {"tiny": Price(0, 1000.0)}
         self.budget = BudgetPolicy(self.store, self.metrics, prices.get)
 
-    async def run(self, ex: Exchange, answer: bytes | None) -> web.StreamResponse | None:
+    async def run(
+        self, ex: Exchange, answer: bytes | None, status: int = 503
+    ) -> web.StreamResponse | None:
         """Both policies' `before`; then, unless one answered, `answer` as the upstream's JSON
-        body through the taps; then `after` in reverse, as the proxy does."""
+        body through the taps (None: `status` with no upstream answer; 0: the client went away);
+        then `after` in reverse, as the proxy does."""
         refusal = await self.keys.before(ex) or await self.budget.before(ex)
         if refusal is None and answer is not None:
             for tap in ex.taps:
                 tap.chunk(answer)
                 tap.end(True)
             ex.served, ex.status = True, 200
+        elif refusal is None:
+            ex.status = status
         await self.budget.after(ex)
         return refusal
 
@@ -96,9 +101,9 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
     async def scenario() -> None:
         payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100}  # reserves 13 + 100
         assert await harness.run(exchange(payload), usage(6, 20)) is None
-        counters = {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
-        assert counters == {"total_tokens": 26, "requests": 1}  # settled to the usage
+        assert counters_of(harness) == {"total_tokens": 26, "requests": 1}  # settled to usage
         assert await harness.run(exchange(payload), None) is None  # nobody served: released
+        assert counters_of(harness) == {"total_tokens": 26, "requests": 1}
         assert await harness.run(exchange({**payload, "max_tokens": 250}), usage(6, 200)) is None
         refusal = await harness.run(exchange(payload), None)  # 232 used + 113 > 300
         assert refusal is not None and refusal.status == 429
@@ -110,6 +115,17 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
         assert tokens._value.get() == 220
 
     asyncio.run(scenario())
+
+
+def counters_of(harness: Harness) -> dict[str, float]:
+    return {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
+
+
+def test_a_request_abandoned_before_its_answer_keeps_its_reservation() -> None:
+    harness = Harness()
+    payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100}
+    assert asyncio.run(harness.run(exchange(payload), None, status=0)) is None
+    assert counters_of(harness) == {"total_tokens": 113, "requests": 1}
 
 
 def test_a_request_bigger_than_a_whole_limit_is_a_400_naming_max_tokens() -> None:
