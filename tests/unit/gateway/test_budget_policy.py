@@ -13,12 +13,13 @@ from aiohttp.test_utils import make_mocked_request
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.budget_config import KeysDocument, key_book
-from kvpilot.gateway.budget_policy import BudgetPolicy
-from kvpilot.gateway.budget_store import MemoryStore
+from kvpilot.gateway.budget_policy import BudgetOptions, BudgetPolicy
+from kvpilot.gateway.budget_store import MemoryStore, RedisStore
 from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
+from tests.server.server_process import free_port
 
 KEYS = KeysDocument.model_validate({
     "keys": [
@@ -146,3 +147,28 @@ def test_the_team_limit_counts_requests_of_every_key() -> None:
 
     statuses = asyncio.run(scenario())
     assert statuses == [200, 200, 200, 429]  # the team's rpm_limit: 3
+
+
+@pytest.mark.parametrize(("fail_open", "status"), [(False, 503), (True, None)])
+def test_a_store_that_is_down_fails_closed_or_open(fail_open: bool, status: int | None) -> None:
+    async def scenario() -> web.StreamResponse | None:
+        harness = Harness()
+        nowhere = RedisStore(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        options = BudgetOptions(fail_open=fail_open)
+        harness.budget = BudgetPolicy(nowhere, harness.metrics, {"tiny": Price()}.get, options)
+        payload = {"model": "tiny", "prompt": "hello", "max_tokens": 10}
+        refusal = await harness.run(exchange(payload), usage(3, 10))
+        errors = harness.metrics.budget_store_errors
+        decision = "admitted" if fail_open else "refused"
+        assert errors.labels("reserve", decision)._value.get() == 1
+        assert errors.labels("settle", "admitted")._value.get() == (1 if fail_open else 0)
+        assert harness.metrics.budget_store_up._value.get() == 0
+        await nowhere.close()
+        return refusal
+
+    refusal = asyncio.run(scenario())
+    if status is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and refusal.status == status
+        assert error_of(refusal)["code"] == "budget_store_unavailable"
