@@ -11,7 +11,7 @@ class HoldLastLine:
     """Holds back bytes after the last newline (a filter that waits for whole events)."""
 
     def __init__(self) -> None:
-        self.held = b""
+        self.held: bytes = b""
         self.ended: bool | None = None
 
     def chunk(self, data: bytes) -> bytes:
