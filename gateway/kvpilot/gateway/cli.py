@@ -22,8 +22,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvpilot.gateway import discovery
+from kvpilot.gateway import budget_setup, discovery
 from kvpilot.gateway.config import ConfigError, load_routes
+from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.picking import STRATEGIES, PickPolicy
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
 from kvpilot.gateway.routes import RouteTable
@@ -55,6 +56,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="requests held per model at zero replicas before 429")  # fmt: skip
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=ProxyOptions.max_body_bytes)  # fmt: skip
+    budget_setup.add_arguments(parser)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -98,8 +100,14 @@ def start_discovery(
 async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     table = RouteTable()
     waker, stop_discovery = start_discovery(args, table)
-    gateway = Gateway(table, options, waker)
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    metrics = GatewayMetrics()
+    budgets = budget_setup.build(args, table, metrics)  # keys first, budget last (issue 16)
+    policies = budgets.policies() if budgets is not None else ()
+    gateway = Gateway(table, options, waker, metrics, policies)
+    app = gateway.app()
+    if budgets is not None:
+        app.cleanup_ctx.append(budgets.running)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("kvpilot-gateway on %s:%d routing %s", args.host, args.port, table.models())

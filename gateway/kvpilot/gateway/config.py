@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
 
 
@@ -63,6 +64,12 @@ class ModelSpec(_Strict):
 
 class GatewayConfig(_Strict):
     models: list[ModelSpec] = Field(min_length=1)
+    keys: list[KeySpec] = Field(
+        default_factory=list
+    )  # budget_config.py: keys, teams, redis, prices
+    teams: list[TeamSpec] = Field(default_factory=list)
+    redis: RedisSpec | None = None
+    prices: dict[str, PriceSpec] = Field(default_factory=dict)
 
 
 def http_url(value: str) -> str:
