@@ -23,7 +23,12 @@ from pathlib import Path
 from aiohttp import web
 
 from kvpilot.gateway import discovery
-from kvpilot.gateway.config import ConfigError, load_routes
+from kvpilot.gateway.cache_config import STORES, CacheSettings, CacheSpec, settings_from
+from kvpilot.gateway.cache_policy import CachePolicy, build_store
+from kvpilot.gateway.cascade import CascadePolicy
+from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes
+from kvpilot.gateway.exchange import Policy
+from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.picking import STRATEGIES, PickPolicy
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
 from kvpilot.gateway.routes import RouteTable
@@ -55,6 +60,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="requests held per model at zero replicas before 429")  # fmt: skip
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=ProxyOptions.max_body_bytes)  # fmt: skip
+    parser.add_argument("--redis-url", help="redis://HOST:PORT/DB: the shared store (cache)")
+    parser.add_argument("--cache-store", choices=STORES,
+                        help="turn the response cache on with this store (else the config "
+                        "file's `cache:`; redis needs --redis-url)")  # fmt: skip
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -95,10 +104,26 @@ def start_discovery(
     return None, lambda: None
 
 
+def cache_settings(args: argparse.Namespace) -> CacheSettings:
+    spec = load_cache_spec(args.config) if args.config is not None else CacheSpec()
+    return settings_from(spec, args.cache_store, args.redis_url)
+
+
+def build_policies(
+    table: RouteTable, settings: CacheSettings, metrics: GatewayMetrics
+) -> tuple[list[Policy], CachePolicy]:
+    """In order: cascade (may re-route), then the cache (keyed on the routed model)."""
+    cache = CachePolicy(settings, build_store(settings, metrics), metrics)
+    return [CascadePolicy(table, metrics), cache], cache
+
+
 async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     table = RouteTable()
+    settings = cache_settings(args)
     waker, stop_discovery = start_discovery(args, table)
-    gateway = Gateway(table, options, waker)
+    metrics = GatewayMetrics()
+    policies, cache = build_policies(table, settings, metrics)
+    gateway = Gateway(table, options, waker, metrics, policies)
     runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -109,6 +134,7 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    await cache.close()
     stop_discovery()
 
 

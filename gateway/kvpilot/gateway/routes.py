@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from kvpilot.gateway.cascade import CascadeRule
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -54,6 +56,8 @@ class Route:
     # How long a request may wait for a replica (held at zero, or retried) before the fallbacks;
     # None: the gateway's --fallback-after default. spec.routing.fallbackAfterSeconds.
     fallback_after_s: float | None = None
+    # Tried in order before picking: the first that applies re-routes the request (cascade.py).
+    cascade: tuple[CascadeRule, ...] = ()
 
 
 class RouteTable:
