@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.gateway.exchange import end_taps, through_taps
+from kvpilot.gateway.exchange import Tap, end_taps, through_taps
 
 
 class HoldLastLine:
     """Holds back bytes after the last newline (a filter that waits for whole events)."""
 
     def __init__(self) -> None:
-        self.held, self.ended = b"", None
+        self.held = b""
+        self.ended: bool | None = None
 
     def chunk(self, data: bytes) -> bytes:
         data, self.held = self.held + data, b""
@@ -49,7 +50,7 @@ def test_taps_filter_in_order_and_release_what_they_held(
     chunks: list[bytes], complete: bool, client: bytes
 ) -> None:
     hold, upper = HoldLastLine(), Upper()
-    taps = [hold, upper]
+    taps: list[Tap] = [hold, upper]
     out = b"".join(through_taps(taps, chunk) for chunk in chunks) + end_taps(taps, complete)
     assert out == client
     assert hold.ended is complete
