@@ -137,10 +137,16 @@ def test_a_streamed_hit_replays_the_stored_chunks(
     assert hit[-1] == miss[-1] == b"data: [DONE]"
     counts = json.loads(hit[-2].removeprefix(b"data: "))["usage"]  # ...but the usage one says
     assert counts["prompt_tokens_details"]["cached_tokens"] == counts["prompt_tokens"]
-    chunks = client(gateway.url).completions.create(**{**body, "stream_options": None})
+    chunks = list(client(gateway.url).completions.create(
+        model="small", prompt="Streams are replayed", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "".join(
         json.loads(e.removeprefix(b"data: "))["choices"][0]["text"] for e in miss[:-2]
     )
+    last = chunks[-1].usage
+    assert last is not None and last.prompt_tokens_details is not None
+    assert last.prompt_tokens_details.cached_tokens == last.prompt_tokens
+    assert served(replicas["small"]) == before
 
 
 def test_no_cache_and_the_cache_field_skip_the_lookup(

@@ -130,8 +130,7 @@ class CachePolicy:
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(exchange.request)
-        for event in cache.hit_events(entry, include_usage):
-            await response.write(event)
+        await response.write(b"".join(cache.hit_events(entry, include_usage)))  # one send
         await response.write_eof()
         return response
 
