@@ -245,3 +245,25 @@ def test_cascade_sends_short_tool_less_prompts_to_the_small_model(
     assert served(replicas["small"]) == small + 1
     rule = {"model": "big", "target": "small", "rule": "0"}
     assert gateway.metric("kvpilot_gateway_cascade_total", **rule) == 1
+
+
+def test_a_hit_costs_no_budget(
+    replicas: dict[str, Replica], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Keys before the cache, the budget after it: a key allowed 2 requests in 30 days sends the
+    same deterministic request 3 times (1 miss, 2 hits) and still has 1 request left."""
+    keyed = {**config(replicas), "keys": [{"key": "sk-cache", "team": "t", "limits": [
+        {"unit": "requests", "limit": 2, "window": "30d"}]}]}  # fmt: skip
+    process = GatewayProcess(keyed, tmp_path_factory.mktemp("budget"))
+    api = openai.OpenAI(base_url=f"{process.url}/v1", api_key="sk-cache", max_retries=0)
+    try:
+        args: dict[str, Any] = {"model": "small", "max_tokens": 4, "temperature": 0}
+        states = [api.completions.with_raw_response.create(prompt="Budget free", **args)
+                  .headers["x-kvpilot-cache"] for _ in range(3)]  # fmt: skip
+        assert states == ["miss", "hit", "hit"]
+        api.completions.create(prompt="A second request", **args)
+        with pytest.raises(openai.RateLimitError):
+            api.completions.create(prompt="A third request", **args)
+        assert process.metric("kvpilot_gateway_cache_hits_total") == 2
+    finally:
+        assert process.stop() == 0

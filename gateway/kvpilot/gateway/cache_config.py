@@ -7,7 +7,7 @@
       maxEntries: 10000          # the in-process store's bounds
       maxBytes: 268435456
       maxEntryBytes: 1048576     # a larger answer is not stored
-      store: memory              # or redis (needs --redis-url)
+      store: memory              # or redis (needs --redis-url or the config's redis.url)
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ def settings_from(spec: CacheSpec, store_flag: str | None, redis_url: str | None
     store = store_flag or spec.store
     enabled = spec.enabled or store_flag is not None
     if enabled and store == "redis" and not redis_url:
-        raise ValueError("the redis cache store needs --redis-url redis://HOST:PORT/DB")
+        message = "the redis cache store needs --redis-url redis://HOST:PORT/DB (or redis.url)"
+        raise ValueError(message)
     return CacheSettings(enabled, spec.ttl_seconds, spec.max_entries, spec.max_bytes,
                          min(spec.max_entry_bytes, spec.max_bytes), store, redis_url)  # fmt: skip

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvpilot.gateway import discovery
+from kvpilot.gateway import budget_setup, discovery
 from kvpilot.gateway.cache_config import STORES, CacheSettings, CacheSpec, settings_from
 from kvpilot.gateway.cache_policy import CachePolicy, build_store
 from kvpilot.gateway.cascade import CascadePolicy
@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="requests held per model at zero replicas before 429")  # fmt: skip
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=ProxyOptions.max_body_bytes)  # fmt: skip
-    parser.add_argument("--redis-url", help="redis://HOST:PORT/DB: the shared store (cache)")
+    budget_setup.add_arguments(parser)
     parser.add_argument("--cache-store", choices=STORES,
                         help="turn the response cache on with this store (else the config "
                         "file's `cache:`; redis needs --redis-url)")  # fmt: skip
@@ -106,13 +106,15 @@ def start_discovery(
 
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
     spec = load_cache_spec(args.config) if args.config is not None else CacheSpec()
-    return settings_from(spec, args.cache_store, args.redis_url)
+    redis_url = args.redis_url or budget_setup.read_settings(args.config).redis_url
+    return settings_from(spec, args.cache_store, redis_url)
 
 
 def build_policies(
     table: RouteTable, settings: CacheSettings, metrics: GatewayMetrics
 ) -> tuple[list[Policy], CachePolicy]:
-    """In order: cascade (may re-route), then the cache (keyed on the routed model)."""
+    """In order: cascade (may re-route), then the cache (keyed on the routed model); serve()
+    puts the keys policy before them and the budget after."""
     cache = CachePolicy(settings, build_store(settings, metrics), metrics)
     return [CascadePolicy(table, metrics), cache], cache
 
@@ -122,9 +124,16 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     settings = cache_settings(args)
     waker, stop_discovery = start_discovery(args, table)
     metrics = GatewayMetrics()
-    policies, cache = build_policies(table, settings, metrics)
+    budgets = budget_setup.build(args, table, metrics)
+    cascade_and_cache, cache = build_policies(table, settings, metrics)
+    # keys, cascade, cache (a hit answers before the budget: it costs none), budget (issue 16)
+    policies = ([budgets.keys, *cascade_and_cache, budgets.budget] if budgets is not None
+                else cascade_and_cache)  # fmt: skip
     gateway = Gateway(table, options, waker, metrics, policies)
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    app = gateway.app()
+    if budgets is not None:
+        app.cleanup_ctx.append(budgets.running)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("kvpilot-gateway on %s:%d routing %s", args.host, args.port, table.models())

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
 from kvpilot.gateway.cache_config import CacheSpec
 from kvpilot.gateway.cascade import CascadeRule
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
@@ -81,6 +82,12 @@ class ModelSpec(_Strict):
 class GatewayConfig(_Strict):
     models: list[ModelSpec] = Field(min_length=1)
     cache: CacheSpec = Field(default_factory=CacheSpec)
+    keys: list[KeySpec] = Field(
+        default_factory=list
+    )  # budget_config.py: keys, teams, redis, prices
+    teams: list[TeamSpec] = Field(default_factory=list)
+    redis: RedisSpec | None = None
+    prices: dict[str, PriceSpec] = Field(default_factory=dict)
 
 
 def http_url(value: str) -> str:
@@ -125,7 +132,7 @@ def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: 
     cascade = tuple(to_cascade_rule(rule, index, model.name, names, source)
                     for index, rule in enumerate(model.cascade))  # fmt: skip
     return Route(model.name, backends, tuple(fallbacks), None, model.fallback_after_seconds,
-                 cascade)  # fmt: skip
+                 cascade=cascade)  # fmt: skip
 
 
 def to_cascade_rule(

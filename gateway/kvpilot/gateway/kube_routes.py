@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.cascade import CascadeRule
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarget
 from kvpilot.operator import api
@@ -78,6 +79,16 @@ def fallback_after_s(md: Obj) -> float | None:
     return float(seconds) if seconds is not None else None
 
 
+def price(md: Obj) -> Price | None:
+    """status.cost.perMillionOutputTokens as the price of output tokens: the operator divides the
+    replicas' price by the output tokens they completed, so prompt processing is already in it
+    (input tokens are priced 0). None until the operator has measured traffic."""
+    per_million = ((md.get("status") or {}).get("cost") or {}).get("perMillionOutputTokens")
+    if not isinstance(per_million, (int, float)) or per_million < 0:
+        return None
+    return Price(input_per_million=0.0, output_per_million=float(per_million))
+
+
 def secrets_needed(deployments: Iterable[Obj]) -> set[SecretKey]:
     """The Secret keys the providers of these ModelDeployments name (read before building)."""
     needed = set()
@@ -105,7 +116,8 @@ def build_routes(
         backends = ready_backends(by_model.get((namespace, name), []))
         target = ScaleTarget(namespace, name)
         cascade = cascade_rules(md, names, problems)
-        routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md), cascade))
+        routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md),
+                            cascade=cascade, price=price(md)))  # fmt: skip
     return Resolution(tuple(routes), tuple(problems))
 
 

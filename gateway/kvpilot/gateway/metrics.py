@@ -68,3 +68,27 @@ class GatewayMetrics:
             "kvpilot_gateway_cascade", "Requests a cascade rule sent to another model.",
             ["model", "target", "rule"], registry=r,
         )  # fmt: skip
+        # Keys and budgets (budget_policy.py): spend and tokens as settled from the usage.
+        self.spend = Counter(
+            "kvpilot_gateway_spend", "Spend settled from usage and the model's price per 1M "
+            "tokens, by API key (its hash prefix), team and model.",
+            ["key_id", "team", "model"], registry=r,
+        )  # fmt: skip
+        self.tokens = Counter(
+            "kvpilot_gateway_tokens", "Tokens settled from usage (input or output), by API key, "
+            "team and model.", ["key_id", "team", "model", "kind"], registry=r,
+        )  # fmt: skip
+        self.budget_refusals = Counter(
+            "kvpilot_gateway_budget_refusals", "Requests refused with 429 over a limit, by the "
+            "limit's scope (key:ID or team:NAME), unit and window.",
+            ["scope", "unit", "window"], registry=r,
+        )  # fmt: skip
+        self.budget_store_errors = Counter(
+            "kvpilot_gateway_budget_store_errors", "Budget store (Redis) failures, by operation "
+            "and what the request got (refused: fail closed, admitted: fail open).",
+            ["operation", "decision"], registry=r,
+        )  # fmt: skip
+        self.budget_store_up = Gauge(
+            "kvpilot_gateway_budget_store_up",
+            "1 while the budget store answered its last call, 0 after a failure.", registry=r,
+        )  # fmt: skip

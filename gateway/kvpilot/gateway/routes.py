@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.cascade import CascadeRule
 
 
@@ -58,6 +59,8 @@ class Route:
     fallback_after_s: float | None = None
     # Tried in order before picking: the first that applies re-routes the request (cascade.py).
     cascade: tuple[CascadeRule, ...] = ()
+    # Per 1M tokens, for cost budgets and spend: the ModelDeployment's status.cost (None: unpriced).
+    price: Price | None = None
 
 
 class RouteTable:

@@ -46,8 +46,9 @@ class Hop:
     reply_headers: dict[str, str] = field(default_factory=dict)  # added to the client's response
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError",
-               429: "RateLimitError", 503: "ServiceUnavailableError"}  # fmt: skip
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 413: "RequestTooLargeError", 429: "RateLimitError",
+               503: "ServiceUnavailableError"}  # fmt: skip
 
 
 def error_body(

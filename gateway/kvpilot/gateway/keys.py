@@ -1,0 +1,62 @@
+"""API keys: who is calling (the first policy). With keys configured every request needs
+`Authorization: Bearer <key>` (401 otherwise) and may only ask for the models of its key's
+allow-list (403 naming the model). Keys are kept as sha256 hashes only; a key is named by the
+hash's first characters (`key_id`) in metrics, logs and errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kvpilot.gateway.budget_config import KeyEntry, hash_key
+from kvpilot.gateway.exchange import Exchange
+from kvpilot.gateway.upstream import error_response
+
+CALLER = "kvpilot.key"  # exchange.request[CALLER]: the Caller, for the later policies
+
+
+@dataclass(frozen=True)
+class Caller:
+    key_id: str
+    team: str
+    entry: KeyEntry
+
+
+class KeyRing:
+    """The current keys (sha256 hex -> entry); a Kubernetes Secret watch replaces them whole."""
+
+    def __init__(self, book: dict[str, KeyEntry]) -> None:
+        self.book = book
+
+    def replace(self, book: dict[str, KeyEntry]) -> None:
+        self.book = book
+
+    def lookup(self, authorization: str | None) -> KeyEntry | None:
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        return self.book.get(hash_key(authorization[len("Bearer ") :].strip()))
+
+
+class KeysPolicy:
+    def __init__(self, ring: KeyRing) -> None:
+        self.ring = ring
+
+    async def before(self, exchange: Exchange) -> web.StreamResponse | None:
+        authorization = exchange.request.headers.get("Authorization")
+        entry = self.ring.lookup(authorization)
+        if entry is None:
+            given = "no API key was given" if not authorization else "the API key is not valid"
+            message = f"{given}: send `Authorization: Bearer <key>` with a key of this gateway"
+            return error_response(401, message, None, "invalid_api_key")
+        if entry.models is not None and exchange.model not in entry.models:
+            allowed = ", ".join(sorted(entry.models)) or "none"
+            message = (f"key {entry.key_id} may not use model {exchange.model!r}; its models: "
+                       f"{allowed}")  # fmt: skip
+            return error_response(403, message, "model", "model_not_allowed")
+        exchange.request[CALLER] = Caller(entry.key_id, entry.team, entry)
+        return None
+
+    async def after(self, exchange: Exchange) -> None:
+        pass

@@ -1,0 +1,132 @@
+"""The keys and budget policies on one exchange each (aiohttp's own test request, the real
+in-process store): 401/403, 429 with Retry-After naming the limit, reserve then settle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from kvpilot.gateway import bodies
+from kvpilot.gateway.budget_config import KeysDocument, key_book
+from kvpilot.gateway.budget_policy import BudgetPolicy
+from kvpilot.gateway.budget_store import MemoryStore
+from kvpilot.gateway.budgets import Price
+from kvpilot.gateway.exchange import Exchange
+from kvpilot.gateway.keys import KeyRing, KeysPolicy
+from kvpilot.gateway.metrics import GatewayMetrics
+
+KEYS = KeysDocument.model_validate({
+    "keys": [
+        {"key": "sk-research", "team": "research", "models": ["tiny"],
+         "limits": [{"unit": "total_tokens", "limit": 300, "window": "1h"}]},
+        {"key": "sk-priced", "limits": [{"unit": "cost", "limit": 1, "window": "day"}]},
+    ],
+    "teams": [{"name": "research", "rpm_limit": 3}],
+})  # fmt: skip
+
+
+def exchange(payload: dict[str, Any], key: str | None = "sk-research") -> Exchange:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = make_mocked_request("POST", "/v1/completions", headers=headers)
+    raw = json.dumps(payload).encode()
+    inbound = bodies.parse_body(raw, bodies.COMPLETIONS, 64)
+    return Exchange(request, bodies.COMPLETIONS, inbound, raw, inbound.model)
+
+
+def error_of(response: web.StreamResponse | None) -> dict[str, Any]:
+    assert isinstance(response, web.Response) and response.body is not None
+    body = response.body
+    assert isinstance(body, bytes)
+    return dict(json.loads(body)["error"])
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.metrics = GatewayMetrics()
+        self.keys = KeysPolicy(KeyRing(key_book(KEYS.keys, KEYS.teams)))
+        prices = {"tiny": Price(0, 1000.0)}
+        self.budget = BudgetPolicy(self.store, self.metrics, prices.get)
+
+    async def run(self, ex: Exchange, answer: bytes | None) -> web.StreamResponse | None:
+        """Both policies' `before`; then, unless one answered, `answer` as the upstream's JSON
+        body through the taps; then `after` in reverse, as the proxy does."""
+        refusal = await self.keys.before(ex) or await self.budget.before(ex)
+        if refusal is None and answer is not None:
+            for tap in ex.taps:
+                tap.chunk(answer)
+                tap.end(True)
+            ex.served, ex.status = True, 200
+        await self.budget.after(ex)
+        return refusal
+
+
+@pytest.mark.parametrize(
+    ("key", "model", "status", "says"),
+    [
+        (None, "tiny", 401, "no API key was given"),
+        ("sk-wrong", "tiny", 401, "the API key is not valid"),
+        ("sk-research", "big", 403, "may not use model 'big'; its models: tiny"),
+        ("sk-priced", "unpriced", 403, "has no price"),
+    ],
+)
+def test_callers_are_refused_with_what_is_wrong(
+    key: str | None, model: str, status: int, says: str
+) -> None:
+    harness = Harness()
+    refusal = asyncio.run(harness.run(exchange({"model": model, "prompt": "hi"}, key), None))
+    assert refusal is not None and refusal.status == status
+    assert says in error_of(refusal)["message"]
+
+
+def usage(prompt: int, completion: int) -> bytes:
+    return json.dumps(
+        {"usage": {"prompt_tokens": prompt, "completion_tokens": completion}}
+    ).encode()
+
+
+def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
+    harness = Harness()
+
+    async def scenario() -> None:
+        payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100}  # reserves 13 + 100
+        assert await harness.run(exchange(payload), usage(6, 20)) is None
+        counters = {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
+        assert counters == {"total_tokens": 26, "requests": 1}  # settled to the usage
+        assert await harness.run(exchange(payload), None) is None  # nobody served: released
+        assert await harness.run(exchange({**payload, "max_tokens": 250}), usage(6, 200)) is None
+        refusal = await harness.run(exchange(payload), None)  # 232 used + 113 > 300
+        assert refusal is not None and refusal.status == 429
+        assert int(refusal.headers["Retry-After"]) <= 3600
+        assert "total_tokens 300 per 1h: 232 used" in error_of(refusal)["message"]
+        tokens = harness.metrics.tokens.labels(
+            KEYS.keys[0].digest()[:12], "research", "tiny", "output"
+        )
+        assert tokens._value.get() == 220
+
+    asyncio.run(scenario())
+
+
+def test_a_request_bigger_than_a_whole_limit_is_a_400_naming_max_tokens() -> None:
+    harness = Harness()
+    payload = {"model": "tiny", "prompt": "hello", "max_tokens": 1000}
+    refusal = asyncio.run(harness.run(exchange(payload), None))
+    assert refusal is not None and refusal.status == 400
+    assert error_of(refusal)["param"] == "max_tokens"
+
+
+def test_the_team_limit_counts_requests_of_every_key() -> None:
+    harness = Harness()
+
+    async def scenario() -> list[int]:
+        payload = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+        results = [await harness.run(exchange(payload), usage(1, 1)) for _ in range(4)]
+        return [r.status if r is not None else 200 for r in results]
+
+    statuses = asyncio.run(scenario())
+    assert statuses == [200, 200, 200, 429]  # the team's rpm_limit: 3
