@@ -115,8 +115,12 @@ def test_chat_hit(gateway: GatewayProcess, replicas: dict[str, Replica]) -> None
     assert served(replicas["small"]) == before
 
 
-def stream_events(url: str, body: dict[str, Any]) -> tuple[str, list[bytes]]:
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+def stream_events(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[str, list[bytes]]:
+    """The cache header and the SSE events of a streamed completion."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
+                      timeout=120) as response:  # fmt: skip
         assert response.status_code == 200
         data = b"".join(response.iter_bytes())
     return response.headers["x-kvpilot-cache"], [e for e in data.split(b"\n\n") if e]
@@ -250,10 +254,11 @@ def test_cascade_sends_short_tool_less_prompts_to_the_small_model(
 def test_a_hit_costs_no_budget(
     replicas: dict[str, Replica], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Keys before the cache, the budget after it: a key allowed 2 requests in 30 days sends the
-    same deterministic request 3 times (1 miss, 2 hits) and still has 1 request left."""
+    """Keys before the cache, the budget after it: a key allowed 3 requests sends one request 3
+    times (1 miss, 2 hits) and a streamed one twice (1 miss, 1 hit, identical events: the usage
+    the budget forced upstream is dropped from both), and still has 1 request left."""
     keyed = {**config(replicas), "keys": [{"key": "sk-cache", "team": "t", "limits": [
-        {"unit": "requests", "limit": 2, "window": "30d"}]}]}  # fmt: skip
+        {"unit": "requests", "limit": 3, "window": "30d"}]}]}  # fmt: skip
     process = GatewayProcess(keyed, tmp_path_factory.mktemp("budget"))
     api = openai.OpenAI(base_url=f"{process.url}/v1", api_key="sk-cache", max_retries=0)
     try:
@@ -261,9 +266,15 @@ def test_a_hit_costs_no_budget(
         states = [api.completions.with_raw_response.create(prompt="Budget free", **args)
                   .headers["x-kvpilot-cache"] for _ in range(3)]  # fmt: skip
         assert states == ["miss", "hit", "hit"]
-        api.completions.create(prompt="A second request", **args)
+        body = {**args, "prompt": "Streamed budget free", "stream": True}
+        auth = {"Authorization": "Bearer sk-cache"}
+        streams = [stream_events(process.url, body, auth) for _ in range(2)]
+        assert [state for state, _ in streams] == ["miss", "hit"]
+        assert streams[0][1] == streams[1][1]
+        assert not any(b'"usage": {' in e or b'"usage":{' in e for e in streams[0][1])
+        api.completions.create(prompt="A third request", **args)
         with pytest.raises(openai.RateLimitError):
-            api.completions.create(prompt="A third request", **args)
-        assert process.metric("kvpilot_gateway_cache_hits_total") == 2
+            api.completions.create(prompt="A fourth request", **args)
+        assert process.metric("kvpilot_gateway_cache_hits_total") == 3
     finally:
         assert process.stop() == 0
