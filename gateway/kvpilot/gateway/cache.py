@@ -117,9 +117,8 @@ def is_default(name: str, value: Any) -> bool:
 def normalised(name: str, value: Any) -> Any:
     if name in FLOAT_FIELDS and _number(value):
         return float(value)
-    if name == "stream_options" and isinstance(value, dict):
-        return {"include_usage": bool(value.get("include_usage"))} if set(value) <= {
-            "include_usage"} else value  # fmt: skip
+    if name == "stream_options" and isinstance(value, dict) and set(value) <= {"include_usage"}:
+        return {"include_usage": bool(value.get("include_usage"))}  # false and absent alike
     return value
 
 
