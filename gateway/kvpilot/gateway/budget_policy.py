@@ -9,7 +9,8 @@ token or cost limit is sent with the configured default, so the reservation boun
 
 `after` (always, whatever happened): the reservation is settled to the usage the upstream reported;
 a stream that broke or was abandoned settles the chunks it relayed; a request nobody served gives
-everything back. Spend and tokens are counted per key, team and model.
+everything back; one abandoned before any answer came keeps its reservation (see `used`). Spend
+and tokens are counted per key, team and model.
 
 Store failures: fail closed (503, the default) or open (admitted; its use is added when it ends
 if the store answers again); each counts in a metric and the store's up/down changes are logged.
@@ -160,6 +161,9 @@ class BudgetPolicy:
         if not isinstance(reservation, Reservation):
             return
         actual = used(reservation, exchange)
+        log.debug("settle key %s: reserved %s, used %s (served %s, status %s, usage %s)",
+                  reservation.caller.key_id, reservation.reserved, actual, exchange.served,
+                  exchange.status, reservation.tap.usage)  # fmt: skip
         self.count(reservation, actual)
         if reservation.charged:
             deltas = settlement(reservation.charged, reservation.limits, actual)
@@ -197,17 +201,24 @@ class BudgetPolicy:
 
 
 def used(reservation: Reservation, exchange: Exchange) -> Amounts:
-    """What the request used: the upstream's usage; else, for an answer without it (a broken
-    stream, a provider that does not report), the prompt bound and the content chunks relayed
-    (a JSON answer: its whole reservation); nothing when no upstream answered with success."""
+    """What the request used: the upstream's usage when it reported one. Else, when part of an
+    answer reached the client (a stream cut off, or abandoned by the client): the prompt bound and
+    the content chunks relayed (a JSON answer without usage: its whole reservation). An error
+    answer, or no upstream answer, used nothing. A request abandoned before any of its answer
+    came back (the handler cancelled) keeps its reservation: the upstream may have generated
+    up to max_tokens before it noticed."""
     tap, reserved, price = reservation.tap, reservation.reserved, reservation.price
     if tap.usage is not None:
         return amounts(1, tap.usage.prompt_tokens, tap.usage.completion_tokens, price)
-    if not exchange.served or exchange.status >= 400:
+    if exchange.status >= 400:
         return amounts(0, 0, 0, price)
-    output = min(tap.content_chunks, reserved.output_tokens) if tap.stream else (
-        reserved.output_tokens)  # fmt: skip
-    return amounts(1, reserved.input_tokens, output, price)
+    if tap.seen:
+        output = min(tap.content_chunks, reserved.output_tokens) if tap.stream else (
+            reserved.output_tokens)  # fmt: skip
+        return amounts(1, reserved.input_tokens, output, price)
+    if exchange.status == 0:  # cancelled (the client went away) before any answer
+        return reserved
+    return amounts(0, 0, 0, price)  # answered without an upstream (no replica): nothing used
 
 
 def first_too_big(limits: list[Limit], reserved: Amounts) -> web.Response | None:

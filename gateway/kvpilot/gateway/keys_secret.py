@@ -50,10 +50,22 @@ def secret_refresher(args: argparse.Namespace, ring: KeyRing) -> Callable[[], Aw
         source = f"Secret {namespace}/{name} {KEYS_FILE}"
         while True:
             try:
-                document = parse_keys_document(await asyncio.to_thread(read), source)
-                ring.replace(key_book(document.keys, document.teams))
-            except (ApiException, ConfigError, ValueError, OSError) as error:
+                text = await asyncio.to_thread(read)
+            except (ApiException, ConfigError, OSError) as error:
                 log.error("keeping the keys last read: %s", error)
+            else:
+                apply_keys(text, ring, source)
             await asyncio.sleep(args.keys_refresh)
 
     return refresh_forever
+
+
+def apply_keys(text: str, ring: KeyRing, source: str) -> bool:
+    """The keys `text` holds replace the ring's; a bad document keeps the last ones (logged)."""
+    try:
+        document = parse_keys_document(text, source)
+        ring.replace(key_book(document.keys, document.teams))
+    except (ConfigError, ValueError) as error:
+        log.error("keeping the keys last read: %s", error)
+        return False
+    return True

@@ -82,9 +82,11 @@ class UsageTap:
         self.usage: Usage | None = None
         self.content_chunks = 0  # chunks carrying generated text (one per decoded step)
         self.ended: bool | None = None
+        self.seen = False  # an upstream answer (some of it) reached the client
         self._held = b""
 
     def chunk(self, data: bytes) -> bytes:
+        self.seen = self.seen or bool(data)
         if not self.stream:
             self._held += data  # a JSON answer: read whole at the end
             return data

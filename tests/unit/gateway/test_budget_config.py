@@ -11,6 +11,8 @@ from kvpilot.gateway.budget_config import KeysDocument, hash_key, key_book
 from kvpilot.gateway.budget_setup import parse_keys_document
 from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.config import ConfigError, GatewayConfig, routes_from
+from kvpilot.gateway.keys import KeyRing
+from kvpilot.gateway.keys_secret import apply_keys
 
 MODELS = [{"name": "tiny", "backends": ["http://10.0.0.5:8000"]}]
 
@@ -103,3 +105,14 @@ def test_a_model_deployments_measured_cost_is_its_routes_price(
     status: dict[str, Any], price: Price | None
 ) -> None:
     assert kube_routes.price({"spec": {}, "status": status}) == price
+
+
+def test_a_bad_keys_secret_keeps_the_keys_last_read() -> None:
+    ring = KeyRing({})
+    good = f"keys: [{{keySha256: {hash_key('sk-c')}, team: t}}]"
+    assert apply_keys(good, ring, "Secret ns/keys")
+    assert ring.lookup("Bearer sk-c") is not None
+    assert not apply_keys("keys: [{team: t}]", ring, "Secret ns/keys")  # no key: refused
+    assert not apply_keys(": not yaml :", ring, "Secret ns/keys")
+    assert ring.lookup("Bearer sk-c") is not None
+    assert ring.lookup("Bearer sk-other") is None

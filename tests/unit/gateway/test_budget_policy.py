@@ -13,12 +13,13 @@ from aiohttp.test_utils import make_mocked_request
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.budget_config import KeysDocument, key_book
-from kvpilot.gateway.budget_policy import BudgetPolicy
-from kvpilot.gateway.budget_store import MemoryStore
+from kvpilot.gateway.budget_policy import BudgetOptions, BudgetPolicy
+from kvpilot.gateway.budget_store import MemoryStore, RedisStore
 from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
+from tests.server.server_process import free_port
 
 KEYS = KeysDocument.model_validate({
     "keys": [
@@ -53,15 +54,20 @@ class Harness:
         prices = {"tiny": Price(0, 1000.0)}
         self.budget = BudgetPolicy(self.store, self.metrics, prices.get)
 
-    async def run(self, ex: Exchange, answer: bytes | None) -> web.StreamResponse | None:
+    async def run(
+        self, ex: Exchange, answer: bytes | None, status: int = 503
+    ) -> web.StreamResponse | None:
         """Both policies' `before`; then, unless one answered, `answer` as the upstream's JSON
-        body through the taps; then `after` in reverse, as the proxy does."""
+        body through the taps (None: `status` with no upstream answer; 0: the client went away);
+        then `after` in reverse, as the proxy does."""
         refusal = await self.keys.before(ex) or await self.budget.before(ex)
         if refusal is None and answer is not None:
             for tap in ex.taps:
                 tap.chunk(answer)
                 tap.end(True)
             ex.served, ex.status = True, 200
+        elif refusal is None:
+            ex.status = status
         await self.budget.after(ex)
         return refusal
 
@@ -96,9 +102,9 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
     async def scenario() -> None:
         payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100}  # reserves 13 + 100
         assert await harness.run(exchange(payload), usage(6, 20)) is None
-        counters = {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
-        assert counters == {"total_tokens": 26, "requests": 1}  # settled to the usage
+        assert counters_of(harness) == {"total_tokens": 26, "requests": 1}  # settled to usage
         assert await harness.run(exchange(payload), None) is None  # nobody served: released
+        assert counters_of(harness) == {"total_tokens": 26, "requests": 1}
         assert await harness.run(exchange({**payload, "max_tokens": 250}), usage(6, 200)) is None
         refusal = await harness.run(exchange(payload), None)  # 232 used + 113 > 300
         assert refusal is not None and refusal.status == 429
@@ -110,6 +116,17 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
         assert tokens._value.get() == 220
 
     asyncio.run(scenario())
+
+
+def counters_of(harness: Harness) -> dict[str, float]:
+    return {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
+
+
+def test_a_request_abandoned_before_its_answer_keeps_its_reservation() -> None:
+    harness = Harness()
+    payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100}
+    assert asyncio.run(harness.run(exchange(payload), None, status=0)) is None
+    assert counters_of(harness) == {"total_tokens": 113, "requests": 1}
 
 
 def test_a_request_bigger_than_a_whole_limit_is_a_400_naming_max_tokens() -> None:
@@ -130,3 +147,28 @@ def test_the_team_limit_counts_requests_of_every_key() -> None:
 
     statuses = asyncio.run(scenario())
     assert statuses == [200, 200, 200, 429]  # the team's rpm_limit: 3
+
+
+@pytest.mark.parametrize(("fail_open", "status"), [(False, 503), (True, None)])
+def test_a_store_that_is_down_fails_closed_or_open(fail_open: bool, status: int | None) -> None:
+    async def scenario() -> web.StreamResponse | None:
+        harness = Harness()
+        nowhere = RedisStore(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+        options = BudgetOptions(fail_open=fail_open)
+        harness.budget = BudgetPolicy(nowhere, harness.metrics, {"tiny": Price()}.get, options)
+        payload = {"model": "tiny", "prompt": "hello", "max_tokens": 10}
+        refusal = await harness.run(exchange(payload), usage(3, 10))
+        errors = harness.metrics.budget_store_errors
+        decision = "admitted" if fail_open else "refused"
+        assert errors.labels("reserve", decision)._value.get() == 1
+        assert errors.labels("settle", "admitted")._value.get() == (1 if fail_open else 0)
+        assert harness.metrics.budget_store_up._value.get() == 0
+        await nowhere.close()
+        return refusal
+
+    refusal = asyncio.run(scenario())
+    if status is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and refusal.status == status
+        assert error_of(refusal)["code"] == "budget_store_unavailable"

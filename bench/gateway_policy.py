@@ -1,0 +1,150 @@
+"""kvpilot-gateway policies: what API keys and budgets in Redis cost in throughput.
+
+    .venv/bin/python -m bench.gateway_policy [--requests 256] [--rounds 2]
+
+One real `kvpilot-runtime serve` replica of tiny-llama, a real redis-server and two real
+`kvpilot-gateway` processes in front of the replica: a plain one, and one with an API key whose
+budget (total tokens per day, requests per minute, and its team's total tokens per day: three
+counters reserved and settled per request) lives in Redis. `kvpilot bench` drives both with the
+same closed loop of 64 streamed clients, alternating; output tokens/s ratio (best round of each)
+and the added TTFT p50. (The response cache adds its figure to this module.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.gateway_routing import MAX_MODEL_LEN, free_port, is_healthy, run_bench, runtime_replicas
+from bench.report import markdown_table, write_section
+from kvpilot.runtime.bench.stats import Summary
+
+CONCURRENCY = 64
+KEY = "sk-bench-budget"
+BUDGET_KEYS = {
+    "keys": [{"key": KEY, "team": "bench", "rpm_limit": 1_000_000,
+              "limits": [{"unit": "total_tokens", "limit": 10**12, "window": "1d"}]}],
+    "teams": [{"name": "bench", "limits": [{"unit": "total_tokens", "limit": 10**12,
+                                            "window": "1d"}]}],
+}  # fmt: skip
+
+
+@contextmanager
+def redis_server(workdir: Path) -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed: run hack/system-deps.sh")
+    port = free_port()
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
+                                str(workdir), "--save", "", "--appendonly", "yes",
+                                "--logfile", str(workdir / "redis.log")])  # fmt: skip
+    try:
+        time.sleep(0.5)
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited (log: {workdir / 'redis.log'})")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+@contextmanager
+def gateway(config: dict[str, Any], workdir: Path, *flags: str) -> Iterator[str]:
+    path = workdir / f"gateway-{len(list(workdir.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kvpilot.gateway.cli", "--config", str(path),
+                                "--host", "127.0.0.1", "--port", str(port), "--log-level",
+                                "warning", *flags])  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not is_healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def closed_loop(url: str, requests: int, *extra: str) -> Summary:
+    return run_bench(url, "--num-prompts", str(requests), "--concurrency", str(CONCURRENCY),
+                     "--input-len", "128", "--output-len", "32", "--ignore-eos",
+                     *extra)  # fmt: skip
+
+
+def measure(replica: str, workdir: Path, requests: int, rounds: int) -> dict[str, list[Summary]]:
+    models = {"models": [{"name": "tiny", "backends": [replica]}]}
+    runs: dict[str, list[Summary]] = {"plain gateway": [], "keys + budgets in Redis": []}
+    with (
+        redis_server(workdir) as redis_url,
+        gateway(models, workdir) as plain,
+        gateway({**models, **BUDGET_KEYS}, workdir, "--redis-url", redis_url) as budgeted,
+    ):
+        closed_loop(plain, 16)  # warm-up: connections, first requests' one-off costs
+        closed_loop(budgeted, 16, "--api-key", KEY)
+        for _ in range(rounds):
+            runs["plain gateway"].append(closed_loop(plain, requests))
+            runs["keys + budgets in Redis"].append(
+                closed_loop(budgeted, requests, "--api-key", KEY)
+            )
+    return runs
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[Summary]]) -> str:
+    def p50s(summaries: list[Summary]) -> list[float]:
+        return [s.ttft_ms.percentiles["p50"] for s in summaries]
+
+    plain, budgeted = runs["plain gateway"], runs["keys + budgets in Redis"]
+    ratio = max(s.output_throughput for s in budgeted) / max(s.output_throughput for s in plain)
+    added = min(p50s(budgeted)) - min(p50s(plain))
+    rows = [[name, ", ".join(f"{s.output_throughput:.1f}" for s in summaries),
+             ", ".join(f"{p:.1f}" for p in p50s(summaries))]
+            for name, summaries in runs.items()]  # fmt: skip
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"Load average of this machine when the run ended: {load} (shared cores: wall-clock "
+        "figures swing from round to round; read the per-round columns before the ratio).\n\n"
+        f"Budget overhead: {args.requests} requests, 128-token prompts, 32 output tokens "
+        f"(ignore_eos), {CONCURRENCY} clients in a closed loop, streamed, one tiny-llama replica "
+        "behind a plain gateway and behind a gateway with an API key, two token limits and a "
+        "request limit (three Redis counters reserved and settled per request, the stream's "
+        f"usage asked upstream and stripped again), alternating for {args.rounds} rounds.\n\n"
+        + markdown_table(["", "output tok/s", "TTFT p50 (ms)"], rows)
+        + f"\n\nThroughput with budgets / without: {ratio:.2f}x (goal >= 0.95x)  \n"
+        + f"Added TTFT p50: {added:.1f} ms\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    limits = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CONCURRENCY)]
+    with tempfile.TemporaryDirectory() as tmp, runtime_replicas(1, limits) as replicas:
+        runs = measure(replicas[0], Path(tmp), args.requests, args.rounds)
+    body = report(args, runs)
+    print(body)
+    command = f"python -m bench.gateway_policy --requests {args.requests} --rounds {args.rounds}"
+    write_section("gateway_policy", "Gateway: API keys and budgets in Redis", command, body)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
