@@ -23,7 +23,11 @@ from pathlib import Path
 from aiohttp import web
 
 from kvpilot.gateway import budget_setup, discovery
-from kvpilot.gateway.config import ConfigError, load_routes
+from kvpilot.gateway.cache_config import STORES, CacheSettings, CacheSpec, settings_from
+from kvpilot.gateway.cache_policy import CachePolicy, build_store
+from kvpilot.gateway.cascade import CascadePolicy
+from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes
+from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.picking import STRATEGIES, PickPolicy
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
@@ -57,6 +61,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=ProxyOptions.max_body_bytes)  # fmt: skip
     budget_setup.add_arguments(parser)
+    parser.add_argument("--cache-store", choices=STORES,
+                        help="turn the response cache on with this store (else the config "
+                        "file's `cache:`; redis needs --redis-url)")  # fmt: skip
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -97,12 +104,31 @@ def start_discovery(
     return None, lambda: None
 
 
+def cache_settings(args: argparse.Namespace) -> CacheSettings:
+    spec = load_cache_spec(args.config) if args.config is not None else CacheSpec()
+    redis_url = args.redis_url or budget_setup.read_settings(args.config).redis_url
+    return settings_from(spec, args.cache_store, redis_url)
+
+
+def build_policies(
+    table: RouteTable, settings: CacheSettings, metrics: GatewayMetrics
+) -> tuple[list[Policy], CachePolicy]:
+    """In order: cascade (may re-route), then the cache (keyed on the routed model); serve()
+    puts the keys policy before them and the budget after."""
+    cache = CachePolicy(settings, build_store(settings, metrics), metrics)
+    return [CascadePolicy(table, metrics), cache], cache
+
+
 async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     table = RouteTable()
+    settings = cache_settings(args)
     waker, stop_discovery = start_discovery(args, table)
     metrics = GatewayMetrics()
-    budgets = budget_setup.build(args, table, metrics)  # keys first, budget last (issue 16)
-    policies = budgets.policies() if budgets is not None else ()
+    budgets = budget_setup.build(args, table, metrics)
+    cascade_and_cache, cache = build_policies(table, settings, metrics)
+    # keys, cascade, cache (a hit answers before the budget: it costs none), budget (issue 16)
+    policies = ([budgets.keys, *cascade_and_cache, budgets.budget] if budgets is not None
+                else cascade_and_cache)  # fmt: skip
     gateway = Gateway(table, options, waker, metrics, policies)
     app = gateway.app()
     if budgets is not None:
@@ -117,6 +143,7 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await runner.cleanup()
+    await cache.close()
     stop_discovery()
 
 

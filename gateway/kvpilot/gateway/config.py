@@ -10,6 +10,10 @@ file and what to write instead.
           - provider: {baseURL: https://api.example.com/v1, model: gpt-4o-mini,
                        apiKeyEnv: EXAMPLE_API_KEY}
         fallbackAfterSeconds: 30           # optional
+        cascade:                           # optional, tried in order before picking (cascade.py)
+          - when: {maxPromptTokens: 512, noTools: true}
+            model: small                   # another model in this file
+    cache: {enabled: true, ttlSeconds: 600}  # optional (cache_config.py)
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
+from kvpilot.gateway.cache_config import CacheSpec
+from kvpilot.gateway.cascade import CascadeRule
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
 
 
@@ -50,11 +56,22 @@ class ProviderFallback(_Strict):
     provider: ProviderSpec
 
 
+class CascadeWhen(_Strict):
+    max_prompt_tokens: int | None = Field(default=None, alias="maxPromptTokens", ge=1)
+    no_tools: bool = Field(default=False, alias="noTools")
+
+
+class CascadeSpec(_Strict):
+    when: CascadeWhen = Field(default_factory=CascadeWhen)
+    model: str = Field(min_length=1)
+
+
 class ModelSpec(_Strict):
     name: str = Field(min_length=1)
     backends: list[str] = Field(default_factory=list)
     fallbacks: list[str | ProviderFallback] = Field(default_factory=list)
     fallback_after_seconds: float | None = Field(default=None, alias="fallbackAfterSeconds", gt=0)
+    cascade: list[CascadeSpec] = Field(default_factory=list)
 
     @field_validator("backends")
     @classmethod
@@ -64,6 +81,7 @@ class ModelSpec(_Strict):
 
 class GatewayConfig(_Strict):
     models: list[ModelSpec] = Field(min_length=1)
+    cache: CacheSpec = Field(default_factory=CacheSpec)
     keys: list[KeySpec] = Field(
         default_factory=list
     )  # budget_config.py: keys, teams, redis, prices
@@ -111,7 +129,19 @@ def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: 
             fallbacks.append(fallback)
         else:
             fallbacks.append(to_provider(fallback.provider, f"{model.name}/{index}", env, where))
-    return Route(model.name, backends, tuple(fallbacks), None, model.fallback_after_seconds)
+    cascade = tuple(to_cascade_rule(rule, index, model.name, names, source)
+                    for index, rule in enumerate(model.cascade))  # fmt: skip
+    return Route(model.name, backends, tuple(fallbacks), None, model.fallback_after_seconds,
+                 cascade=cascade)  # fmt: skip
+
+
+def to_cascade_rule(
+    spec: CascadeSpec, index: int, model: str, names: set[str], source: str
+) -> CascadeRule:
+    if spec.model not in names or spec.model == model:
+        where = f"{source}: models[{model}].cascade[{index}].model"
+        raise ConfigError(f"{where}: {spec.model!r} is not another model of this file")
+    return CascadeRule(spec.model, spec.when.max_prompt_tokens, spec.when.no_tools)
 
 
 def to_provider(spec: ProviderSpec, name: str, env: Mapping[str, str], where: str) -> Provider:
@@ -130,3 +160,14 @@ def describe(error: ValidationError) -> str:
         place = ".".join(str(part) for part in item["loc"]) or "(top level)"
         lines.append(f"{place}: {item['msg']}")
     return "; ".join(lines)
+
+
+def load_cache_spec(path: Path) -> CacheSpec:
+    """The file's `cache:` section (defaults when it has none); ConfigError as load_routes."""
+    try:
+        data = yaml.safe_load(path.read_text())
+        return GatewayConfig.model_validate(data).cache
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read the gateway config {path}: {error}") from None
+    except ValidationError as error:
+        raise ConfigError(f"{path}: {describe(error)}") from None

@@ -11,6 +11,8 @@ routes. Pure: the watch in discovery.py keeps the objects and calls `build_route
 - `spec.routing.fallbacks` become the route's fallbacks in order: another ModelDeployment of the
   same namespace by its served name, or an external provider named `<md>/<index>` with its API
   key from a Secret of the same namespace.
+- `spec.routing.cascade` rules, in order: `modelDeployment` by its served name (same namespace);
+  a rule naming a ModelDeployment that does not exist is skipped (target None) with a problem.
 - Two ModelDeployments serving one name: the oldest wins (then namespace/name), and a problem
   says so. Every problem is one line for the log; a bad object never stops the others' routes.
 """
@@ -24,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpilot.gateway.budgets import Price
+from kvpilot.gateway.cascade import CascadeRule
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarget
 from kvpilot.operator import api
 
@@ -112,7 +115,9 @@ def build_routes(
         fallbacks = _fallbacks(md, names, secret, problems)
         backends = ready_backends(by_model.get((namespace, name), []))
         target = ScaleTarget(namespace, name)
-        routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md), price(md)))
+        cascade = cascade_rules(md, names, problems)
+        routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md),
+                            cascade=cascade, price=price(md)))  # fmt: skip
     return Resolution(tuple(routes), tuple(problems))
 
 
@@ -242,3 +247,24 @@ def _provider(label: str, namespace: str, spec: Obj, secret: SecretLookup) -> Pr
                 " the gateway may not get it: chart value gateway.rbac.readProviderSecrets)"
             )
     return Provider(label, str(spec["baseURL"]).rstrip("/"), str(spec["model"]), api_key)
+
+
+def cascade_rules(
+    md: Obj, served: Mapping[tuple[str, str], str], problems: list[str]
+) -> tuple[CascadeRule, ...]:
+    """spec.routing.cascade with each modelDeployment as the served name it routes to (None
+    while it does not exist: the rule is skipped, the others keep their indices)."""
+    namespace, name = md["metadata"]["namespace"], md["metadata"]["name"]
+    rules = (md.get("spec", {}).get("routing") or {}).get("cascade") or []
+    out = []
+    for index, rule in enumerate(rules):
+        target = served.get((namespace, rule.get("modelDeployment", "")))
+        if target is None:
+            problems.append(
+                f"ModelDeployment {namespace}/{name} spec.routing.cascade[{index}]: no"
+                f" ModelDeployment {rule.get('modelDeployment')!r} serves in {namespace}; that"
+                " rule is skipped until it exists"
+            )
+        when = rule.get("when") or {}
+        out.append(CascadeRule(target, when.get("maxPromptTokens"), bool(when.get("noTools"))))
+    return tuple(out)

@@ -39,6 +39,35 @@ class GatewayMetrics:
             "From sending a request upstream to its first response byte.",
             ["model", "target"], buckets=TTFT_BUCKETS, registry=r,
         )  # fmt: skip
+        # The response cache (cache_policy.py).
+        self.cache_hits = Counter(
+            "kvpilot_gateway_cache_hits", "Requests answered from the response cache.",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.cache_misses = Counter(
+            "kvpilot_gateway_cache_misses",
+            "Cacheable requests sent upstream (not found, or Cache-Control: no-cache).",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.cache_skips = Counter(
+            "kvpilot_gateway_cache_skips", "Requests that left the cache out, by reason "
+            "(not_deterministic, unknown_field, request_field, no_store).",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.cache_stores = Counter(
+            "kvpilot_gateway_cache_stores", "Answers stored in the response cache.",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.cache_evictions = Counter(
+            "kvpilot_gateway_cache_evictions",
+            "Entries that left the in-process cache, by reason (expired, size).",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        # Cascade rules (cascade.py).
+        self.cascade = Counter(
+            "kvpilot_gateway_cascade", "Requests a cascade rule sent to another model.",
+            ["model", "target", "rule"], registry=r,
+        )  # fmt: skip
         # Keys and budgets (budget_policy.py): spend and tokens as settled from the usage.
         self.spend = Counter(
             "kvpilot_gateway_spend", "Spend settled from usage and the model's price per 1M "

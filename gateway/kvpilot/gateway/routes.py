@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from kvpilot.gateway.budgets import Price
+from kvpilot.gateway.cascade import CascadeRule
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class Route:
     # How long a request may wait for a replica (held at zero, or retried) before the fallbacks;
     # None: the gateway's --fallback-after default. spec.routing.fallbackAfterSeconds.
     fallback_after_s: float | None = None
+    # Tried in order before picking: the first that applies re-routes the request (cascade.py).
+    cascade: tuple[CascadeRule, ...] = ()
     # Per 1M tokens, for cost budgets and spend: the ModelDeployment's status.cost (None: unpriced).
     price: Price | None = None
 

@@ -50,6 +50,7 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 BASE_URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
 MAX_FALLBACKS = 8
+MAX_CASCADE_RULES = 8
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
 # the CRD's defaults, so the simulator measures what a ModelDeployment without settings gets.
@@ -395,6 +396,29 @@ class EndpointPickerRef(_Model):
         return self
 
 
+class CascadeWhen(_Model):
+    """What a request must be for a cascade rule to send it elsewhere (every condition given)."""
+
+    max_prompt_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="at most this many prompt tokens, counted by the gateway as the prompt's"
+        " UTF-8 bytes (an upper bound: every token covers at least one byte)",
+    )
+    no_tools: bool = Field(default=False, description="true: only requests without tools")
+
+
+class CascadeRule(_Model):
+    """Send matching requests to another ModelDeployment (e.g. a smaller, cheaper model)."""
+
+    when: CascadeWhen = Field(default_factory=CascadeWhen)
+    model_deployment: str = Field(
+        pattern=DNS_LABEL_PATTERN,
+        max_length=63,
+        description="another ModelDeployment in this namespace; the gateway uses its served name",
+    )
+
+
 class Routing(_Model):
     """How kvpilot-gateway routes to this model when its replicas cannot serve in time."""
 
@@ -422,6 +446,12 @@ class Routing(_Model):
     )
     fallback_after_seconds: int = Field(
         default=30, ge=1, le=600, description="how long a request waits for a replica first"
+    )
+    cascade: list[CascadeRule] = Field(
+        default_factory=list,
+        max_length=MAX_CASCADE_RULES,
+        description="rules tried in order before a replica is picked: the first whose"
+        " conditions hold sends the request to its modelDeployment instead",
     )
     endpoint_picker_ref: EndpointPickerRef | None = Field(
         default=None,
@@ -573,6 +603,8 @@ def fallback_key(fallback: Fallback) -> str:
 
 def check_routing(md_name: str, spec: ModelDeploymentSpec) -> None:
     """What the spec alone cannot check: a ModelDeployment falling back to itself (the CRD's
-    root CEL rule says the same at `kubectl apply`)."""
+    root CEL rule says the same at `kubectl apply`) or cascading to itself."""
     if any(f.model_deployment == md_name for f in spec.routing.fallbacks):
         raise ValueError(f"spec.routing.fallbacks: {md_name} cannot fall back to itself")
+    if any(rule.model_deployment == md_name for rule in spec.routing.cascade):
+        raise ValueError(f"spec.routing.cascade: {md_name} cannot cascade to itself")
