@@ -24,6 +24,7 @@ from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
 from kvpilot.gateway.exchange import Exchange, Policy
 from kvpilot.gateway.holding import Holding
+from kvpilot.gateway.keys import CALLER
 from kvpilot.gateway.load import LoadBook, scrape_forever
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.picking import PickPolicy, pick
@@ -232,7 +233,7 @@ class Gateway:
         self, exchange: Exchange, body: bytes, route: Route, backend: Backend, outcome: Outcome
     ) -> bool:
         headers = {"Content-Type": "application/json"}
-        if "Authorization" in exchange.request.headers:  # a replica may check the client's key
+        if forwards_client_key(exchange):
             headers["Authorization"] = exchange.request.headers["Authorization"]
         url = f"{backend.url}/v1/{exchange.kind}"
         hop = Hop(url, backend.name, route.model, headers, exchange.headers)
@@ -288,6 +289,13 @@ class Gateway:
                 "attempts": outcome.attempts, "reason": outcome.reason,
                 "duration_ms": round(elapsed_ms, 1)}  # fmt: skip
         access_log.info(json.dumps(line))
+
+
+def forwards_client_key(exchange: Exchange) -> bool:
+    """Without gateway keys a replica may check the client's key itself; a key the gateway
+    authenticated is the gateway's own and goes no further."""
+    authenticated = CALLER in exchange.request
+    return not authenticated and "Authorization" in exchange.request.headers
 
 
 def refused_response(outcome: Outcome, model: str) -> web.Response:

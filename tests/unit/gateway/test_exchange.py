@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
-from kvpilot.gateway.exchange import Tap, end_taps, through_taps
+from kvpilot.gateway.bodies import COMPLETIONS, Inbound
+from kvpilot.gateway.exchange import Exchange, Tap, end_taps, through_taps
+from kvpilot.gateway.keys import CALLER
+from kvpilot.gateway.proxy import forwards_client_key
 
 
 class HoldLastLine:
@@ -55,3 +59,22 @@ def test_taps_filter_in_order_and_release_what_they_held(
     assert out == client
     assert hold.ended is complete
     assert upper.seen == b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    ("headers", "authenticated", "forwarded"),
+    [
+        ({"Authorization": "Bearer sk-client"}, False, True),  # a replica may check it
+        ({"Authorization": "Bearer sk-gateway"}, True, False),  # the gateway's own key
+        ({}, False, False),
+    ],
+)
+def test_the_client_key_reaches_replicas_only_without_gateway_keys(
+    headers: dict[str, str], authenticated: bool, forwarded: bool
+) -> None:
+    request = make_mocked_request("POST", "/v1/completions", headers=headers)
+    if authenticated:
+        request[CALLER] = object()
+    inbound = Inbound("m", False, "", {"model": "m"})
+    exchange = Exchange(request, COMPLETIONS, inbound, b"{}", "m")
+    assert forwards_client_key(exchange) is forwarded
