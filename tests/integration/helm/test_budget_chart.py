@@ -1,5 +1,6 @@
-"""The chart's gateway keys and budgets (gateway.keysSecret, gateway.redisUrl) rendered by the real
-helm: the flags the gateway CLI parses, and `get` on that one Secret only."""
+"""The chart's gateway keys, budgets and cache (gateway.keysSecret, gateway.redisUrl,
+gateway.cacheStore) rendered by the real helm: the flags the gateway CLI parses, and `get` on
+that one Secret only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.gateway import budget_setup, discovery
+from kvpilot.gateway import budget_setup, cli, discovery
 from tests.integration.helm.chart import container, find, render, require
 
 
@@ -45,3 +46,14 @@ def test_no_keys_by_default(helm_bin: Path) -> None:
     args = gateway_args(container(objects, "gateway")["args"])
     assert args.keys_secret is None and args.redis_url is None
     assert not [o for o in objects if o["metadata"]["name"] == "kvpilot-gateway-keys"]
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_the_cache_store_becomes_the_flag_the_gateway_parses(helm_bin: Path, store: str) -> None:
+    values = {"gateway.cacheStore": store, "gateway.redisUrl": "redis://redis:6379/0"}
+    args = cli.parse_args(container(render(helm_bin, values), "gateway")["args"])
+    assert args.cache_store == store
+
+
+def test_no_cache_by_default(helm_bin: Path) -> None:
+    assert cli.parse_args(container(render(helm_bin), "gateway")["args"]).cache_store is None
