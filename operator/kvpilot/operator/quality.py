@@ -180,7 +180,8 @@ def _measurement(run: EvalRun, level: str, uri: str, now: str) -> api.QualityMea
                 relative_loss=round(100 * float(row["relative_loss"]), 4),
                 dataset_digest=summary["dataset_digest"],
                 model_revision=uri,
-                measured_at=now,
+                # The Job's completion, not this pass's clock: every reader records the same.
+                measured_at=(run.job.get("status") or {}).get("completionTime") or now,
                 node_type=(run.job.get("metadata") or {})
                 .get("annotations", {})
                 .get(ANNOTATION_NODE_TYPE, ""),

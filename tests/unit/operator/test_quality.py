@@ -230,8 +230,10 @@ def job(condition: str | None) -> dict[str, Any]:
 
 
 def test_job_outcomes() -> None:
+    complete = {**job("Complete")}
+    complete["status"] = {**complete["status"], "completionTime": "2026-12-03T19:59:00Z"}
     done = quality.job_outcome(
-        quality.EvalRun(job("Complete"), [summary_pod("int8", 141.2, 0.0042)]), "int8", URI, NOW
+        quality.EvalRun(complete, [summary_pod("int8", 141.2, 0.0042)]), "int8", URI, NOW
     )
     assert isinstance(done, api.QualityMeasurement)
     assert (done.level, done.value, done.relative_loss, done.node_type) == (
@@ -240,7 +242,8 @@ def test_job_outcomes() -> None:
         0.42,
         "l4",
     )
-    assert (done.dataset_digest, done.model_revision, done.measured_at) == (DIGEST, URI, NOW)
+    assert (done.dataset_digest, done.model_revision) == (DIGEST, URI)
+    assert done.measured_at == "2026-12-03T19:59:00Z"  # when the Job completed, for every reader
 
     older = failed_pod("2026-12-03T19:00:00Z", "old")
     newer = failed_pod("2026-12-03T19:05:00Z", "Traceback\nkvpilot-runtime eval: dataset empty")
