@@ -96,7 +96,7 @@ def volume_dirs(pod: dict[str, Any], pod_dir: Path, claims_dir: Path) -> dict[st
 
 
 def config_map_files(
-    volume: dict[str, Any], data: Mapping[str, str], binary_data: Mapping[str, str]
+    volume: dict[str, Any], data: Mapping[str, str], binary_data: Mapping[str, str | bytes]
 ) -> dict[str, bytes]:
     """What the kubelet projects into a configMap volume: every key as a file of its name, or
     only the listed items at their paths (binaryData is base64 in the API)."""

@@ -26,9 +26,12 @@ from tests.support.operator_cluster import (
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 URI = "hf://kvpilot/tiny-llama"
 LEVELS = ["int4", "int8", "bf16"]  # int4 preferred, if its measured loss is within budget
-# A slice of tiny-llama's held-out text: enough tokens for a stable perplexity, few enough
-# that each eval Job (the unquantised pass and its level's) takes seconds on a CPU.
+# A slice of tiny-llama's held-out text, few enough tokens that each eval Job (the unquantised
+# pass and its level's) is quick on a CPU. On it, greedy-token agreement ranks the levels
+# (int4 loses more than int8, as tests/runtime/test_rt_eval.py checks); perplexity on so few
+# tokens does not (int4 and int8 both measure a hair better than the baseline).
 EVAL_CHARS = 6000
+METRIC = "agreement"
 
 
 def eval_set(tmp_path: Path) -> Path:
@@ -46,7 +49,7 @@ def measured_tiny(cluster: Any, name: str, max_loss: float) -> dict[str, Any]:
         "allowed": LEVELS,
         "evaluation": {
             "dataset": {"configMap": "tiny-eval", "key": "eval.txt"},
-            "metric": "perplexity",
+            "metric": METRIC,
             "maxQualityLoss": max_loss,
         },
     }
@@ -65,7 +68,7 @@ def eval_jobs(cluster: Any, namespace: str) -> list[dict[str, Any]]:
     return list(get(cluster, "jobs", "-n", namespace, "-l", "kvpilot.dev/quality-eval")["items"])
 
 
-def is_measured(cluster: Any, namespace: str, name: str) -> dict[str, Any] | None:
+def is_measured(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
     now = status(cluster, namespace, name)
     measured = condition(now, "QualityMeasured")
     if measured.get("status") != "True":
@@ -100,12 +103,12 @@ def test_levels_are_admitted_by_loss_measured_on_the_users_eval_set(
     wait_for(fallback, "tiny planned on the fallback while measuring", operator, timeout=60)
     assert len(eval_jobs(cluster, namespace)) >= 1
 
-    now = wait_for(lambda: is_measured(cluster, namespace, "tiny"), "measured", operator, 600)
+    now = wait_for(lambda: is_measured(cluster, namespace, "tiny"), "measured", operator, 900)
     quality = {q["level"]: q for q in now["quality"]}
     assert sorted(quality) == sorted(LEVELS)
     digest = "sha256:" + hashlib.sha256(dataset.read_bytes()).hexdigest()
     for q in quality.values():
-        assert q["metric"] == "perplexity" and q["value"] > 1
+        assert q["metric"] == METRIC and 0 < q["value"] <= 1
         assert q["datasetDigest"] == digest and q["modelRevision"] == URI
         assert q["nodeType"] == "local" and q["measuredAt"]
     int8, int4 = quality["int8"]["relativeLoss"], quality["int4"]["relativeLoss"]
