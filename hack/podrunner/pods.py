@@ -6,10 +6,11 @@ is how several pods listen on the same container port on one machine (no network
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,19 @@ def volume_dirs(pod: dict[str, Any], pod_dir: Path, claims_dir: Path) -> dict[st
         else:  # emptyDir, and the projected/config volumes a local process does not need
             dirs[volume["name"]] = pod_dir / "volumes" / volume["name"]
     return dirs
+
+
+def config_map_files(
+    volume: dict[str, Any], data: Mapping[str, str], binary_data: Mapping[str, str | bytes]
+) -> dict[str, bytes]:
+    """What the kubelet projects into a configMap volume: every key as a file of its name, or
+    only the listed items at their paths (binaryData is base64 in the API)."""
+    files = {key: text.encode() for key, text in data.items()}
+    files.update({key: base64.b64decode(b64) for key, b64 in binary_data.items()})
+    items = volume["configMap"].get("items")
+    if not items:
+        return files
+    return {item["path"]: files[item["key"]] for item in items if item["key"] in files}
 
 
 def container_mounts(container: dict[str, Any], dirs: dict[str, Path]) -> list[tuple[str, str]]:

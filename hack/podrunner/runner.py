@@ -154,6 +154,9 @@ class PodRunner:
         for folder in volumes.values():
             folder.mkdir(parents=True, exist_ok=True)
         meta = pod["metadata"]
+        for volume in pod["spec"].get("volumes") or []:
+            if "configMap" in volume:
+                self.project_config_map(meta["namespace"], volume, volumes[volume["name"]])
         return LocalPod(meta["namespace"], meta["name"], ip, pod_dir=pod_dir, volumes=volumes)
 
     def sync_running(self, pod: dict[str, Any], local: LocalPod) -> None:
@@ -337,6 +340,20 @@ class PodRunner:
         status["phase"] = "Pending"
         status["containerStatuses"][0]["state"] = waiting
         self.report(pod, local, status)
+
+    def project_config_map(self, namespace: str, volume: dict[str, Any], folder: Path) -> None:
+        """Write the ConfigMap's keys as files, as the kubelet does (a missing one leaves the
+        folder empty: the process then says what it could not find)."""
+        try:
+            found = self.core.read_namespaced_config_map(volume["configMap"]["name"], namespace)
+        except ApiException as err:
+            if err.status == 404:
+                return
+            raise
+        files = pods.config_map_files(volume, found.data or {}, found.binary_data or {})
+        for path, content in files.items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_bytes(content)
 
     def read_secret(self, namespace: str, name: str) -> dict[str, str] | None:
         try:

@@ -74,7 +74,13 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
   verbs: [create, patch]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
+# quality evaluation (spec.quantization.evaluation, quality_io.py): the eval set's ConfigMap is
+# read by name, the measurement cache (a ConfigMap per model) created and merged into; eval Jobs
+# (above) are deleted once read
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch]
 {{- if .Values.rbac.readModelSecrets }}
 # the Secret a ModelDeployment's spec.model.secretRef names, read by name (never listed) to
 # fetch config.json of a model the catalog lacks, as its pods would (model_facts.py)

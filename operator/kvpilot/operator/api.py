@@ -29,6 +29,7 @@ WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 Quantization = Literal["bf16", "int8", "int4"]
 KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]
 QualityLoss = Literal["none", "low", "medium"]
+QualityMetric = Literal["perplexity", "agreement", "exact-match"]
 AutoscalingMode = Literal["builtin", "external", "off"]
 Prefer = Literal["quality", "cost"]
 
@@ -158,6 +159,42 @@ class Serving(_Model):
     )
 
 
+class EvalDataset(_Model):
+    """The user's evaluation set: one key of a ConfigMap in the ModelDeployment's namespace
+    (text, .jsonl of {"text"}, or for exact-match .jsonl of {"prompt", "answer"})."""
+
+    config_map: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    key: str = Field(
+        pattern=SECRET_KEY_PATTERN,
+        max_length=253,
+        description="the key is the file name the eval reads; end it in .jsonl for JSON lines",
+    )
+
+
+class Evaluation(_Model):
+    """Quality measured per level on the user's eval set (`kvpilot-runtime eval` in a Job per
+    level); a level is admitted once its measured loss is within maxQualityLoss."""
+
+    dataset: EvalDataset
+    metric: QualityMetric = Field(
+        default="perplexity",
+        description="perplexity (text), agreement (greedy tokens vs the unquantised model, text)"
+        " or exact-match (prompt/answer pairs)",
+    )
+    max_quality_loss: float = Field(
+        ge=0,
+        le=100,
+        description="percent: the largest relative loss vs the unquantised model a level may have"
+        " (perplexity increase, 1 - agreement, or exact-match drop); e.g. 0.5",
+    )
+
+
+_INT4_ALONE = (
+    "with evaluation, allowed needs bf16 or int8 as well: int4 is served only once measured,"
+    " and something must serve until then"
+)
+
+
 class QuantizationPolicy(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
@@ -166,7 +203,11 @@ class QuantizationPolicy(_Model):
                 " || (q == 'int8' && self.maxQualityLoss != 'none')"
                 " || (q == 'int4' && self.maxQualityLoss == 'medium'))",
                 "no level in allowed is within maxQualityLoss (none: bf16; low: bf16, int8)",
-            )
+            ),
+            (
+                "!has(self.evaluation) || self.allowed.exists(q, q != 'int4')",
+                _INT4_ALONE,
+            ),
         )
     )
 
@@ -178,7 +219,13 @@ class QuantizationPolicy(_Model):
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
     max_quality_loss: QualityLoss = Field(
-        default="medium", description="none: bf16 only; low: up to int8; medium: up to int4"
+        default="medium",
+        description="none: bf16 only; low: up to int8; medium: up to int4. With evaluation set,"
+        " the fallback until a level is measured, capped at low",
+    )
+    evaluation: Evaluation | None = Field(
+        default=None,
+        description="measure each level on this eval set and admit it by its measured loss",
     )
 
     @model_validator(mode="after")
@@ -187,6 +234,8 @@ class QuantizationPolicy(_Model):
             raise ValueError(
                 "no level in allowed is within maxQualityLoss (none: bf16; low: bf16, int8)"
             )
+        if self.evaluation is not None and set(self.allowed) == {"int4"}:
+            raise ValueError(_INT4_ALONE)
         return self
 
 
@@ -504,7 +553,23 @@ class PlanEntry(_Model):
     max_concurrency: int = 0
     price_per_hour: float = 0.0
     replicas: int = 0
+    quality_loss: float | None = Field(
+        default=None, description="the level's measured loss in percent; null: not measured"
+    )
     reason: str = ""
+
+
+class QualityMeasurement(_Model):
+    """One level measured on the eval set by `kvpilot-runtime eval` (quality.py)."""
+
+    level: str
+    metric: str
+    value: float
+    relative_loss: float = Field(description="percent worse than the unquantised model")
+    dataset_digest: str
+    model_revision: str = Field(default="", description="the model URI with its revision")
+    measured_at: str = ""
+    node_type: str = Field(default="", description="where the eval Job ran")
 
 
 class AutoscalingStatus(_Model):
@@ -574,6 +639,7 @@ class ModelDeploymentStatus(_Model):
     autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
     cache: CacheStatus | None = None
     cost: CostStatus | None = None
+    quality: list[QualityMeasurement] = Field(default_factory=list)
 
 
 def parse_spec(spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -27,6 +27,7 @@ from kvpilot.operator import (
     model_cache,
     model_facts,
     observability,
+    quality_io,
     reconcile,
     timestamps,
 )
@@ -215,7 +216,15 @@ class Controller:
         has_pool_crd = wants_pool and k8s.has_crd(self.client, INFERENCE_POOL_CRD)
         cache, job = self._read_cache(md)
         desired = reconcile.desire(
-            md, node_types, self.config, has_crd, self._source_facts(md), cache, has_pool_crd
+            md,
+            node_types,
+            self.config,
+            has_crd,
+            self._source_facts(md),
+            cache,
+            has_pool_crd,
+            quality_io.observe(self.client, md),
+            timestamps.rfc3339(),
         )
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
@@ -292,6 +301,8 @@ class Controller:
             )
             if _owned_by(d, meta["uid"])
         ]
+        if apply_children:  # eval Jobs and measurements, whatever the plan's outcome
+            quality_io.apply(self.client, md, desired.quality)
         if desired.error is not None or not apply_children:
             return existing  # a spec that cannot run leaves the running pods serving
         self._ensure_cache(md, desired)

@@ -178,6 +178,13 @@ def _version(schema: dict[str, Any]) -> dict[str, Any]:
             {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
             {"name": "Quantization", "type": "string", "jsonPath": ".status.quantization"},
             {
+                # -o wide: the measured loss of the first node type's level (quality.py)
+                "name": "Loss %",
+                "type": "number",
+                "priority": 1,
+                "jsonPath": ".status.plan[0].qualityLoss",
+            },
+            {
                 "name": "$/1k req",
                 "type": "number",
                 "jsonPath": ".status.cost.perThousandRequests",

@@ -21,9 +21,11 @@ from kvpilot.operator import (
     api,
     conditions,
     inventory,
+    k8s,
     manifests,
     model_cache,
     observability,
+    quality,
     reconcile,
 )
 from kvpilot.operator.actuator import AutoscalerLoop
@@ -134,7 +136,8 @@ def _pass(
     if desired is not None and desired.is_invalid_spec and is_md_handler:
         raise kopf.PermanentError(desired.error)
     if desired is not None and desired.needs_retry and is_md_handler:
-        raise kopf.TemporaryError(desired.error, delay=min(MAX_BACKOFF_SECONDS, 2**retry))
+        why = desired.error or "the eval set could not be read (QualityMeasured)"
+        raise kopf.TemporaryError(why, delay=min(MAX_BACKOFF_SECONDS, 2**retry))
 
 
 @kopf.on.resume(*MD, id="md-resume")
@@ -305,6 +308,24 @@ def cache_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -
         logging.getLogger(__name__).warning("listing users of %s: %s", claim, error.reason)
         return
     for name in users:
+        _pass(
+            memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], 0, is_md_handler=False
+        )
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={quality.LABEL_EVAL: kopf.PRESENT}, id="eval-job")
+def eval_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
+    """An eval Job moved on (or expired): every ModelDeployment of that model with an eval set
+    passes again, to record the measurement, re-plan with it, or retry a Job that expired."""
+    namespace = body["metadata"]["namespace"]
+    cache = (body["metadata"].get("labels") or {}).get(quality.LABEL_CACHE, "")
+    controller: Controller = memo["controller"]
+    try:
+        mds = k8s.list_objects(controller.client, k8s.MD_API_VERSION, api.KIND, namespace)
+    except ApiException as error:  # the Job's next event asks again
+        logging.getLogger(__name__).warning("listing users of %s: %s", cache, error.reason)
+        return
+    for name in quality.users(mds, cache):
         _pass(
             memo, namespace, name, kwargs["gpu_nodes"], kwargs["gpu_pods"], 0, is_md_handler=False
         )

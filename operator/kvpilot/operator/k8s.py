@@ -30,6 +30,7 @@ _PLURALS = {
     "Pod": "pods",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Job": "jobs",
+    "ConfigMap": "configmaps",
     "CustomResourceDefinition": "customresourcedefinitions",
     "ClusterKopfPeering": "clusterkopfpeerings",
     "KopfPeering": "kopfpeerings",

@@ -165,7 +165,7 @@ def fetch_container(
         "image": spec.runtime.image or config.runtime_image,
         "command": ["kvpilot-runtime"],
         "args": ["fetch", f"--model={spec.model.uri}", f"--to={MODEL_MOUNT}", *extra_args],
-        "env": _env(spec),
+        "env": container_env(spec),
         # Its one-line error becomes the pod's status message, which the operator's conditions show.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": CONTAINER_SECURITY,
@@ -180,7 +180,7 @@ def fetch_container(
     return container
 
 
-def _env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
+def container_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
     env = [{"name": "HF_HOME", "value": CACHE_MOUNT}]
     return env + [{"name": e.name, "value": e.value} for e in spec.runtime.env]
 
@@ -193,7 +193,7 @@ def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
     return max(spec.serving.target_concurrency, min(node_plan.max_concurrency, MAX_NUM_SEQS_CAP))
 
 
-def _resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, str]]:
+def gpu_resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, str]]:
     requests = dict(spec.runtime.resources.get("requests", {}))
     limits = dict(spec.runtime.resources.get("limits", {}))
     requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
@@ -214,8 +214,8 @@ def _container(
         # to the ModelDeployment's Degraded condition (conditions.pod_problem).
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": _env(spec),
-        "resources": _resources(spec, node_plan.tensor_parallel),
+        "env": container_env(spec),
+        "resources": gpu_resources(spec, node_plan.tensor_parallel),
         "readinessProbe": _probe("/ready", period=5, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),
         # Loading weights can take minutes; the startup probe holds liveness off until then.
@@ -254,7 +254,7 @@ SCRATCH_VOLUMES = [
 ]
 
 
-def _pod_spec(
+def pod_spec(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
     model = model_location(spec.model)
@@ -290,7 +290,7 @@ def build_deployment(
                 "prometheus.io/path": "/metrics",
             },
         },
-        "spec": _pod_spec(spec, node_plan, config),
+        "spec": pod_spec(spec, node_plan, config),
     }
     template = deep_merge(template, spec.runtime.pod_template)
     template["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC_HASH] = spec_hash(template)

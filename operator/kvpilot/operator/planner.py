@@ -10,8 +10,9 @@ reported with its numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +53,19 @@ class PlanRequest:
             raise ValueError("maxContextLength and targetConcurrency must be positive")
 
     @classmethod
-    def from_spec(cls, spec: ModelDeploymentSpec, facts: ModelFacts) -> PlanRequest:
+    def from_spec(
+        cls,
+        spec: ModelDeploymentSpec,
+        facts: ModelFacts,
+        quantizations: tuple[str, ...] | None = None,
+    ) -> PlanRequest:
+        """`quantizations`: the levels quality admits (quality.admit); default: the category's."""
         names = tuple(spec.placement.node_types)
         return cls(
             facts=facts,
-            quantizations=allowed_quantizations(spec.quantization),
+            quantizations=allowed_quantizations(spec.quantization)
+            if quantizations is None
+            else quantizations,
             max_context_length=spec.serving.max_context_length,
             target_concurrency=spec.serving.target_concurrency,
             kv_bytes=memory.kv_dtype_bytes(spec.serving.kv_cache_dtype),
@@ -240,11 +249,31 @@ def desired_total(spec: ModelDeploymentSpec, autoscaler_desired: int | None) -> 
     return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
 
 
-def status_entries(plans: Sequence[NodePlan], replicas: Sequence[int]) -> list[PlanEntry]:
-    return [_entry(p, n) for p, n in zip(plans, replicas, strict=True)]
+def reference_plan(
+    request: PlanRequest, node_types: Iterable[NodeType], tokens: int
+) -> NodePlan | None:
+    """Where an eval Job can run the unquantised model (bf16 weights, one window of `tokens`):
+    the first such node type in quality order, else None."""
+    reference = dataclasses.replace(
+        request,
+        quantizations=("bf16",),
+        max_context_length=tokens,
+        target_concurrency=1,
+        prefer="quality",
+    )
+    return next((p for p in plan(reference, node_types) if p.fits), None)
 
 
-def _entry(p: NodePlan, replicas: int) -> PlanEntry:
+def status_entries(
+    plans: Sequence[NodePlan],
+    replicas: Sequence[int],
+    losses: Mapping[str, float] | None = None,
+) -> list[PlanEntry]:
+    """`losses`: measured quality loss (percent) per level, shown next to each entry's level."""
+    return [_entry(p, n, losses or {}) for p, n in zip(plans, replicas, strict=True)]
+
+
+def _entry(p: NodePlan, replicas: int, losses: Mapping[str, float]) -> PlanEntry:
     est = p.estimate
     gib = {
         key: round(memory.gib(getattr(est, attr)), 2) if est else 0.0 for key, attr in _GIB_FIELDS
@@ -259,6 +288,7 @@ def _entry(p: NodePlan, replicas: int) -> PlanEntry:
             "maxConcurrency": p.max_concurrency,
             "pricePerHour": round(p.price_per_replica_hour, 4) if p.fits else 0.0,
             "replicas": replicas,
+            "qualityLoss": losses.get(p.quantization) if p.fits else None,
             "reason": "" if p.fits else p.reason,
         }
     )

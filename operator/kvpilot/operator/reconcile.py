@@ -7,13 +7,14 @@ Deployments' progress into the status written once per pass.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvpilot.operator import api, catalog, conditions, manifests, model_cache, planner
+from kvpilot.operator import api, catalog, conditions, manifests, model_cache, planner, quality
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -43,6 +44,8 @@ class Desired:
     # spec.routing's ModelDeployment fallbacks, and those of them the controller did not find
     fallback_names: tuple[str, ...] = ()
     missing_fallbacks: tuple[str, ...] = ()
+    # spec.quantization.evaluation's verdict and the eval Jobs and records it asks for
+    quality: quality.Assessment | None = None
 
 
 def desire(
@@ -53,10 +56,13 @@ def desire(
     source_facts: ModelFacts | str | None = None,
     cache: api.CacheStatus | None = None,
     has_inference_pool_crd: bool = False,
+    observed_quality: quality.Observed | None = None,
+    now: str = "",
 ) -> Desired:
     """`source_facts`: what the operator read from the model's config.json, or why it could
     not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
-    fill Job reports it; replicas wait at zero until it is Cached."""
+    fill Job reports it; replicas wait at zero until it is Cached. `observed_quality`: the eval
+    set's digest, cached measurements and eval Jobs (spec.quantization.evaluation)."""
     read = source_facts if isinstance(source_facts, ModelFacts) else None
     try:
         spec = api.parse_spec(md.get("spec") or {})
@@ -67,11 +73,18 @@ def desire(
         if isinstance(source_facts, str):
             return Desired(error=f"{_one_line(error)}; {source_facts}", needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
+    verdict = _assess_quality(md, spec, request, node_types, observed_quality, config, now)
+    if not verdict.admission.levels:
+        excluded = "; ".join(verdict.admission.excluded)
+        why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
+        return Desired(error=why, is_invalid_spec=True, quality=verdict)
+    request = dataclasses.replace(request, quantizations=verdict.admission.levels)
+    losses = {m.level: m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, node_types)
-    entries_if_none = planner.status_entries(plans, [0] * len(plans))
+    entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
     if not any(p.fits for p in plans):
         reasons = "; ".join(p.reason for p in plans) or "the cluster has no GPU node types"
-        return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}")
+        return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}", quality=verdict)
     replicas = _replicas(spec, plans, (md.get("status") or {}).get("autoscaling") or {})
     first_fitting = next(p for p in plans if p.fits)
     cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
@@ -85,13 +98,32 @@ def desire(
         cache_children=cache_children,
         cache=cache if cache_children else None,
         children=children,
-        plan=planner.status_entries(plans, replicas),
+        plan=planner.status_entries(plans, replicas, losses),
         summary=_summary(plans, replicas),
         num_unplaceable=sum(
             max(0, n - p.num_free_slots()) for p, n in zip(plans, replicas, strict=True)
         ),
         quantization=_quantization(plans, replicas),
+        quality=verdict,
+        needs_retry=quality.needs_retry(verdict),  # a ConfigMap is not watched: look again
     )
+
+
+def _assess_quality(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    request: planner.PlanRequest,
+    node_types: Sequence[NodeType],
+    observed: quality.Observed | None,
+    config: OperatorConfig,
+    now: str,
+) -> quality.Assessment:
+    """The levels quality admits; without an eval set (or before anything was read), the
+    category's."""
+    if spec.quantization.evaluation is None or observed is None:
+        return quality.Assessment(quality.admit(spec.quantization, {}))
+    reference = planner.reference_plan(request, node_types, quality.EVAL_WINDOW_TOKENS)
+    return quality.assess(md, spec, observed, reference, config, now)
 
 
 def _replicas(
@@ -216,10 +248,15 @@ def build_status(
     )
     routing = fallbacks_condition(desired, generation)
     new += [routing] if routing is not None else []
+    verdict = desired.quality
+    measuring = verdict.condition if verdict is not None else None
+    if measuring is not None:
+        new.append(measuring.model_copy(update={"observed_generation": generation}))
     merged = [
         c
         for c in conditions.merge(old, new, now)
-        if c.type != FALLBACKS_RESOLVED or routing is not None  # fallbacks removed: so is it
+        if (c.type != FALLBACKS_RESOLVED or routing is not None)  # fallbacks removed: so is it
+        and (c.type != quality.QUALITY_MEASURED or measuring is not None)  # so is an eval set
     ]
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -235,6 +272,8 @@ def build_status(
     }
     if desired.cache is not None:
         status["cache"] = desired.cache.model_dump(by_alias=True, exclude_none=True)
+    if verdict is not None and verdict.condition is not None:
+        status["quality"] = [m.model_dump(by_alias=True) for m in verdict.measurements]
     return status
 
 

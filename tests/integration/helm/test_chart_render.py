@@ -149,7 +149,10 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
         # the model cache: created once, patched only to add an owner; kopf watches the Jobs
         ("", "persistentvolumeclaims"): {"create", "patch"},
-        ("batch", "jobs"): {"get", "list", "watch", "create", "patch"},
+        # eval Jobs (quality_io.py) are deleted once read, as well
+        ("batch", "jobs"): {"get", "list", "watch", "create", "patch", "delete"},
+        # the eval set read by name; the measurement cache created and merged into
+        ("", "configmaps"): {"get", "create", "patch"},
         ("", "events"): {"create"},
         ("kvpilot.dev", "modeldeployments"): {"get", "list", "watch", "patch"},
         ("kvpilot.dev", "modeldeployments/status"): {"get", "patch"},

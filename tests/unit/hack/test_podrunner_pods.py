@@ -128,6 +128,15 @@ def test_volumes_map_to_local_directories(tmp_path: Path) -> None:
     }
 
 
+def test_config_map_volumes_project_keys_as_files() -> None:
+    data, binary = {"eval.txt": "naïve text", "other": "x"}, {"bin": "AAE="}
+    every = pods.config_map_files({"configMap": {"name": "c"}}, data, binary)
+    assert every == {"eval.txt": "naïve text".encode(), "other": b"x", "bin": b"\x00\x01"}
+    items = [{"key": "eval.txt", "path": "sets/eval.txt"}, {"key": "gone", "path": "g"}]
+    listed = pods.config_map_files({"configMap": {"name": "c", "items": items}}, data, binary)
+    assert listed == {"sets/eval.txt": "naïve text".encode()}
+
+
 @pytest.mark.parametrize(
     ("arg", "expected"),
     [

@@ -69,6 +69,7 @@ def test_crd_subresources_columns_and_rules() -> None:
         "Ready",
         "Replicas",
         "Quantization",
+        "Loss %",
         "$/1k req",
         "Age",
     ]

@@ -1,0 +1,413 @@
+"""Quantisation admitted by quality measured on the user's eval set (spec.quantization.evaluation).
+
+Pure. Each level in `allowed` is measured by an eval Job (`kvpilot-runtime eval` for that level
+against the unquantised model, in the compute dtype the runtime serves in); its relative loss, in
+percent, is admitted when within `evaluation.maxQualityLoss`. Until a level is measured the
+category (`maxQualityLoss`, capped at `low`) decides for it, and the condition QualityMeasured
+says False and why.
+
+Measurements are cached in a ConfigMap per model URI in the namespace (`cache_name`), keyed by
+level, metric and dataset digest, not in the operator's memory: they survive a restart, a
+re-plan or a second ModelDeployment of the same model reads them instead of measuring again, and
+`kubectl get cm` shows them. The eval Jobs are named by what they measure, so two
+ModelDeployments waiting for the same level share one Job.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.operator import api, manifests
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.planner import NodePlan
+
+Obj = Mapping[str, Any]
+
+QUALITY_MEASURED = "QualityMeasured"
+LABEL_EVAL = "kvpilot.dev/quality-eval"  # on an eval Job and its pods: the Job's name
+LABEL_CACHE = "kvpilot.dev/quality-cache"  # on eval Jobs and the cache: the cache's name
+ANNOTATION_LEVEL = "kvpilot.dev/quantization"
+ANNOTATION_NODE_TYPE = "kvpilot.dev/node-type"
+DATASET_MOUNT = "/mnt/eval"
+# A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s,
+# ...); a Job that failed for good stays until its TTL, so the operator makes no new one before.
+EVAL_BACKOFF_LIMIT = 2
+FAILED_JOB_TTL_SECONDS = 3600
+# The levels the category fallback may admit while nothing is measured: int4 only by measurement.
+UNMEASURED_CAP = "low"
+LOG_TAIL_CHARS = 600
+EVAL_WINDOW_TOKENS = 512  # the eval's --max-length: the reference node must hold one window
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """One eval Job and its pods, as the controller read them."""
+
+    job: Obj
+    pods: Sequence[Obj] = ()
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the controller read for one pass: the dataset's digest (or why it has none), the
+    cache's records and the eval Jobs of this model, by level."""
+
+    dataset_digest: str = ""
+    dataset_error: str = ""
+    records: Mapping[str, str] = field(default_factory=dict)
+    runs: Mapping[str, EvalRun] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Admission:
+    levels: tuple[str, ...]  # admitted, in the user's preference order
+    pending: tuple[str, ...] = ()  # not measured yet: the category decided for them
+    excluded: tuple[str, ...] = ()  # "int4: +3.10% > 0.50%"
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """This pass's verdict on quality, and what the controller must write for it."""
+
+    admission: Admission
+    measurements: tuple[api.QualityMeasurement, ...] = ()
+    condition: api.Condition | None = None
+    jobs_to_create: tuple[manifests.Manifest, ...] = ()
+    jobs_to_delete: tuple[Obj, ...] = ()  # read into the cache: no longer needed
+    new_records: Mapping[str, str] = field(default_factory=dict)  # cache key -> JSON
+
+
+def dataset_digest(data: bytes) -> str:
+    """The digest `kvpilot-runtime eval` reports for the same bytes (evaluate.dataset_digest)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def cache_name(uri: str) -> str:
+    return f"kvpilot-quality-{manifests.spec_hash(uri)}"
+
+
+def record_key(level: str, metric: str, digest: str) -> str:
+    """A ConfigMap key: [-._a-zA-Z0-9], so the digest's hex without its `sha256:` prefix."""
+    return f"{level}.{metric}.{digest.removeprefix('sha256:')[:32]}"
+
+
+def job_name(uri: str, level: str, metric: str, digest: str) -> str:
+    return f"kvpilot-eval-{manifests.spec_hash([uri, level, metric, digest])}"
+
+
+def fallback_levels(policy: api.QuantizationPolicy) -> tuple[str, ...]:
+    """Levels admitted without a measurement: the category's, capped at `low` when an eval set
+    is given (int4 must prove itself)."""
+    if policy.evaluation is None:
+        return api.allowed_quantizations(policy)
+    order = list(api.QUALITY_LOSS_LEVELS)
+    category = min(order.index(policy.max_quality_loss), order.index(UNMEASURED_CAP))
+    admitted = api.QUALITY_LOSS_LEVELS[order[category]]
+    return tuple(q for q in policy.allowed if q in admitted)
+
+
+def admit(policy: api.QuantizationPolicy, losses: Mapping[str, float]) -> Admission:
+    """Levels within the budget by their measured loss (percent); unmeasured ones by the
+    category fallback. Without an eval set: the category alone."""
+    if policy.evaluation is None:
+        return Admission(api.allowed_quantizations(policy))
+    budget, fallback = policy.evaluation.max_quality_loss, fallback_levels(policy)
+    levels, pending, excluded = [], [], []
+    for level in policy.allowed:
+        if level not in losses:
+            pending.append(level)
+            if level in fallback:
+                levels.append(level)
+        elif losses[level] <= budget:
+            levels.append(level)
+        else:
+            excluded.append(f"{level}: {losses[level]:+.2f}% > {budget:g}%")
+    return Admission(tuple(levels), tuple(pending), tuple(excluded))
+
+
+def parse_record(raw: str) -> api.QualityMeasurement | None:
+    """A cached measurement; None for one that does not parse (then it is measured again)."""
+    try:
+        return api.QualityMeasurement.model_validate_json(raw)
+    except ValueError:
+        return None
+
+
+def cached(
+    records: Mapping[str, str], levels: Sequence[str], metric: str, digest: str
+) -> dict[str, api.QualityMeasurement]:
+    found = {
+        level: parse_record(records.get(record_key(level, metric, digest), "")) for level in levels
+    }
+    return {level: m for level, m in found.items() if m is not None}
+
+
+def job_outcome(
+    run: EvalRun, level: str, uri: str, now: str
+) -> api.QualityMeasurement | str | None:
+    """The Job's measurement, why it failed for good (its last pod's log tail), or None while it
+    runs (or retries)."""
+    job_status = run.job.get("status") or {}
+    finished = {
+        c.get("type"): c for c in job_status.get("conditions") or [] if c.get("status") == "True"
+    }
+    if "Complete" in finished:
+        return _measurement(run, level, uri, now) or "the eval Job finished without a summary"
+    if "Failed" in finished:
+        why = finished["Failed"].get("message") or finished["Failed"].get("reason") or "failed"
+        tail = log_tail(run.pods)
+        return f"{why}: {tail}" if tail else why
+    return None
+
+
+def _measurement(run: EvalRun, level: str, uri: str, now: str) -> api.QualityMeasurement | None:
+    """From the succeeded pod's termination message: the eval's JSON summary (evaluate.summary)."""
+    for pod in run.pods:
+        if (pod.get("status") or {}).get("phase") != "Succeeded":
+            continue
+        try:
+            summary = json.loads(terminated(pod).get("message") or "")
+            row = summary["levels"][level]
+            return api.QualityMeasurement(
+                level=level,
+                metric=summary["metric"],
+                value=round(float(row["value"]), 6),
+                relative_loss=round(100 * float(row["relative_loss"]), 4),
+                dataset_digest=summary["dataset_digest"],
+                model_revision=uri,
+                # The Job's completion, not this pass's clock: every reader records the same.
+                measured_at=(run.job.get("status") or {}).get("completionTime") or now,
+                node_type=(run.job.get("metadata") or {})
+                .get("annotations", {})
+                .get(ANNOTATION_NODE_TYPE, ""),
+            )
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def log_tail(pods: Sequence[Obj]) -> str:
+    """The newest failed pod's termination message (its log's tail: FallbackToLogsOnError)."""
+    failed = [p for p in pods if (p.get("status") or {}).get("phase") == "Failed"]
+    failed.sort(key=lambda p: (p.get("metadata") or {}).get("creationTimestamp") or "")
+    for pod in reversed(failed):
+        text = " | ".join((terminated(pod).get("message") or "").strip().splitlines())
+        if text:
+            return text[-LOG_TAIL_CHARS:]
+    return ""
+
+
+def terminated(pod: Obj) -> Obj:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    return (statuses[0].get("state") or {}).get("terminated") or {}
+
+
+def build_eval_job(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    level: str,
+    node_plan: NodePlan,
+    digest: str,
+    config: OperatorConfig,
+) -> manifests.Manifest:
+    """The eval Job for one level: the runtime pod's spec (security context, model volume or
+    fetch init container, GPUs, node selector) with the eval as its container and the dataset's
+    ConfigMap key mounted as a file of the same name."""
+    evaluation = _evaluation(spec)
+    name = job_name(spec.model.uri, level, evaluation.metric, digest)
+    pod = manifests.pod_spec(spec, node_plan, config)
+    runtime = pod["containers"][0]
+    pod["containers"] = [_eval_container(spec, level, runtime)]
+    pod["restartPolicy"] = "Never"
+    pod["volumes"].append(
+        {
+            "name": "eval-dataset",
+            "configMap": {
+                "name": evaluation.dataset.config_map,
+                "items": [{"key": evaluation.dataset.key, "path": evaluation.dataset.key}],
+            },
+        }
+    )
+    labels = {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": md["metadata"]["namespace"],
+            "labels": {**labels, manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY},
+            "annotations": {
+                ANNOTATION_LEVEL: level,
+                ANNOTATION_NODE_TYPE: node_plan.node_type.name,
+                "kvpilot.dev/model-uri": spec.model.uri,
+                "kvpilot.dev/dataset-digest": digest,
+            },
+        },
+        "spec": {
+            "backoffLimit": EVAL_BACKOFF_LIMIT,
+            "ttlSecondsAfterFinished": FAILED_JOB_TTL_SECONDS,
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }
+
+
+def _eval_container(
+    spec: api.ModelDeploymentSpec, level: str, runtime: Mapping[str, Any]
+) -> dict[str, Any]:
+    evaluation = _evaluation(spec)
+    model_dir = manifests.model_location(spec.model).model_arg.removeprefix("file://")
+    return {
+        "name": "eval",
+        "image": runtime["image"],
+        "command": ["kvpilot-runtime"],
+        "args": [
+            "eval",
+            f"--model={model_dir}",
+            f"--dataset={DATASET_MOUNT}/{evaluation.dataset.key}",
+            f"--metric={evaluation.metric}",
+            f"--quantization={level}",
+            f"--max-length={EVAL_WINDOW_TOKENS}",
+            "--dtype=auto",  # the compute dtype `serve` uses on that device
+            "--summary-file=/dev/termination-log",
+        ],
+        "env": copy.deepcopy(runtime["env"]),
+        # The summary is the termination message; a failure's log tail is, instead.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": copy.deepcopy(runtime["resources"]),
+        "securityContext": copy.deepcopy(runtime["securityContext"]),
+        "volumeMounts": [
+            *copy.deepcopy(runtime["volumeMounts"]),
+            {"name": "eval-dataset", "mountPath": DATASET_MOUNT, "readOnly": True},
+        ],
+    }
+
+
+def _evaluation(spec: api.ModelDeploymentSpec) -> api.Evaluation:
+    if spec.quantization.evaluation is None:
+        raise ValueError("spec.quantization.evaluation is not set")
+    return spec.quantization.evaluation
+
+
+def assess(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    observed: Observed,
+    reference: NodePlan | None,
+    config: OperatorConfig,
+    now: str,
+) -> Assessment:
+    """Admitted levels, status.quality, the condition, and the Jobs and records to write.
+
+    `reference`: where an eval Job runs (a node type that fits the unquantised model), or None
+    when none does."""
+    policy = spec.quantization
+    if policy.evaluation is None:
+        return Assessment(admit(policy, {}))
+    if observed.dataset_error:
+        admission = admit(policy, {})
+        reason = f"{observed.dataset_error}; {_fallback_text(admission)}"
+        return Assessment(admission, condition=_condition(False, "DatasetUnreadable", reason))
+    metric, digest = policy.evaluation.metric, observed.dataset_digest
+    measured = cached(observed.records, policy.allowed, metric, digest)
+    read = _read_runs(observed, [q for q in policy.allowed if q not in measured], spec, now)
+    measured.update(read.measured)
+    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()})
+    missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
+    jobs = (
+        ()
+        if reference is None
+        else tuple(build_eval_job(md, spec, q, reference, digest, config) for q in missing)
+    )
+    return Assessment(
+        admission,
+        measurements=tuple(measured[q] for q in policy.allowed if q in measured),
+        condition=_status_condition(admission, read, reference, policy.evaluation, measured),
+        jobs_to_create=jobs,
+        jobs_to_delete=tuple(observed.runs[q].job for q in read.measured),
+        new_records={
+            record_key(q, metric, digest): m.model_dump_json(by_alias=True)
+            for q, m in read.measured.items()
+        },
+    )
+
+
+@dataclass(frozen=True)
+class _Runs:
+    measured: dict[str, api.QualityMeasurement]
+    failures: dict[str, str]
+    running: tuple[str, ...]
+
+
+def _read_runs(
+    observed: Observed, levels: Sequence[str], spec: api.ModelDeploymentSpec, now: str
+) -> _Runs:
+    measured, failures, running = {}, {}, []
+    for level in levels:
+        run = observed.runs.get(level)
+        outcome = None if run is None else job_outcome(run, level, spec.model.uri, now)
+        if isinstance(outcome, api.QualityMeasurement):
+            measured[level] = outcome
+        elif isinstance(outcome, str):
+            failures[level] = outcome
+        elif run is not None:
+            running.append(level)
+    return _Runs(measured, failures, tuple(running))
+
+
+def _status_condition(
+    admission: Admission,
+    read: _Runs,
+    reference: NodePlan | None,
+    evaluation: api.Evaluation,
+    measured: Mapping[str, api.QualityMeasurement],
+) -> api.Condition:
+    losses = ", ".join(f"{q} {m.relative_loss:+.2f}%" for q, m in measured.items())
+    verdict = f"{evaluation.metric} loss vs unquantised: {losses or 'none measured yet'}"
+    verdict = f"{verdict}; budget {evaluation.max_quality_loss:g}%"
+    if admission.excluded:
+        verdict = f"{verdict}; excluded {', '.join(admission.excluded)}"
+    if not admission.pending:
+        return _condition(True, "Measured", verdict)
+    if read.failures:
+        failed = "; ".join(f"{q}: {why}" for q, why in read.failures.items())
+        text = f"eval failed ({failed}); retried when the failed Job expires"
+        return _condition(False, "EvalFailed", f"{text}; {_fallback_text(admission)}")
+    if reference is None:
+        text = "no node type fits the unquantised model for an eval Job"
+        return _condition(False, "NoReferenceNode", f"{text}; {_fallback_text(admission)}")
+    where = f"measuring {', '.join(admission.pending)} on {reference.node_type.name}"
+    return _condition(False, "Measuring", f"{where}; {verdict}; {_fallback_text(admission)}")
+
+
+def _fallback_text(admission: Admission) -> str:
+    pending = ", ".join(admission.pending)
+    admitted = ", ".join(admission.levels) or "none"
+    return f"until {pending} measured, the maxQualityLoss category decides; admitted: {admitted}"
+
+
+def _condition(ok: bool, reason: str, message: str) -> api.Condition:
+    return api.Condition(
+        type=QUALITY_MEASURED, status="True" if ok else "False", reason=reason, message=message
+    )
+
+
+def needs_retry(verdict: Assessment) -> bool:
+    """An unreadable eval set is read again later (with back-off); nothing else here needs it."""
+    return verdict.condition is not None and verdict.condition.reason == "DatasetUnreadable"
+
+
+def users(model_deployments: Sequence[Obj], cache: str) -> list[str]:
+    """Names of the ModelDeployments with an eval set whose measurements live in `cache`."""
+    out = []
+    for md in model_deployments:
+        spec = md.get("spec") or {}
+        evaluation = (spec.get("quantization") or {}).get("evaluation")
+        uri = (spec.get("model") or {}).get("uri")
+        if evaluation and uri and cache_name(uri) == cache:
+            out.append(md["metadata"]["name"])
+    return out

@@ -1,0 +1,108 @@
+"""The API side of quality.py: reads the eval set, the measurement cache and the eval Jobs for a
+pass, and writes what the pass decided (records first, then Jobs made and finished Jobs deleted).
+
+The cache is a ConfigMap per model in the namespace, not owned by a ModelDeployment: like the
+model cache it outlives them (a measurement costs a GPU for minutes), and `kubectl delete cm -l
+kvpilot.dev/quality-cache` forgets it. Each pass merges only its new keys into it, so
+ModelDeployments sharing it never drop each other's records.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client as k8s_client
+from pydantic import ValidationError
+
+from kvpilot.operator import api, k8s, manifests, quality
+
+Obj = Mapping[str, Any]
+log = logging.getLogger(__name__)
+
+
+def observe(client: k8s_client.ApiClient, md: Obj) -> quality.Observed | None:
+    """What this pass needs to judge quality; None without an eval set (or a spec desire
+    reports as invalid)."""
+    try:
+        spec = api.parse_spec(md.get("spec") or {})
+    except ValidationError:
+        return None
+    evaluation = spec.quantization.evaluation
+    if evaluation is None:
+        return None
+    namespace = md["metadata"]["namespace"]
+    data = read_dataset(client, namespace, evaluation.dataset)
+    if isinstance(data, str):
+        return quality.Observed(dataset_error=data)
+    digest = quality.dataset_digest(data)
+    found = k8s.get(client, "v1", "ConfigMap", namespace, quality.cache_name(spec.model.uri))
+    records = dict((found or {}).get("data") or {})
+    measured = quality.cached(records, spec.quantization.allowed, evaluation.metric, digest)
+    runs: dict[str, quality.EvalRun] = {}
+    for level in spec.quantization.allowed:
+        if level in measured:
+            continue
+        name = quality.job_name(spec.model.uri, level, evaluation.metric, digest)
+        job = k8s.get(client, "batch/v1", "Job", namespace, name)
+        if job is not None:
+            selector = f"{quality.LABEL_EVAL}={name}"
+            pods = k8s.list_objects(client, "v1", "Pod", namespace, selector)
+            runs[level] = quality.EvalRun(job, pods)
+    return quality.Observed(dataset_digest=digest, records=records, runs=runs)
+
+
+def read_dataset(
+    client: k8s_client.ApiClient, namespace: str, dataset: api.EvalDataset
+) -> bytes | str:
+    """The eval set's bytes, as the Job will see them mounted, or what is wrong with it."""
+    where = f"spec.quantization.evaluation.dataset: ConfigMap {namespace}/{dataset.config_map}"
+    found = k8s.get(client, "v1", "ConfigMap", namespace, dataset.config_map)
+    if found is None:
+        return f"{where} not found; create it with the eval set under key {dataset.key}"
+    text = (found.get("data") or {}).get(dataset.key)
+    binary = (found.get("binaryData") or {}).get(dataset.key)
+    if text is None and binary is None:
+        keys = sorted({*(found.get("data") or {}), *(found.get("binaryData") or {})})
+        return f"{where} has no key {dataset.key} (keys: {', '.join(keys) or 'none'})"
+    data = text.encode() if text is not None else base64.b64decode(binary or "")
+    if not data.strip():
+        return f"{where} key {dataset.key} is empty; put the eval set there"
+    return data
+
+
+def apply(client: k8s_client.ApiClient, md: Obj, verdict: quality.Assessment | None) -> None:
+    if verdict is None:
+        return
+    if verdict.new_records:
+        write_records(client, md, verdict)
+    for job in verdict.jobs_to_create:
+        if k8s.create(client, job) is not None:
+            log.info(
+                "eval Job %s/%s created", job["metadata"]["namespace"], job["metadata"]["name"]
+            )
+    for done in verdict.jobs_to_delete:  # measured and recorded: the Job has nothing left to say
+        k8s.delete(client, done)
+
+
+def write_records(client: k8s_client.ApiClient, md: Obj, verdict: quality.Assessment) -> None:
+    """Merge the new measurements into the model's cache ConfigMap, creating it if absent."""
+    spec = api.parse_spec(md.get("spec") or {})
+    name, namespace = quality.cache_name(spec.model.uri), md["metadata"]["namespace"]
+    cache = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {quality.LABEL_CACHE: name, manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY},
+            "annotations": {"kvpilot.dev/model-uri": spec.model.uri},
+        },
+        "data": dict(verdict.new_records),
+    }
+    if k8s.create(client, cache) is None:  # exists: add the keys, keep the others
+        target = k8s.path("v1", "ConfigMap", namespace, name)
+        body = {"data": dict(verdict.new_records)}
+        k8s.request(client, "PATCH", target, body, content_type="application/merge-patch+json")
