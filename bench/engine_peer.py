@@ -306,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             body += "\n(Run in progress, or stopped here: only the comparisons above ran.)\n"
         if args.peer:
-            write_section(
-                "engine_peer", "Engine vs llama.cpp llama-server (same CPU)", command, body
-            )
+            # A run of one model keeps its own section, so it does not replace the other's.
+            suffix = "" if args.models == "tiny,compute" else "_" + args.models.replace(",", "_")
+            title = "Engine vs llama.cpp llama-server (same CPU)"
+            write_section("engine_peer" + suffix, title, command, body)
         else:
             write_section(
                 "engine_defaults",

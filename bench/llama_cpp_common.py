@@ -40,7 +40,7 @@ CMAKE_FLAGS = [
 ]  # fmt: skip
 # The converter picks a pre-tokenizer by hashing how the tokenizer splits a probe text and knows
 # only published vocabularies; tiny-llama's (and the compute-bound model's) is a byte-level BPE
-# with GPT-2's split regex, which is llama.cpp's "gpt2" pre-tokenizer. The converter also
+# with GPT-2's split regex, which is llama.cpp's "gpt-2" pre-tokenizer. The converter also
 # imports sentencepiece before it looks for a tokenizer.model; these checkpoints have none, so
 # the runner answers "no tokenizer.model" first (the converter's own fallback then applies).
 CONVERT_RUNNER = """
@@ -54,7 +54,7 @@ def set_vocab_sentencepiece(self):
         raise FileNotFoundError("no tokenizer.model")
     return sentencepiece_vocab(self)
 base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt2"
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
@@ -138,8 +138,9 @@ def run_logged(argv: list[str], out: IO[str], started: float) -> None:
 
 
 def checkpoint_key(model_dir: Path) -> str:
-    """Changes when the checkpoint does: its config and the sizes of its weight files."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    """Changes when the checkpoint does (its config, the sizes of its weight files) or the way
+    it is converted."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes() + CONVERT_RUNNER.encode())
     for path in sorted(model_dir.glob("*.safetensors")):
         digest.update(f"{path.name}:{path.stat().st_size}".encode())
     return digest.hexdigest()[:12]
