@@ -167,11 +167,14 @@ def llama_server(
     gguf: Path, port: int, parallel: int, ctx_per_slot: int, threads: int
 ) -> Iterator[tuple[str, int]]:
     """(base URL, pid) of `llama-server` serving `gguf` as `tiny`: `parallel` slots of
-    `ctx_per_slot` tokens (continuous batching), `threads` for generation and prompts alike."""
+    `ctx_per_slot` tokens (continuous batching), `threads` for generation and prompts alike.
+    Each slot has its own KV stream (--no-kv-unified): in one unified buffer the prompts every
+    slot keeps cached (cache_prompt) widen the cells each decode attends over, and a server
+    that had served a few rounds ran 8x slower at concurrency 8-64 than a fresh one."""
     argv = [str(ensure_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--alias", "tiny", "--parallel", str(parallel), "--ctx-size",
             str(parallel * ctx_per_slot), "--threads", str(threads), "--threads-batch",
-            str(threads), "--batch-size", "2048", "--log-disable"]  # fmt: skip
+            str(threads), "--batch-size", "2048", "--no-kv-unified", "--log-disable"]  # fmt: skip
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
