@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from llguidance import LLMatcher
 
-from kvpilot.runtime import machine_probe, memory
+from kvpilot.runtime import machine, machine_probe, memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
@@ -98,6 +98,10 @@ class Engine:
         self.dtype = dtype
         # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
+        # Each rank, this one included, computes with its share of the threads torch was given.
+        # Process-wide: this process is rank 0 of the group from here on.
+        self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)
+        torch.set_num_threads(self.num_threads)
         self.workers = self._start_workers(dtype) if tp > 1 else None
         try:
             self._load(model_dir, dtype)
@@ -137,7 +141,7 @@ class Engine:
             group=TPGroup(0, self.config.tensor_parallel_size),
             init_method="",  # chosen by start_workers
             parent_pid=os.getpid(),
-            num_threads=torch.get_num_threads(),
+            num_threads=self.num_threads,
         )
         return start_workers(args)
 

@@ -74,6 +74,21 @@ def choose_threads(
     return ThreadChoice(cores, _cores_source(quota_cores, affinity_cores))
 
 
+def threads_per_rank(num_threads: int, world_size: int) -> int:
+    """One tensor-parallel rank's share of the threads: on CPU the ranks of one replica compute
+    at the same time on the same cores, so each taking them all would put `world_size` threads
+    on every core, each stalling the others at every parallel region's barrier. At least one."""
+    return max(1, num_threads // world_size)
+
+
+def rank_share(choice: ThreadChoice, world_size: int) -> ThreadChoice:
+    """The thread choice as each rank runs it (what /version and the start-up log report)."""
+    if world_size == 1:
+        return choice
+    per_rank = threads_per_rank(choice.num_threads, world_size)
+    return ThreadChoice(per_rank, f"{choice.source}, split over {world_size} ranks")
+
+
 def _cores_source(quota_cores: float | None, affinity_cores: int) -> str:
     if quota_cores is not None and math.floor(quota_cores) < affinity_cores:
         return f"cgroup CPU quota {quota_cores:g} cores"

@@ -187,7 +187,7 @@ class EngineChoices(BaseModel):
     same): threads, compute dtype and the KV pool."""
 
     device: str
-    threads: int
+    threads: int  # each rank's share under tensor parallelism
     threads_source: str
     dtype: str
     cpu_has_bf16: bool

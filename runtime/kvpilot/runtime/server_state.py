@@ -18,7 +18,7 @@ from kvpilot.runtime.async_engine import AsyncEngine
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.fetch import fetch
-from kvpilot.runtime.machine import ThreadChoice
+from kvpilot.runtime.machine import ThreadChoice, rank_share
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
 from kvpilot.runtime.response_models import EngineChoices
@@ -65,10 +65,11 @@ class Ticket:
 
 
 def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
+    per_rank = rank_share(threads, core.config.tensor_parallel_size)
     return EngineChoices(
         device=str(core.device),
-        threads=threads.num_threads,
-        threads_source=threads.source,
+        threads=per_rank.num_threads,
+        threads_source=per_rank.source,
         dtype=dtype_name(core.dtype),
         cpu_has_bf16=core.cpu_has_bf16,
         kv_cache_dtype=dtype_name(core.kv_dtype),

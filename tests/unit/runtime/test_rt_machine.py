@@ -84,6 +84,29 @@ def test_threads_above_the_cores_are_refused(
 
 
 @pytest.mark.parametrize(
+    ("num_threads", "world_size", "per_rank"),
+    [
+        (2, 1, 2),
+        (2, 2, 1),  # this machine at TP 2: one each, not two each on two cores
+        (16, 4, 4),
+        (7, 2, 3),  # rounded down: a leftover core is better idle than oversubscribed
+        (1, 2, 1),  # at least one
+        (3, 4, 1),
+    ],
+)
+def test_threads_per_rank(num_threads: int, world_size: int, per_rank: int) -> None:
+    assert machine.threads_per_rank(num_threads, world_size) == per_rank
+
+
+def test_rank_share_reports_the_split() -> None:
+    choice = machine.ThreadChoice(8, "cgroup CPU quota 8 cores")
+    assert machine.rank_share(choice, 1) is choice
+    assert machine.rank_share(choice, 2) == machine.ThreadChoice(
+        4, "cgroup CPU quota 8 cores, split over 2 ranks"
+    )
+
+
+@pytest.mark.parametrize(
     ("cpuinfo", "has_bf16"),
     [
         (ZEN4_CPUINFO, True),
