@@ -14,6 +14,7 @@ it and a new pin builds anew:
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,10 @@ from hack.devcluster.versions import cache_dir
 # llama-cpp-python 0.3.36 vendors llama.cpp with ggml 0.25.3.
 VERSION = "0.3.36"
 PROGRESS_EVERY_S = 30.0
+BUILD_MINUTES_ON_2_CORES = 75  # measured: the server target alone, Release, GGML_NATIVE
+BUILD_TOOLS = ("cmake", "ninja", "c++")
+# Ninja's status line: `[finished/total] what it runs`, one per edge in the build log.
+NINJA_STATUS = re.compile(r"^\[(\d+)/(\d+)\] ", re.MULTILINE)
 CMAKE_FLAGS = [
     "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
@@ -106,11 +111,17 @@ def ensure_server() -> Path:
     binary = server_binary()
     if binary.is_file():
         return binary
+    check_build_tools()
     tree = ensure_source()
     build = root() / f"build-{VERSION}"
     log = cache_dir() / "build-logs" / f"llama-server-{VERSION}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"==> building llama-server {VERSION} (once; log: {log})", flush=True)
+    print(
+        f"==> building llama-server {VERSION} into {binary.parent} (once per version; about "
+        f"{BUILD_MINUTES_ON_2_CORES} min on 2 cores; `make bench BENCH_SKIP=engine_peer` skips "
+        f"the peer benchmark; log: {log})",
+        flush=True,
+    )
     started = time.monotonic()
     with log.open("a") as out:
         run_logged(["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS], out, started)
@@ -123,6 +134,29 @@ def ensure_server() -> Path:
     return binary
 
 
+def check_build_tools() -> None:
+    """A missing compiler fails here in one line, not an hour into a build."""
+    missing = [tool for tool in BUILD_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise RuntimeError(
+            f"building llama-server needs {', '.join(BUILD_TOOLS)}; not found: "
+            f"{', '.join(missing)} (Debian: apt-get install cmake ninja-build g++), or leave "
+            "the peer benchmark out: make bench BENCH_SKIP=engine_peer"
+        )
+
+
+def build_progress(log_text: str) -> str:
+    """How far the build is, from ninja's last status line in the log: `412/1030 steps (40%)`,
+    or "configuring" before ninja has started. Only the last command's output counts: the
+    log keeps earlier (failed) builds above it."""
+    last_command = log_text[log_text.rfind("\n$ ") + 1 :]
+    matches = NINJA_STATUS.findall(last_command)
+    if not matches:
+        return "configuring"
+    done, total = (int(n) for n in matches[-1])
+    return f"{done}/{total} steps ({100 * done // max(total, 1)}%)"
+
+
 def run_logged(argv: list[str], out: IO[str], started: float) -> None:
     out.write(f"$ {' '.join(argv)}\n")
     out.flush()
@@ -132,7 +166,9 @@ def run_logged(argv: list[str], out: IO[str], started: float) -> None:
             code = process.wait(timeout=PROGRESS_EVERY_S)
             break
         except subprocess.TimeoutExpired:
-            print(f"    ... still building ({time.monotonic() - started:.0f}s)", flush=True)
+            progress = build_progress(Path(out.name).read_text(errors="replace"))
+            elapsed = time.monotonic() - started
+            print(f"    ... still building: {progress}, {elapsed / 60:.0f} min", flush=True)
     if code != 0:
         raise RuntimeError(f"{argv[0]} exited {code}; see {out.name}")
 
