@@ -3,9 +3,10 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+comma := ,
 LOCK_ARGS ?=
 
-.PHONY: help setup system-deps lint test unit bench crds cluster-build cluster-up cluster-down \
+.PHONY: help setup system-deps lint test unit bench llama-server crds cluster-build cluster-up cluster-down \
         lock lock-check \
         cluster-env demo demo-down images
 
@@ -16,7 +17,10 @@ help:
 	@echo "make lock        re-resolve uv.lock after editing pyproject.toml's dependencies (needs PyPI;"
 	@echo "                 LOCK_ARGS=--upgrade moves every package to its newest allowed version)"
 	@echo "make lock-check  fail when uv.lock does not match pyproject.toml (offline, ~0.1 s)"
-	@echo "make bench       run the benchmarks and rewrite docs/benchmarks.md"
+	@echo "make bench       run the benchmarks and rewrite docs/benchmarks.md (the first run builds"
+	@echo "                 llama.cpp's llama-server for bench.engine_peer, ~75 min on 2 cores;"
+	@echo "                 BENCH_SKIP=engine_peer leaves that benchmark out)"
+	@echo "make llama-server  build (or find) the cached llama-server the peer benchmark runs"
 	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
 	@echo "make images      build the operator and runtime images (needs Docker)"
 	@echo "make cluster-up / cluster-down / cluster-env   the local control plane (hack/devcluster)"
@@ -52,11 +56,25 @@ test: lint cluster-build
 	@echo "==> pytest (the tests start their own control plane, runtime processes and Prometheus)"
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 
+# BENCH_SKIP: benchmarks to leave out, by module name (spaces or commas), e.g.
+# `make bench BENCH_SKIP=engine_peer`: that one builds llama.cpp's llama-server the first time
+# (~75 min on 2 cores, cached under ~/.cache/kvpilot keyed by version; `make llama-server` builds
+# it alone). `make test` never builds it.
+BENCH_SKIP ?=
 bench: setup
-	@for b in bench/*.py; do \
+	@skip=" $(subst $(comma), ,$(BENCH_SKIP)) "; \
+	for s in $$skip; do \
+	  [ -f "bench/$$s.py" ] || { echo "BENCH_SKIP: no benchmark bench/$$s.py (names: $$(cd bench && ls [a-z]*.py | sed 's/\.py$$//' | tr '\n' ' '))"; exit 2; }; \
+	done; \
+	for b in bench/*.py; do \
 	  case "$$b" in */__init__.py|*/report.py|*/*_common.py) continue;; esac; \
-	  m=$${b%.py}; m=$${m//\//.}; echo "==> $$m"; $(PY) -m $$m || exit 1; \
+	  m=$${b%.py}; m=$${m//\//.}; \
+	  case "$$skip" in *" $${m#bench.} "*) echo "==> $$m skipped (BENCH_SKIP)"; continue;; esac; \
+	  echo "==> $$m"; $(PY) -m $$m || exit 1; \
 	done
+
+llama-server: setup
+	@$(PY) -m bench.llama_cpp_common
 
 crds: setup
 	$(PY) -m kvpilot.operator.crdgen

@@ -250,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     body = "\n\n".join(
         [
             f"{threads_note()} Model models/tiny-llama; KV budget {args.kv_mib} MiB.",
-            "KV blocks of 16 tokens at the same budget (on CPU the auto KV dtype is the float32 "
-            "compute dtype; on a GPU it is the checkpoint's bf16, where fp8 doubles the blocks):",
+            "KV blocks of 16 tokens at the same budget (the auto KV dtype is the compute dtype: "
+            "float32 on a CPU without bf16 units, else the checkpoint's bf16, where fp8 doubles "
+            "the blocks):",
             markdown_table(
                 ["model dtype", "KV dtype", "KV bytes/token", "blocks", "vs auto"],
                 capacity_rows(budget),

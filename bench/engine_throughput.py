@@ -28,6 +28,8 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
+from kvpilot.runtime import machine_probe
+from kvpilot.runtime.loader import load_model_config, resolve_dtype
 
 
 def run_kvpilot(requests: list[Request]) -> float:
@@ -39,11 +41,17 @@ def run_kvpilot(requests: list[Request]) -> float:
     return clock() - start
 
 
+def compute_dtype() -> torch.dtype:
+    checkpoint = load_model_config(MODEL).torch_dtype
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_dtype("auto", checkpoint, device, machine_probe.cpu_supports_bf16())
+
+
 def hf_model() -> Any:
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = compute_dtype()  # the engine's `auto` choice: both sides compute alike
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype)
     return model.to(device).eval()  # type: ignore[arg-type]
 
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Workload: {len(requests)} requests, prompts 32-512 tokens, "
             f"outputs 16-{args.max_output} "
             f"tokens ({useful} output tokens), greedy, EOS ignored; model models/tiny-llama "
-            f"(fp32 on CPU, bf16 on CUDA).\n\n"
+            f"({str(compute_dtype()).removeprefix('torch.')} on both sides, kvpilot's "
+            "`--dtype auto` here).\n\n"
             + markdown_table(["system", "output tokens/s", "kvpilot speed-up"], rows)
             + f"\n\nThe workload has {prompt_tokens} prompt tokens, "
             f"{prompt_tokens / useful:.1f}x its output tokens. On a CPU, time per token is\n"

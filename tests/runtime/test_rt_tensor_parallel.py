@@ -171,6 +171,24 @@ def test_shutdown_stops_and_reaps_the_workers(make_engine: Callable[..., Engine]
     assert not mp.active_children()
 
 
+def test_each_rank_computes_with_its_share_of_the_threads(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Two ranks on the cores one process was given take half each, rank 0 included (each
+    taking them all put two threads on every core)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with tp_engine(make_engine) as tp2:
+            assert tp2.workers is not None
+            assert tp2.num_threads == torch.get_num_threads() == 1
+            assert tp2.workers.thread_counts() == [1]
+            tokens = greedy_tokens(tp2)  # the workers still follow steps after the query
+            assert all(len(ids) == NUM_TOKENS for ids in tokens.values())
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_dead_worker_fails_the_step_with_its_rank(make_engine: Callable[..., Engine]) -> None:
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     with tp_engine(make_engine) as tp2:

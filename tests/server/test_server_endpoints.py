@@ -10,6 +10,9 @@ import openai
 import pytest
 from openai import OpenAI
 
+from kvpilot.runtime import machine_probe
+from kvpilot.runtime.loader import load_model_config
+from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.server.server_process import MODEL, TINY, RuntimeServer
 
@@ -95,9 +98,27 @@ def test_bad_tokenize_bodies_are_400(
         assert "exactly one of `prompt`" in error["message"]
 
 
-def test_version_is_the_package_version(server: RuntimeServer) -> None:
+def test_version_is_the_package_version_and_the_choices_for_this_machine(
+    server: RuntimeServer,
+) -> None:
+    """The server was started with none of --threads, --dtype or --kv-cache-memory: /version
+    reports what it chose from this machine, as the same probes read here decide."""
     answer = httpx.get(f"{server.url}/version").json()
-    assert answer == {"version": importlib.metadata.version("kvpilot")}
+    assert answer["version"] == importlib.metadata.version("kvpilot")
+    engine = answer["engine"]
+    threads = machine_probe.thread_choice(None)
+    assert (engine["threads"], engine["threads_source"]) == (threads.num_threads, threads.source)
+    has_bf16 = machine_probe.cpu_supports_bf16()
+    assert engine["cpu_has_bf16"] is has_bf16
+    # tiny-llama is a bf16 checkpoint: bf16 compute where the CPU has bf16 units
+    assert engine["dtype"] == ("bfloat16" if has_bf16 else "float32")
+    assert engine["kv_cache_dtype"] == engine["dtype"]
+    # --max-num-seqs 8 x --max-model-len 512 fit easily: the pool is exactly what they can fill
+    cfg = load_model_config(TINY)
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (2 if has_bf16 else 4)
+    assert engine["kv_cache_bytes"] == 8 * 512 * per_token
+    assert engine["kv_cache_blocks"] == 8 * 512 // BLOCK_SIZE
+    assert engine["kv_cache_source"].startswith("max_num_seqs x max_model_len, under 0.9 of ")
 
 
 def test_unknown_model_is_404_model_not_found(client: OpenAI, server: RuntimeServer) -> None:

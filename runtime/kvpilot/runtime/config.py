@@ -13,9 +13,6 @@ QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
-CPU_KV_CACHE_BYTES = (
-    256 * 1024**2
-)  # default KV pool on CPU, where there is no GPU memory to size by
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
@@ -29,13 +26,22 @@ class EngineConfig:
     model: str = field(metadata={"help": "local path to an HF-format checkpoint directory"})
     served_name: str | None = option(None, "model id clients send (default: the model's name)")
     quantization: str = option("none", "weight quantisation", QUANTIZATION_CHOICES)
-    dtype: str = option("auto", "auto: config.json dtype on CUDA, float32 on CPU", DTYPE_CHOICES)
+    dtype: str = option(
+        "auto",
+        "auto: config.json dtype on CUDA; on CPU bfloat16 for a 16-bit checkpoint where the CPU "
+        "has bf16 units (AVX512-BF16, AMX), float32 otherwise",
+        DTYPE_CHOICES,
+    )
     device: str = option("auto", "auto, cpu, cuda, cuda:N (auto: cuda if available)")
     max_model_len: int | None = option(None, "default: the model's max_position_embeddings")
     max_num_seqs: int = option(64, "sequences in the running batch")
     max_num_batched_tokens: int = option(2048, "token budget of one engine step")
     gpu_memory_utilization: float = option(
-        0.9, "fraction of GPU memory for weights + KV cache", group="memory"
+        0.9,
+        "fraction of the device's memory for weights + KV cache (on CPU: of the memory this "
+        "process may use, its cgroup limit or MemAvailable; the pool stays within what "
+        "max_num_seqs sequences of max_model_len tokens can fill)",
+        group="memory",
     )
     kv_cache_memory: int | None = option(
         None, "KV-cache pool size in bytes (overrides --gpu-memory-utilization)", group="memory"

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from llguidance import LLMatcher
 
-from kvpilot.runtime import memory
+from kvpilot.runtime import machine, machine_probe, memory
 from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.config import CPU_KV_CACHE_BYTES, EngineConfig
+from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
@@ -89,9 +89,19 @@ class Engine:
         self.device = resolve_device(config.device)
         if tp > 1:
             self.device = rank_device(self.device, 0, tp)
-        dtype = resolve_dtype(config.dtype, self.model_config.torch_dtype, self.device)
+        # Read before the weights load, which take their share of it (subtracted in the budget).
+        self.usable_memory = machine_probe.usable_memory() if self.device.type == "cpu" else None
+        self.cpu_has_bf16 = machine_probe.cpu_supports_bf16()
+        dtype = resolve_dtype(
+            config.dtype, self.model_config.torch_dtype, self.device, self.cpu_has_bf16
+        )
+        self.dtype = dtype
         # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
+        # Each rank, this one included, computes with its share of the threads torch was given.
+        # Process-wide: this process is rank 0 of the group from here on.
+        self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)
+        torch.set_num_threads(self.num_threads)
         self.workers = self._start_workers(dtype) if tp > 1 else None
         try:
             self._load(model_dir, dtype)
@@ -131,7 +141,7 @@ class Engine:
             group=TPGroup(0, self.config.tensor_parallel_size),
             init_method="",  # chosen by start_workers
             parent_pid=os.getpid(),
-            num_threads=torch.get_num_threads(),
+            num_threads=self.num_threads,
         )
         return start_workers(args)
 
@@ -162,26 +172,46 @@ class Engine:
         KV storage dtype: fp8 holds twice the blocks of bf16 in the same budget. The budget is
         per rank (per GPU), and so is the pool: each rank caches only its own KV heads. Rank 0
         sizes it for every rank, so the ranks' GPUs are taken to be alike (one per replica type)."""
-        budget: float
-        if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory
-        elif self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = memory.kv_budget_bytes(
-                total, self.config.gpu_memory_utilization, self.weight_bytes
-            )
-        else:
-            budget = CPU_KV_CACHE_BYTES
         kv_bytes = torch.tensor([], dtype=kv_dtype).element_size()
         rank_facts = model_facts(self.runner.model.cfg)  # this rank's share of the KV heads
+        budget = self._kv_budget(rank_facts, kv_bytes)
         num_blocks = memory.num_kv_blocks(rank_facts, kv_bytes, budget)
         needed = -(-self.max_model_len // memory.BLOCK_SIZE)
         if num_blocks < needed:
             raise ValueError(
-                f"KV-cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks; one "
-                f"sequence of max_model_len {self.max_model_len} needs {needed}"
+                f"KV-cache budget of {budget / 2**20:.1f} MiB ({self.kv_budget_source}) holds "
+                f"{num_blocks} blocks; one sequence of max_model_len {self.max_model_len} needs "
+                f"{needed}: pass a smaller --max-model-len or a larger --kv-cache-memory"
             )
         return num_blocks
+
+    def _kv_budget(self, facts: memory.ModelFacts, kv_bytes: int) -> float:
+        """Bytes for the pool, with where they come from in `kv_budget_source` (logged)."""
+        utilization = self.config.gpu_memory_utilization
+        if self.config.kv_cache_memory is not None:
+            self.kv_budget_source = "--kv-cache-memory"
+            return self.config.kv_cache_memory
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            self.kv_budget_source = f"{utilization:g} of {memory.gib(total):.1f} GiB GPU memory"
+            return memory.kv_budget_bytes(total, utilization, self.weight_bytes)
+        if self.usable_memory is None:
+            raise ValueError(
+                "cannot tell how much memory this process may use (no cgroup memory limit, no "
+                "MemAvailable in /proc/meminfo): pass --kv-cache-memory BYTES"
+            )
+        tokens = -(-self.max_model_len // memory.BLOCK_SIZE) * memory.BLOCK_SIZE
+        demand = memory.kv_cache_bytes(facts, kv_bytes, tokens, self.config.max_num_seqs)
+        budget = memory.host_kv_budget_bytes(
+            self.usable_memory, utilization, self.weight_bytes, demand
+        )
+        usable = f"{utilization:g} of {memory.gib(self.usable_memory):.1f} GiB usable memory"
+        self.kv_budget_source = (
+            f"max_num_seqs x max_model_len, under {usable}"
+            if budget >= demand
+            else f"{usable}, less weights and overhead"
+        )
+        return budget
 
     # -- requests (any thread) --------------------------------------------------------------------
 

@@ -105,11 +105,17 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     )
 
 
-def resolve_dtype(name: str, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` keeps the checkpoint's dtype on CUDA and computes in float32 on CPU."""
+def resolve_dtype(
+    name: str, checkpoint_dtype: str, device: torch.device, cpu_has_bf16: bool = False
+) -> torch.dtype:
+    """`auto` keeps the checkpoint's dtype on CUDA. On CPU it computes a 16-bit checkpoint in
+    bfloat16 where the CPU has bf16 units (`cpu_has_bf16`: AVX512-BF16 or AMX; float16 too,
+    whose CPU kernels are slow) and widens to float32 where it has none, since there every bf16
+    matmul would be converted first; a float32 checkpoint stays float32."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.float32
+            is_16_bit = checkpoint_dtype in ("bfloat16", "float16")
+            return torch.bfloat16 if cpu_has_bf16 and is_16_bit else torch.float32
         name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "bfloat16"
     if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {name!r}")

@@ -164,3 +164,14 @@ def kv_budget_bytes(
     """What is left for the KV cache once weights and overhead are placed on a GPU."""
     usable = gpu_memory_bytes * gpu_memory_utilization
     return max(0.0, usable - weights_per_gpu - overhead_bytes(weights_per_gpu))
+
+
+def host_kv_budget_bytes(
+    usable_memory_bytes: float, memory_utilization: float, weights_bytes: float, demand_bytes: float
+) -> float:
+    """The KV budget on a CPU host: as on a GPU (`kv_budget_bytes` of the memory the process
+    may use: its cgroup limit or the host's available memory), but no more than `demand_bytes`,
+    what max_num_seqs sequences of max_model_len tokens can fill. A GPU's memory is the
+    replica's alone; a host's unused memory serves the page cache and other processes."""
+    budget = kv_budget_bytes(usable_memory_bytes, memory_utilization, weights_bytes)
+    return min(budget, demand_bytes)

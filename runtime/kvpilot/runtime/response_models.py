@@ -182,8 +182,25 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class EngineChoices(BaseModel):
+    """What the runtime chose for this machine at start-up, and why (the start-up log says the
+    same): threads, compute dtype and the KV pool."""
+
+    device: str
+    threads: int  # each rank's share under tensor parallelism
+    threads_source: str
+    dtype: str
+    cpu_has_bf16: bool
+    kv_cache_dtype: str
+    kv_cache_bytes: int
+    kv_cache_blocks: int
+    kv_cache_source: str
+    weight_bytes: int
+
+
 class VersionResponse(BaseModel):
     version: str
+    engine: EngineChoices | None = None  # None while the model loads
 
 
 class ErrorInfo(BaseModel):

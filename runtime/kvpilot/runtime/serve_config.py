@@ -38,6 +38,11 @@ class ServeConfig(EngineConfig):
     )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
     log_level: str = option("info", "debug, info, warning, error")
+    threads: int | None = option(
+        None,
+        "torch intra-op threads (default: OMP_NUM_THREADS if set, else the cores this process "
+        "may use: its cgroup CPU quota, or the CPUs it may run on)",
+    )
     tool_call_parser: str = option(
         "auto",
         "format of the model's tool calls (auto: from the architecture: Llama llama3_json, "
@@ -59,6 +64,10 @@ class ServeConfig(EngineConfig):
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.served_name != "", "served_name must not be empty"),
+            (
+                self.threads is None or self.threads >= 1,
+                f"threads must be >= 1, got {self.threads}",
+            ),
             (
                 self.tool_call_parser in PARSER_CHOICES,
                 f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}",

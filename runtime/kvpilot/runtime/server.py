@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,9 +28,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpilot.runtime import serving, tokenization
+from kvpilot.runtime import machine_probe, serving, tokenization
 from kvpilot.runtime.api_errors import ApiError, error_response
 from kvpilot.runtime.input_limits import BodySizeLimit
+from kvpilot.runtime.machine import ThreadChoice
 from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -163,7 +165,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> VersionResponse:
-        return VersionResponse(version=VERSION)
+        return VersionResponse(version=VERSION, engine=state.choices)
 
 
 async def respond(request: Request, state: ServerState, job: serving.Job) -> Response:
@@ -231,15 +233,18 @@ class DrainingServer(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
+        threads = machine_probe.thread_choice(config.threads)  # --threads above the cores
     except ValueError as exc:
         print(f"kvpilot-runtime serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    return run(config)
+    return run(config, threads)
 
 
-def run(config: ServeConfig) -> int:
-    state = ServerState(config)
+def run(config: ServeConfig, threads: ThreadChoice) -> int:
+    # Before any thread computes: torch's threads read this count when they first run a kernel.
+    torch.set_num_threads(threads.num_threads)
+    state = ServerState(config, threads=threads)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,

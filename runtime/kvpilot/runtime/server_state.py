@@ -11,13 +11,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any, TypeVar
 
+import torch
+
 from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.async_engine import AsyncEngine
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.fetch import fetch
+from kvpilot.runtime.machine import ThreadChoice, rank_share
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
+from kvpilot.runtime.response_models import EngineChoices
 from kvpilot.runtime.serve_config import ServeConfig
 
 log = logging.getLogger("kvpilot.server")
@@ -60,9 +64,48 @@ class Ticket:
                 self.state.idle.set()
 
 
+def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
+    per_rank = rank_share(threads, core.config.tensor_parallel_size)
+    return EngineChoices(
+        device=str(core.device),
+        threads=per_rank.num_threads,
+        threads_source=per_rank.source,
+        dtype=dtype_name(core.dtype),
+        cpu_has_bf16=core.cpu_has_bf16,
+        kv_cache_dtype=dtype_name(core.kv_dtype),
+        kv_cache_bytes=sum(k.data.nbytes + v.data.nbytes for k, v in core.runner.kv_caches),
+        kv_cache_blocks=core.block_manager.num_total_blocks,
+        kv_cache_source=core.kv_budget_source,
+        weight_bytes=core.weight_bytes,
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def describe_choices(choices: EngineChoices) -> str:
+    """The start-up log line: what was chosen for this machine, and from what."""
+    return (
+        f"{choices.device}, {choices.threads} thread(s) ({choices.threads_source}), "
+        f"{choices.dtype} compute (CPU bf16 units: {'yes' if choices.cpu_has_bf16 else 'no'}), "
+        f"weights {choices.weight_bytes / 2**20:.0f} MiB, KV cache {choices.kv_cache_dtype} "
+        f"{choices.kv_cache_bytes / 2**20:.0f} MiB in {choices.kv_cache_blocks} blocks of "
+        f"{BLOCK_SIZE} tokens ({choices.kv_cache_source})"
+    )
+
+
 class ServerState:
-    def __init__(self, config: ServeConfig, engine: AsyncEngine | None = None):
+    def __init__(
+        self,
+        config: ServeConfig,
+        engine: AsyncEngine | None = None,
+        threads: ThreadChoice | None = None,
+    ):
         self.config = config
+        # What `run` set torch to; a state built without a server keeps torch's own choice.
+        self.threads = threads or ThreadChoice(torch.get_num_threads(), "torch default")
+        self.choices: EngineChoices | None = None
         self.served_name = config.served_name
         self.engine = engine
         self.engine_core: Engine | None = engine.engine if engine else None
@@ -98,14 +141,9 @@ class ServerState:
         engine.add_step_listener(self.metrics.on_step)
         self.metrics.on_engine_ready(core.max_model_len, cache_info(self.config, core))
         await engine.start()
+        self.choices = engine_choices(core, self.threads)
         self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
-        log.info(
-            "model %s loaded; ready (KV cache %s, %d blocks of %d tokens)",
-            self.served_name,
-            str(core.kv_dtype).removeprefix("torch."),
-            core.block_manager.num_total_blocks,
-            BLOCK_SIZE,
-        )
+        log.info("model %s loaded; ready: %s", self.served_name, describe_choices(self.choices))
 
     async def close(self) -> None:
         self.prompt_pool.shutdown(wait=False, cancel_futures=True)

@@ -106,6 +106,11 @@ class WorkerPool:
         self._send_all(("kv", (num_blocks, kv_dtype, scales)))
         self._wait_all("KV-cache allocation")
 
+    def thread_counts(self) -> list[int]:
+        """The intra-op threads each worker computes with (ranks 1..N-1, in order)."""
+        self._send_all(("threads", None))
+        return [_receive(proc, conn) for proc, conn in zip(self.procs, self.conns, strict=True)]
+
     def execute(self, plan: StepPlan) -> None:
         self._send_all(("step", plan))
 
@@ -184,6 +189,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         "join": lambda _: init_process_group(args.group, args.init_method, device),
         "kv": lambda kv_args: conn.send(_try(runner.allocate_kv_cache, *kv_args)),
         "step": runner.run_model,
+        "threads": lambda _: conn.send(torch.get_num_threads()),
     }
     try:
         if not follow(conn, handlers):

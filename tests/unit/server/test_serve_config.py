@@ -86,7 +86,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "host": "127.0.0.2", "port": 9001,
         "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
         "tool_call_parser": "hermes",
-        "max_request_body_bytes": 2048,
+        "max_request_body_bytes": 2048, "threads": 1,
     }  # fmt: skip
     fields_of_config = {
         f for f in ServeConfig.__dataclass_fields__ if f != "gpu_memory_utilization"
@@ -136,3 +136,21 @@ def test_serve_main_reports_a_bad_model_uri(capsys: pytest.CaptureFixture[str]) 
 
     assert main(["--model", "pvc://claim/path"]) == 2
     assert "operator mounts pvc:// models into the pod at a path" in capsys.readouterr().err
+
+
+def test_serve_main_refuses_more_threads_than_cores(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvpilot.runtime import machine, machine_probe
+    from kvpilot.runtime.server import main
+
+    cores = machine.available_cores(machine_probe.cpu_quota(), machine_probe.affinity_cores())
+    assert main(["--model", str(model_dir), "--threads", str(cores + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvpilot-runtime serve: --threads {cores + 1}: this process may use")
+    assert err.endswith(f"pass 1..{cores}\n") and err.count("\n") == 1
+
+
+def test_threads_flag_is_parsed(model_dir: Path) -> None:
+    assert parse_args(["--model", str(model_dir), "--threads", "1"]).threads == 1
+    assert parse_args(["--model", str(model_dir)]).threads is None

@@ -1,0 +1,140 @@
+"""Engine: where a decode step at 64 sequences spends its CPU time (issue 19 item 5).
+
+    .venv/bin/python -m bench.engine_step_profile [--models tiny,compute] [--steps 30]
+        [--num-seqs 64] [--rounds 2]
+
+--num-seqs sequences with random token-id prompts of 128 tokens are prefilled, then --steps
+decode steps are timed, each phase with the process's CPU time (one torch thread: on a shared
+machine wall time measures the neighbours). The phases are the engine's own calls, timed by
+wrapping them on this engine instance: scheduling (Scheduler.schedule), the step plan
+(model_runner.plan_step: flat ids, positions, slots, block tables as Python lists), the forward
+(ModelRunner.run_model: the plan as tensors, then the layers), the logits (lm_head), the sampler,
+and the rest of Engine.step (per-sequence output handling: appending the token, stop checks,
+incremental detokenisation, the stats snapshot). The best of --rounds rounds per model (the
+lowest total). Models: tiny-llama (4 M parameters, overhead-bound) and the compute-bound
+random-weight Llama of bench.engine_common, both with `--dtype auto`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.engine_common import MODEL, compute_bound_llama, greedy, setup_threads, threads_note
+from bench.report import markdown_table, write_section
+from kvpilot.runtime import model_runner
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import Engine
+
+PROMPT_LEN = 128
+PHASES = ("schedule", "plan", "forward", "logits", "sample")
+
+
+@dataclass
+class PhaseTimes:
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    total: float = 0.0
+
+    def timed(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.process_time() - started
+
+        return run
+
+
+def decoding_engine(model: Path, num_seqs: int, num_steps: int) -> Engine:
+    """An engine whose `num_seqs` sequences have all been prefilled and are decoding."""
+    config = EngineConfig(model=str(model), device="cpu", max_model_len=1024, max_num_seqs=num_seqs)
+    engine = Engine(config)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    for index in range(num_seqs):
+        prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
+        engine.add_request(prompt, greedy(num_steps + 8), f"profile-{index}")
+    running = engine.scheduler.running
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in running):
+        engine.step()
+    engine.step()  # one decode-only step before timing
+    return engine
+
+
+def profile(engine: Engine, num_steps: int) -> PhaseTimes:
+    """Time `num_steps` decode steps, phase by phase (wrapping this engine's calls only; the
+    module-level plan_step and sample are put back afterwards)."""
+    times = PhaseTimes()
+    runner = engine.runner
+    originals = (model_runner.plan_step, model_runner.sample)
+    engine.scheduler.schedule = times.timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
+    runner.run_model = times.timed("forward", runner.run_model)  # type: ignore[method-assign]
+    runner.model.compute_logits = times.timed("logits", runner.model.compute_logits)  # type: ignore[method-assign]
+    model_runner.plan_step = times.timed("plan", model_runner.plan_step)
+    model_runner.sample = times.timed("sample", model_runner.sample)
+    try:
+        for _ in range(num_steps):
+            started = time.process_time()
+            engine.step()
+            times.total += time.process_time() - started
+    finally:
+        model_runner.plan_step, model_runner.sample = originals
+    return times
+
+
+def rows(times: PhaseTimes, num_steps: int) -> list[list[object]]:
+    def ms(seconds: float) -> str:
+        return f"{1000 * seconds / num_steps:.2f}"
+
+    def share(seconds: float) -> str:
+        return f"{100 * seconds / times.total:.0f}%"
+
+    rest = times.total - sum(times.seconds.values())
+    named = [(phase, times.seconds[phase]) for phase in PHASES] + [("rest of the step", rest)]
+    table: list[list[object]] = [[phase, ms(s), share(s)] for phase, s in named]
+    table.append(["**step**", f"**{ms(times.total)}**", "100%"])
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="tiny,compute", help="comma-separated: tiny, compute")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    setup_threads()
+    paths = {"tiny": MODEL, "compute": None}
+    body = [
+        f"{args.num_seqs} sequences decoding (prompts of {PROMPT_LEN} random token ids, greedy), "
+        f"{args.steps} steps timed, best of {args.rounds} rounds; CPU time of the process. "
+        f"{threads_note()}",
+    ]
+    for name in args.models.split(","):
+        model = paths[name] or compute_bound_llama()
+        best: PhaseTimes | None = None
+        for _ in range(args.rounds):
+            times = profile(decoding_engine(model, args.num_seqs, args.steps), args.steps)
+            best = times if best is None or times.total < best.total else best
+            print(f"{name}: {1000 * times.total / args.steps:.1f} ms/step", flush=True)
+        assert best is not None
+        title = "tiny-llama (4 M parameters)" if name == "tiny" else "compute-bound Llama (245 M)"
+        table = markdown_table(["phase", "ms per step", "share"], rows(best, args.steps))
+        body += [f"### {title}", table]
+    command = "python -m bench.engine_step_profile " + " ".join(argv or sys.argv[1:])
+    write_section(
+        "engine_step_profile", "Engine: a decode step, phase by phase", command.strip(),
+        "\n\n".join(body),
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
