@@ -9,7 +9,8 @@ front of it, alternating; output tokens/s ratio and the added TTFT p50.
 (b) Shared prefixes: 16 tenants, each with a long system prompt of its own (sized to fit
 tiny-llama's 2048-token context) and distinct short questions, shuffled, 16 clients; the gateway
 with prefix affinity (CHWBL), least-load and random routing over the two replicas, side by side,
-plus one replica alone as the prefix-cache reference. Each phase uses tenants of its own, so no
+plus one replica with both replicas' KV pools, seeing all the traffic, as the prefix-cache
+reference. Each phase uses tenants of its own, so no
 phase finds another's prefixes cached. Hit rate: prefix-cache hits / queries (tokens) over both
 replicas during the phase (the runtime's vllm:prefix_cache_* counters).
 """
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +48,13 @@ SYSTEM_TOKENS = 1000  # per tenant, as the issue's workload; + question + output
 QUESTION_TOKENS = 32
 OUTPUT_TOKENS = 16
 OVERHEAD_CONCURRENCY = 64
-# 40 MiB = ~20k tokens per replica: the 16 tenants' prefixes (~17k tokens) plus the running
-# requests' KV fit on one replica only if it caches about half the tenants, as affinity asks, so
-# the KV pool is the scarce resource, as it is for real models on GPUs.
-KV_CACHE_MIB = 40
+# The KV pool is the scarce resource, as it is for real models on GPUs: 24 MiB = ~12k tokens per
+# replica holds ~3/4 of the 16 tenants' prefixes (16k tokens), the two pools together all of them
+# with room for the running requests. Random routing brings every tenant to both replicas, which
+# then evict each other's prefixes; affinity keeps each tenant's on one. (At 40 MiB one pool
+# held every prefix: random routing lost only each tenant's first request per replica.)
+KV_CACHE_MIB = 24
+KV_BYTES_PER_TOKEN = 2048  # tiny-llama, fp32
 STRATEGIES = ("prefix", "least-load", "random")
 
 
@@ -62,29 +66,14 @@ def free_port() -> int:
 
 @contextmanager
 def runtime_replicas(count: int, limits: list[str]) -> Iterator[list[str]]:
-    """`count` `kvpilot-runtime serve` processes of tiny-llama, started together (loading torch
-    takes minutes on a busy shared CPU); their base URLs once all are ready."""
+    """`count` `kvpilot-runtime serve` processes of tiny-llama (bench.server_common's); their base
+    URLs once all are ready."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # steadier on a shared CPU (server_throughput)
-    ports = [free_port() for _ in range(count)]
-    processes = [
-        subprocess.Popen([sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model",
-                          str(MODEL), "--served-name", "tiny", "--host", "127.0.0.1", "--port",
-                          str(port), "--log-level", "warning", *limits], env=env)
-        for port in ports
-    ]  # fmt: skip
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    try:
-        deadline = time.monotonic() + 900
-        while not all(server_common.is_ready(url) for url in urls):
-            if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
-                raise RuntimeError("a runtime replica did not become ready")
-            time.sleep(0.5)
+    with ExitStack() as stack:
+        urls = [stack.enter_context(server_common.runtime_server(MODEL, free_port(), *limits,
+                                                                 env=env))[0]
+                for _ in range(count)]  # fmt: skip
         yield urls
-    finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            process.wait(timeout=120)
 
 
 @contextmanager
@@ -186,18 +175,19 @@ def tenant_workload(phase: int, tenants: int, questions: int, path: Path) -> Pat
     return path
 
 
-def prefix_counters(replicas: list[str]) -> tuple[float, float]:
-    """(hits, queries) of the prefix cache summed over `replicas`."""
-    hits = queries = 0.0
-    for url in replicas:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "vllm:prefix_cache_hits_total":
-                    hits += sample.value
-                elif sample.name == "vllm:prefix_cache_queries_total":
-                    queries += sample.value
-    return hits, queries
+COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+            "vllm:request_success_total")  # fmt: skip
+
+
+def replica_counters(url: str) -> dict[str, float]:
+    """The prefix cache's hits and queries (tokens) and the requests served, of one replica."""
+    counters = dict.fromkeys(COUNTERS, 0.0)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in counters:
+                counters[sample.name] += sample.value
+    return counters
 
 
 @dataclass(frozen=True)
@@ -205,16 +195,19 @@ class Phase:
     name: str
     summary: Summary
     hit_rate: float
+    served: list[int]  # requests per replica
 
 
 def run_phase(name: str, url: str, replicas: list[str], dataset: Path, tenants: int) -> Phase:
-    before = prefix_counters(replicas)
+    before = [replica_counters(r) for r in replicas]
     count = sum(1 for _ in dataset.open())
     summary = run_bench(url, "--api", "chat", "--dataset", str(dataset), "--num-prompts",
                         str(count), "--concurrency", str(tenants))  # fmt: skip
-    after = prefix_counters(replicas)
-    queries = after[1] - before[1]
-    return Phase(name, summary, (after[0] - before[0]) / queries if queries else 0.0)
+    after = [replica_counters(r) for r in replicas]
+    delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
+    hits, queries = (sum(d[k] for d in delta) for k in COUNTERS[:2])
+    served = [int(d["vllm:request_success_total"]) for d in delta]
+    return Phase(name, summary, hits / queries if queries else 0.0, served)
 
 
 def measure_prefix(replicas: list[str], workdir: Path, tenants: int, questions: int) -> list[Phase]:
@@ -223,13 +216,24 @@ def measure_prefix(replicas: list[str], workdir: Path, tenants: int, questions: 
         dataset = tenant_workload(index, tenants, questions, workdir / f"{strategy}.jsonl")
         with gateway(replicas, strategy, workdir) as url:
             phases.append(run_phase(strategy, url, replicas, dataset, tenants))
-    dataset = tenant_workload(0, tenants, questions, workdir / "single.jsonl")
-    phases.append(run_phase("one replica alone", replicas[0], replicas[:1], dataset, tenants))
     return phases
 
 
-PREFIX_COLUMNS = ["routing", "TTFT p95 (ms)", "TTFT p50 (ms)", "req/s", "prefix-cache hit rate",
-                  "hit rate / one replica's"]  # fmt: skip
+def measure_reference(limits: list[str], workdir: Path, tenants: int, questions: int) -> Phase:
+    """One replica with the KV pool of both, seeing all the traffic: the hit rate a cache that
+    every request reaches gets from the same memory."""
+    dataset = tenant_workload(0, tenants, questions, workdir / "single.jsonl")
+    with runtime_replicas(1, limits) as (url,):
+        return run_phase("one replica alone, both pools", url, [url], dataset, tenants)
+
+
+PREFIX_COLUMNS = ["routing", "TTFT p95 (ms)", "TTFT p50 (ms)", "req/s", "requests per replica",
+                  "prefix-cache hit rate", "hit rate / one replica's"]  # fmt: skip
+
+
+def held_share(args: argparse.Namespace) -> float:
+    """The share of all tenants' system prompts one replica's KV pool can hold."""
+    return args.kv_cache_mib * 1024**2 / KV_BYTES_PER_TOKEN / (SYSTEM_TOKENS * args.tenants)
 
 
 def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) -> str:
@@ -248,7 +252,8 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
     reference = phases[-1].hit_rate
     prefix_rows = [[p.name, f"{p.summary.ttft_ms.percentiles['p95']:.1f}",
                     f"{p.summary.ttft_ms.percentiles['p50']:.1f}",
-                    f"{p.summary.request_throughput:.2f}", f"{100 * p.hit_rate:.1f}%",
+                    f"{p.summary.request_throughput:.2f}", " / ".join(map(str, p.served)),
+                    f"{100 * p.hit_rate:.1f}%",
                     f"{p.hit_rate / reference:.2f}" if reference else "-"]
                    for p in phases]  # fmt: skip
     random_p95 = next(p for p in phases if p.name == "random").summary.ttft_ms.percentiles["p95"]
@@ -271,11 +276,17 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
         f"prompts of ~{SYSTEM_TOKENS} tokens, questions of ~{QUESTION_TOKENS} tokens, "
         f"{OUTPUT_TOKENS} output tokens, chat, {args.tenants} clients in a closed loop, two "
         f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{args.kv_cache_mib // 2}k "
-        "tokens; the last row: one replica alone, the hit-rate reference, which has to hold "
-        "every tenant in one pool).\n\n"
+        f"tokens, {held_share(args):.0%} of the tenants' prefixes; together they hold them all); "
+        "the last row: one replica with both pools seeing all the traffic, the hit-rate "
+        "reference.\n\n"
         + markdown_table(PREFIX_COLUMNS, prefix_rows)
         + f"\n\nTTFT p95, random / prefix affinity: {random_p95 / prefix_p95:.2f}x (goal >= 3x)\n"
     )
+
+
+def replica_limits(args: argparse.Namespace, kv_cache_mib: int) -> list[str]:
+    return ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
+            "--kv-cache-memory", str(kv_cache_mib * 1024**2)]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,12 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
                         help="each replica's KV pool (tiny-llama fp32: 2 KiB a token)")  # fmt: skip
     args = parser.parse_args(argv)
-    limits = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
-              "--kv-cache-memory", str(args.kv_cache_mib * 1024**2)]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp, runtime_replicas(2, limits) as replicas:
+    with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        overhead = measure_overhead(replicas[0], workdir, args.overhead_requests, args.rounds)
-        phases = measure_prefix(replicas, workdir, args.tenants, args.questions)
+        with runtime_replicas(2, replica_limits(args, args.kv_cache_mib)) as replicas:
+            overhead = measure_overhead(replicas[0], workdir, args.overhead_requests, args.rounds)
+            phases = measure_prefix(replicas, workdir, args.tenants, args.questions)
+        both_pools = replica_limits(args, 2 * args.kv_cache_mib)
+        phases.append(measure_reference(both_pools, workdir, args.tenants, args.questions))
     body = report(args, overhead, phases)
     print(body)
     command = (f"python -m bench.gateway_routing --tenants {args.tenants} --questions "

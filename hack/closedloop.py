@@ -3,6 +3,7 @@ ModelDeployment for the `local` pool, a proxy in front of its Service, and a ben
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,3 +100,49 @@ def bench_argv(url: str, model: str, concurrency: int, prompts: int, result: Pat
         str(result),
         "--no-progress",
     ]
+
+
+def zero_autoscaling(idle_s: int) -> dict[str, Any]:
+    """Builtin autoscaling 0..1 that goes to zero after `idle_s` seconds without requests."""
+    return {
+        "mode": "builtin",
+        "minReplicas": 0,
+        "maxReplicas": 1,
+        "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 5,
+        "scaleToZeroIdleSeconds": idle_s,
+    }
+
+
+def start_zero_gateway(cluster: DevCluster, name: str, idle_s: int, fallback_after_s: int) -> str:
+    """CRDs, the operator, a tiny-llama ModelDeployment `name` that may go to zero, and
+    kvpilot-gateway watching the cluster (processes `down` or `stop_zero_gateway` stop); the
+    gateway's base URL once it answers."""
+    apply_crds(cluster)
+    env = {
+        **cluster.env,
+        "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
+        "KVPILOT_AUTOSCALER_INTERVAL": "2",
+    }
+    operator = [str(BIN / "kvpilot-operator"), "run", "--standalone"]
+    cluster.start_process(f"{name}-operator", operator, env=env)
+    md = tiny_llama(name, 4, zero_autoscaling(idle_s))
+    # The CRD defaults spec.routing.fallbackAfterSeconds (30 s), which the gateway takes over its
+    # own --fallback-after: a cold start that may take longer says so here.
+    md["spec"]["routing"] = {"fallbackAfterSeconds": fallback_after_s}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
+    port = procs.free_port()
+    argv = [str(BIN / "kvpilot-gateway"), "--discovery=kubernetes", "--namespace=default"]
+    argv += [f"--kubeconfig={cluster.kubeconfig}", f"--port={port}", "--host=127.0.0.1"]
+    argv += [f"--fallback-after={fallback_after_s}"]
+    cluster.start_process(f"{name}-gateway", argv, env=cluster.env)
+    url = f"http://127.0.0.1:{port}"
+    if not procs.wait_for(lambda: procs.http_ok(f"{url}/health"), 60, 0.5):
+        raise RuntimeError(f"kvpilot-gateway did not answer on {url}/health within 60 s")
+    return url
+
+
+def stop_zero_gateway(cluster: DevCluster, name: str) -> None:
+    cluster.kubectl("delete", "modeldeployment", name, "--wait=false", check=False)
+    cluster.stop_process(f"{name}-gateway")
+    cluster.stop_process(f"{name}-operator")

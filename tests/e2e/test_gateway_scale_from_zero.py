@@ -8,22 +8,17 @@ served by it: one request, no error, no retry by the client.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from hack import closedloop
-from hack.devcluster import procs
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-BIN = Path(sys.executable).parent
 NAME = "tiny-zero"
 WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 
@@ -33,38 +28,12 @@ def gateway(cluster: Any) -> Iterator[str]:
     """CRD + operator + a tiny-llama ModelDeployment that may go to zero + kvpilot-gateway."""
     if not hasattr(cluster, "start_process"):
         pytest.skip("needs the dev cluster (pod runner and Prometheus)")
-    closedloop.apply_crds(cluster)
-    env = {
-        **cluster.env,
-        "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
-        "KVPILOT_AUTOSCALER_INTERVAL": "2",
-    }
-    cluster.start_process(
-        "zero-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
-    )
-    autoscaling = {
-        "mode": "builtin",
-        "minReplicas": 0,
-        "maxReplicas": 1,
-        "scaleUpStabilizationSeconds": 0,
-        "scaleDownStabilizationSeconds": 5,
-        "scaleToZeroIdleSeconds": 10,
-    }
-    md = closedloop.tiny_llama(NAME, 4, autoscaling)
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
-    port = procs.free_port()
-    argv = [str(BIN / "kvpilot-gateway"), "--discovery=kubernetes", "--namespace=default"]
-    argv += [f"--kubeconfig={cluster.kubeconfig}", f"--port={port}", "--host=127.0.0.1"]
-    argv += ["--fallback-after=280"]  # a cold start on a busy 2-core machine takes a while
-    cluster.start_process("zero-gateway", argv, env=cluster.env)
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: procs.http_ok(f"{url}/health"), 60, "the gateway")
+    # A cold start on a busy 2-core machine takes a while: the fallback deadline is generous.
+    url = closedloop.start_zero_gateway(cluster, NAME, idle_s=10, fallback_after_s=280)
     try:
         yield url
     finally:
-        cluster.kubectl("delete", "modeldeployment", NAME, "--wait=false", check=False)
-        cluster.stop_process("zero-gateway")
-        cluster.stop_process("zero-operator")
+        closedloop.stop_zero_gateway(cluster, NAME)
 
 
 def pods(cluster: Any) -> list[dict[str, Any]]:

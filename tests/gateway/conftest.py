@@ -7,15 +7,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.gateway.gateway_process import GatewayProcess, Replica, start_replicas
-from tests.server.server_process import free_port
+from tests.gateway.gateway_process import GatewayProcess, start_replicas
+from tests.server.server_process import RuntimeServer, free_port
 
 API_KEY = "sk-gateway-test"
 REPLICA_ARGS = ("--max-model-len", "2048", "--max-num-seqs", "16", "--api-key", API_KEY)
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RuntimeServer]]:
     started = start_replicas(2, list(REPLICA_ARGS), tmp_path_factory.mktemp("replicas"))
     yield started
     for replica in started:
@@ -24,7 +24,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]
 
 @pytest.fixture(scope="module")
 def gateway(
-    replicas: list[Replica], tmp_path_factory: pytest.TempPathFactory
+    replicas: list[RuntimeServer], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
     a, b = replicas
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there

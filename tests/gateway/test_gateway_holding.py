@@ -13,8 +13,8 @@ from aiohttp import web
 
 from kvpilot.gateway.proxy import Gateway
 from kvpilot.gateway.routes import Backend, Route, RouteTable, ScaleTarget
-from tests.gateway.gateway_process import Replica
-from tests.server.server_process import free_port
+from tests.gateway.gateway_process import STARTUP_TIMEOUT_S
+from tests.server.server_process import RuntimeServer, free_port
 
 pytestmark = pytest.mark.slow
 TARGET = ScaleTarget("team-a", "tiny-md")
@@ -32,14 +32,14 @@ class RecordingWaker:
 
 
 def test_a_held_request_is_served_by_the_replica_started_after_it(tmp_path: Path) -> None:
-    replicas: list[Replica] = []
+    replicas: list[RuntimeServer] = []
     try:
         asyncio.run(scenario(tmp_path, replicas))
     finally:
         assert [r.stop() for r in replicas] == [0] * len(replicas)
 
 
-async def scenario(tmp_path: Path, replicas: list[Replica]) -> None:
+async def scenario(tmp_path: Path, replicas: list[RuntimeServer]) -> None:
     table, waker = RouteTable(), RecordingWaker()
     table.put(Route("tiny", scale_target=TARGET, fallback_after_s=600))
     gateway = Gateway(table, waker=waker)
@@ -55,9 +55,9 @@ async def scenario(tmp_path: Path, replicas: list[Replica]) -> None:
             await asyncio.wait_for(held_becomes(gateway, 1), 30)
             assert waker.calls[0] == TARGET
             # The replica starts only now; the request waits for it, held.
-            replica = Replica([], tmp_path / "replica.log")
+            replica = RuntimeServer([], tmp_path / "replica.log", wait=False)
             replicas.append(replica)
-            await asyncio.to_thread(replica.wait_ready)
+            await asyncio.to_thread(replica.wait_ready, STARTUP_TIMEOUT_S)
             assert not request.done()
             table.put(Route("tiny", (Backend("team-a/tiny-0", replica.url),), (), TARGET, 600))
             response = await asyncio.wait_for(request, 120)

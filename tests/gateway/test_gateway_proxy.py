@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from tests.gateway.conftest import API_KEY
-from tests.gateway.gateway_process import GatewayProcess, Replica
-from tests.server.server_process import wait_for
+from tests.gateway.gateway_process import GatewayProcess
+from tests.server.server_process import RuntimeServer, wait_for
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -29,7 +29,7 @@ def client(url: str) -> openai.OpenAI:
 
 
 def test_completions_through_the_gateway_match_the_replica(
-    gateway: GatewayProcess, replicas: list[Replica]
+    gateway: GatewayProcess, replicas: list[RuntimeServer]
 ) -> None:
     args: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     raw = client(gateway.url).completions.with_raw_response.create(**args)
@@ -41,7 +41,7 @@ def test_completions_through_the_gateway_match_the_replica(
     assert "".join(chunk.choices[0].text for chunk in streamed) == direct.choices[0].text
 
 
-def test_chat_streamed_and_not(gateway: GatewayProcess, replicas: list[Replica]) -> None:
+def test_chat_streamed_and_not(gateway: GatewayProcess, replicas: list[RuntimeServer]) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     args: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 10}
     args["temperature"] = 0
@@ -118,7 +118,7 @@ def test_bad_input_is_refused_before_any_upstream_call(
     ],
 )
 def test_upstream_4xx_passes_through_unchanged(
-    gateway: GatewayProcess, replicas: list[Replica], body: dict[str, object]
+    gateway: GatewayProcess, replicas: list[RuntimeServer], body: dict[str, object]
 ) -> None:
     through = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=AUTH, timeout=30)
     direct = httpx.post(f"{replicas[0].url}/v1/completions", json=body, headers=AUTH, timeout=30)
@@ -144,7 +144,7 @@ def test_fallback_to_another_model(gateway: GatewayProcess) -> None:
 
 
 def test_fallback_to_a_provider_with_its_key(
-    gateway: GatewayProcess, replicas: list[Replica]
+    gateway: GatewayProcess, replicas: list[RuntimeServer]
 ) -> None:
     # No Authorization from the client: the provider's key (from apiKeyEnv) is what the
     # "external" endpoint (a real runtime checking --api-key) accepts.
@@ -166,7 +166,7 @@ def test_no_replica_and_no_fallback_is_a_503(gateway: GatewayProcess) -> None:
 
 
 def test_a_client_that_goes_away_cancels_the_upstream_request(
-    gateway: GatewayProcess, replicas: list[Replica]
+    gateway: GatewayProcess, replicas: list[RuntimeServer]
 ) -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
             "stream": True}  # fmt: skip
@@ -182,16 +182,16 @@ def test_a_client_that_goes_away_cancels_the_upstream_request(
     wait_for(lambda: running(replica) == 0, 30, "the replica freed it")
 
 
-def aborts(replica: Replica) -> float:
-    return replica.metrics().get("vllm:request_success_total{finished_reason=abort}", 0)
+def aborts(replica: RuntimeServer) -> float:
+    return replica.metrics().get("vllm:request_success_total[('finished_reason', 'abort')]", 0)
 
 
-def running(replica: Replica) -> float:
+def running(replica: RuntimeServer) -> float:
     return replica.metrics()["vllm:num_requests_running"]
 
 
 def test_a_replica_killed_mid_burst_loses_no_request(
-    gateway: GatewayProcess, replicas: list[Replica]
+    gateway: GatewayProcess, replicas: list[RuntimeServer]
 ) -> None:
     """Runs last: kills the replica serving a long stream while a burst of 48 non-streamed
     requests runs. The burst loses nothing (retried before their first byte reached the
@@ -206,7 +206,7 @@ def test_a_replica_killed_mid_burst_loses_no_request(
 
 
 async def kill_during_burst(
-    url: str, replicas: list[Replica], num_requests: int
+    url: str, replicas: list[RuntimeServer], num_requests: int
 ) -> tuple[list[object], list[str]]:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True,
             "stream": True}  # fmt: skip
@@ -223,7 +223,7 @@ async def kill_during_burst(
     return results, rest
 
 
-async def burst(url: str, victim: Replica, num_requests: int) -> list[object]:
+async def burst(url: str, victim: RuntimeServer, num_requests: int) -> list[object]:
     async_client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0,
                                       timeout=300)  # fmt: skip
     done = 0

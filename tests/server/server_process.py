@@ -38,7 +38,10 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 
 
 class RuntimeServer:
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    """Started and awaited until /ready; `wait=False` only starts it (several replicas load
+    together, then each is awaited with `wait_ready`)."""
+
+    def __init__(self, args: list[str], log_path: Path, wait: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model", str(TINY),
@@ -48,8 +51,12 @@ class RuntimeServer:
         self.log = log_path.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        if wait:
+            self.wait_ready(STARTUP_TIMEOUT_S)
+
+    def wait_ready(self, timeout_s: float) -> None:
         try:
-            wait_for(self.is_ready, STARTUP_TIMEOUT_S, f"server ready (log: {log_path})")
+            wait_for(self.is_ready, timeout_s, f"server ready (log: {self.log_path})")
         except BaseException:  # no fixture will stop a server that never became ready
             self.process.kill()
             self.process.wait()

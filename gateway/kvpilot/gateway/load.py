@@ -1,6 +1,7 @@
 """What the gateway knows of each replica's load: its own in-flight requests (exact, counted here),
-the queue and KV usage the replica reports on /metrics (scraped every few seconds, so it also sees
-other gateway replicas' traffic), and replicas that just failed (passed over for a short while)."""
+the queue and KV usage the replica reports on /metrics (scraped every few seconds; the requests it
+counts beyond ours are other gateway replicas' traffic), and replicas that just failed (passed
+over for a short while)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,10 @@ class LoadBook:
         self._in_flight[name] = max(0, self._in_flight.get(name, 0) - 1)
 
     def report(self, name: str, num_requests: float, kv_usage: float) -> None:
-        self._reported[name] = (num_requests, kv_usage)
+        """What the replica reports (running + waiting, KV usage 0-1); the requests it counts
+        beyond ours in flight now are other gateway replicas'."""
+        others = max(0.0, num_requests - self._in_flight.get(name, 0))
+        self._reported[name] = (others, kv_usage)
 
     def eject(self, name: str) -> None:
         """A replica that refused a connection or answered 502/503: pass it over a while."""
@@ -73,8 +77,8 @@ class LoadBook:
         return {name: self.load(name) for name in names}
 
     def load(self, name: str) -> ReplicaLoad:
-        num_requests, kv_usage = self._reported.get(name, (0.0, 0.0))
-        return ReplicaLoad(self._in_flight.get(name, 0), num_requests, kv_usage)
+        others, kv_usage = self._reported.get(name, (0.0, 0.0))
+        return ReplicaLoad(self._in_flight.get(name, 0), others, kv_usage)
 
 
 async def scrape_forever(

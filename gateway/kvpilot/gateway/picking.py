@@ -5,9 +5,10 @@ each replica owns points on a hash ring built from its name alone, so every gate
 prompt prefix to the same replica without shared state, and a replica's prefix cache sees all of a
 tenant's traffic. The bound keeps affinity from overloading one replica: walking the ring from the
 key's point, a replica is taken only while its load is under `load_factor` × the mean (counting the
-new request). A replica's load is the gateway's own in-flight requests to it, or the requests it
-reports running and waiting on /metrics when that is more (other gateway replicas' traffic); one
-whose KV cache is nearly full is passed over while another can take the request. `random` is what
+new request). A replica's load is the gateway's own in-flight requests to it (exact, current) plus
+the other gateway replicas' (the running and waiting requests it last reported on /metrics, less
+ours it counted then); one whose KV cache is nearly full is passed over while another can take
+the request. `random` is what
 a Service does; `least-load` picks the least loaded replica; both are for comparison.
 """
 
@@ -30,14 +31,15 @@ POINTS_PER_REPLICA = 160  # virtual nodes: the spread of keys per replica stays 
 @dataclass(frozen=True)
 class ReplicaLoad:
     in_flight: int = 0  # this gateway's requests now at the replica (exact, current)
-    reported: float = 0.0  # running + waiting, as the replica last reported (every gateway's)
+    others: float = 0.0  # other gateways' requests there, as of the replica's last report
     kv_usage: float = 0.0  # 0-1 (vllm:kv_cache_usage_perc)
 
     @property
     def total(self) -> float:
-        # The report counts this gateway's requests too, but is seconds old: the larger of the
-        # two neither counts ours twice nor misses the other gateway replicas' traffic.
-        return max(self.in_flight, self.reported)
+        # Ours now plus the others' as last reported: a report seconds old must not pin a
+        # replica at the load it had then (a stale peak would push every tenant off it until
+        # the next scrape), and ours must not count twice.
+        return self.in_flight + self.others
 
 
 @dataclass(frozen=True)

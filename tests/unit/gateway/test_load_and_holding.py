@@ -40,13 +40,28 @@ def test_load_book_counts_and_ejects() -> None:
     book.start("a")
     book.start("a")
     book.finish("a")
-    book.report("a", 2, 0.5)
-    assert book.load("a") == ReplicaLoad(1, 2, 0.5)
+    book.report("a", 2, 0.5)  # ours (1) and one of another gateway replica
+    assert book.load("a") == ReplicaLoad(1, 1, 0.5)
     book.eject("b")
     assert book.available([a, b], tried=set()) == [a]
     assert book.available([a, b], tried={"a"}) == [b]  # only ejected ones left: try them
     now[0] += 6
     assert book.available([a, b], tried=set()) == [a, b]
+
+
+def test_a_stale_report_does_not_pin_a_replica_at_its_old_load() -> None:
+    book = LoadBook()
+    for _ in range(11):
+        book.start("b")
+    book.report("b", 11, 0.4)  # all ours: no other gateway's requests there
+    for _ in range(3):
+        book.finish("b")
+    assert book.load("b").total == 8  # ours now, not the 11 of the report
+    book.report("b", 12, 0.4)  # 8 ours + 4 of other gateway replicas
+    book.start("b")
+    assert book.load("b").total == 13
+    book.report("b", 2, 0.4)  # fewer than ours (a request admitted after the scrape): no others
+    assert book.load("b") == ReplicaLoad(9, 0.0, 0.4)
 
 
 def test_sse_error_event_lands_on_an_event_boundary() -> None:

@@ -56,21 +56,22 @@ def test_a_replica_over_the_bound_is_passed_over_to_the_next_on_the_ring() -> No
     assert chosen is not None and chosen.name == order[1]
 
 
-def test_our_requests_reported_back_by_the_replica_count_once() -> None:
+def test_the_other_gateways_requests_add_to_ours() -> None:
     pair = REPLICAS[:2]
     key = "tenant-5"
     first, second = ring_order(key, tuple(b.name for b in pair))
-    # One of ours at `first`, which also reports it: load 1, bound ceil((1 + 0 + 1) / 2 * 1.25)
-    # = 2, so it still takes the next one (counted twice, 2 + 1 would be over the bound).
-    loads = {first: ReplicaLoad(in_flight=1, reported=1), second: ReplicaLoad()}
-    chosen = pick(PREFIX, key, pair, loads)
-    assert chosen is not None and chosen.name == first
+    # One of ours at `first`: load 1, bound ceil((1 + 0 + 1) / 2 * 1.25) = 2: it takes one more.
+    ours = {first: ReplicaLoad(in_flight=1), second: ReplicaLoad()}
+    assert pick(PREFIX, key, pair, ours) == next(b for b in pair if b.name == first)
+    # One more there from another gateway: load 2, bound ceil(3 / 2 * 1.25) = 2: passed over.
+    both = {first: ReplicaLoad(in_flight=1, others=1), second: ReplicaLoad()}
+    assert pick(PREFIX, key, pair, both) == next(b for b in pair if b.name == second)
 
 
 def test_the_replicas_own_queue_counts_as_load() -> None:
     key = "tenant-3"
     order = ring_order(key, tuple(sorted(b.name for b in REPLICAS)))
-    loads = {order[0]: ReplicaLoad(reported=8)}  # sent by other gateway replicas
+    loads = {order[0]: ReplicaLoad(others=8)}  # sent by other gateway replicas
     chosen = pick(PREFIX, key, REPLICAS, loads)
     assert chosen is not None and chosen.name == order[1]
 
