@@ -18,8 +18,8 @@ import pytest
 
 from kvpilot.gateway.budget_config import KEY_ID_CHARS, hash_key
 from kvpilot.gateway.budgets import Limit, parse_window
-from tests.gateway.gateway_process import GatewayProcess, Replica, start_replicas
-from tests.server.server_process import MODEL, wait_for
+from tests.gateway.gateway_process import GatewayProcess, start_replicas
+from tests.server.server_process import MODEL, RuntimeServer, wait_for
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ PROMPT = "The budget of a key is shared by every gateway replica because"
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RuntimeServer]]:
     args = ["--max-model-len", "2048", "--max-num-seqs", "32"]
     started = start_replicas(2, args, tmp_path_factory.mktemp("replicas"))
     yield started
@@ -48,7 +48,7 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]
 
 @pytest.fixture(scope="module")
 def gateways(
-    replicas: list[Replica],
+    replicas: list[RuntimeServer],
     redis_server: RedisServer,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[list[GatewayProcess]]:

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.gateway_process import GatewayProcess, Replica
-from tests.server.server_process import wait_for
+from tests.gateway.gateway_process import GatewayProcess, start_servers
+from tests.server.server_process import RuntimeServer, wait_for
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.slow
@@ -26,20 +26,19 @@ LONG = "Once upon a time there was a little robot who lived in a quiet town by t
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Replica]]:
-    workdir = tmp_path_factory.mktemp("replicas")
-    started = {name: Replica([*ARGS, "--served-name", name], workdir / f"{name}.log")
-               for name in ("big", "small")}  # fmt: skip
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RuntimeServer]]:
+    names = ("big", "small")
+    servers = start_servers(
+        [[*ARGS, "--served-name", n] for n in names], tmp_path_factory.mktemp("replicas")
+    )
     try:
-        for replica in started.values():
-            replica.wait_ready()
-        yield started
+        yield dict(zip(names, servers, strict=True))
     finally:
-        for replica in started.values():
-            replica.stop()
+        for server in servers:
+            server.stop()
 
 
-def config(replicas: dict[str, Replica], ttl_s: float = 600) -> dict[str, Any]:
+def config(replicas: dict[str, RuntimeServer], ttl_s: float = 600) -> dict[str, Any]:
     rule = {"when": {"maxPromptTokens": 64, "noTools": True}, "model": "small"}
     return {
         "models": [
@@ -51,14 +50,14 @@ def config(replicas: dict[str, Replica], ttl_s: float = 600) -> dict[str, Any]:
 
 
 def start_gateway(
-    replicas: dict[str, Replica], workdir: Path, *flags: str, ttl_s: float = 600
+    replicas: dict[str, RuntimeServer], workdir: Path, *flags: str, ttl_s: float = 600
 ) -> GatewayProcess:
     return GatewayProcess(config(replicas, ttl_s), workdir, *flags)
 
 
 @pytest.fixture(scope="module")
 def gateway(
-    replicas: dict[str, Replica], tmp_path_factory: pytest.TempPathFactory
+    replicas: dict[str, RuntimeServer], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
     process = start_gateway(replicas, tmp_path_factory.mktemp("gateway"))
     yield process
@@ -69,13 +68,13 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def served(replica: Replica) -> float:
+def served(replica: RuntimeServer) -> float:
     """Requests the replica finished (the runtime's own counter)."""
     return sum(v for k, v in replica.metrics().items()
                if k.startswith("kvpilot_request_success_total"))  # fmt: skip
 
 
-def wait_served(replica: Replica, count: float) -> None:
+def wait_served(replica: RuntimeServer, count: float) -> None:
     wait_for(lambda: served(replica) >= count, 30, f"{replica.url} served {count} requests")
 
 
@@ -85,7 +84,7 @@ def complete(url: str, prompt: str, **extra: Any) -> Any:
 
 
 def test_a_repeated_deterministic_request_is_a_hit(
-    gateway: GatewayProcess, replicas: dict[str, Replica]
+    gateway: GatewayProcess, replicas: dict[str, RuntimeServer]
 ) -> None:
     small = replicas["small"]
     before = served(small)
@@ -103,7 +102,7 @@ def test_a_repeated_deterministic_request_is_a_hit(
     assert gateway.metric("kvpilot_gateway_cache_stores_total", model="small") >= 1
 
 
-def test_chat_hit(gateway: GatewayProcess, replicas: dict[str, Replica]) -> None:
+def test_chat_hit(gateway: GatewayProcess, replicas: dict[str, RuntimeServer]) -> None:
     messages = [{"role": "user", "content": "Say hi"}]
     args: dict[str, Any] = {"model": "small", "messages": messages, "max_tokens": 6, "seed": 3}
     api = client(gateway.url).chat.completions.with_raw_response
@@ -127,7 +126,7 @@ def stream_events(
 
 
 def test_a_streamed_hit_replays_the_stored_chunks(
-    gateway: GatewayProcess, replicas: dict[str, Replica]
+    gateway: GatewayProcess, replicas: dict[str, RuntimeServer]
 ) -> None:
     usage = {"include_usage": True}
     body = {"model": "small", "prompt": "Streams are replayed", "max_tokens": 8,
@@ -154,7 +153,7 @@ def test_a_streamed_hit_replays_the_stored_chunks(
 
 
 def test_no_cache_and_the_cache_field_skip_the_lookup(
-    gateway: GatewayProcess, replicas: dict[str, Replica]
+    gateway: GatewayProcess, replicas: dict[str, RuntimeServer]
 ) -> None:
     small, prompt = replicas["small"], "Skipping is allowed"
     complete(gateway.url, prompt)
@@ -171,7 +170,7 @@ def test_no_cache_and_the_cache_field_skip_the_lookup(
 
 
 def test_a_non_deterministic_request_is_never_cached(
-    gateway: GatewayProcess, replicas: dict[str, Replica]
+    gateway: GatewayProcess, replicas: dict[str, RuntimeServer]
 ) -> None:
     before = served(replicas["small"])
     for _ in range(2):
@@ -183,7 +182,7 @@ def test_a_non_deterministic_request_is_never_cached(
 
 
 def test_an_entry_expires_after_the_ttl(
-    replicas: dict[str, Replica], tmp_path_factory: pytest.TempPathFactory
+    replicas: dict[str, RuntimeServer], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ttl_s = 3.0
     short = start_gateway(replicas, tmp_path_factory.mktemp("ttl"), ttl_s=ttl_s)
@@ -205,7 +204,7 @@ def test_an_entry_expires_after_the_ttl(
 
 
 def test_a_redis_store_is_shared_by_two_gateways(
-    replicas: dict[str, Replica],
+    replicas: dict[str, RuntimeServer],
     redis_server: RedisServer,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
@@ -227,7 +226,7 @@ def test_a_redis_store_is_shared_by_two_gateways(
 
 
 def test_cascade_sends_short_tool_less_prompts_to_the_small_model(
-    gateway: GatewayProcess, replicas: dict[str, Replica]
+    gateway: GatewayProcess, replicas: dict[str, RuntimeServer]
 ) -> None:
     big, small = served(replicas["big"]), served(replicas["small"])
     api = client(gateway.url).chat.completions.with_raw_response
@@ -252,7 +251,7 @@ def test_cascade_sends_short_tool_less_prompts_to_the_small_model(
 
 
 def test_a_hit_costs_no_budget(
-    replicas: dict[str, Replica], tmp_path_factory: pytest.TempPathFactory
+    replicas: dict[str, RuntimeServer], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Keys before the cache, the budget after it: a key allowed 3 requests sends one request 3
     times (1 miss, 2 hits) and a streamed one twice (1 miss, 1 hit, identical events: the usage
