@@ -35,6 +35,9 @@ from kvpilot.gateway.wake import Waker
 access_log = logging.getLogger("kvpilot.gateway.access")
 
 
+UPSTREAM_IDLE_S = 4.0
+
+
 @dataclass(frozen=True)
 class ProxyOptions:
     policy: PickPolicy = field(default_factory=PickPolicy)
@@ -88,7 +91,9 @@ class Gateway:
         return app
 
     async def _client_session(self, _: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)  # a pool per replica
+        # A pool per replica; idle connections close before the replica's own idle timeout
+        # (uvicorn's 5 s), so a request is never sent on a connection the replica is closing.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_IDLE_S)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         scraper = asyncio.ensure_future(

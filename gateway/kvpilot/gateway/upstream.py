@@ -11,6 +11,7 @@ upstream connection, so the replica aborts the request and frees its KV cache.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from kvpilot.gateway.exchange import Tap, end_taps, through_taps
 RETRYABLE_STATUS = {429: "saturated", 502: "bad_gateway", 503: "unavailable"}
 # Upstream headers worth passing on; hop-by-hop and length headers are the server's own.
 PASSED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After", "X-Request-Id")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,6 +103,7 @@ async def forward(
     except (TimeoutError, aiohttp.ClientError, ConnectionResetError) as error:
         if request.transport is None or request.transport.is_closing():
             raise  # the client went away mid-relay: nothing to answer
+        log.warning("upstream %s refused before the first byte: %r", hop.backend, error)
         return Refusal("connect" if isinstance(error, aiohttp.ClientConnectorError) else "broken")
 
 
