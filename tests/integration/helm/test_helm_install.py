@@ -82,6 +82,10 @@ ALLOWED = [
     ("create", "services", "anywhere", ""),
     ("delete", "services", "anywhere", ""),
     ("create", "events", "anywhere", ""),
+    # quality_io.py: the eval set's ConfigMap read by name, the measurement cache merged into
+    ("get", "configmaps", "anywhere", ""),
+    ("create", "configmaps", "anywhere", ""),
+    ("patch", "configmaps", "anywhere", ""),
     ("watch", "modeldeployments.kvpilot.dev", "", ""),
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", "status"),
@@ -89,11 +93,13 @@ ALLOWED = [
     ("create", "clusterkopfpeerings.kopf.dev", "", ""),
     ("patch", "clusterkopfpeerings.kopf.dev", "", ""),
 ]
-# Outside its list: secrets, other workloads, RBAC, spec writes by update/create, cluster admin.
+# Outside its list: secrets, listing or deleting ConfigMaps, other workloads, RBAC, spec writes
+# by update/create, cluster admin.
 DENIED = [
     ("get", "secrets", "anywhere", ""),
     ("list", "secrets", "", ""),
-    ("get", "configmaps", "anywhere", ""),
+    ("list", "configmaps", "", ""),
+    ("delete", "configmaps", "anywhere", ""),
     ("create", "pods", "anywhere", ""),
     ("delete", "pods", "anywhere", ""),
     ("create", "pods", "anywhere", "exec"),
