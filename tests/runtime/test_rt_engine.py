@@ -9,7 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from kvpilot.runtime.async_engine import AsyncEngine
-from kvpilot.runtime.engine import Engine, EngineStats, RequestOutput
+from kvpilot.runtime.engine import Engine, RequestOutput
+from kvpilot.runtime.engine_stats import EngineStats
 from kvpilot.runtime.sampling import SamplingParams
 
 PROMPT = "The for statement is used to iterate over"

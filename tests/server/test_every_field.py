@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from kvpilot.runtime import server_state, serving
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.job import Job
 from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -238,7 +239,7 @@ def check_prompt_logprobs(ctx: Ctx) -> None:
     assert generate(ctx, False).raw.choices[0].model_extra.get("prompt_logprobs") is None
 
 
-def prepare(ctx: Ctx, chat: bool, **fields: Any) -> serving.Job:
+def prepare(ctx: Ctx, chat: bool, **fields: Any) -> Job:
     if chat:
         body = ChatCompletionRequest.model_validate(
             {"model": MODEL, "messages": MESSAGES, **fields}

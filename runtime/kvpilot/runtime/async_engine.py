@@ -11,7 +11,8 @@ import contextlib
 import threading
 from collections.abc import AsyncGenerator, Callable, Collection
 
-from kvpilot.runtime.engine import Engine, EngineStats, NewRequest, RequestOutput
+from kvpilot.runtime.engine import Engine, NewRequest, RequestOutput
+from kvpilot.runtime.engine_stats import EngineStats
 from kvpilot.runtime.sampling import SamplingParams
 
 Listener = Callable[[list[RequestOutput], EngineStats], None]

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from kvpilot.runtime import machine, machine_probe, memory
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
+from kvpilot.runtime.engine_stats import EngineStats
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.loader import load_model_config, resolve_dtype
@@ -44,24 +45,11 @@ from kvpilot.runtime.sequence import Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
-__all__ = ["Engine", "EngineStats", "NewRequest", "RequestOutput"]
+__all__ = ["Engine", "NewRequest", "RequestOutput"]
 
 NewRequest = tuple[str | list[int], SamplingParams, str]  # (prompt, params, request id)
 
 log = logging.getLogger("kvpilot.engine")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    num_total_blocks: int
-    num_free_blocks: int
-    kv_cache_usage: float  # used blocks / total, 0..1
-    prefix_cache_queries: int  # tokens, cumulative
-    prefix_cache_hits: int  # tokens, cumulative
-    num_preemptions: int  # cumulative
-    num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
 
 
 def check_token_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: int) -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpilot.runtime.engine_stats import EngineStats
 from kvpilot.runtime.sequence import Timestamps
 
 # Buckets as vLLM uses them, so histogram_quantile over either name gives the same answer.
@@ -135,21 +135,7 @@ class CacheInfo:
         return {name: str(value) for name, value in self.__dict__.items()}
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """What the collector needs at scrape time (built from EngineStats plus server counts)."""
-
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
-    num_total_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-
-
-# (kvpilot name, vLLM alias, help, Snapshot field)
+# (kvpilot name, vLLM alias, help, EngineStats field)
 GAUGES = [
     (
         "kvpilot_requests_waiting",
@@ -190,7 +176,7 @@ COUNTERS = [
         "num_preemptions",
     ),
 ]
-SINGLE_GAUGES = [  # (name, help, Snapshot field), under one name only
+SINGLE_GAUGES = [  # (name, help, EngineStats field), under one name only
     # kvpilot only: lets tests and operators see the pool itself
     ("kvpilot_kv_cache_total_blocks", "KV-cache blocks in the pool.", "num_total_blocks"),
     ("kvpilot_kv_cache_free_blocks", "KV-cache blocks free.", "num_free_blocks"),
@@ -203,20 +189,13 @@ SINGLE_GAUGES = [  # (name, help, Snapshot field), under one name only
 ]
 
 
-class StepStats(Protocol):
-    """What the step listener reads of the engine's stats."""
-
-    @property
-    def num_step_tokens(self) -> int: ...
-
-
 class EngineStatsCollector(Collector):
-    def __init__(self, model_name: str, snapshot: Callable[[], Snapshot]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]):
         self.model_name = model_name
-        self.snapshot = snapshot
+        self.engine_stats = engine_stats
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        snap = self.snapshot()
+        snap = self.engine_stats()
         for name, alias, text, attr in GAUGES:
             for metric in (name, alias):
                 family = GaugeMetricFamily(metric, text, labels=[LABEL])
@@ -282,7 +261,7 @@ class _Pair:
 class ServerMetrics:
     """Histograms and counters the HTTP layer records, plus the scrape-time engine collector."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], Snapshot]):
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         h, c = self._histograms, self._counters
@@ -321,7 +300,7 @@ class ServerMetrics:
         ]
         self.steps = Counter("kvpilot_engine_steps", "Engine steps run.", [LABEL],
                              registry=self.registry).labels(model_name)  # fmt: skip
-        self.registry.register(EngineStatsCollector(model_name, snapshot))
+        self.registry.register(EngineStatsCollector(model_name, engine_stats))
         self.registry.register(self.info)
 
     def _histograms(
@@ -378,7 +357,7 @@ class ServerMetrics:
         self.phases["decode"].observe(times.last_token - times.first_token)
         self.phases["inference"].observe(times.last_token - times.scheduled)
 
-    def on_step(self, _outputs: object, stats: StepStats) -> None:
+    def on_step(self, _outputs: object, stats: EngineStats) -> None:
         """Engine step listener (runs on the engine's thread; metrics are thread-safe)."""
         self.steps.inc()
         if stats.num_step_tokens:

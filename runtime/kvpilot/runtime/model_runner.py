@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -26,9 +26,6 @@ from kvpilot.runtime.parallel import TPGroup
 from kvpilot.runtime.sampling import PromptLogprob
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
-
-if TYPE_CHECKING:
-    from kvpilot.runtime.worker import WorkerPool
 
 # How decodes are cut into attention groups. On a CPU the gather and the attention are
 # memory-bound, so a group's gathered keys and values (padding included) should stay in a core's
@@ -182,6 +179,19 @@ def decode_group_bounds(
     return bounds
 
 
+class OtherRanks(Protocol):
+    """The tensor-parallel ranks beside rank 0 (worker.WorkerPool), as the runner drives them."""
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        kv_dtype: torch.dtype | None,
+        scales: list[tuple[float, float]] | None,
+    ) -> None: ...
+
+    def execute(self, plan: StepPlan) -> None: ...
+
+
 class ModelRunner:
     """Runs steps on rank 0, and on the other ranks' `workers` alongside when there are any."""
 
@@ -190,7 +200,7 @@ class ModelRunner:
         model: LlamaModel,
         device: torch.device,
         seed: int,
-        workers: WorkerPool | None = None,
+        workers: OtherRanks | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model, self.device, self.workers = model, device, workers

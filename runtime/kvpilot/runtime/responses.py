@@ -6,10 +6,11 @@ import json
 import time
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from kvpilot.runtime.engine import RequestOutput
+from kvpilot.runtime.job import Choice, Job
 from kvpilot.runtime.metrics import ServerMetrics
+from kvpilot.runtime.output_processor import Decoder, RequestOutput
 from kvpilot.runtime.response_models import (
     AssistantMessage,
     ChatChoice,
@@ -32,13 +33,6 @@ from kvpilot.runtime.response_models import (
 )
 from kvpilot.runtime.sampling import PromptLogprob
 from kvpilot.runtime.tool_calls import ToolCall, ToolCallParser, call_head, parse
-
-if TYPE_CHECKING:
-    from kvpilot.runtime.serving import Choice, Job
-
-
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int]) -> str: ...
 
 
 def sse(payload: dict[str, Any]) -> str:

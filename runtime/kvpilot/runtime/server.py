@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvpilot.runtime import machine_probe, serving, tokenization
 from kvpilot.runtime.api_errors import ApiError, error_response
 from kvpilot.runtime.input_limits import BodySizeLimit
+from kvpilot.runtime.job import Job
 from kvpilot.runtime.machine import ThreadChoice
 from kvpilot.runtime.protocol import (
     ChatCompletionRequest,
@@ -168,7 +169,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return VersionResponse(version=VERSION, engine=state.choices)
 
 
-async def respond(request: Request, state: ServerState, job: serving.Job) -> Response:
+async def respond(request: Request, state: ServerState, job: Job) -> Response:
     ticket = state.admit(len(job.choices))  # 429 past --max-waiting; released exactly once
     if job.stream:
         stream = serving.stream_events(state, job, ticket)

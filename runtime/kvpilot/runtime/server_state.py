@@ -17,10 +17,11 @@ from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.async_engine import AsyncEngine
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine_stats import EngineStats
 from kvpilot.runtime.fetch import fetch
 from kvpilot.runtime.machine import ThreadChoice, rank_share
 from kvpilot.runtime.memory import BLOCK_SIZE
-from kvpilot.runtime.metrics import CacheInfo, ServerMetrics, Snapshot
+from kvpilot.runtime.metrics import CacheInfo, ServerMetrics
 from kvpilot.runtime.response_models import EngineChoices
 from kvpilot.runtime.serve_config import ServeConfig
 
@@ -117,7 +118,7 @@ class ServerState:
         self.idle = asyncio.Event()
         self.idle.set()
         self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
-        self.metrics = ServerMetrics(config.served_name, self.snapshot)
+        self.metrics = ServerMetrics(config.served_name, self.engine_stats)
         # Tokenising and rendering chat templates run here, off the event loop, so /health and
         # running streams are not held up by a long prompt. Two threads: the work is bounded by
         # the character check and mostly GIL-free (tokenizer.py), and more threads would only
@@ -152,20 +153,8 @@ class ServerState:
         if self.engine_core is not None:
             self.engine_core.shutdown()  # reaps the tensor-parallel workers, if any
 
-    def snapshot(self) -> Snapshot:
-        if self.engine is None:
-            return Snapshot(0, 0, 0.0, 0, 0, 0, 0, 0)
-        s = self.engine.stats()
-        return Snapshot(
-            s.num_waiting,
-            s.num_running,
-            s.kv_cache_usage,
-            s.num_total_blocks,
-            s.num_free_blocks,
-            s.prefix_cache_queries,
-            s.prefix_cache_hits,
-            s.num_preemptions,
-        )
+    def engine_stats(self) -> EngineStats:
+        return self.engine.stats() if self.engine is not None else EngineStats.idle()
 
     def admit(self, num_seqs: int = 1) -> Ticket:
         """A place for one request of `num_seqs` sequences (n choices x prompts), or 429 when

@@ -10,72 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from kvpilot.runtime import responses
 from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.engine import Engine, RequestOutput
 from kvpilot.runtime.grammar import GrammarError
+from kvpilot.runtime.job import Choice, Job
 from kvpilot.runtime.protocol import (
     GREEDY_EPSILON,
     MAX_SEED,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from kvpilot.runtime.response_models import error_body, new_id, now
+from kvpilot.runtime.response_models import error_body
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.server_state import ServerState, Ticket
 from kvpilot.runtime.structured import GrammarSpec
 from kvpilot.runtime.tokenization import chat_prompt_ids, check_in_vocab, text_prompt_ids
 from kvpilot.runtime.tokenizer import Tokenizer
-from kvpilot.runtime.tool_calls import PARSERS, ToolCallParser, parser_name
+from kvpilot.runtime.tool_calls import PARSERS, parser_name
 
 log = logging.getLogger("kvpilot.server")
 MIN_TOP_P = 1e-8
-
-
-@dataclass
-class Choice:
-    """One sequence of a response: choice `index` of prompt `index // n`."""
-
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    echo: str = ""  # completions with echo=true: prompt text before the output
-    request_id: str = ""  # the engine's id of this sequence, set by its Job
-    is_prompt_only: bool = False  # max_tokens 0 with echo: the prompt scored, nothing generated
-    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, as asked
-
-
-@dataclass
-class Job:
-    chat: bool
-    model: str
-    choices: list[Choice]  # prompt-major: prompt i's n choices are i*n .. i*n + n - 1
-    stream: bool
-    include_usage: bool
-    n: int = 1
-    tool_parser: ToolCallParser | None = None  # chat with tools: calls are parsed out
-    request_id: str = ""
-    created: int = 0
-    arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
-
-    def __post_init__(self) -> None:
-        self.request_id = new_id("chatcmpl" if self.chat else "cmpl")
-        self.created = now()
-        for choice in self.choices:
-            is_single = len(self.choices) == 1
-            choice.request_id = (
-                self.request_id if is_single else f"{self.request_id}-{choice.index}"
-            )
-
-    @property
-    def firsts(self) -> list[Choice]:
-        """Each prompt's first choice: usage counts a prompt once however many choices it has."""
-        return self.choices[:: self.n]
 
 
 def choices_of(prompt_ids: list[int], params: SamplingParams, n: int, first: int) -> list[Choice]:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.operator import cli, config, lease, observability
 from kvpilot.operator import metrics as operator_metrics
 from kvpilot.runtime import metrics as runtime_metrics
+from kvpilot.runtime.engine_stats import EngineStats
 from tests.integration.helm.chart import (
     CHART,
     ROOT,
@@ -320,8 +321,8 @@ def test_chart_crds_are_the_generated_ones() -> None:
 
 def exported_names() -> set[str]:
     """Sample names the runtime and the operator really export (their own registries)."""
-    snapshot = runtime_metrics.Snapshot(0, 0, 0.0, 1, 1, 0, 0, 0)
-    runtime = runtime_metrics.ServerMetrics("m", lambda: snapshot).render().decode()
+    stats = EngineStats(0, 0, 1, 1, 0.0, 0, 0, 0)
+    runtime = runtime_metrics.ServerMetrics("m", lambda: stats).render().decode()
     operator = observability.OperatorMetrics()
     observability.record_reconcile(0.1, "success", operator)
     observability.record_plan_failure("no-fit", operator)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.runtime.metrics import ServerMetrics, Snapshot, buckets_1_2_5
+from kvpilot.runtime.engine_stats import EngineStats
+from kvpilot.runtime.metrics import ServerMetrics, buckets_1_2_5
 from kvpilot.runtime.sequence import Timestamps
 
 
@@ -51,7 +52,7 @@ def phase_counts(metrics: ServerMetrics) -> dict[str, float]:
     ],
 )
 def test_phases_of_a_request_that_ended(times: Timestamps, observed: set[str]) -> None:
-    metrics = ServerMetrics("m", lambda: Snapshot(0, 0, 0.0, 0, 0, 0, 0, 0))
+    metrics = ServerMetrics("m", EngineStats.idle)
     metrics.record_phases(times)
     counts = phase_counts(metrics)
     assert {name.split("_")[1] for name, value in counts.items() if value == 1} == observed

@@ -1,0 +1,24 @@
+"""What the engine reports about itself between steps: read by the metrics collector at scrape
+time and by the step listeners, without importing the engine (and torch) to do so."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float  # used blocks / total, 0..1
+    prefix_cache_queries: int  # tokens, cumulative
+    prefix_cache_hits: int  # tokens, cumulative
+    num_preemptions: int  # cumulative
+    num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
+
+    @classmethod
+    def idle(cls) -> EngineStats:
+        """The figures of a server whose engine is not loaded yet: nothing queued, no pool."""
+        return cls(0, 0, 0, 0, 0.0, 0, 0, 0)

@@ -1,0 +1,106 @@
+"""No import circles between kvpilot's own modules.
+
+A circle (a imports b, b imports a, even under TYPE_CHECKING or inside a function) means two
+modules are one module in two files: neither can be read, tested or changed without the other.
+The graph is read from the source with `ast`, so lazy and type-only imports count too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "kvpilot.runtime": ROOT / "runtime/kvpilot/runtime",
+    "kvpilot.operator": ROOT / "operator/kvpilot/operator",
+}
+
+
+def module_names(package: str, folder: Path) -> dict[str, Path]:
+    names = {}
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join((package, *parts))] = path
+    return names
+
+
+def imported(tree: ast.AST, known: set[str]) -> set[str]:
+    """The known modules a module's source imports, wherever the import statement is."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from package import module` names the module, not the package's __init__
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & known
+            found |= submodules or {node.module}
+    return found & known
+
+
+def graph(package: str, folder: Path) -> dict[str, set[str]]:
+    modules = module_names(package, folder)
+    known = set(modules)
+    return {
+        name: imported(ast.parse(path.read_text()), known) - {name, package}
+        for name, path in modules.items()
+    }
+
+
+def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One circle in the graph as the list of modules along it, or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for target in sorted(edges.get(node, ())):
+            circle = visit(target, [*path, node])
+            if circle:
+                return circle
+        done.add(node)
+        return None
+
+    for start in sorted(edges):
+        circle = visit(start, [])
+        if circle:
+            return circle
+    return None
+
+
+@pytest.mark.parametrize(
+    ("edges", "circle"),
+    [
+        ({"a": {"b"}, "b": set()}, None),
+        ({"a": {"b"}, "b": {"a"}}, ["a", "b", "a"]),
+        ({"a": {"b"}, "b": {"c"}, "c": {"b"}}, ["b", "c", "b"]),
+        ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, None),
+    ],
+)
+def test_find_circle(edges: dict[str, set[str]], circle: list[str] | None) -> None:
+    assert find_circle(edges) == circle
+
+
+@pytest.mark.parametrize(
+    ("source", "modules"),
+    [
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p.b import X\n", {"p.b"}),
+        ("def f():\n    import p.b\n", {"p.b"}),
+        ("from p import b\n", {"p.b"}),
+        ("from p import X\n", {"p"}),
+        ("from q import b\n", set()),
+    ],
+)
+def test_every_import_counts_wherever_it_is(source: str, modules: set[str]) -> None:
+    assert imported(ast.parse(source), {"p", "p.b"}) == modules
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_circle(package: str) -> None:
+    assert find_circle(graph(package, PACKAGES[package])) is None
