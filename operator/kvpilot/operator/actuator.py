@@ -48,9 +48,13 @@ Obj = Mapping[str, Any]
 log = logging.getLogger(__name__)
 
 
+def autoscaling_spec(md: Obj) -> api.Autoscaling:
+    """spec.autoscaling, parsed (the apiserver has applied the CRD's defaults and rules)."""
+    return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
+
+
 def is_builtin(md: Obj) -> bool:
-    spec = md.get("spec") or {}
-    return ((spec.get("autoscaling") or {}).get("mode") or "builtin") == "builtin"
+    return autoscaling_spec(md).mode == "builtin"
 
 
 def is_planned(md: Obj) -> bool:
@@ -314,18 +318,16 @@ class AutoscalerLoop:
     def decide(self, md: Obj, observations: Observations) -> Decision:
         """The policy's decision, or a pending wake's where that asks for more (a wake the
         handler could not act on, e.g. on an instance without the Lease)."""
-        spec = md.get("spec") or {}
-        bounds = autoscaler.bounds_from_spec(spec.get("autoscaling") or {})
+        bounds = autoscaler.bounds_from_spec(autoscaling_spec(md))
         now = time.time()
         decision = decide(observations, bounds, autoscaler.state_from_status(md.get("status")), now)
         woken = self.wake_decision(md, observations.current_replicas, now)
         return woken if woken is not None and woken.replicas > decision.replicas else decision
 
     def wake_decision(self, md: Obj, current: int, now: float | None = None) -> Decision | None:
-        spec = md.get("spec") or {}
-        autoscaling = spec.get("autoscaling") or {}
+        autoscaling = autoscaling_spec(md)
         return wake(
-            autoscaling.get("mode") or "builtin",
+            autoscaling.mode,
             autoscaler.bounds_from_spec(autoscaling),
             autoscaler.state_from_status(md.get("status")),
             current,

@@ -20,24 +20,18 @@ from kvpilot.operator.inventory import LABEL_NODE_TYPE
 from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState
 from kvpilot.operator.spread import is_given_up, spread_replicas
 
-# spec.autoscaling field -> Bounds field (the CRD's camelCase names)
-SPEC_FIELDS = {
-    "minReplicas": "min_replicas",
-    "maxReplicas": "max_replicas",
-    "targetQueueLength": "target_queue_length",
-    "targetKVCacheUtilization": "target_kv_cache_utilization",
-    "scaleUpStabilizationSeconds": "scale_up_stabilization_s",
-    "scaleDownStabilizationSeconds": "scale_down_stabilization_s",
-    "scaleToZeroIdleSeconds": "scale_to_zero_idle_s",
-}
 
-
-def bounds_from_spec(autoscaling: Mapping[str, Any]) -> Bounds:
-    """Bounds from a ModelDeployment's spec.autoscaling; absent (None) fields keep defaults."""
-    given = {
-        SPEC_FIELDS[k]: v for k, v in autoscaling.items() if k in SPEC_FIELDS and v is not None
-    }
-    return Bounds(**given)
+def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
+    """The policy's numbers from a ModelDeployment's parsed spec.autoscaling."""
+    return Bounds(
+        min_replicas=autoscaling.min_replicas,
+        max_replicas=autoscaling.max_replicas,
+        target_queue_length=autoscaling.target_queue_length,
+        target_kv_cache_utilization=autoscaling.target_kv_cache_utilization,
+        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
+        scale_down_stabilization_s=autoscaling.scale_down_stabilization_seconds,
+        scale_to_zero_idle_s=autoscaling.scale_to_zero_idle_seconds,
+    )
 
 
 def state_from_status(status: Mapping[str, Any] | None) -> PolicyState:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import metrics
+from kvpilot.operator import api, metrics
 from kvpilot.operator.autoscaler import (
     bounds_from_spec,
     event_message,
@@ -151,13 +151,12 @@ def test_missing_metrics_condition() -> None:
 
 
 def test_bounds_from_spec() -> None:
-    bounds = bounds_from_spec(
-        {"minReplicas": 0, "maxReplicas": 7, "targetKVCacheUtilization": 0.5, "mode": "builtin"}
-    )
+    spec = {"minReplicas": 0, "maxReplicas": 7, "targetKVCacheUtilization": 0.5, "mode": "builtin"}
+    bounds = bounds_from_spec(api.Autoscaling.model_validate(spec))
     assert (bounds.min_replicas, bounds.max_replicas) == (0, 7)
     assert bounds.target_kv_cache_utilization == 0.5
-    with pytest.raises(ValueError, match="above maxReplicas"):
-        bounds_from_spec({"minReplicas": 5, "maxReplicas": 2})
+    with pytest.raises(ValueError, match="minReplicas must be <= maxReplicas"):
+        bounds_from_spec(api.Autoscaling.model_validate({"minReplicas": 5, "maxReplicas": 2}))
 
 
 def sample(pod: str, node_type: str = "h100", age: float = 5.0, **values: float) -> PodSample:

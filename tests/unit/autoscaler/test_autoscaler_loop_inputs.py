@@ -3,6 +3,7 @@ CRD's autoscaling settings as the policy gets them (pure)."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -296,15 +297,18 @@ def test_cost_window_comes_from_the_file_or_the_environment() -> None:
 
 
 def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
-    # The spec as the apiserver stores it (CRD defaults applied), each setting changed.
-    spec = api.Autoscaling.model_validate({"minReplicas": 0}).model_dump(by_alias=True)
-    tuned = {k: (v + 1 if isinstance(v, int | float) else v) for k, v in spec.items()}
-    tuned["targetKVCacheUtilization"] = 0.5
-    bounds = autoscaler.bounds_from_spec(tuned)
-    settings = set(spec) - {"mode", "replicas"}  # those two are for mode off/external
-    assert settings == set(autoscaler.SPEC_FIELDS)
-    for field, attribute in autoscaler.SPEC_FIELDS.items():
-        assert getattr(bounds, attribute) == tuned[field], field
+    # The spec as the apiserver stores it (CRD defaults applied), one setting changed at a time:
+    # each change must show in the policy's Bounds, or a field of the CRD does nothing.
+    stored = api.Autoscaling.model_validate({"minReplicas": 0}).model_dump(by_alias=True)
+    before = autoscaler.bounds_from_spec(api.Autoscaling.model_validate(stored))
+    settings = set(stored) - {"mode", "replicas"}  # those two are for mode off/external
+    for setting in settings:
+        changed = 0.5 if setting == "targetKVCacheUtilization" else stored[setting] + 1
+        spec = api.Autoscaling.model_validate({**stored, setting: changed})
+        after = autoscaler.bounds_from_spec(spec)
+        moved = [k for k, v in asdict(after).items() if v != asdict(before)[k]]
+        assert len(moved) == 1, (setting, moved)
+        assert getattr(after, moved[0]) == changed, setting
 
 
 def test_pods_are_grouped_by_their_model_deployment() -> None:

@@ -38,7 +38,7 @@ def user_bounds(min_replicas: int, max_replicas: int) -> Bounds:
     """What a ModelDeployment that sets only min and max replicas gets: the CRD's defaults, read
     from the spec the way the operator reads it, so the simulator measures those."""
     spec = api.Autoscaling(min_replicas=min_replicas, max_replicas=max_replicas)
-    return autoscaler.bounds_from_spec(spec.model_dump(by_alias=True))
+    return autoscaler.bounds_from_spec(spec)
 
 
 class KvpilotPolicy:
