@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.gateway.gateway_process import GatewayProcess, start_replicas
-from tests.server.server_process import RuntimeServer, free_port
+from tests.support.gateway_process import GatewayProcess, start_replicas
+from tests.support.server_process import RuntimeServer, free_port
 
 API_KEY = "sk-gateway-test"
 REPLICA_ARGS = ("--max-model-len", "2048", "--max-num-seqs", "16", "--api-key", API_KEY)

@@ -18,9 +18,9 @@ import pytest
 
 from kvpilot.gateway.budget_config import KEY_ID_CHARS, hash_key
 from kvpilot.gateway.budgets import Limit, parse_window
-from tests.gateway.gateway_process import GatewayProcess, start_replicas
-from tests.server.server_process import MODEL, RuntimeServer, wait_for
+from tests.support.gateway_process import GatewayProcess, start_replicas
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
+from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
 pytestmark = pytest.mark.slow
 

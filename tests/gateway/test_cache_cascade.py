@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.gateway_process import GatewayProcess, start_servers
-from tests.server.server_process import RuntimeServer, wait_for
+from tests.support.gateway_process import GatewayProcess, start_servers
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401 (the fixture)
+from tests.support.server_process import RuntimeServer, wait_for
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max-model-len", "2048", "--max-num-seqs", "16"]

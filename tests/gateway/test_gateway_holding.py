@@ -13,8 +13,8 @@ from aiohttp import web
 
 from kvpilot.gateway.proxy import Gateway
 from kvpilot.gateway.routes import Backend, Route, RouteTable, ScaleTarget
-from tests.gateway.gateway_process import STARTUP_TIMEOUT_S
-from tests.server.server_process import RuntimeServer, free_port
+from tests.support.gateway_process import STARTUP_TIMEOUT_S
+from tests.support.server_process import RuntimeServer, free_port
 
 pytestmark = pytest.mark.slow
 TARGET = ScaleTarget("team-a", "tiny-md")

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from tests.gateway.conftest import API_KEY
-from tests.gateway.gateway_process import GatewayProcess
-from tests.server.server_process import RuntimeServer, wait_for
+from tests.support.gateway_process import GatewayProcess
+from tests.support.server_process import RuntimeServer, wait_for
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -21,8 +21,8 @@ import openai
 import pytest
 from openai.types import Completion
 
-from tests.gateway.gateway_process import GatewayProcess, start_servers
-from tests.server.server_process import RuntimeServer, wait_for
+from tests.support.gateway_process import GatewayProcess, start_servers
+from tests.support.server_process import RuntimeServer, wait_for
 
 pytestmark = pytest.mark.slow
 MAX_NUM_SEQS = 6

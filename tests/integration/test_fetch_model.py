@@ -16,8 +16,8 @@ import pytest
 from kvpilot.runtime.fetch import FetchError
 from kvpilot.runtime.model_source import HF_ALLOW_PATTERNS, parse_model_uri
 from kvpilot.runtime.remote_config import count_parameters, read_config_json
-from tests.server.server_process import RuntimeServer
 from tests.support.model_sources import HF_REPO_ID, MODEL_DIR, S3_PREFIX, S3Endpoint, sha256_files
+from tests.support.server_process import RuntimeServer
 
 MODEL_FILES = sha256_files(MODEL_DIR, list(HF_ALLOW_PATTERNS))  # eval.txt and README stay behind
 

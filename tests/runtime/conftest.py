@@ -11,8 +11,7 @@ import torch
 
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
-
-TINY_LLAMA = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
+from tests.support.reference_models import TINY_LLAMA
 
 
 @pytest.fixture(scope="session")

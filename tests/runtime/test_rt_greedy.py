@@ -4,7 +4,6 @@ prefill. EOS handling is live on both sides, so early stops must agree too."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,29 +13,7 @@ import torch
 
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
-from kvpilot.runtime.sampling import SamplingParams
-
-MAX_NEW_TOKENS = 24
-NUM_PROMPTS = 32
-
-
-def make_prompts(tiny_llama_dir: Path, shared_prefix: int) -> list[list[int]]:
-    """32 prompts of 4 to ~200 tokens cut from the held-out text; with `shared_prefix`, groups
-    of 8 prompts begin with the same `shared_prefix` tokens."""
-    from kvpilot.runtime.tokenizer import Tokenizer
-
-    ids = Tokenizer(tiny_llama_dir).encode((tiny_llama_dir / "eval.txt").read_text())
-    rng = random.Random(7)
-    prompts = []
-    for index in range(NUM_PROMPTS):
-        length = rng.choice([4, 9, 17, 33, 64, 120, 200])
-        start = rng.randrange(1, len(ids) - 2 * length)
-        body = ids[start : start + length]
-        if shared_prefix:
-            group = index % 4
-            body = ids[1000 * group + 1 : 1000 * group + 1 + shared_prefix] + body[:40]
-        prompts.append([ids[0], *body])
-    return prompts
+from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, run_all
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +25,12 @@ def reference(hf_tiny_llama: Any) -> Callable[[list[int]], list[int]]:
         if key not in cache:
             with torch.no_grad():
                 out = hf_tiny_llama.generate(
-                    torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+                    torch.tensor([prompt]), max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False
                 )
             cache[key] = out[0, len(prompt) :].tolist()
         return cache[key]
 
     return generate
-
-
-def run_all(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, str(index))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return tokens
 
 
 def assert_matches(engine: Engine, prompts: list[list[int]], reference: Callable) -> None:
@@ -76,7 +42,7 @@ def assert_matches(engine: Engine, prompts: list[list[int]], reference: Callable
 
 
 def peak_blocks(prompts: list[list[int]]) -> int:
-    return sum(-(-(len(p) + MAX_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
+    return sum(-(-(len(p) + GREEDY_NEW_TOKENS) // BLOCK_SIZE) for p in prompts)
 
 
 def block_bytes(engine: Engine) -> int:

@@ -28,7 +28,7 @@ from kvpilot.runtime.evaluate import (
     windows,
 )
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.runtime.test_rt_greedy import make_prompts, run_all
+from tests.support.reference_models import make_prompts, run_all
 
 BUDGET = 16 * 2**20  # KV bytes per token: 2 x 4 layers x 2 KV heads x 32 dims x dtype bytes
 

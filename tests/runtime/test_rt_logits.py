@@ -9,56 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import ModelRunner, batch_layout, load_model
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from tests.support.reference_models import hf_logits, our_logits
 
 TOLERANCE = 1e-4
-
-
-def our_logits(
-    model_dir: Path,
-    prompts: list[list[int]],
-    chunks: list[int],
-    decode_group_limits: tuple[int, int] | None = None,
-    quantization: str = "none",
-    dtype: torch.dtype = torch.float32,
-) -> list[torch.Tensor]:
-    """Run all prompts together, split into the given chunk sizes per step (the last chunk is
-    the rest); returns logits [len(prompt), vocab] per prompt, assembled over the steps."""
-    cfg = load_model_config(model_dir)
-    model = load_model(model_dir, cfg, quantization, dtype, torch.device("cpu"))
-    runner = ModelRunner(model, torch.device("cpu"), seed=0)
-    if decode_group_limits is not None:
-        runner.decode_group_limits = decode_group_limits
-    runner.allocate_kv_cache(64)
-    bm = BlockManager(64)
-    seqs = [Sequence(str(i), p) for i, p in enumerate(prompts)]
-    pieces: list[list[torch.Tensor]] = [[] for _ in prompts]
-    for step in range(len(chunks) + 1):
-        batch = []
-        for seq in seqs:
-            left = seq.num_tokens - seq.num_computed_tokens
-            size = chunks[step] if step < len(chunks) else left
-            if min(size, left) > 0:
-                bm.allocate_slots(seq, min(size, left))
-                batch.append(ScheduledSequence(seq, min(size, left)))
-        input_ids, positions, meta, _ = runner.prepare(batch)
-        hidden = model.forward(input_ids, positions, runner.kv_caches, meta)
-        logits = model.compute_logits(hidden)
-        start = 0
-        for item in batch_layout(batch):  # the runner's row order
-            pieces[int(item.seq.request_id)].append(logits[start : start + item.num_new_tokens])
-            start += item.num_new_tokens
-            item.seq.num_computed_tokens += item.num_new_tokens
-    return [torch.cat(p) for p in pieces]
-
-
-def hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([prompt])).logits[0].float()
 
 
 PROMPTS = [list(range(5, 45)), [1, 9, 33, 17], list(range(100, 133)), [1]]

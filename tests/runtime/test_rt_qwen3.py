@@ -6,7 +6,6 @@ the engine, the parameter count, and tensor parallelism's per-rank q/k norms."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,46 +18,16 @@ from kvpilot.runtime.layers.quant import make_weight
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.model_runner import load_model
 from kvpilot.runtime.sampling import SamplingParams
-from tests.runtime.conftest import TINY_LLAMA
-from tests.runtime.test_rt_logits import hf_logits, our_logits
+from tests.support.reference_models import (
+    QWEN3_PROMPTS,
+    hf_greedy,
+    hf_logits,
+    our_logits,
+    qwen3_checkpoint,
+)
 
-VOCAB = 4096  # tiny-llama's tokenizer, so the engine can load the checkpoint as a model dir
-PROMPTS = [list(range(3, 90)), [7, 8, 9], [1, 400, 4000, 17, 17, 17]]
 CHUNKINGS = [[], [11, 1, 1]]  # whole prefills; a chunk, cached-KV chunks, then decodes
 MAX_NEW_TOKENS = 16
-
-
-def qwen3_checkpoint(path: Path, tied: bool, dtype: torch.dtype = torch.float32) -> Any:
-    """A random Qwen3 with head_dim (48) unequal to hidden/heads (16): head_dim must come from
-    the config. Norm weights are randomised too: transformers initialises them to ones, which
-    would let a model that skipped q_norm/k_norm pass."""
-    import transformers
-
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=48,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        tie_word_embeddings=tied,
-        initializer_range=0.1,  # peaked logits: greedy choices are not near-ties
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(3)
-    model: Any = transformers.Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    model.to(dtype).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY_LLAMA / name, path / name)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +53,8 @@ def test_logits_match_transformers_float32(tmp_path: Path, tied: bool) -> None:
         p.numel() for p in hf_model.parameters()
     )
     for chunks in CHUNKINGS:
-        ours = our_logits(tmp_path, PROMPTS, chunks)
-        for prompt, logits in zip(PROMPTS, ours, strict=True):
+        ours = our_logits(tmp_path, QWEN3_PROMPTS, chunks)
+        for prompt, logits in zip(QWEN3_PROMPTS, ours, strict=True):
             torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=0)
 
 
@@ -106,21 +75,10 @@ def greedy(model_dir: Path, prompts: list[list[int]], **config: Any) -> list[lis
     return tokens
 
 
-def hf_greedy(hf_model: Any, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_NEW_TOKENS,
-            min_new_tokens=MAX_NEW_TOKENS,
-            do_sample=False,
-        )
-    return list(out[0, len(prompt) :].tolist())
-
-
 def test_greedy_tokens_equal_transformers(qwen3: tuple[Path, Any]) -> None:
     path, hf_model = qwen3
-    ours = greedy(path, PROMPTS, dtype="float32")
-    assert ours == [hf_greedy(hf_model, p) for p in PROMPTS]
+    ours = greedy(path, QWEN3_PROMPTS, dtype="float32")
+    assert ours == [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in QWEN3_PROMPTS]
     assert all(len(set(t)) > 1 for t in ours)  # not one token repeated: the model is exercised
 
 
@@ -132,8 +90,8 @@ def test_bfloat16_logits_close_to_transformers(tmp_path: Path) -> None:
     cfg = load_model_config(tmp_path)
     model = load_model(tmp_path, cfg, "none", torch.bfloat16, torch.device("cpu"))
     assert model.layers[0].qk_norm is not None and model.layers[0].qk_norm.dtype == torch.bfloat16
-    ours = our_logits(tmp_path, PROMPTS, [], dtype=torch.bfloat16)
-    for prompt, logits in zip(PROMPTS, ours, strict=True):
+    ours = our_logits(tmp_path, QWEN3_PROMPTS, [], dtype=torch.bfloat16)
+    for prompt, logits in zip(QWEN3_PROMPTS, ours, strict=True):
         reference = hf_logits(hf_model, prompt)
         scale = reference.abs().amax().item()
         torch.testing.assert_close(logits, reference, atol=0.05 * scale, rtol=0)
@@ -163,8 +121,8 @@ def test_int8_logits_match_transformers_on_the_same_weights(
     import copy
 
     reference = round_through_int8(copy.deepcopy(hf_model))
-    ours = our_logits(path, PROMPTS, [11, 1, 1], quantization="int8")
-    for prompt, logits in zip(PROMPTS, ours, strict=True):
+    ours = our_logits(path, QWEN3_PROMPTS, [11, 1, 1], quantization="int8")
+    for prompt, logits in zip(QWEN3_PROMPTS, ours, strict=True):
         expected = hf_logits(reference, prompt)
         scale = expected.abs().amax().item()
         torch.testing.assert_close(logits, expected, atol=0.02 * scale, rtol=0)
@@ -178,8 +136,8 @@ def test_int8_logits_match_transformers_on_the_same_weights(
 def test_tensor_parallel_greedy_tokens_equal_transformers(qwen3: tuple[Path, Any]) -> None:
     """Two gloo ranks, each with half the q heads and one KV head and its norm rows."""
     path, hf_model = qwen3
-    ours = greedy(path, PROMPTS, dtype="float32", tensor_parallel_size=2)
-    assert ours == [hf_greedy(hf_model, p) for p in PROMPTS]
+    ours = greedy(path, QWEN3_PROMPTS, dtype="float32", tensor_parallel_size=2)
+    assert ours == [hf_greedy(hf_model, p, MAX_NEW_TOKENS) for p in QWEN3_PROMPTS]
 
 
 def test_tensor_parallel_ranks_hold_their_heads_norms(qwen3: tuple[Path, Any]) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.server.server_process import RuntimeServer
+from tests.support.server_process import RuntimeServer
 
 
 @pytest.fixture(scope="module")

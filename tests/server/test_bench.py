@@ -16,7 +16,7 @@ import pytest
 from kvpilot.runtime.bench import main as bench_main
 from kvpilot.runtime.bench.cli import benchmark, parse_args
 from kvpilot.runtime.bench.tokens import LocalTokenCounter
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 FIRST_TOKEN_S = 0.08  # the scripted server's timings, what the bench must measure
 TOKEN_GAP_S = 0.02

@@ -35,7 +35,7 @@ from kvpilot.runtime.protocol import (
 from kvpilot.runtime.request_checks import NOT_HONOURED
 from kvpilot.runtime.serve_config import ServeConfig
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,

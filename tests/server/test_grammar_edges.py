@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from kvpilot.runtime.chat import render_chat
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.sampling import SamplingParams
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 PROMPTS = ["The list", "def main():\n    return", "Return a new"]
 MESSAGES = [

@@ -24,7 +24,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 # The tiny model was trained on Python's documentation (models/tiny-llama).
 MULTIPLE_CHOICE: list[dict[str, Any]] = [

@@ -9,7 +9,7 @@ from openai import OpenAI
 
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 TOKENIZER = Tokenizer(TINY)
 HITS = "kvpilot_prefix_cache_hits_total"

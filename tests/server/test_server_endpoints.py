@@ -14,7 +14,7 @@ from kvpilot.runtime import machine_probe
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 MESSAGES = [
     {"role": "system", "content": "You answer briefly."},

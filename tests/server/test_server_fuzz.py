@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
-from tests.server.server_process import MODEL, RuntimeServer
+from tests.support.server_process import MODEL, RuntimeServer
 
 MAX_EXAMPLES = 60  # per operation and mode; each valid request runs the real engine on 2 cores
 

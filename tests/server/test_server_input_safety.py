@@ -23,7 +23,7 @@ from bench.server_input_safety import (
 )
 from kvpilot.runtime.request_body import OFF_LOOP_MIN_BYTES
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.server.server_process import MODEL, TINY, RuntimeServer, wait_for
+from tests.support.server_process import MODEL, TINY, RuntimeServer, wait_for
 
 MAX_MODEL_LEN = 512
 GENEROUS_S = 1.0  # far above a healthy probe (~ms); a blocked event loop takes seconds

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.server_process import MODEL, RuntimeServer, free_port, wait_for
+from tests.support.server_process import MODEL, RuntimeServer, free_port, wait_for
 
 KEY = "s3cret"
 

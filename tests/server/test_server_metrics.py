@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator import metrics as operator_metrics
 from kvpilot.runtime.memory import BLOCK_SIZE
-from tests.server.server_process import MODEL, RuntimeServer, wait_for
+from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
 # (kvpilot sample, vLLM alias sample) as they appear in the exposition
 PAIRS = [

@@ -12,7 +12,7 @@ from openai import OpenAI
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.sampling import PromptLogprob, SamplingParams
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 TEXTS = ["The sort method orders a list in place.", "def main():\n    return 0"]
 

@@ -12,8 +12,8 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.runtime.test_rt_qwen3 import PROMPTS, hf_greedy, qwen3_checkpoint
-from tests.server.server_process import MODEL, RuntimeServer
+from tests.support.reference_models import QWEN3_PROMPTS, hf_greedy, qwen3_checkpoint
+from tests.support.server_process import MODEL, RuntimeServer
 
 MAX_TOKENS = 16
 
@@ -34,7 +34,7 @@ def test_served_qwen3_completes_as_transformers_does(
     server, path, hf_model = qwen3_server
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     tokenizer = Tokenizer(path)
-    for prompt in PROMPTS:
+    for prompt in QWEN3_PROMPTS:
         completion = client.completions.create(
             model=MODEL,
             prompt=prompt,
@@ -42,7 +42,7 @@ def test_served_qwen3_completes_as_transformers_does(
             temperature=0,
             extra_body={"ignore_eos": True},
         )
-        expected = hf_greedy(hf_model, prompt)[:MAX_TOKENS]
+        expected = hf_greedy(hf_model, prompt, MAX_TOKENS)
         assert completion.usage is not None and completion.usage.completion_tokens == MAX_TOKENS
         assert completion.choices[0].text == tokenizer.decode(expected)
 

@@ -11,7 +11,7 @@ from openai import OpenAI
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.sampling import SamplingParams
-from tests.server.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 PROMPT = "def main():\n    return"
 VOCAB_SIZE = 4096  # models/tiny-llama

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.server_process import MODEL, RuntimeServer, wait_for
 from tests.support.processes import child_pids, cmdline, is_gone
+from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
 
 def test_tp2_server_completes_and_sigterm_leaves_no_worker(tmp_path: Path) -> None:

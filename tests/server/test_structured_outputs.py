@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.server.server_process import MODEL, RuntimeServer
+from tests.support.server_process import MODEL, RuntimeServer
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.server.server_process import free_port, wait_for
+from tests.support.server_process import free_port, wait_for
 
 REDIS_SERVER = "redis-server"
 

@@ -104,3 +104,27 @@ def test_every_import_counts_wherever_it_is(source: str, modules: set[str]) -> N
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_import_circle(package: str) -> None:
     assert find_circle(graph(package, PACKAGES[package])) is None
+
+
+def test_tests_share_helpers_only_through_tests_support() -> None:
+    # A test module imported by another runs its module-level set-up twice and ties the two
+    # together; shared helpers live in tests/support (a conftest may export fixtures' constants).
+    tests = ROOT / "tests"
+    strays = []
+    for path in tests.rglob("*.py"):
+        for module in names_imported(path):
+            shared = module.startswith("tests.support") or module.endswith(".conftest")
+            if module.startswith("tests.") and not shared:
+                strays.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not strays
+
+
+def names_imported(path: Path) -> set[str]:
+    """Every absolute module name a file imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found

@@ -22,8 +22,8 @@ from kvpilot.gateway.kube_wake import WAKE_ANNOTATION, KubernetesWaker
 from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
 from kvpilot.operator import timestamps
 from tests.integration.gateway.conftest import LoopTable
-from tests.integration.helm.chart import require
-from tests.integration.helm.release import Release
+from tests.support.helm_chart import require
+from tests.support.helm_release import Release
 from tests.support.kube import get_json, wait_until
 from tests.support.operator_cluster import Operator, wait_for
 

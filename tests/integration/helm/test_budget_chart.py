@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.gateway import budget_setup, cli, discovery
-from tests.integration.helm.chart import container, find, render, require
+from tests.support.helm_chart import container, find, render, require
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvpilot.operator import cli, config, lease, observability
 from kvpilot.operator import metrics as operator_metrics
 from kvpilot.runtime import metrics as runtime_metrics
 from kvpilot.runtime.engine_stats import EngineStats
-from tests.integration.helm.chart import (
+from tests.support.helm_chart import (
     CHART,
     ROOT,
     component,

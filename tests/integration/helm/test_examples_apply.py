@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.helm.chart import ROOT
+from tests.support.helm_chart import ROOT
 from tests.support.kube import fresh_namespace, get_json
 
 pytestmark = [pytest.mark.cluster]

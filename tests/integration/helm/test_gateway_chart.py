@@ -13,7 +13,7 @@ import pytest
 
 from hack.devcluster import prometheus
 from kvpilot.gateway import discovery
-from tests.integration.helm.chart import component, container, find, render, require, rules
+from tests.support.helm_chart import component, container, find, render, require, rules
 
 GATEWAY = "kvpilot-gateway"  # release `kvpilot`: the gateway's objects' name
 
@@ -235,7 +235,7 @@ def test_namespaced_gateway_gets_roles_in_its_namespaces(
 
 
 def test_values_schema_rejects_a_misspelt_gateway_key(helm_bin: Path) -> None:
-    from tests.integration.helm.chart import CHART, helm
+    from tests.support.helm_chart import CHART, helm
 
     for key, value in (("gateway.replicas", "3"), ("gateway.autoscaling.maxReplica", "4")):
         done = helm(helm_bin, "template", str(CHART), "--set", f"{key}={value}", check=False)

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.helm.chart import render, require
-from tests.integration.helm.release import Release
+from tests.support.helm_chart import render, require
+from tests.support.helm_release import Release
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from hack.devcluster.versions import KUBERNETES
-from tests.integration.helm.chart import CHART, ROOT, render, require
+from tests.support.helm_chart import CHART, ROOT, render, require
 
 BASE = ROOT / "deploy" / "base"
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.helm.chart import ROOT, container, render, require
-from tests.integration.helm.release import Release
+from tests.support.helm_chart import ROOT, container, render, require
+from tests.support.helm_release import Release
 from tests.support.kube import fresh_namespace, get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -14,7 +14,7 @@ import yaml
 
 from kvpilot.operator import inventory, reconcile
 from kvpilot.operator.config import DeclaredNodeType, OperatorConfig
-from tests.integration.helm.chart import ROOT, component, kube_score_binary, render, require
+from tests.support.helm_chart import ROOT, component, kube_score_binary, render, require
 
 ALLOWLIST = Path(__file__).with_name("kube-score-allowlist.yaml")
 Finding = tuple[str, str, str]  # (workload, check id, summary)

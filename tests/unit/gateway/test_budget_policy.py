@@ -19,7 +19,7 @@ from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
-from tests.server.server_process import free_port
+from tests.support.server_process import free_port
 
 KEYS = KeysDocument.model_validate({
     "keys": [

@@ -11,7 +11,7 @@ from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.input_limits import check_num_chars, declared_length
 from kvpilot.runtime.request_checks import find_unencodable
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.server.server_process import TINY
+from tests.support.server_process import TINY
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.server_process import RuntimeServer, free_port, wait_for
+from tests.support.server_process import RuntimeServer, free_port, wait_for
 
 STARTUP_TIMEOUT_S = 600.0
 

@@ -12,7 +12,7 @@ import yaml
 
 from hack.devcluster import versions
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvpilot"
 KUBE_SCORE_VERSION = "v1.20.0"
 

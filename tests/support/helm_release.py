@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from tests.integration.helm.chart import CHART, helm, set_args
+from tests.support.helm_chart import CHART, helm, set_args
 
 
 @dataclass
