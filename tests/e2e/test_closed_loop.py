@@ -21,7 +21,7 @@ import pytest
 
 from hack import closedloop
 from hack.devcluster import procs
-from kvpilot.operator import autoscaler
+from kvpilot.operator import timestamps
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -126,7 +126,7 @@ def test_burst_scales_up_and_the_drop_scales_down_without_errors(
 
 def parse_time(event: dict[str, Any]) -> float:
     stamp = event.get("lastTimestamp") or event.get("eventTime") or event["firstTimestamp"]
-    return autoscaler.from_rfc3339(stamp)
+    return timestamps.unix(stamp)
 
 
 def condition(cluster: Any, kind: str) -> str:
@@ -244,4 +244,4 @@ def completed(cluster: Any) -> float:
 
 
 def parse_stamp(rfc3339: str) -> float:
-    return autoscaler.from_rfc3339(rfc3339)
+    return timestamps.unix(rfc3339)

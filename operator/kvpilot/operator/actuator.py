@@ -97,7 +97,7 @@ def cost_is_due(status: Obj, now: float, window_s: int) -> bool:
     """status.cost is refreshed about five times per window: often enough to follow the
     traffic, rarely enough not to churn the object (pure)."""
     measured = (status.get("cost") or {}).get("measuredAt")
-    return not measured or now - autoscaler.from_rfc3339(measured) >= window_s / 5
+    return not measured or now - timestamps.unix(measured) >= window_s / 5
 
 
 def ready_pod_urls(pods: Sequence[Obj], port: int) -> tuple[dict[str, str], dict[str, str]]:

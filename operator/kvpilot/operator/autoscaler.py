@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from kvpilot.operator import api, timestamps
@@ -116,7 +115,7 @@ def unschedulable_since(pod: Mapping[str, Any]) -> float | None:
             and condition.get("reason") == "Unschedulable"
         ):
             stamp = condition.get("lastTransitionTime")
-            return from_rfc3339(stamp) if stamp else None
+            return timestamps.unix(stamp) if stamp else None
     return None
 
 
@@ -127,14 +126,10 @@ def wake_time(md: Mapping[str, Any]) -> float | None:
     if not stamp:
         return None
     try:
-        moment = datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+        moment = timestamps.parse(str(stamp))
     except ValueError:
         return None
     return moment.timestamp() if moment.tzinfo is not None else None
-
-
-def from_rfc3339(rfc3339_time: str) -> float:
-    return datetime.fromisoformat(rfc3339_time.replace("Z", "+00:00")).timestamp()
 
 
 def spill_message(old: Mapping[str, int], new: Mapping[str, int], stuck: Sequence[str]) -> str:

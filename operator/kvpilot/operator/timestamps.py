@@ -22,3 +22,8 @@ def micro_time(moment: datetime) -> str:
 def parse(stamp: str) -> datetime:
     """An API timestamp (`Z` or an offset) as an aware datetime."""
     return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def unix(stamp: str) -> float:
+    """An API timestamp as unix seconds."""
+    return parse(stamp).timestamp()

@@ -20,7 +20,7 @@ import pytest
 
 from hack.closedloop import apply_crds
 from hack.devcluster import nodepools
-from kvpilot.operator import autoscaler, manifests
+from kvpilot.operator import autoscaler, manifests, timestamps
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,
@@ -256,7 +256,7 @@ def test_pods_stuck_unschedulable_spill_over_to_the_next_node_type(
             for e in get(cluster, "events", "-n", namespace)["items"]
             if e["involvedObject"]["name"] == name and e.get("reason") == "SpilledOver"
         ]
-        spilled_at = autoscaler.from_rfc3339(event["firstTimestamp"])
+        spilled_at = timestamps.unix(event["firstTimestamp"])
         assert spilled_at - stuck_at >= SPILL_AFTER_S - 1
         assert not events(cluster, namespace, name, "ScaledUp")  # the count never changed
     finally:
