@@ -6,42 +6,31 @@ percent, is admitted when within `evaluation.maxQualityLoss`. Until a level is m
 category (`maxQualityLoss`, capped at `low`) decides for it, and the condition QualityMeasured
 says False and why.
 
-Measurements are cached in a ConfigMap per model URI in the namespace (`cache_name`), keyed by
-level, metric and dataset digest, not in the operator's memory: they survive a restart, a
-re-plan or a second ModelDeployment of the same model reads them instead of measuring again, and
-`kubectl get cm` shows them. The eval Jobs are named by what they measure, so two
-ModelDeployments waiting for the same level share one Job.
+Measurements are cached in a ConfigMap per model URI in the namespace (quality_job.cache_name),
+keyed by level, metric and dataset (its digest, or its URI: dataset_key), not in the operator's
+memory: they survive a restart, a re-plan or a second ModelDeployment of the same model reads
+them instead of measuring again, and `kubectl get cm` shows them. The eval Jobs (quality_job.py)
+are named by what they measure, so two ModelDeployments waiting for the same level share one Job.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator import api, manifests
+from kvpilot.operator import api, manifests, quality_job
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planner import NodePlan
 
 Obj = Mapping[str, Any]
 
 QUALITY_MEASURED = "QualityMeasured"
-LABEL_EVAL = "kvpilot.dev/quality-eval"  # on an eval Job and its pods: the Job's name
-LABEL_CACHE = "kvpilot.dev/quality-cache"  # on eval Jobs and the cache: the cache's name
-ANNOTATION_LEVEL = "kvpilot.dev/quantization"
-ANNOTATION_NODE_TYPE = "kvpilot.dev/node-type"
-DATASET_MOUNT = "/mnt/eval"
-# A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s,
-# ...); a Job that failed for good stays until its TTL, so the operator makes no new one before.
-EVAL_BACKOFF_LIMIT = 2
-FAILED_JOB_TTL_SECONDS = 3600
 # The levels the category fallback may admit while nothing is measured: int4 only by measurement.
 UNMEASURED_CAP = "low"
 LOG_TAIL_CHARS = 600
-EVAL_WINDOW_TOKENS = 512  # the eval's --max-length: the reference node must hold one window
 
 
 @dataclass(frozen=True)
@@ -54,10 +43,10 @@ class EvalRun:
 
 @dataclass(frozen=True)
 class Observed:
-    """What the controller read for one pass: the dataset's digest (or why it has none), the
-    cache's records and the eval Jobs of this model, by level."""
+    """What the controller read for one pass: the dataset's key (dataset_key; or why it has
+    none), the cache's records and the eval Jobs of this model, by level."""
 
-    dataset_digest: str = ""
+    dataset_key: str = ""
     dataset_error: str = ""
     records: Mapping[str, str] = field(default_factory=dict)
     runs: Mapping[str, EvalRun] = field(default_factory=dict)
@@ -87,17 +76,21 @@ def dataset_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def cache_name(uri: str) -> str:
-    return f"kvpilot-quality-{manifests.spec_hash(uri)}"
+def dataset_key(dataset: api.EvalDataset, content_digest: str = "") -> str:
+    """What measurements are cached and eval Jobs named by: the content digest where the operator
+    reads the eval set (a ConfigMap), else the URI's hash. Only the Job reads an hf://, s3:// or
+    pvc:// file (with the model's credentials); it reports the content digest, which the
+    measurement records. So pin hf:// revisions: a changed s3:// or pvc:// file under the same
+    URI is measured again only once its records are dropped from the cache ConfigMap."""
+    if dataset.uri is None:
+        return content_digest
+    return f"uri-{manifests.spec_hash(dataset.uri)}"
 
 
 def record_key(level: str, metric: str, digest: str) -> str:
-    """A ConfigMap key: [-._a-zA-Z0-9], so the digest's hex without its `sha256:` prefix."""
+    """A ConfigMap key: [-._a-zA-Z0-9], so the digest's hex without its `sha256:` prefix.
+    `digest`: a dataset_key."""
     return f"{level}.{metric}.{digest.removeprefix('sha256:')[:32]}"
-
-
-def job_name(uri: str, level: str, metric: str, digest: str) -> str:
-    return f"kvpilot-eval-{manifests.spec_hash([uri, level, metric, digest])}"
 
 
 def fallback_levels(policy: api.QuantizationPolicy) -> tuple[str, ...]:
@@ -184,7 +177,7 @@ def _measurement(run: EvalRun, level: str, uri: str, now: str) -> api.QualityMea
                 measured_at=(run.job.get("status") or {}).get("completionTime") or now,
                 node_type=(run.job.get("metadata") or {})
                 .get("annotations", {})
-                .get(ANNOTATION_NODE_TYPE, ""),
+                .get(quality_job.ANNOTATION_NODE_TYPE, ""),
             )
         except (ValueError, KeyError, TypeError):
             continue
@@ -207,92 +200,6 @@ def terminated(pod: Obj) -> Obj:
     return (statuses[0].get("state") or {}).get("terminated") or {}
 
 
-def build_eval_job(
-    md: Obj,
-    spec: api.ModelDeploymentSpec,
-    level: str,
-    node_plan: NodePlan,
-    digest: str,
-    config: OperatorConfig,
-) -> manifests.Manifest:
-    """The eval Job for one level: the runtime pod's spec (security context, model volume or
-    fetch init container, GPUs, node selector) with the eval as its container and the dataset's
-    ConfigMap key mounted as a file of the same name."""
-    evaluation = _evaluation(spec)
-    name = job_name(spec.model.uri, level, evaluation.metric, digest)
-    pod = manifests.pod_spec(spec, node_plan, config)
-    runtime = pod["containers"][0]
-    pod["containers"] = [_eval_container(spec, level, runtime)]
-    pod["restartPolicy"] = "Never"
-    pod["volumes"].append(
-        {
-            "name": "eval-dataset",
-            "configMap": {
-                "name": evaluation.dataset.config_map,
-                "items": [{"key": evaluation.dataset.key, "path": evaluation.dataset.key}],
-            },
-        }
-    )
-    labels = {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)}
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": md["metadata"]["namespace"],
-            "labels": {**labels, manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY},
-            "annotations": {
-                ANNOTATION_LEVEL: level,
-                ANNOTATION_NODE_TYPE: node_plan.node_type.name,
-                "kvpilot.dev/model-uri": spec.model.uri,
-                "kvpilot.dev/dataset-digest": digest,
-            },
-        },
-        "spec": {
-            "backoffLimit": EVAL_BACKOFF_LIMIT,
-            "ttlSecondsAfterFinished": FAILED_JOB_TTL_SECONDS,
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
-    }
-
-
-def _eval_container(
-    spec: api.ModelDeploymentSpec, level: str, runtime: Mapping[str, Any]
-) -> dict[str, Any]:
-    evaluation = _evaluation(spec)
-    model_dir = manifests.model_location(spec.model).model_arg.removeprefix("file://")
-    return {
-        "name": "eval",
-        "image": runtime["image"],
-        "command": ["kvpilot-runtime"],
-        "args": [
-            "eval",
-            f"--model={model_dir}",
-            f"--dataset={DATASET_MOUNT}/{evaluation.dataset.key}",
-            f"--metric={evaluation.metric}",
-            f"--quantization={level}",
-            f"--max-length={EVAL_WINDOW_TOKENS}",
-            "--dtype=auto",  # the compute dtype `serve` uses on that device
-            "--summary-file=/dev/termination-log",
-        ],
-        "env": copy.deepcopy(runtime["env"]),
-        # The summary is the termination message; a failure's log tail is, instead.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": copy.deepcopy(runtime["resources"]),
-        "securityContext": copy.deepcopy(runtime["securityContext"]),
-        "volumeMounts": [
-            *copy.deepcopy(runtime["volumeMounts"]),
-            {"name": "eval-dataset", "mountPath": DATASET_MOUNT, "readOnly": True},
-        ],
-    }
-
-
-def _evaluation(spec: api.ModelDeploymentSpec) -> api.Evaluation:
-    if spec.quantization.evaluation is None:
-        raise ValueError("spec.quantization.evaluation is not set")
-    return spec.quantization.evaluation
-
-
 def assess(
     md: Obj,
     spec: api.ModelDeploymentSpec,
@@ -312,7 +219,7 @@ def assess(
         admission = admit(policy, {})
         reason = f"{observed.dataset_error}; {_fallback_text(admission)}"
         return Assessment(admission, condition=_condition(False, "DatasetUnreadable", reason))
-    metric, digest = policy.evaluation.metric, observed.dataset_digest
+    metric, digest = policy.evaluation.metric, observed.dataset_key
     measured = cached(observed.records, policy.allowed, metric, digest)
     read = _read_runs(observed, [q for q in policy.allowed if q not in measured], spec, now)
     measured.update(read.measured)
@@ -321,7 +228,9 @@ def assess(
     jobs = (
         ()
         if reference is None
-        else tuple(build_eval_job(md, spec, q, reference, digest, config) for q in missing)
+        else tuple(
+            quality_job.build_eval_job(md, spec, q, reference, digest, config) for q in missing
+        )
     )
     return Assessment(
         admission,
@@ -408,6 +317,6 @@ def users(model_deployments: Sequence[Obj], cache: str) -> list[str]:
         spec = md.get("spec") or {}
         evaluation = (spec.get("quantization") or {}).get("evaluation")
         uri = (spec.get("model") or {}).get("uri")
-        if evaluation and uri and cache_name(uri) == cache:
+        if evaluation and uri and quality_job.cache_name(uri) == cache:
             out.append(md["metadata"]["name"])
     return out

@@ -14,7 +14,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpilot.operator import api, catalog, conditions, manifests, model_cache, planner, quality
+from kvpilot.operator import (
+    api,
+    catalog,
+    conditions,
+    manifests,
+    model_cache,
+    planner,
+    quality,
+    quality_job,
+)
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -122,7 +131,7 @@ def _assess_quality(
     category's."""
     if spec.quantization.evaluation is None or observed is None:
         return quality.Assessment(quality.admit(spec.quantization, {}))
-    reference = planner.reference_plan(request, node_types, quality.EVAL_WINDOW_TOKENS)
+    reference = planner.reference_plan(request, node_types, quality_job.EVAL_WINDOW_TOKENS)
     return quality.assess(md, spec, observed, reference, config, now)
 
 

@@ -27,6 +27,9 @@ import hashlib
 import json
 import math
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.runtime.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from kvpilot.runtime.dataset_source import parse_dataset_uri
 from kvpilot.runtime.engine import resolve_device
+from kvpilot.runtime.fetch import FetchError, fetch_dataset
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import AttentionMetadata, PrefillSpan, chunk_mask
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
@@ -224,8 +229,28 @@ def level_row(metric: str, scores: Scores, base: Scores, num_samples: int) -> di
     }
 
 
+@contextmanager
+def local_dataset(uri: str) -> Iterator[Path]:
+    """The eval set as a local file: hf:// and s3:// fetched into a temporary directory (gone
+    afterwards), a path or file:// as it is. The digest is of these bytes, wherever they came
+    from, so the operator caches by content."""
+    source = parse_dataset_uri(uri)
+    if source.scheme == "pvc":
+        raise ValueError(f"dataset {uri}: pvc:// is mounted by the eval Job; pass the mounted path")
+    if not source.is_fetched:
+        yield Path(source.location)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvpilot-eval-") as scratch:
+        yield fetch_dataset(source, Path(scratch))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir, dataset = Path(args.model), Path(args.dataset)
+    with local_dataset(args.dataset) as dataset:
+        return measure(args, dataset)
+
+
+def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
+    model_dir = Path(args.model)
     levels = [q.strip() for q in args.quantization.split(",") if q.strip()]
     unknown = [q for q in levels if q not in QUANTIZATION_CHOICES]
     if unknown:
@@ -238,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = evaluate_level(model_dir, "none", samples, args.dtype, args.device)
     result: dict[str, Any] = {
         "model": str(model_dir),
-        "dataset": str(dataset),
+        "dataset": args.dataset,
         "dataset_digest": dataset_digest(dataset),
         "metric": args.metric,
         "num_samples": len(samples),
@@ -300,7 +325,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--dataset",
         required=True,
-        help="text file or .jsonl with a text field; for exact-match .jsonl of prompt and answer",
+        help="text file or .jsonl with a text field; for exact-match .jsonl of prompt and answer;"
+        " a path, file://, hf://ORG/NAME[@REV]/PATH (hf://datasets/... for a dataset repo) or"
+        " s3://BUCKET/KEY (fetched with HF_ENDPOINT, HF_TOKEN, AWS_* as `fetch` does)",
     )
     parser.add_argument("--metric", default="perplexity", choices=METRICS)
     parser.add_argument("--quantization", default="bf16,int8,int4", help="comma-separated levels")
@@ -326,7 +353,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, FetchError) as error:
         print(f"kvpilot-runtime eval: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else format_table(result))

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.operator import api, planner, quality, reconcile
+from kvpilot.operator import api, planner, quality, quality_job, reconcile
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -151,14 +151,14 @@ def test_the_digest_is_the_evals(tmp_path: Path) -> None:
 def reference() -> planner.NodePlan:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
     request = planner.PlanRequest.from_spec(s, ModelFacts(3819776, 4, 2, 32, 4096))
-    found = planner.reference_plan(request, [L4], quality.EVAL_WINDOW_TOKENS)
+    found = planner.reference_plan(request, [L4], quality_job.EVAL_WINDOW_TOKENS)
     assert found is not None
     return found
 
 
 def test_the_eval_job_runs_like_a_runtime_pod() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation(metric="agreement")))
-    job = quality.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
+    job = quality_job.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
     kubernetes_validate.validate(job, "1.37.0", strict=True)
     pod = job["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] and pod["restartPolicy"] == "Never"
@@ -171,7 +171,7 @@ def test_the_eval_job_runs_like_a_runtime_pod() -> None:
         "--dataset=/mnt/eval/eval.txt",
         "--metric=agreement",
         "--quantization=int4",
-        f"--max-length={quality.EVAL_WINDOW_TOKENS}",
+        f"--max-length={quality_job.EVAL_WINDOW_TOKENS}",
         "--dtype=auto",
         "--summary-file=/dev/termination-log",
     ]
@@ -184,9 +184,9 @@ def test_the_eval_job_runs_like_a_runtime_pod() -> None:
     }
     assert job["spec"]["ttlSecondsAfterFinished"] > 0 and job["spec"]["backoffLimit"] >= 1
     # Named by what it measures: the same level of the same model on the same set is one Job.
-    same = quality.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
+    same = quality_job.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
     assert same["metadata"]["name"] == job["metadata"]["name"]
-    other = quality.build_eval_job(md(md_spec()), s, "int8", reference(), DIGEST, CONFIG)
+    other = quality_job.build_eval_job(md(md_spec()), s, "int8", reference(), DIGEST, CONFIG)
     assert other["metadata"]["name"] != job["metadata"]["name"]
 
 
@@ -271,7 +271,7 @@ def records(**losses: float) -> dict[str, str]:
 
 def test_nothing_measured_asks_for_a_job_per_level_and_serves_the_fallback() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
-    observed = quality.Observed(dataset_digest=DIGEST)
+    observed = quality.Observed(dataset_key=DIGEST)
     verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     assert verdict.admission.levels == ("bf16", "int8")
     assert [
@@ -372,4 +372,4 @@ def test_users_are_the_model_deployments_of_that_model_with_an_eval_set() -> Non
     without["metadata"]["name"] = "plain"
     other = md({**md_spec(evaluation=evaluation()), "model": {"uri": "hf://x/y"}})
     other["metadata"]["name"] = "other"
-    assert quality.users([with_eval, without, other], quality.cache_name(URI)) == ["tiny"]
+    assert quality.users([with_eval, without, other], quality_job.cache_name(URI)) == ["tiny"]
