@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,8 @@ class PlanRequest:
     min_gpus_per_replica: int = 1
     prefer: str = "quality"
     node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
+    # (node type, $ per 1,000 requests) measured on real traffic (status.cost.nodeTypes)
+    measured_cost: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.quantizations:
@@ -199,22 +202,44 @@ def _unknown(name: str) -> NodePlan:
 
 
 def order(plans: Sequence[NodePlan], request: PlanRequest) -> list[NodePlan]:
-    """quality: best level first, then cheaper; cost: lowest price per concurrent sequence first.
+    """quality: best level first, then cheaper; cost: lowest cost per request first (cost_rank).
 
     Unknown prices sort after known ones so a priced node type is never displaced by a guess.
     """
     rank = {q: i for i, q in enumerate(request.quantizations)}
+    costs = cost_rank(plans, dict(request.measured_cost))
 
     def key(p: NodePlan) -> tuple[Any, ...]:
         if not p.fits:
             return (1, 0, 0.0, p.node_type.name)
-        price = p.price_per_replica_hour or math.inf
-        per_sequence = price / p.max_concurrency
         if request.prefer == "cost":
-            return (0, per_sequence, rank[p.quantization], p.node_type.name)
+            return (0, costs[p.node_type.name], rank[p.quantization], p.node_type.name)
+        price = p.price_per_replica_hour or math.inf
         return (0, rank[p.quantization], price, p.node_type.name)
 
     return sorted(plans, key=key)
+
+
+def estimated_cost(p: NodePlan) -> float:
+    """The plan's estimate: $ per hour per sequence held at full context (inf: no price)."""
+    return (p.price_per_replica_hour or math.inf) / max(1, p.max_concurrency)
+
+
+def cost_rank(plans: Sequence[NodePlan], measured: Mapping[str, float]) -> dict[str, float]:
+    """Cost per 1,000 requests per fitting node type: measured on real traffic where it was
+    (status.cost), else the plan's estimate in the same unit, scaled by the median ratio of
+    measured cost to estimate over the node types that have both. Without any measurement,
+    the estimate itself (the order is the same)."""
+    fitting = [p for p in plans if p.fits]
+    ratios = [
+        measured[p.node_type.name] / estimated_cost(p)
+        for p in fitting
+        if measured.get(p.node_type.name, 0) > 0 and math.isfinite(estimated_cost(p))
+    ]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return {
+        p.node_type.name: measured.get(p.node_type.name, estimated_cost(p) * scale) for p in fitting
+    }
 
 
 def assign_replicas(total: int, plans: Sequence[NodePlan]) -> list[int]:

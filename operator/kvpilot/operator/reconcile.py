@@ -87,7 +87,9 @@ def desire(
         excluded = "; ".join(verdict.admission.excluded)
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
-    request = dataclasses.replace(request, quantizations=verdict.admission.levels)
+    request = dataclasses.replace(
+        request, quantizations=verdict.admission.levels, measured_cost=measured_cost(md)
+    )
     losses = {m.level: m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
@@ -116,6 +118,14 @@ def desire(
         quality=verdict,
         needs_retry=quality.needs_retry(verdict),  # a ConfigMap is not watched: look again
     )
+
+
+def measured_cost(md: Obj) -> tuple[tuple[str, float], ...]:
+    """$ per 1,000 requests per node type on real traffic, as the autoscaler loop wrote it
+    (status.cost.nodeTypes; cost.py); node types without traffic or price have none."""
+    per_type = (((md.get("status") or {}).get("cost") or {}).get("nodeTypes")) or {}
+    found = {name: figures.get("perThousandRequests") for name, figures in per_type.items()}
+    return tuple(sorted((n, float(c)) for n, c in found.items() if isinstance(c, (int, float))))
 
 
 def _assess_quality(
