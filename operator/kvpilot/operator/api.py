@@ -613,6 +613,11 @@ class QualityMeasurement(_Model):
     model_revision: str = Field(default="", description="the model URI with its revision")
     measured_at: str = ""
     node_type: str = Field(default="", description="where the eval Job ran")
+    reference: str = Field(
+        default="bf16",
+        description="the level relativeLoss is measured against: bf16 (the unquantised weights),"
+        " or the largest level a node type fits when none fits bf16",
+    )
 
 
 class AutoscalingStatus(_Model):

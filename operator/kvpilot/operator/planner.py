@@ -24,6 +24,8 @@ from kvpilot.runtime import memory
 from kvpilot.runtime.memory import MemoryEstimate, ModelFacts
 
 TP_DEGREES = (1, 2, 4, 8)
+# Largest first: an eval's reference is the first of these some node type fits (reference_plan).
+REFERENCE_LEVELS = ("bf16", "int8", "int4")
 _GIB_FIELDS = (
     ("weightsGiB", "weights_bytes"),
     ("kvCacheGiB", "kv_cache_bytes"),
@@ -277,16 +279,21 @@ def desired_total(spec: ModelDeploymentSpec, autoscaler_desired: int | None) -> 
 def reference_plan(
     request: PlanRequest, node_types: Iterable[NodeType], tokens: int
 ) -> NodePlan | None:
-    """Where an eval Job can run the unquantised model (bf16 weights, one window of `tokens`):
-    the first such node type in quality order, else None."""
-    reference = dataclasses.replace(
-        request,
-        quantizations=("bf16",),
-        max_context_length=tokens,
-        target_concurrency=1,
-        prefer="quality",
-    )
-    return next((p for p in plan(reference, node_types) if p.fits), None)
+    """Where an eval Job runs its reference (one window of `tokens`): the first node type, in
+    quality order, that fits bf16 (the unquantised weights); where none does, the largest level
+    that fits one (REFERENCE_LEVELS), which losses are then relative to; None if nothing fits."""
+    for level in REFERENCE_LEVELS:
+        reference = dataclasses.replace(
+            request,
+            quantizations=(level,),
+            max_context_length=tokens,
+            target_concurrency=1,
+            prefer="quality",
+        )
+        found = next((p for p in plan(reference, node_types) if p.fits), None)
+        if found is not None:
+            return found
+    return None
 
 
 def status_entries(

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator import api, manifests, quality_job
+from kvpilot.operator import api, manifests, planner, quality_job
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planner import NodePlan
 
@@ -44,7 +44,7 @@ class EvalRun:
 @dataclass(frozen=True)
 class Observed:
     """What the controller read for one pass: the dataset's key (dataset_key; or why it has
-    none), the cache's records and the eval Jobs of this model, by level."""
+    none), the cache's records and the eval Jobs of this model, by Job name."""
 
     dataset_key: str = ""
     dataset_error: str = ""
@@ -87,10 +87,22 @@ def dataset_key(dataset: api.EvalDataset, content_digest: str = "") -> str:
     return f"uri-{manifests.spec_hash(dataset.uri)}"
 
 
-def record_key(level: str, metric: str, digest: str) -> str:
+def record_key(level: str, metric: str, digest: str, reference: str = "bf16") -> str:
     """A ConfigMap key: [-._a-zA-Z0-9], so the digest's hex without its `sha256:` prefix.
-    `digest`: a dataset_key."""
-    return f"{level}.{metric}.{digest.removeprefix('sha256:')[:32]}"
+    `digest`: a dataset_key. A loss against another reference than bf16 is another record."""
+    against = "" if reference == "bf16" else f"vs-{reference}."
+    return f"{level}.{against}{metric}.{digest.removeprefix('sha256:')[:32]}"
+
+
+def reference_level(reference: NodePlan | None) -> str:
+    """The level losses are relative to: the reference node's (bf16 unless none fits it)."""
+    return reference.quantization if reference is not None else "bf16"
+
+
+def fits_at(level: str, reference: str) -> bool:
+    """A level no larger than the reference: one that some node type fits for an eval."""
+    order = planner.REFERENCE_LEVELS
+    return order.index(level) >= order.index(reference)
 
 
 def fallback_levels(policy: api.QuantizationPolicy) -> tuple[str, ...]:
@@ -104,15 +116,20 @@ def fallback_levels(policy: api.QuantizationPolicy) -> tuple[str, ...]:
     return tuple(q for q in policy.allowed if q in admitted)
 
 
-def admit(policy: api.QuantizationPolicy, losses: Mapping[str, float]) -> Admission:
+def admit(
+    policy: api.QuantizationPolicy, losses: Mapping[str, float], reference: str = "bf16"
+) -> Admission:
     """Levels within the budget by their measured loss (percent); unmeasured ones by the
-    category fallback. Without an eval set: the category alone."""
+    category fallback; levels larger than the `reference` fit no node type (so neither an eval
+    nor a replica) and are excluded. Without an eval set: the category alone."""
     if policy.evaluation is None:
         return Admission(api.allowed_quantizations(policy))
     budget, fallback = policy.evaluation.max_quality_loss, fallback_levels(policy)
     levels, pending, excluded = [], [], []
     for level in policy.allowed:
-        if level not in losses:
+        if not fits_at(level, reference):
+            excluded.append(f"{level}: fits no node type")
+        elif level not in losses:
             pending.append(level)
             if level in fallback:
                 levels.append(level)
@@ -132,10 +149,15 @@ def parse_record(raw: str) -> api.QualityMeasurement | None:
 
 
 def cached(
-    records: Mapping[str, str], levels: Sequence[str], metric: str, digest: str
+    records: Mapping[str, str],
+    levels: Sequence[str],
+    metric: str,
+    digest: str,
+    reference: str = "bf16",
 ) -> dict[str, api.QualityMeasurement]:
     found = {
-        level: parse_record(records.get(record_key(level, metric, digest), "")) for level in levels
+        level: parse_record(records.get(record_key(level, metric, digest, reference), ""))
+        for level in levels
     }
     return {level: m for level, m in found.items() if m is not None}
 
@@ -175,13 +197,16 @@ def _measurement(run: EvalRun, level: str, uri: str, now: str) -> api.QualityMea
                 model_revision=uri,
                 # The Job's completion, not this pass's clock: every reader records the same.
                 measured_at=(run.job.get("status") or {}).get("completionTime") or now,
-                node_type=(run.job.get("metadata") or {})
-                .get("annotations", {})
-                .get(quality_job.ANNOTATION_NODE_TYPE, ""),
+                node_type=_annotation(run, quality_job.ANNOTATION_NODE_TYPE, ""),
+                reference=_annotation(run, quality_job.ANNOTATION_REFERENCE, "bf16"),
             )
         except (ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _annotation(run: EvalRun, name: str, default: str) -> str:
+    return str(((run.job.get("metadata") or {}).get("annotations") or {}).get(name, default))
 
 
 def log_tail(pods: Sequence[Obj]) -> str:
@@ -210,8 +235,8 @@ def assess(
 ) -> Assessment:
     """Admitted levels, status.quality, the condition, and the Jobs and records to write.
 
-    `reference`: where an eval Job runs (a node type that fits the unquantised model), or None
-    when none does."""
+    `reference`: where an eval Job runs (planner.reference_plan: a node type that fits bf16, else
+    the largest level some node type fits, which losses are then relative to), or None."""
     policy = spec.quantization
     if policy.evaluation is None:
         return Assessment(admit(policy, {}))
@@ -219,11 +244,15 @@ def assess(
         admission = admit(policy, {})
         reason = f"{observed.dataset_error}; {_fallback_text(admission)}"
         return Assessment(admission, condition=_condition(False, "DatasetUnreadable", reason))
-    metric, digest = policy.evaluation.metric, observed.dataset_key
-    measured = cached(observed.records, policy.allowed, metric, digest)
-    read = _read_runs(observed, [q for q in policy.allowed if q not in measured], spec, now)
+    metric, digest, ref = policy.evaluation.metric, observed.dataset_key, reference_level(reference)
+    measurable = [q for q in policy.allowed if fits_at(q, ref)]
+    measured = cached(observed.records, measurable, metric, digest, ref)
+    names: dict[str, str] = {
+        q: quality_job.job_name(spec.model.uri, q, metric, digest, ref) for q in measurable
+    }
+    read = _read_runs(observed, {q: n for q, n in names.items() if q not in measured}, spec, now)
     measured.update(read.measured)
-    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()})
+    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()}, ref)
     missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
     jobs = (
         ()
@@ -237,9 +266,9 @@ def assess(
         measurements=tuple(measured[q] for q in policy.allowed if q in measured),
         condition=_status_condition(admission, read, reference, policy.evaluation, measured),
         jobs_to_create=jobs,
-        jobs_to_delete=tuple(observed.runs[q].job for q in read.measured),
+        jobs_to_delete=tuple(observed.runs[names[q]].job for q in read.measured),
         new_records={
-            record_key(q, metric, digest): m.model_dump_json(by_alias=True)
+            record_key(q, metric, digest, ref): m.model_dump_json(by_alias=True)
             for q, m in read.measured.items()
         },
     )
@@ -253,11 +282,12 @@ class _Runs:
 
 
 def _read_runs(
-    observed: Observed, levels: Sequence[str], spec: api.ModelDeploymentSpec, now: str
+    observed: Observed, names: Mapping[str, str], spec: api.ModelDeploymentSpec, now: str
 ) -> _Runs:
+    """`names`: the eval Job's name per level still to be measured."""
     measured, failures, running = {}, {}, []
-    for level in levels:
-        run = observed.runs.get(level)
+    for level, name in names.items():
+        run = observed.runs.get(name)
         outcome = None if run is None else job_outcome(run, level, spec.model.uri, now)
         if isinstance(outcome, api.QualityMeasurement):
             measured[level] = outcome
@@ -276,7 +306,9 @@ def _status_condition(
     measured: Mapping[str, api.QualityMeasurement],
 ) -> api.Condition:
     losses = ", ".join(f"{q} {m.relative_loss:+.2f}%" for q, m in measured.items())
-    verdict = f"{evaluation.metric} loss vs unquantised: {losses or 'none measured yet'}"
+    ref = reference_level(reference)
+    against = "unquantised" if ref == "bf16" else f"{ref}, the largest level a node type fits"
+    verdict = f"{evaluation.metric} loss vs {against}: {losses or 'none measured yet'}"
     verdict = f"{verdict}; budget {evaluation.max_quality_loss:g}%"
     if admission.excluded:
         verdict = f"{verdict}; excluded {', '.join(admission.excluded)}"
@@ -287,7 +319,7 @@ def _status_condition(
         text = f"eval failed ({failed}); retried when the failed Job expires"
         return _condition(False, "EvalFailed", f"{text}; {_fallback_text(admission)}")
     if reference is None:
-        text = "no node type fits the unquantised model for an eval Job"
+        text = "no node type fits the model at any level for an eval Job"
         return _condition(False, "NoReferenceNode", f"{text}; {_fallback_text(admission)}")
     where = f"measuring {', '.join(admission.pending)} on {reference.node_type.name}"
     return _condition(False, "Measuring", f"{where}; {verdict}; {_fallback_text(admission)}")

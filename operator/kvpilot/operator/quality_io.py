@@ -40,20 +40,27 @@ def observe(client: k8s_client.ApiClient, md: Obj) -> quality.Observed | None:
     if isinstance(data, str):
         return quality.Observed(dataset_error=data)
     digest = quality.dataset_key(evaluation.dataset, quality.dataset_digest(data))
-    found = k8s.get(client, "v1", "ConfigMap", namespace, quality_job.cache_name(spec.model.uri))
+    cache = quality_job.cache_name(spec.model.uri)
+    found = k8s.get(client, "v1", "ConfigMap", namespace, cache)
     records = dict((found or {}).get("data") or {})
-    measured = quality.cached(records, spec.quantization.allowed, evaluation.metric, digest)
-    runs: dict[str, quality.EvalRun] = {}
-    for level in spec.quantization.allowed:
-        if level in measured:
-            continue
-        name = quality_job.job_name(spec.model.uri, level, evaluation.metric, digest)
-        job = k8s.get(client, "batch/v1", "Job", namespace, name)
-        if job is not None:
-            selector = f"{quality_job.LABEL_EVAL}={name}"
-            pods = k8s.list_objects(client, "v1", "Pod", namespace, selector)
-            runs[level] = quality.EvalRun(job, pods)
+    runs = eval_runs(client, namespace, cache)
     return quality.Observed(dataset_key=digest, records=records, runs=runs)
+
+
+def eval_runs(
+    client: k8s_client.ApiClient, namespace: str, cache: str
+) -> dict[str, quality.EvalRun]:
+    """The eval Jobs of this model (and their pods), by Job name: the pass looks up the ones it
+    needs by the name of what they measure (quality_job.job_name)."""
+    selector = f"{quality_job.LABEL_CACHE}={cache}"
+    jobs = k8s.list_objects(client, "batch/v1", "Job", namespace, selector)
+    pods = k8s.list_objects(client, "v1", "Pod", namespace, selector)
+    pods_of: dict[str, list[Obj]] = {}
+    for pod in pods:
+        job_name = (pod["metadata"].get("labels") or {}).get(quality_job.LABEL_EVAL, "")
+        pods_of.setdefault(job_name, []).append(pod)
+    by_name = {job["metadata"]["name"]: job for job in jobs}
+    return {name: quality.EvalRun(job, pods_of.get(name, [])) for name, job in by_name.items()}
 
 
 def read_dataset(

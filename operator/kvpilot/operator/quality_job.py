@@ -22,6 +22,7 @@ LABEL_EVAL = "kvpilot.dev/quality-eval"  # on an eval Job and its pods: the Job'
 LABEL_CACHE = "kvpilot.dev/quality-cache"  # on eval Jobs and the cache: the cache's name
 ANNOTATION_LEVEL = "kvpilot.dev/quantization"
 ANNOTATION_NODE_TYPE = "kvpilot.dev/node-type"
+ANNOTATION_REFERENCE = "kvpilot.dev/quality-reference"
 DATASET_MOUNT = "/mnt/eval"
 # A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s,
 # ...); a Job that failed for good stays until its TTL, so the operator makes no new one before.
@@ -35,8 +36,9 @@ def cache_name(uri: str) -> str:
     return f"kvpilot-quality-{manifests.spec_hash(uri)}"
 
 
-def job_name(uri: str, level: str, metric: str, digest: str) -> str:
-    return f"kvpilot-eval-{manifests.spec_hash([uri, level, metric, digest])}"
+def job_name(uri: str, level: str, metric: str, digest: str, reference: str = "bf16") -> str:
+    against = [] if reference == "bf16" else [reference]  # bf16: the names Jobs always had
+    return f"kvpilot-eval-{manifests.spec_hash([uri, level, metric, digest, *against])}"
 
 
 @dataclass(frozen=True)
@@ -84,13 +86,16 @@ def build_eval_job(
     config: OperatorConfig,
 ) -> manifests.Manifest:
     """The eval Job for one level: the runtime pod's template with the eval as its container.
-    `digest`: the dataset's key (quality.dataset_key), which names the Job."""
+    `digest`: the dataset's key (quality.dataset_key), which names the Job. `node_plan`: the
+    reference node (planner.reference_plan); its level is the one losses are relative to."""
     evaluation = _evaluation(spec)
-    name = job_name(spec.model.uri, level, evaluation.metric, digest)
+    reference = node_plan.quantization
+    name = job_name(spec.model.uri, level, evaluation.metric, digest, reference)
     delivery = dataset_delivery(evaluation.dataset)
     template = runtime_pod_template(spec, node_plan, config)
     pod = template["spec"]
-    pod["containers"] = [_eval_container(spec, level, pod["containers"][0], delivery)]
+    runtime = pod["containers"][0]
+    pod["containers"] = [_eval_container(spec, (level, reference), runtime, delivery)]
     pod["restartPolicy"] = "Never"
     pod["volumes"] = [*pod.get("volumes", []), *delivery.volumes]
     labels = {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)}
@@ -105,6 +110,7 @@ def build_eval_job(
             "annotations": {
                 ANNOTATION_LEVEL: level,
                 ANNOTATION_NODE_TYPE: node_plan.node_type.name,
+                ANNOTATION_REFERENCE: reference,
                 "kvpilot.dev/model-uri": spec.model.uri,
                 "kvpilot.dev/dataset-digest": digest,
             },
@@ -119,10 +125,14 @@ def build_eval_job(
 
 def _eval_container(
     spec: api.ModelDeploymentSpec,
-    level: str,
+    levels: tuple[str, str],
     runtime: Mapping[str, Any],
     delivery: DatasetDelivery,
 ) -> dict[str, Any]:
+    """`levels`: the level measured, and the reference it is measured against."""
+    level, reference = levels
+    # bf16 is the checkpoint unquantised, the eval's default baseline (`none`)
+    baseline = [] if reference == "bf16" else [f"--baseline={reference}"]
     model_dir = manifests.model_location(spec.model).model_arg.removeprefix("file://")
     container = {
         "name": "eval",
@@ -137,6 +147,7 @@ def _eval_container(
             f"--max-length={EVAL_WINDOW_TOKENS}",
             "--dtype=auto",  # the compute dtype `serve` uses on that device
             "--summary-file=/dev/termination-log",
+            *baseline,
         ],
         "env": copy.deepcopy(runtime.get("env", [])),
         # The summary is the termination message; a failure's log tail is, instead.

@@ -12,10 +12,11 @@ Metrics, all from one teacher-forced pass per level over the same tokens:
   reproduces token for token (every answer token is the argmax given the prompt and the answer
   before it, which is exactly what a greedy decode checks); relative loss = 1 - em / em(none).
 
-The baseline is the checkpoint's weights unquantised (`none`) with the KV cache in the compute
-dtype; every level runs in the same compute dtype, so the difference is the weight format alone,
-or with `--kv-cache-dtype fp8` (levels may include `none`) the weight format and the KV storage.
-The relative loss of the chosen metric is the number the operator gates
+The baseline is the checkpoint's weights unquantised (`none`; `--baseline LEVEL` makes it that
+level instead, for a model whose unquantised weights fit no GPU at hand) with the KV cache in
+the compute dtype; every level runs in the same compute dtype, so the difference is the weight
+format alone, or with `--kv-cache-dtype fp8` (levels may include `none`) the weight format and the
+KV storage. The relative loss of the chosen metric is the number the operator gates
 `quantization.maxQualityLoss` on. Every token but a window's first reads its context back from
 the paged KV cache, as a decode does.
 """
@@ -236,7 +237,7 @@ def local_dataset(uri: str) -> Iterator[Path]:
     from, so the operator caches by content."""
     source = parse_dataset_uri(uri)
     if source.scheme == "pvc":
-        raise ValueError(f"dataset {uri}: pvc:// is mounted by the eval Job; pass the mounted path")
+        raise ValueError(f"{uri}: a pvc:// dataset is mounted by the eval Job: pass its path")
     if not source.is_fetched:
         yield Path(source.location)
         return
@@ -260,7 +261,7 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
     samples = samples_for(args.metric, dataset, Tokenizer(model_dir), max_length)
     if not samples:
         raise ValueError(f"dataset {args.dataset} has nothing to score (fewer than 2 tokens?)")
-    base = evaluate_level(model_dir, "none", samples, args.dtype, args.device)
+    base = evaluate_level(model_dir, args.baseline, samples, args.dtype, args.device)
     result: dict[str, Any] = {
         "model": str(model_dir),
         "dataset": args.dataset,
@@ -271,7 +272,7 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
         "baseline": {
-            "quantization": "none",
+            "quantization": args.baseline,
             "kv_cache_dtype": "auto",
             **level_row(args.metric, base, base, len(samples)),
         },
@@ -281,7 +282,7 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
     for level in levels:
         measured = (
             base
-            if level == "none" and kv_name == "auto"
+            if level == args.baseline and kv_name == "auto"
             else evaluate_level(model_dir, level, samples, args.dtype, args.device, kv_name)
         )
         result["levels"][level] = level_row(args.metric, measured, base, len(samples))
@@ -296,6 +297,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "dataset_digest": result["dataset_digest"],
         "num_samples": result["num_samples"],
         "baseline": result["baseline"]["value"],
+        "reference": result["baseline"]["quantization"],
         "levels": {k: {f: v[f] for f in keep} for k, v in result["levels"].items()},
     }
 
@@ -305,9 +307,11 @@ def format_table(result: dict[str, Any]) -> str:
     suffix = "" if kv_name == "auto" else f"+{kv_name}"  # e.g. none+fp8: that level, fp8 KV
     lines = [
         f"model {result['model']}  dataset {result['dataset']}  samples {result['num_samples']}  "
-        f"tokens {result['num_tokens']}  KV cache {kv_name} (baseline: none, KV auto)",
+        f"tokens {result['num_tokens']}  KV cache {kv_name} "
+        f"(baseline: {base['quantization']}, KV auto)",
         f"{'level':<9} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{'none':<9} {base['value']:>11.4g} {'-':>10} {base['weight_bytes'] / 2**20:>11.2f}",
+        f"{base['quantization']:<9} {base['value']:>11.4g} {'-':>10} "
+        f"{base['weight_bytes'] / 2**20:>11.2f}",
     ]
     for level, row in result["levels"].items():
         lines.append(
@@ -331,6 +335,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--metric", default="perplexity", choices=METRICS)
     parser.add_argument("--quantization", default="bf16,int8,int4", help="comma-separated levels")
+    parser.add_argument(
+        "--baseline",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="the reference the loss is relative to: the unquantised weights (none), or where"
+        " they fit no GPU the largest level that does (the operator's reference level)",
+    )
     parser.add_argument("--max-length", type=int, default=512, help="tokens per window")
     parser.add_argument("--dtype", default="float32", help="compute dtype for every level")
     parser.add_argument("--device", default="auto")

@@ -256,6 +256,11 @@ def test_job_outcomes() -> None:
     assert odd == "the eval Job finished without a summary"
 
 
+def named(level: str, reference: str = "bf16") -> str:
+    """Observed.runs are by Job name: the name of what the Job measures."""
+    return quality_job.job_name(URI, level, "perplexity", DIGEST, reference)
+
+
 def record(level: str, loss: float) -> str:
     return api.QualityMeasurement(
         level=level, metric="perplexity", value=140.0, relative_loss=loss, dataset_digest=DIGEST
@@ -301,13 +306,13 @@ def test_cached_measurements_need_no_job() -> None:
 def test_a_finished_job_is_recorded_then_deleted_and_a_failed_one_is_not_retried_at_once() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation(0.5)))
     runs = {
-        "int8": quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.003)]),
-        "int4": quality.EvalRun(job("Failed"), [failed_pod(NOW, "CUDA out of memory")]),
+        named("int8"): quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.003)]),
+        named("int4"): quality.EvalRun(job("Failed"), [failed_pod(NOW, "CUDA out of memory")]),
     }
     observed = quality.Observed(DIGEST, records=records(bf16=0.0), runs=runs)
     verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     assert list(verdict.new_records) == [quality.record_key("int8", "perplexity", DIGEST)]
-    assert verdict.jobs_to_delete == (runs["int8"].job,)
+    assert verdict.jobs_to_delete == (runs[named("int8")].job,)
     assert verdict.jobs_to_create == ()  # int4's failed Job stays until its TTL: no tight loop
     assert verdict.admission.levels == ("bf16", "int8")
     assert verdict.condition is not None and verdict.condition.reason == "EvalFailed"

@@ -144,7 +144,8 @@ def test_a_uri_datasets_measurement_records_the_content_digest_the_job_reported(
     s = spec_with({"uri": "s3://evals/tiny/eval.txt"})
     key = quality.dataset_key(s.quantization.evaluation.dataset)  # type: ignore[union-attr]
     run = quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.004)])
-    observed = quality.Observed(key, runs={"int8": run})
+    name = quality_job.job_name(s.model.uri, "int8", "perplexity", key)
+    observed = quality.Observed(key, runs={name: run})
     verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, "now")
     (measured,) = [m for m in verdict.measurements if m.level == "int8"]
     assert measured.dataset_digest == DIGEST  # the summary's content digest, not the URI key
