@@ -94,6 +94,22 @@ def record_key(level: str, metric: str, digest: str, reference: str = "bf16") ->
     return f"{level}.{against}{metric}.{digest.removeprefix('sha256:')[:32]}"
 
 
+def failure_key(level: str, metric: str, digest: str, reference: str = "bf16") -> str:
+    """The cache key counting the failed eval Jobs of one measurement (the retry's back-off)."""
+    return f"failed.{record_key(level, metric, digest, reference)}"
+
+
+def attempt(run: EvalRun) -> int:
+    """Which attempt at its measurement a Job is (quality_job.ANNOTATION_ATTEMPT)."""
+    raw = _annotation(run, quality_job.ANNOTATION_ATTEMPT, "1")
+    return int(raw) if raw.isdigit() else 1
+
+
+def failed_attempts(records: Mapping[str, str], key: str) -> int:
+    raw = records.get(key, "0")
+    return int(raw) if raw.isdigit() else 0
+
+
 def reference_level(reference: NodePlan | None) -> str:
     """The level losses are relative to: the reference node's (bf16 unless none fits it)."""
     return reference.quantization if reference is not None else "bf16"
@@ -254,11 +270,21 @@ def assess(
     measured.update(read.measured)
     admission = admit(policy, {q: m.relative_loss for q, m in measured.items()}, ref)
     missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
+    failures: dict[str, str] = {q: failure_key(q, metric, digest, ref) for q in measurable}
     jobs = (
         ()
         if reference is None
         else tuple(
-            quality_job.build_eval_job(md, spec, q, reference, digest, config) for q in missing
+            quality_job.build_eval_job(
+                md,
+                spec,
+                q,
+                reference,
+                digest,
+                config,
+                1 + failed_attempts(observed.records, failures[q]),
+            )
+            for q in missing
         )
     )
     return Assessment(
@@ -268,8 +294,11 @@ def assess(
         jobs_to_create=jobs,
         jobs_to_delete=tuple(observed.runs[names[q]].job for q in read.measured),
         new_records={
-            record_key(q, metric, digest, ref): m.model_dump_json(by_alias=True)
-            for q, m in read.measured.items()
+            **{
+                record_key(q, metric, digest, ref): m.model_dump_json(by_alias=True)
+                for q, m in read.measured.items()
+            },
+            **{failures[q]: str(n) for q, n in read.failed_attempts.items()},
         },
     )
 
@@ -279,23 +308,26 @@ class _Runs:
     measured: dict[str, api.QualityMeasurement]
     failures: dict[str, str]
     running: tuple[str, ...]
+    failed_attempts: dict[str, int]  # level -> which attempt its failed Job was
 
 
 def _read_runs(
     observed: Observed, names: Mapping[str, str], spec: api.ModelDeploymentSpec, now: str
 ) -> _Runs:
     """`names`: the eval Job's name per level still to be measured."""
-    measured, failures, running = {}, {}, []
+    measured, failures, running, attempts = {}, {}, [], {}
     for level, name in names.items():
         run = observed.runs.get(name)
         outcome = None if run is None else job_outcome(run, level, spec.model.uri, now)
         if isinstance(outcome, api.QualityMeasurement):
             measured[level] = outcome
-        elif isinstance(outcome, str):
-            failures[level] = outcome
+        elif isinstance(outcome, str) and run is not None:
+            attempts[level] = attempt(run)
+            minutes = quality_job.retry_delay_seconds(attempts[level]) // 60
+            failures[level] = f"{outcome} [attempt {attempts[level]}, next in {minutes} min]"
         elif run is not None:
             running.append(level)
-    return _Runs(measured, failures, tuple(running))
+    return _Runs(measured, failures, tuple(running), attempts)
 
 
 def _status_condition(
@@ -316,7 +348,7 @@ def _status_condition(
         return _condition(True, "Measured", verdict)
     if read.failures:
         failed = "; ".join(f"{q}: {why}" for q, why in read.failures.items())
-        text = f"eval failed ({failed}); retried when the failed Job expires"
+        text = f"eval failed ({failed}); retried when the failed Job expires (the wait doubles)"
         return _condition(False, "EvalFailed", f"{text}; {_fallback_text(admission)}")
     if reference is None:
         text = "no node type fits the model at any level for an eval Job"

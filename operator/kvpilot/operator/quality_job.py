@@ -24,12 +24,21 @@ ANNOTATION_LEVEL = "kvpilot.dev/quantization"
 ANNOTATION_NODE_TYPE = "kvpilot.dev/node-type"
 ANNOTATION_REFERENCE = "kvpilot.dev/quality-reference"
 DATASET_MOUNT = "/mnt/eval"
-# A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s,
-# ...); a Job that failed for good stays until its TTL, so the operator makes no new one before.
+ANNOTATION_ATTEMPT = "kvpilot.dev/eval-attempt"
+# A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s)
+# up to EVAL_BACKOFF_LIMIT times; a Job that failed for good stays until its TTL, so the operator
+# makes no new one before. The TTL doubles with each failed Job of the same measurement (quality.py
+# counts them in the cache ConfigMap), from FIRST_RETRY_SECONDS up to MAX_RETRY_SECONDS.
 EVAL_BACKOFF_LIMIT = 2
-FAILED_JOB_TTL_SECONDS = 3600
+FIRST_RETRY_SECONDS = 600
+MAX_RETRY_SECONDS = 6 * 3600
 EVAL_WINDOW_TOKENS = 512  # the eval's --max-length: the reference node must hold one window
 DATASET_VOLUME = "eval-dataset"
+
+
+def retry_delay_seconds(attempt: int) -> int:
+    """How long the `attempt`-th failed Job stays (its TTL) before the next one is made."""
+    return min(FIRST_RETRY_SECONDS * 2 ** (max(1, attempt) - 1), MAX_RETRY_SECONDS)
 
 
 def cache_name(uri: str) -> str:
@@ -84,10 +93,12 @@ def build_eval_job(
     node_plan: NodePlan,
     digest: str,
     config: OperatorConfig,
+    attempt: int = 1,
 ) -> manifests.Manifest:
     """The eval Job for one level: the runtime pod's template with the eval as its container.
     `digest`: the dataset's key (quality.dataset_key), which names the Job. `node_plan`: the
-    reference node (planner.reference_plan); its level is the one losses are relative to."""
+    reference node (planner.reference_plan); its level is the one losses are relative to.
+    `attempt`: 1 + the failed Jobs of this measurement so far; sets the Job's TTL."""
     evaluation = _evaluation(spec)
     reference = node_plan.quantization
     name = job_name(spec.model.uri, level, evaluation.metric, digest, reference)
@@ -111,13 +122,14 @@ def build_eval_job(
                 ANNOTATION_LEVEL: level,
                 ANNOTATION_NODE_TYPE: node_plan.node_type.name,
                 ANNOTATION_REFERENCE: reference,
+                ANNOTATION_ATTEMPT: str(attempt),
                 "kvpilot.dev/model-uri": spec.model.uri,
                 "kvpilot.dev/dataset-digest": digest,
             },
         },
         "spec": {
             "backoffLimit": EVAL_BACKOFF_LIMIT,
-            "ttlSecondsAfterFinished": FAILED_JOB_TTL_SECONDS,
+            "ttlSecondsAfterFinished": retry_delay_seconds(attempt),
             "template": template,
         },
     }

@@ -311,12 +311,17 @@ def test_a_finished_job_is_recorded_then_deleted_and_a_failed_one_is_not_retried
     }
     observed = quality.Observed(DIGEST, records=records(bf16=0.0), runs=runs)
     verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
-    assert list(verdict.new_records) == [quality.record_key("int8", "perplexity", DIGEST)]
+    # int8's measurement, and that int4's first attempt failed (its retry waits longer each time)
+    assert verdict.new_records.keys() == {
+        quality.record_key("int8", "perplexity", DIGEST),
+        quality.failure_key("int4", "perplexity", DIGEST),
+    }
+    assert verdict.new_records[quality.failure_key("int4", "perplexity", DIGEST)] == "1"
     assert verdict.jobs_to_delete == (runs[named("int8")].job,)
     assert verdict.jobs_to_create == ()  # int4's failed Job stays until its TTL: no tight loop
     assert verdict.admission.levels == ("bf16", "int8")
     assert verdict.condition is not None and verdict.condition.reason == "EvalFailed"
-    assert "int4: BackoffLimitExceeded: CUDA out of memory" in verdict.condition.message
+    assert "int4: BackoffLimitExceeded: CUDA out of memory [attempt 1" in verdict.condition.message
 
 
 def test_an_unreadable_dataset_falls_back_to_the_category_and_is_retried() -> None:

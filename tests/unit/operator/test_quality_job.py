@@ -14,9 +14,12 @@ from kvpilot.operator import api, crdgen, quality, quality_job
 from tests.unit.operator.test_quality import CONFIG, DIGEST, md, md_spec, reference
 
 
-def spec_with(dataset: dict[str, Any], **runtime: Any) -> api.ModelDeploymentSpec:
+def spec_with(
+    dataset: dict[str, Any], allowed: tuple[str, ...] = ("bf16", "int8", "int4"), **runtime: Any
+) -> api.ModelDeploymentSpec:
     evaluation = {"dataset": dataset, "metric": "perplexity", "maxQualityLoss": 1}
     raw = md_spec(evaluation=evaluation)
+    raw["quantization"]["allowed"] = list(allowed)
     raw["model"]["secretRef"] = {"name": "model-creds"}
     raw["runtime"] = runtime
     return api.parse_spec(raw)
@@ -150,3 +153,35 @@ def test_a_uri_datasets_measurement_records_the_content_digest_the_job_reported(
     (measured,) = [m for m in verdict.measurements if m.level == "int8"]
     assert measured.dataset_digest == DIGEST  # the summary's content digest, not the URI key
     assert list(verdict.new_records) == [quality.record_key("int8", "perplexity", key)]
+
+
+@pytest.mark.parametrize(
+    ("attempt", "seconds"),
+    [(1, 600), (2, 1200), (3, 2400), (6, 19200), (7, 21600), (12, 21600)],
+)
+def test_each_failed_job_waits_twice_as_long_capped(attempt: int, seconds: int) -> None:
+    assert quality_job.retry_delay_seconds(attempt) == seconds
+
+
+def test_a_failed_measurement_is_retried_later_each_time_never_in_a_tight_loop() -> None:
+    from tests.unit.operator.test_quality import failed_pod, job
+
+    s = spec_with({"configMap": "tiny-eval", "key": "eval.txt"}, allowed=("int8",))
+    failures = quality.failure_key("int8", "perplexity", DIGEST)
+    # Two Jobs failed and expired: the third is made, and stays 40 min if it fails too.
+    observed = quality.Observed(DIGEST, records={failures: "2"})
+    (third,) = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, "now").jobs_to_create
+    assert third["metadata"]["annotations"][quality_job.ANNOTATION_ATTEMPT] == "3"
+    assert third["spec"]["ttlSecondsAfterFinished"] == 2400
+    # It failed: counted, no new Job while it stays, its log tail and the wait in the condition.
+    failed = job("Failed")
+    failed["metadata"]["annotations"][quality_job.ANNOTATION_ATTEMPT] = "3"
+    name = third["metadata"]["name"]
+    runs = {name: quality.EvalRun(failed, [failed_pod("t", "Traceback\nCUDA error: no device")])}
+    observed = quality.Observed(DIGEST, records={failures: "2"}, runs=runs)
+    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, "now")
+    assert verdict.jobs_to_create == () and verdict.new_records == {failures: "3"}
+    assert verdict.condition is not None and verdict.condition.reason == "EvalFailed"
+    message = verdict.condition.message
+    assert "CUDA error: no device [attempt 3, next in 40 min]" in message
+    assert "the wait doubles" in message
