@@ -260,47 +260,69 @@ def assess(
         admission = admit(policy, {})
         reason = f"{observed.dataset_error}; {_fallback_text(admission)}"
         return Assessment(admission, condition=_condition(False, "DatasetUnreadable", reason))
-    metric, digest, ref = policy.evaluation.metric, observed.dataset_key, reference_level(reference)
-    measurable = [q for q in policy.allowed if fits_at(q, ref)]
-    measured = cached(observed.records, measurable, metric, digest, ref)
-    names: dict[str, str] = {
-        q: quality_job.job_name(spec.model.uri, q, metric, digest, ref) for q in measurable
-    }
-    read = _read_runs(observed, {q: n for q, n in names.items() if q not in measured}, spec, now)
-    measured.update(read.measured)
-    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()}, ref)
-    missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
-    failures: dict[str, str] = {q: failure_key(q, metric, digest, ref) for q in measurable}
-    jobs = (
-        ()
-        if reference is None
-        else tuple(
-            quality_job.build_eval_job(
-                md,
-                spec,
-                q,
-                reference,
-                digest,
-                config,
-                1 + failed_attempts(observed.records, failures[q]),
-            )
-            for q in missing
-        )
+    evaluation = policy.evaluation
+    keys = _Keys(
+        spec.model.uri, evaluation.metric, observed.dataset_key, reference_level(reference)
     )
+    measurable = [q for q in policy.allowed if fits_at(q, keys.reference)]
+    measured = cached(observed.records, measurable, keys.metric, keys.digest, keys.reference)
+    pending_jobs: dict[str, str] = {q: keys.job(q) for q in measurable if q not in measured}
+    read = _read_runs(observed, pending_jobs, spec, now)
+    measured.update(read.measured)
+    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()}, keys.reference)
+    missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
     return Assessment(
         admission,
         measurements=tuple(measured[q] for q in policy.allowed if q in measured),
-        condition=_status_condition(admission, read, reference, policy.evaluation, measured),
-        jobs_to_create=jobs,
-        jobs_to_delete=tuple(observed.runs[names[q]].job for q in read.measured),
-        new_records={
-            **{
-                record_key(q, metric, digest, ref): m.model_dump_json(by_alias=True)
-                for q, m in read.measured.items()
-            },
-            **{failures[q]: str(n) for q, n in read.failed_attempts.items()},
-        },
+        condition=_status_condition(admission, read, reference, evaluation, measured),
+        jobs_to_create=()
+        if reference is None
+        else tuple(
+            _eval_job(md, spec, q, reference, keys, observed.records, config) for q in missing
+        ),
+        jobs_to_delete=tuple(observed.runs[pending_jobs[q]].job for q in read.measured),
+        new_records=_new_records(read, keys),
     )
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """What names a measurement's Job, record and failure count, but for its level."""
+
+    uri: str
+    metric: str
+    digest: str  # dataset_key
+    reference: str = "bf16"
+
+    def job(self, level: str) -> str:
+        return quality_job.job_name(self.uri, level, self.metric, self.digest, self.reference)
+
+    def record(self, level: str) -> str:
+        return record_key(level, self.metric, self.digest, self.reference)
+
+    def failures(self, level: str) -> str:
+        return failure_key(level, self.metric, self.digest, self.reference)
+
+
+def _eval_job(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    level: str,
+    reference: NodePlan,
+    keys: _Keys,
+    records: Mapping[str, str],
+    config: OperatorConfig,
+) -> manifests.Manifest:
+    """The next attempt at measuring `level`: one more than the failed Jobs recorded."""
+    attempt = 1 + failed_attempts(records, keys.failures(level))
+    return quality_job.build_eval_job(md, spec, level, reference, keys.digest, config, attempt)
+
+
+def _new_records(read: _Runs, keys: _Keys) -> dict[str, str]:
+    """The measurements read from Jobs, and the attempt each failed Job was."""
+    measured = {keys.record(q): m.model_dump_json(by_alias=True) for q, m in read.measured.items()}
+    failed = {keys.failures(q): str(n) for q, n in read.failed_attempts.items()}
+    return {**measured, **failed}
 
 
 @dataclass(frozen=True)
