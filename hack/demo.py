@@ -155,21 +155,7 @@ class Demo:
         say(f"applying {name}: {question}")
         self.kubectl("apply", "-f", str(EXAMPLES / example))
         status = self.wait_for(lambda: self.status(name).get("plan"), 90, "a plan")
-        rows = [["NODE TYPE", "FITS", "QUANT", "TP", "WEIGHTS", "KV", "MAX SEQS", "$/H", "WHY"]]
-        for entry in status:
-            rows.append(
-                [
-                    entry["nodeType"],
-                    "yes" if entry["fits"] else "no",
-                    entry.get("quantization") or "-",
-                    str(entry.get("tensorParallel") or "-"),
-                    f"{entry.get('weightsGiB', 0):.1f}Gi",
-                    f"{entry.get('kvCacheGiB', 0):.1f}Gi",
-                    str(entry.get("maxConcurrency") or "-"),
-                    f"{entry.get('pricePerHour', 0):.2f}",
-                    entry.get("reason", ""),
-                ]
-            )
+        rows = plan_rows(status)
         print(table(rows))
 
     def serve_tiny_llama(self) -> None:
@@ -386,6 +372,32 @@ def scrape(urls: dict[str, str]) -> dict[str, str]:
         except OSError:
             continue
     return texts
+
+
+def plan_rows(plan: list[dict[str, Any]]) -> list[list[str]]:
+    """status.plan as the demo's table: LOSS % is the level's measured quality loss on the
+    user's eval set (spec.quantization.evaluation), `-` where not measured, as in
+    `kubectl get md -o wide`."""
+    rows = [
+        ["NODE TYPE", "FITS", "QUANT", "LOSS %", "TP", "WEIGHTS", "KV", "MAX SEQS", "$/H", "WHY"]
+    ]
+    for entry in plan:
+        loss = entry.get("qualityLoss")
+        rows.append(
+            [
+                entry["nodeType"],
+                "yes" if entry["fits"] else "no",
+                entry.get("quantization") or "-",
+                "-" if loss is None else f"{loss:+.2f}",
+                str(entry.get("tensorParallel") or "-"),
+                f"{entry.get('weightsGiB', 0):.1f}Gi",
+                f"{entry.get('kvCacheGiB', 0):.1f}Gi",
+                str(entry.get("maxConcurrency") or "-"),
+                f"{entry.get('pricePerHour', 0):.2f}",
+                entry.get("reason", ""),
+            ]
+        )
+    return rows
 
 
 def table(rows: list[list[str]]) -> str:

@@ -152,3 +152,26 @@ def test_agreement_and_exact_match_rank_the_levels(
     assert summary["metric"] == "exact-match" and summary["dataset_digest"].startswith("sha256:")
     assert set(summary["levels"]) == {"bf16", "int8", "int4"}
     assert len(summary_file.read_bytes()) < 4096  # a termination message's limit
+
+
+def test_a_quantised_baseline_is_the_reference_the_loss_is_relative_to(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where the unquantised weights fit no GPU, the operator measures against the largest
+    level that fits: `--baseline int8` makes int8 the reference (its own loss 0)."""
+    short = tmp_path / "short.txt"
+    short.write_text((tiny_llama_dir / "eval.txt").read_text()[:3000])
+    summary_file = tmp_path / "termination-log"
+    argv = ["eval", "--model", str(tiny_llama_dir), "--dataset", str(short), "--json"]
+    options = ["--metric", "perplexity", "--summary-file", str(summary_file)]
+    assert cli_main([*argv, *options, "--quantization", "int8,int4", "--baseline", "int8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["baseline"]["quantization"] == "int8"
+    int8, int4 = result["levels"]["int8"], result["levels"]["int4"]
+    assert int8["relative_loss"] == 0.0 and int8["value"] == result["baseline"]["value"]
+    assert int4["relative_loss"] == pytest.approx(int4["value"] / int8["value"] - 1)
+    summary = json.loads(summary_file.read_text())
+    assert summary["reference"] == "int8" and summary["baseline"] == int8["value"]
+    # the default reference stays the unquantised checkpoint
+    assert cli_main([*argv, "--quantization", "int4"]) == 0
+    assert json.loads(capsys.readouterr().out)["baseline"]["quantization"] == "none"

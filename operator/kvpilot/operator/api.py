@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.policy import Bounds
+from kvpilot.runtime.dataset_source import parse_dataset_uri
 from kvpilot.runtime.model_source import parse_model_uri
 
 GROUP = "kvpilot.dev"
@@ -43,6 +44,11 @@ QUALITY_LOSS_LEVELS: dict[str, tuple[str, ...]] = {
 
 URI_PATTERN = (
     r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*|s3://[^\s]+|file:///[^\s]*)$"
+)
+# One file: an eval Job cannot see a file:// path on the user's machine.
+EVAL_DATASET_URI_PATTERN = (
+    r"^(hf://[^/\s]+/[^/\s]+/[^\s]*[^/\s]|s3://[^/\s]+/[^\s]*[^/\s]"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*[^/\s])$"
 )
 # A storage size as Kubernetes writes one (a subset of resource.Quantity: no exponents).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
@@ -159,16 +165,53 @@ class Serving(_Model):
     )
 
 
-class EvalDataset(_Model):
-    """The user's evaluation set: one key of a ConfigMap in the ModelDeployment's namespace
-    (text, .jsonl of {"text"}, or for exact-match .jsonl of {"prompt", "answer"})."""
+_ONE_DATASET_FORM = (
+    "dataset: give either uri (hf://, s3:// or pvc://) or configMap with key, not both"
+)
 
-    config_map: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
-    key: str = Field(
+
+class EvalDataset(_Model):
+    """The user's evaluation set (text, .jsonl of {"text"}, or for exact-match .jsonl of
+    {"prompt", "answer"}): one key of a ConfigMap in the ModelDeployment's namespace, or one file
+    the eval Job fetches (hf://, s3://, with spec.model.secretRef's credentials) or mounts
+    read-only (pvc://)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "has(self.uri) ? !has(self.configMap) && !has(self.key)"
+                " : has(self.configMap) && has(self.key)",
+                _ONE_DATASET_FORM,
+            )
+        )
+    )
+
+    config_map: str | None = Field(default=None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    key: str | None = Field(
+        default=None,
         pattern=SECRET_KEY_PATTERN,
         max_length=253,
         description="the key is the file name the eval reads; end it in .jsonl for JSON lines",
     )
+    uri: str | None = Field(
+        default=None,
+        pattern=EVAL_DATASET_URI_PATTERN,
+        max_length=1024,
+        description="hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
+        " s3://BUCKET/KEY or pvc://CLAIM/PATH: one file; its name's suffix selects the format",
+    )
+
+    @model_validator(mode="after")
+    def _one_form(self) -> EvalDataset:
+        has_config_map = self.config_map is not None and self.key is not None
+        has_any_config_map = self.config_map is not None or self.key is not None
+        if (self.uri is not None) == has_any_config_map or (
+            self.uri is None and not has_config_map
+        ):
+            raise ValueError(_ONE_DATASET_FORM)
+        if self.uri is not None:
+            parse_dataset_uri(self.uri)  # the runtime's own check, the same message
+        return self
 
 
 class Evaluation(_Model):
@@ -570,6 +613,11 @@ class QualityMeasurement(_Model):
     model_revision: str = Field(default="", description="the model URI with its revision")
     measured_at: str = ""
     node_type: str = Field(default="", description="where the eval Job ran")
+    reference: str = Field(
+        default="bf16",
+        description="the level relativeLoss is measured against: bf16 (the unquantised weights),"
+        " or the largest level a node type fits when none fits bf16",
+    )
 
 
 class AutoscalingStatus(_Model):

@@ -26,6 +26,7 @@ from kvpilot.operator import (
     model_cache,
     observability,
     quality,
+    quality_job,
     reconcile,
 )
 from kvpilot.operator.actuator import AutoscalerLoop
@@ -313,12 +314,12 @@ def cache_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -
         )
 
 
-@kopf.on.event("batch", "v1", "jobs", labels={quality.LABEL_EVAL: kopf.PRESENT}, id="eval-job")
+@kopf.on.event("batch", "v1", "jobs", labels={quality_job.LABEL_EVAL: kopf.PRESENT}, id="eval-job")
 def eval_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **kwargs: Any) -> None:
     """An eval Job moved on (or expired): every ModelDeployment of that model with an eval set
     passes again, to record the measurement, re-plan with it, or retry a Job that expired."""
     namespace = body["metadata"]["namespace"]
-    cache = (body["metadata"].get("labels") or {}).get(quality.LABEL_CACHE, "")
+    cache = (body["metadata"].get("labels") or {}).get(quality_job.LABEL_CACHE, "")
     controller: Controller = memo["controller"]
     try:
         mds = k8s.list_objects(controller.client, k8s.MD_API_VERSION, api.KIND, namespace)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from kvpilot.runtime import memory
 from kvpilot.runtime.memory import MemoryEstimate, ModelFacts
 
 TP_DEGREES = (1, 2, 4, 8)
+# Largest first: an eval's reference is the first of these some node type fits (reference_plan).
+REFERENCE_LEVELS = ("bf16", "int8", "int4")
 _GIB_FIELDS = (
     ("weightsGiB", "weights_bytes"),
     ("kvCacheGiB", "kv_cache_bytes"),
@@ -43,6 +46,8 @@ class PlanRequest:
     min_gpus_per_replica: int = 1
     prefer: str = "quality"
     node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
+    # (node type, $ per 1,000 requests) measured on real traffic (status.cost.nodeTypes)
+    measured_cost: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.quantizations:
@@ -199,22 +204,44 @@ def _unknown(name: str) -> NodePlan:
 
 
 def order(plans: Sequence[NodePlan], request: PlanRequest) -> list[NodePlan]:
-    """quality: best level first, then cheaper; cost: lowest price per concurrent sequence first.
+    """quality: best level first, then cheaper; cost: lowest cost per request first (cost_rank).
 
     Unknown prices sort after known ones so a priced node type is never displaced by a guess.
     """
     rank = {q: i for i, q in enumerate(request.quantizations)}
+    costs = cost_rank(plans, dict(request.measured_cost))
 
     def key(p: NodePlan) -> tuple[Any, ...]:
         if not p.fits:
             return (1, 0, 0.0, p.node_type.name)
-        price = p.price_per_replica_hour or math.inf
-        per_sequence = price / p.max_concurrency
         if request.prefer == "cost":
-            return (0, per_sequence, rank[p.quantization], p.node_type.name)
+            return (0, costs[p.node_type.name], rank[p.quantization], p.node_type.name)
+        price = p.price_per_replica_hour or math.inf
         return (0, rank[p.quantization], price, p.node_type.name)
 
     return sorted(plans, key=key)
+
+
+def estimated_cost(p: NodePlan) -> float:
+    """The plan's estimate: $ per hour per sequence held at full context (inf: no price)."""
+    return (p.price_per_replica_hour or math.inf) / max(1, p.max_concurrency)
+
+
+def cost_rank(plans: Sequence[NodePlan], measured: Mapping[str, float]) -> dict[str, float]:
+    """Cost per 1,000 requests per fitting node type: measured on real traffic where it was
+    (status.cost), else the plan's estimate in the same unit, scaled by the median ratio of
+    measured cost to estimate over the node types that have both. Without any measurement,
+    the estimate itself (the order is the same)."""
+    fitting = [p for p in plans if p.fits]
+    ratios = [
+        measured[p.node_type.name] / estimated_cost(p)
+        for p in fitting
+        if measured.get(p.node_type.name, 0) > 0 and math.isfinite(estimated_cost(p))
+    ]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return {
+        p.node_type.name: measured.get(p.node_type.name, estimated_cost(p) * scale) for p in fitting
+    }
 
 
 def assign_replicas(total: int, plans: Sequence[NodePlan]) -> list[int]:
@@ -252,16 +279,21 @@ def desired_total(spec: ModelDeploymentSpec, autoscaler_desired: int | None) -> 
 def reference_plan(
     request: PlanRequest, node_types: Iterable[NodeType], tokens: int
 ) -> NodePlan | None:
-    """Where an eval Job can run the unquantised model (bf16 weights, one window of `tokens`):
-    the first such node type in quality order, else None."""
-    reference = dataclasses.replace(
-        request,
-        quantizations=("bf16",),
-        max_context_length=tokens,
-        target_concurrency=1,
-        prefer="quality",
-    )
-    return next((p for p in plan(reference, node_types) if p.fits), None)
+    """Where an eval Job runs its reference (one window of `tokens`): the first node type, in
+    quality order, that fits bf16 (the unquantised weights); where none does, the largest level
+    that fits one (REFERENCE_LEVELS), which losses are then relative to; None if nothing fits."""
+    for level in REFERENCE_LEVELS:
+        reference = dataclasses.replace(
+            request,
+            quantizations=(level,),
+            max_context_length=tokens,
+            target_concurrency=1,
+            prefer="quality",
+        )
+        found = next((p for p in plan(reference, node_types) if p.fits), None)
+        if found is not None:
+            return found
+    return None
 
 
 def status_entries(

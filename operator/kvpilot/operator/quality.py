@@ -6,42 +6,31 @@ percent, is admitted when within `evaluation.maxQualityLoss`. Until a level is m
 category (`maxQualityLoss`, capped at `low`) decides for it, and the condition QualityMeasured
 says False and why.
 
-Measurements are cached in a ConfigMap per model URI in the namespace (`cache_name`), keyed by
-level, metric and dataset digest, not in the operator's memory: they survive a restart, a
-re-plan or a second ModelDeployment of the same model reads them instead of measuring again, and
-`kubectl get cm` shows them. The eval Jobs are named by what they measure, so two
-ModelDeployments waiting for the same level share one Job.
+Measurements are cached in a ConfigMap per model URI in the namespace (quality_job.cache_name),
+keyed by level, metric and dataset (its digest, or its URI: dataset_key), not in the operator's
+memory: they survive a restart, a re-plan or a second ModelDeployment of the same model reads
+them instead of measuring again, and `kubectl get cm` shows them. The eval Jobs (quality_job.py)
+are named by what they measure, so two ModelDeployments waiting for the same level share one Job.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.operator import api, manifests
+from kvpilot.operator import api, manifests, planner, quality_job
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planner import NodePlan
 
 Obj = Mapping[str, Any]
 
 QUALITY_MEASURED = "QualityMeasured"
-LABEL_EVAL = "kvpilot.dev/quality-eval"  # on an eval Job and its pods: the Job's name
-LABEL_CACHE = "kvpilot.dev/quality-cache"  # on eval Jobs and the cache: the cache's name
-ANNOTATION_LEVEL = "kvpilot.dev/quantization"
-ANNOTATION_NODE_TYPE = "kvpilot.dev/node-type"
-DATASET_MOUNT = "/mnt/eval"
-# A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s,
-# ...); a Job that failed for good stays until its TTL, so the operator makes no new one before.
-EVAL_BACKOFF_LIMIT = 2
-FAILED_JOB_TTL_SECONDS = 3600
 # The levels the category fallback may admit while nothing is measured: int4 only by measurement.
 UNMEASURED_CAP = "low"
 LOG_TAIL_CHARS = 600
-EVAL_WINDOW_TOKENS = 512  # the eval's --max-length: the reference node must hold one window
 
 
 @dataclass(frozen=True)
@@ -54,10 +43,10 @@ class EvalRun:
 
 @dataclass(frozen=True)
 class Observed:
-    """What the controller read for one pass: the dataset's digest (or why it has none), the
-    cache's records and the eval Jobs of this model, by level."""
+    """What the controller read for one pass: the dataset's key (dataset_key; or why it has
+    none), the cache's records and the eval Jobs of this model, by Job name."""
 
-    dataset_digest: str = ""
+    dataset_key: str = ""
     dataset_error: str = ""
     records: Mapping[str, str] = field(default_factory=dict)
     runs: Mapping[str, EvalRun] = field(default_factory=dict)
@@ -87,17 +76,49 @@ def dataset_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def cache_name(uri: str) -> str:
-    return f"kvpilot-quality-{manifests.spec_hash(uri)}"
+def dataset_key(dataset: api.EvalDataset, content_digest: str = "") -> str:
+    """What measurements are cached and eval Jobs named by: the content digest where the operator
+    reads the eval set (a ConfigMap), else the URI's hash. Only the Job reads an hf://, s3:// or
+    pvc:// file (with the model's credentials); it reports the content digest, which the
+    measurement records. So pin hf:// revisions: a changed s3:// or pvc:// file under the same
+    URI is measured again only once its records are dropped from the cache ConfigMap."""
+    if dataset.uri is None:
+        return content_digest
+    return f"uri-{manifests.spec_hash(dataset.uri)}"
 
 
-def record_key(level: str, metric: str, digest: str) -> str:
-    """A ConfigMap key: [-._a-zA-Z0-9], so the digest's hex without its `sha256:` prefix."""
-    return f"{level}.{metric}.{digest.removeprefix('sha256:')[:32]}"
+def record_key(level: str, metric: str, digest: str, reference: str = "bf16") -> str:
+    """A ConfigMap key: [-._a-zA-Z0-9], so the digest's hex without its `sha256:` prefix.
+    `digest`: a dataset_key. A loss against another reference than bf16 is another record."""
+    against = "" if reference == "bf16" else f"vs-{reference}."
+    return f"{level}.{against}{metric}.{digest.removeprefix('sha256:')[:32]}"
 
 
-def job_name(uri: str, level: str, metric: str, digest: str) -> str:
-    return f"kvpilot-eval-{manifests.spec_hash([uri, level, metric, digest])}"
+def failure_key(level: str, metric: str, digest: str, reference: str = "bf16") -> str:
+    """The cache key counting the failed eval Jobs of one measurement (the retry's back-off)."""
+    return f"failed.{record_key(level, metric, digest, reference)}"
+
+
+def attempt(run: EvalRun) -> int:
+    """Which attempt at its measurement a Job is (quality_job.ANNOTATION_ATTEMPT)."""
+    raw = _annotation(run, quality_job.ANNOTATION_ATTEMPT, "1")
+    return int(raw) if raw.isdigit() else 1
+
+
+def failed_attempts(records: Mapping[str, str], key: str) -> int:
+    raw = records.get(key, "0")
+    return int(raw) if raw.isdigit() else 0
+
+
+def reference_level(reference: NodePlan | None) -> str:
+    """The level losses are relative to: the reference node's (bf16 unless none fits it)."""
+    return reference.quantization if reference is not None else "bf16"
+
+
+def fits_at(level: str, reference: str) -> bool:
+    """A level no larger than the reference: one that some node type fits for an eval."""
+    order = planner.REFERENCE_LEVELS
+    return order.index(level) >= order.index(reference)
 
 
 def fallback_levels(policy: api.QuantizationPolicy) -> tuple[str, ...]:
@@ -111,15 +132,20 @@ def fallback_levels(policy: api.QuantizationPolicy) -> tuple[str, ...]:
     return tuple(q for q in policy.allowed if q in admitted)
 
 
-def admit(policy: api.QuantizationPolicy, losses: Mapping[str, float]) -> Admission:
+def admit(
+    policy: api.QuantizationPolicy, losses: Mapping[str, float], reference: str = "bf16"
+) -> Admission:
     """Levels within the budget by their measured loss (percent); unmeasured ones by the
-    category fallback. Without an eval set: the category alone."""
+    category fallback; levels larger than the `reference` fit no node type (so neither an eval
+    nor a replica) and are excluded. Without an eval set: the category alone."""
     if policy.evaluation is None:
         return Admission(api.allowed_quantizations(policy))
     budget, fallback = policy.evaluation.max_quality_loss, fallback_levels(policy)
     levels, pending, excluded = [], [], []
     for level in policy.allowed:
-        if level not in losses:
+        if not fits_at(level, reference):
+            excluded.append(f"{level}: fits no node type")
+        elif level not in losses:
             pending.append(level)
             if level in fallback:
                 levels.append(level)
@@ -139,10 +165,15 @@ def parse_record(raw: str) -> api.QualityMeasurement | None:
 
 
 def cached(
-    records: Mapping[str, str], levels: Sequence[str], metric: str, digest: str
+    records: Mapping[str, str],
+    levels: Sequence[str],
+    metric: str,
+    digest: str,
+    reference: str = "bf16",
 ) -> dict[str, api.QualityMeasurement]:
     found = {
-        level: parse_record(records.get(record_key(level, metric, digest), "")) for level in levels
+        level: parse_record(records.get(record_key(level, metric, digest, reference), ""))
+        for level in levels
     }
     return {level: m for level, m in found.items() if m is not None}
 
@@ -182,13 +213,16 @@ def _measurement(run: EvalRun, level: str, uri: str, now: str) -> api.QualityMea
                 model_revision=uri,
                 # The Job's completion, not this pass's clock: every reader records the same.
                 measured_at=(run.job.get("status") or {}).get("completionTime") or now,
-                node_type=(run.job.get("metadata") or {})
-                .get("annotations", {})
-                .get(ANNOTATION_NODE_TYPE, ""),
+                node_type=_annotation(run, quality_job.ANNOTATION_NODE_TYPE, ""),
+                reference=_annotation(run, quality_job.ANNOTATION_REFERENCE, "bf16"),
             )
         except (ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _annotation(run: EvalRun, name: str, default: str) -> str:
+    return str(((run.job.get("metadata") or {}).get("annotations") or {}).get(name, default))
 
 
 def log_tail(pods: Sequence[Obj]) -> str:
@@ -207,92 +241,6 @@ def terminated(pod: Obj) -> Obj:
     return (statuses[0].get("state") or {}).get("terminated") or {}
 
 
-def build_eval_job(
-    md: Obj,
-    spec: api.ModelDeploymentSpec,
-    level: str,
-    node_plan: NodePlan,
-    digest: str,
-    config: OperatorConfig,
-) -> manifests.Manifest:
-    """The eval Job for one level: the runtime pod's spec (security context, model volume or
-    fetch init container, GPUs, node selector) with the eval as its container and the dataset's
-    ConfigMap key mounted as a file of the same name."""
-    evaluation = _evaluation(spec)
-    name = job_name(spec.model.uri, level, evaluation.metric, digest)
-    pod = manifests.pod_spec(spec, node_plan, config)
-    runtime = pod["containers"][0]
-    pod["containers"] = [_eval_container(spec, level, runtime)]
-    pod["restartPolicy"] = "Never"
-    pod["volumes"].append(
-        {
-            "name": "eval-dataset",
-            "configMap": {
-                "name": evaluation.dataset.config_map,
-                "items": [{"key": evaluation.dataset.key, "path": evaluation.dataset.key}],
-            },
-        }
-    )
-    labels = {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)}
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": md["metadata"]["namespace"],
-            "labels": {**labels, manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY},
-            "annotations": {
-                ANNOTATION_LEVEL: level,
-                ANNOTATION_NODE_TYPE: node_plan.node_type.name,
-                "kvpilot.dev/model-uri": spec.model.uri,
-                "kvpilot.dev/dataset-digest": digest,
-            },
-        },
-        "spec": {
-            "backoffLimit": EVAL_BACKOFF_LIMIT,
-            "ttlSecondsAfterFinished": FAILED_JOB_TTL_SECONDS,
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
-    }
-
-
-def _eval_container(
-    spec: api.ModelDeploymentSpec, level: str, runtime: Mapping[str, Any]
-) -> dict[str, Any]:
-    evaluation = _evaluation(spec)
-    model_dir = manifests.model_location(spec.model).model_arg.removeprefix("file://")
-    return {
-        "name": "eval",
-        "image": runtime["image"],
-        "command": ["kvpilot-runtime"],
-        "args": [
-            "eval",
-            f"--model={model_dir}",
-            f"--dataset={DATASET_MOUNT}/{evaluation.dataset.key}",
-            f"--metric={evaluation.metric}",
-            f"--quantization={level}",
-            f"--max-length={EVAL_WINDOW_TOKENS}",
-            "--dtype=auto",  # the compute dtype `serve` uses on that device
-            "--summary-file=/dev/termination-log",
-        ],
-        "env": copy.deepcopy(runtime["env"]),
-        # The summary is the termination message; a failure's log tail is, instead.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": copy.deepcopy(runtime["resources"]),
-        "securityContext": copy.deepcopy(runtime["securityContext"]),
-        "volumeMounts": [
-            *copy.deepcopy(runtime["volumeMounts"]),
-            {"name": "eval-dataset", "mountPath": DATASET_MOUNT, "readOnly": True},
-        ],
-    }
-
-
-def _evaluation(spec: api.ModelDeploymentSpec) -> api.Evaluation:
-    if spec.quantization.evaluation is None:
-        raise ValueError("spec.quantization.evaluation is not set")
-    return spec.quantization.evaluation
-
-
 def assess(
     md: Obj,
     spec: api.ModelDeploymentSpec,
@@ -303,8 +251,8 @@ def assess(
 ) -> Assessment:
     """Admitted levels, status.quality, the condition, and the Jobs and records to write.
 
-    `reference`: where an eval Job runs (a node type that fits the unquantised model), or None
-    when none does."""
+    `reference`: where an eval Job runs (planner.reference_plan: a node type that fits bf16, else
+    the largest level some node type fits, which losses are then relative to), or None."""
     policy = spec.quantization
     if policy.evaluation is None:
         return Assessment(admit(policy, {}))
@@ -312,28 +260,69 @@ def assess(
         admission = admit(policy, {})
         reason = f"{observed.dataset_error}; {_fallback_text(admission)}"
         return Assessment(admission, condition=_condition(False, "DatasetUnreadable", reason))
-    metric, digest = policy.evaluation.metric, observed.dataset_digest
-    measured = cached(observed.records, policy.allowed, metric, digest)
-    read = _read_runs(observed, [q for q in policy.allowed if q not in measured], spec, now)
-    measured.update(read.measured)
-    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()})
-    missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
-    jobs = (
-        ()
-        if reference is None
-        else tuple(build_eval_job(md, spec, q, reference, digest, config) for q in missing)
+    evaluation = policy.evaluation
+    keys = _Keys(
+        spec.model.uri, evaluation.metric, observed.dataset_key, reference_level(reference)
     )
+    measurable = [q for q in policy.allowed if fits_at(q, keys.reference)]
+    measured = cached(observed.records, measurable, keys.metric, keys.digest, keys.reference)
+    pending_jobs: dict[str, str] = {q: keys.job(q) for q in measurable if q not in measured}
+    read = _read_runs(observed, pending_jobs, spec, now)
+    measured.update(read.measured)
+    admission = admit(policy, {q: m.relative_loss for q, m in measured.items()}, keys.reference)
+    missing = [q for q in admission.pending if q not in read.failures and q not in read.running]
     return Assessment(
         admission,
         measurements=tuple(measured[q] for q in policy.allowed if q in measured),
-        condition=_status_condition(admission, read, reference, policy.evaluation, measured),
-        jobs_to_create=jobs,
-        jobs_to_delete=tuple(observed.runs[q].job for q in read.measured),
-        new_records={
-            record_key(q, metric, digest): m.model_dump_json(by_alias=True)
-            for q, m in read.measured.items()
-        },
+        condition=_status_condition(admission, read, reference, evaluation, measured),
+        jobs_to_create=()
+        if reference is None
+        else tuple(
+            _eval_job(md, spec, q, reference, keys, observed.records, config) for q in missing
+        ),
+        jobs_to_delete=tuple(observed.runs[pending_jobs[q]].job for q in read.measured),
+        new_records=_new_records(read, keys),
     )
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """What names a measurement's Job, record and failure count, but for its level."""
+
+    uri: str
+    metric: str
+    digest: str  # dataset_key
+    reference: str = "bf16"
+
+    def job(self, level: str) -> str:
+        return quality_job.job_name(self.uri, level, self.metric, self.digest, self.reference)
+
+    def record(self, level: str) -> str:
+        return record_key(level, self.metric, self.digest, self.reference)
+
+    def failures(self, level: str) -> str:
+        return failure_key(level, self.metric, self.digest, self.reference)
+
+
+def _eval_job(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    level: str,
+    reference: NodePlan,
+    keys: _Keys,
+    records: Mapping[str, str],
+    config: OperatorConfig,
+) -> manifests.Manifest:
+    """The next attempt at measuring `level`: one more than the failed Jobs recorded."""
+    attempt = 1 + failed_attempts(records, keys.failures(level))
+    return quality_job.build_eval_job(md, spec, level, reference, keys.digest, config, attempt)
+
+
+def _new_records(read: _Runs, keys: _Keys) -> dict[str, str]:
+    """The measurements read from Jobs, and the attempt each failed Job was."""
+    measured = {keys.record(q): m.model_dump_json(by_alias=True) for q, m in read.measured.items()}
+    failed = {keys.failures(q): str(n) for q, n in read.failed_attempts.items()}
+    return {**measured, **failed}
 
 
 @dataclass(frozen=True)
@@ -341,22 +330,26 @@ class _Runs:
     measured: dict[str, api.QualityMeasurement]
     failures: dict[str, str]
     running: tuple[str, ...]
+    failed_attempts: dict[str, int]  # level -> which attempt its failed Job was
 
 
 def _read_runs(
-    observed: Observed, levels: Sequence[str], spec: api.ModelDeploymentSpec, now: str
+    observed: Observed, names: Mapping[str, str], spec: api.ModelDeploymentSpec, now: str
 ) -> _Runs:
-    measured, failures, running = {}, {}, []
-    for level in levels:
-        run = observed.runs.get(level)
+    """`names`: the eval Job's name per level still to be measured."""
+    measured, failures, running, attempts = {}, {}, [], {}
+    for level, name in names.items():
+        run = observed.runs.get(name)
         outcome = None if run is None else job_outcome(run, level, spec.model.uri, now)
         if isinstance(outcome, api.QualityMeasurement):
             measured[level] = outcome
-        elif isinstance(outcome, str):
-            failures[level] = outcome
+        elif isinstance(outcome, str) and run is not None:
+            attempts[level] = attempt(run)
+            minutes = quality_job.retry_delay_seconds(attempts[level]) // 60
+            failures[level] = f"{outcome} [attempt {attempts[level]}, next in {minutes} min]"
         elif run is not None:
             running.append(level)
-    return _Runs(measured, failures, tuple(running))
+    return _Runs(measured, failures, tuple(running), attempts)
 
 
 def _status_condition(
@@ -367,7 +360,9 @@ def _status_condition(
     measured: Mapping[str, api.QualityMeasurement],
 ) -> api.Condition:
     losses = ", ".join(f"{q} {m.relative_loss:+.2f}%" for q, m in measured.items())
-    verdict = f"{evaluation.metric} loss vs unquantised: {losses or 'none measured yet'}"
+    ref = reference_level(reference)
+    against = "unquantised" if ref == "bf16" else f"{ref}, the largest level a node type fits"
+    verdict = f"{evaluation.metric} loss vs {against}: {losses or 'none measured yet'}"
     verdict = f"{verdict}; budget {evaluation.max_quality_loss:g}%"
     if admission.excluded:
         verdict = f"{verdict}; excluded {', '.join(admission.excluded)}"
@@ -375,10 +370,10 @@ def _status_condition(
         return _condition(True, "Measured", verdict)
     if read.failures:
         failed = "; ".join(f"{q}: {why}" for q, why in read.failures.items())
-        text = f"eval failed ({failed}); retried when the failed Job expires"
+        text = f"eval failed ({failed}); retried when the failed Job expires (the wait doubles)"
         return _condition(False, "EvalFailed", f"{text}; {_fallback_text(admission)}")
     if reference is None:
-        text = "no node type fits the unquantised model for an eval Job"
+        text = "no node type fits the model at any level for an eval Job"
         return _condition(False, "NoReferenceNode", f"{text}; {_fallback_text(admission)}")
     where = f"measuring {', '.join(admission.pending)} on {reference.node_type.name}"
     return _condition(False, "Measuring", f"{where}; {verdict}; {_fallback_text(admission)}")
@@ -408,6 +403,6 @@ def users(model_deployments: Sequence[Obj], cache: str) -> list[str]:
         spec = md.get("spec") or {}
         evaluation = (spec.get("quantization") or {}).get("evaluation")
         uri = (spec.get("model") or {}).get("uri")
-        if evaluation and uri and cache_name(uri) == cache:
+        if evaluation and uri and quality_job.cache_name(uri) == cache:
             out.append(md["metadata"]["name"])
     return out

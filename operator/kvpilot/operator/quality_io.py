@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
-from kvpilot.operator import api, k8s, manifests, quality
+from kvpilot.operator import api, k8s, manifests, quality, quality_job
 
 Obj = Mapping[str, Any]
 log = logging.getLogger(__name__)
@@ -34,30 +34,41 @@ def observe(client: k8s_client.ApiClient, md: Obj) -> quality.Observed | None:
     if evaluation is None:
         return None
     namespace = md["metadata"]["namespace"]
-    data = read_dataset(client, namespace, evaluation.dataset)
+    # An hf://, s3:// or pvc:// file only the Job reads (and, when it cannot, fails saying why).
+    is_read_here = evaluation.dataset.uri is None
+    data = read_dataset(client, namespace, evaluation.dataset) if is_read_here else b""
     if isinstance(data, str):
         return quality.Observed(dataset_error=data)
-    digest = quality.dataset_digest(data)
-    found = k8s.get(client, "v1", "ConfigMap", namespace, quality.cache_name(spec.model.uri))
+    digest = quality.dataset_key(evaluation.dataset, quality.dataset_digest(data))
+    cache = quality_job.cache_name(spec.model.uri)
+    found = k8s.get(client, "v1", "ConfigMap", namespace, cache)
     records = dict((found or {}).get("data") or {})
-    measured = quality.cached(records, spec.quantization.allowed, evaluation.metric, digest)
-    runs: dict[str, quality.EvalRun] = {}
-    for level in spec.quantization.allowed:
-        if level in measured:
-            continue
-        name = quality.job_name(spec.model.uri, level, evaluation.metric, digest)
-        job = k8s.get(client, "batch/v1", "Job", namespace, name)
-        if job is not None:
-            selector = f"{quality.LABEL_EVAL}={name}"
-            pods = k8s.list_objects(client, "v1", "Pod", namespace, selector)
-            runs[level] = quality.EvalRun(job, pods)
-    return quality.Observed(dataset_digest=digest, records=records, runs=runs)
+    runs = eval_runs(client, namespace, cache)
+    return quality.Observed(dataset_key=digest, records=records, runs=runs)
+
+
+def eval_runs(
+    client: k8s_client.ApiClient, namespace: str, cache: str
+) -> dict[str, quality.EvalRun]:
+    """The eval Jobs of this model (and their pods), by Job name: the pass looks up the ones it
+    needs by the name of what they measure (quality_job.job_name)."""
+    selector = f"{quality_job.LABEL_CACHE}={cache}"
+    jobs = k8s.list_objects(client, "batch/v1", "Job", namespace, selector)
+    pods = k8s.list_objects(client, "v1", "Pod", namespace, selector)
+    pods_of: dict[str, list[Obj]] = {}
+    for pod in pods:
+        job_name = (pod["metadata"].get("labels") or {}).get(quality_job.LABEL_EVAL, "")
+        pods_of.setdefault(job_name, []).append(pod)
+    by_name = {job["metadata"]["name"]: job for job in jobs}
+    return {name: quality.EvalRun(job, pods_of.get(name, [])) for name, job in by_name.items()}
 
 
 def read_dataset(
     client: k8s_client.ApiClient, namespace: str, dataset: api.EvalDataset
 ) -> bytes | str:
     """The eval set's bytes, as the Job will see them mounted, or what is wrong with it."""
+    if dataset.config_map is None or dataset.key is None:
+        raise ValueError("the dataset is not a ConfigMap key; only its eval Job reads it")
     where = f"spec.quantization.evaluation.dataset: ConfigMap {namespace}/{dataset.config_map}"
     found = k8s.get(client, "v1", "ConfigMap", namespace, dataset.config_map)
     if found is None:
@@ -90,14 +101,17 @@ def apply(client: k8s_client.ApiClient, md: Obj, verdict: quality.Assessment | N
 def write_records(client: k8s_client.ApiClient, md: Obj, verdict: quality.Assessment) -> None:
     """Merge the new measurements into the model's cache ConfigMap, creating it if absent."""
     spec = api.parse_spec(md.get("spec") or {})
-    name, namespace = quality.cache_name(spec.model.uri), md["metadata"]["namespace"]
+    name, namespace = quality_job.cache_name(spec.model.uri), md["metadata"]["namespace"]
     cache = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
             "name": name,
             "namespace": namespace,
-            "labels": {quality.LABEL_CACHE: name, manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY},
+            "labels": {
+                quality_job.LABEL_CACHE: name,
+                manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY,
+            },
             "annotations": {"kvpilot.dev/model-uri": spec.model.uri},
         },
         "data": dict(verdict.new_records),

@@ -14,7 +14,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvpilot.operator import api, catalog, conditions, manifests, model_cache, planner, quality
+from kvpilot.operator import (
+    api,
+    catalog,
+    conditions,
+    manifests,
+    model_cache,
+    planner,
+    quality,
+    quality_job,
+)
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -78,7 +87,9 @@ def desire(
         excluded = "; ".join(verdict.admission.excluded)
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
-    request = dataclasses.replace(request, quantizations=verdict.admission.levels)
+    request = dataclasses.replace(
+        request, quantizations=verdict.admission.levels, measured_cost=measured_cost(md)
+    )
     losses = {m.level: m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
@@ -109,6 +120,14 @@ def desire(
     )
 
 
+def measured_cost(md: Obj) -> tuple[tuple[str, float], ...]:
+    """$ per 1,000 requests per node type on real traffic, as the autoscaler loop wrote it
+    (status.cost.nodeTypes; cost.py); node types without traffic or price have none."""
+    per_type = (((md.get("status") or {}).get("cost") or {}).get("nodeTypes")) or {}
+    found = {name: figures.get("perThousandRequests") for name, figures in per_type.items()}
+    return tuple(sorted((n, float(c)) for n, c in found.items() if isinstance(c, (int, float))))
+
+
 def _assess_quality(
     md: Obj,
     spec: api.ModelDeploymentSpec,
@@ -122,7 +141,7 @@ def _assess_quality(
     category's."""
     if spec.quantization.evaluation is None or observed is None:
         return quality.Assessment(quality.admit(spec.quantization, {}))
-    reference = planner.reference_plan(request, node_types, quality.EVAL_WINDOW_TOKENS)
+    reference = planner.reference_plan(request, node_types, quality_job.EVAL_WINDOW_TOKENS)
     return quality.assess(md, spec, observed, reference, config, now)
 
 

@@ -12,10 +12,11 @@ Metrics, all from one teacher-forced pass per level over the same tokens:
   reproduces token for token (every answer token is the argmax given the prompt and the answer
   before it, which is exactly what a greedy decode checks); relative loss = 1 - em / em(none).
 
-The baseline is the checkpoint's weights unquantised (`none`) with the KV cache in the compute
-dtype; every level runs in the same compute dtype, so the difference is the weight format alone,
-or with `--kv-cache-dtype fp8` (levels may include `none`) the weight format and the KV storage.
-The relative loss of the chosen metric is the number the operator gates
+The baseline is the checkpoint's weights unquantised (`none`; `--baseline LEVEL` makes it that
+level instead, for a model whose unquantised weights fit no GPU at hand) with the KV cache in
+the compute dtype; every level runs in the same compute dtype, so the difference is the weight
+format alone, or with `--kv-cache-dtype fp8` (levels may include `none`) the weight format and the
+KV storage. The relative loss of the chosen metric is the number the operator gates
 `quantization.maxQualityLoss` on. Every token but a window's first reads its context back from
 the paged KV cache, as a decode does.
 """
@@ -27,6 +28,9 @@ import hashlib
 import json
 import math
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +39,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.runtime.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from kvpilot.runtime.dataset_source import parse_dataset_uri
 from kvpilot.runtime.engine import resolve_device
+from kvpilot.runtime.fetch import FetchError, fetch_dataset
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import AttentionMetadata, PrefillSpan, chunk_mask
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
@@ -224,8 +230,28 @@ def level_row(metric: str, scores: Scores, base: Scores, num_samples: int) -> di
     }
 
 
+@contextmanager
+def local_dataset(uri: str) -> Iterator[Path]:
+    """The eval set as a local file: hf:// and s3:// fetched into a temporary directory (gone
+    afterwards), a path or file:// as it is. The digest is of these bytes, wherever they came
+    from, so the operator caches by content."""
+    source = parse_dataset_uri(uri)
+    if source.scheme == "pvc":
+        raise ValueError(f"{uri}: a pvc:// dataset is mounted by the eval Job: pass its path")
+    if not source.is_fetched:
+        yield Path(source.location)
+        return
+    with tempfile.TemporaryDirectory(prefix="kvpilot-eval-") as scratch:
+        yield fetch_dataset(source, Path(scratch))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir, dataset = Path(args.model), Path(args.dataset)
+    with local_dataset(args.dataset) as dataset:
+        return measure(args, dataset)
+
+
+def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
+    model_dir = Path(args.model)
     levels = [q.strip() for q in args.quantization.split(",") if q.strip()]
     unknown = [q for q in levels if q not in QUANTIZATION_CHOICES]
     if unknown:
@@ -235,10 +261,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples = samples_for(args.metric, dataset, Tokenizer(model_dir), max_length)
     if not samples:
         raise ValueError(f"dataset {args.dataset} has nothing to score (fewer than 2 tokens?)")
-    base = evaluate_level(model_dir, "none", samples, args.dtype, args.device)
+    base = evaluate_level(model_dir, args.baseline, samples, args.dtype, args.device)
     result: dict[str, Any] = {
         "model": str(model_dir),
-        "dataset": str(dataset),
+        "dataset": args.dataset,
         "dataset_digest": dataset_digest(dataset),
         "metric": args.metric,
         "num_samples": len(samples),
@@ -246,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
         "baseline": {
-            "quantization": "none",
+            "quantization": args.baseline,
             "kv_cache_dtype": "auto",
             **level_row(args.metric, base, base, len(samples)),
         },
@@ -256,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for level in levels:
         measured = (
             base
-            if level == "none" and kv_name == "auto"
+            if level == args.baseline and kv_name == "auto"
             else evaluate_level(model_dir, level, samples, args.dtype, args.device, kv_name)
         )
         result["levels"][level] = level_row(args.metric, measured, base, len(samples))
@@ -271,6 +297,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
         "dataset_digest": result["dataset_digest"],
         "num_samples": result["num_samples"],
         "baseline": result["baseline"]["value"],
+        "reference": result["baseline"]["quantization"],
         "levels": {k: {f: v[f] for f in keep} for k, v in result["levels"].items()},
     }
 
@@ -280,9 +307,11 @@ def format_table(result: dict[str, Any]) -> str:
     suffix = "" if kv_name == "auto" else f"+{kv_name}"  # e.g. none+fp8: that level, fp8 KV
     lines = [
         f"model {result['model']}  dataset {result['dataset']}  samples {result['num_samples']}  "
-        f"tokens {result['num_tokens']}  KV cache {kv_name} (baseline: none, KV auto)",
+        f"tokens {result['num_tokens']}  KV cache {kv_name} "
+        f"(baseline: {base['quantization']}, KV auto)",
         f"{'level':<9} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{'none':<9} {base['value']:>11.4g} {'-':>10} {base['weight_bytes'] / 2**20:>11.2f}",
+        f"{base['quantization']:<9} {base['value']:>11.4g} {'-':>10} "
+        f"{base['weight_bytes'] / 2**20:>11.2f}",
     ]
     for level, row in result["levels"].items():
         lines.append(
@@ -300,10 +329,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--dataset",
         required=True,
-        help="text file or .jsonl with a text field; for exact-match .jsonl of prompt and answer",
+        help="text file or .jsonl with a text field; for exact-match .jsonl of prompt and answer;"
+        " a path, file://, hf://ORG/NAME[@REV]/PATH (hf://datasets/... for a dataset repo) or"
+        " s3://BUCKET/KEY (fetched with HF_ENDPOINT, HF_TOKEN, AWS_* as `fetch` does)",
     )
     parser.add_argument("--metric", default="perplexity", choices=METRICS)
     parser.add_argument("--quantization", default="bf16,int8,int4", help="comma-separated levels")
+    parser.add_argument(
+        "--baseline",
+        default="none",
+        choices=QUANTIZATION_CHOICES,
+        help="the reference the loss is relative to: the unquantised weights (none), or where"
+        " they fit no GPU the largest level that does (the operator's reference level)",
+    )
     parser.add_argument("--max-length", type=int, default=512, help="tokens per window")
     parser.add_argument("--dtype", default="float32", help="compute dtype for every level")
     parser.add_argument("--device", default="auto")
@@ -326,7 +364,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
         result = run(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, FetchError) as error:
         print(f"kvpilot-runtime eval: {error}", file=sys.stderr)
         return 2
     print(json.dumps(result) if args.json else format_table(result))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.runtime.dataset_source import DatasetSource
 from kvpilot.runtime.model_source import HF_ALLOW_PATTERNS, ModelSource, parse_model_uri
 
 Log = Callable[[str], None]
@@ -208,6 +209,35 @@ def _is_complete(path: Path, obj: dict[str, Any]) -> bool:
     return "-" in etag or len(etag) != 32 or _digest(path, hashlib.md5()) == etag
 
 
+# -- one dataset file -------------------------------------------------------------------------
+
+
+def fetch_dataset(source: DatasetSource, dest: Path) -> Path:
+    """An eval set's file into `dest` (hf://, s3://), or its local path (file://). pvc:// is
+    mounted by the operator's eval Job, which passes the mounted path instead."""
+    with explained(source):
+        if source.scheme == "hf":
+            from huggingface_hub import hf_hub_download
+
+            return Path(
+                hf_hub_download(
+                    source.location,
+                    source.path,
+                    repo_type=source.repo_type,
+                    revision=source.revision,
+                    local_dir=dest,
+                    token=_hf_token(),
+                )
+            )
+        if source.scheme == "s3":
+            target = dest / source.file_name
+            _s3_client().download_file(source.location, source.path, str(target))
+            return target
+        if source.scheme == "file":
+            return Path(source.location)
+        raise FetchError("pvc:// datasets are mounted into the eval Job: pass the mounted path")
+
+
 # -- file:// -----------------------------------------------------------------------------------
 
 
@@ -237,7 +267,7 @@ def _digest(path: Path, hasher: Any) -> str:
 
 
 @contextmanager
-def explained(source: ModelSource) -> Iterator[None]:
+def explained(source: ModelSource | DatasetSource) -> Iterator[None]:
     """Library exceptions -> FetchError('URI: cause; what to do'), one line."""
     try:
         yield

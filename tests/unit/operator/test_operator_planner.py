@@ -175,6 +175,47 @@ def test_prefer_cost_orders_by_price_per_sequence() -> None:
     assert cost == ["t4-16gb", "l4-24gb", "l4x4-24gb", "a100-40gb", "h100-80gb"]
 
 
+@pytest.mark.parametrize(
+    ("measured", "expected"),
+    [
+        # nothing measured: the estimate's order (above)
+        ({}, ["t4-16gb", "l4-24gb", "l4x4-24gb", "a100-40gb", "h100-80gb"]),
+        # t4 and l4 measured ($/1k requests): l4 is cheaper on real traffic, so it goes first.
+        # Ratios measured/estimate: t4 0.53/0.06625 = 8, l4 0.49/0.081667 = 6; median 7, so
+        # l4x4 0.1019 x 7 = 0.71, a100 0.1951 x 7 = 1.37, h100 0.2195 x 7 = 1.54 stay behind.
+        (
+            {"t4-16gb": 0.53, "l4-24gb": 0.49},
+            ["l4-24gb", "t4-16gb", "l4x4-24gb", "a100-40gb", "h100-80gb"],
+        ),
+        # h100 measured far below its estimate's place (ratio 0.11/0.2195 = 0.5): it goes first;
+        # the median ratio of 8, 6 and 0.5 is 6, so l4x4 0.1019 x 6 = 0.61 comes after t4's
+        # measured 0.53, and a100 0.1951 x 6 = 1.17 last.
+        (
+            {"t4-16gb": 0.53, "l4-24gb": 0.49, "h100-80gb": 0.11},
+            ["h100-80gb", "l4-24gb", "t4-16gb", "l4x4-24gb", "a100-40gb"],
+        ),
+        # one measurement calibrates the unit only: the estimate's order
+        ({"a100-40gb": 3.0}, ["t4-16gb", "l4-24gb", "l4x4-24gb", "a100-40gb", "h100-80gb"]),
+        # a node type not in the plan, or with no traffic (null): ignored
+        (
+            {"v100-16gb": 0.01, "t4-16gb": 0.0},
+            ["t4-16gb", "l4-24gb", "l4x4-24gb", "a100-40gb", "h100-80gb"],
+        ),
+    ],
+)
+def test_prefer_cost_ranks_by_measured_cost_per_request_where_it_exists(
+    measured: dict[str, float], expected: list[str]
+) -> None:
+    asked = request(prefer="cost", measured_cost=tuple(measured.items()))
+    assert [p.node_type.name for p in planner.plan(asked, DEV_POOLS)] == expected
+
+
+def test_prefer_quality_ignores_measured_cost() -> None:
+    measured = (("t4-16gb", 0.01), ("h100-80gb", 0.001))
+    quality = [p.node_type.name for p in planner.plan(request(measured_cost=measured), DEV_POOLS)]
+    assert quality == ["l4x4-24gb", "a100-40gb", "h100-80gb", "l4-24gb", "t4-16gb"]
+
+
 def test_named_node_types_only_and_unknown_names_reported() -> None:
     plans = planner.plan(request(node_types=("t4-16gb", "gb200")), DEV_POOLS)
     assert [p.node_type.name for p in plans] == ["t4-16gb", "gb200"]

@@ -398,3 +398,28 @@ def test_a_dropped_inference_pool_is_looked_for_after_a_spec_change(
     obj["metadata"]["generation"] = generation
     desired = reconcile.desire(obj, [H100], CONFIG, False, has_inference_pool_crd=True)
     assert reconcile.may_have_dropped(obj, desired, "InferencePool") is expected
+
+
+def test_prefer_cost_plans_by_the_cost_status_measured_on_real_traffic() -> None:
+    """7B at 8k context: t4 at int4 is the cheaper estimate per sequence; measured traffic says
+    h100 serves a request for less (and t4 for more), so the pass plans h100 first."""
+    spec = {
+        "model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},
+        "serving": {"maxContextLength": 8192, "targetConcurrency": 4},
+        "placement": {"prefer": "cost"},
+        "autoscaling": {"mode": "off", "replicas": 1},
+    }
+    estimated = reconcile.desire(md(spec), [T4, H100], CONFIG, False)
+    assert [e.node_type for e in estimated.plan] == ["t4-16gb", "h100-80gb"]
+    cost = {
+        "nodeTypes": {
+            "t4-16gb": {"perThousandRequests": 0.9, "replicas": 1},
+            "h100-80gb": {"perThousandRequests": 0.4, "replicas": 1},
+            "a100-40gb": {"perThousandRequests": None, "replicas": 0},  # no traffic: no figure
+        }
+    }
+    status = {"cost": cost}
+    assert reconcile.measured_cost(md(spec, status)) == (("h100-80gb", 0.4), ("t4-16gb", 0.9))
+    measured = reconcile.desire(md(spec, status), [T4, H100], CONFIG, False)
+    assert [e.node_type for e in measured.plan] == ["h100-80gb", "t4-16gb"]
+    assert reconcile.measured_cost(md(spec)) == ()

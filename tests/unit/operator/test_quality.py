@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.operator import api, planner, quality, reconcile
+from kvpilot.operator import api, planner, quality, quality_job, reconcile
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -151,14 +151,14 @@ def test_the_digest_is_the_evals(tmp_path: Path) -> None:
 def reference() -> planner.NodePlan:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
     request = planner.PlanRequest.from_spec(s, ModelFacts(3819776, 4, 2, 32, 4096))
-    found = planner.reference_plan(request, [L4], quality.EVAL_WINDOW_TOKENS)
+    found = planner.reference_plan(request, [L4], quality_job.EVAL_WINDOW_TOKENS)
     assert found is not None
     return found
 
 
 def test_the_eval_job_runs_like_a_runtime_pod() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation(metric="agreement")))
-    job = quality.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
+    job = quality_job.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
     kubernetes_validate.validate(job, "1.37.0", strict=True)
     pod = job["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] and pod["restartPolicy"] == "Never"
@@ -171,7 +171,7 @@ def test_the_eval_job_runs_like_a_runtime_pod() -> None:
         "--dataset=/mnt/eval/eval.txt",
         "--metric=agreement",
         "--quantization=int4",
-        f"--max-length={quality.EVAL_WINDOW_TOKENS}",
+        f"--max-length={quality_job.EVAL_WINDOW_TOKENS}",
         "--dtype=auto",
         "--summary-file=/dev/termination-log",
     ]
@@ -184,9 +184,9 @@ def test_the_eval_job_runs_like_a_runtime_pod() -> None:
     }
     assert job["spec"]["ttlSecondsAfterFinished"] > 0 and job["spec"]["backoffLimit"] >= 1
     # Named by what it measures: the same level of the same model on the same set is one Job.
-    same = quality.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
+    same = quality_job.build_eval_job(md(md_spec()), s, "int4", reference(), DIGEST, CONFIG)
     assert same["metadata"]["name"] == job["metadata"]["name"]
-    other = quality.build_eval_job(md(md_spec()), s, "int8", reference(), DIGEST, CONFIG)
+    other = quality_job.build_eval_job(md(md_spec()), s, "int8", reference(), DIGEST, CONFIG)
     assert other["metadata"]["name"] != job["metadata"]["name"]
 
 
@@ -256,6 +256,11 @@ def test_job_outcomes() -> None:
     assert odd == "the eval Job finished without a summary"
 
 
+def named(level: str, reference: str = "bf16") -> str:
+    """Observed.runs are by Job name: the name of what the Job measures."""
+    return quality_job.job_name(URI, level, "perplexity", DIGEST, reference)
+
+
 def record(level: str, loss: float) -> str:
     return api.QualityMeasurement(
         level=level, metric="perplexity", value=140.0, relative_loss=loss, dataset_digest=DIGEST
@@ -271,7 +276,7 @@ def records(**losses: float) -> dict[str, str]:
 
 def test_nothing_measured_asks_for_a_job_per_level_and_serves_the_fallback() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
-    observed = quality.Observed(dataset_digest=DIGEST)
+    observed = quality.Observed(dataset_key=DIGEST)
     verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     assert verdict.admission.levels == ("bf16", "int8")
     assert [
@@ -301,17 +306,22 @@ def test_cached_measurements_need_no_job() -> None:
 def test_a_finished_job_is_recorded_then_deleted_and_a_failed_one_is_not_retried_at_once() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation(0.5)))
     runs = {
-        "int8": quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.003)]),
-        "int4": quality.EvalRun(job("Failed"), [failed_pod(NOW, "CUDA out of memory")]),
+        named("int8"): quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.003)]),
+        named("int4"): quality.EvalRun(job("Failed"), [failed_pod(NOW, "CUDA out of memory")]),
     }
     observed = quality.Observed(DIGEST, records=records(bf16=0.0), runs=runs)
     verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
-    assert list(verdict.new_records) == [quality.record_key("int8", "perplexity", DIGEST)]
-    assert verdict.jobs_to_delete == (runs["int8"].job,)
+    # int8's measurement, and that int4's first attempt failed (its retry waits longer each time)
+    assert verdict.new_records.keys() == {
+        quality.record_key("int8", "perplexity", DIGEST),
+        quality.failure_key("int4", "perplexity", DIGEST),
+    }
+    assert verdict.new_records[quality.failure_key("int4", "perplexity", DIGEST)] == "1"
+    assert verdict.jobs_to_delete == (runs[named("int8")].job,)
     assert verdict.jobs_to_create == ()  # int4's failed Job stays until its TTL: no tight loop
     assert verdict.admission.levels == ("bf16", "int8")
     assert verdict.condition is not None and verdict.condition.reason == "EvalFailed"
-    assert "int4: BackoffLimitExceeded: CUDA out of memory" in verdict.condition.message
+    assert "int4: BackoffLimitExceeded: CUDA out of memory [attempt 1" in verdict.condition.message
 
 
 def test_an_unreadable_dataset_falls_back_to_the_category_and_is_retried() -> None:
@@ -372,4 +382,4 @@ def test_users_are_the_model_deployments_of_that_model_with_an_eval_set() -> Non
     without["metadata"]["name"] = "plain"
     other = md({**md_spec(evaluation=evaluation()), "model": {"uri": "hf://x/y"}})
     other["metadata"]["name"] = "other"
-    assert quality.users([with_eval, without, other], quality.cache_name(URI)) == ["tiny"]
+    assert quality.users([with_eval, without, other], quality_job.cache_name(URI)) == ["tiny"]
