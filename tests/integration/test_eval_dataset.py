@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from hack.devcluster.modelsources import s3_client
-from tests.integration.test_fetch_model import hf_env, s3_env
-from tests.support.model_sources import HF_REPO_ID, MODEL_DIR, S3Endpoint
+from tests.support.model_sources import HF_REPO_ID, MODEL_DIR, S3Endpoint, hf_env, s3_env
 
 EVAL_TEXT = MODEL_DIR / "eval.txt"
 

@@ -16,24 +16,18 @@ import pytest
 from kvpilot.runtime.fetch import FetchError
 from kvpilot.runtime.model_source import HF_ALLOW_PATTERNS, parse_model_uri
 from kvpilot.runtime.remote_config import count_parameters, read_config_json
-from tests.support.model_sources import HF_REPO_ID, MODEL_DIR, S3_PREFIX, S3Endpoint, sha256_files
+from tests.support.model_sources import (
+    HF_REPO_ID,
+    MODEL_DIR,
+    S3_PREFIX,
+    S3Endpoint,
+    hf_env,
+    s3_env,
+    sha256_files,
+)
 from tests.support.server_process import RuntimeServer
 
 MODEL_FILES = sha256_files(MODEL_DIR, list(HF_ALLOW_PATTERNS))  # eval.txt and README stay behind
-
-
-def hf_env(endpoint: str, home: Path) -> dict[str, str]:
-    return {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0"}
-
-
-def s3_env(s3: S3Endpoint, secret: str | None = None) -> dict[str, str]:
-    return {
-        **os.environ,
-        "AWS_ENDPOINT_URL": s3.endpoint_url,
-        "AWS_ACCESS_KEY_ID": s3.access_key,
-        "AWS_SECRET_ACCESS_KEY": secret or s3.secret_key,
-        "AWS_REGION": s3.region,
-    }
 
 
 def fetch(uri: str, dest: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -80,3 +80,17 @@ def existing_s3_endpoint() -> S3Endpoint | None:
         bucket=modelsources.S3_BUCKET,
         region=os.environ.get("AWS_REGION", modelsources.S3_REGION),
     )
+
+
+def hf_env(endpoint: str, home: Path) -> dict[str, str]:
+    return {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(home), "HF_HUB_OFFLINE": "0"}
+
+
+def s3_env(s3: S3Endpoint, secret: str | None = None) -> dict[str, str]:
+    return {
+        **os.environ,
+        "AWS_ENDPOINT_URL": s3.endpoint_url,
+        "AWS_ACCESS_KEY_ID": s3.access_key,
+        "AWS_SECRET_ACCESS_KEY": secret or s3.secret_key,
+        "AWS_REGION": s3.region,
+    }

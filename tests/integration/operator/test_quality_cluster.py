@@ -22,6 +22,7 @@ from tests.support.operator_cluster import (
     tiny_llama_from,
     wait_for,
 )
+from tests.support.quality_cluster import condition, eval_jobs, status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 URI = "hf://kvpilot/tiny-llama"
@@ -54,18 +55,6 @@ def measured_tiny(cluster: Any, name: str, max_loss: float) -> dict[str, Any]:
         },
     }
     return md
-
-
-def status(cluster: Any, namespace: str, name: str) -> dict[str, Any]:
-    return dict(get(cluster, "modeldeployment", name, "-n", namespace).get("status") or {})
-
-
-def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
-
-
-def eval_jobs(cluster: Any, namespace: str) -> list[dict[str, Any]]:
-    return list(get(cluster, "jobs", "-n", namespace, "-l", "kvpilot.dev/quality-eval")["items"])
 
 
 def is_measured(cluster: Any, namespace: str, name: str) -> dict[str, Any]:

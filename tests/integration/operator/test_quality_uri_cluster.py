@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from hack.devcluster.modelsources import S3Endpoint, s3_client
-from tests.integration.operator.test_quality_cluster import condition, eval_jobs, status
 from tests.support.operator_cluster import (
     ROOT,
     TINY_FACTS,
@@ -24,6 +23,7 @@ from tests.support.operator_cluster import (
     tiny_llama_from,
     wait_for,
 )
+from tests.support.quality_cluster import condition, eval_jobs, status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 URI = "hf://kvpilot/tiny-llama"

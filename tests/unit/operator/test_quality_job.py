@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.operator import api, crdgen, quality, quality_job
-from tests.unit.operator.test_quality import CONFIG, DIGEST, md, md_spec, reference
+from tests.support.quality_fixtures import CONFIG, DIGEST, md, md_spec, reference
 
 
 def spec_with(
@@ -142,7 +142,7 @@ def test_measurements_are_keyed_by_content_for_a_config_map_and_by_uri_otherwise
 
 
 def test_a_uri_datasets_measurement_records_the_content_digest_the_job_reported() -> None:
-    from tests.unit.operator.test_quality import job, summary_pod
+    from tests.support.quality_fixtures import job, summary_pod
 
     s = spec_with({"uri": "s3://evals/tiny/eval.txt"})
     key = quality.dataset_key(s.quantization.evaluation.dataset)  # type: ignore[union-attr]
@@ -164,7 +164,7 @@ def test_each_failed_job_waits_twice_as_long_capped(attempt: int, seconds: int) 
 
 
 def test_a_failed_measurement_is_retried_later_each_time_never_in_a_tight_loop() -> None:
-    from tests.unit.operator.test_quality import failed_pod, job
+    from tests.support.quality_fixtures import failed_pod, job
 
     s = spec_with({"configMap": "tiny-eval", "key": "eval.txt"}, allowed=("int8",))
     failures = quality.failure_key("int8", "perplexity", DIGEST)

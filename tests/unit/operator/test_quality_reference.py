@@ -15,7 +15,7 @@ import pytest
 from kvpilot.operator import api, planner, quality, quality_job, reconcile
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
-from tests.unit.operator.test_quality import CONFIG, DIGEST, NOW, job, md, summary_pod
+from tests.support.quality_fixtures import CONFIG, DIGEST, NOW, job, md, summary_pod
 
 T4 = NodeType("t4", "Tesla-T4", 15360, 1, 0.53, {"kvpilot.dev/node-type": "t4"}, ("t0",), (1,))
 L4 = NodeType("l4", "NVIDIA-L4", 23034, 1, 0.98, {"kvpilot.dev/node-type": "l4"}, ("n0",), (1,))
