@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
-from kvpilot.gateway.exchange import Exchange, Policy
+from kvpilot.gateway.exchange import Exchange, Policy, run_afters
 from kvpilot.gateway.holding import Holding
 from kvpilot.gateway.keys import CALLER
 from kvpilot.gateway.load import LoadBook, scrape_forever
@@ -147,9 +147,8 @@ class Gateway:
             if response is None:
                 response, outcome = await self.route_and_send(exchange)
             exchange.status = response.status
-        finally:
-            for policy in reversed(ran):  # each reservation settled or released, whatever happened
-                await policy.after(exchange)
+        finally:  # each reservation settled or released, whatever happened (a client gone too)
+            await run_afters(ran, exchange)
         self.record(inbound, outcome, response.status, started)
         return response
 
@@ -278,6 +277,7 @@ class Gateway:
             ttft.observe(asyncio.get_running_loop().time() - sent)
 
         stream = exchange.inbound.stream
+        exchange.sent = True  # from here the upstream may generate for it
         return await forward(
             self.session, exchange.request, hop, body, stream, first_byte, exchange.taps
         )
