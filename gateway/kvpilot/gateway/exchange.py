@@ -15,7 +15,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
@@ -102,6 +102,15 @@ async def run_afters(policies: Sequence[Policy], exchange: Exchange) -> None:
     _, cancelled = await run_to_end(afters())
     if cancelled:
         raise asyncio.CancelledError
+
+
+@runtime_checkable
+class ModelsFilter(Protocol):
+    """A policy that also decides what `GET /v1/models` shows a caller (the keys policy)."""
+
+    def visible_models(self, request: web.Request, models: list[str]) -> list[str] | web.Response:
+        """The models of `models` this caller may see, or the refusal to answer instead."""
+        ...
 
 
 def through_taps(taps: Sequence[Tap], data: bytes) -> bytes:

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
-from kvpilot.gateway.exchange import Exchange, Policy, run_afters
+from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
 from kvpilot.gateway.holding import Holding
 from kvpilot.gateway.keys import CALLER
 from kvpilot.gateway.load import LoadBook, scrape_forever
@@ -117,9 +117,17 @@ class Gateway:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def list_models(self, _: web.Request) -> web.Response:
+    async def list_models(self, request: web.Request) -> web.Response:
+        """Every routed model, or (with keys) those the caller's key may use."""
+        models = self.table.models()
+        for policy in self.policies:
+            if isinstance(policy, ModelsFilter):
+                visible = policy.visible_models(request, models)
+                if isinstance(visible, web.Response):
+                    return visible
+                models = visible
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"}
-                for m in self.table.models()]  # fmt: skip
+                for m in models]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
