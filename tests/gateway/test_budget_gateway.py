@@ -24,6 +24,7 @@ from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
+TEAM = "tests"
 WINDOW = "30d"  # long and fixed: a test never straddles two windows in practice
 SHARED_BUDGET = 10_000
 MAX_TOKENS = 64
@@ -54,7 +55,7 @@ def gateways(
 ) -> Iterator[list[GatewayProcess]]:
     config = {
         "models": [{"name": MODEL, "backends": [r.url for r in replicas]}],
-        "keys": [{"key": key, "team": "tests", "limits": limits} for key, limits in KEYS.items()],
+        "keys": [{"key": key, "team": TEAM, "limits": limits} for key, limits in KEYS.items()],
     }
     started: list[GatewayProcess] = []
     for index in range(2):
@@ -71,7 +72,7 @@ def client(gateway: GatewayProcess, key: str) -> openai.OpenAI:
 
 
 def counter(redis: RedisServer, key: str, unit: str) -> float:
-    limit = Limit(f"key:{hash_key(key)[:KEY_ID_CHARS]}", unit, 1, parse_window(WINDOW))
+    limit = Limit(f"key:{hash_key(key)[:KEY_ID_CHARS]}", unit, 1, parse_window(WINDOW), TEAM)
     return float(redis.client().get(limit.counter(time.time())) or 0)
 
 

@@ -68,7 +68,7 @@ async def scenario() -> None:
 
 
 def totals(store: MemoryStore) -> dict[str, float]:
-    return {key.split(":")[4]: value for key, (value, _) in store.counters.items()}
+    return {key.split(":")[-3]: value for key, (value, _) in store.counters.items()}
 
 
 def held(gateway: Gateway) -> float | None:

@@ -120,7 +120,7 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
 
 
 def counters_of(harness: Harness) -> dict[str, float]:
-    return {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
+    return {k.split(":")[-3]: v for k, (v, _) in harness.store.counters.items()}
 
 
 @pytest.mark.parametrize(
