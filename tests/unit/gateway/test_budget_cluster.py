@@ -88,7 +88,8 @@ def tag_of(name: str) -> str:
 def test_a_teams_counters_share_one_slot_on_redis_cluster(cluster_node: RedisServer) -> None:
     for key in ("sk-research-1", "sk-research-2", "sk-loner-key"):
         assert asyncio.run(one_request(cluster_node.url, key)) == 0, key
-    names = sorted(n.decode() for n in cluster_node.client().keys("kvpilot:budget:*"))
+    keys = cluster_node.client().keys("kvpilot:budget:*")
+    names = sorted(n.decode() if isinstance(n, bytes) else str(n) for n in keys)
     research = [n for n in names if tag_of(n) == "research"]
     loner = [n for n in names if n not in research]
     # research-1: tpm, rpm; research-2: output_tokens; the team's total_tokens: one counter
