@@ -68,10 +68,11 @@ class Recording:
 def build_store(settings: CacheSettings, metrics: GatewayMetrics) -> CacheStore | None:
     if not settings.enabled:
         return None
-    if settings.store == "redis" and settings.redis_url:
-        return RedisStore(settings.redis_url, settings.ttl_s)
     on_evict = lambda reason: metrics.cache_evictions.labels(reason).inc()  # noqa: E731
-    return MemoryStore(settings.ttl_s, settings.max_entries, settings.max_bytes, on_evict)
+    bounds = (settings.ttl_s, settings.max_entries, settings.max_bytes, on_evict)
+    if settings.store == "redis" and settings.redis_url:
+        return RedisStore(settings.redis_url, *bounds)
+    return MemoryStore(*bounds)
 
 
 class CachePolicy:
