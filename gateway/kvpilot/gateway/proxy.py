@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
+from kvpilot.gateway.cache_policy import HEADER as CACHE
 from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
 from kvpilot.gateway.holding import Holding
 from kvpilot.gateway.keys import CALLER
@@ -157,7 +158,7 @@ class Gateway:
             exchange.status = response.status
         finally:  # each reservation settled or released, whatever happened (a client gone too)
             await run_afters(ran, exchange)
-        self.record(inbound, outcome, response.status, started)
+        self.record(inbound, outcome, response.status, started, exchange.headers.get(CACHE, ""))
         return response
 
     async def apply_policies(
@@ -294,13 +295,15 @@ class Gateway:
         self.metrics.retries.labels(model, reason).inc()
         await asyncio.sleep(self.options.retry_backoff_s * random.uniform(0.5, 1.5))
 
-    def record(self, inbound: Inbound, outcome: Outcome, status: int, started: float) -> None:
+    def record(
+        self, inbound: Inbound, outcome: Outcome, status: int, started: float, cache: str
+    ) -> None:
         self.metrics.requests.labels(inbound.model, outcome.target, str(status)).inc()
         elapsed_ms = (asyncio.get_running_loop().time() - started) * 1000
         line = {"event": "request", "model": inbound.model, "target": outcome.target,
                 "backend": outcome.backend, "status": status, "stream": inbound.stream,
-                "attempts": outcome.attempts, "reason": outcome.reason,
-                "duration_ms": round(elapsed_ms, 1)}  # fmt: skip
+                "attempts": outcome.attempts, "reason": outcome.reason, "cache": cache,
+                "duration_ms": round(elapsed_ms, 3)}  # fmt: skip
         access_log.info(json.dumps(line))
 
 
