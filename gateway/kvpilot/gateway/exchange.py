@@ -95,6 +95,9 @@ async def run_afters(policies: Sequence[Policy], exchange: Exchange) -> None:
     """Every policy's `after`, in reverse order, to its end even if the handler is cancelled
     (again) meanwhile; a cancellation that arrived is raised once they are done."""
 
+    if not policies:
+        return
+
     async def afters() -> None:
         for policy in reversed(policies):
             await policy.after(exchange)
