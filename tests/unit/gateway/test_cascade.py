@@ -134,6 +134,17 @@ def test_kube_cascade_names_the_served_model_and_keeps_indices() -> None:
     assert any("cascade[0]: no ModelDeployment 'gone'" in p for p in resolution.problems)
 
 
+def test_kube_cascade_rules_forming_a_cycle_are_a_problem_naming_them() -> None:
+    to_small = [{"modelDeployment": "small"}]
+    to_big = [{"when": {"noTools": True}, "modelDeployment": "big"}]
+    resolution = build_routes([md("big", to_small), md("small", to_big)], [], lambda *_: None)
+    cycles = [p for p in resolution.problems if "form a cycle" in p]
+    assert cycles == [
+        "cascade rules form a cycle (big: cascade[0] -> small, small: cascade[0] -> big): a "
+        "model that requests cascade to should not cascade back; remove one of them"
+    ]
+
+
 def test_the_api_model_and_its_checks() -> None:
     spec = api.ModelDeploymentSpec.model_validate(
         {"model": {"uri": "hf://org/big"},
