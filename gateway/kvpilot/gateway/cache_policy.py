@@ -109,6 +109,7 @@ class CachePolicy:
             entry = await store.get(verdict.key)
             if entry is not None and entry.stream == exchange.inbound.stream:
                 self.metrics.cache_hits.labels(exchange.model).inc()
+                exchange.headers[HEADER] = "hit"  # the access log's too
                 return await self.replay(exchange, entry)
         self.metrics.cache_misses.labels(exchange.model).inc()
         exchange.headers[HEADER] = "miss"
@@ -119,7 +120,7 @@ class CachePolicy:
 
     async def replay(self, exchange: Exchange, entry: Entry) -> web.StreamResponse:
         """The entry's bytes as they were rendered when stored (one write)."""
-        headers = {**exchange.headers, HEADER: "hit", "x-kvpilot-backend": "cache",
+        headers = {**exchange.headers, "x-kvpilot-backend": "cache",
                    "x-kvpilot-target": exchange.model}  # fmt: skip
         if not entry.stream:
             return web.Response(body=entry.hit, content_type="application/json", headers=headers)
