@@ -220,7 +220,7 @@ def test_a_redis_store_is_shared_by_two_gateways(
         assert hit.headers["x-kvpilot-cache"] == "hit"
         assert hit.parse().choices[0].text == miss.parse().choices[0].text
         assert served(replicas["small"]) == before
-        assert list(redis_server.client().scan_iter("kvpilot:cache:*"))
+        assert list(redis_server.client().scan_iter("kvpilot:{kvpilot-cache}:e:*"))
     finally:
         assert first.stop() == 0 and second.stop() == 0
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ REDIS_SERVER = "redis-server"
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, args: Sequence[str] = ()) -> None:
         binary = shutil.which(REDIS_SERVER)
         if binary is None:
             raise RuntimeError("redis-server is not installed: run hack/system-deps.sh (apt)")
@@ -36,12 +36,14 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.log_path = workdir / "redis.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.args = list(args)  # more redis-server flags (e.g. --cluster-enabled yes)
 
     def start(self) -> None:
         """Start (again, on the same port and data dir) and wait until it answers PING."""
         command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
                    "--dir", str(self.workdir), "--appendonly", "yes", "--appendfsync", "always",
-                   "--save", "", "--daemonize", "no", "--logfile", str(self.log_path)]  # fmt: skip
+                   "--save", "", "--daemonize", "no", "--logfile", str(self.log_path),
+                   *self.args]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait_for(self._started, 30, f"redis-server on port {self.port} (log: {self.log_path})")
 

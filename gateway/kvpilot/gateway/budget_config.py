@@ -135,7 +135,7 @@ def key_book(keys: list[KeySpec], teams: list[TeamSpec]) -> dict[str, KeyEntry]:
     for team in teams:
         if team.name in team_limits:
             raise ValueError(f"teams: {team.name!r} appears twice")
-        team_limits[team.name] = to_limits(f"team:{team.name}", team)
+        team_limits[team.name] = to_limits(f"team:{team.name}", team, team.name)
     book: dict[str, KeyEntry] = {}
     for index, spec in enumerate(keys):
         digest = spec.digest()
@@ -143,14 +143,18 @@ def key_book(keys: list[KeySpec], teams: list[TeamSpec]) -> dict[str, KeyEntry]:
             raise ValueError(f"keys[{index}]: the same key appears twice")
         key_id = digest[:KEY_ID_CHARS]
         team_name = spec.team or ""
-        limits = to_limits(f"key:{key_id}", spec) + team_limits.get(team_name, ())
+        # a teamless key's counters share its own scope as their hash tag
+        slot = team_name or f"key:{key_id}"
+        limits = to_limits(f"key:{key_id}", spec, slot) + team_limits.get(team_name, ())
         models = frozenset(spec.models) if spec.models is not None else None
         book[digest] = KeyEntry(key_id, team_name, models, limits)
     return book
 
 
-def to_limits(scope: str, spec: _LimitedSpec) -> tuple[Limit, ...]:
-    return tuple(Limit(scope, s.unit, s.limit, parse_window(s.window)) for s in spec.all_limits())
+def to_limits(scope: str, spec: _LimitedSpec, slot: str) -> tuple[Limit, ...]:
+    return tuple(
+        Limit(scope, s.unit, s.limit, parse_window(s.window), slot) for s in spec.all_limits()
+    )
 
 
 def prices(specs: dict[str, PriceSpec]) -> dict[str, Price]:

@@ -8,9 +8,11 @@ the UsageTap drops again when the client did not ask. A request without `max_tok
 token or cost limit is sent with the configured default, so the reservation bounds it.
 
 `after` (always, whatever happened): the reservation is settled to the usage the upstream reported;
-a stream that broke or was abandoned settles the chunks it relayed; a request nobody served gives
-everything back; one abandoned before any answer came keeps its reservation (see `used`). Spend
-and tokens are counted per key, team and model.
+a stream that broke or was abandoned settles the chunks it relayed; a request never sent upstream
+gives everything back; a JSON request abandoned after it was sent keeps its reservation (see
+`used`). `after` runs to its end even when the client went away (exchange.run_afters), and a
+reservation the store made while the client was leaving is recorded before the handler stops, so
+none is left charged. Spend and tokens are counted per key, team and model.
 
 Store failures: fail closed (503, the default) or open (admitted; its use is added when it ends
 if the store answers again); each counts in a metric and the store's up/down changes are logged.
@@ -18,6 +20,7 @@ if the store answers again); each counts in a metric and the store's up/down cha
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -38,7 +41,7 @@ from kvpilot.gateway.budgets import (
     retry_after_s,
     settlement,
 )  # fmt: skip
-from kvpilot.gateway.exchange import Exchange
+from kvpilot.gateway.exchange import Exchange, run_to_end
 from kvpilot.gateway.keys import CALLER, Caller
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.upstream import error_response
@@ -101,13 +104,16 @@ class BudgetPolicy:
             exchange.replace_payload({**exchange.payload, "stream_options": options})
         now = time.time()
         charged = charges(limits, reserved, now)
-        refusal = await self.reserve(charged, limits, reserved, now)
-        if isinstance(refusal, web.StreamResponse):
-            return refusal
-        exchange.request[RESERVATION] = Reservation(
-            caller, exchange.model, limits, charged if refusal else [], reserved, price, tap
-        )
-        return None
+        # Seen through even if the client goes away meanwhile: Redis may have charged it
+        # already, and only a recorded reservation is given back (`after`).
+        refusal, cancelled = await run_to_end(self.reserve(charged, limits, reserved, now))
+        if not isinstance(refusal, web.StreamResponse):
+            exchange.request[RESERVATION] = Reservation(
+                caller, exchange.model, limits, charged if refusal else [], reserved, price, tap
+            )
+        if cancelled:
+            raise asyncio.CancelledError
+        return refusal if isinstance(refusal, web.StreamResponse) else None
 
     def reservation(self, exchange: Exchange, limits: list[Limit], price: Price | None) -> Amounts:
         """The request's most: its prompt bound and max_tokens (set to the default when a token
@@ -204,21 +210,22 @@ def used(reservation: Reservation, exchange: Exchange) -> Amounts:
     """What the request used: the upstream's usage when it reported one. Else, when part of an
     answer reached the client (a stream cut off, or abandoned by the client): the prompt bound and
     the content chunks relayed (a JSON answer without usage: its whole reservation). An error
-    answer, or no upstream answer, used nothing. A request abandoned before any of its answer
-    came back (the handler cancelled) keeps its reservation: the upstream may have generated
-    up to max_tokens before it noticed."""
+    answer, or a request never sent upstream (refused, or abandoned while it waited), used
+    nothing. A request abandoned after it was sent, before any of its answer came back: a stream
+    used its prompt (each decoded token is sent as it is made, and none came); a JSON answer keeps
+    its reservation, as the upstream may have generated up to max_tokens before it noticed."""
     tap, reserved, price = reservation.tap, reservation.reserved, reservation.price
     if tap.usage is not None:
         return amounts(1, tap.usage.prompt_tokens, tap.usage.completion_tokens, price)
-    if exchange.status >= 400:
+    if exchange.status >= 400 or not exchange.sent:
         return amounts(0, 0, 0, price)
-    if tap.seen:
+    if tap.seen or (exchange.status == 0 and tap.stream):
         output = min(tap.content_chunks, reserved.output_tokens) if tap.stream else (
             reserved.output_tokens)  # fmt: skip
         return amounts(1, reserved.input_tokens, output, price)
-    if exchange.status == 0:  # cancelled (the client went away) before any answer
+    if exchange.status == 0:  # a JSON answer abandoned (the client went away) before it came
         return reserved
-    return amounts(0, 0, 0, price)  # answered without an upstream (no replica): nothing used
+    return amounts(0, 0, 0, price)  # answered without an upstream answer: nothing used
 
 
 def first_too_big(limits: list[Limit], reserved: Amounts) -> web.Response | None:

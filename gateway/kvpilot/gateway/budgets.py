@@ -66,12 +66,15 @@ class Limit:
     unit: str
     limit: float
     window: Window
+    slot: str = ""  # the Redis Cluster hash tag: the team, else the key's scope (`hash_tag`)
 
     def counter(self, now: float) -> str:
-        """The store key of the current window's counter."""
-        return (
-            f"kvpilot:budget:{self.scope}:{self.unit}:{self.window.text}:{self.window.index(now)}"
-        )
+        """The store key of the current window's counter. Every counter a request is charged on
+        (its key's and its team's) carries the same hash tag `{<team>}`, so they live in one
+        Redis Cluster slot and one Lua script may touch them all."""
+        tag = self.slot or self.scope
+        window = f"{self.window.text}:{self.window.index(now)}"
+        return f"kvpilot:budget:{{{tag}}}:{self.scope}:{self.unit}:{window}"
 
     def describe(self) -> str:
         return f"{self.scope} {self.unit} {self.limit:g} per {self.window.text}"

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: entries are stored rendered (Entry.hit)
 # The request field that asks the gateway to leave the cache out (true | false); never forwarded.
 CACHE_FIELD = "cache"
 
@@ -55,30 +55,44 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Entry:
-    """A stored answer: the whole JSON body, or the SSE events of a stream (each with its
-    `data: ` prefix, without the blank line), `[DONE]` included."""
+    """A stored answer, rendered when it is stored exactly as a hit sends it (the JSON body, or
+    every SSE event with its blank line, `[DONE]` included; usage with every prompt token
+    cached), so a hit costs a lookup and one write: nothing is parsed or encoded again."""
 
     stream: bool
-    body: bytes = b""
-    events: tuple[bytes, ...] = ()
+    hit: bytes
 
     def num_bytes(self) -> int:
-        return len(self.body) + sum(len(event) for event in self.events)
+        return len(self.hit)
 
     def to_bytes(self) -> bytes:
-        """The stored form (Redis): one JSON document."""
-        if self.stream:
-            document: dict[str, Any] = {"stream": True, "events": [e.decode() for e in self.events]}
-        else:
-            document = {"stream": False, "body": self.body.decode()}
-        return json.dumps(document).encode()
+        """The stored form (Redis): a tag saying the shape, then the bytes as sent."""
+        return (STREAM_TAG if self.stream else JSON_TAG) + self.hit
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Entry:
-        doc = json.loads(data)
-        if doc["stream"]:
-            return cls(True, events=tuple(e.encode() for e in doc["events"]))
-        return cls(False, body=doc["body"].encode())
+    def from_bytes(cls, data: bytes) -> Entry | None:
+        """None for anything another version stored (a miss, never a wrong answer)."""
+        for tag, stream in ((STREAM_TAG, True), (JSON_TAG, False)):
+            if data.startswith(tag):
+                return cls(stream, data[len(tag) :])
+        return None
+
+
+STREAM_TAG, JSON_TAG = b"kvpilot-cache-2 stream\n", b"kvpilot-cache-2 json\n"
+
+
+def json_entry(body: bytes) -> Entry | None:
+    """What a hit sends for a whole answer, or None when it must not be stored."""
+    return Entry(False, hit_body(body)) if is_whole_answer(body) else None
+
+
+def stream_entry(stream: bytes, include_usage: bool) -> Entry | None:
+    """What a hit sends for a stream (its usage event only when the request asked for it: that
+    is part of the key), or None when it must not be stored."""
+    events = events_of(stream)
+    if events is None:
+        return None
+    return Entry(True, b"".join(hit_events(events, include_usage)))
 
 
 def verdict(kind: str, model: str, payload: dict[str, Any]) -> Verdict:
@@ -171,15 +185,15 @@ def with_cached_usage(answer: dict[str, Any]) -> dict[str, Any]:
     return {**answer, "usage": {**usage, "prompt_tokens_details": details}}
 
 
-def hit_body(entry: Entry) -> bytes:
-    return json.dumps(with_cached_usage(json.loads(entry.body))).encode()
+def hit_body(body: bytes) -> bytes:
+    return json.dumps(with_cached_usage(json.loads(body))).encode()
 
 
-def hit_events(entry: Entry, include_usage: bool) -> list[bytes]:
+def hit_events(events: tuple[bytes, ...], include_usage: bool) -> list[bytes]:
     """The stored events as the client gets them (each ending with its blank line): the usage
     event with every prompt token cached, or dropped when the client did not ask for usage."""
     out = []
-    for event in entry.events:
+    for event in events:
         if event == b"data: [DONE]":
             out.append(event + b"\n\n")
             continue

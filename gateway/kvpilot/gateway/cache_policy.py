@@ -36,6 +36,7 @@ class Recorder:
     """A tap that keeps a copy of the answer the client gets, up to `max_bytes`."""
 
     max_bytes: int
+    include_usage: bool = False  # the request asked for a stream's usage event
     data: bytearray = field(default_factory=bytearray)
     is_too_large: bool = False
     is_complete: bool = False
@@ -55,10 +56,7 @@ class Recorder:
         if self.is_too_large or not self.is_complete:
             return None
         data = bytes(self.data)
-        if not stream:
-            return Entry(False, body=data) if cache.is_whole_answer(data) else None
-        events = cache.events_of(data)
-        return Entry(True, events=events) if events is not None else None
+        return cache.stream_entry(data, self.include_usage) if stream else cache.json_entry(data)
 
 
 @dataclass(frozen=True)
@@ -70,10 +68,11 @@ class Recording:
 def build_store(settings: CacheSettings, metrics: GatewayMetrics) -> CacheStore | None:
     if not settings.enabled:
         return None
-    if settings.store == "redis" and settings.redis_url:
-        return RedisStore(settings.redis_url, settings.ttl_s)
     on_evict = lambda reason: metrics.cache_evictions.labels(reason).inc()  # noqa: E731
-    return MemoryStore(settings.ttl_s, settings.max_entries, settings.max_bytes, on_evict)
+    bounds = (settings.ttl_s, settings.max_entries, settings.max_bytes, on_evict)
+    if settings.store == "redis" and settings.redis_url:
+        return RedisStore(settings.redis_url, *bounds)
+    return MemoryStore(*bounds)
 
 
 class CachePolicy:
@@ -110,27 +109,26 @@ class CachePolicy:
             entry = await store.get(verdict.key)
             if entry is not None and entry.stream == exchange.inbound.stream:
                 self.metrics.cache_hits.labels(exchange.model).inc()
-                return await self.replay(exchange, entry, cache.wants_usage(payload))
+                exchange.headers[HEADER] = "hit"  # the access log's too
+                return await self.replay(exchange, entry)
         self.metrics.cache_misses.labels(exchange.model).inc()
         exchange.headers[HEADER] = "miss"
-        recorder = Recorder(self.settings.max_entry_bytes)
+        recorder = Recorder(self.settings.max_entry_bytes, cache.wants_usage(payload))
         exchange.taps.append(recorder)
         exchange.request[STATE] = Recording(verdict.key, recorder)
         return None
 
-    async def replay(
-        self, exchange: Exchange, entry: Entry, include_usage: bool
-    ) -> web.StreamResponse:
-        headers = {**exchange.headers, HEADER: "hit", "x-kvpilot-backend": "cache",
+    async def replay(self, exchange: Exchange, entry: Entry) -> web.StreamResponse:
+        """The entry's bytes as they were rendered when stored (one write)."""
+        headers = {**exchange.headers, "x-kvpilot-backend": "cache",
                    "x-kvpilot-target": exchange.model}  # fmt: skip
         if not entry.stream:
-            return web.Response(body=cache.hit_body(entry), content_type="application/json",
-                                headers=headers)  # fmt: skip
+            return web.Response(body=entry.hit, content_type="application/json", headers=headers)
         response = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(exchange.request)
-        await response.write(b"".join(cache.hit_events(entry, include_usage)))  # one send
+        await response.write(entry.hit)
         await response.write_eof()
         return response
 

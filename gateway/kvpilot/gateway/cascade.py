@@ -83,6 +83,28 @@ def choose(rules: Sequence[CascadeRule], facts: PromptFacts) -> int | None:
     return next((index for index, rule in enumerate(rules) if matches(rule, facts)), None)
 
 
+def find_cycle(edges: dict[str, list[tuple[int, str]]]) -> list[tuple[str, int, str]] | None:
+    """The rules of one cycle among `edges` (model -> [(rule index, target)]) as (model, index,
+    target) in order, or None. A request is re-routed once, so a cycle never loops, but it makes
+    which model serves depend on where the request entered: a config with one is refused."""
+    done: set[str] = set()
+
+    def visit(model: str, path: list[tuple[str, int, str]]) -> list[tuple[str, int, str]] | None:
+        on_path = [step[0] for step in path]
+        if model in on_path:
+            return path[on_path.index(model) :]
+        if model in done:
+            return None
+        for index, target in edges.get(model, []):
+            cycle = visit(target, [*path, (model, index, target)])
+            if cycle is not None:
+                return cycle
+        done.add(model)
+        return None
+
+    return next((c for c in (visit(m, []) for m in sorted(edges)) if c is not None), None)
+
+
 class CascadePolicy:
     """Re-routes a request by its route's cascade rules (a policy, exchange.py)."""
 

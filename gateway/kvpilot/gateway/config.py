@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
 from kvpilot.gateway.cache_config import CacheSpec
-from kvpilot.gateway.cascade import CascadeRule
+from kvpilot.gateway.cascade import CascadeRule, find_cycle
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
 
 
@@ -115,7 +115,15 @@ def routes_from(data: Any, env: Mapping[str, str], source: str = "config") -> li
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ConfigError(f"{source}: model names must be unique; repeated: {duplicates}")
-    return [to_route(model, set(names), env, source) for model in config.models]
+    routes = [to_route(model, set(names), env, source) for model in config.models]
+    edges = {r.model: [(i, rule.target) for i, rule in enumerate(r.cascade) if rule.target]
+             for r in routes}  # fmt: skip
+    cycle = find_cycle(edges)
+    if cycle is not None:
+        rules = ", ".join(f"models[{m}].cascade[{i}] -> {t}" for m, i, t in cycle)
+        raise ConfigError(f"{source}: cascade rules form a cycle ({rules}): a model that "
+                          "requests cascade to must not cascade back; remove one")  # fmt: skip
+    return routes
 
 
 def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: str) -> Route:
@@ -138,8 +146,10 @@ def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: 
 def to_cascade_rule(
     spec: CascadeSpec, index: int, model: str, names: set[str], source: str
 ) -> CascadeRule:
-    if spec.model not in names or spec.model == model:
-        where = f"{source}: models[{model}].cascade[{index}].model"
+    where = f"{source}: models[{model}].cascade[{index}].model"
+    if spec.model == model:
+        raise ConfigError(f"{where}: the rule sends {model!r} to itself; name a smaller model")
+    if spec.model not in names:
         raise ConfigError(f"{where}: {spec.model!r} is not another model of this file")
     return CascadeRule(spec.model, spec.when.max_prompt_tokens, spec.when.no_tools)
 

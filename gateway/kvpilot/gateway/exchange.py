@@ -5,15 +5,17 @@ order: each policy's `before` may answer the request itself (401, a 429 over bud
 change where it goes (`model`: a cascade rule) or what is sent upstream (`replace_payload`), and
 add `taps` that see the response's bytes as they reach the client. Every policy whose `before` ran
 gets `after` once, in reverse order, whatever happened next, so a reservation is always settled or
-released.
+released: also when the client goes away (aiohttp cancels the handler), because the `after`s run
+to their end in a task of their own (`run_to_end`) that the cancellation does not reach.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
@@ -46,6 +48,7 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)  # added to the client's response
     status: int = 0  # the status the client got, set before `after` runs
     served: bool = False  # an upstream (replica or provider) answered it
+    sent: bool = False  # it was sent to an upstream (which may have generated for it)
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -64,6 +67,53 @@ class Policy(Protocol):
         ...
 
     async def after(self, exchange: Exchange) -> None: ...
+
+
+T = TypeVar("T")
+_finishing: set[asyncio.Future[Any]] = set()  # run_to_end's tasks, held until they end
+
+
+async def run_to_end(work: Awaitable[T]) -> tuple[T, bool]:
+    """`work`'s result, and whether the caller was cancelled meanwhile. The caller's cancellation
+    (a client that went away) does not stop `work`: a store call whose effect lands anyway (a
+    reservation charged in Redis) is seen through, so its result is never lost. The caller must
+    raise CancelledError itself when told it was cancelled."""
+    task = asyncio.ensure_future(work)
+    _finishing.add(task)
+    task.add_done_callback(_finishing.discard)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            if task.cancelled():  # the loop itself is shutting down
+                raise
+            cancelled = True
+
+
+async def run_afters(policies: Sequence[Policy], exchange: Exchange) -> None:
+    """Every policy's `after`, in reverse order, to its end even if the handler is cancelled
+    (again) meanwhile; a cancellation that arrived is raised once they are done."""
+
+    if not policies:
+        return
+
+    async def afters() -> None:
+        for policy in reversed(policies):
+            await policy.after(exchange)
+
+    _, cancelled = await run_to_end(afters())
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+@runtime_checkable
+class ModelsFilter(Protocol):
+    """A policy that also decides what `GET /v1/models` shows a caller (the keys policy)."""
+
+    def visible_models(self, request: web.Request, models: list[str]) -> list[str] | web.Response:
+        """The models of `models` this caller may see, or the refusal to answer instead."""
+        ...
 
 
 def through_taps(taps: Sequence[Tap], data: bytes) -> bytes:

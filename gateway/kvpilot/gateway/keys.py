@@ -1,6 +1,7 @@
 """API keys: who is calling (the first policy). With keys configured every request needs
 `Authorization: Bearer <key>` (401 otherwise) and may only ask for the models of its key's
-allow-list (403 naming the model). Keys are kept as sha256 hashes only; a key is named by the
+allow-list (403 naming the model); `GET /v1/models` needs a key too and lists only those models.
+Keys are kept as sha256 hashes only; a key is named by the
 hash's first characters (`key_id`) in metrics, logs and errors.
 """
 
@@ -47,9 +48,7 @@ class KeysPolicy:
         authorization = exchange.request.headers.get("Authorization")
         entry = self.ring.lookup(authorization)
         if entry is None:
-            given = "no API key was given" if not authorization else "the API key is not valid"
-            message = f"{given}: send `Authorization: Bearer <key>` with a key of this gateway"
-            return error_response(401, message, None, "invalid_api_key")
+            return unauthorized(authorization)
         if entry.models is not None and exchange.model not in entry.models:
             allowed = ", ".join(sorted(entry.models)) or "none"
             message = (f"key {entry.key_id} may not use model {exchange.model!r}; its models: "
@@ -60,3 +59,17 @@ class KeysPolicy:
 
     async def after(self, exchange: Exchange) -> None:
         pass
+
+    def visible_models(self, request: web.Request, models: list[str]) -> list[str] | web.Response:
+        """`GET /v1/models`: the served models the caller's key may use, or 401 without one."""
+        authorization = request.headers.get("Authorization")
+        entry = self.ring.lookup(authorization)
+        if entry is None:
+            return unauthorized(authorization)
+        return [m for m in models if entry.models is None or m in entry.models]
+
+
+def unauthorized(authorization: str | None) -> web.Response:
+    given = "no API key was given" if not authorization else "the API key is not valid"
+    message = f"{given}: send `Authorization: Bearer <key>` with a key of this gateway"
+    return error_response(401, message, None, "invalid_api_key")

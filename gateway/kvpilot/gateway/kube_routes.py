@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpilot.gateway.budgets import Price
-from kvpilot.gateway.cascade import CascadeRule
+from kvpilot.gateway.cascade import CascadeRule, find_cycle
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarget
 from kvpilot.operator import api
 
@@ -118,7 +118,23 @@ def build_routes(
         cascade = cascade_rules(md, names, problems)
         routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md),
                             cascade=cascade, price=price(md)))  # fmt: skip
+    report_cascade_cycle(routes, problems)
     return Resolution(tuple(routes), tuple(problems))
+
+
+def report_cascade_cycle(routes: list[Route], problems: list[str]) -> None:
+    """Cascade rules of several ModelDeployments may form a cycle no one object's CEL rule can
+    see: a problem line names its rules (a request is re-routed once, so it never loops; the
+    static config refuses such rules)."""
+    edges = {r.model: [(i, rule.target) for i, rule in enumerate(r.cascade) if rule.target]
+             for r in routes}  # fmt: skip
+    cycle = find_cycle(edges)
+    if cycle is not None:
+        rules = ", ".join(
+            f"{model}: cascade[{index}] -> {target}" for model, index, target in cycle
+        )
+        problems.append(f"cascade rules form a cycle ({rules}): a model that requests cascade "
+                        "to should not cascade back; remove one of them")  # fmt: skip
 
 
 def _age_order(md: Obj) -> tuple[str, str, str]:

@@ -60,7 +60,7 @@ class GatewayMetrics:
         )  # fmt: skip
         self.cache_evictions = Counter(
             "kvpilot_gateway_cache_evictions",
-            "Entries that left the in-process cache, by reason (expired, size).",
+            "Entries that left the response cache (either store), by reason (expired, size).",
             ["reason"], registry=r,
         )  # fmt: skip
         # Cascade rules (cascade.py).

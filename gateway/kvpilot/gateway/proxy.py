@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
-from kvpilot.gateway.exchange import Exchange, Policy
+from kvpilot.gateway.cache_policy import HEADER as CACHE
+from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
 from kvpilot.gateway.holding import Holding
 from kvpilot.gateway.keys import CALLER
 from kvpilot.gateway.load import LoadBook, scrape_forever
@@ -117,9 +118,17 @@ class Gateway:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def list_models(self, _: web.Request) -> web.Response:
+    async def list_models(self, request: web.Request) -> web.Response:
+        """Every routed model, or (with keys) those the caller's key may use."""
+        models = self.table.models()
+        for policy in self.policies:
+            if isinstance(policy, ModelsFilter):
+                visible = policy.visible_models(request, models)
+                if isinstance(visible, web.Response):
+                    return visible
+                models = visible
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvpilot"}
-                for m in self.table.models()]  # fmt: skip
+                for m in models]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -147,10 +156,9 @@ class Gateway:
             if response is None:
                 response, outcome = await self.route_and_send(exchange)
             exchange.status = response.status
-        finally:
-            for policy in reversed(ran):  # each reservation settled or released, whatever happened
-                await policy.after(exchange)
-        self.record(inbound, outcome, response.status, started)
+        finally:  # each reservation settled or released, whatever happened (a client gone too)
+            await run_afters(ran, exchange)
+        self.record(inbound, outcome, response.status, started, exchange.headers.get(CACHE, ""))
         return response
 
     async def apply_policies(
@@ -278,6 +286,7 @@ class Gateway:
             ttft.observe(asyncio.get_running_loop().time() - sent)
 
         stream = exchange.inbound.stream
+        exchange.sent = True  # from here the upstream may generate for it
         return await forward(
             self.session, exchange.request, hop, body, stream, first_byte, exchange.taps
         )
@@ -286,13 +295,15 @@ class Gateway:
         self.metrics.retries.labels(model, reason).inc()
         await asyncio.sleep(self.options.retry_backoff_s * random.uniform(0.5, 1.5))
 
-    def record(self, inbound: Inbound, outcome: Outcome, status: int, started: float) -> None:
+    def record(
+        self, inbound: Inbound, outcome: Outcome, status: int, started: float, cache: str
+    ) -> None:
         self.metrics.requests.labels(inbound.model, outcome.target, str(status)).inc()
         elapsed_ms = (asyncio.get_running_loop().time() - started) * 1000
         line = {"event": "request", "model": inbound.model, "target": outcome.target,
                 "backend": outcome.backend, "status": status, "stream": inbound.stream,
-                "attempts": outcome.attempts, "reason": outcome.reason,
-                "duration_ms": round(elapsed_ms, 1)}  # fmt: skip
+                "attempts": outcome.attempts, "reason": outcome.reason, "cache": cache,
+                "duration_ms": round(elapsed_ms, 3)}  # fmt: skip
         access_log.info(json.dumps(line))
 
 

@@ -716,8 +716,8 @@ def fallback_key(fallback: Fallback) -> str:
 
 
 def check_routing(md_name: str, spec: ModelDeploymentSpec) -> None:
-    """What the spec alone cannot check: a ModelDeployment falling back to itself (the CRD's
-    root CEL rule says the same at `kubectl apply`) or cascading to itself."""
+    """What the spec alone cannot check: a ModelDeployment falling back to itself or cascading
+    to itself (the CRD's root CEL rules say the same at `kubectl apply`)."""
     if any(f.model_deployment == md_name for f in spec.routing.fallbacks):
         raise ValueError(f"spec.routing.fallbacks: {md_name} cannot fall back to itself")
     if any(rule.model_deployment == md_name for rule in spec.routing.cascade):

@@ -132,6 +132,11 @@ def crd() -> dict[str, Any]:
                 " || f.modelDeployment != self.metadata.name)",
                 "message": "spec.routing.fallbacks: a ModelDeployment cannot fall back to itself",
             },
+            {
+                "rule": "!has(self.spec.routing) || !has(self.spec.routing.cascade)"
+                " || self.spec.routing.cascade.all(r, r.modelDeployment != self.metadata.name)",
+                "message": "spec.routing.cascade: a rule cannot send a ModelDeployment to itself",
+            },
         ],
     }
     return {

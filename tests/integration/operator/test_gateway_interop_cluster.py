@@ -128,6 +128,14 @@ def test_fallbacks_refused_to_itself_and_reported_when_missing(
     )
     assert done.returncode != 0
     assert "a ModelDeployment cannot fall back to itself" in done.stderr
+    cascades_to_itself = model_deployment(
+        "loop", QWEN, routing={"cascade": [{"modelDeployment": "loop"}]}, **ON_KWOK
+    )
+    done = cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(cascades_to_itself), check=False
+    )
+    assert done.returncode != 0
+    assert "a rule cannot send a ModelDeployment to itself" in done.stderr
 
     fallbacks = [
         {"modelDeployment": "small"},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -14,9 +15,9 @@ from aiohttp.test_utils import make_mocked_request
 from kvpilot.gateway import bodies
 from kvpilot.gateway.budget_config import KeysDocument, key_book
 from kvpilot.gateway.budget_policy import BudgetOptions, BudgetPolicy
-from kvpilot.gateway.budget_store import MemoryStore, RedisStore
-from kvpilot.gateway.budgets import Price
-from kvpilot.gateway.exchange import Exchange
+from kvpilot.gateway.budget_store import Denied, MemoryStore, RedisStore
+from kvpilot.gateway.budgets import Charge, Price
+from kvpilot.gateway.exchange import Exchange, run_afters
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
 from tests.support.server_process import free_port
@@ -55,19 +56,19 @@ class Harness:
         self.budget = BudgetPolicy(self.store, self.metrics, prices.get)
 
     async def run(
-        self, ex: Exchange, answer: bytes | None, status: int = 503
+        self, ex: Exchange, answer: bytes | None, status: int = 503, sent: bool = False
     ) -> web.StreamResponse | None:
         """Both policies' `before`; then, unless one answered, `answer` as the upstream's JSON
-        body through the taps (None: `status` with no upstream answer; 0: the client went away);
-        then `after` in reverse, as the proxy does."""
+        body through the taps (None: `status` with no upstream answer, after the request was
+        `sent` upstream or not; 0: the client went away); then `after`, as the proxy does."""
         refusal = await self.keys.before(ex) or await self.budget.before(ex)
         if refusal is None and answer is not None:
             for tap in ex.taps:
                 tap.chunk(answer)
                 tap.end(True)
-            ex.served, ex.status = True, 200
+            ex.served, ex.sent, ex.status = True, True, 200
         elif refusal is None:
-            ex.status = status
+            ex.sent, ex.status = sent, status
         await self.budget.after(ex)
         return refusal
 
@@ -119,14 +120,89 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
 
 
 def counters_of(harness: Harness) -> dict[str, float]:
-    return {k.split(":")[4]: v for k, (v, _) in harness.store.counters.items()}
+    return {k.split(":")[-3]: v for k, (v, _) in harness.store.counters.items()}
 
 
-def test_a_request_abandoned_before_its_answer_keeps_its_reservation() -> None:
+@pytest.mark.parametrize(
+    ("stream", "sent", "counters"),
+    [
+        (False, False, {"total_tokens": 0, "requests": 0}),  # left while it waited: released
+        (True, False, {"total_tokens": 0, "requests": 0}),
+        (True, True, {"total_tokens": 13, "requests": 1}),  # no token came: its prompt only
+        (False, True, {"total_tokens": 113, "requests": 1}),  # may have generated max_tokens
+    ],
+)
+def test_a_request_abandoned_before_its_answer(
+    stream: bool, sent: bool, counters: dict[str, float]
+) -> None:
     harness = Harness()
-    payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100}
-    assert asyncio.run(harness.run(exchange(payload), None, status=0)) is None
-    assert counters_of(harness) == {"total_tokens": 113, "requests": 1}
+    payload = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "stream": stream}
+    assert asyncio.run(harness.run(exchange(payload), None, status=0, sent=sent)) is None
+    assert counters_of(harness) == counters
+
+
+class GatedStore(MemoryStore):
+    """The real in-process store, whose `reserve` waits for the test to open a gate: a client
+    can leave while the store is answering."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.gate = asyncio.Event(), asyncio.Event()
+
+    async def reserve(self, charges: Sequence[Charge]) -> Denied | None:
+        self.entered.set()
+        await self.gate.wait()
+        return await super().reserve(charges)
+
+
+def test_a_client_leaving_while_the_store_reserves_leaves_nothing_charged() -> None:
+    async def scenario() -> None:
+        harness = Harness()
+        store = harness.store = GatedStore()
+        harness.budget = BudgetPolicy(store, harness.metrics, {"tiny": Price()}.get)
+        ex = exchange({"model": "tiny", "prompt": "hello", "max_tokens": 100})
+        assert await harness.keys.before(ex) is None
+        before = asyncio.ensure_future(harness.budget.before(ex))
+        await store.entered.wait()
+        before.cancel()  # the client went away (aiohttp cancels the handler)
+        await asyncio.sleep(0)
+        store.gate.set()  # the store charges the reservation all the same
+        with pytest.raises(asyncio.CancelledError):
+            await before
+        assert counters_of(harness) == {"total_tokens": 113, "requests": 1}
+        await run_afters([harness.budget], ex)  # as the handler's `finally` does
+        assert counters_of(harness) == {"total_tokens": 0, "requests": 0}
+
+    asyncio.run(scenario())
+
+
+def test_afters_run_to_their_end_through_a_cancellation() -> None:
+    class SlowAfter:
+        def __init__(self) -> None:
+            self.entered, self.gate, self.done = asyncio.Event(), asyncio.Event(), False
+
+        async def before(self, exchange: Exchange) -> None:
+            return None
+
+        async def after(self, exchange: Exchange) -> None:
+            self.entered.set()
+            await self.gate.wait()
+            self.done = True
+
+    async def scenario() -> None:
+        policy = SlowAfter()
+        ex = exchange({"model": "tiny", "prompt": "hello"})
+        task = asyncio.ensure_future(run_afters([policy], ex))
+        await policy.entered.wait()
+        task.cancel()  # a second cancellation (server shutdown) while settling
+        await asyncio.sleep(0)
+        assert not policy.done
+        policy.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert policy.done
+
+    asyncio.run(scenario())
 
 
 def test_a_request_bigger_than_a_whole_limit_is_a_400_naming_max_tokens() -> None:

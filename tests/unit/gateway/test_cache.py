@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.cache import Entry, events_of, hit_body, hit_events, is_whole_answer, verdict
+from kvpilot.gateway.cache import (
+    Entry,
+    events_of,
+    is_whole_answer,
+    json_entry,
+    stream_entry,
+    verdict,
+)
 from kvpilot.gateway.cache_config import CacheSpec, settings_from
 from kvpilot.gateway.cache_policy import Recorder, cache_control
 from kvpilot.gateway.cache_store import MemoryStore
@@ -134,27 +141,32 @@ def test_only_an_answer_with_choices_is_stored(body: bytes, whole: bool) -> None
 
 def test_a_hit_says_every_prompt_token_was_cached() -> None:
     answer = {**TEXT, "usage": USAGE["usage"]}
-    sent = json.loads(hit_body(Entry(False, body=json.dumps(answer).encode())))
+    stored = json_entry(json.dumps(answer).encode())
+    assert stored is not None and not stored.stream
+    sent = json.loads(stored.hit)  # rendered when stored: the hit sends these bytes
     assert sent["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
     assert sent["choices"] == TEXT["choices"]
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
 def test_a_streamed_hit_replays_the_events(include_usage: bool) -> None:
-    events = events_of(sse(TEXT, TEXT, USAGE))
-    assert events is not None
-    sent = hit_events(Entry(True, events=events), include_usage)
+    stored = stream_entry(sse(TEXT, TEXT, USAGE), include_usage)
+    assert stored is not None and stored.stream
+    sent = [e + b"\n\n" for e in stored.hit.split(b"\n\n") if e]
     assert sent[:2] == [b"data: " + json.dumps(TEXT).encode() + b"\n\n"] * 2  # byte for byte
     assert sent[-1] == b"data: [DONE]\n\n"
     if include_usage:
         usage = json.loads(sent[2].removeprefix(b"data: "))["usage"]
         assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
     assert len(sent) == (4 if include_usage else 3)  # a usage event forced upstream is dropped
+    assert b"".join(sent) == stored.hit
 
 
 def test_entries_survive_their_stored_form() -> None:
-    for entry in (Entry(False, body=b'{"a": "\\u00e9"}'), Entry(True, events=(b"data: x",))):
+    for entry in (Entry(False, b'{"a": "\\u00e9"}'), Entry(True, b"data: x\n\n")):
         assert Entry.from_bytes(entry.to_bytes()) == entry
+    old_form = b'{"stream": false, "body": "{}"}'  # what the first version stored
+    assert Entry.from_bytes(old_form) is None  # a miss, never a wrong answer
 
 
 def test_the_recorder_keeps_what_the_client_got_up_to_its_bound() -> None:
@@ -163,7 +175,7 @@ def test_the_recorder_keeps_what_the_client_got_up_to_its_bound() -> None:
     assert recorder.chunk(stream[:10]) + recorder.chunk(stream[10:]) == stream
     assert recorder.entry(stream=True) is None  # not ended yet
     recorder.end(complete=True)
-    assert recorder.entry(stream=True) == Entry(True, events=events_of(stream) or ())
+    assert recorder.entry(stream=True) == Entry(True, stream)
     small = Recorder(max_bytes=10)
     small.chunk(stream)
     small.end(complete=True)
@@ -179,7 +191,7 @@ class Clock:
 
 
 def entry(size: int) -> Entry:
-    return Entry(False, body=b"x" * size)
+    return Entry(False, b"x" * size)
 
 
 def test_memory_store_expires_after_the_ttl() -> None:

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.cascade import CascadeRule, PromptFacts, choose, prompt_facts
+from kvpilot.gateway.cascade import CascadeRule, PromptFacts, choose, find_cycle, prompt_facts
 from kvpilot.gateway.config import ConfigError, routes_from
 from kvpilot.gateway.kube_routes import build_routes
 from kvpilot.operator import api
@@ -76,7 +76,7 @@ def test_static_config_cascade() -> None:
     ("rules", "message"),
     [
         ([{"model": "huge"}], r"models\[big\]\.cascade\[0\]\.model: 'huge' is not another model"),
-        ([{"model": "big"}], "'big' is not another model"),
+        ([{"model": "big"}], r"models\[big\]\.cascade\[0\]\.model: the rule sends 'big' to itself"),
         ([{"when": {"maxPromptTokens": 0}, "model": "small"}], "greater than or equal to 1"),
         ([{"when": {"maxTokens": 5}, "model": "small"}], "maxTokens: Extra inputs"),
     ],
@@ -84,6 +84,37 @@ def test_static_config_cascade() -> None:
 def test_bad_cascade_rules_say_where(rules: list[Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         routes_from(static(rules), {})
+
+
+def three(cascades: dict[str, list[str]]) -> dict[str, Any]:
+    models = [{"name": name, "backends": [f"http://{name}:1"],
+               "cascade": [{"model": t} for t in cascades.get(name, [])]}
+              for name in ("big", "mid", "small")]  # fmt: skip
+    return {"models": models}
+
+
+@pytest.mark.parametrize(
+    ("cascades", "message"),
+    [
+        ({"big": ["small"], "small": ["big"]},
+         r"cycle \(models\[big\]\.cascade\[0\] -> small, models\[small\]\.cascade\[0\] -> big\)"),
+        ({"big": ["mid"], "mid": ["small"], "small": ["mid"]},
+         r"cycle \(models\[mid\]\.cascade\[0\] -> small, models\[small\]\.cascade\[0\] -> mid\)"),
+        ({"big": ["small", "mid"], "mid": ["small", "big"]},
+         r"cycle \(models\[big\]\.cascade\[1\] -> mid, models\[mid\]\.cascade\[1\] -> big\)"),
+    ],
+)  # fmt: skip
+def test_cascade_rules_that_form_a_cycle_are_refused_naming_them(
+    cascades: dict[str, list[str]], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        routes_from(three(cascades), {})
+
+
+def test_a_chain_and_a_shared_target_are_no_cycle() -> None:
+    routes = routes_from(three({"big": ["mid", "small"], "mid": ["small"]}), {})
+    assert [len(r.cascade) for r in routes] == [2, 1, 0]
+    assert find_cycle({"a": [(0, "c")], "b": [(0, "c")], "c": []}) is None
 
 
 def md(name: str, cascade: list[Any] | None = None) -> dict[str, Any]:
@@ -101,6 +132,17 @@ def test_kube_cascade_names_the_served_model_and_keeps_indices() -> None:
     big = next(r for r in resolution.routes if r.model == "big")
     assert big.cascade == (CascadeRule(None, None, True), CascadeRule("small", 64, False))
     assert any("cascade[0]: no ModelDeployment 'gone'" in p for p in resolution.problems)
+
+
+def test_kube_cascade_rules_forming_a_cycle_are_a_problem_naming_them() -> None:
+    to_small = [{"modelDeployment": "small"}]
+    to_big = [{"when": {"noTools": True}, "modelDeployment": "big"}]
+    resolution = build_routes([md("big", to_small), md("small", to_big)], [], lambda *_: None)
+    cycles = [p for p in resolution.problems if "form a cycle" in p]
+    assert cycles == [
+        "cascade rules form a cycle (big: cascade[0] -> small, small: cascade[0] -> big): a "
+        "model that requests cascade to should not cascade back; remove one of them"
+    ]
 
 
 def test_the_api_model_and_its_checks() -> None:
