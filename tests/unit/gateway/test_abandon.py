@@ -19,7 +19,7 @@ from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.proxy import Gateway
 from kvpilot.gateway.routes import Route, RouteTable, ScaleTarget
-from tests.server.server_process import free_port
+from tests.support.server_process import free_port
 
 KEYS = KeysDocument.model_validate(
     {"keys": [{"key": "sk-leaver", "limits": [{"unit": "total_tokens", "limit": 1000,

@@ -24,8 +24,8 @@ from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
-from tests.server.server_process import free_port, wait_for
 from tests.support.redis_server import RedisServer
+from tests.support.server_process import free_port, wait_for
 
 KEYS = KeysDocument.model_validate({
     "keys": [

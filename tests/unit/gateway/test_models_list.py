@@ -17,7 +17,7 @@ from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.proxy import Gateway
 from kvpilot.gateway.routes import Backend, Route, RouteTable
-from tests.server.server_process import free_port
+from tests.support.server_process import free_port
 
 KEYS = KeysDocument.model_validate(
     {"keys": [{"key": "sk-small-only", "models": ["small"]}, {"key": "sk-any-model"},
