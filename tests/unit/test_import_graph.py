@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
+    "kvpilot.gateway": ROOT / "gateway/kvpilot/gateway",
     "kvpilot.runtime": ROOT / "runtime/kvpilot/runtime",
     "kvpilot.operator": ROOT / "operator/kvpilot/operator",
 }

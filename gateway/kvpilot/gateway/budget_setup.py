@@ -27,11 +27,11 @@ from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.config import ConfigError, GatewayConfig, describe
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
+from kvpilot.gateway.keys_secret import secret_refresher
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.routes import RouteTable
 
 log = logging.getLogger("kvpilot.gateway.keys")
-KEYS_FILE = "keys.yaml"  # the key of the keys Secret
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,15 +72,6 @@ def read_settings(config_path: Path | None) -> BudgetSettings:
     document = KeysDocument(keys=config.keys, teams=config.teams)
     url = config.redis.url if config.redis else None
     return BudgetSettings(document, url, prices(config.prices))
-
-
-def parse_keys_document(text: str, source: str) -> KeysDocument:
-    try:
-        return KeysDocument.model_validate(yaml.safe_load(text) or {})
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{source}: not YAML ({error})") from None
-    except ValidationError as error:
-        raise ConfigError(f"{source}: {describe(error)}") from None
 
 
 def price_lookup(static: dict[str, Price], table: RouteTable) -> Callable[[str], Price | None]:
@@ -130,7 +121,5 @@ def build(args: argparse.Namespace, table: RouteTable, metrics: GatewayMetrics) 
     budget = BudgetPolicy(store, metrics, price_lookup(settings.prices, table), options)
     refresh = None
     if args.keys_secret is not None:
-        from kvpilot.gateway.keys_secret import secret_refresher
-
         refresh = secret_refresher(args, ring)
     return Budgets(KeysPolicy(ring), budget, store, refresh)

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
 from kvpilot.gateway.cache_config import CacheSpec
-from kvpilot.gateway.cascade import CascadeRule, find_cycle
+from kvpilot.gateway.cascade_rules import CascadeRule, find_cycle
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
 
 

@@ -16,16 +16,19 @@ import base64
 import logging
 from collections.abc import Awaitable, Callable
 
+import yaml
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
 from kvpilot.gateway import discovery
-from kvpilot.gateway.budget_config import key_book
-from kvpilot.gateway.budget_setup import KEYS_FILE, parse_keys_document
-from kvpilot.gateway.config import ConfigError
+from kvpilot.gateway.budget_config import KeysDocument, key_book
+from kvpilot.gateway.config import ConfigError, describe
 from kvpilot.gateway.keys import KeyRing
 
 log = logging.getLogger("kvpilot.gateway.keys")
+
+KEYS_FILE = "keys.yaml"  # the key of the keys Secret
 
 
 def secret_name(value: str) -> tuple[str, str]:
@@ -69,3 +72,12 @@ def apply_keys(text: str, ring: KeyRing, source: str) -> bool:
         log.error("keeping the keys last read: %s", error)
         return False
     return True
+
+
+def parse_keys_document(text: str, source: str) -> KeysDocument:
+    try:
+        return KeysDocument.model_validate(yaml.safe_load(text) or {})
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not YAML ({error})") from None
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {describe(error)}") from None

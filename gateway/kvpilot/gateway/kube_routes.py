@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpilot.gateway.budgets import Price
-from kvpilot.gateway.cascade import CascadeRule, find_cycle
+from kvpilot.gateway.cascade_rules import CascadeRule, find_cycle
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarget
 from kvpilot.operator import api
 

@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from kvpilot.gateway.budgets import Price
-from kvpilot.gateway.cascade import CascadeRule
+from kvpilot.gateway.cascade_rules import CascadeRule
 
 
 @dataclass(frozen=True)

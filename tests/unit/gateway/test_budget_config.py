@@ -8,11 +8,10 @@ import pytest
 
 from kvpilot.gateway import kube_routes
 from kvpilot.gateway.budget_config import KeysDocument, hash_key, key_book
-from kvpilot.gateway.budget_setup import parse_keys_document
 from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.config import ConfigError, GatewayConfig, routes_from
 from kvpilot.gateway.keys import KeyRing
-from kvpilot.gateway.keys_secret import apply_keys
+from kvpilot.gateway.keys_secret import apply_keys, parse_keys_document
 
 MODELS = [{"name": "tiny", "backends": ["http://10.0.0.5:8000"]}]
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.cascade import CascadeRule, PromptFacts, choose, find_cycle, prompt_facts
+from kvpilot.gateway.cascade_rules import CascadeRule, PromptFacts, choose, find_cycle, prompt_facts
 from kvpilot.gateway.config import ConfigError, routes_from
 from kvpilot.gateway.kube_routes import build_routes
 from kvpilot.operator import api

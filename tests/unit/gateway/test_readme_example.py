@@ -9,7 +9,7 @@ from pathlib import Path
 from kvpilot.gateway.budget_config import key_book
 from kvpilot.gateway.budget_setup import read_settings
 from kvpilot.gateway.cache_config import settings_from
-from kvpilot.gateway.cascade import CascadeRule
+from kvpilot.gateway.cascade_rules import CascadeRule
 from kvpilot.gateway.config import load_cache_spec, load_routes
 
 README = Path(__file__).resolve().parents[3] / "README.md"
