@@ -11,7 +11,9 @@ tiny-llama's 2048-token context) and distinct short questions, shuffled, 16 clie
 with prefix affinity (CHWBL), least-load and random routing over the two replicas, side by side,
 plus one replica with both replicas' KV pools, seeing all the traffic, as the prefix-cache
 reference. Each phase uses tenants of its own, so no
-phase finds another's prefixes cached. Hit rate: prefix-cache hits / queries (tokens) over both
+phase finds another's prefixes cached; each phase first sends one warm-up question per tenant
+through the same route and measures the rest (the steady state of a long-lived deployment, not
+each tenant's one-off first prefill). Hit rate: prefix-cache hits / queries (tokens) over both
 replicas during the phase (the runtime's vllm:prefix_cache_* counters).
 """
 
@@ -152,27 +154,38 @@ def cut(words: list[str], start: int, num_tokens: int, tokens: LocalTokenCounter
     return " ".join(words[start:end])
 
 
-def tenant_workload(phase: int, tenants: int, questions: int, path: Path) -> Path:
+@dataclass(frozen=True)
+class Workload:
+    warmup: Path  # one question per tenant: each tenant has been seen once before the measure
+    measured: Path
+
+
+def tenant_workload(phase: int, tenants: int, questions: int, workdir: Path) -> Workload:
     """Chat records: every tenant's system prompt (its own text, distinct per phase) with
-    `questions` distinct short questions, shuffled."""
+    distinct short questions, shuffled: the first question of each tenant warms up, the other
+    `questions` are measured. The figures are the steady state a long-lived deployment sees,
+    not each tenant's one-off first prefill."""
     words, tokens = text_pool(), LocalTokenCounter(MODEL)
     stride = len(words) // (4 * tenants + 1)
     rng = random.Random(phase)
-    records = []
+    warmup: list[dict[str, object]] = []
+    measured: list[dict[str, object]] = []
     for tenant in range(tenants):
         offset = rng.randrange(len(words) - 2 * stride)
         system = f"Tenant {phase}-{tenant}. " + cut(words, offset, SYSTEM_TOKENS, tokens)
-        for q in range(questions):
+        for q in range(questions + 1):
             start = rng.randrange(len(words) - 100)
             question = f"Question {q}: " + cut(words, start, QUESTION_TOKENS, tokens) + "?"
             messages = [
                 {"role": "system", "content": system},
                 {"role": "user", "content": question},
             ]
-            records.append({"messages": messages, "max_tokens": OUTPUT_TOKENS})
-    rng.shuffle(records)
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+            (measured if q else warmup).append({"messages": messages, "max_tokens": OUTPUT_TOKENS})
+    rng.shuffle(measured)
+    paths = Workload(workdir / f"warmup-{phase}.jsonl", workdir / f"measured-{phase}.jsonl")
+    for path, records in ((paths.warmup, warmup), (paths.measured, measured)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return paths
 
 
 COUNTERS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
@@ -198,11 +211,18 @@ class Phase:
     served: list[int]  # requests per replica
 
 
-def run_phase(name: str, url: str, replicas: list[str], dataset: Path, tenants: int) -> Phase:
-    before = [replica_counters(r) for r in replicas]
+def run_chat(url: str, dataset: Path, concurrency: int) -> Summary:
     count = sum(1 for _ in dataset.open())
-    summary = run_bench(url, "--api", "chat", "--dataset", str(dataset), "--num-prompts",
-                        str(count), "--concurrency", str(tenants))  # fmt: skip
+    return run_bench(url, "--api", "chat", "--dataset", str(dataset), "--num-prompts", str(count),
+                     "--concurrency", str(concurrency))  # fmt: skip
+
+
+def run_phase(name: str, url: str, replicas: list[str], workload: Workload, tenants: int) -> Phase:
+    """Warm up through the same route, then measure: counters and latencies of the measured part
+    only."""
+    run_chat(url, workload.warmup, tenants)
+    before = [replica_counters(r) for r in replicas]
+    summary = run_chat(url, workload.measured, tenants)
     after = [replica_counters(r) for r in replicas]
     delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
     hits, queries = (sum(d[k] for d in delta) for k in COUNTERS[:2])
@@ -213,18 +233,18 @@ def run_phase(name: str, url: str, replicas: list[str], dataset: Path, tenants: 
 def measure_prefix(replicas: list[str], workdir: Path, tenants: int, questions: int) -> list[Phase]:
     phases = []
     for index, strategy in enumerate(STRATEGIES, start=1):
-        dataset = tenant_workload(index, tenants, questions, workdir / f"{strategy}.jsonl")
+        workload = tenant_workload(index, tenants, questions, workdir)
         with gateway(replicas, strategy, workdir) as url:
-            phases.append(run_phase(strategy, url, replicas, dataset, tenants))
+            phases.append(run_phase(strategy, url, replicas, workload, tenants))
     return phases
 
 
 def measure_reference(limits: list[str], workdir: Path, tenants: int, questions: int) -> Phase:
     """One replica with the KV pool of both, seeing all the traffic: the hit rate a cache that
     every request reaches gets from the same memory."""
-    dataset = tenant_workload(0, tenants, questions, workdir / "single.jsonl")
+    workload = tenant_workload(0, tenants, questions, workdir)
     with runtime_replicas(1, limits) as (url,):
-        return run_phase("one replica alone, both pools", url, [url], dataset, tenants)
+        return run_phase("one replica alone, both pools", url, [url], workload, tenants)
 
 
 PREFIX_COLUMNS = ["routing", "TTFT p95 (ms)", "TTFT p50 (ms)", "req/s", "requests per replica",
@@ -272,7 +292,9 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
         + markdown_table(["", "output tok/s", "TTFT p50 (ms)"], rows)
         + f"\n\nThroughput through the gateway / direct: {ratio:.2f}x (goal >= 0.95x)  \n"
         + f"Added TTFT p50: {added:.1f} ms (goal <= 2 ms)\n\n"
-        + f"(b) Shared prefixes: {args.tenants} tenants x {args.questions} questions, system "
+        + f"(b) Shared prefixes: {args.tenants} tenants x {args.questions} questions (after one "
+        "warm-up question per tenant through the same route, not counted: the steady state), "
+        "system "
         f"prompts of ~{SYSTEM_TOKENS} tokens, questions of ~{QUESTION_TOKENS} tokens, "
         f"{OUTPUT_TOKENS} output tokens, chat, {args.tenants} clients in a closed loop, two "
         f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{args.kv_cache_mib // 2}k "

@@ -2,17 +2,17 @@
 
     python -m bench.gateway_scale_from_zero [--requests 8]
 
-On the dev cluster (real operator, real runtime pod on the `local` pool, kvpilot-gateway watching
-the cluster: the path tests/e2e/test_gateway_scale_from_zero.py drives, set up by the same
-hack.closedloop helpers), a tiny-llama ModelDeployment with minReplicas 0 idles down to no pod;
-then `--requests` streamed requests arrive at once and are held by the gateway while it wakes the
-model. While they wait, the pod's status is polled (every ~0.25 s; its own timestamps have 1 s
-resolution) to split the first token's latency into: wake (request -> pod created: the gateway's
-wake annotation, the operator's decision), pod start (created -> container running: scheduling
-and, on a real node, the image pull), model load (running -> Ready: the runtime imports, loads the
-weights and passes its readiness probe) and first token (Ready -> first streamed token: discovery
-sees the pod, the held requests go to it, prefill). Every held request must be served: the number
-lost is reported.
+On the dev cluster (real operator, real runtime pod on the `local` pool, the chart's
+kvpilot-gateway pods watching the cluster, reached through their Service: the path
+tests/e2e/test_gateway_scale_from_zero.py drives, set up by the same hack.closedloop helpers), a
+tiny-llama ModelDeployment with minReplicas 0 idles down to no pod; then `--requests` streamed
+requests arrive at once and are held by the gateway while it wakes the model. While they wait, the
+pod's status is polled (every ~0.25 s; its own timestamps have 1 s resolution) to split the first
+token's latency into: wake (request -> pod created: the gateway's wake annotation, the operator's
+decision), pod start (created -> container running: scheduling and, on a real node, the image
+pull), model load (running -> Ready: the runtime imports, loads the weights and passes its
+readiness probe) and first token (Ready -> first streamed token: discovery sees the pod, the held
+requests go to it, prefill). Every held request must be served: the number lost is reported.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def report(held: list[Held], marks: PodMarks) -> str:
     errors = "".join(f"\n- {h.error or f'{h.completion_tokens} tokens'}" for h in lost)
     poll = max((b - a for a, b in zip(marks.polls, marks.polls[1:], strict=False)), default=0.0)
     return (
-        "tiny-llama on the dev cluster's `local` pool (the runtime runs as a local process on this "
+        "tiny-llama on the dev cluster's `local` pool, reached through the chart's gateway Service "
+        "(the runtime and gateway pods run as local processes on this "
         "machine's shared 2-core CPU, so pod start has no image pull and model load is torch's "
         f"import plus tiny weights), `scaleToZeroIdleSeconds: {IDLE_S}`, {len(held)} streamed "
         f"requests of {OUTPUT_TOKENS} tokens sent at once while the model had no pod "

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from hack.devcluster import DevCluster, procs
+from hack.devcluster import DevCluster, chart, procs
 from hack.devcluster.versions import REPO_ROOT
 
 BIN = Path(sys.executable).parent
@@ -115,34 +115,32 @@ def zero_autoscaling(idle_s: int) -> dict[str, Any]:
 
 
 def start_zero_gateway(cluster: DevCluster, name: str, idle_s: int, fallback_after_s: int) -> str:
-    """CRDs, the operator, a tiny-llama ModelDeployment `name` that may go to zero, and
-    kvpilot-gateway watching the cluster (processes `down` or `stop_zero_gateway` stop); the
-    gateway's base URL once it answers."""
+    """CRDs, the operator, the chart's gateway (`helm install`, release `<name>-gw` in the default
+    namespace: two gateway pods on the `local` pool watching the cluster), a tiny-llama
+    ModelDeployment `name` that may go to zero, and a proxy in front of the gateway's Service
+    (`stop_zero_gateway` undoes it all); the proxy's base URL once the gateway answers."""
     apply_crds(cluster)
-    env = {
-        **cluster.env,
-        "KVPILOT_PROMETHEUS_URL": cluster.prometheus_url,
-        "KVPILOT_AUTOSCALER_INTERVAL": "2",
-    }
-    operator = [str(BIN / "kvpilot-operator"), "run", "--standalone"]
-    cluster.start_process(f"{name}-operator", operator, env=env)
+    start_operator(cluster, f"{name}-operator", 2)
+    chart.helm_install(cluster, zero_release(name), "default")
     md = tiny_llama(name, 4, zero_autoscaling(idle_s))
     # The CRD defaults spec.routing.fallbackAfterSeconds (30 s), which the gateway takes over its
     # own --fallback-after: a cold start that may take longer says so here.
     md["spec"]["routing"] = {"fallbackAfterSeconds": fallback_after_s}
     cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
-    port = procs.free_port()
-    argv = [str(BIN / "kvpilot-gateway"), "--discovery=kubernetes", "--namespace=default"]
-    argv += [f"--kubeconfig={cluster.kubeconfig}", f"--port={port}", "--host=127.0.0.1"]
-    argv += [f"--fallback-after={fallback_after_s}"]
-    cluster.start_process(f"{name}-gateway", argv, env=cluster.env)
-    url = f"http://127.0.0.1:{port}"
-    if not procs.wait_for(lambda: procs.http_ok(f"{url}/health"), 60, 0.5):
-        raise RuntimeError(f"kvpilot-gateway did not answer on {url}/health within 60 s")
+    service = chart.gateway_service(cluster, zero_release(name), "default")
+    url = start_proxy(cluster, f"{name}-gateway-proxy", service)
+    if not procs.wait_for(lambda: procs.http_ok(f"{url}/health"), 120, 0.5):
+        raise RuntimeError(f"the chart's gateway did not answer on {url}/health within 120 s")
     return url
+
+
+def zero_release(name: str) -> str:
+    return f"{name}-gw"
 
 
 def stop_zero_gateway(cluster: DevCluster, name: str) -> None:
     cluster.kubectl("delete", "modeldeployment", name, "--wait=false", check=False)
-    cluster.stop_process(f"{name}-gateway")
+    cluster.stop_process(f"{name}-gateway-proxy")
     cluster.stop_process(f"{name}-operator")
+    uninstall = ["uninstall", zero_release(name), "--wait", "--timeout", "60s"]
+    chart.helm(cluster, *uninstall, "--namespace", "default", check=False)

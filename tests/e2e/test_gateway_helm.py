@@ -4,16 +4,18 @@ The real chart, installed with the values a dev-cluster user sets (the gateway o
 pool: hack/devcluster/chart-values.yaml), runs its two gateway pods as real processes acting as the
 gateway's ServiceAccount; the real operator starts a tiny-llama runtime pod; the official openai
 client, pointed at the gateway's Service, gets answers served by that runtime pod, and the gateway
-pods' own metrics count every pick.
+pods' own metrics count every pick. Under steady load through the same gateway, a rollout of the
+runtime pods and a scale-down lose no request.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import openai
@@ -35,7 +37,7 @@ class Install:
     release: str
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def install(cluster: Any) -> Iterator[Install]:
     if not hasattr(cluster, "start_process"):
         pytest.skip("needs the dev cluster (pod runner, Prometheus, local processes)")
@@ -95,6 +97,7 @@ def test_the_openai_client_reaches_a_runtime_pod_through_the_charts_gateway(
 
     client = openai.OpenAI(base_url=f"{install.url}/v1", api_key="unused", max_retries=0)
     assert NAME in [model.id for model in client.models.list()]
+    picks_before = sum(sum(p.values()) for p in (picks_by_backend(u) for u in gateways.values()))
     served_by = set()
     prompts = [f"Request {i}: once upon a time" for i in range(4)]
     for prompt in prompts:
@@ -116,5 +119,110 @@ def test_the_openai_client_reaches_a_runtime_pod_through_the_charts_gateway(
     # Every request went through the chart's gateway pods, and each pick is counted by the pod
     # that made it: the picks of both pods add up to the requests sent.
     picks = [picks_by_backend(url) for url in gateways.values()]
-    assert sum(sum(p.values()) for p in picks) == len(prompts) + 1, picks
+    assert sum(sum(p.values()) for p in picks) - picks_before == len(prompts) + 1, picks
     assert {backend for p in picks for backend in p} == served_by
+
+
+@dataclass
+class SteadyLoad:
+    """Clients sending streamed chat requests through the gateway, one after another each, until
+    stopped: what they got, per replica, and every failure."""
+
+    url: str
+    served_by: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def client(self, number: int) -> None:
+        client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+        sent = 0
+        while not self.stop.is_set():
+            sent += 1
+            messages = [{"role": "user", "content": f"Client {number}, request {sent}: hello"}]
+            try:
+                finish_reason, backend = stream_chat(client, messages)
+            except openai.OpenAIError as error:
+                with self.lock:
+                    self.failures.append(f"client {number}, request {sent}: {error!r}")
+                continue
+            with self.lock:
+                # A stream that broke off gets the gateway's error event (the client raises) or
+                # no finish_reason; an empty answer is fine (the sampled first token may be EOS).
+                if finish_reason not in ("stop", "length"):
+                    self.failures.append(f"client {number}, request {sent}: ended {finish_reason}")
+                self.served_by[backend] = self.served_by.get(backend, 0) + 1
+
+    def served(self) -> int:
+        with self.lock:
+            return sum(self.served_by.values())
+
+
+def stream_chat(client: openai.OpenAI, messages: list[Any]) -> tuple[str | None, str]:
+    """A streamed chat request: how it finished and the replica that served it."""
+    raw: Any = client.chat.completions.with_raw_response.create(
+        model=NAME,
+        messages=messages,
+        max_tokens=8,
+        stream=True,
+    )
+    reasons = [c.choices[0].finish_reason for c in raw.parse() if c.choices]
+    return next((r for r in reasons if r is not None), None), str(raw.headers["x-kvpilot-backend"])
+
+
+def replaced_pods(cluster: Any, namespace: str, old: set[str]) -> set[str] | None:
+    """Two settled pods, none of them in `old`."""
+    pods = settled_pods(cluster, namespace, 2)
+    return pods if pods and not pods & old else None
+
+
+def set_replicas(cluster: Any, namespace: str, replicas: int) -> None:
+    patch = {"spec": {"autoscaling": {"minReplicas": replicas, "maxReplicas": replicas}}}
+    cluster.kubectl("patch", "modeldeployment", NAME, "-n", namespace, "--type=merge",
+                    "-p", json.dumps(patch))  # fmt: skip
+
+
+def settled_pods(cluster: Any, namespace: str, count: int) -> set[str] | None:
+    """The model's pod names once exactly `count` are Ready and none is terminating."""
+    found = get_json(cluster, "pods", "-n", namespace, "-l", f"kvpilot.dev/model={NAME}")["items"]
+    ready = {
+        pod["metadata"]["name"]
+        for pod in found
+        if not pod["metadata"].get("deletionTimestamp")
+        and any(c["type"] == "Ready" and c["status"] == "True"
+                for c in pod["status"].get("conditions", []))
+    }  # fmt: skip
+    return ready if len(found) == len(ready) == count else None
+
+
+def test_a_rollout_and_a_scale_down_behind_the_gateway_lose_no_request(
+    cluster: Any, install: Install
+) -> None:
+    namespace = install.namespace
+    set_replicas(cluster, namespace, 2)
+    before = wait_until(lambda: settled_pods(cluster, namespace, 2), 600, "two Ready replicas")
+    load = SteadyLoad(install.url)
+    clients = [threading.Thread(target=load.client, args=(n,), daemon=True) for n in range(4)]
+    for thread in clients:
+        thread.start()
+    try:
+        wait_until(lambda: load.served() >= 8, 120, "requests served before the rollout")
+        # A new pod template (the runtime's batch cap is one of its flags): the Deployment
+        # replaces its pods one at a time (maxSurge 0 on the 2 one-GPU local nodes).
+        patch = {"spec": {"serving": {"maxNumSeqs": 5}}}
+        cluster.kubectl("patch", "modeldeployment", NAME, "-n", namespace, "--type=merge",
+                        "-p", json.dumps(patch))  # fmt: skip
+        after = wait_until(
+            lambda: replaced_pods(cluster, namespace, before), 900, "the rollout to replace both"
+        )
+        served_at_rollout = load.served()
+        set_replicas(cluster, namespace, 1)
+        wait_until(lambda: settled_pods(cluster, namespace, 1), 300, "the scale-down to one pod")
+        wait_until(lambda: load.served() >= served_at_rollout + 8, 120, "requests after it")
+    finally:
+        load.stop.set()
+        for thread in clients:
+            thread.join(timeout=120)
+    assert not load.failures, load.failures[:5]
+    served_by = {backend.split("/")[1] for backend in load.served_by}
+    assert before <= served_by and after <= served_by, (before, after, load.served_by)

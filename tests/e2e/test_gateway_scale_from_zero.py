@@ -1,10 +1,11 @@
-"""Scale from zero through the gateway, on the dev cluster: real operator, real runtime pods.
+"""Scale from zero through the chart's gateway, on the dev cluster: real operator, real chart,
+real runtime pods.
 
-A ModelDeployment with minReplicas 0 idles down to no pod. A request to kvpilot-gateway (watching
-the cluster) is held, the gateway writes the wake annotation, the operator decides one replica at
-once, the pod runner starts the runtime, discovery sees the pod Ready and the held request is
-served by it: one request, no error, no retry by the client.
-"""
+A ModelDeployment with minReplicas 0 idles down to no pod. A request to the gateway Service that
+`helm install` created (two kvpilot-gateway pods on the `local` pool, each watching the cluster as
+the gateway's ServiceAccount) is held, the gateway writes the wake annotation, the operator decides
+one replica at once, the pod runner starts the runtime, discovery sees the pod Ready and the held
+request is served by it: one request, no error, no retry by the client."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 
 @pytest.fixture
 def gateway(cluster: Any) -> Iterator[str]:
-    """CRD + operator + a tiny-llama ModelDeployment that may go to zero + kvpilot-gateway."""
+    """CRD + operator + the chart's gateway + a tiny-llama ModelDeployment that may go to zero."""
     if not hasattr(cluster, "start_process"):
         pytest.skip("needs the dev cluster (pod runner and Prometheus)")
     # A cold start on a busy 2-core machine takes a while: the fallback deadline is generous.
