@@ -6,7 +6,6 @@ config."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.processes import terminate
 from tests.support.server_process import RuntimeServer, free_port, wait_for
 
 STARTUP_TIMEOUT_S = 600.0
@@ -77,12 +77,6 @@ class GatewayProcess:
         return self.log_path.read_text().splitlines()
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        code = terminate(self.process, 30)
         self.log.close()
-        return int(self.process.returncode)
+        return code

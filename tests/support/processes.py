@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
 
@@ -32,3 +34,16 @@ def cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except (FileNotFoundError, ProcessLookupError):
         return ""
+
+
+def terminate(process: subprocess.Popen[bytes] | subprocess.Popen[str], timeout_s: float) -> int:
+    """SIGTERM (the process drains and exits on its own), SIGKILL after `timeout_s`; its exit
+    code once reaped."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return int(process.returncode)

@@ -13,7 +13,6 @@ the same port to test a Redis outage.
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.support.processes import terminate
 from tests.support.server_process import free_port, wait_for
 
 REDIS_SERVER = "redis-server"
@@ -66,12 +66,7 @@ class RedisServer:
         """SIGTERM (Redis syncs its append-only file and exits) and wait."""
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        terminate(self.process, 30)
         if self.process.stderr is not None:
             self.process.stderr.close()
 
