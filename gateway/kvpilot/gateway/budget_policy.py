@@ -48,7 +48,6 @@ from kvpilot.gateway.upstream import error_response
 from kvpilot.gateway.usage import UsageTap, prompt_count, prompt_tokens_bound
 
 log = logging.getLogger("kvpilot.gateway.budget")
-RESERVATION = "kvpilot.budget"  # exchange.request[RESERVATION]: what `after` settles
 TOKEN_UNITS = ("input_tokens", "output_tokens", "total_tokens", "cost")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and the runtime's) when the field is absent
 
@@ -68,6 +67,9 @@ class Reservation:
     reserved: Amounts
     price: Price | None
     tap: UsageTap
+
+
+RESERVATION = web.RequestKey("kvpilot.budget", Reservation)  # what `after` settles
 
 
 class BudgetPolicy:

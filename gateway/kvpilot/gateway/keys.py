@@ -15,14 +15,16 @@ from kvpilot.gateway.budget_config import KeyEntry, hash_key
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.upstream import error_response
 
-CALLER = "kvpilot.key"  # exchange.request[CALLER]: the Caller, for the later policies
-
 
 @dataclass(frozen=True)
 class Caller:
     key_id: str
     team: str
     entry: KeyEntry
+
+
+# exchange.request[CALLER]: the Caller, for the later policies (a typed key: aiohttp checks it)
+CALLER = web.RequestKey("kvpilot.key", Caller)
 
 
 class KeyRing:

@@ -6,8 +6,9 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from kvpilot.gateway.bodies import COMPLETIONS, Inbound
+from kvpilot.gateway.budget_config import KeyEntry
 from kvpilot.gateway.exchange import Exchange, Tap, end_taps, through_taps
-from kvpilot.gateway.keys import CALLER
+from kvpilot.gateway.keys import CALLER, Caller
 from kvpilot.gateway.proxy import forwards_client_key
 
 
@@ -74,7 +75,7 @@ def test_the_client_key_reaches_replicas_only_without_gateway_keys(
 ) -> None:
     request = make_mocked_request("POST", "/v1/completions", headers=headers)
     if authenticated:
-        request[CALLER] = object()
+        request[CALLER] = Caller("k1", "team", KeyEntry("k1", "team", None, ()))
     inbound = Inbound("m", False, "", {"model": "m"})
     exchange = Exchange(request, COMPLETIONS, inbound, b"{}", "m")
     assert forwards_client_key(exchange) is forwarded
