@@ -307,8 +307,11 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
 
 
 def replica_limits(args: argparse.Namespace, kv_cache_mib: int) -> list[str]:
+    # The dtype is pinned so KV_BYTES_PER_TOKEN holds: `--dtype auto` computes (and keeps K/V)
+    # in bf16 on a CPU with bf16 units, which halves the bytes per token and lets each pool hold
+    # every tenant's prefix, so random routing would lose nothing and the comparison say nothing.
     return ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(args.max_num_seqs),
-            "--kv-cache-memory", str(kv_cache_mib * 1024**2)]  # fmt: skip
+            "--kv-cache-memory", str(kv_cache_mib * 1024**2), "--dtype", "float32"]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
