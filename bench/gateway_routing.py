@@ -251,9 +251,14 @@ PREFIX_COLUMNS = ["routing", "TTFT p95 (ms)", "TTFT p50 (ms)", "req/s", "request
                   "prefix-cache hit rate", "hit rate / one replica's"]  # fmt: skip
 
 
+def pool_tokens(args: argparse.Namespace) -> int:
+    """The tokens one replica's KV pool holds (at the pinned dtype's bytes per token)."""
+    return args.kv_cache_mib * 1024**2 // KV_BYTES_PER_TOKEN
+
+
 def held_share(args: argparse.Namespace) -> float:
     """The share of all tenants' system prompts one replica's KV pool can hold."""
-    return args.kv_cache_mib * 1024**2 / KV_BYTES_PER_TOKEN / (SYSTEM_TOKENS * args.tenants)
+    return pool_tokens(args) / (SYSTEM_TOKENS * args.tenants)
 
 
 def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) -> str:
@@ -297,7 +302,7 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
         "system "
         f"prompts of ~{SYSTEM_TOKENS} tokens, questions of ~{QUESTION_TOKENS} tokens, "
         f"{OUTPUT_TOKENS} output tokens, chat, {args.tenants} clients in a closed loop, two "
-        f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{args.kv_cache_mib // 2}k "
+        f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{pool_tokens(args) // 1000}k "
         f"tokens, {held_share(args):.0%} of the tenants' prefixes; together they hold them all); "
         "the last row: one replica with both pools seeing all the traffic, the hit-rate "
         "reference.\n\n"

@@ -53,6 +53,18 @@ def autoscaling_spec(md: Obj) -> api.Autoscaling:
     return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
 
 
+def wake_of(md: Obj, autoscaling: api.Autoscaling, current: int, now: float) -> Decision | None:
+    """What a pending wake (the gateway's annotation) asks for, given the parsed spec."""
+    return wake(
+        autoscaling.mode,
+        autoscaler.bounds_from_spec(autoscaling),
+        autoscaler.state_from_status(md.get("status")),
+        current,
+        autoscaler.wake_time(md),
+        now,
+    )
+
+
 def is_builtin(md: Obj) -> bool:
     return autoscaling_spec(md).mode == "builtin"
 
@@ -318,22 +330,14 @@ class AutoscalerLoop:
     def decide(self, md: Obj, observations: Observations) -> Decision:
         """The policy's decision, or a pending wake's where that asks for more (a wake the
         handler could not act on, e.g. on an instance without the Lease)."""
-        bounds = autoscaler.bounds_from_spec(autoscaling_spec(md))
-        now = time.time()
-        decision = decide(observations, bounds, autoscaler.state_from_status(md.get("status")), now)
-        woken = self.wake_decision(md, observations.current_replicas, now)
+        autoscaling, now = autoscaling_spec(md), time.time()
+        state = autoscaler.state_from_status(md.get("status"))
+        decision = decide(observations, autoscaler.bounds_from_spec(autoscaling), state, now)
+        woken = wake_of(md, autoscaling, observations.current_replicas, now)
         return woken if woken is not None and woken.replicas > decision.replicas else decision
 
     def wake_decision(self, md: Obj, current: int, now: float | None = None) -> Decision | None:
-        autoscaling = autoscaling_spec(md)
-        return wake(
-            autoscaling.mode,
-            autoscaler.bounds_from_spec(autoscaling),
-            autoscaler.state_from_status(md.get("status")),
-            current,
-            autoscaler.wake_time(md),
-            time.time() if now is None else now,
-        )
+        return wake_of(md, autoscaling_spec(md), current, time.time() if now is None else now)
 
     def record(
         self,
