@@ -13,16 +13,17 @@ Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: built
 Each tick LISTs the ModelDeployments and their runtime pods once (not per object). With more than
 one operator instance, only the one holding a Lease runs the loop (lease.py).
 
-A thread, not a kopf timer: kopf timers put a finalizer on every ModelDeployment, and then
-`kubectl delete` hangs whenever the operator is down. All state is in status, so a restart
-resumes the stabilisation windows where they were.
+A task on kopf's event loop, started by the startup handler, not a kopf timer: kopf timers put
+a finalizer on every ModelDeployment, and then `kubectl delete` hangs whenever the operator is
+down. The gateway's wake requests come to the same task (the `md-wake` handler queues them), so
+a wake is decided at once and never races the tick. All state is in status, so a restart resumes
+the stabilisation windows where they were.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -142,60 +143,71 @@ def metrics_condition_patch(
     return [c.model_dump(by_alias=True, exclude_none=True) for c in merged]
 
 
+Inventory = tuple[list[Any], list[Any]]
+Decide = Callable[[Obj], Decision | None]
+
+
 class AutoscalerLoop:
+    """A task on kopf's event loop: a tick every `interval_s`, and the gateway's wake requests in
+    between, one at a time, so the loop and a wake never race each other on this instance. The
+    blocking API calls run in threads; the index snapshot and the pod scrapes run on the loop."""
+
     def __init__(
         self,
         controller: Controller,
         interval_s: float,
-        indexes: Callable[[], tuple[list[Any], list[Any]] | None] | None = None,
+        indexes: Callable[[], Inventory | None] | None = None,
         lease: LeaderLease | None = None,
         readiness: observability.Readiness | None = None,
     ) -> None:
         self.controller = controller
         self.readiness = readiness or observability.Readiness()
         self.lease = lease  # None: this is the only instance (--standalone)
-        self.indexes = indexes  # the kopf watch indexes' snapshot, once the operator has one
+        self.indexes = indexes  # the kopf watch indexes' snapshot, once they follow the cluster
         self.interval_s = interval_s
-        self.stopping = threading.Event()
-        self.lease_lock = threading.Lock()
-        self.thread = threading.Thread(target=self.run, name="kvpilot-autoscaler", daemon=True)
+        self.wakes: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        self.wake_bodies: dict[tuple[str, str], Obj] = {}  # the latest body per queued wake
         url = controller.config.prometheus_url
         self.prometheus = metrics_source.PrometheusMetrics(url) if url else None
 
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=10)
-
-    def run(self) -> None:
-        self.may_act()  # learn the Lease's state at once: readiness waits for it
-        while not self.stopping.wait(self.interval_s):
-            if self.may_act():
-                self.tick()
-        if self.lease is not None:
-            self.lease.release()
-
-    def tick(self) -> None:
-        """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""
-        scaled = [md for md in self.safe_list() if is_builtin(md) and is_planned(md)]
+    async def run(self) -> None:
         try:
-            pods = self.model_pods() if scaled else {}
+            await self.may_act()  # learn the Lease's state at once: readiness waits for it
+            loop = asyncio.get_running_loop()
+            due = loop.time() + self.interval_s
+            while True:
+                try:
+                    async with asyncio.timeout_at(due):
+                        key = await self.wakes.get()
+                except TimeoutError:
+                    due = loop.time() + self.interval_s
+                    if await self.may_act():
+                        await self.tick()
+                    continue
+                await self.wake(self.wake_bodies.pop(key))
+        finally:
+            if self.lease is not None:
+                await asyncio.to_thread(self.lease.release)
+
+    async def tick(self) -> None:
+        """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""
+        listed = await asyncio.to_thread(self.safe_list)
+        scaled = [md for md in listed if is_builtin(md) and is_planned(md)]
+        try:
+            pods = await asyncio.to_thread(self.model_pods) if scaled else {}
         except k8s.ApiException as error:
             log.warning("autoscaler: cannot list runtime pods: %s", error.reason)
             return
         for md in scaled:
-            if not self.may_act():
+            if not await self.may_act():
                 return
             meta = md["metadata"]
-            self.scale_one(md, pods.get((meta["namespace"], meta["name"]), []))
+            await self.scale_one(md, pods.get((meta["namespace"], meta["name"]), []))
 
-    def may_act(self) -> bool:
+    async def may_act(self) -> bool:
         """Only the instance holding the Lease scales (cheap: it renews every third of it)."""
-        with self.lease_lock:  # the loop's thread and the wake handler's both ask
-            holds = self.lease is None or self.lease.hold()
-            self.readiness.lease_known = self.lease is None or self.lease.state_known
+        holds = self.lease is None or await asyncio.to_thread(self.lease.hold)
+        self.readiness.lease_known = self.lease is None or self.lease.state_known
         return holds
 
     def safe_list(self) -> list[dict[str, Any]]:
@@ -205,61 +217,84 @@ class AutoscalerLoop:
             log.warning("autoscaler: cannot list ModelDeployments: %s", error.reason)
             return []
 
-    def scale_one(self, md: Obj, pods: Sequence[Obj]) -> None:
+    async def scale_one(self, md: Obj, pods: Sequence[Obj]) -> None:
         meta = md["metadata"]
         try:
             current = int((md.get("status") or {}).get("replicas") or 0)
-            observations = self.observe(meta["namespace"], meta["name"], current, pods)
-            self.act(md, lambda fresh: (pods, observations, self.decide(fresh, observations)))
-            self.record_cost(md, pods)
+            observations = await self.observe(meta["namespace"], meta["name"], current, pods)
+            await self.act(md, pods, observations, lambda fresh: self.decide(fresh, observations))
+            await asyncio.to_thread(self.record_cost, md, pods)
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
             log.warning("autoscaler: %s/%s: %s", meta["namespace"], meta["name"], error)
 
-    def wake(self, md: Obj) -> bool:
-        """A gateway's wake request, decided now rather than on the next tick (the `md-wake`
-        handler): True when it asked for a replica."""
+    def request_wake(self, md: Obj) -> bool:
+        """A gateway's wake request (the `md-wake` handler, on kopf's loop): queued for the loop
+        to decide now rather than on its next tick. True when it was worth queueing."""
         current = int((md.get("status") or {}).get("replicas") or 0)
-        # Every event of an annotated object comes here: the pure check first, API calls after.
+        # Every event of an annotated object comes here: the pure check first, API calls later.
         if not (is_builtin(md) and is_planned(md)) or self.wake_decision(md, current) is None:
             return False
-        if not self.may_act():
-            return False  # the Lease holder's next tick sees the same wake
+        key = (md["metadata"].get("namespace", ""), md["metadata"]["name"])
+        if key not in self.wake_bodies:
+            self.wakes.put_nowait(key)
+        self.wake_bodies[key] = md
+        return True
+
+    async def wake(self, md: Obj) -> bool:
+        """Act on a queued wake: True when it asked for a replica."""
+        if not await self.may_act():
+            return False  # the Lease holder sees the same wake on its next tick
         meta = md["metadata"]
-        pods = k8s.list_objects(
-            self.controller.client,
-            "v1",
-            "Pod",
-            meta["namespace"],
-            f"{manifests.LABEL_MODEL}={meta['name']}",
-        )
+        current = int((md.get("status") or {}).get("replicas") or 0)
+        try:
+            pods = await asyncio.to_thread(
+                k8s.list_objects,
+                self.controller.client,
+                "v1",
+                "Pod",
+                meta["namespace"],
+                f"{manifests.LABEL_MODEL}={meta['name']}",
+            )
+            observations = await self.observe(meta["namespace"], meta["name"], current, pods)
 
-        def woken(fresh: Obj) -> tuple[Sequence[Obj], Observations, Decision] | None:
-            current = int((fresh.get("status") or {}).get("replicas") or 0)
-            decision = self.wake_decision(fresh, current)
-            if decision is None:
-                return None
-            observations = self.observe(meta["namespace"], meta["name"], current, pods)
-            return pods, observations, decision
+            def woken(fresh: Obj) -> Decision | None:
+                current = int((fresh.get("status") or {}).get("replicas") or 0)
+                return self.wake_decision(fresh, current)
 
-        return self.act(md, woken)
+            woke = await self.act(md, pods, observations, woken)
+        except k8s.ApiException as error:  # the gateway wakes again, and the tick sees it too
+            log.warning("wake of %s failed: %s %s", meta["name"], error.status, error.reason)
+            return False
+        if woke:
+            log.info("woke %s/%s", meta["namespace"], meta["name"])
+        return woke
 
-    def act(
+    async def act(
+        self, md: Obj, pods: Sequence[Obj], observations: Observations, decide: Decide
+    ) -> bool:
+        """Decide on `md` and record it (in a thread: it writes status)."""
+        snapshot = self.indexes() if self.indexes is not None else None
+        return await asyncio.to_thread(self.act_now, md, pods, observations, decide, snapshot)
+
+    def act_now(
         self,
         md: Obj,
-        decide: Callable[[Obj], tuple[Sequence[Obj], Observations, Decision] | None],
+        pods: Sequence[Obj],
+        observations: Observations,
+        decide: Decide,
+        snapshot: Inventory | None,
         attempts: int = 3,
     ) -> bool:
-        """Decide on `md` and record it, only over the version decided on: another writer of
-        status.autoscaling in between (the wake handler, the loop) means deciding again on the
-        object as it is now, so neither undoes the other's decision unseen."""
+        """Record a decision only over the version decided on: another writer of
+        status.autoscaling in between (another instance, an old Lease holder) means deciding
+        again on the object as it is now, so neither undoes the other's decision unseen."""
         for _attempt in range(attempts):
-            found = decide(md)
-            if found is None:
+            decision = decide(md)
+            if decision is None:
                 return False
-            pods, observations, decision = found
             current = int((md.get("status") or {}).get("replicas") or 0)
             try:
-                self.place(md, pods, current, observations, decision)
+                self.place(md, pods, current, observations, decision, snapshot)
                 return True
             except k8s.ApiException as error:
                 if error.status != 409:
@@ -285,6 +320,7 @@ class AutoscalerLoop:
         current: int,
         observations: Observations,
         decision: Decision,
+        snapshot: Inventory | None = None,
     ) -> None:
         """Spread the decided count over node types when it changes or pods are stuck, record
         it in status and announce it. Only status is written here: the watch on the
@@ -296,7 +332,7 @@ class AutoscalerLoop:
         if decision.replicas == current and not stuck:
             self.record(md, observations, decision, None)
             return
-        nodes, all_pods = self.inventory()
+        nodes, all_pods = snapshot or self.list_inventory()
         free = free_gpus(nodes, all_pods, where, self.controller.config.node_types)
         per_type = where.spread(decision.replicas, free, now, spill_after)
         self.record(md, observations, decision, per_type)
@@ -315,21 +351,25 @@ class AutoscalerLoop:
         )
         return pods_by_model(found)
 
-    def observe(self, namespace: str, name: str, current: int, pods: Sequence[Obj]) -> Observations:
+    async def observe(
+        self, namespace: str, name: str, current: int, pods: Sequence[Obj]
+    ) -> Observations:
         urls, node_types = ready_pod_urls(pods, self.controller.config.runtime_port)
         if self.prometheus is not None:
-            observations = self.prometheus.observe(namespace, name, current, set(urls))
+            observations = await asyncio.to_thread(
+                self.prometheus.observe, namespace, name, current, set(urls)
+            )
         elif not urls:
             observations = Observations(current_replicas=current, sampled_at=time.time())
         else:
-            observations = asyncio.run(metrics_source.observe_pods(urls, node_types, current))
+            observations = await metrics_source.observe_pods(urls, node_types, current)
         if observations.error:
             observability.record_metrics_error("prometheus" if self.prometheus else "pods")
         return observations
 
     def decide(self, md: Obj, observations: Observations) -> Decision:
-        """The policy's decision, or a pending wake's where that asks for more (a wake the
-        handler could not act on, e.g. on an instance without the Lease)."""
+        """The policy's decision, or a pending wake's where that asks for more (a wake that
+        came while another instance held the Lease)."""
         autoscaling, now = autoscaling_spec(md), time.time()
         state = autoscaler.state_from_status(md.get("status"))
         decision = decide(observations, autoscaler.bounds_from_spec(autoscaling), state, now)
@@ -390,11 +430,8 @@ class AutoscalerLoop:
     def announce(self, md: Obj, reason: str, message: str) -> None:
         k8s.emit_event(self.controller.client, md, "Normal", reason, message, COMPONENT)
 
-    def inventory(self) -> tuple[list[Any], list[Any]]:
-        """Nodes and GPU pods, trimmed: the operator's watch indexes once it has them, else LIST."""
-        snapshot = self.indexes() if self.indexes is not None else None
-        if snapshot is not None:
-            return snapshot
+    def list_inventory(self) -> Inventory:
+        """Nodes and GPU pods, trimmed, LISTed (before the watch indexes follow the cluster)."""
         client = self.controller.client
         nodes = [inventory.trim_node(n) for n in k8s.list_objects(client, "v1", "Node")]
         pods = [p for p in map(inventory.trim_pod, k8s.list_objects(client, "v1", "Pod")) if p]

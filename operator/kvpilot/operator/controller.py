@@ -1,18 +1,16 @@
 """Executes reconcile passes: reads the ModelDeployment, applies what `reconcile.desire` decided,
 writes the status once, and posts Events when the plan changes.
 
-Passes for one ModelDeployment are serialised by a lock: kopf serialises handlers of one object, but
-events of its Deployments and the inventory timer arrive on other tasks. Everything the pass
-decides comes from the API and the node/pod indexes, so nothing here needs to survive a restart.
+A pass runs in a worker thread (the Kubernetes client blocks); passes.Reconciler's work queue
+runs one at a time per ModelDeployment. Everything the pass decides comes from the API and the
+node/pod lists it is handed, so nothing here needs to survive a restart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,134 +41,38 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Controller:
+    """One pass at a time per ModelDeployment is the caller's promise (passes.Reconciler's work
+    queue); nothing here is shared between passes but the read-only config and the facts cache."""
+
     client: k8s_client.ApiClient
     config: OperatorConfig
-    _locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
-    _guard: threading.Lock = field(default_factory=threading.Lock)
-    # Inventory fingerprint each ModelDeployment was last planned with: a cache that only decides
-    # whether a node change is worth a pass; a restart empties it and resume re-plans anyway.
-    _planned_with: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _pending: set[tuple[str, str]] = field(default_factory=set)
-    _seen: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
     facts: model_facts.ModelFactsReader = field(init=False)
 
     def __post_init__(self) -> None:
         self.facts = model_facts.ModelFactsReader(self.client)
 
-    def _lock(self, key: tuple[str, str]) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(key, threading.Lock())
-
     def run_pass(
         self,
         namespace: str,
         name: str,
-        nodes: Iterable[Obj],
-        pods: Iterable[Obj],
+        nodes: list[Obj],
+        pods: list[Obj],
         apply_children: bool = True,
         body: Obj | None = None,
     ) -> reconcile.Desired | None:
-        """One pass; None when the ModelDeployment is gone or going.
+        """One pass; None when the ModelDeployment is gone or going. Without `apply_children`
+        only the status is refreshed (a child's status changed).
 
         `body` is the object as kopf just delivered it, which saves a GET; without it (a child's
         event) the pass reads the ModelDeployment itself.
         """
-        key, nodes, pods = (namespace, name), list(nodes), list(pods)
-        lock = self._lock(key)
-        lock.acquire()
-        try:
-            desired = self._pass(namespace, name, nodes, pods, apply_children, body)
-        except BaseException:
-            lock.release()
-            raise
-        self._release_after_refreshes(key, lock, nodes, pods)
-        return desired
-
-    def is_news(self, deployment: Obj, deleted: bool = False) -> bool:
-        """Whether a child Deployment's event changes anything the status reports.
-
-        Most of a rollout's events only touch conditions and timestamps; skipping them keeps a
-        burst of 200 new ModelDeployments from drowning in status refreshes. The cache is lost on
-        restart, which costs one refresh per Deployment, nothing more.
-        """
-        meta, status = deployment["metadata"], deployment.get("status") or {}
-        key = (meta["namespace"], meta["name"])
-        if deleted:
-            self._seen.pop(key, None)
-            return True
-        facts = (
-            meta.get("generation"),
-            (deployment.get("spec") or {}).get("replicas"),
-            *(
-                status.get(k)
-                for k in ("observedGeneration", "replicas", "updatedReplicas", "readyReplicas")
-            ),
-        )
-        with self._guard:
-            is_new = self._seen.get(key) != facts
-            self._seen[key] = facts
-        return is_new
-
-    def refresh_status(
-        self, namespace: str, name: str, nodes: Iterable[Obj], pods: Iterable[Obj]
-    ) -> None:
-        """A status-only pass for a child's status change, coalesced per ModelDeployment.
-
-        A rollout sends a burst of Deployment events; while one pass runs, further requests only
-        set a flag, and the running pass goes round once more, so a burst costs two passes.
-        """
-        key = (namespace, name)
-        lock = self._lock(key)
-        with self._guard:
-            self._pending.add(key)
-            if not lock.acquire(blocking=False):
-                return  # the holder will see the flag before it lets go
-        self._release_after_refreshes(key, lock, list(nodes), list(pods))
-
-    def _release_after_refreshes(
-        self, key: tuple[str, str], lock: threading.Lock, nodes: list[Obj], pods: list[Obj]
-    ) -> None:
-        """Run the status-only passes asked for while `lock` was held, then let go of it.
-
-        The last check and the release happen under the guard, as `refresh_status` adds its flag
-        and tries the lock under it: no request can slip in between and be lost (a Deployment's
-        last status event would otherwise leave Ready stale until some other event).
-        """
-        while True:
-            with self._guard:
-                if key not in self._pending:
-                    lock.release()
-                    return
-                self._pending.discard(key)
-            try:
-                self._pass(*key, nodes, pods, apply_children=False)
-            except BaseException:
-                lock.release()  # a refresh lost to an API error is redone by the next event
-                raise
-
-    def _pass(
-        self,
-        namespace: str,
-        name: str,
-        nodes: list[Obj],
-        pods: Iterable[Obj],
-        apply_children: bool,
-        body: Obj | None = None,
-    ) -> reconcile.Desired | None:
-        key = (namespace, name)
         md = body or k8s.get(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace, name)
         if md is None or md["metadata"].get("deletionTimestamp"):
-            self._planned_with.pop(key, None)
             return None
         desired = self._desire(md, nodes, pods)
         deployments = self._converge(md, desired, apply_children)
         self._write_status(md, desired, deployments)
-        if apply_children:
-            self._planned_with[key] = inventory.fingerprint(nodes)
         return desired
-
-    def needs_replan(self, namespace: str, name: str, nodes: Iterable[Obj]) -> bool:
-        return self._planned_with.get((namespace, name)) != inventory.fingerprint(nodes)
 
     def list_model_deployments(self) -> list[dict[str, Any]]:
         namespace = self.config.namespace or None
@@ -387,74 +289,6 @@ class Controller:
             k8s.emit_event(self.client, md, kind, reason, message, COMPONENT)
         except k8s.ApiException as error:  # an Event is a courtesy; never fail the pass over it
             log.warning("could not post event %s: %s", reason, error.reason)
-
-
-class Replanner:
-    """Re-plans every ModelDeployment planned with another node inventory, once nodes settle.
-
-    Node events arrive in bursts (a pool of 50 nodes joins, heartbeats); a pass per event would be
-    wasted work, so `notice` only moves a deadline and one thread acts when it passes.
-    """
-
-    DEBOUNCE_SECONDS = 1.0
-    TICK_SECONDS = 0.25
-
-    def __init__(self, controller: Controller, snapshot: Callable[[Any], list[Any]]) -> None:
-        self.controller, self.snapshot = controller, snapshot
-        self._fingerprint: Any = None
-        self._due: float | None = None
-        self._indexes: tuple[Any, Any] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvpilot-replanner", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def notice(self, nodes: list[Any], node_index: Any, pod_index: Any) -> None:
-        fingerprint = inventory.fingerprint(nodes)
-        self._indexes = (node_index, pod_index)
-        if fingerprint != self._fingerprint:
-            # The first fingerprint after a start is the baseline: resume handlers plan then.
-            if self._fingerprint is not None:
-                self._due = time.monotonic() + self.DEBOUNCE_SECONDS
-            self._fingerprint = fingerprint
-
-    def inventory(self) -> tuple[list[Any], list[Any]] | None:
-        """Nodes and GPU pods from the watch indexes (None before the first node event), so the
-        autoscaler's thread need not LIST the whole cluster on every scale."""
-        if self._indexes is None:
-            return None
-        node_index, pod_index = self._indexes
-        try:
-            return self.snapshot(node_index), self.snapshot(pod_index)
-        except Exception as error:  # an index that keeps changing: the caller LISTs instead
-            log.info("index snapshot failed (%s); listing instead", error)
-            return None
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.TICK_SECONDS):
-            if self._due is None or time.monotonic() < self._due or self._indexes is None:
-                continue
-            self._due = None
-            try:
-                self._replan_all(*self._indexes)
-            except k8s.ApiException as error:  # the next node change, or a resume, tries again
-                log.warning("re-plan after a node change failed: %s %s", error.status, error.reason)
-
-    def _replan_all(self, node_index: Any, pod_index: Any) -> None:
-        nodes = self.snapshot(node_index)
-        for md in self.controller.list_model_deployments():
-            meta = md["metadata"]
-            if self.controller.needs_replan(meta["namespace"], meta["name"], nodes):
-                log.info(
-                    "node inventory changed: re-planning %s/%s", meta["namespace"], meta["name"]
-                )
-                self.controller.run_pass(
-                    meta["namespace"], meta["name"], nodes, self.snapshot(pod_index)
-                )
 
 
 def _belongs_to(pod: Obj, namespace: str, name: str) -> bool:

@@ -1,0 +1,174 @@
+"""The operator's work on kopf's event loop: handlers ask for passes, one queue runs them.
+
+Handlers (all async, on kopf's loop) only say which ModelDeployment needs which pass; the work
+queue (workqueue.py) keeps one pass per object at a time and merges bursts, and a pool of
+threads runs the pass itself (`Controller.run_pass`), since the Kubernetes client blocks. The
+node and pod indexes are read here, on the loop kopf updates them on, and handed to the thread
+as lists. The re-planner and the autoscaler loop are tasks on the same loop.
+
+Nothing here needs to survive a restart: resume handlers pass every object again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvpilot.operator import inventory, k8s, observability, reconcile
+from kvpilot.operator.controller import Controller
+from kvpilot.operator.workqueue import Body, Key, WorkQueue
+
+# Passes mostly wait on the API; this many at once keeps a burst of creates moving on 2 cores
+# without drowning the apiserver.
+WORKERS = 16
+log = logging.getLogger(__name__)
+
+
+def index_values(index: Mapping[Any, Iterable[Any]]) -> list[Any]:
+    """Every value in a kopf index (read on kopf's loop, where it cannot change meanwhile)."""
+    return [value for store in index.values() for value in store]
+
+
+class Reconciler:
+    """Passes of ModelDeployments, asked for by handlers and run by the work queue."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        nodes: Mapping[Any, Iterable[Any]],
+        pods: Mapping[Any, Iterable[Any]],
+        workers: int = WORKERS,
+    ) -> None:
+        self.controller, self.nodes, self.pods, self.workers = controller, nodes, pods, workers
+        self.queue: WorkQueue[reconcile.Desired | None] = WorkQueue(self._run)
+        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-pass")
+        # Inventory fingerprint each object was last planned with: decides whether a node change
+        # is worth a pass. A cache: a restart empties it and resume re-plans anyway.
+        self.planned_with: dict[Key, Any] = {}
+        self.seen: dict[Key, tuple[Any, ...]] = {}  # child Deployments' last reported facts
+        self.inventory_known = False  # a node event came: the indexes follow the cluster
+
+    async def run(self) -> None:
+        try:
+            await self.queue.run(self.workers)
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def inventory(self) -> tuple[list[Any], list[Any]]:
+        """Nodes and GPU pods, trimmed, as the watch indexes hold them now."""
+        return index_values(self.nodes), index_values(self.pods)
+
+    def known_inventory(self) -> tuple[list[Any], list[Any]] | None:
+        """The indexes once they follow the cluster (None before: a standby's watches are
+        paused, and its indexes stay empty)."""
+        return self.inventory() if self.inventory_known else None
+
+    async def _run(self, key: Key, full: bool, body: Body | None) -> reconcile.Desired | None:
+        nodes, pods = self.inventory()
+        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        try:
+            desired = await loop.run_in_executor(
+                self.executor, self.controller.run_pass, *key, nodes, pods, full, body
+            )
+        except k8s.ApiException as error:
+            if error.status == 404:  # the object or its namespace went away mid-pass
+                log.info("%s/%s is gone; pass dropped", *key)
+                self.planned_with.pop(key, None)
+                return None
+            observability.record_reconcile(time.monotonic() - started, "error")
+            raise
+        invalid = desired is not None and desired.is_invalid_spec
+        outcome = "invalid" if invalid else "success"
+        observability.record_reconcile(time.monotonic() - started, outcome)
+        if desired is None:
+            self.planned_with.pop(key, None)
+        elif full:
+            self.planned_with[key] = inventory.fingerprint(nodes)
+        return desired
+
+    def needs_replan(self, key: Key, nodes: Iterable[Any]) -> bool:
+        return self.planned_with.get(key) != inventory.fingerprint(nodes)
+
+    def is_news(self, deployment: Body, deleted: bool = False) -> bool:
+        """Whether a child Deployment's event changes anything the status reports.
+
+        Most of a rollout's events only touch conditions and timestamps; skipping them keeps a
+        burst of 200 new ModelDeployments from drowning in status refreshes. The cache is lost on
+        restart, which costs one refresh per Deployment, nothing more.
+        """
+        meta, status = deployment["metadata"], deployment.get("status") or {}
+        key = (meta["namespace"], meta["name"])
+        if deleted:
+            self.seen.pop(key, None)
+            return True
+        facts = (
+            meta.get("generation"),
+            (deployment.get("spec") or {}).get("replicas"),
+            *(
+                status.get(k)
+                for k in ("observedGeneration", "replicas", "updatedReplicas", "readyReplicas")
+            ),
+        )
+        is_new = self.seen.get(key) != facts
+        self.seen[key] = facts
+        return is_new
+
+
+class Replanner:
+    """Re-plans every ModelDeployment planned with another node inventory, once nodes settle.
+
+    Node events arrive in bursts (a pool of 50 nodes joins, heartbeats); a pass per event would be
+    wasted work, so `notice` only records a change and the task acts once none has come for
+    `DEBOUNCE_SECONDS`.
+    """
+
+    DEBOUNCE_SECONDS = 1.0
+
+    def __init__(self, reconciler: Reconciler) -> None:
+        self.reconciler = reconciler
+        self.fingerprint: Any = None
+        self.changed = asyncio.Event()
+
+    def notice(self) -> None:
+        """A node event came; called on kopf's loop after the index has taken it."""
+        self.reconciler.inventory_known = True
+        fingerprint = inventory.fingerprint(index_values(self.reconciler.nodes))
+        if fingerprint != self.fingerprint:
+            # The first fingerprint after a start is the baseline: resume handlers plan then.
+            if self.fingerprint is not None:
+                self.changed.set()
+            self.fingerprint = fingerprint
+
+    async def run(self) -> None:
+        while True:
+            await self.changed.wait()
+            await self._settle()
+            try:
+                await self.replan_all()
+            except k8s.ApiException as error:  # the next node change, or a resume, tries again
+                log.warning("re-plan after a node change failed: %s %s", error.status, error.reason)
+
+    async def _settle(self) -> None:
+        """Return once no change has come for DEBOUNCE_SECONDS."""
+        while self.changed.is_set():
+            self.changed.clear()
+            try:
+                async with asyncio.timeout(self.DEBOUNCE_SECONDS):
+                    await self.changed.wait()
+            except TimeoutError:
+                return
+
+    async def replan_all(self) -> None:
+        reconciler = self.reconciler
+        listed = await asyncio.to_thread(reconciler.controller.list_model_deployments)
+        nodes = index_values(reconciler.nodes)
+        for md in listed:
+            key = (md["metadata"]["namespace"], md["metadata"]["name"])
+            if reconciler.needs_replan(key, nodes):
+                log.info("node inventory changed: re-planning %s/%s", *key)
+                reconciler.queue.put(key, full=True)

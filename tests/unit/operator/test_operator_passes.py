@@ -1,0 +1,123 @@
+"""The operator's bookkeeping around passes that needs no API: child-event filtering, what a
+pass records for re-planning, and the re-planner's baseline.
+
+`Controller.run_pass` (the part that talks to the API) is replaced by a recorder; the work
+queue, the thread pool and the indexes (plain dicts, as kopf's look) are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from kvpilot.operator import inventory
+from kvpilot.operator.controller import controller_owner
+from kvpilot.operator.passes import Reconciler, Replanner
+
+
+def node(name: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "labels": {inventory.LABEL_NODE_TYPE: "t4"}}}
+
+
+class FakeController:
+    def __init__(self, missing: frozenset[str] = frozenset()) -> None:
+        self.passes: list[tuple[str, bool, int]] = []
+        self.missing = missing
+
+    def run_pass(
+        self, namespace: str, name: str, nodes: Any, pods: Any, full: bool, body: Any
+    ) -> object:
+        self.passes.append((name, full, len(nodes)))
+        if name in self.missing:
+            raise ApiException(status=404, reason="Not Found")
+        return SimpleNamespace(is_invalid_spec=False)  # what a pass's Desired says of itself
+
+    def list_model_deployments(self) -> list[dict[str, Any]]:
+        return [{"metadata": {"namespace": "ns", "name": n}} for n in ("a", "b")]
+
+
+def reconciler(fake: FakeController, nodes: dict[str, list[Any]]) -> Reconciler:
+    return Reconciler(fake, nodes, {}, workers=2)  # type: ignore[arg-type]
+
+
+def deployment(ready: int, generation: int = 1, extra: str = "") -> dict[str, Any]:
+    return {
+        "metadata": {
+            "namespace": "ns",
+            "name": "m-t4",
+            "generation": generation,
+            "ownerReferences": [{"kind": "ModelDeployment", "name": "m", "controller": True}],
+        },
+        "spec": {"replicas": 2},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": 2,
+            "updatedReplicas": 2,
+            "readyReplicas": ready,
+            "conditions": [{"type": "Available", "message": extra}],
+        },
+    }
+
+
+def test_only_child_events_that_change_the_status_are_news() -> None:
+    r = reconciler(FakeController(), {})
+    assert r.is_news(deployment(ready=1))
+    assert not r.is_news(deployment(ready=1, extra="condition text changed"))
+    assert r.is_news(deployment(ready=2))
+    assert r.is_news(deployment(ready=2, generation=2))  # someone edited the spec: drift
+    assert r.is_news(deployment(ready=2, generation=2), deleted=True)
+    assert controller_owner(deployment(0)) == "m"
+
+
+def test_a_full_pass_records_the_inventory_it_planned_with_and_a_gone_object_forgets_it() -> None:
+    async def main() -> None:
+        fake = FakeController(missing=frozenset({"gone"}))
+        nodes = {"n0": [node("n0")]}
+        r = reconciler(fake, nodes)
+        task = asyncio.create_task(r.run())
+        try:
+            assert await r.queue.wait(("ns", "a"), False) is not None
+            assert r.needs_replan(("ns", "a"), [node("n0")])  # a status pass plans nothing
+            await r.queue.wait(("ns", "a"), True)
+            assert not r.needs_replan(("ns", "a"), [node("n0")])
+            assert r.needs_replan(("ns", "a"), [node("n0"), node("n1")])
+            r.planned_with[("ns", "gone")] = "old"
+            assert await r.queue.wait(("ns", "gone"), True) is None  # 404 mid-pass: dropped
+            assert ("ns", "gone") not in r.planned_with
+        finally:
+            task.cancel()
+        # The pass ran in a thread with the index's values as a list.
+        assert fake.passes[:2] == [("a", False, 1), ("a", True, 1)]
+
+    asyncio.run(main())
+
+
+def test_replanner_acts_on_changes_after_the_baseline() -> None:
+    async def main() -> None:
+        fake = FakeController()
+        nodes = {"n0": [node("n0")]}
+        r = reconciler(fake, nodes)
+        task = asyncio.create_task(r.run())
+        try:
+            replanner = Replanner(r)
+            replanner.notice()
+            # The first inventory is the baseline: resume handlers plan with it.
+            assert not replanner.changed.is_set() and r.inventory_known
+            replanner.notice()
+            assert not replanner.changed.is_set()
+            nodes["n1"] = [node("n1")]
+            replanner.notice()
+            assert replanner.changed.is_set()
+            await r.queue.wait(("ns", "b"), True)  # b was planned with the new inventory
+            await replanner.replan_all()
+            async with asyncio.timeout(5):
+                while not r.queue.is_idle():
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        assert fake.passes == [("b", True, 2), ("a", True, 2)]
+
+    asyncio.run(main())

@@ -1,0 +1,159 @@
+"""The work queue's promises: one pass per key at a time, bursts merged, no request lost.
+
+`process` is a recorder that can hold a pass open (an asyncio.Event) so a test can send events
+while it runs, the way a rollout's Deployment events arrive during a pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from kvpilot.operator.workqueue import Body, Key, WorkQueue
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool, Any]] = []
+        self.running: set[Key] = set()
+        self.overlapped = False
+        self.hold: asyncio.Event | None = None
+        self.started = asyncio.Event()
+        self.fail: Exception | None = None
+
+    async def __call__(self, key: Key, full: bool, body: Body | None) -> str:
+        self.overlapped |= key in self.running
+        self.running.add(key)
+        self.calls.append((key[1], full, None if body is None else body["v"]))
+        self.started.set()
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            await asyncio.sleep(0)
+            if self.fail is not None:
+                raise self.fail
+            return f"{key[1]}#{len(self.calls)}"
+        finally:
+            self.running.discard(key)
+
+
+def run(test: Callable[[WorkQueue[str], Recorder], Awaitable[None]], workers: int = 4) -> Recorder:
+    """Run `test` against a queue with `workers` workers; wait until the queue is idle."""
+    recorder = Recorder()
+
+    async def main() -> None:
+        queue: WorkQueue[str] = WorkQueue(recorder)
+        task = asyncio.create_task(queue.run(workers))
+        try:
+            await test(queue, recorder)
+            async with asyncio.timeout(5):
+                while not queue.is_idle():
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        assert not recorder.overlapped, "two passes of one key overlapped"
+
+    asyncio.run(main())
+    return recorder
+
+
+@pytest.mark.parametrize(
+    ("during", "expected"),
+    [
+        # Three status events while a status pass runs: one more pass, not three.
+        ([False, False, False], [("m", False), ("m", False)]),
+        # One status event during a pass: its pass starts after the event.
+        ([False], [("m", False), ("m", False)]),
+        # Status then full during a pass: one more pass, and it is full.
+        ([False, True], [("m", False), ("m", True)]),
+        # Nothing during the pass: nothing more.
+        ([], [("m", False)]),
+    ],
+)
+def test_requests_during_a_pass_run_once_more_after_it(
+    during: list[bool], expected: list[tuple[str, bool]]
+) -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        recorder.hold = asyncio.Event()
+        queue.put(("ns", "m"), False)
+        await recorder.started.wait()
+        for full in during:
+            queue.put(("ns", "m"), full)
+        recorder.hold.set()
+
+    recorder = run(test)
+    assert [(name, full) for name, full, _ in recorder.calls] == expected
+
+
+def test_queued_requests_merge_into_one_full_pass_with_the_latest_body() -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        recorder.hold = asyncio.Event()
+        queue.put(("ns", "busy"), False)  # keeps the only worker busy while the others queue
+        await recorder.started.wait()
+        queue.put(("ns", "m"), True, {"v": 1})
+        queue.put(("ns", "m"), False, {"v": 2})
+        recorder.hold.set()
+        async with asyncio.timeout(5):
+            while not queue.is_idle():
+                await asyncio.sleep(0.01)
+        assert recorder.calls == [("busy", False, None), ("m", True, 2)]
+
+    run(test, workers=1)
+
+
+def test_a_waiter_gets_the_outcome_of_a_pass_that_started_after_it_asked() -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        recorder.hold = asyncio.Event()
+        queue.put(("ns", "m"), False)
+        await recorder.started.wait()
+        waiter = queue.wait(("ns", "m"), True, {"v": 7})
+        recorder.hold.set()
+        assert await waiter == "m#2"
+        assert recorder.calls[1] == ("m", True, 7)
+
+    run(test)
+
+
+def test_a_failed_pass_fails_its_waiters_and_frees_the_key() -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        recorder.fail = RuntimeError("API down")
+        with pytest.raises(RuntimeError, match="API down"):
+            await queue.wait(("ns", "m"), True)
+        queue.put(("ns", "m"), False)  # nobody waits: logged, not raised
+        async with asyncio.timeout(5):
+            while not queue.is_idle():
+                await asyncio.sleep(0.01)
+        recorder.fail = None
+        assert await queue.wait(("ns", "m"), True) == "m#3"
+
+    run(test)
+
+
+def test_different_keys_are_passed_at_the_same_time() -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        recorder.hold = asyncio.Event()
+        for name in ("a", "b", "c"):
+            queue.put(("ns", name), True)
+        async with asyncio.timeout(5):
+            while len(recorder.running) < 3:
+                await asyncio.sleep(0.01)
+        recorder.hold.set()
+
+    run(test, workers=3)
+
+
+def test_one_key_is_never_passed_twice_at_once_however_many_ask() -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        waiters = []
+        for i in range(50):
+            queue.put(("ns", "m"), i % 2 == 0)
+            waiters.append(queue.wait(("ns", "m"), False))
+            await asyncio.sleep(0)
+        await asyncio.gather(*waiters)
+        # Bursts merge: far fewer passes than requests, and the overlap check in run() holds.
+        assert 1 < len(recorder.calls) < 50
+
+    run(test, workers=8)
