@@ -78,32 +78,6 @@ class Controller:
         namespace = self.config.namespace or None
         return k8s.list_objects(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
 
-    def fallback_users(self, namespace: str, name: str) -> list[str]:
-        """Names of the ModelDeployments in `namespace` whose spec.routing falls back to `name`."""
-        users = []
-        for md in k8s.list_objects(self.client, k8s.MD_API_VERSION, api.KIND, namespace):
-            fallbacks = ((md.get("spec") or {}).get("routing") or {}).get("fallbacks") or []
-            if any(f.get("modelDeployment") == name for f in fallbacks):
-                users.append(md["metadata"]["name"])
-        return users
-
-    def pool_users(self) -> list[tuple[str, str]]:
-        """(namespace, name) of every ModelDeployment whose spec asks for an InferencePool."""
-        return [
-            (md["metadata"]["namespace"], md["metadata"]["name"])
-            for md in self.list_model_deployments()
-            if ((md.get("spec") or {}).get("routing") or {}).get("endpointPickerRef")
-        ]
-
-    def cache_users(self, namespace: str, claim: str) -> list[str]:
-        """Names of the ModelDeployments in `namespace` whose model cache is `claim`."""
-        users = []
-        for md in k8s.list_objects(self.client, k8s.MD_API_VERSION, api.KIND, namespace):
-            model = (md.get("spec") or {}).get("model") or {}
-            if model.get("cache") is not None and manifests.cache_claim_name(model["uri"]) == claim:
-                users.append(md["metadata"]["name"])
-        return users
-
     def _desire(self, md: Obj, nodes: list[Obj], pods: Iterable[Obj]) -> reconcile.Desired:
         meta = md["metadata"]
         # This ModelDeployment's own pods hold GPUs it may keep: count them as free for its plan.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any
 
 import kopf
@@ -26,12 +26,11 @@ from kubernetes.client.exceptions import ApiException
 from kvpilot.operator import (
     api,
     conditions,
+    dependents,
     inventory,
-    k8s,
     manifests,
     model_cache,
     observability,
-    quality,
     quality_job,
     reconcile,
 )
@@ -66,7 +65,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     controller: Controller = memo["controller"]
     memo.setdefault("readiness", observability.Readiness())
     # kopf hands the indexes to startup handlers too; they are read on this loop only.
-    reconciler = Reconciler(controller, kwargs["gpu_nodes"], kwargs["gpu_pods"])
+    reconciler = Reconciler(
+        controller, kwargs["gpu_nodes"], kwargs["gpu_pods"], kwargs["model_deployments"]
+    )
     memo["reconciler"] = reconciler
     memo["replanner"] = Replanner(reconciler)
     memo["autoscaler"] = AutoscalerLoop(
@@ -100,6 +101,13 @@ async def stop_loops(memo: Any, **_: Any) -> None:
 @kopf.index("", "v1", "nodes", id="gpu_nodes")
 async def gpu_nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, Any]:
     return {name: inventory.trim_node(body)}
+
+
+@kopf.index(*MD, id="model_deployments")
+async def model_deployments(
+    namespace: str | None, name: str, spec: kopf.Spec, **_: Any
+) -> dict[str, Any] | None:
+    return None if namespace is None else {namespace: dependents.indexed(namespace, name, spec)}
 
 
 @kopf.index("", "v1", "pods", id="gpu_pods")
@@ -158,15 +166,15 @@ async def md_wake(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) ->
     autoscaler.request_wake(dict(body))
 
 
-async def _pass_users(memo: Any, namespace: str, users: Callable[[], Any], what: str) -> None:
-    """A full pass of each ModelDeployment `users` (a blocking listing) names."""
-    try:
-        names = await asyncio.to_thread(users)
-    except ApiException as error:  # the next event asks again
-        log.warning("listing users of %s: %s", what, error.reason)
-        return
-    for name in names:
-        _queue(memo).put((namespace, name), True)
+def _pass_each(memo: Any, keys: Iterable[tuple[str, str]]) -> None:
+    """A full pass of each ModelDeployment named."""
+    for key in keys:
+        _queue(memo).put(key, True)
+
+
+def _indexed(memo: Any) -> list[Any]:
+    reconciler: Reconciler = memo["reconciler"]
+    return reconciler.model_deployments()
 
 
 @kopf.on.event(*MD, id="md-fallback-target")
@@ -179,8 +187,7 @@ async def md_fallback_target(event: kopf.RawEvent, body: kopf.Body, memo: Any, *
     namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
     if namespace is None:
         return
-    controller: Controller = memo["controller"]
-    await _pass_users(memo, namespace, lambda: controller.fallback_users(namespace, name), name)
+    _pass_each(memo, dependents.fallback_users(_indexed(memo), namespace, name))
 
 
 @kopf.on.delete(*MD, id="md-delete", optional=True)
@@ -206,8 +213,10 @@ async def child_deployment(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_
     # ADDED is our own create (or the relisting after a restart, when resume handlers pass anyway).
     if owner is None or event["type"] == "ADDED":
         return
-    status = body.get("status") or {}
-    drifted = body["metadata"].get("generation", 0) != status.get("observedGeneration", 0)
+    # Someone changed the spec after the Deployment controller saw ours. Before it has seen any
+    # (no observedGeneration yet) the Deployment is our fresh one: its first events are no drift.
+    observed = (body.get("status") or {}).get("observedGeneration")
+    drifted = observed is not None and body["metadata"].get("generation", 0) != observed
     deleted = event["type"] == "DELETED"
     reconciler: Reconciler = memo["reconciler"]
     if reconciler.is_news(body, deleted):
@@ -251,14 +260,7 @@ async def inference_pool_crd(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     startup (event type None) is left to the resume handlers, which pass every object anyway."""
     if event["type"] not in ("ADDED", "MODIFIED"):
         return
-    controller: Controller = memo["controller"]
-    try:
-        users = await asyncio.to_thread(controller.pool_users)
-    except ApiException as error:  # the CRD's next event, or a spec change, asks again
-        log.warning("listing pool users: %s", error.reason)
-        return
-    for key in users:
-        _queue(memo).put(key, True)
+    _pass_each(memo, dependents.pool_users(_indexed(memo)))
 
 
 @kopf.on.event(
@@ -268,8 +270,7 @@ async def cache_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) 
     """A model cache's fill Job moved on: every ModelDeployment using that cache passes again, to
     report it and, once it is Cached, to start replicas (the Job is shared, so not a child)."""
     namespace, claim = body["metadata"]["namespace"], body["metadata"]["name"]
-    controller: Controller = memo["controller"]
-    await _pass_users(memo, namespace, lambda: controller.cache_users(namespace, claim), claim)
+    _pass_each(memo, dependents.cache_users(_indexed(memo), namespace, claim))
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={quality_job.LABEL_EVAL: kopf.PRESENT}, id="eval-job")
@@ -278,10 +279,4 @@ async def eval_job(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -
     passes again, to record the measurement, re-plan with it, or retry a Job that expired."""
     namespace = body["metadata"]["namespace"]
     cache = (body["metadata"].get("labels") or {}).get(quality_job.LABEL_CACHE, "")
-    controller: Controller = memo["controller"]
-
-    def users() -> list[str]:
-        mds = k8s.list_objects(controller.client, k8s.MD_API_VERSION, api.KIND, namespace)
-        return quality.users(mds, cache)
-
-    await _pass_users(memo, namespace, users, cache)
+    _pass_each(memo, dependents.eval_users(_indexed(memo), namespace, cache))

@@ -41,9 +41,11 @@ class Reconciler:
         controller: Controller,
         nodes: Mapping[Any, Iterable[Any]],
         pods: Mapping[Any, Iterable[Any]],
+        mds: Mapping[Any, Iterable[Any]],
         workers: int = WORKERS,
     ) -> None:
-        self.controller, self.nodes, self.pods, self.workers = controller, nodes, pods, workers
+        self.controller, self.nodes, self.pods, self.mds = controller, nodes, pods, mds
+        self.workers = workers
         self.queue: WorkQueue[reconcile.Desired | None] = WorkQueue(self._run)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-pass")
         # Inventory fingerprint each object was last planned with: decides whether a node change
@@ -61,6 +63,10 @@ class Reconciler:
     def inventory(self) -> tuple[list[Any], list[Any]]:
         """Nodes and GPU pods, trimmed, as the watch indexes hold them now."""
         return index_values(self.nodes), index_values(self.pods)
+
+    def model_deployments(self) -> list[Any]:
+        """Every ModelDeployment's name and spec, as the watch index holds them now."""
+        return index_values(self.mds)
 
     def known_inventory(self) -> tuple[list[Any], list[Any]] | None:
         """The indexes once they follow the cluster (None before: a standby's watches are
@@ -148,10 +154,7 @@ class Replanner:
         while True:
             await self.changed.wait()
             await self._settle()
-            try:
-                await self.replan_all()
-            except k8s.ApiException as error:  # the next node change, or a resume, tries again
-                log.warning("re-plan after a node change failed: %s %s", error.status, error.reason)
+            self.replan_all()
 
     async def _settle(self) -> None:
         """Return once no change has come for DEBOUNCE_SECONDS."""
@@ -163,11 +166,10 @@ class Replanner:
             except TimeoutError:
                 return
 
-    async def replan_all(self) -> None:
+    def replan_all(self) -> None:
         reconciler = self.reconciler
-        listed = await asyncio.to_thread(reconciler.controller.list_model_deployments)
         nodes = index_values(reconciler.nodes)
-        for md in listed:
+        for md in reconciler.model_deployments():
             key = (md["metadata"]["namespace"], md["metadata"]["name"])
             if reconciler.needs_replan(key, nodes):
                 log.info("node inventory changed: re-planning %s/%s", *key)

@@ -394,15 +394,3 @@ def _condition(ok: bool, reason: str, message: str) -> api.Condition:
 def needs_retry(verdict: Assessment) -> bool:
     """An unreadable eval set is read again later (with back-off); nothing else here needs it."""
     return verdict.condition is not None and verdict.condition.reason == "DatasetUnreadable"
-
-
-def users(model_deployments: Sequence[Obj], cache: str) -> list[str]:
-    """Names of the ModelDeployments with an eval set whose measurements live in `cache`."""
-    out = []
-    for md in model_deployments:
-        spec = md.get("spec") or {}
-        evaluation = (spec.get("quantization") or {}).get("evaluation")
-        uri = (spec.get("model") or {}).get("uri")
-        if evaluation and uri and quality_job.cache_name(uri) == cache:
-            out.append(md["metadata"]["name"])
-    return out

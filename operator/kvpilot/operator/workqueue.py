@@ -7,7 +7,9 @@ What controller-runtime's workqueue gives a Go controller, in a few lines of asy
   one more pass, not one per event. A merged request is full if any part was full (a full pass
   also refreshes status), and carries the body of the latest request (`None`: read it fresh);
 - a request for a key that is being passed waits for that pass to end and then runs once more,
-  so the last event of a burst is never lost (its pass starts after the event).
+  so the last event of a burst is never lost (its pass starts after the event);
+- full passes go before status-only ones, so a burst of creates gets its Deployments first and
+  the status refreshes of the objects already made wait (FIFO within each kind).
 
 Everything here runs on one event loop, so the dictionaries need no lock. `process` is awaited
 by a fixed number of workers; the caller decides where its blocking part runs (a thread pool).
@@ -16,6 +18,7 @@ by a fixed number of workers; the caller decides where its blocking part runs (a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,7 +46,10 @@ class WorkQueue(Generic[R]):
         self.process = process
         self.waiting: dict[Key, Request[R]] = {}
         self.active: set[Key] = set()
-        self.ready: asyncio.Queue[Key] = asyncio.Queue()
+        # (0 full | 1 status-only, arrival, key); an entry whose key is no longer waiting, or
+        # went ahead as full already, is skipped
+        self.ready: asyncio.PriorityQueue[tuple[int, int, Key]] = asyncio.PriorityQueue()
+        self.arrivals = itertools.count()
 
     def put(self, key: Key, full: bool, body: Body | None = None) -> None:
         """Ask for a pass; no one waits for its outcome (a failure is logged, and the object's
@@ -59,12 +65,18 @@ class WorkQueue(Generic[R]):
     def _request(self, key: Key, full: bool, body: Body | None) -> Request[R]:
         request = self.waiting.get(key)
         if request is not None:
+            upgraded = full and not request.full
             request.merge(full, body)
+            if upgraded and key not in self.active:
+                self._ready(key, request)  # now full: it goes ahead of the status passes
             return request
         request = self.waiting[key] = Request(full, body)
         if key not in self.active:  # else the worker passing it queues it again when done
-            self.ready.put_nowait(key)
+            self._ready(key, request)
         return request
+
+    def _ready(self, key: Key, request: Request[R]) -> None:
+        self.ready.put_nowait((0 if request.full else 1, next(self.arrivals), key))
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.active
@@ -77,7 +89,9 @@ class WorkQueue(Generic[R]):
 
     async def _work(self) -> None:
         while True:
-            key = await self.ready.get()
+            _, _, key = await self.ready.get()
+            if key in self.active or key not in self.waiting:
+                continue  # a stale entry: the request went ahead under another one
             request = self.waiting.pop(key)
             self.active.add(key)
             try:
@@ -85,7 +99,7 @@ class WorkQueue(Generic[R]):
             finally:
                 self.active.discard(key)
                 if key in self.waiting:
-                    self.ready.put_nowait(key)
+                    self._ready(key, self.waiting[key])
 
     async def _pass(self, key: Key, request: Request[R]) -> None:
         try:

@@ -35,12 +35,10 @@ class FakeController:
             raise ApiException(status=404, reason="Not Found")
         return SimpleNamespace(is_invalid_spec=False)  # what a pass's Desired says of itself
 
-    def list_model_deployments(self) -> list[dict[str, Any]]:
-        return [{"metadata": {"namespace": "ns", "name": n}} for n in ("a", "b")]
-
 
 def reconciler(fake: FakeController, nodes: dict[str, list[Any]]) -> Reconciler:
-    return Reconciler(fake, nodes, {}, workers=2)  # type: ignore[arg-type]
+    mds = {"ns": [{"metadata": {"namespace": "ns", "name": n}, "spec": {}} for n in ("a", "b")]}
+    return Reconciler(fake, nodes, {}, mds, workers=2)  # type: ignore[arg-type]
 
 
 def deployment(ready: int, generation: int = 1, extra: str = "") -> dict[str, Any]:
@@ -112,7 +110,7 @@ def test_replanner_acts_on_changes_after_the_baseline() -> None:
             replanner.notice()
             assert replanner.changed.is_set()
             await r.queue.wait(("ns", "b"), True)  # b was planned with the new inventory
-            await replanner.replan_all()
+            replanner.replan_all()
             async with asyncio.timeout(5):
                 while not r.queue.is_idle():
                     await asyncio.sleep(0.01)

@@ -301,12 +301,3 @@ def test_without_an_eval_set_nothing_changes() -> None:
     status = reconcile.build_status(md(md_spec()), desired, [], CONFIG, NOW)
     assert "quality" not in status
     assert all(c["type"] != "QualityMeasured" for c in status["conditions"])
-
-
-def test_users_are_the_model_deployments_of_that_model_with_an_eval_set() -> None:
-    with_eval = md(md_spec(evaluation=evaluation()))
-    without = md(md_spec())
-    without["metadata"]["name"] = "plain"
-    other = md({**md_spec(evaluation=evaluation()), "model": {"uri": "hf://x/y"}})
-    other["metadata"]["name"] = "other"
-    assert quality.users([with_eval, without, other], quality_job.cache_name(URI)) == ["tiny"]

@@ -157,3 +157,23 @@ def test_one_key_is_never_passed_twice_at_once_however_many_ask() -> None:
         assert 1 < len(recorder.calls) < 50
 
     run(test, workers=8)
+
+
+def test_full_passes_go_before_status_passes_and_an_upgrade_moves_ahead() -> None:
+    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+        recorder.hold = asyncio.Event()
+        queue.put(("ns", "busy"), False)  # keeps the only worker busy while the others queue
+        await recorder.started.wait()
+        queue.put(("ns", "s1"), False)
+        queue.put(("ns", "s2"), False)
+        queue.put(("ns", "f1"), True)
+        queue.put(("ns", "s2"), True)  # now full: ahead of s1, behind f1
+        recorder.hold.set()
+
+    recorder = run(test, workers=1)
+    assert [(name, full) for name, full, _ in recorder.calls] == [
+        ("busy", False),
+        ("f1", True),
+        ("s2", True),
+        ("s1", False),
+    ]
