@@ -312,25 +312,25 @@ def build_deployment(
 
 def build_service(md: Obj, config: OperatorConfig) -> Manifest:
     md_name = md["metadata"]["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(md, md_name, labels(md_name)),
-        "spec": {
+    return _named_like_md(
+        md,
+        "v1",
+        "Service",
+        {
             "type": "ClusterIP",
             "selector": selector_labels(md_name),
             "ports": [{"name": "http", "port": config.runtime_port, "targetPort": "http"}],
         },
-    }
+    )
 
 
 def build_pod_monitor(md: Obj) -> Manifest:
     md_name = md["metadata"]["name"]
-    return {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "PodMonitor",
-        "metadata": _metadata(md, md_name, labels(md_name)),
-        "spec": {
+    return _named_like_md(
+        md,
+        "monitoring.coreos.com/v1",
+        "PodMonitor",
+        {
             "selector": {"matchLabels": selector_labels(md_name)},
             "podMetricsEndpoints": [
                 {
@@ -341,7 +341,7 @@ def build_pod_monitor(md: Obj) -> Manifest:
                 }
             ],
         },
-    }
+    )
 
 
 def build_inference_pool(
@@ -350,15 +350,27 @@ def build_inference_pool(
     """The Inference Extension's InferencePool over this ModelDeployment's runtime pods, so a
     Gateway with an endpoint picker (Envoy Gateway, kgateway, Istio) routes to them unchanged."""
     md_name = md["metadata"]["name"]
-    return {
-        "apiVersion": INFERENCE_POOL_API_VERSION,
-        "kind": "InferencePool",
-        "metadata": _metadata(md, md_name, labels(md_name)),
-        "spec": {
+    return _named_like_md(
+        md,
+        INFERENCE_POOL_API_VERSION,
+        "InferencePool",
+        {
             "selector": {"matchLabels": selector_labels(md_name)},
             "targetPorts": [{"number": config.runtime_port}],
             "endpointPickerRef": picker.model_dump(by_alias=True, exclude_none=True),
         },
+    )
+
+
+def _named_like_md(md: Obj, api_version: str, kind: str, spec: dict[str, Any]) -> Manifest:
+    """A child that stands for the whole ModelDeployment (not one node type's Deployment): it
+    takes the ModelDeployment's name and its labels without a node type."""
+    md_name = md["metadata"]["name"]
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": _metadata(md, md_name, labels(md_name)),
+        "spec": spec,
     }
 
 

@@ -15,10 +15,10 @@ import logging
 import secrets
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import uvicorn
@@ -57,6 +57,8 @@ VERSION = importlib.metadata.version("kvpilot")
 ERRORS: dict[int | str, dict] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
+# The body of a completion or a chat; generate's `prepare` must take the same one
+GenerateBody = TypeVar("GenerateBody", CompletionRequest, ChatCompletionRequest)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -141,17 +143,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_request(request, state, body.model)
-        job = await state.off_loop(serving.prepare_completion, state, body)
-        await serving.check_grammar(state, job)
-        return await respond(request, state, job)
+        return await generate(request, state, body, serving.prepare_completion)
 
     @app.post("/v1/chat/completions", responses=ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_request(request, state, body.model)
-        job = await state.off_loop(serving.prepare_chat, state, body)
-        await serving.check_grammar(state, job)
-        return await respond(request, state, job)
+        return await generate(request, state, body, serving.prepare_chat)
 
     @app.post("/tokenize", responses=ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
@@ -167,6 +163,20 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def version() -> VersionResponse:
         return VersionResponse(version=VERSION, engine=state.choices)
+
+
+async def generate(
+    request: Request,
+    state: ServerState,
+    body: GenerateBody,
+    prepare: Callable[[ServerState, GenerateBody], Job],
+) -> Response:
+    """A completion or a chat: the request's checks, its job prepared off the event loop (the
+    tokenizer is slow on long text) and its grammar compiled, all before it is admitted."""
+    check_request(request, state, body.model)
+    job = await state.off_loop(prepare, state, body)
+    await serving.check_grammar(state, job)
+    return await respond(request, state, job)
 
 
 async def respond(request: Request, state: ServerState, job: Job) -> Response:
