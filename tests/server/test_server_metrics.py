@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.operator import metrics as operator_metrics
+from kvpilot.operator import runtime_metrics as operator_metrics
 from kvpilot.runtime.memory import BLOCK_SIZE
 from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
@@ -164,9 +164,9 @@ def samples_of(server: RuntimeServer) -> dict[str, list]:
 
 
 def test_names_the_operator_reads_exist(small_server: RuntimeServer) -> None:
-    """The other side of the autoscaler's contract (operator/metrics.py): each name it queries
-    in Prometheus (kvpilot's and vLLM's as exported), and its direct scrape of a pod, work on a
-    real runtime. The third name of each is Prometheus' escaped storage form, not exported."""
+    """The other side of the autoscaler's contract (operator/runtime_metrics.py): each name it
+    queries in Prometheus (kvpilot's and vLLM's as exported), and its direct scrape of a pod, work
+    on a real runtime. The third name of each is Prometheus' escaped storage form, not exported."""
     complete(small_server, "contract", 2)
     found = samples_of(small_server)
     for names in (operator_metrics.WAITING, operator_metrics.RUNNING, operator_metrics.KV_USAGE):

@@ -34,7 +34,7 @@ from kvpilot.operator import (
     quality_job,
     reconcile,
 )
-from kvpilot.operator.actuator import AutoscalerLoop
+from kvpilot.operator.autoscaler_loop import AutoscalerLoop
 from kvpilot.operator.controller import INFERENCE_POOL_CRD, Controller, controller_owner
 from kvpilot.operator.passes import Reconciler, Replanner
 from kvpilot.operator.workqueue import WorkQueue

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.operator import api, metrics
+from kvpilot.operator import api, runtime_metrics
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import GPU_RESOURCE, LABEL_NODE_TYPE
 from kvpilot.operator.planner import NodePlan
@@ -375,17 +375,17 @@ def _named_like_md(md: Obj, api_version: str, kind: str, spec: dict[str, Any]) -
 
 
 def _series_labels() -> list[dict[str, Any]]:
-    """Pod labels -> the series labels the autoscaler's PromQL groups by (metrics.PROM_LABEL_*),
-    as the dev cluster's Prometheus config makes them too; the Prometheus Operator adds
-    `namespace` and `pod` itself."""
+    """Pod labels -> the series labels the autoscaler's PromQL groups by
+    (runtime_metrics.PROM_LABEL_*), as the dev cluster's Prometheus config makes them too; the
+    Prometheus Operator adds `namespace` and `pod` itself."""
     return [
         {
             "sourceLabels": [f"__meta_kubernetes_pod_label_{_prom_name(label)}"],
             "targetLabel": target,
         }
         for label, target in (
-            (LABEL_MODEL, metrics.PROM_LABEL_MODEL),
-            (LABEL_NODE_TYPE, metrics.PROM_LABEL_NODE_TYPE),
+            (LABEL_MODEL, runtime_metrics.PROM_LABEL_MODEL),
+            (LABEL_NODE_TYPE, runtime_metrics.PROM_LABEL_NODE_TYPE),
         )
     ]
 

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
-from kvpilot.operator import metrics
-from kvpilot.operator.metrics import PrometheusMetrics, observe_pods
+from kvpilot.operator import runtime_metrics as metrics
 from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.operator.runtime_metrics import PrometheusMetrics, observe_pods
 from tests.support.kube import wait_until
 
 pytestmark = pytest.mark.skipif(

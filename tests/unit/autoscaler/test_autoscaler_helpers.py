@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, metrics
+from kvpilot.operator import api
+from kvpilot.operator import runtime_metrics as metrics
 from kvpilot.operator.autoscaler import (
     bounds_from_spec,
     event_message,
@@ -16,8 +17,8 @@ from kvpilot.operator.autoscaler import (
     state_from_status,
     status_patch,
 )
-from kvpilot.operator.metrics import PodSample, aggregate, aggregate_by_node_type
 from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.operator.runtime_metrics import PodSample, aggregate, aggregate_by_node_type
 from kvpilot.operator.spread import spread_replicas
 
 NOW = 1_700_000_000.0

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvpilot.operator import api, autoscaler, config, reconcile
-from kvpilot.operator.actuator import free_gpus, pods_by_model
+from kvpilot.operator.autoscaler_loop import free_gpus, pods_by_model
 from kvpilot.operator.inventory import NodeType
 
 T0 = "2026-12-02T10:00:00Z"

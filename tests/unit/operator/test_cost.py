@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.operator import actuator
+from kvpilot.operator import autoscaler_loop
 from kvpilot.operator.cost import Traffic, cost_status, merge_patch, per_unit
 from kvpilot.runtime.bench.stats import cost_per_1k_requests
 
@@ -110,12 +110,12 @@ def pod(node_type: str, deleting: bool = False) -> dict[str, object]:
 
 def test_replicas_billed_are_the_pods_not_being_deleted() -> None:
     pods = [pod("l4"), pod("l4"), pod("a100"), pod("l4", deleting=True)]
-    assert actuator.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
+    assert autoscaler_loop.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
 
 
 def test_replica_prices_come_from_the_plan() -> None:
     status = {"plan": [{"nodeType": "l4", "pricePerHour": 0.98}, {"nodeType": "h100"}]}
-    assert actuator.replica_prices(status) == {"l4": 0.98, "h100": 0.0}
+    assert autoscaler_loop.replica_prices(status) == {"l4": 0.98, "h100": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -130,4 +130,4 @@ def test_cost_is_refreshed_five_times_per_window(
     measured_at: str | None, now: float, due: bool
 ) -> None:
     status = {"cost": {"measuredAt": measured_at}} if measured_at else {}
-    assert actuator.cost_is_due(status, now, 300) is due
+    assert autoscaler_loop.cost_is_due(status, now, 300) is due

@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kvpilot.operator import api, manifests, metrics, planner
+from kvpilot.operator import api, manifests, planner, runtime_metrics
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
@@ -242,15 +242,15 @@ def test_pod_monitor_gives_series_the_labels_the_autoscaler_queries() -> None:
     assert monitor["kind"] == "PodMonitor"
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    # what kubernetes_sd offers for each pod label, and what the PromQL in metrics.py groups by
+    # what kubernetes_sd offers for each pod label, and what runtime_metrics.py's PromQL groups by
     offered = {
         "__meta_kubernetes_pod_label_" + k.replace(".", "_").replace("/", "_").replace("-", "_"): k
         for k in pod_labels
     }
     made = {r["targetLabel"]: offered[r["sourceLabels"][0]] for r in endpoint["relabelings"]}
     assert made == {
-        metrics.PROM_LABEL_MODEL: "kvpilot.dev/model",
-        metrics.PROM_LABEL_NODE_TYPE: "kvpilot.dev/node-type",
+        runtime_metrics.PROM_LABEL_MODEL: "kvpilot.dev/model",
+        runtime_metrics.PROM_LABEL_NODE_TYPE: "kvpilot.dev/node-type",
     }
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import actuator, autoscaler
+from kvpilot.operator import autoscaler, autoscaler_loop
 from kvpilot.operator.policy import Decision, PolicyState
 
 
@@ -26,7 +26,7 @@ def test_only_ready_running_pods_are_scraped_at_their_annotated_port() -> None:
         pod("d", True, None),
         pod("e", True, deletionTimestamp="2026-01-01T00:00:00Z"),
     ]
-    urls, types = actuator.ready_pod_urls(pods, 8000)
+    urls, types = autoscaler_loop.ready_pod_urls(pods, 8000)
     assert urls == {"a": "http://127.64.0.2:9000/metrics", "b": "http://127.64.0.3:8000/metrics"}
     assert types == {"a": "l4", "b": "l4"}
 
@@ -41,7 +41,7 @@ def test_only_ready_running_pods_are_scraped_at_their_annotated_port() -> None:
     ],
 )
 def test_only_builtin_mode_is_autoscaled(spec: dict[str, Any], builtin: bool) -> None:
-    assert actuator.is_builtin({"spec": spec}) is builtin
+    assert autoscaler_loop.is_builtin({"spec": spec}) is builtin
 
 
 def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> None:
@@ -51,11 +51,11 @@ def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> N
     ]
     state = PolicyState()
     fresh = Decision(replicas=1, reason="hold", state=state, metrics_available=True)
-    merged = {c["type"]: c for c in actuator.metrics_condition_patch(old, fresh, "t2")}
+    merged = {c["type"]: c for c in autoscaler_loop.metrics_condition_patch(old, fresh, "t2")}
     assert merged["Ready"]["lastTransitionTime"] == "t0"
     assert merged["MetricsAvailable"]["lastTransitionTime"] == "t1"
     lost = Decision(replicas=1, reason="prometheus down", state=state, metrics_available=False)
-    merged = {c["type"]: c for c in actuator.metrics_condition_patch(old, lost, "t2")}
+    merged = {c["type"]: c for c in autoscaler_loop.metrics_condition_patch(old, lost, "t2")}
     assert merged["MetricsAvailable"]["status"] == "False"
     assert merged["MetricsAvailable"]["lastTransitionTime"] == "t2"
     assert merged["MetricsAvailable"]["message"] == "prometheus down"
@@ -73,7 +73,7 @@ def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> N
 def test_only_planned_deployments_are_scaled(
     plan: list[dict[str, Any]] | None, planned: bool
 ) -> None:
-    assert actuator.is_planned({"status": {"plan": plan}}) is planned
+    assert autoscaler_loop.is_planned({"status": {"plan": plan}}) is planned
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_status_is_written_only_when_the_decision_changes(new: dict[str, Any], n
         "metrics": {"requestsWaiting": 1},
         "metricsAvailable": True,
     }
-    assert actuator.is_news(old, new) is news
+    assert autoscaler_loop.is_news(old, new) is news
 
 
 @pytest.mark.parametrize(

@@ -37,9 +37,9 @@ from kvpilot.operator import (
     k8s,
     manifests,
     observability,
+    runtime_metrics,
     timestamps,
 )
-from kvpilot.operator import metrics as metrics_source
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
 from kvpilot.operator.lease import LeaderLease
@@ -168,7 +168,7 @@ class AutoscalerLoop:
         self.wakes: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self.wake_bodies: dict[tuple[str, str], Obj] = {}  # the latest body per queued wake
         url = controller.config.prometheus_url
-        self.prometheus = metrics_source.PrometheusMetrics(url) if url else None
+        self.prometheus = runtime_metrics.PrometheusMetrics(url) if url else None
 
     async def run(self) -> None:
         try:
@@ -362,7 +362,7 @@ class AutoscalerLoop:
         elif not urls:
             observations = Observations(current_replicas=current, sampled_at=time.time())
         else:
-            observations = await metrics_source.observe_pods(urls, node_types, current)
+            observations = await runtime_metrics.observe_pods(urls, node_types, current)
         if observations.error:
             observability.record_metrics_error("prometheus" if self.prometheus else "pods")
         return observations
@@ -408,10 +408,10 @@ class AutoscalerLoop:
         status, window_s = md.get("status") or {}, self.controller.config.cost_window_seconds
         if self.prometheus is None or not cost_is_due(status, time.time(), window_s):
             return
-        meta, window = md["metadata"], metrics_source.prom_duration(window_s)
+        meta, window = md["metadata"], runtime_metrics.prom_duration(window_s)
         try:
             traffic = self.prometheus.traffic(meta["namespace"], meta["name"], window)
-        except metrics_source.QUERY_ERRORS as error:
+        except runtime_metrics.QUERY_ERRORS as error:
             log.warning("autoscaler: cost of %s/%s: %s", meta["namespace"], meta["name"], error)
             return
         figures = cost.cost_status(
