@@ -56,7 +56,7 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
 (server-side apply needs create as well as patch: it creates what does not exist yet).
 */}}
 {{- define "kvpilot.namespacedRules" -}}
-# GPU pods: kopf index gpu_pods (handlers.py), ready pods for direct scraping (metrics.py)
+# GPU pods: kopf index gpu_pods (handlers.py), ready pods for direct scraping (runtime_metrics.py)
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
