@@ -210,15 +210,19 @@ async def node_changed(memo: Any, **_: Any) -> None:
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS, id="child-deployment")
 async def child_deployment(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
     owner = controller_owner(body)
-    # ADDED is our own create (or the relisting after a restart, when resume handlers pass anyway).
-    if owner is None or event["type"] == "ADDED":
+    if owner is None:
+        return
+    reconciler: Reconciler = memo["reconciler"]
+    if event["type"] == "ADDED":
+        # Our own create, whose pass reported it: remember its facts, so the next event (the
+        # Deployment controller's revision annotation) is news only if it changes one of them.
+        reconciler.is_news(body)
         return
     # Someone changed the spec after the Deployment controller saw ours. Before it has seen any
     # (no observedGeneration yet) the Deployment is our fresh one: its first events are no drift.
     observed = (body.get("status") or {}).get("observedGeneration")
     drifted = observed is not None and body["metadata"].get("generation", 0) != observed
     deleted = event["type"] == "DELETED"
-    reconciler: Reconciler = memo["reconciler"]
     if reconciler.is_news(body, deleted):
         # Deleted or edited by someone: put it back. Else only its status moved: report it.
         reconciler.queue.put((body["metadata"]["namespace"], owner), deleted or drifted)
