@@ -2,14 +2,18 @@
 
 Objects travel as plain JSON dicts (the wire form), the same shape the pure modules and kopf use, so
 nothing converts between the client's model classes and dicts. Errors surface as the client's
-`ApiException`; the handlers decide what is temporary.
+`ApiException`; the handlers decide what is temporary. Events are `events.k8s.io/v1` Events
+through the typed events API.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import uuid
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -25,7 +29,6 @@ _PLURALS = {
     "Service": "services",
     "PodMonitor": "podmonitors",
     "InferencePool": "inferencepools",
-    "Event": "events",
     "Node": "nodes",
     "Pod": "pods",
     "PersistentVolumeClaim": "persistentvolumeclaims",
@@ -40,6 +43,7 @@ _PLURALS = {
 MD_API_VERSION = f"{api.GROUP}/{api.VERSION}"
 TIMEOUT_SECONDS = 30
 CONNECTION_POOL_SIZE = 64
+NOTE_LIMIT = 1024  # bytes: events.k8s.io rejects a longer note
 
 
 def api_client(kubeconfig: str | None = None) -> k8s_client.ApiClient:
@@ -184,6 +188,11 @@ def has_crd(client: k8s_client.ApiClient, name: str) -> bool:
     return crd is not None
 
 
+def reporting_instance() -> str:
+    """Which operator process reported: the pod's name (the chart's POD_NAME), else the host."""
+    return (os.environ.get("POD_NAME") or socket.gethostname())[:128]
+
+
 def emit_event(
     client: k8s_client.ApiClient,
     involved: Obj,
@@ -192,29 +201,29 @@ def emit_event(
     message: str,
     component: str,
 ) -> None:
-    """A core/v1 Event on the ModelDeployment, as `kubectl describe` shows them."""
+    """An events.k8s.io Event regarding the ModelDeployment, as `kubectl describe` shows them.
+    `kind`: Normal or Warning; `component`: the reporting controller. The reason names what was
+    done, so it is the action as well."""
     meta = involved["metadata"]
-    now = timestamps.rfc3339()
-    event = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-            "namespace": meta["namespace"],
-        },
-        "involvedObject": {
-            "apiVersion": involved.get("apiVersion", MD_API_VERSION),
-            "kind": involved.get("kind", api.KIND),
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid", ""),
-        },
-        "type": kind,
-        "reason": reason,
-        "message": message[:1024],
-        "source": {"component": component},
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
-    request(client, "POST", path("v1", "Event", meta["namespace"]), body=event)
+    event = k8s_client.EventsV1Event(
+        metadata=k8s_client.V1ObjectMeta(
+            name=f"{meta['name']}.{uuid.uuid4().hex[:16]}", namespace=meta["namespace"]
+        ),
+        regarding=k8s_client.V1ObjectReference(
+            api_version=involved.get("apiVersion", MD_API_VERSION),
+            kind=involved.get("kind", api.KIND),
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta.get("uid") or None,
+        ),
+        event_time=timestamps.client_micro_time(datetime.now(UTC)),
+        reporting_controller=component,
+        reporting_instance=reporting_instance(),
+        action=reason,
+        reason=reason,
+        note=message.encode()[:NOTE_LIMIT].decode(errors="ignore"),
+        type=kind,
+    )
+    k8s_client.EventsV1Api(client).create_namespaced_event(
+        meta["namespace"], event, _request_timeout=TIMEOUT_SECONDS
+    )
