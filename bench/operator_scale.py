@@ -86,6 +86,12 @@ def model_deployment(name: str) -> dict[str, Any]:
     }
 
 
+def create_model_deployment(client: Any, name: str) -> None:
+    # A leftover of that name would make its latency meaningless: fail rather than time it.
+    if k8s.create(client, model_deployment(name)) is None:
+        raise RuntimeError(f"ModelDeployment {NAMESPACE}/{name} exists already")
+
+
 def count_ready(client: Any) -> int:
     items = k8s.list_objects(client, k8s.MD_API_VERSION, "ModelDeployment", NAMESPACE)
     return sum(
@@ -121,18 +127,12 @@ def run(cluster: Any, count: int, total_nodes: int, log: Path) -> dict[str, floa
     watcher = threading.Thread(target=watch_deployments, args=(client, seen, stop), daemon=True)
     watcher.start()
     try:
-        k8s.request(
-            client,
-            "POST",
-            k8s.path(k8s.MD_API_VERSION, "ModelDeployment", NAMESPACE),
-            body=model_deployment("warmup"),
-        )
+        create_model_deployment(client, "warmup")
         wait_until(lambda: f"warmup-{POOL}" in seen, 120, "the operator to start acting")
         created: dict[str, float] = {}
-        target = k8s.path(k8s.MD_API_VERSION, "ModelDeployment", NAMESPACE)
 
         def create(name: str) -> None:
-            k8s.request(client, "POST", target, body=model_deployment(name))
+            create_model_deployment(client, name)
             created[name] = time.monotonic()
 
         start = time.monotonic()
@@ -164,8 +164,7 @@ def run(cluster: Any, count: int, total_nodes: int, log: Path) -> dict[str, floa
 
 def idle_latency(client: Any, seen: dict[str, float], name: str) -> float:
     """Create one ModelDeployment into a settled operator and wait for its Deployment."""
-    target = k8s.path(k8s.MD_API_VERSION, "ModelDeployment", NAMESPACE)
-    k8s.request(client, "POST", target, body=model_deployment(name))
+    create_model_deployment(client, name)
     created = time.monotonic()
     wait_until(lambda: f"{name}-{POOL}" in seen, 60, f"{name}'s Deployment")
     return seen[f"{name}-{POOL}"] - created
