@@ -95,6 +95,12 @@ def model_deployment(name: str, namespace: str) -> dict[str, Any]:
     }
 
 
+def create_model_deployment(client: Any, name: str, namespace: str) -> None:
+    # A leftover of that name would make its latency meaningless: fail rather than time it.
+    if k8s.create(client, model_deployment(name, namespace)) is None:
+        raise RuntimeError(f"ModelDeployment {namespace}/{name} exists already")
+
+
 def count_ready(client: Any, namespace: str) -> int:
     items = k8s.list_objects(client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
     return sum(
@@ -152,14 +158,13 @@ def run(cluster: Any, operator: Operator, count: int, tmp: Path) -> dict[str, An
         target=watch_deployments, args=(client, namespace, seen, stop), daemon=True
     )
     watcher.start()
-    target = k8s.path(k8s.MD_API_VERSION, "ModelDeployment", namespace)
     try:
-        k8s.request(client, "POST", target, body=model_deployment("warmup", namespace))
+        create_model_deployment(client, "warmup", namespace)
         wait_until(lambda: f"warmup-{POOL}" in seen, 120, "the operator to start acting")
         created: dict[str, float] = {}
 
         def create(name: str) -> None:
-            k8s.request(client, "POST", target, body=model_deployment(name, namespace))
+            create_model_deployment(client, name, namespace)
             created[name] = time.monotonic()
 
         start = time.monotonic()
@@ -208,8 +213,7 @@ def delete_namespace(cluster: Any, namespace: str) -> None:
 
 def idle_latency(client: Any, namespace: str, seen: dict[str, float], name: str) -> float:
     """Create one ModelDeployment into a settled operator and wait for its Deployment."""
-    target = k8s.path(k8s.MD_API_VERSION, "ModelDeployment", namespace)
-    k8s.request(client, "POST", target, body=model_deployment(name, namespace))
+    create_model_deployment(client, name, namespace)
     created = time.monotonic()
     wait_until(lambda: f"{name}-{POOL}" in seen, 60, f"{name}'s Deployment")
     return seen[f"{name}-{POOL}"] - created

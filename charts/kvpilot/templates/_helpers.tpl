@@ -88,7 +88,11 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
   resources: [secrets]
   verbs: [get]
 {{- end }}
-# Events on ModelDeployments (k8s.emit_event, kopf's error posting)
+# Events on ModelDeployments: the operator's (k8s.emit_event) through events.k8s.io/v1, kopf's
+# error posting through core/v1
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -39,42 +39,17 @@ MAX_BACKOFF_S = 30.0
 
 @dataclass(frozen=True)
 class Resource:
-    """One watched list: where it lives in the API and which of its objects we keep."""
+    """One watched list: its apiVersion and kind, and which of its objects we keep."""
 
+    api_version: str
     kind: str
-    list_path: Callable[[str | None], str]
-    watch_fn: Callable[[k8s_client.ApiClient, str | None], tuple[Callable[..., Any], list[Any]]]
     selector: str = ""
     keep: Callable[[dict[str, Any]], dict[str, Any]] = dict  # the part of an object we hold
 
 
-def _md_path(namespace: str | None) -> str:
-    return k8s.path(k8s.MD_API_VERSION, api.KIND, namespace)
-
-
-def _pods_path(namespace: str | None) -> str:
-    return k8s.path("v1", "Pod", namespace)
-
-
-def _md_watch(client: k8s_client.ApiClient, ns: str | None) -> tuple[Callable[..., Any], list[Any]]:
-    objects = k8s_client.CustomObjectsApi(client)
-    if ns:
-        return objects.list_namespaced_custom_object, [api.GROUP, api.VERSION, ns, api.PLURAL]
-    return objects.list_cluster_custom_object, [api.GROUP, api.VERSION, api.PLURAL]
-
-
-def _pod_watch(
-    client: k8s_client.ApiClient, ns: str | None
-) -> tuple[Callable[..., Any], list[Any]]:
-    core = k8s_client.CoreV1Api(client)
-    if ns:
-        return core.list_namespaced_pod, [ns]
-    return core.list_pod_for_all_namespaces, []
-
-
-MODEL_DEPLOYMENTS = Resource("ModelDeployment", _md_path, _md_watch)
+MODEL_DEPLOYMENTS = Resource(k8s.MD_API_VERSION, api.KIND)
 # Only the operator's runtime pods (label kvpilot.dev/model), and only what routing reads of them.
-PODS = Resource("Pod", _pods_path, _pod_watch, kube_routes.MODEL_LABEL, kube_routes.slim_pod)
+PODS = Resource("v1", "Pod", kube_routes.MODEL_LABEL, kube_routes.slim_pod)
 
 
 class GoneError(Exception):
@@ -163,9 +138,10 @@ class KubernetesDiscovery:
                 self._stopping.wait(delay)
 
     def _relist(self, resource: Resource, scope: str | None) -> str:
-        query = {"labelSelector": resource.selector} if resource.selector else None
-        listing = k8s.request(self._client, "GET", resource.list_path(scope), query=query)
-        items = {kube_routes.key_of(i): resource.keep(i) for i in listing.get("items", [])}
+        listed, version = k8s.list_with_version(
+            self._client, resource.api_version, resource.kind, scope, resource.selector
+        )
+        items = {kube_routes.key_of(i): resource.keep(i) for i in listed}
         with self._lock:
             store = self._objects.store(resource.kind)
             for key in [k for k in store if _in_scope(k, scope)]:
@@ -177,23 +153,25 @@ class KubernetesDiscovery:
             self._publish()
         if len(self._listed) == 2 * len(self._scopes):
             self.synced.set()
-        return str(listing["metadata"]["resourceVersion"])
+        return version
 
     def watch_from(self, resource: Resource, scope: str | None, version: str) -> None:
         """Apply the events after `version` until stopped; GoneError when it has expired."""
-        func, args = resource.watch_fn(self._client, scope)
         watcher = k8s_watch.Watch()
-        kwargs: dict[str, Any] = {
-            "resource_version": version,
-            "allow_watch_bookmarks": True,
-            "timeout_seconds": WATCH_TIMEOUT_S,
-        }
-        if resource.selector:
-            kwargs["label_selector"] = resource.selector
         while not self._stopping.is_set():
+            events = k8s.watch(
+                self._client,
+                watcher,
+                resource.api_version,
+                resource.kind,
+                scope,
+                resource.selector,
+                version,
+                WATCH_TIMEOUT_S,
+            )
             try:
-                for event in watcher.stream(func, *args, **kwargs):
-                    kwargs["resource_version"] = self._handle(resource, event)
+                for event in events:
+                    version = self._handle(resource, event)
                     if self._stopping.is_set():
                         watcher.stop()
             except ApiException as error:

@@ -1,45 +1,44 @@
-"""Thin adapter to the Kubernetes API: server-side apply, list, delete, status, events.
+"""Thin adapter to the Kubernetes API: server-side apply, list, watch, delete, status, events.
 
-Objects travel as plain JSON dicts (the wire form), the same shape the pure modules and kopf use, so
-nothing converts between the client's model classes and dicts. Errors surface as the client's
-`ApiException`; the handlers decide what is temporary.
+Requests go through the client's `DynamicClient`: it finds each resource (its URL, whether it is
+namespaced) by apiVersion and kind from the API's discovery documents, looked up once per client
+and kept. Objects travel as plain JSON dicts (the wire form), the same shape the pure modules and
+kopf use: responses are read as JSON (`serialize=False`), not wrapped in the dynamic client's
+ResourceInstance objects, which double the client CPU of a GET and would be converted straight
+back. Events are `events.k8s.io/v1` Events through the typed events API. Errors surface as the
+client's `ApiException`; the handlers decide what is temporary.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import tempfile
+import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlencode
 
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
+from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.discovery import LazyDiscoverer
+from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
+from kubernetes.dynamic.resource import Resource
 
 from kvpilot.operator import api, timestamps
 
 Obj = Mapping[str, Any]
-_PLURALS = {
-    "Deployment": "deployments",
-    "Service": "services",
-    "PodMonitor": "podmonitors",
-    "InferencePool": "inferencepools",
-    "Event": "events",
-    "Node": "nodes",
-    "Pod": "pods",
-    "PersistentVolumeClaim": "persistentvolumeclaims",
-    "Job": "jobs",
-    "ConfigMap": "configmaps",
-    "CustomResourceDefinition": "customresourcedefinitions",
-    "ClusterKopfPeering": "clusterkopfpeerings",
-    "KopfPeering": "kopfpeerings",
-    "Lease": "leases",
-    api.KIND: api.PLURAL,
-}
 MD_API_VERSION = f"{api.GROUP}/{api.VERSION}"
 TIMEOUT_SECONDS = 30
 CONNECTION_POOL_SIZE = 64
+MERGE_PATCH = "application/merge-patch+json"
+NOTE_LIMIT = 1024  # bytes: events.k8s.io rejects a longer note
 
 
 def api_client(kubeconfig: str | None = None) -> k8s_client.ApiClient:
@@ -55,83 +54,180 @@ def api_client(kubeconfig: str | None = None) -> k8s_client.ApiClient:
     return k8s_client.ApiClient(configuration)
 
 
-def path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
-    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    scope = f"/namespaces/{namespace}" if namespace else ""
-    suffix = f"/{name}" if name else ""
-    return f"{prefix}{scope}/{_PLURALS[kind]}{suffix}"
+class _MemoryDiscoverer(LazyDiscoverer):
+    """Discovery kept in memory only. The library's default shares one file per API URL in the
+    temp directory between every process (operator replicas, the gateway, each test) and
+    rewrites it as it learns; concurrent writers leave a torn file that the next reader logs as
+    an error. One process discovers its few kinds in a handful of requests."""
+
+    def _write_cache(self) -> None:
+        pass
 
 
-def request(
-    client: k8s_client.ApiClient,
-    method: str,
-    resource_path: str,
-    body: Any = None,
-    query: Mapping[str, str] | None = None,
-    content_type: str = "application/json",
+# A path never written (see above), so the discoverer starts empty rather than reading a file.
+_NO_CACHE_FILE = os.path.join(tempfile.gettempdir(), f"kvpilot-no-discovery-{uuid.uuid4().hex}")
+
+
+class _TimedClient(DynamicClient):
+    """A DynamicClient whose requests, discovery's included, time out after TIMEOUT_SECONDS
+    unless told otherwise (a watch says None: it ends at its own server-side timeout)."""
+
+    def request(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
+        params.setdefault("_request_timeout", TIMEOUT_SECONDS)
+        return super().request(method, path, body, **params)
+
+
+@contextmanager
+def _plain_errors() -> Iterator[None]:
+    """The dynamic client's DynamicApiError as the plain ApiException the typed APIs raise: the
+    subclass puts a traceback in its message, and callers log `error`."""
+    try:
+        yield
+    except DynamicApiError as error:
+        raise ApiException(status=error.status, reason=error.reason) from error
+
+
+class _Dynamic:
+    """One DynamicClient per ApiClient and the resources it found, by (apiVersion, kind)."""
+
+    def __init__(self, client: k8s_client.ApiClient) -> None:
+        with _plain_errors():  # it reads /version and /apis at once
+            self.client = _TimedClient(
+                client, cache_file=_NO_CACHE_FILE, discoverer=_MemoryDiscoverer
+            )
+        self.resources: dict[tuple[str, str], Resource] = {}
+        self.lock = threading.Lock()  # the discoverer's cache is not safe across threads
+
+    def resource(self, api_version: str, kind: str) -> Resource:
+        found = self.resources.get((api_version, kind))
+        if found is not None:
+            return found
+        group, _, version = api_version.rpartition("/")
+        # The prefix and group narrow the search to one group's document; with the group left
+        # out, a core kind ("v1") would fetch every group that has a v1.
+        where = {"prefix": "apis", "group": group} if group else {"prefix": "api"}
+        with self.lock, _plain_errors():
+            try:
+                found = self.client.resources.get(api_version=version, kind=kind, **where)
+            except ResourceNotFoundError as error:
+                # Not served (its CRD is not installed): the 404 a request to its URL would get.
+                raise ApiException(status=404, reason=f"{kind} {api_version} not served") from error
+        self.resources[(api_version, kind)] = found
+        return found
+
+
+_DYNAMIC_ATTRIBUTE = "_kvpilot_dynamic"
+_dynamic_lock = threading.Lock()
+
+
+def _dynamic(client: k8s_client.ApiClient) -> _Dynamic:
+    # Kept on the ApiClient itself, so it lives and dies with it (callers pass the ApiClient).
+    found: _Dynamic | None = getattr(client, _DYNAMIC_ATTRIBUTE, None)
+    if found is None:
+        with _dynamic_lock:
+            found = getattr(client, _DYNAMIC_ATTRIBUTE, None)
+            if found is None:
+                found = _Dynamic(client)
+                setattr(client, _DYNAMIC_ATTRIBUTE, found)
+    return found
+
+
+def _call(
+    client: k8s_client.ApiClient, verb: str, api_version: str, kind: str, **kwargs: Any
 ) -> dict[str, Any]:
-    """One API call; JSON in, JSON out; ApiException for any status >= 400."""
-    if query:
-        resource_path = f"{resource_path}?{urlencode(query)}"
-    headers = {"Accept": "application/json", "Content-Type": content_type}
-    method, url, headers, _, _ = client.param_serialize(
-        method, resource_path, header_params=headers, auth_settings=["BearerToken"]
-    )
-    # The client JSON-encodes bodies itself for JSON content types but sends strings as they are
-    # for the apply-patch YAML type (JSON is valid YAML), so only the latter is encoded here.
-    data = json.dumps(body) if body is not None and "json" not in content_type else body
-    response = client.call_api(method, url, headers, data, _request_timeout=TIMEOUT_SECONDS)
-    response.read()
-    if response.status >= 400:
-        text = response.data.decode(errors="replace") if response.data else ""
-        raise ApiException(status=response.status, reason=response.reason, body=text)
-    return json.loads(response.data) if response.data else {}
+    """One DynamicClient request (`verb`: get, create, replace, patch, server_side_apply, delete)
+    on the kind's resource; the response's JSON as a dict; ApiException for any status >= 400."""
+    dynamic = _dynamic(client)
+    resource = dynamic.resource(api_version, kind)
+    if kwargs.pop("subresource", None) == "status":
+        resource = resource.subresources["status"]
+    with _plain_errors():
+        response = getattr(dynamic.client, verb)(resource, serialize=False, **kwargs)
+    data = response.data
+    return json.loads(data) if data else {}
+
+
+def _where(obj: Obj) -> tuple[str, str, str | None, str]:
+    meta = obj["metadata"]
+    return obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]
 
 
 def apply(client: k8s_client.ApiClient, manifest: Obj, field_manager: str) -> dict[str, Any]:
     """Server-side apply; `force` takes back fields someone else changed (drift is reverted)."""
-    meta = manifest["metadata"]
-    target = path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
-    return request(
+    api_version, kind, namespace, name = _where(manifest)
+    return _call(
         client,
-        "PATCH",
-        target,
+        "server_side_apply",
+        api_version,
+        kind,
         body=manifest,
-        query={"fieldManager": field_manager, "force": "true"},
-        content_type="application/apply-patch+yaml",
+        name=name,
+        namespace=namespace,
+        field_manager=field_manager,
+        force_conflicts=True,
     )
 
 
 def create(client: k8s_client.ApiClient, manifest: Obj) -> dict[str, Any] | None:
     """Create the object; None when one of that name exists already (it is left as it is)."""
-    meta = manifest["metadata"]
-    target = path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"))
+    api_version, kind, namespace, _ = _where(manifest)
     try:
-        return request(client, "POST", target, body=manifest)
+        return _call(client, "create", api_version, kind, body=manifest, namespace=namespace)
     except ApiException as error:
         if error.status == 409:
             return None
         raise
 
 
+def replace(client: k8s_client.ApiClient, obj: Obj) -> dict[str, Any]:
+    """PUT the whole object. Its metadata.resourceVersion, when set, makes this a 409 Conflict
+    if someone else wrote the object since it was read."""
+    api_version, kind, namespace, name = _where(obj)
+    return _call(client, "replace", api_version, kind, body=obj, name=name, namespace=namespace)
+
+
+def merge_patch(client: k8s_client.ApiClient, obj: Obj, patch: Obj) -> dict[str, Any]:
+    """JSON merge patch (RFC 7386) of the object `obj` names: keys `patch` leaves out stay."""
+    api_version, kind, namespace, name = _where(obj)
+    return _call(
+        client,
+        "patch",
+        api_version,
+        kind,
+        body=patch,
+        name=name,
+        namespace=namespace,
+        content_type=MERGE_PATCH,
+    )
+
+
 def add_owner_reference(client: k8s_client.ApiClient, obj: Obj, owner: Obj) -> None:
     """Add `owner` to the object's owners, keeping the others (a strategic merge keyed by uid)."""
-    meta = obj["metadata"]
-    target = path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
-    request(
+    api_version, kind, namespace, name = _where(obj)
+    _call(
         client,
-        "PATCH",
-        target,
+        "patch",
+        api_version,
+        kind,
         body={"metadata": {"ownerReferences": [dict(owner)]}},
+        name=name,
+        namespace=namespace,
         content_type="application/strategic-merge-patch+json",
     )
 
 
 def delete(client: k8s_client.ApiClient, obj: Obj) -> None:
-    meta = obj["metadata"]
-    target = path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+    api_version, kind, namespace, name = _where(obj)
     try:
-        request(client, "DELETE", target, body={"propagationPolicy": "Background"})
+        _call(
+            client,
+            "delete",
+            api_version,
+            kind,
+            name=name,
+            namespace=namespace,
+            propagation_policy="Background",
+        )
     except ApiException as error:
         if error.status != 404:
             raise
@@ -141,11 +237,35 @@ def get(
     client: k8s_client.ApiClient, api_version: str, kind: str, namespace: str, name: str
 ) -> dict[str, Any] | None:
     try:
-        return request(client, "GET", path(api_version, kind, namespace, name))
+        return _call(client, "get", api_version, kind, name=name, namespace=namespace or None)
     except ApiException as error:
         if error.status == 404:
             return None
         raise
+
+
+def list_with_version(
+    client: k8s_client.ApiClient,
+    api_version: str,
+    kind: str,
+    namespace: str | None = None,
+    selector: str = "",
+) -> tuple[list[dict[str, Any]], str]:
+    """The objects (each with apiVersion and kind) and the list's resourceVersion, which a
+    watch starts from."""
+    listing = _call(
+        client,
+        "get",
+        api_version,
+        kind,
+        namespace=namespace or None,
+        label_selector=selector or None,
+    )
+    items = listing.get("items") or []
+    for item in items:  # list items lack apiVersion/kind; the pure code keys on them
+        item.setdefault("apiVersion", api_version)
+        item.setdefault("kind", kind)
+    return items, str(listing["metadata"]["resourceVersion"])
 
 
 def list_objects(
@@ -155,12 +275,39 @@ def list_objects(
     namespace: str | None = None,
     selector: str = "",
 ) -> list[dict[str, Any]]:
-    query = {"labelSelector": selector} if selector else None
-    items = request(client, "GET", path(api_version, kind, namespace), query=query).get("items", [])
-    for item in items:  # list items lack apiVersion/kind; the pure code keys on them
-        item.setdefault("apiVersion", api_version)
-        item.setdefault("kind", kind)
-    return items
+    return list_with_version(client, api_version, kind, namespace, selector)[0]
+
+
+def watch(
+    client: k8s_client.ApiClient,
+    watcher: k8s_watch.Watch,
+    api_version: str,
+    kind: str,
+    namespace: str | None,
+    selector: str,
+    resource_version: str,
+    timeout_s: int,
+) -> Iterator[dict[str, Any]]:
+    """The watch events after `resource_version`, bookmarks included, until the server ends the
+    watch (`timeout_s`) or `watcher.stop()`; each has `type` and `raw_object`, the object's JSON.
+    An expired version raises ApiException 410, whether the API answers the request with 410 or
+    sends it as an ERROR event (the library retries a 410 once only without a timeout).
+
+    This is DynamicClient.watch without its last step, which wraps every event's object in a
+    ResourceInstance that nothing here reads (it doubles the CPU of reading an object)."""
+    dynamic = _dynamic(client)
+    resource = dynamic.resource(api_version, kind)
+    with _plain_errors():
+        yield from watcher.stream(
+            resource.get,
+            namespace=namespace or None,
+            label_selector=selector or None,
+            resource_version=resource_version,
+            timeout_seconds=timeout_s,
+            allow_watch_bookmarks=True,
+            serialize=False,
+            _request_timeout=None,  # as the typed watch had: the server ends it at timeout_s
+        )
 
 
 def patch_status(
@@ -172,16 +319,30 @@ def patch_status(
 ) -> dict[str, Any]:
     """Merge-patch the status subresource: keys we leave out (autoscaling) stay as they are.
     With `resource_version`, only if the object is still that version (else 409 Conflict)."""
-    target = path(MD_API_VERSION, api.KIND, namespace, name) + "/status"
-    body: dict[str, Any] = {"status": status}
+    body: dict[str, Any] = {"status": dict(status)}
     if resource_version:
         body["metadata"] = {"resourceVersion": resource_version}
-    return request(client, "PATCH", target, body=body, content_type="application/merge-patch+json")
+    return _call(
+        client,
+        "patch",
+        MD_API_VERSION,
+        api.KIND,
+        subresource="status",
+        body=body,
+        name=name,
+        namespace=namespace,
+        content_type=MERGE_PATCH,
+    )
 
 
 def has_crd(client: k8s_client.ApiClient, name: str) -> bool:
     crd = get(client, "apiextensions.k8s.io/v1", "CustomResourceDefinition", "", name)
     return crd is not None
+
+
+def reporting_instance() -> str:
+    """Which operator process reported: the pod's name (the chart's POD_NAME), else the host."""
+    return (os.environ.get("POD_NAME") or socket.gethostname())[:128]
 
 
 def emit_event(
@@ -192,29 +353,29 @@ def emit_event(
     message: str,
     component: str,
 ) -> None:
-    """A core/v1 Event on the ModelDeployment, as `kubectl describe` shows them."""
+    """An events.k8s.io Event regarding the ModelDeployment, as `kubectl describe` shows them.
+    `kind`: Normal or Warning; `component`: the reporting controller. The reason names what was
+    done, so it is the action as well."""
     meta = involved["metadata"]
-    now = timestamps.rfc3339()
-    event = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            "name": f"{meta['name']}.{uuid.uuid4().hex[:16]}",
-            "namespace": meta["namespace"],
-        },
-        "involvedObject": {
-            "apiVersion": involved.get("apiVersion", MD_API_VERSION),
-            "kind": involved.get("kind", api.KIND),
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid", ""),
-        },
-        "type": kind,
-        "reason": reason,
-        "message": message[:1024],
-        "source": {"component": component},
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
-    request(client, "POST", path("v1", "Event", meta["namespace"]), body=event)
+    event = k8s_client.EventsV1Event(
+        metadata=k8s_client.V1ObjectMeta(
+            name=f"{meta['name']}.{uuid.uuid4().hex[:16]}", namespace=meta["namespace"]
+        ),
+        regarding=k8s_client.V1ObjectReference(
+            api_version=involved.get("apiVersion", MD_API_VERSION),
+            kind=involved.get("kind", api.KIND),
+            name=meta["name"],
+            namespace=meta["namespace"],
+            uid=meta.get("uid") or None,
+        ),
+        event_time=timestamps.client_micro_time(datetime.now(UTC)),
+        reporting_controller=component,
+        reporting_instance=reporting_instance(),
+        action=reason,
+        reason=reason,
+        note=message.encode()[:NOTE_LIMIT].decode(errors="ignore"),
+        type=kind,
+    )
+    k8s_client.EventsV1Api(client).create_namespaced_event(
+        meta["namespace"], event, _request_timeout=TIMEOUT_SECONDS
+    )

@@ -94,10 +94,6 @@ class LeaderLease:
         # Whether the last check learned who holds the Lease (an API error leaves it unknown).
         self.state_known = False
 
-    @property
-    def path(self) -> str:
-        return k8s.path(LEASE_API_VERSION, "Lease", self.namespace)
-
     def hold(self) -> bool:
         now = time.monotonic()
         if self._renewed_at is not None and now - self._renewed_at < self.renew_every_s:
@@ -139,7 +135,8 @@ class LeaderLease:
                 "metadata": {"name": self.name, "namespace": self.namespace},
                 "spec": taken({}, self.identity, self.duration_s, stamp),
             }
-            k8s.request(self.client, "POST", self.path, body=body)
+            if k8s.create(self.client, body) is None:  # another instance created it first
+                return False
             return self._took()
         spec = lease.get("spec") or {}
         if not may_take(spec, self.identity, self._unchanged_for(lease, now)):
@@ -155,7 +152,7 @@ class LeaderLease:
 
     def _put(self, lease: Mapping[str, Any]) -> None:
         # The body carries the resourceVersion read: a concurrent writer makes this a 409.
-        k8s.request(self.client, "PUT", f"{self.path}/{self.name}", body=lease)
+        k8s.replace(self.client, lease)
 
     def _took(self) -> bool:
         if self._problem or self._renewed_at is None:

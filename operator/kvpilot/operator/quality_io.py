@@ -117,6 +117,4 @@ def write_records(client: k8s_client.ApiClient, md: Obj, verdict: quality.Assess
         "data": dict(verdict.new_records),
     }
     if k8s.create(client, cache) is None:  # exists: add the keys, keep the others
-        target = k8s.path("v1", "ConfigMap", namespace, name)
-        body = {"data": dict(verdict.new_records)}
-        k8s.request(client, "PATCH", target, body, content_type="application/merge-patch+json")
+        k8s.merge_patch(client, cache, {"data": dict(verdict.new_records)})

@@ -19,6 +19,13 @@ def micro_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def client_micro_time(moment: datetime) -> datetime:
+    """`moment` for a MicroTime field of the typed client's models (an Event's eventTime). The
+    client writes datetimes with isoformat(), which leaves out a fraction of zero, and the API
+    reads a MicroTime only with its six digits: a whole second moves on by one microsecond."""
+    return moment if moment.microsecond else moment.replace(microsecond=1)
+
+
 def parse(stamp: str) -> datetime:
     """An API timestamp (`Z` or an offset) as an aware datetime."""
     return datetime.fromisoformat(stamp.replace("Z", "+00:00"))

@@ -155,6 +155,7 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         # the eval set read by name; the measurement cache created and merged into
         ("", "configmaps"): {"get", "create", "patch"},
         ("", "events"): {"create"},
+        ("events.k8s.io", "events"): {"create"},
         ("kvpilot.dev", "modeldeployments"): {"get", "list", "watch", "patch"},
         ("kvpilot.dev", "modeldeployments/status"): {"get", "patch"},
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 
 import pytest
+from kubernetes.client import ApiClient, EventsV1Event
 
 from kvpilot.operator import timestamps
 
@@ -30,3 +32,24 @@ def test_written_times_read_back() -> None:
     assert timestamps.rfc3339_from_unix(timestamps.unix("2026-01-02T03:04:05Z")) == (
         "2026-01-02T03:04:05Z"
     )
+
+
+MICRO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}(Z|[+-]\d\d:\d\d)")
+
+
+@pytest.mark.parametrize(
+    ("moment", "written"),
+    [
+        (MOMENT, MOMENT),  # a fraction: as it is
+        (MOMENT.replace(microsecond=0), MOMENT.replace(microsecond=1)),  # whole: one µs on
+        (datetime(2026, 1, 2, 3, 4, 5, 999999, tzinfo=UTC), None),
+    ],
+)
+def test_client_micro_time_writes_the_six_digits_the_api_reads(
+    moment: datetime, written: datetime | None
+) -> None:
+    got = timestamps.client_micro_time(moment)
+    assert got == (written or moment)
+    # as the typed client serialises a model's datetime (eventTime of an events.k8s.io Event)
+    serialised = ApiClient().sanitize_for_serialization(EventsV1Event(event_time=got))
+    assert MICRO_TIME.fullmatch(serialised["eventTime"])
