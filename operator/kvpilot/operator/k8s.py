@@ -36,7 +36,7 @@ from kvpilot.operator import api, timestamps
 Obj = Mapping[str, Any]
 MD_API_VERSION = f"{api.GROUP}/{api.VERSION}"
 TIMEOUT_SECONDS = 30
-CONNECTION_POOL_SIZE = 64
+CONNECTION_POOL_SIZE = 256
 MERGE_PATCH = "application/merge-patch+json"
 NOTE_LIMIT = 1024  # bytes: events.k8s.io rejects a longer note
 
@@ -48,8 +48,8 @@ def api_client(kubeconfig: str | None = None) -> k8s_client.ApiClient:
     except k8s_config.ConfigException:
         k8s_config.load_incluster_config()
     configuration = k8s_client.Configuration.get_default_copy()
-    # kopf runs up to 48 sync handlers at once; urllib3's default pool of 4 would open and drop
-    # a TLS connection for every request beyond that, which costs more CPU than the request.
+    # One connection per pass in flight (passes.WORKERS); beyond its pool urllib3 opens and
+    # drops a TLS connection for every request, which costs more CPU than the request.
     configuration.connection_pool_maxsize = CONNECTION_POOL_SIZE
     return k8s_client.ApiClient(configuration)
 
