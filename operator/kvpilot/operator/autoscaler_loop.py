@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from kvpilot.operator import (
@@ -181,13 +181,24 @@ class AutoscalerLoop:
                         key = await self.wakes.get()
                 except TimeoutError:
                     due = loop.time() + self.interval_s
-                    if await self.may_act():
-                        await self.tick()
+                    await self.survive(self.tick_if_held())
                     continue
-                await self.wake(self.wake_bodies.pop(key))
+                await self.survive(self.wake(self.wake_bodies.pop(key)))
         finally:
             if self.lease is not None:
                 await asyncio.to_thread(self.lease.release)
+
+    async def survive(self, work: Awaitable[object]) -> None:
+        """Run one tick or wake. An error nothing below expected (the API unreachable, a bug) is
+        logged, and the next tick tries again: it must not end the loop for good."""
+        try:
+            await work
+        except Exception:
+            log.exception("autoscaler: a tick or wake failed; the next tick tries again")
+
+    async def tick_if_held(self) -> None:
+        if await self.may_act():
+            await self.tick()
 
     async def tick(self) -> None:
         """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""

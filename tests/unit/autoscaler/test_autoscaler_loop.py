@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvpilot.operator import autoscaler, autoscaler_loop
+from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.policy import Decision, PolicyState
 
 
@@ -120,3 +123,47 @@ def test_wake_time_reads_the_gateways_annotation(
 ) -> None:
     md = {"metadata": {"name": "m", "annotations": annotations}}
     assert autoscaler.wake_time(md) == expected
+
+
+class FailingOnce(autoscaler_loop.AutoscalerLoop):
+    """A loop whose first tick meets an error nothing expects (the API unreachable)."""
+
+    def __init__(self) -> None:
+        controller = SimpleNamespace(config=OperatorConfig())
+        super().__init__(controller, interval_s=0.01)  # type: ignore[arg-type]
+        self.ticks = 0
+        self.woken: list[str] = []
+
+    async def tick(self) -> None:
+        self.ticks += 1
+        if self.ticks == 1:
+            raise ConnectionRefusedError("apiserver down")
+
+    async def wake(self, md: Any) -> bool:
+        self.woken.append(md["metadata"]["name"])
+        return True
+
+
+def test_a_failed_tick_is_logged_and_the_loop_goes_on_with_ticks_and_wakes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def main() -> FailingOnce:
+        loop = FailingOnce()
+        task = asyncio.create_task(loop.run())
+        async with asyncio.timeout(5):
+            while loop.ticks < 3:
+                await asyncio.sleep(0.01)
+        spec = {"autoscaling": {"mode": "builtin", "minReplicas": 0}}
+        status = {"plan": [{"fits": True}]}
+        md = {"metadata": {"namespace": "ns", "name": "m"}, "spec": spec, "status": status}
+        loop.wake_bodies[("ns", "m")] = md  # as request_wake queues it
+        loop.wakes.put_nowait(("ns", "m"))
+        async with asyncio.timeout(5):
+            while not loop.woken:
+                await asyncio.sleep(0.01)
+        task.cancel()
+        return loop
+
+    loop = asyncio.run(main())
+    assert loop.woken == ["m"]
+    assert "apiserver down" in caplog.text
