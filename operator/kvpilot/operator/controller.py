@@ -83,23 +83,23 @@ class Controller:
         # This ModelDeployment's own pods hold GPUs it may keep: count them as free for its plan.
         others = [p for p in pods if not _belongs_to(p, meta["namespace"], meta["name"])]
         node_types = inventory.discover(nodes, others, self.config.node_types)
-        spec = md.get("spec") or {}
-        wants_monitor = bool((spec.get("monitoring") or {}).get("podMonitor"))
+        spec = parse_spec(md)
+        wants_monitor = spec is not None and spec.monitoring.pod_monitor
         has_crd = wants_monitor and k8s.has_crd(self.client, POD_MONITOR_CRD)
         # One GET per pass, and only for a ModelDeployment that asks for a pool; the
         # inference-pool-crd handler passes those again when the CRD arrives later.
-        wants_pool = bool((spec.get("routing") or {}).get("endpointPickerRef"))
+        wants_pool = spec is not None and spec.routing.endpoint_picker_ref is not None
         has_pool_crd = wants_pool and k8s.has_crd(self.client, INFERENCE_POOL_CRD)
-        cache, job = self._read_cache(md)
+        cache, job = self._read_cache(md, spec)
         desired = reconcile.desire(
             md,
             node_types,
             self.config,
             has_crd,
-            self._source_facts(md),
+            self._source_facts(md, spec),
             cache,
             has_pool_crd,
-            quality_io.observe(self.client, md),
+            quality_io.observe(self.client, md, spec),
             timestamps.rfc3339(),
         )
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
@@ -125,14 +125,12 @@ class Controller:
             if k8s.get(self.client, k8s.MD_API_VERSION, api.KIND, namespace, name) is None
         )
 
-    def _read_cache(self, md: Obj) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
+    def _read_cache(
+        self, md: Obj, spec: api.ModelDeploymentSpec | None
+    ) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
         """The model cache's state and its fill Job (None: not made yet); (None, None) when the
-        spec asks for no cache."""
-        try:
-            spec = api.parse_spec(md.get("spec") or {})
-        except ValidationError:
-            return None, None  # desire reports the bad spec
-        if spec.model.cache is None:
+        spec asks for no cache (or is invalid: desire reports it)."""
+        if spec is None or spec.model.cache is None:
             return None, None
         namespace, name = md["metadata"]["namespace"], manifests.cache_claim_name(spec.model.uri)
         job = k8s.get(self.client, "batch/v1", "Job", namespace, name)
@@ -145,13 +143,11 @@ class Controller:
         )
         return model_cache.status(name, job, pods), job
 
-    def _source_facts(self, md: Obj) -> ModelFacts | str | None:
+    def _source_facts(
+        self, md: Obj, spec: api.ModelDeploymentSpec | None
+    ) -> ModelFacts | str | None:
         """Facts read from an uncatalogued model's config.json, or why they could not be."""
-        try:
-            spec = api.parse_spec(md.get("spec") or {})
-        except ValidationError:
-            return None  # desire reports the bad spec
-        if not model_facts.needs_reading(spec):
+        if spec is None or not model_facts.needs_reading(spec):
             return None
         try:
             return self.facts.read(md["metadata"]["namespace"], spec)
@@ -263,6 +259,15 @@ class Controller:
             k8s.emit_event(self.client, md, kind, reason, message, COMPONENT)
         except k8s.ApiException as error:  # an Event is a courtesy; never fail the pass over it
             log.warning("could not post event %s: %s", reason, error.reason)
+
+
+def parse_spec(md: Obj) -> api.ModelDeploymentSpec | None:
+    """The spec, parsed once per pass where the object comes in; None when it is invalid (the
+    pass's `reconcile.desire` says why, in the status)."""
+    try:
+        return api.parse_spec(md.get("spec") or {})
+    except ValidationError:
+        return None
 
 
 def _belongs_to(pod: Obj, namespace: str, name: str) -> bool:

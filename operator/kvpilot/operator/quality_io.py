@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubernetes import client as k8s_client
-from pydantic import ValidationError
 
 from kvpilot.operator import api, k8s, manifests, quality, quality_job
 
@@ -23,12 +22,12 @@ Obj = Mapping[str, Any]
 log = logging.getLogger(__name__)
 
 
-def observe(client: k8s_client.ApiClient, md: Obj) -> quality.Observed | None:
-    """What this pass needs to judge quality; None without an eval set (or a spec desire
-    reports as invalid)."""
-    try:
-        spec = api.parse_spec(md.get("spec") or {})
-    except ValidationError:
+def observe(
+    client: k8s_client.ApiClient, md: Obj, spec: api.ModelDeploymentSpec | None
+) -> quality.Observed | None:
+    """What this pass needs to judge quality; None without an eval set (or with a spec
+    desire reports as invalid: `spec` None)."""
+    if spec is None:
         return None
     evaluation = spec.quantization.evaluation
     if evaluation is None:
