@@ -23,9 +23,10 @@ from kvpilot.operator.controller import Controller
 from kvpilot.operator.workqueue import Body, Key, WorkQueue
 
 # Passes in flight at once. A pass mostly waits on the API, and under a burst each of its writes
-# waits long (bench.operator_scale, 200 creates on 2 cores: create -> Deployment p95 11.7 s with
-# 16, 7.9 s with 48, 2.3 s with 128, 1.2 s with 256), so the burst is best passed all at once. An
-# idle thread costs little; the pool makes them only as passes need them.
+# waits long (`python -m bench.operator_scale` with WORKERS set to each value, 200 creates on 2
+# cores: create -> Deployment p95 11.7 s with 16, 7.9 s with 48, 2.3 s with 128, 1.2 s with 256),
+# so the burst is best passed all at once. An idle thread costs little; the pool makes them only
+# as passes need them.
 WORKERS = 256
 log = logging.getLogger(__name__)
 
