@@ -270,11 +270,14 @@ def report(count: int, nodes: int, runs: dict[str, dict[str, Any]]) -> str:
     """One column per run; `met` is for the last one (this checkout)."""
     last = list(runs.values())[-1]
     rows: list[list[object]] = [
-        [figure.format(count=count), *(show(r) for r in runs.values()), target, met(last)]
+        [
+            figure.format(count=count),
+            *(show(r) for r in runs.values()),
+            target,
+            "yes" if met(last) else "no",
+        ]
         for figure, show, target, met in FIGURES
     ]
-    for row in rows:
-        row[-1] = "yes" if row[-1] else "no"
     creates = count + 1 + IDLE_CREATES
     breakdown = "\n".join(
         f"- {label}: {top_writes(r['writes'], creates)}" for label, r in runs.items()

@@ -40,6 +40,12 @@ class Recorder:
             self.running.discard(key)
 
 
+async def until_idle(queue: WorkQueue[str]) -> None:
+    async with asyncio.timeout(5):
+        while not queue.is_idle():
+            await asyncio.sleep(0.01)
+
+
 def run(test: Callable[[WorkQueue[str], Recorder], Awaitable[None]], workers: int = 4) -> Recorder:
     """Run `test` against a queue with `workers` workers; wait until the queue is idle."""
     recorder = Recorder()
@@ -49,9 +55,7 @@ def run(test: Callable[[WorkQueue[str], Recorder], Awaitable[None]], workers: in
         task = asyncio.create_task(queue.run(workers))
         try:
             await test(queue, recorder)
-            async with asyncio.timeout(5):
-                while not queue.is_idle():
-                    await asyncio.sleep(0.01)
+            await until_idle(queue)
         finally:
             task.cancel()
         assert not recorder.overlapped, "two passes of one key overlapped"
@@ -96,9 +100,7 @@ def test_queued_requests_merge_into_one_full_pass_with_the_latest_body() -> None
         queue.put(("ns", "m"), True, {"v": 1})
         queue.put(("ns", "m"), False, {"v": 2})
         recorder.hold.set()
-        async with asyncio.timeout(5):
-            while not queue.is_idle():
-                await asyncio.sleep(0.01)
+        await until_idle(queue)
         assert recorder.calls == [("busy", False, None), ("m", True, 2)]
 
     run(test, workers=1)
@@ -123,9 +125,7 @@ def test_a_failed_pass_fails_its_waiters_and_frees_the_key() -> None:
         with pytest.raises(RuntimeError, match="API down"):
             await queue.wait(("ns", "m"), True)
         queue.put(("ns", "m"), False)  # nobody waits: logged, not raised
-        async with asyncio.timeout(5):
-            while not queue.is_idle():
-                await asyncio.sleep(0.01)
+        await until_idle(queue)
         recorder.fail = None
         assert await queue.wait(("ns", "m"), True) == "m#3"
 
