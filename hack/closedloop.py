@@ -31,7 +31,7 @@ def tiny_llama(name: str, max_num_seqs: int, autoscaling: dict[str, Any]) -> dic
 
 
 def apply_crds(cluster: DevCluster) -> None:
-    """The project's CRDs (crds/: ModelDeployment, kopf's peerings), applied and Established."""
+    """The project's CRDs (crds/: ModelDeployment), applied and Established."""
     crds = str(REPO_ROOT / "crds")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", crds)
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", crds)

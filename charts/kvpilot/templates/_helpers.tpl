@@ -130,13 +130,6 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
   verbs: [get, list, watch]
 {{- end -}}
 
-{{/* kopf peering: kopf lists, watches and patches it; cli.ensure_peering creates it by apply. */}}
-{{- define "kvpilot.peeringRule" -}}
-- apiGroups: [kopf.dev]
-  resources: [{{ if .Values.watchNamespace }}kopfpeerings{{ else }}clusterkopfpeerings{{ end }}]
-  verbs: [get, list, watch, create, patch]
-{{- end -}}
-
 {{/* The gateway (kvpilot-gateway): its own name, labels, identity and image. */}}
 {{- define "kvpilot.gateway.fullname" -}}
 {{- printf "%s-gateway" (include "kvpilot.fullname" .) | trunc 63 | trimSuffix "-" -}}

@@ -11,7 +11,8 @@ Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: built
   of spec.replicas.
 
 Each tick LISTs the ModelDeployments and their runtime pods once (not per object). With more than
-one operator instance, only the one holding a Lease runs the loop (lease.py).
+one operator instance, only the one holding the leader-election Lease runs kopf and so this loop
+(lease.py).
 
 A task on kopf's event loop, started by the startup handler, not a kopf timer: kopf timers put
 a finalizer on every ModelDeployment, and then `kubectl delete` hangs whenever the operator is
@@ -42,7 +43,6 @@ from kvpilot.operator import (
 )
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
-from kvpilot.operator.lease import LeaderLease
 from kvpilot.operator.policy import Decision, Observations, decide, wake
 
 Obj = Mapping[str, Any]
@@ -157,12 +157,8 @@ class AutoscalerLoop:
         controller: Controller,
         interval_s: float,
         indexes: Callable[[], Inventory | None] | None = None,
-        lease: LeaderLease | None = None,
-        readiness: observability.Readiness | None = None,
     ) -> None:
         self.controller = controller
-        self.readiness = readiness or observability.Readiness()
-        self.lease = lease  # None: this is the only instance (--standalone)
         self.indexes = indexes  # the kopf watch indexes' snapshot, once they follow the cluster
         self.interval_s = interval_s
         self.wakes: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -171,22 +167,17 @@ class AutoscalerLoop:
         self.prometheus = runtime_metrics.PrometheusMetrics(url) if url else None
 
     async def run(self) -> None:
-        try:
-            await self.may_act()  # learn the Lease's state at once: readiness waits for it
-            loop = asyncio.get_running_loop()
-            due = loop.time() + self.interval_s
-            while True:
-                try:
-                    async with asyncio.timeout_at(due):
-                        key = await self.wakes.get()
-                except TimeoutError:
-                    due = loop.time() + self.interval_s
-                    await self.survive(self.tick_if_held())
-                    continue
-                await self.survive(self.wake(self.wake_bodies.pop(key)))
-        finally:
-            if self.lease is not None:
-                await asyncio.to_thread(self.lease.release)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.interval_s
+        while True:
+            try:
+                async with asyncio.timeout_at(due):
+                    key = await self.wakes.get()
+            except TimeoutError:
+                due = loop.time() + self.interval_s
+                await self.survive(self.tick())
+                continue
+            await self.survive(self.wake(self.wake_bodies.pop(key)))
 
     async def survive(self, work: Awaitable[object]) -> None:
         """Run one tick or wake. An error nothing below expected (the API unreachable, a bug) is
@@ -195,10 +186,6 @@ class AutoscalerLoop:
             await work
         except Exception:
             log.exception("autoscaler: a tick or wake failed; the next tick tries again")
-
-    async def tick_if_held(self) -> None:
-        if await self.may_act():
-            await self.tick()
 
     async def tick(self) -> None:
         """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""
@@ -210,16 +197,8 @@ class AutoscalerLoop:
             log.warning("autoscaler: cannot list runtime pods: %s", error.reason)
             return
         for md in scaled:
-            if not await self.may_act():
-                return
             meta = md["metadata"]
             await self.scale_one(md, pods.get((meta["namespace"], meta["name"]), []))
-
-    async def may_act(self) -> bool:
-        """Only the instance holding the Lease scales (cheap: it renews every third of it)."""
-        holds = self.lease is None or await asyncio.to_thread(self.lease.hold)
-        self.readiness.lease_known = self.lease is None or self.lease.state_known
-        return holds
 
     def safe_list(self) -> list[dict[str, Any]]:
         try:
@@ -253,8 +232,6 @@ class AutoscalerLoop:
 
     async def wake(self, md: Obj) -> bool:
         """Act on a queued wake: True when it asked for a replica."""
-        if not await self.may_act():
-            return False  # the Lease holder sees the same wake on its next tick
         meta = md["metadata"]
         current = int((md.get("status") or {}).get("replicas") or 0)
         try:

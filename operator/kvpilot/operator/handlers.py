@@ -9,7 +9,8 @@ of pass (passes.Reconciler's work queue runs them, one at a time per object, in 
   its status changed -> status-only pass (readyReplicas, Ready).
 - Nodes and GPU pods are kept in kopf indexes; when the nodes' GPU facts change (a node pool
   added or removed), every ModelDeployment is re-planned once things settle (passes.Replanner).
-- The autoscaler loop and the re-planner are tasks on the same loop, started at startup.
+- The autoscaler loop and the re-planner are tasks on the same loop, started at startup, and so
+  is the keeper of the leader-election Lease: kopf runs only in the instance holding it (cli.py).
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from kvpilot.operator import (
 )
 from kvpilot.operator.autoscaler_loop import AutoscalerLoop
 from kvpilot.operator.controller import INFERENCE_POOL_CRD, Controller, controller_owner
+from kvpilot.operator.lease import LeaderLease
 from kvpilot.operator.passes import Reconciler, Replanner
 from kvpilot.operator.workqueue import WorkQueue
 
 MD = (api.GROUP, api.VERSION, api.PLURAL)
 CHILD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
 MAX_BACKOFF_SECONDS = 60
-PEERING_LIFETIME_SECONDS = 20
 log = logging.getLogger(__name__)
 
 
@@ -55,9 +56,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kopf.kvpilot.dev", key="last-handled-configuration"
     )
-    # Instances of equal priority all pause while another one's peering record is alive; a
-    # crashed instance's record thus blocks its replacement for this long (kopf's default: 60 s).
-    settings.peering.lifetime = PEERING_LIFETIME_SECONDS
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     if "controller" not in memo:
@@ -71,19 +69,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     memo["reconciler"] = reconciler
     memo["replanner"] = Replanner(reconciler)
     memo["autoscaler"] = AutoscalerLoop(
-        controller,
-        controller.config.autoscaler_interval_seconds,
-        reconciler.known_inventory,
-        memo.get("lease"),
-        memo["readiness"],
+        controller, controller.config.autoscaler_interval_seconds, reconciler.known_inventory
     )
+    loops = [reconciler.run(), memo["replanner"].run(), memo["autoscaler"].run()]
+    lease: LeaderLease | None = memo.get("lease")
+    if lease is not None:  # losing it stops kopf (the stop flag cli.py gave it)
+        loops.append(lease.keep(memo["lease_lost"].set))
     memo["tasks"] = [
-        asyncio.create_task(work(), name=f"kvpilot-{name}")
-        for name, work in (
-            ("passes", reconciler.run),
-            ("replanner", memo["replanner"].run),
-            ("autoscaler", memo["autoscaler"].run),
-        )
+        asyncio.create_task(loop, name=f"kvpilot-{name}")
+        for name, loop in zip(("passes", "replanner", "autoscaler", "lease"), loops, strict=False)
     ]
     memo["readiness"].started = True
 
@@ -93,9 +87,12 @@ async def stop_loops(memo: Any, **_: Any) -> None:
     tasks = memo.get("tasks") or []
     for task in tasks:
         task.cancel()
-    for task in tasks:  # the autoscaler releases its Lease on the way out
+    for task in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+    lease: LeaderLease | None = memo.get("lease")
+    if lease is not None:  # let it go last, once nothing acts: a standby takes over at once
+        await asyncio.to_thread(lease.release)
 
 
 @kopf.index("", "v1", "nodes", id="gpu_nodes")

@@ -1,20 +1,25 @@
-"""One autoscaler loop per cluster: a coordination.k8s.io Lease, as client-go's leader election.
+"""Leader election: a coordination.k8s.io Lease, as client-go's leaderelection, is the one decision
+of which operator instance acts.
 
-kopf's peering pauses the handlers of instances that are not active, but not threads the operator
-starts itself; without a Lease every replica of the operator would run the autoscaler loop and
-each ModelDeployment would be scaled once per replica. The instance holding the Lease runs the
-loop and renews the Lease as it goes. Another instance takes it over when the record has not
-changed for `leaseDurationSeconds` by that instance's own clock (as client-go does, so the
-instances' clocks need not agree), or at once when the holder lets it go on a clean stop.
+An instance first waits for the Lease (`wait_until_held`), answering its probes as a standby; only
+then does it start kopf (with no kopf peering) and the loops kopf's startup handler starts. While
+it runs, `keep` renews the Lease; an instance that loses it (another holds it, or no renewal got
+through for `renew_deadline_s`) stops kopf and exits, and its pod restarts as a standby. So kopf's
+handlers, the autoscaler and the re-planner always run in the same single instance. Another
+instance takes the Lease over when the record has not changed for `leaseDurationSeconds` by that
+instance's own clock (as client-go does, so the instances' clocks need not agree), or at once when
+the holder lets it go on a clean stop. The holder gives up at two thirds of the duration, so it has
+stopped acting before a standby may take over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ from kubernetes import client as k8s_client
 
 from kvpilot.operator import k8s, timestamps
 
-LEASE_NAME = "kvpilot-autoscaler"
+LEASE_NAME = "kvpilot-operator"
 LEASE_API_VERSION = "coordination.k8s.io/v1"
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 log = logging.getLogger(__name__)
@@ -52,6 +57,13 @@ def taken(spec: Mapping[str, Any], identity: str, duration_s: int, now: str) -> 
         )
     new.update(holderIdentity=identity, leaseDurationSeconds=duration_s, renewTime=now)
     return new
+
+
+def has_lost(held: bool, holder_known: bool, since_renewal_s: float, deadline_s: float) -> bool:
+    """Whether the holder must stop acting (pure): another instance holds the Lease now, or no
+    renewal has got through for `deadline_s` (the API unreachable), after which a standby may
+    soon take it over."""
+    return not held and (holder_known or since_renewal_s > deadline_s)
 
 
 def released(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -88,7 +100,11 @@ class LeaderLease:
         self.client, self.namespace, self.name = client, namespace, name
         self.identity, self.duration_s = identity, duration_s
         self.renew_every_s = duration_s / 3  # two renewals may fail before another takes over
+        self.renew_deadline_s = duration_s * 2 / 3  # stop acting before a standby may take over
+        self.retry_s = min(2.0, duration_s / 6)  # how often a standby, or a failed renewal, tries
         self._renewed_at: float | None = None  # monotonic time of our last successful write
+        self.last_renewal = time.monotonic()  # of the last successful write, kept across failures
+        self.holder = ""  # who holds it, as last read ("" unknown or nobody)
         self._seen: tuple[str, float] | None = None  # (resourceVersion, first seen, monotonic)
         self._problem = ""
         # Whether the last check learned who holds the Lease (an API error leaves it unknown).
@@ -113,6 +129,36 @@ class LeaderLease:
         self._renewed_at = now if holds else None
         return holds
 
+    def wait_until_held(self, on_check: Callable[[], None] = lambda: None) -> None:
+        """Block until this instance holds the Lease (a standby waits here), calling `on_check`
+        after each try so readiness can follow `state_known`."""
+        waiting_for = None  # log each new holder once, not on every try
+        while not self.hold():
+            on_check()
+            if self.holder and self.holder != waiting_for:
+                waiting_for = self.holder
+                log.info(
+                    "standby: Lease %s/%s is held by %s", self.namespace, self.name, self.holder
+                )
+            time.sleep(self.retry_s)
+        on_check()
+
+    async def keep(self, on_lost: Callable[[], None]) -> None:
+        """Renew the Lease until cancelled; call `on_lost` once and return when it is lost."""
+        while True:
+            await asyncio.sleep(self.retry_s)
+            held = await asyncio.to_thread(self.hold)
+            since = time.monotonic() - self.last_renewal
+            if has_lost(held, self.state_known, since, self.renew_deadline_s):
+                log.error(
+                    "lost Lease %s/%s (holder now: %s); stopping so another instance acts alone",
+                    self.namespace,
+                    self.name,
+                    self.holder or "unknown",
+                )
+                on_lost()
+                return
+
     def release(self) -> None:
         """Let the Lease go on a clean stop, so a standby takes over without waiting."""
         if self._renewed_at is None:
@@ -127,6 +173,7 @@ class LeaderLease:
 
     def _take_or_renew(self, now: float) -> bool:
         lease = k8s.get(self.client, LEASE_API_VERSION, "Lease", self.namespace, self.name)
+        self.holder = str(((lease or {}).get("spec") or {}).get("holderIdentity") or "")
         stamp = timestamps.micro_time(datetime.now(UTC))
         if lease is None:
             body = {
@@ -157,10 +204,11 @@ class LeaderLease:
     def _took(self) -> bool:
         if self._problem or self._renewed_at is None:
             log.info("holding Lease %s/%s as %s", self.namespace, self.name, self.identity)
-        self._problem = ""
+        self._problem, self.holder = "", self.identity
+        self.last_renewal = time.monotonic()
         return True
 
     def _report(self, problem: str) -> None:
         if problem != self._problem:  # once per new problem, not on every tick
-            log.warning("%s; the autoscaler loop waits until it can", problem)
+            log.warning("%s; trying again", problem)
         self._problem = problem

@@ -1,12 +1,13 @@
 """The operator's own health and Prometheus metrics: `/healthz`, `/readyz` and `/metrics` on one
 port.
 
-`/healthz` says the process answers; `/readyz` says the operator can do its job: kopf has run the
-startup handler (settings applied, the replanner and the autoscaler loop started) and this
-instance has learned from the API whether it holds the autoscaler's Lease (`Readiness`). Until
-both, it answers 503 with what is missing. It does not wait for kopf's first listing: kopf keeps
-a peering standby's watches paused, and a standby that never turned Ready would stall the
-operator Deployment's rolling update.
+`/healthz` says the process answers (a standby too: kopf's own probe endpoint starts only with
+kopf, once this instance holds the Lease). `/readyz` says the instance knows its role: it has
+learned from the API who holds the leader-election Lease, and, if it is the holder, kopf has run
+the startup handler (settings applied, the passes, re-planner and autoscaler started); a standby
+is ready as soon as it knows another instance holds the Lease (`Readiness`). Until then it answers
+503 with what is missing. A standby that never turned Ready would stall the operator
+Deployment's rolling update.
 
 Handlers call the plain `record_*` functions; `start_server(port)` serves them from a daemon thread
 (stdlib HTTP server, so it runs beside kopf's event loop without touching it) and returns a callable
@@ -120,18 +121,22 @@ def record_metrics_error(source: str, metrics: OperatorMetrics | None = None) ->
 
 @dataclass
 class Readiness:
-    """Set by the startup handler and by the autoscaler loop after each Lease check; read by
-    `/readyz`. Plain booleans, each written by one thread."""
+    """Set while waiting for the Lease (cli.wait_for_lease) and by the startup handler; read by
+    `/readyz`. Plain booleans, each written by one thread.
+
+    A standby is ready once it knows another instance holds the Lease: it has nothing to do
+    until then, and a rollout of two replicas waits for both to turn Ready."""
 
     started: bool = False
     lease_known: bool = False
+    standby: bool = False
 
     def missing(self) -> list[str]:
         missing = []
-        if not self.started:
-            missing.append("kopf has not run the startup handler")
         if not self.lease_known:
-            missing.append("the autoscaler Lease's holder is not known (API unreachable?)")
+            missing.append("the leader-election Lease's holder is not known (API unreachable?)")
+        if not self.started and not self.standby:
+            missing.append("kopf has not run the startup handler")
         return missing
 
     def is_ready(self) -> bool:

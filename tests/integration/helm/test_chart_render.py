@@ -66,11 +66,7 @@ def test_rendered_objects_validate_against_kubernetes_1_37(
         kubernetes_validate.validate(obj, "1.37.0", strict=True)
     assert {"Deployment", "ServiceAccount", "ClusterRole", "ConfigMap"} <= set(kinds(objects))
     crds = {o["metadata"]["name"] for o in objects if o["kind"] == "CustomResourceDefinition"}
-    assert crds == {
-        "modeldeployments.kvpilot.dev",
-        "kopfpeerings.kopf.dev",
-        "clusterkopfpeerings.kopf.dev",
-    }
+    assert crds == {"modeldeployments.kvpilot.dev"}  # leader election needs no CRD: a Lease
 
 
 def test_a_schema_violation_is_caught_by_the_validator(helm_bin: Path) -> None:
@@ -159,7 +155,6 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         ("kvpilot.dev", "modeldeployments"): {"get", "list", "watch", "patch"},
         ("kvpilot.dev", "modeldeployments/status"): {"get", "patch"},
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-        ("kopf.dev", "clusterkopfpeerings"): {"get", "list", "watch", "create", "patch"},
         ("coordination.k8s.io", "leases"): {"get", "create", "update"},
         # InferencePools (spec.routing.endpointPickerRef): applied, read, deleted by name
         ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},
@@ -221,7 +216,7 @@ def test_namespaced_install_keeps_namespaced_rights_in_a_role(helm_bin: Path) ->
     cluster_resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
     assert cluster_resources == {"nodes", "customresourcedefinitions"}
     role_resources = {r for rule in role["rules"] for r in rule["resources"]}
-    assert "kopfpeerings" in role_resources and "clusterkopfpeerings" not in role_resources
+    assert not {"kopfpeerings", "clusterkopfpeerings"} & role_resources  # the Lease decides
     assert "--namespace=ml-team" in container(objects)["args"]
 
 
@@ -233,8 +228,10 @@ def test_operator_pod_is_locked_down(helm_bin: Path) -> None:
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # Both on the operator's own server, which a standby waiting for the Lease runs too.
+    ports = {port["name"]: port["containerPort"] for port in c["ports"]}
+    for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert c[probe]["httpGet"] == {"path": path, "port": ports["metrics"]}
     assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
 
 
@@ -288,8 +285,9 @@ def test_container_args_are_what_the_operator_cli_parses(helm_bin: Path) -> None
     assert parsed.command == "run"
     assert str(parsed.config) == "/etc/kvpilot/config.yaml"
     assert parsed.namespace == "ml-team" and parsed.verbose is True
-    assert parsed.liveness == "http://0.0.0.0:8080/healthz"
+    assert parsed.liveness == ""  # kopf's endpoint starts only in the Lease holder: unused
     assert parsed.metrics_port == 9090
+    assert parsed.standalone is False  # replicas elect one leader through the Lease
 
 
 def test_service_monitor_scrapes_the_metrics_port(helm_bin: Path) -> None:

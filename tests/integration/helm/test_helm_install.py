@@ -16,7 +16,7 @@ from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-CRDS = ("modeldeployments.kvpilot.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
+CRDS = ("modeldeployments.kvpilot.dev",)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,6 @@ ALLOWED = [
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", "status"),
     ("get", "customresourcedefinitions.apiextensions.k8s.io", "", ""),
-    ("create", "clusterkopfpeerings.kopf.dev", "", ""),
-    ("patch", "clusterkopfpeerings.kopf.dev", "", ""),
 ]
 # Outside its list: secrets, listing or deleting ConfigMaps, other workloads, RBAC, spec writes
 # by update/create, cluster admin.
@@ -122,6 +120,7 @@ DENIED = [
     ("create", "customresourcedefinitions.apiextensions.k8s.io", "", ""),
     ("delete", "namespaces", "", ""),
     ("create", "kopfpeerings.kopf.dev", "anywhere", ""),
+    ("patch", "clusterkopfpeerings.kopf.dev", "", ""),  # the Lease decides, not kopf's peering
 ]
 
 
@@ -177,11 +176,11 @@ def test_service_account_may_hold_only_the_autoscaler_lease(release: tuple[Relea
     leases = "leases.coordination.k8s.io"
     assert rel.can("create", leases, rel.namespace)
     for verb in ("get", "update"):
-        assert rel.can(verb, leases, rel.namespace, name="kvpilot-autoscaler")
+        assert rel.can(verb, leases, rel.namespace, name="kvpilot-operator")
         assert not rel.can(verb, leases, rel.namespace, name="kube-controller-manager")
-        assert not rel.can(verb, leases, "kube-system", name="kvpilot-autoscaler")
+        assert not rel.can(verb, leases, "kube-system", name="kvpilot-operator")
     assert not rel.can("create", leases, "kube-system")
-    assert not rel.can("delete", leases, rel.namespace, name="kvpilot-autoscaler")
+    assert not rel.can("delete", leases, rel.namespace, name="kvpilot-operator")
 
 
 def test_kubectl_auth_can_i_agrees(release: tuple[Release, str]) -> None:
@@ -237,7 +236,6 @@ def test_namespaced_install_grants_rights_in_one_namespace(cluster: Any, helm_bi
     try:
         rel.install({"watchNamespace": watched, "replicaCount": "1"})
         assert rel.can("create", "deployments.apps", watched)
-        assert rel.can("patch", "kopfpeerings.kopf.dev", watched)
         assert rel.can("patch", "modeldeployments.kvpilot.dev", watched, "status")
         assert not rel.can("create", "deployments.apps", "elsewhere")
         assert not rel.can("list", "pods")  # all namespaces

@@ -72,16 +72,15 @@ def chart_args(helm_binary: Path, config: Path, kubeconfig: Path) -> tuple[list[
     metrics_port = free_port()
     local = {
         "--config": f"--config={config}",
-        "--liveness": f"--liveness=http://127.0.0.1:{free_port()}/healthz",
         "--metrics-port": f"--metrics-port={metrics_port}",
     }
     args = [local.get(a.split("=", 1)[0], a) for a in container(render(helm_binary))["args"]]
     return [*args, f"--kubeconfig={kubeconfig}"], metrics_port
 
 
-# Two instances, as a chart with replicaCount 2 runs them. Each gets its own peering priority
-# here (the CLI draws one at random when none is given; a tie would pause both, a rare flake).
-PRIORITIES = (20, 10)
+# Two instances, as a chart with replicaCount 2 runs them: the first takes the leader-election
+# Lease and acts, the second waits as a standby.
+INSTANCES = 2
 
 
 @pytest.fixture
@@ -94,16 +93,16 @@ def operators(
     # POD_NAMESPACE: what the chart's downward API gives the pod (the autoscaler Lease's home)
     env = {**cluster.env, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": release.namespace}
     running = []
-    for i, priority in enumerate(PRIORITIES):
+    for i in range(INSTANCES):
         args, metrics_port = chart_args(helm_binary, config, kubeconfig)
-        argv = [str(OPERATOR), *args, f"--priority={priority}"]
+        argv = [str(OPERATOR), *args]
         proc = OperatorProcess(argv, env, tmp_path / f"operator-{i}.log")
         running.append((proc, metrics_port))
-        # one at a time: the standby must find the active instance's record when it starts
+        # one at a time, so the first is the one that acts: ready means it knows its role
         wait_until(
-            lambda p=priority: p in peering_priorities(cluster),  # type: ignore[misc]
+            lambda port=metrics_port: is_ready(port),  # type: ignore[misc]
             timeout_s=60,
-            what=f"instance with priority {priority} in the peering",
+            what=f"instance {i} ready",
         )
     yield running
     for proc, _ in running:
@@ -116,11 +115,12 @@ def namespace(cluster: Any) -> Iterator[str]:
         yield name
 
 
-def peering_priorities(cluster: Any) -> set[int]:
-    peering = cluster.kubectl("get", "clusterkopfpeering", "kvpilot", "-o", "json", check=False)
-    if peering.returncode != 0:
-        return set()
-    return {peer["priority"] for peer in (json.loads(peering.stdout).get("status") or {}).values()}
+def is_ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+            return bool(response.status == 200)
+    except OSError:  # not listening yet, or 503 (HTTPError is an OSError)
+        return False
 
 
 def condition(md: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -163,9 +163,8 @@ def test_operator_as_its_service_account_reconciles_the_examples(
     )
     events = get_json(cluster, "events", "-n", namespace, "--field-selector", "reason=Planned")
     assert {e["involvedObject"]["name"] for e in events["items"]} >= set(EXAMPLES)
-    assert peering_priorities(cluster) >= set(PRIORITIES)  # both instances are in the peering
     standby = operators[1][0].text()
-    assert "Handler '" not in standby, standby[-2000:]  # only the higher priority acted
+    assert "Handler '" not in standby, standby[-2000:]  # only the Lease holder acted
 
     # Git stays the source of truth: the operator wrote status (and kopf an annotation), not spec.
     for path in EXAMPLES.values():
@@ -174,14 +173,14 @@ def test_operator_as_its_service_account_reconciles_the_examples(
         )
         assert diff.returncode == 0 and diff.stdout == "", diff.stdout + diff.stderr
 
-    # One instance runs the autoscaler loop: the Role lets it take the Lease by name.
-    identities = {f"{socket.gethostname()}_{proc.proc.pid}" for proc, _ in operators}
+    # The first instance holds the Lease: the Role lets it take it by name.
+    first = f"{socket.gethostname()}_{operators[0][0].proc.pid}"
     lease = wait_until(
         lambda: (
             cluster.kubectl(
                 "get",
                 "lease",
-                "kvpilot-autoscaler",
+                "kvpilot-operator",
                 "-n",
                 release.namespace,
                 "-o",
@@ -190,9 +189,9 @@ def test_operator_as_its_service_account_reconciles_the_examples(
             ).stdout
         ),
         timeout_s=60,
-        what="the autoscaler Lease",
+        what="the leader-election Lease",
     )
-    assert json.loads(lease)["spec"]["holderIdentity"] in identities
+    assert json.loads(lease)["spec"]["holderIdentity"] == first
 
     for proc, _ in operators:
         log = proc.text()

@@ -1,13 +1,14 @@
 """The real operator (`kvpilot-operator run`) through a ModelDeployment's life on the local control
-plane: scale, edit, drift, delete, a restart mid-reconcile, a new node pool, peering. Observed
-with real `kubectl`: what the apiserver stored, what the scheduler placed on which kwok GPU node,
-what the garbage collector removed. Each test gets its own namespace and operator process.
+plane: scale, edit, drift, delete, a restart mid-reconcile, a new node pool, leader election.
+Observed with real `kubectl`: what the apiserver stored, what the scheduler placed on which kwok
+GPU node, what the garbage collector removed. Each test gets its own namespace and operator process.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from hack.devcluster import nodepools
+from kvpilot.operator.lease import LEASE_NAME
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,
@@ -206,47 +208,66 @@ def test_a_new_node_pool_is_planned_in(cluster: Any, operator: Operator, namespa
         cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
 
 
-def test_peering_lets_one_instance_act(
+def lease_holder(cluster: Any) -> str:
+    """Who holds the leader-election Lease (the tests' operators run in namespace default)."""
+    lease = get(cluster, "lease", LEASE_NAME, "-n", "default")
+    return str(lease["spec"].get("holderIdentity") or "")
+
+
+def identity(operator: Operator) -> str:
+    assert operator.proc is not None
+    return f"{socket.gethostname()}_{operator.proc.pid}"
+
+
+def test_the_lease_holder_acts_alone_and_a_standby_takes_over(
     cluster: Any, crds: None, namespace: str, tmp_path: Path
 ) -> None:
-    low = Operator(cluster, tmp_path / "low.log", "--priority=10")
-    high = Operator(cluster, tmp_path / "high.log", "--priority=20")
-    high.start()
-    low.start()
+    first = Operator(cluster, tmp_path / "first.log")
+    second = Operator(cluster, tmp_path / "second.log")
+    first.start()
     try:
-        # Until an instance has seen the other's peering record it acts on its own (as kopf
-        # does); apply only once both records are in the peering object.
-        wait_for(
-            lambda: len(get(cluster, "clusterkopfpeering", "kvpilot").get("status") or {}) >= 2,
-            "both instances in the peering object",
-            low,
-        )
+        wait_for(lambda: lease_holder(cluster) == identity(first), "first holds the Lease", first)
+        second.start()
+        wait_for(lambda: "standby: Lease" in second.log.read_text(), "second waits", second)
         md = model_deployment(
-            "peered",
+            "elected",
             "hf://Qwen/Qwen2.5-0.5B-Instruct",
             placement={"nodeTypes": ["a100-40gb"]},
             autoscaling={"mode": "off", "replicas": 1},
         )
         apply_doc(cluster, namespace, md)
-        wait_for(ready_check(cluster, namespace, "peered"), "peered Ready", high)
+        wait_for(ready_check(cluster, namespace, "elected"), "elected Ready", first)
         # kopf logs success after its own bookkeeping patch, a moment after our status write.
         wait_for(
-            lambda: "Handler 'md-create' succeeded" in high.log.read_text(), "high's log", high
+            lambda: "Handler 'md-create' succeeded" in first.log.read_text(), "first's log", first
         )
-        assert "Handler 'md-create'" not in low.log.read_text()
+        assert "Handler '" not in second.log.read_text()  # kopf never ran in the standby
 
-        # The acting instance dies; the other resumes once its peering record expires.
-        high.stop(signal.SIGKILL)
-        cluster.kubectl("scale", "modeldeployment/peered", "--replicas=2", "-n", namespace)
+        # The holder dies without letting go: the standby takes over once the record has not
+        # changed for leaseDurationSeconds (15 s) and only then acts.
+        first.stop(signal.SIGKILL)
+        cluster.kubectl("scale", "modeldeployment/elected", "--replicas=2", "-n", namespace)
         wait_for(
             lambda: (
-                get(cluster, "deployment", "peered-a100-40gb", "-n", namespace)["spec"]["replicas"]
+                get(cluster, "deployment", "elected-a100-40gb", "-n", namespace)["spec"]["replicas"]
                 == 2
             ),
-            "the standby instance to take over",
-            low,
+            "the standby to take over",
+            second,
             timeout=90,
         )
+        assert lease_holder(cluster) == identity(second)
+
+        # Someone else takes the Lease: the holder stops acting and exits 1, to restart as a
+        # standby (its pod's restart policy), as a client-go controller does.
+        lease = get(cluster, "lease", LEASE_NAME, "-n", "default")
+        lease["spec"]["holderIdentity"] = "intruder"
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(lease))
+        assert second.proc is not None
+        wait_for(lambda: second.proc.poll() is not None, "second to stop", second, timeout=30)  # type: ignore[union-attr]
+        assert second.proc.returncode == 1
+        assert "lost Lease default/kvpilot-operator" in second.log.read_text()
     finally:
-        low.stop()
-        high.stop()
+        second.stop()
+        first.stop()
+        cluster.kubectl("delete", "lease", LEASE_NAME, "-n", "default", check=False)

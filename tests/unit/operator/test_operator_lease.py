@@ -105,3 +105,26 @@ def test_identity_names_the_pod_and_the_process(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("POD_NAME", "kvpilot-7d9f-abcde")
     identity = lease.default_identity()
     assert identity.startswith("kvpilot-7d9f-abcde_") and identity.split("_")[1].isdigit()
+
+
+HAS_LOST = [
+    ("renewed", True, True, 0.0, False),
+    ("renewal failed, API down, still within the deadline", False, False, 9.0, False),
+    ("renewal failed, API down past the deadline", False, False, 10.5, True),
+    ("another instance holds it now", False, True, 1.0, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("held", "holder_known", "since_renewal_s", "expected"),
+    [row[1:] for row in HAS_LOST],
+    ids=[row[0] for row in HAS_LOST],
+)
+def test_has_lost(held: bool, holder_known: bool, since_renewal_s: float, expected: bool) -> None:
+    assert lease.has_lost(held, holder_known, since_renewal_s, deadline_s=10.0) is expected
+
+
+def test_the_holder_gives_up_before_a_standby_may_take_over() -> None:
+    held = lease.LeaderLease(None, "ns", "a", duration_s=15)  # type: ignore[arg-type]
+    assert held.renew_every_s < held.renew_deadline_s < held.duration_s
+    assert held.retry_s <= held.renew_every_s

@@ -155,5 +155,24 @@ def test_readyz_waits_for_the_start_and_the_lease(
         handle()
 
 
+@pytest.mark.parametrize(
+    ("lease_known", "status", "says"),
+    [
+        (True, 200, "ready"),  # another instance acts: nothing to wait for
+        (False, 503, "Lease's holder is not known"),
+    ],
+)
+def test_a_standby_is_ready_once_it_knows_who_holds_the_lease(
+    metrics: obs.OperatorMetrics, lease_known: bool, status: int, says: str
+) -> None:
+    readiness = obs.Readiness(lease_known=lease_known, standby=True)
+    handle = obs.start_server(0, host="127.0.0.1", metrics=metrics, readiness=readiness)
+    try:
+        code, _, body = fetch(handle.port, "/readyz")
+        assert code == status and says in body
+    finally:
+        handle()
+
+
 def test_readyz_without_tracking_is_never_ready(server: obs.ServerHandle) -> None:
     assert fetch(server.port, "/readyz")[0] == 503
