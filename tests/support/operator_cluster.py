@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / ".venv" / "bin" / "kvpilot-operator"
@@ -166,3 +167,15 @@ def complete(pod: dict[str, Any]) -> dict[str, Any]:
     url = f"http://{pod['status']['podIP']}:8000/v1/completions"
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4}
     return dict(httpx.post(url, json=body, timeout=60).json())
+
+
+def reconciles(metrics_port: int) -> float:
+    """Successful passes an operator instance reports on its own /metrics (`--metrics-port`)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvpilot_operator_reconcile_total"
+        and sample.labels["outcome"] == "success"
+    )

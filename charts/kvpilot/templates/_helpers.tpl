@@ -96,11 +96,11 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-# the custom resource: kopf watches it and keeps its progress in annotations (patch); the
-# operator never writes spec, only status
+# the custom resource: kopf watches it (no create/update handlers, so no bookkeeping patch); the
+# operator never writes it, only its status
 - apiGroups: [kvpilot.dev]
   resources: [modeldeployments]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch]
 - apiGroups: [kvpilot.dev]
   resources: [modeldeployments/status]
   verbs: [get, patch]

@@ -313,7 +313,7 @@ class AutoscalerLoop:
         """Spread the decided count over node types when it changes or pods are stuck, record
         it in status and announce it. Only status is written here: the watch on the
         ModelDeployment sees the decision and runs the reconcile that applies it
-        (handlers.md_scaled), so children are touched by the reconcile alone."""
+        (handlers.md_event), so children are touched by the reconcile alone."""
         now, spill_after = time.time(), self.controller.config.spill_after_seconds
         where = autoscaler.placement(md.get("status"), pods)
         stuck = where.spilling(now, spill_after)

@@ -69,6 +69,9 @@ class Controller:
         md = body or k8s.get(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace, name)
         if md is None or md["metadata"].get("deletionTimestamp"):
             return None
+        # A spec not applied yet is applied now, so observedGeneration (which this pass writes)
+        # always names the spec the children were made from.
+        apply_children = apply_children or reconcile.spec_unapplied(md)
         desired = self._desire(md, nodes, pods)
         deployments = self._converge(md, desired, apply_children)
         self._write_status(md, desired, deployments)

@@ -3,8 +3,9 @@ queue that runs passes in passes.py.
 
 Every handler is async and runs on kopf's event loop; it only names a ModelDeployment and a kind
 of pass (passes.Reconciler's work queue runs them, one at a time per object, in threads).
-- ModelDeployment create/update(spec)/resume -> full pass, waited for; invalid spec ->
-  PermanentError, API errors -> TemporaryError (kopf retries with backoff).
+- A ModelDeployment event -> full pass when it needs one: first seen since the start, a spec not
+  applied yet (generation vs status.observedGeneration), or an autoscaler decision to apply.
+  A failed pass is retried with backoff by passes.Reconciler; an invalid spec is not.
 - A child Deployment deleted or its spec changed by someone -> full pass (drift is put back);
   its status changed -> status-only pass (readyReplicas, Ready).
 - Nodes and GPU pods are kept in kopf indexes; when the nodes' GPU facts change (a node pool
@@ -22,7 +23,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import kopf
-from kubernetes.client.exceptions import ApiException
 
 from kvpilot.operator import (
     api,
@@ -43,19 +43,11 @@ from kvpilot.operator.workqueue import WorkQueue
 
 MD = (api.GROUP, api.VERSION, api.PLURAL)
 CHILD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
-MAX_BACKOFF_SECONDS = 60
 log = logging.getLogger(__name__)
 
 
 @kopf.on.startup(id="configure")
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
-    # The CRD's status schema prunes unknown fields, so kopf keeps its bookkeeping in annotations.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix="kopf.kvpilot.dev"
-    )
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="kopf.kvpilot.dev", key="last-handled-configuration"
-    )
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     if "controller" not in memo:
@@ -118,44 +110,31 @@ def _queue(memo: Any) -> WorkQueue[reconcile.Desired | None]:
     return reconciler.queue
 
 
-@kopf.on.resume(*MD, id="md-resume")
-@kopf.on.create(*MD, id="md-create")
-@kopf.on.update(*MD, id="md-update", field="spec")
-async def reconcile_md(
-    namespace: str | None, name: str, body: kopf.Body, memo: Any, retry: int, **_: Any
-) -> None:
+@kopf.on.event(*MD, id="md")
+async def md_event(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
+    """A full pass when the object needs one (reconcile.needs_full_pass): first seen since the
+    start, its spec not applied yet (generation vs status.observedGeneration), or an autoscaler
+    decision the children do not show (the autoscaler writes status only; this is its one way
+    to pods). A watch event, not kopf's create/update handlers: those keep kopf's bookkeeping
+    in an annotation, one more write and one more watch event per change."""
+    namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
     if namespace is None:
-        raise kopf.PermanentError("ModelDeployment is namespaced; got an object without namespace")
-    try:
-        desired = await _queue(memo).wait((namespace, name), True, dict(body))
-    except ApiException as error:
-        delay = min(MAX_BACKOFF_SECONDS, 2**retry)
-        raise kopf.TemporaryError(
-            f"API error {error.status} {error.reason}", delay=delay
-        ) from error
-    if desired is not None and desired.is_invalid_spec:
-        raise kopf.PermanentError(desired.error)
-    if desired is not None and desired.needs_retry:
-        why = desired.error or "the eval set could not be read (QualityMeasured)"
-        raise kopf.TemporaryError(why, delay=min(MAX_BACKOFF_SECONDS, 2**retry))
-
-
-@kopf.on.event(*MD, id="md-scaled")
-async def md_scaled(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
-    """The autoscaler wrote a decision to status that the children do not show yet: run the
-    pass that applies it. The autoscaler loop writes status only; this is its one way to pods."""
-    if event["type"] != "MODIFIED" or not reconcile.scale_pending(body):
         return
-    namespace = body["metadata"].get("namespace")
-    if namespace is not None:
-        _queue(memo).put((namespace, body["metadata"]["name"]), True, dict(body))
+    reconciler: Reconciler = memo["reconciler"]
+    key = (namespace, name)
+    if event["type"] == "DELETED":
+        # No finalizer: owner references let the garbage collector remove the children.
+        log.info("ModelDeployment %s/%s deleted; children follow by owner reference", *key)
+        reconciler.forget(key)
+    elif reconcile.needs_full_pass(body, first_sight=reconciler.first_sight(key)):
+        reconciler.queue.put(key, True, dict(body))
 
 
 @kopf.on.event(*MD, id="md-wake", annotations={api.WAKE_ANNOTATION: kopf.PRESENT})
 async def md_wake(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
     """A gateway holds requests for a ModelDeployment at zero replicas and stamped the wake
     annotation: the autoscaler task decides now, not on its next tick. Like the tick, that
-    writes status only; the md-scaled handler then runs the pass that starts the replica. Every
+    writes status only; the md handler then runs the pass that starts the replica. Every
     later event of the object comes here too, and the policy ignores a wake it has acted on."""
     if event["type"] == "DELETED" or "autoscaler" not in memo:
         return
@@ -178,21 +157,13 @@ def _indexed(memo: Any) -> list[Any]:
 async def md_fallback_target(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
     """A ModelDeployment came or went: those naming it as a fallback pass again, so their
     FallbacksResolved condition says so now rather than on their next spec change. The listing
-    at startup (type None) is left to the resume handlers."""
+    at startup (type None) is left to the md handler, which passes every object first seen."""
     if event["type"] not in ("ADDED", "DELETED"):
         return
     namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
     if namespace is None:
         return
     _pass_each(memo, dependents.fallback_users(_indexed(memo), namespace, name))
-
-
-@kopf.on.delete(*MD, id="md-delete", optional=True)
-async def md_deleted(namespace: str | None, name: str, logger: Any, **_: Any) -> None:
-    # No finalizer: owner references let the garbage collector remove Deployments and Service.
-    logger.info(
-        "ModelDeployment %s/%s deleted; children follow by owner reference", namespace, name
-    )
 
 
 @kopf.on.event("", "v1", "nodes", id="node-changes")
@@ -258,7 +229,7 @@ def _is_inference_pool_crd(name: str, **_: Any) -> bool:
 async def inference_pool_crd(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     """The InferencePool CRD was installed (or changed) after the ModelDeployments that ask for
     a pool were planned: pass them again, so their pools appear now. The initial listing at
-    startup (event type None) is left to the resume handlers, which pass every object anyway."""
+    startup (event type None) is left to the md handler, which passes every object first seen."""
     if event["type"] not in ("ADDED", "MODIFIED"):
         return
     _pass_each(memo, dependents.pool_users(_indexed(memo)))

@@ -6,7 +6,12 @@ threads runs the pass itself (`Controller.run_pass`), since the Kubernetes clien
 node and pod indexes are read here, on the loop kopf updates them on, and handed to the thread
 as lists. The re-planner and the autoscaler loop are tasks on the same loop.
 
-Nothing here needs to survive a restart: resume handlers pass every object again.
+A full pass that fails (the API answered an error, a source could not be read) is tried again
+after a delay that doubles per failure up to `MAX_BACKOFF_SECONDS`, as controller-runtime's
+rate-limited queue does: no watch event may come to ask again. A spec that cannot work is not
+retried; its status says why, and the next spec change asks again.
+
+Nothing here needs to survive a restart: kopf's first listing passes every object again.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from kvpilot.operator.workqueue import Body, Key, WorkQueue
 # so the burst is best passed all at once. An idle thread costs little; the pool makes them only
 # as passes need them.
 WORKERS = 256
+MAX_BACKOFF_SECONDS = 60.0
 log = logging.getLogger(__name__)
+
+
+def backoff_s(failures: int) -> float:
+    """Seconds before the next try after `failures` failed passes in a row: 1, 2, 4, ... 60."""
+    return min(MAX_BACKOFF_SECONDS, 2.0 ** (failures - 1))
 
 
 def index_values(index: Mapping[Any, Iterable[Any]]) -> list[Any]:
@@ -52,10 +63,12 @@ class Reconciler:
         self.queue: WorkQueue[reconcile.Desired | None] = WorkQueue(self._run)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-pass")
         # Inventory fingerprint each object was last planned with: decides whether a node change
-        # is worth a pass. A cache: a restart empties it and resume re-plans anyway.
+        # is worth a pass. A cache: a restart empties it, and every object passes once anyway.
         self.planned_with: dict[Key, Any] = {}
         self.seen: dict[Key, tuple[Any, ...]] = {}  # child Deployments' last reported facts
         self.inventory_known = False  # a node event came: the indexes follow the cluster
+        self.failures: dict[Key, int] = {}  # failed full passes in a row, for the backoff
+        self.sighted: set[Key] = set()  # ModelDeployments seen since the start
 
     async def run(self) -> None:
         try:
@@ -87,18 +100,59 @@ class Reconciler:
         except k8s.ApiException as error:
             if error.status == 404:  # the object or its namespace went away mid-pass
                 log.info("%s/%s is gone; pass dropped", *key)
-                self.planned_with.pop(key, None)
+                self.forget(key)
                 return None
             observability.record_reconcile(time.monotonic() - started, "error")
-            raise
+            self.retry_later(key, full, f"API error {error.status} {error.reason}")
+            return None
+        except Exception as error:  # a bug must not end the object's passes for good
+            log.exception("pass of %s/%s failed", *key)
+            observability.record_reconcile(time.monotonic() - started, "error")
+            self.retry_later(key, full, f"{type(error).__name__}: {error}")
+            return None
         invalid = desired is not None and desired.is_invalid_spec
         outcome = "invalid" if invalid else "success"
         observability.record_reconcile(time.monotonic() - started, outcome)
-        if desired is None:
-            self.planned_with.pop(key, None)
-        elif full:
-            self.planned_with[key] = inventory.fingerprint(nodes)
+        self.record(key, full, nodes, desired)
         return desired
+
+    def record(
+        self, key: Key, full: bool, nodes: list[Any], desired: reconcile.Desired | None
+    ) -> None:
+        """What a finished pass leaves for the next: its inventory, and a retry if it asks."""
+        if desired is None:
+            self.forget(key)
+            return
+        if full:
+            self.planned_with[key] = inventory.fingerprint(nodes)
+        if desired.needs_retry:
+            why = desired.error or "the eval set could not be read (QualityMeasured)"
+            self.retry_later(key, True, why)
+            return
+        self.failures.pop(key, None)
+        if full and desired.is_invalid_spec:
+            log.warning("%s/%s: %s; not retried until the spec changes", *key, desired.error)
+
+    def retry_later(self, key: Key, full: bool, why: str) -> None:
+        """Pass `key` again after a delay that doubles with each failure in a row."""
+        failures = self.failures[key] = self.failures.get(key, 0) + 1
+        delay = backoff_s(failures)
+        log.warning("pass of %s/%s failed (%s); retrying in %.0f s", *key, why, delay)
+        asyncio.get_running_loop().call_later(delay, self.queue.put, key, full)
+
+    def first_sight(self, key: Key) -> bool:
+        """Whether this is the first event of `key` since the operator started (it may have
+        missed changes while down: the object passes in full once). Not kopf's event type None:
+        kopf lists again, with type None, each time its watch reconnects."""
+        first = key not in self.sighted
+        self.sighted.add(key)
+        return first
+
+    def forget(self, key: Key) -> None:
+        """The object is gone: drop what was kept for it."""
+        self.planned_with.pop(key, None)
+        self.failures.pop(key, None)
+        self.sighted.discard(key)
 
     def needs_replan(self, key: Key, nodes: Iterable[Any]) -> bool:
         return self.planned_with.get(key) != inventory.fingerprint(nodes)
@@ -148,7 +202,7 @@ class Replanner:
         self.reconciler.inventory_known = True
         fingerprint = inventory.fingerprint(index_values(self.reconciler.nodes))
         if fingerprint != self.fingerprint:
-            # The first fingerprint after a start is the baseline: resume handlers plan then.
+            # The first fingerprint after a start is the baseline: first sights plan with it.
             if self.fingerprint is not None:
                 self.changed.set()
             self.fingerprint = fingerprint

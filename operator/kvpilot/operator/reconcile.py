@@ -203,6 +203,22 @@ def fallbacks_news(md: Obj, desired: Desired) -> str | None:
     return f"spec.routing.fallbacks name missing ModelDeployments: {names}"
 
 
+def spec_unapplied(md: Obj) -> bool:
+    """Whether the spec's generation is not the one the last full pass applied
+    (`status.observedGeneration`): a new object, or a spec changed since. Only full passes write
+    observedGeneration, so this stays true until one has applied the spec."""
+    observed = (md.get("status") or {}).get("observedGeneration")
+    return observed is None or int(observed) != int(md["metadata"].get("generation", 0))
+
+
+def needs_full_pass(md: Obj, first_sight: bool) -> bool:
+    """Whether a ModelDeployment's watch event asks for a full pass (pure). kopf may hand over
+    only the latest of a quick series of events, so this reads the object's state, not what the
+    event changed: first seen since the operator started (it may have missed anything), a spec
+    not yet applied, or an autoscaler decision the children do not show."""
+    return first_sight or spec_unapplied(md) or scale_pending(md)
+
+
 def scale_pending(md: Obj) -> bool:
     """Whether the builtin autoscaler's last decision in status (its spread per node type, or
     its count) differs from the replicas the last pass applied (status.plan): the one way from

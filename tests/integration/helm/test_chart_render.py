@@ -152,7 +152,7 @@ def test_rules_grant_what_the_operator_uses_and_no_more(helm_bin: Path) -> None:
         ("", "configmaps"): {"get", "create", "patch"},
         ("", "events"): {"create"},
         ("events.k8s.io", "events"): {"create"},
-        ("kvpilot.dev", "modeldeployments"): {"get", "list", "watch", "patch"},
+        ("kvpilot.dev", "modeldeployments"): {"get", "list", "watch"},
         ("kvpilot.dev", "modeldeployments/status"): {"get", "patch"},
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
         ("coordination.k8s.io", "leases"): {"get", "create", "update"},

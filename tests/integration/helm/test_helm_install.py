@@ -88,7 +88,6 @@ ALLOWED = [
     ("create", "configmaps", "anywhere", ""),
     ("patch", "configmaps", "anywhere", ""),
     ("watch", "modeldeployments.kvpilot.dev", "", ""),
-    ("patch", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("patch", "modeldeployments.kvpilot.dev", "anywhere", "status"),
     ("get", "customresourcedefinitions.apiextensions.k8s.io", "", ""),
 ]
@@ -107,6 +106,7 @@ DENIED = [
     ("patch", "nodes", "", ""),
     ("delete", "nodes", "", ""),
     ("update", "modeldeployments.kvpilot.dev", "anywhere", ""),
+    ("patch", "modeldeployments.kvpilot.dev", "anywhere", ""),  # status only: no kopf annotations
     ("create", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("delete", "modeldeployments.kvpilot.dev", "anywhere", ""),
     ("update", "modeldeployments.kvpilot.dev", "anywhere", "scale"),

@@ -114,8 +114,12 @@ def _fails_once_with_a_condition(cluster: Any, operator: Operator, namespace: st
 
     wait_for(lambda: planned().get("reason") == "PlanFailed", "PlanFailed condition", operator)
     assert "set spec.model parameters, layers, kvHeads, headDim" in planned()["message"]
-    wait_for(lambda: "failed permanently" in operator.log.read_text(), "PermanentError", operator)
-    assert "failed temporarily" not in operator.log.read_text()  # no retry storm
+    wait_for(
+        lambda: "not retried until the spec changes" in operator.log.read_text(),
+        "the pass giving up on the spec",
+        operator,
+    )
+    assert "retrying in" not in operator.log.read_text()  # no retry storm
     events = get(cluster, "events", "-n", namespace, "--field-selector", "reason=PlanFailed")[
         "items"
     ]

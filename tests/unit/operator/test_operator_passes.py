@@ -11,9 +11,10 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import inventory
+from kvpilot.operator import inventory, passes
 from kvpilot.operator.controller import controller_owner
 from kvpilot.operator.passes import Reconciler, Replanner
 
@@ -23,9 +24,10 @@ def node(name: str) -> dict[str, Any]:
 
 
 class FakeController:
-    def __init__(self, missing: frozenset[str] = frozenset()) -> None:
+    def __init__(self, missing: frozenset[str] = frozenset(), failing: int = 0) -> None:
         self.passes: list[tuple[str, bool, int]] = []
         self.missing = missing
+        self.failing = failing  # passes that fail with an API error before one succeeds
 
     def run_pass(
         self, namespace: str, name: str, nodes: Any, pods: Any, full: bool, body: Any
@@ -33,7 +35,11 @@ class FakeController:
         self.passes.append((name, full, len(nodes)))
         if name in self.missing:
             raise ApiException(status=404, reason="Not Found")
-        return SimpleNamespace(is_invalid_spec=False)  # what a pass's Desired says of itself
+        if self.failing:
+            self.failing -= 1
+            raise ApiException(status=500, reason="Internal Server Error")
+        # what a pass's Desired says of itself
+        return SimpleNamespace(is_invalid_spec=False, needs_retry=False, error=None)
 
 
 def reconciler(fake: FakeController, nodes: dict[str, list[Any]]) -> Reconciler:
@@ -93,6 +99,52 @@ def test_a_full_pass_records_the_inventory_it_planned_with_and_a_gone_object_for
     asyncio.run(main())
 
 
+def test_a_failed_pass_is_tried_again_with_backoff_until_it_succeeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    delays: list[float] = []
+    real_backoff_s = passes.backoff_s
+
+    def quick_backoff(failures: int) -> float:
+        delays.append(real_backoff_s(failures))  # what the real schedule would wait
+        return 0.01
+
+    monkeypatch.setattr(passes, "backoff_s", quick_backoff)
+
+    async def main() -> None:
+        fake = FakeController(failing=3)
+        r = reconciler(fake, {})
+        task = asyncio.create_task(r.run())
+        try:
+            r.queue.put(("ns", "a"), True)  # no watch event will ask again: the retry must
+            async with asyncio.timeout(10):
+                while len(fake.passes) < 4 or not r.queue.is_idle():
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+        assert [p[:2] for p in fake.passes] == [("a", True)] * 4
+        assert delays == [1.0, 2.0, 4.0]
+        assert ("ns", "a") not in r.failures  # a success resets the backoff
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("failures", "seconds"), [(1, 1.0), (2, 2.0), (6, 32.0), (7, 60.0), (50, 60.0)]
+)
+def test_backoff_doubles_up_to_a_minute(failures: int, seconds: float) -> None:
+    assert passes.backoff_s(failures) == seconds
+
+
+def test_each_object_is_seen_first_once_until_it_is_gone() -> None:
+    r = reconciler(FakeController(), {})
+    assert r.first_sight(("ns", "a"))
+    assert not r.first_sight(("ns", "a"))
+    assert r.first_sight(("ns", "b"))
+    r.forget(("ns", "a"))
+    assert r.first_sight(("ns", "a"))  # deleted and made again: a new object
+
+
 def test_replanner_acts_on_changes_after_the_baseline() -> None:
     async def main() -> None:
         fake = FakeController()
@@ -102,7 +154,7 @@ def test_replanner_acts_on_changes_after_the_baseline() -> None:
         try:
             replanner = Replanner(r)
             replanner.notice()
-            # The first inventory is the baseline: resume handlers plan with it.
+            # The first inventory is the baseline: first sights plan with it.
             assert not replanner.changed.is_set() and r.inventory_known
             replanner.notice()
             assert not replanner.changed.is_set()

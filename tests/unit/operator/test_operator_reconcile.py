@@ -316,6 +316,48 @@ def test_scale_pending_compares_the_decision_with_what_was_applied(
     assert reconcile.scale_pending(obj) is pending
 
 
+def _generations(generation: int, observed: int | None, **status: Any) -> dict[str, Any]:
+    obj = md({"autoscaling": {"mode": "off"}}, status)
+    obj["metadata"]["generation"] = generation
+    if observed is not None:
+        obj["status"]["observedGeneration"] = observed
+    return obj
+
+
+def _spec_applied(obj: dict[str, Any]) -> dict[str, Any]:
+    obj["status"]["observedGeneration"] = obj["metadata"]["generation"]
+    return obj
+
+
+NEEDS_FULL_PASS = [
+    ("new: never passed", _generations(1, None), False, True),
+    ("spec applied, nothing pending", _generations(3, 3), False, False),
+    ("spec changed since the last full pass", _generations(4, 3), False, True),
+    ("first seen since the operator started", _generations(3, 3), True, True),
+    (
+        "an autoscaler decision to apply",
+        _spec_applied(_scaled({"l4": 3}, 3, {"l4": 2})),
+        False,
+        True,
+    ),
+    (
+        "an autoscaler decision applied",
+        _spec_applied(_scaled({"l4": 2}, 2, {"l4": 2})),
+        False,
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("obj", "first_sight", "expected"),
+    [row[1:] for row in NEEDS_FULL_PASS],
+    ids=[row[0] for row in NEEDS_FULL_PASS],
+)
+def test_needs_full_pass(obj: dict[str, Any], first_sight: bool, expected: bool) -> None:
+    assert reconcile.needs_full_pass(obj, first_sight) is expected
+
+
 def _routing(*fallbacks: dict[str, Any]) -> dict[str, Any]:
     return {**LLAMA_70B, "routing": {"fallbacks": list(fallbacks)}}
 
