@@ -105,7 +105,7 @@ async def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
     return None if trimmed is None else {trimmed["spec"]["nodeName"]: trimmed}
 
 
-def _queue(memo: Any) -> WorkQueue[reconcile.Desired | None]:
+def _queue(memo: Any) -> WorkQueue:
     reconciler: Reconciler = memo["reconciler"]
     return reconciler.queue
 

@@ -60,7 +60,7 @@ class Reconciler:
     ) -> None:
         self.controller, self.nodes, self.pods, self.mds = controller, nodes, pods, mds
         self.workers = workers
-        self.queue: WorkQueue[reconcile.Desired | None] = WorkQueue(self._run)
+        self.queue = WorkQueue(self._run)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-pass")
         # Inventory fingerprint each object was last planned with: decides whether a node change
         # is worth a pass. A cache: a restart empties it, and every object passes once anyway.

@@ -12,7 +12,9 @@ What controller-runtime's workqueue gives a Go controller, in a few lines of asy
   the status refreshes of the objects already made wait (FIFO within each kind).
 
 Everything here runs on one event loop, so the dictionaries need no lock. `process` is awaited
-by a fixed number of workers; the caller decides where its blocking part runs (a thread pool).
+by a fixed number of workers; the caller decides where its blocking part runs (a thread pool) and
+what a failure means (passes.Reconciler retries with backoff); an error it lets through is
+logged here, and the key is free for the next request.
 """
 
 from __future__ import annotations
@@ -21,30 +23,28 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 Key = tuple[str, str]
 Body = Mapping[str, Any]
-R = TypeVar("R")
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Request(Generic[R]):
+class Request:
     full: bool
     body: Body | None
-    waiters: list[asyncio.Future[R]] = field(default_factory=list)
 
     def merge(self, full: bool, body: Body | None) -> None:
         self.full = self.full or full
         self.body = body  # the latest word on the object; None means read it fresh
 
 
-class WorkQueue(Generic[R]):
-    def __init__(self, process: Callable[[Key, bool, Body | None], Awaitable[R]]) -> None:
+class WorkQueue:
+    def __init__(self, process: Callable[[Key, bool, Body | None], Awaitable[object]]) -> None:
         self.process = process
-        self.waiting: dict[Key, Request[R]] = {}
+        self.waiting: dict[Key, Request] = {}
         self.active: set[Key] = set()
         # (0 full | 1 status-only, arrival, key); an entry whose key is no longer waiting, or
         # went ahead as full already, is skipped
@@ -52,30 +52,19 @@ class WorkQueue(Generic[R]):
         self.arrivals = itertools.count()
 
     def put(self, key: Key, full: bool, body: Body | None = None) -> None:
-        """Ask for a pass; no one waits for its outcome (a failure is logged, and the object's
-        next event asks again)."""
-        self._request(key, full, body)
-
-    def wait(self, key: Key, full: bool, body: Body | None = None) -> asyncio.Future[R]:
-        """Ask for a pass and get the outcome of the first pass that starts after this call."""
-        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._request(key, full, body).waiters.append(future)
-        return future
-
-    def _request(self, key: Key, full: bool, body: Body | None) -> Request[R]:
+        """Ask for a pass (merged into one that waits for this key, if any)."""
         request = self.waiting.get(key)
         if request is not None:
             upgraded = full and not request.full
             request.merge(full, body)
             if upgraded and key not in self.active:
                 self._ready(key, request)  # now full: it goes ahead of the status passes
-            return request
+            return
         request = self.waiting[key] = Request(full, body)
         if key not in self.active:  # else the worker passing it queues it again when done
             self._ready(key, request)
-        return request
 
-    def _ready(self, key: Key, request: Request[R]) -> None:
+    def _ready(self, key: Key, request: Request) -> None:
         self.ready.put_nowait((0 if request.full else 1, next(self.arrivals), key))
 
     def is_idle(self) -> bool:
@@ -101,20 +90,8 @@ class WorkQueue(Generic[R]):
                 if key in self.waiting:
                     self._ready(key, self.waiting[key])
 
-    async def _pass(self, key: Key, request: Request[R]) -> None:
+    async def _pass(self, key: Key, request: Request) -> None:
         try:
-            result = await self.process(key, request.full, request.body)
-        except asyncio.CancelledError:
-            for waiter in request.waiters:
-                waiter.cancel()
-            raise
+            await self.process(key, request.full, request.body)
         except Exception as error:
-            if not request.waiters:
-                log.warning("pass of %s/%s failed: %s", *key, error)
-            for waiter in request.waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
-            return
-        for waiter in request.waiters:
-            if not waiter.done():  # a handler that gave up (cancelled) no longer waits
-                waiter.set_result(result)
+            log.warning("pass of %s/%s failed: %s", *key, error)

@@ -40,18 +40,18 @@ class Recorder:
             self.running.discard(key)
 
 
-async def until_idle(queue: WorkQueue[str]) -> None:
+async def until_idle(queue: WorkQueue) -> None:
     async with asyncio.timeout(5):
         while not queue.is_idle():
             await asyncio.sleep(0.01)
 
 
-def run(test: Callable[[WorkQueue[str], Recorder], Awaitable[None]], workers: int = 4) -> Recorder:
+def run(test: Callable[[WorkQueue, Recorder], Awaitable[None]], workers: int = 4) -> Recorder:
     """Run `test` against a queue with `workers` workers; wait until the queue is idle."""
     recorder = Recorder()
 
     async def main() -> None:
-        queue: WorkQueue[str] = WorkQueue(recorder)
+        queue: WorkQueue = WorkQueue(recorder)
         task = asyncio.create_task(queue.run(workers))
         try:
             await test(queue, recorder)
@@ -80,7 +80,7 @@ def run(test: Callable[[WorkQueue[str], Recorder], Awaitable[None]], workers: in
 def test_requests_during_a_pass_run_once_more_after_it(
     during: list[bool], expected: list[tuple[str, bool]]
 ) -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         recorder.hold = asyncio.Event()
         queue.put(("ns", "m"), False)
         await recorder.started.wait()
@@ -93,7 +93,7 @@ def test_requests_during_a_pass_run_once_more_after_it(
 
 
 def test_queued_requests_merge_into_one_full_pass_with_the_latest_body() -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         recorder.hold = asyncio.Event()
         queue.put(("ns", "busy"), False)  # keeps the only worker busy while the others queue
         await recorder.started.wait()
@@ -106,34 +106,33 @@ def test_queued_requests_merge_into_one_full_pass_with_the_latest_body() -> None
     run(test, workers=1)
 
 
-def test_a_waiter_gets_the_outcome_of_a_pass_that_started_after_it_asked() -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+def test_a_request_during_a_pass_brings_its_body_to_the_next_pass() -> None:
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         recorder.hold = asyncio.Event()
         queue.put(("ns", "m"), False)
         await recorder.started.wait()
-        waiter = queue.wait(("ns", "m"), True, {"v": 7})
+        queue.put(("ns", "m"), True, {"v": 7})
         recorder.hold.set()
-        assert await waiter == "m#2"
-        assert recorder.calls[1] == ("m", True, 7)
 
-    run(test)
+    recorder = run(test)
+    assert recorder.calls == [("m", False, None), ("m", True, 7)]
 
 
-def test_a_failed_pass_fails_its_waiters_and_frees_the_key() -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+def test_a_failed_pass_is_logged_and_frees_the_key(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         recorder.fail = RuntimeError("API down")
-        with pytest.raises(RuntimeError, match="API down"):
-            await queue.wait(("ns", "m"), True)
-        queue.put(("ns", "m"), False)  # nobody waits: logged, not raised
+        queue.put(("ns", "m"), True)
         await until_idle(queue)
         recorder.fail = None
-        assert await queue.wait(("ns", "m"), True) == "m#3"
+        queue.put(("ns", "m"), False)
 
-    run(test)
+    recorder = run(test)
+    assert [call[:2] for call in recorder.calls] == [("m", True), ("m", False)]
+    assert "pass of ns/m failed: API down" in caplog.text
 
 
 def test_different_keys_are_passed_at_the_same_time() -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         recorder.hold = asyncio.Event()
         for name in ("a", "b", "c"):
             queue.put(("ns", name), True)
@@ -146,13 +145,11 @@ def test_different_keys_are_passed_at_the_same_time() -> None:
 
 
 def test_one_key_is_never_passed_twice_at_once_however_many_ask() -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
-        waiters = []
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         for i in range(50):
             queue.put(("ns", "m"), i % 2 == 0)
-            waiters.append(queue.wait(("ns", "m"), False))
             await asyncio.sleep(0)
-        await asyncio.gather(*waiters)
+        await until_idle(queue)
         # Bursts merge: far fewer passes than requests, and the overlap check in run() holds.
         assert 1 < len(recorder.calls) < 50
 
@@ -160,7 +157,7 @@ def test_one_key_is_never_passed_twice_at_once_however_many_ask() -> None:
 
 
 def test_full_passes_go_before_status_passes_and_an_upgrade_moves_ahead() -> None:
-    async def test(queue: WorkQueue[str], recorder: Recorder) -> None:
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
         recorder.hold = asyncio.Event()
         queue.put(("ns", "busy"), False)  # keeps the only worker busy while the others queue
         await recorder.started.wait()
