@@ -28,6 +28,7 @@ from kvpilot.operator import (
     quality_io,
     reconcile,
     timestamps,
+    typed_status,
 )
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.runtime.memory import ModelFacts
@@ -72,16 +73,19 @@ class Controller:
         # A spec not applied yet is applied now, so observedGeneration (which this pass writes)
         # always names the spec the children were made from.
         apply_children = apply_children or reconcile.spec_unapplied(md)
-        desired = self._desire(md, nodes, pods)
-        deployments = self._converge(md, desired, apply_children)
-        self._write_status(md, desired, deployments)
+        status = typed_status.of(md)  # once per pass, like the spec: readers get it typed
+        desired = self._desire(md, status, nodes, pods)
+        deployments = self._converge(md, status, desired, apply_children)
+        self._write_status(md, status, desired, deployments)
         return desired
 
     def list_model_deployments(self) -> list[dict[str, Any]]:
         namespace = self.config.namespace or None
         return k8s.list_objects(self.client, k8s.MD_API_VERSION, "ModelDeployment", namespace)
 
-    def _desire(self, md: Obj, nodes: list[Obj], pods: Iterable[Obj]) -> reconcile.Desired:
+    def _desire(
+        self, md: Obj, status: api.ModelDeploymentStatus, nodes: list[Obj], pods: Iterable[Obj]
+    ) -> reconcile.Desired:
         meta = md["metadata"]
         # This ModelDeployment's own pods hold GPUs it may keep: count them as free for its plan.
         others = [p for p in pods if not _belongs_to(p, meta["namespace"], meta["name"])]
@@ -93,7 +97,7 @@ class Controller:
         # inference-pool-crd handler passes those again when the CRD arrives later.
         wants_pool = spec is not None and spec.routing.endpoint_picker_ref is not None
         has_pool_crd = wants_pool and k8s.has_crd(self.client, INFERENCE_POOL_CRD)
-        cache, job = self._read_cache(md, spec)
+        cache, job = self._read_cache(md, spec, status.cache)
         desired = reconcile.desire(
             md,
             node_types,
@@ -104,6 +108,7 @@ class Controller:
             has_pool_crd,
             quality_io.observe(self.client, md, spec),
             timestamps.rfc3339(),
+            status,
         )
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
@@ -129,17 +134,16 @@ class Controller:
         )
 
     def _read_cache(
-        self, md: Obj, spec: api.ModelDeploymentSpec | None
+        self, md: Obj, spec: api.ModelDeploymentSpec | None, old: api.CacheStatus | None
     ) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
         """The model cache's state and its fill Job (None: not made yet); (None, None) when the
-        spec asks for no cache (or is invalid: desire reports it)."""
+        spec asks for no cache (or is invalid: desire reports it). `old`: status.cache."""
         if spec is None or spec.model.cache is None:
             return None, None
         namespace, name = md["metadata"]["namespace"], manifests.cache_claim_name(spec.model.uri)
         job = k8s.get(self.client, "batch/v1", "Job", namespace, name)
-        old = ((md.get("status") or {}).get("cache")) or {}
-        if job is not None and old.get("phase") == "Cached" and old.get("claimName") == name:
-            return api.CacheStatus.model_validate(old), job  # final: no need to read the pods
+        if job is not None and old is not None and old.phase == "Cached" and old.claim_name == name:
+            return old, job  # final: no need to read the pods
         selector = f"{model_cache.LABEL_CACHE}={name}"
         pods = (
             [] if job is None else k8s.list_objects(self.client, "v1", "Pod", namespace, selector)
@@ -158,13 +162,17 @@ class Controller:
             return str(error)
 
     def _converge(
-        self, md: Obj, desired: reconcile.Desired, apply_children: bool
+        self,
+        md: Obj,
+        status: api.ModelDeploymentStatus,
+        desired: reconcile.Desired,
+        apply_children: bool,
     ) -> list[dict[str, Any]]:
         meta = md["metadata"]
         selector = f"{manifests.LABEL_MODEL}={meta['name']}"
         # A ModelDeployment never planned has no children yet: its first pass skips the LIST.
         # (Had a crash cut that pass short, what it applied is what this pass wants again.)
-        is_first = apply_children and not (md.get("status") or {}).get("observedGeneration")
+        is_first = apply_children and not status.observed_generation
         existing = [
             d
             for d in (
@@ -181,9 +189,9 @@ class Controller:
         if desired.error is not None or not apply_children:
             return existing  # a spec that cannot run leaves the running pods serving
         self._ensure_cache(md, desired)
-        if reconcile.may_have_dropped_pod_monitor(md, desired):
+        if reconcile.may_have_dropped_pod_monitor(md, status, desired):
             self._delete_pod_monitor(md)
-        if reconcile.may_have_dropped(md, desired, "InferencePool"):
+        if reconcile.may_have_dropped(md, status, desired, "InferencePool"):
             self._delete_optional(
                 md, INFERENCE_POOL_CRD, manifests.INFERENCE_POOL_API_VERSION, "InferencePool"
             )
@@ -233,17 +241,22 @@ class Controller:
             log.debug("%s check for %s/%s: %s", kind, meta["namespace"], meta["name"], error.reason)
 
     def _write_status(
-        self, md: Obj, desired: reconcile.Desired, deployments: list[dict[str, Any]]
+        self,
+        md: Obj,
+        old: api.ModelDeploymentStatus,
+        desired: reconcile.Desired,
+        deployments: list[dict[str, Any]],
     ) -> None:
         meta = md["metadata"]
         now = timestamps.rfc3339()
-        status = reconcile.build_status(md, desired, deployments, self.config, now)
-        old = md.get("status") or {}
-        if any(old.get(k) != v for k, v in status.items()):
+        status = reconcile.build_status(md, old, desired, deployments, self.config, now)
+        # Compared in the same wire form, so an unchanged status costs no write.
+        written = typed_status.wire(old)
+        if any(written.get(k) != v for k, v in status.items()):
             k8s.patch_status(self.client, meta["namespace"], meta["name"], status)
-        if reconcile.plan_changed(md, desired):
+        if reconcile.plan_changed(old, desired):
             self._event(md, desired)
-        missing = reconcile.fallbacks_news(md, desired)
+        missing = reconcile.fallbacks_news(old, desired)
         if missing is not None:
             self._post(md, "Warning", "FallbackMissing", missing)
 

@@ -23,6 +23,7 @@ from kvpilot.operator import (
     planner,
     quality,
     quality_job,
+    typed_status,
 )
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
@@ -67,11 +68,14 @@ def desire(
     has_inference_pool_crd: bool = False,
     observed_quality: quality.Observed | None = None,
     now: str = "",
+    status: api.ModelDeploymentStatus = typed_status.EMPTY,
 ) -> Desired:
     """`source_facts`: what the operator read from the model's config.json, or why it could
     not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
     fill Job reports it; replicas wait at zero until it is Cached. `observed_quality`: the eval
-    set's digest, cached measurements and eval Jobs (spec.quantization.evaluation)."""
+    set's digest, cached measurements and eval Jobs (spec.quantization.evaluation). `status`:
+    the object's status as parsed where it came in (the autoscaler's decision, measured cost);
+    EMPTY for one never reconciled."""
     read = source_facts if isinstance(source_facts, ModelFacts) else None
     try:
         spec = api.parse_spec(md.get("spec") or {})
@@ -88,7 +92,7 @@ def desire(
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
     request = dataclasses.replace(
-        request, quantizations=verdict.admission.levels, measured_cost=measured_cost(md)
+        request, quantizations=verdict.admission.levels, measured_cost=measured_cost(status)
     )
     losses = {m.level: m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, node_types)
@@ -96,7 +100,7 @@ def desire(
     if not any(p.fits for p in plans):
         reasons = "; ".join(p.reason for p in plans) or "the cluster has no GPU node types"
         return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}", quality=verdict)
-    replicas = _replicas(spec, plans, (md.get("status") or {}).get("autoscaling") or {})
+    replicas = _replicas(spec, plans, status.autoscaling)
     first_fitting = next(p for p in plans if p.fits)
     cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
     if cache_children and (cache is None or cache.phase != "Cached"):
@@ -120,12 +124,12 @@ def desire(
     )
 
 
-def measured_cost(md: Obj) -> tuple[tuple[str, float], ...]:
+def measured_cost(status: api.ModelDeploymentStatus) -> tuple[tuple[str, float], ...]:
     """$ per 1,000 requests per node type on real traffic, as the autoscaler loop wrote it
     (status.cost.nodeTypes; cost.py); node types without traffic or price have none."""
-    per_type = (((md.get("status") or {}).get("cost") or {}).get("nodeTypes")) or {}
-    found = {name: figures.get("perThousandRequests") for name, figures in per_type.items()}
-    return tuple(sorted((n, float(c)) for n, c in found.items() if isinstance(c, (int, float))))
+    per_type = status.cost.node_types if status.cost is not None else {}
+    found = {name: figures.per_thousand_requests for name, figures in per_type.items()}
+    return tuple(sorted((n, c) for n, c in found.items() if c is not None))
 
 
 def _assess_quality(
@@ -146,7 +150,9 @@ def _assess_quality(
 
 
 def _replicas(
-    spec: api.ModelDeploymentSpec, plans: Sequence[planner.NodePlan], autoscaling: Obj
+    spec: api.ModelDeploymentSpec,
+    plans: Sequence[planner.NodePlan],
+    autoscaling: api.AutoscalingStatus,
 ) -> list[int]:
     """Replicas per node type in plan order.
 
@@ -155,10 +161,10 @@ def _replicas(
     wanted; else its `desiredReplicas`, or the scale subresource's figure, is spread here over
     the free GPUs.
     """
-    total = planner.desired_total(spec, autoscaling.get("desiredReplicas"))
-    per_type = autoscaling.get("replicasPerNodeType")
-    if spec.autoscaling.mode == "builtin" and isinstance(per_type, Mapping) and per_type:
-        spread = [int(per_type.get(p.node_type.name) or 0) if p.fits else 0 for p in plans]
+    total = planner.desired_total(spec, autoscaling.desired_replicas)
+    per_type = autoscaling.replicas_per_node_type
+    if spec.autoscaling.mode == "builtin" and per_type:
+        spread = [per_type.get(p.node_type.name, 0) if p.fits else 0 for p in plans]
         # A spread made for another plan or other bounds (the spec changed since) is not used.
         if sum(spread) == total:
             return spread
@@ -189,13 +195,11 @@ def fallbacks_condition(desired: Desired, generation: int) -> api.Condition | No
     )
 
 
-def fallbacks_news(md: Obj, desired: Desired) -> str | None:
+def fallbacks_news(status: api.ModelDeploymentStatus, desired: Desired) -> str | None:
     """The Warning Event text when this pass finds fallbacks missing that the last did not."""
     if not desired.missing_fallbacks:
         return None
-    old = conditions.find(
-        _conditions((md.get("status") or {}).get("conditions") or []), FALLBACKS_RESOLVED
-    )
+    old = conditions.find(status.conditions, FALLBACKS_RESOLVED)
     fresh = fallbacks_condition(desired, 0)
     if old is not None and fresh is not None and old.message == fresh.message:
         return None
@@ -222,17 +226,16 @@ def needs_full_pass(md: Obj, first_sight: bool) -> bool:
 def scale_pending(md: Obj) -> bool:
     """Whether the builtin autoscaler's last decision in status (its spread per node type, or
     its count) differs from the replicas the last pass applied (status.plan): the one way from
-    a scaling decision to the children is a reconcile pass, which the watch runs on this."""
-    status = md.get("status") or {}
-    autoscaling = status.get("autoscaling") or {}
+    a scaling decision to the children is a reconcile pass, which the watch runs on this.
+    `md` is the object as the watch delivered it: its status is parsed here."""
     if ((md.get("spec") or {}).get("autoscaling") or {}).get("mode", "builtin") != "builtin":
         return False
-    applied = {e.get("nodeType"): e.get("replicas") or 0 for e in status.get("plan") or []}
-    per_type = autoscaling.get("replicasPerNodeType") or {}
-    if per_type:
-        wanted = {t: n or 0 for t, n in per_type.items()}
+    status = typed_status.of(md)
+    applied = {e.node_type: e.replicas for e in status.plan}
+    wanted = status.autoscaling.replicas_per_node_type
+    if wanted:
         return any(applied.get(t, 0) != wanted.get(t, 0) for t in {*applied, *wanted})
-    desired = autoscaling.get("desiredReplicas")
+    desired = status.autoscaling.desired_replicas
     return desired is not None and desired != sum(applied.values())
 
 
@@ -264,14 +267,61 @@ def _quantization(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) ->
     return ",".join(dict.fromkeys(levels))
 
 
+# What a pass writes (a merge patch leaves the rest): autoscaling and cost are the autoscaler
+# loop's; cache and quality are written only when the pass has something to say about them.
+PASS_FIELDS = frozenset(
+    {
+        "observed_generation",
+        "conditions",
+        "plan",
+        "replicas",
+        "ready_replicas",
+        "selector",
+        "quantization",
+        "endpoint",
+        "cache",
+    }
+)
+
+
 def build_status(
-    md: Obj, desired: Desired, deployments: Sequence[Obj], config: OperatorConfig, now: str
+    md: Obj,
+    old: api.ModelDeploymentStatus,
+    desired: Desired,
+    deployments: Sequence[Obj],
+    config: OperatorConfig,
+    now: str,
 ) -> dict[str, Any]:
-    """The status of this pass, in wire form; `autoscaling` stays the autoscaler's to write."""
+    """The status of this pass in wire form, over `old` (the status the pass started from)."""
     meta = md["metadata"]
-    old = _conditions((md.get("status") or {}).get("conditions") or [])
     generation = int(meta.get("generation", 0))
     rollout = conditions.summarize(deployments)
+    verdict = desired.quality
+    measuring = verdict.condition if verdict is not None else None
+    status = api.ModelDeploymentStatus(
+        observed_generation=generation,
+        conditions=_merged_conditions(old, desired, rollout, generation, now),
+        plan=list(desired.plan),
+        replicas=rollout.replicas,
+        ready_replicas=rollout.ready,
+        selector=",".join(f"{k}={v}" for k, v in manifests.selector_labels(meta["name"]).items()),
+        quantization=desired.quantization,
+        endpoint=manifests.endpoint(md, config) if desired.error is None else "",
+        cache=desired.cache,
+        quality=list(verdict.measurements) if verdict is not None and measuring else [],
+    )
+    return typed_status.wire(status, include=PASS_FIELDS | ({"quality"} if measuring else set()))
+
+
+def _merged_conditions(
+    old: api.ModelDeploymentStatus,
+    desired: Desired,
+    rollout: conditions.Rollout,
+    generation: int,
+    now: str,
+) -> list[api.Condition]:
+    """This pass's conditions merged over the old ones (transition times kept where unchanged);
+    the autoscaler's stay as they are."""
     new = conditions.compute(
         desired.error,
         desired.summary,
@@ -283,44 +333,15 @@ def build_status(
     )
     routing = fallbacks_condition(desired, generation)
     new += [routing] if routing is not None else []
-    verdict = desired.quality
-    measuring = verdict.condition if verdict is not None else None
+    measuring = desired.quality.condition if desired.quality is not None else None
     if measuring is not None:
         new.append(measuring.model_copy(update={"observed_generation": generation}))
-    merged = [
+    return [
         c
-        for c in conditions.merge(old, new, now)
+        for c in conditions.merge(old.conditions, new, now)
         if (c.type != FALLBACKS_RESOLVED or routing is not None)  # fallbacks removed: so is it
         and (c.type != quality.QUALITY_MEASURED or measuring is not None)  # so is an eval set
     ]
-    status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "conditions": [c.model_dump(by_alias=True) for c in merged],
-        "plan": [entry.model_dump(by_alias=True) for entry in desired.plan],
-        "replicas": rollout.replicas,
-        "readyReplicas": rollout.ready,
-        "selector": ",".join(
-            f"{k}={v}" for k, v in manifests.selector_labels(meta["name"]).items()
-        ),
-        "quantization": desired.quantization,
-        "endpoint": manifests.endpoint(md, config) if desired.error is None else "",
-    }
-    if desired.cache is not None:
-        status["cache"] = desired.cache.model_dump(by_alias=True, exclude_none=True)
-    if verdict is not None and verdict.condition is not None:
-        status["quality"] = [m.model_dump(by_alias=True) for m in verdict.measurements]
-    return status
-
-
-def _conditions(raw: Sequence[Any]) -> list[api.Condition]:
-    """The conditions in status; one another writer malformed is dropped, not fatal to the pass."""
-    parsed = []
-    for item in raw:
-        try:
-            parsed.append(api.Condition.model_validate(item))
-        except ValidationError:
-            continue
-    return parsed
 
 
 def stale_children(existing: Sequence[Obj], desired: Desired) -> list[Obj]:
@@ -329,31 +350,39 @@ def stale_children(existing: Sequence[Obj], desired: Desired) -> list[Obj]:
     return [o for o in existing if (o.get("kind"), o["metadata"]["name"]) not in wanted]
 
 
-def may_have_dropped_pod_monitor(md: Obj, desired: Desired) -> bool:
+def may_have_dropped_pod_monitor(
+    md: Obj, status: api.ModelDeploymentStatus, desired: Desired
+) -> bool:
     """Whether a PodMonitor an earlier spec asked for may be left over: this pass wants none,
     and the spec changed since the last pass (the first pass and ordinary passes cost no
     extra API reads)."""
-    return may_have_dropped(md, desired, "PodMonitor")
+    return may_have_dropped(md, status, desired, "PodMonitor")
 
 
-def may_have_dropped(md: Obj, desired: Desired, kind: str) -> bool:
+def may_have_dropped(
+    md: Obj, status: api.ModelDeploymentStatus, desired: Desired, kind: str
+) -> bool:
     """Whether an optional child of `kind` (PodMonitor, InferencePool) an earlier spec asked for
     may be left over: this pass wants none, and the spec changed since the last pass."""
-    status = md.get("status") or {}
-    observed = int(status.get("observedGeneration") or 0)
+    observed = status.observed_generation
     changed = observed > 0 and int(md["metadata"].get("generation", 0)) != observed
     return changed and not any(c["kind"] == kind for c in desired.children)
 
 
-def plan_changed(md: Obj, desired: Desired) -> bool:
+def plan_changed(status: api.ModelDeploymentStatus, desired: Desired) -> bool:
     """Whether this pass changes the plan in status, or fails anew: worth a Kubernetes Event."""
-    status = md.get("status") or {}
     if desired.error is not None:
-        planned = conditions.find(_conditions(status.get("conditions") or []), conditions.PLANNED)
+        planned = conditions.find(status.conditions, conditions.PLANNED)
         return planned is None or planned.message != desired.error
-    old = status.get("plan") or []
-    new = [e.model_dump(by_alias=True) for e in desired.plan]
-    key = ("nodeType", "fits", "quantization", "tensorParallel", "replicas")
-    return [tuple(e.get(k) for k in key) for e in old] != [
-        tuple(e.get(k) for k in key) for e in new
-    ]
+    return [_plan_key(e) for e in status.plan] != [_plan_key(e) for e in desired.plan]
+
+
+def _plan_key(entry: api.PlanEntry) -> tuple[str, bool, str, int, int]:
+    """What makes two plans differ for the user: where, at what level and size, how many."""
+    return (
+        entry.node_type,
+        entry.fits,
+        entry.quantization,
+        entry.tensor_parallel,
+        entry.replicas,
+    )

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, autoscaler, config, reconcile
+from kvpilot.operator import api, autoscaler, config, reconcile, typed_status
 from kvpilot.operator.autoscaler_loop import free_gpus, pods_by_model
 from kvpilot.operator.inventory import NodeType
 
@@ -259,7 +259,8 @@ def test_reconcile_applies_the_spread_only_while_it_adds_up(
     per_type: dict[str, int], desired: int, max_replicas: int, expected: list[int]
 ) -> None:
     md = md_with(per_type, desired, max_replicas)
-    desired_state = reconcile.desire(md, l4_types(), config.OperatorConfig(), False)
+    status = typed_status.of(md)
+    desired_state = reconcile.desire(md, l4_types(), config.OperatorConfig(), False, status=status)
     assert desired_state.error is None, desired_state.error
     assert [e.node_type for e in desired_state.plan] == ["cheap", "dear"]
     assert [e.replicas for e in desired_state.plan] == expected

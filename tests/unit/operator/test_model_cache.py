@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, conditions, manifests, model_cache, planner, reconcile
+from kvpilot.operator import (
+    api,
+    conditions,
+    manifests,
+    model_cache,
+    planner,
+    reconcile,
+    typed_status,
+)
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 
@@ -160,7 +168,9 @@ def test_replicas_wait_at_zero_until_the_cache_is_filled(
     deployment = next(c for c in desired.children if c["kind"] == "Deployment")
     assert deployment["spec"]["replicas"] == replicas
     assert [c["kind"] for c in desired.cache_children] == ["PersistentVolumeClaim", "Job"]
-    status = reconcile.build_status(md({}), desired, [deployment], CONFIG, "now")
+    status = reconcile.build_status(
+        md({}), typed_status.EMPTY, desired, [deployment], CONFIG, "now"
+    )
     assert status["cache"]["phase"] == cache_phase
     ready = next(c for c in status["conditions"] if c["type"] == conditions.READY)
     assert ready["reason"] == ready_reason
@@ -169,7 +179,7 @@ def test_replicas_wait_at_zero_until_the_cache_is_filled(
 def test_without_a_cache_nothing_changes() -> None:
     desired = reconcile.desire(md(None), [L4], CONFIG, False)
     assert desired.cache_children == [] and desired.cache is None
-    status = reconcile.build_status(md(None), desired, [], CONFIG, "now")
+    status = reconcile.build_status(md(None), typed_status.EMPTY, desired, [], CONFIG, "now")
     assert "cache" not in status
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import conditions, reconcile
+from kvpilot.operator import conditions, reconcile, typed_status
 from kvpilot.operator.api import Condition
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
@@ -107,7 +107,9 @@ def test_status_of_a_pass() -> None:
             "readyReplicas": 1,
         },
     }
-    status = reconcile.build_status(obj, desired, [deployment], CONFIG, "2026-01-01T00:00:00Z")
+    status = reconcile.build_status(
+        obj, typed_status.EMPTY, desired, [deployment], CONFIG, "2026-01-01T00:00:00Z"
+    )
     assert status["observedGeneration"] == 2
     assert (status["replicas"], status["readyReplicas"]) == (1, 1)
     assert status["selector"] == "kvpilot.dev/model=m"
@@ -178,9 +180,9 @@ def test_summarize(deployments: list[dict[str, Any]], expected: conditions.Rollo
 def test_plan_changed() -> None:
     obj = md(LLAMA_70B)
     desired = reconcile.desire(obj, [H100], CONFIG, False)
-    assert reconcile.plan_changed(obj, desired)
+    assert reconcile.plan_changed(typed_status.of(obj), desired)
     obj["status"]["plan"] = [e.model_dump(by_alias=True) for e in desired.plan]
-    assert not reconcile.plan_changed(obj, desired)
+    assert not reconcile.plan_changed(typed_status.of(obj), desired)
 
 
 @pytest.mark.parametrize(
@@ -210,9 +212,8 @@ def test_replicas_follow_the_autoscaler_or_the_scale_subresource(
     mode: str, autoscaling_status: dict[str, Any], expected: list[int]
 ) -> None:
     spec = {**LLAMA_70B, "autoscaling": {"mode": mode, "replicas": 2, "maxReplicas": 4}}
-    desired = reconcile.desire(
-        md(spec, {"autoscaling": autoscaling_status}), [H100, T4], CONFIG, False
-    )
+    obj = md(spec, {"autoscaling": autoscaling_status})
+    desired = reconcile.desire(obj, [H100, T4], CONFIG, False, status=typed_status.of(obj))
     assert [e.replicas for e in desired.plan] == expected
 
 
@@ -225,9 +226,9 @@ def test_status_written_by_the_autoscaler_is_carried_not_parsed() -> None:
         "autoscaling": {"desiredReplicas": 1, "lastScaleTime": None, "state": {"x": [1, 2]}},
     }
     obj = md(LLAMA_70B, autoscaler_status)
-    status = reconcile.build_status(
-        obj, reconcile.desire(obj, [H100], CONFIG, False), [], CONFIG, "t"
-    )
+    old = typed_status.of(obj)
+    desired = reconcile.desire(obj, [H100], CONFIG, False, status=old)
+    status = reconcile.build_status(obj, old, desired, [], CONFIG, "t")
     assert "autoscaling" not in status  # the autoscaler's to write; a merge patch leaves it
     assert {c["type"] for c in status["conditions"]} >= {"Ready", "MetricsAvailable"}
 
@@ -235,9 +236,9 @@ def test_status_written_by_the_autoscaler_is_carried_not_parsed() -> None:
 def test_a_new_failure_is_news_once() -> None:
     obj = md({"model": {"uri": "pvc://weights/mine"}})
     desired = reconcile.desire(obj, [H100], CONFIG, False)
-    assert reconcile.plan_changed(obj, desired)
-    obj["status"] = reconcile.build_status(obj, desired, [], CONFIG, "t")
-    assert not reconcile.plan_changed(obj, desired)
+    assert reconcile.plan_changed(typed_status.of(obj), desired)
+    obj["status"] = reconcile.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
+    assert not reconcile.plan_changed(typed_status.of(obj), desired)
 
 
 @pytest.mark.parametrize(
@@ -257,7 +258,7 @@ def test_may_have_dropped_pod_monitor(
     )
     obj["metadata"]["generation"] = generation
     desired = reconcile.desire(obj, [H100], CONFIG, has_pod_monitor_crd=True)
-    assert reconcile.may_have_dropped_pod_monitor(obj, desired) is expected
+    assert reconcile.may_have_dropped_pod_monitor(obj, typed_status.of(obj), desired) is expected
 
 
 UNCATALOGUED = {"model": {"uri": "hf://acme/in-house-8b"}, "serving": {"maxContextLength": 4096}}
@@ -366,7 +367,7 @@ def _fallbacks_status(obj: dict[str, Any], missing: tuple[str, ...]) -> dict[str
     desired = dataclasses.replace(
         reconcile.desire(obj, [H100], CONFIG, False), missing_fallbacks=missing
     )
-    status = reconcile.build_status(obj, desired, [], CONFIG, "t")
+    status = reconcile.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
     return next((c for c in status["conditions"] if c["type"] == "FallbacksResolved"), None)
 
 
@@ -408,13 +409,13 @@ def test_missing_fallbacks_are_news_once() -> None:
     desired = dataclasses.replace(
         reconcile.desire(obj, [H100], CONFIG, False), missing_fallbacks=("small",)
     )
-    assert reconcile.fallbacks_news(obj, desired) == (
+    assert reconcile.fallbacks_news(typed_status.of(obj), desired) == (
         "spec.routing.fallbacks name missing ModelDeployments: small"
     )
-    obj["status"] = reconcile.build_status(obj, desired, [], CONFIG, "t")
-    assert reconcile.fallbacks_news(obj, desired) is None
+    obj["status"] = reconcile.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
+    assert reconcile.fallbacks_news(typed_status.of(obj), desired) is None
     found = dataclasses.replace(desired, missing_fallbacks=())
-    assert reconcile.fallbacks_news(obj, found) is None
+    assert reconcile.fallbacks_news(typed_status.of(obj), found) is None
 
 
 def test_a_fallback_to_itself_is_an_invalid_spec() -> None:
@@ -439,7 +440,9 @@ def test_a_dropped_inference_pool_is_looked_for_after_a_spec_change(
     obj = md({**LLAMA_70B, "routing": routing}, {"observedGeneration": observed})
     obj["metadata"]["generation"] = generation
     desired = reconcile.desire(obj, [H100], CONFIG, False, has_inference_pool_crd=True)
-    assert reconcile.may_have_dropped(obj, desired, "InferencePool") is expected
+    assert (
+        reconcile.may_have_dropped(obj, typed_status.of(obj), desired, "InferencePool") is expected
+    )
 
 
 def test_prefer_cost_plans_by_the_cost_status_measured_on_real_traffic() -> None:
@@ -454,14 +457,26 @@ def test_prefer_cost_plans_by_the_cost_status_measured_on_real_traffic() -> None
     estimated = reconcile.desire(md(spec), [T4, H100], CONFIG, False)
     assert [e.node_type for e in estimated.plan] == ["t4-16gb", "h100-80gb"]
     cost = {
+        **_figures(None),
+        "window": "5m",
         "nodeTypes": {
-            "t4-16gb": {"perThousandRequests": 0.9, "replicas": 1},
-            "h100-80gb": {"perThousandRequests": 0.4, "replicas": 1},
-            "a100-40gb": {"perThousandRequests": None, "replicas": 0},  # no traffic: no figure
-        }
+            "t4-16gb": {**_figures(0.9), "replicas": 1},
+            "h100-80gb": {**_figures(0.4), "replicas": 1},
+            "a100-40gb": {**_figures(None), "replicas": 0},  # no traffic: no figure
+        },
     }
-    status = {"cost": cost}
-    assert reconcile.measured_cost(md(spec, status)) == (("h100-80gb", 0.4), ("t4-16gb", 0.9))
-    measured = reconcile.desire(md(spec, status), [T4, H100], CONFIG, False)
+    status = typed_status.parse({"cost": cost})
+    assert reconcile.measured_cost(status) == (("h100-80gb", 0.4), ("t4-16gb", 0.9))
+    measured = reconcile.desire(md(spec), [T4, H100], CONFIG, False, status=status)
     assert [e.node_type for e in measured.plan] == ["h100-80gb", "t4-16gb"]
-    assert reconcile.measured_cost(md(spec)) == ()
+    assert reconcile.measured_cost(typed_status.EMPTY) == ()
+
+
+def _figures(per_thousand_requests: float | None) -> dict[str, Any]:
+    """status.cost's figures as cost.py writes them (the ones the test reads, and zeros)."""
+    return {
+        "pricePerHour": 0.0,
+        "requestsPerSecond": 0.0,
+        "outputTokensPerSecond": 0.0,
+        "perThousandRequests": per_thousand_requests,
+    }

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.operator import api, quality, quality_job, reconcile
+from kvpilot.operator import api, quality, quality_job, reconcile, typed_status
 from tests.support.quality_fixtures import (
     CONFIG,
     DIGEST,
@@ -276,7 +276,7 @@ def test_the_pass_plans_with_the_admitted_levels_and_shows_the_loss() -> None:
     assert desired.error is None and desired.quantization == "int8"
     (entry,) = desired.plan
     assert (entry.quantization, entry.quality_loss) == ("int8", 0.3)
-    status = reconcile.build_status(md(spec), desired, [], CONFIG, NOW)
+    status = reconcile.build_status(md(spec), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert [q["level"] for q in status["quality"]] == ["int4", "int8", "bf16"]
     measured = next(c for c in status["conditions"] if c["type"] == "QualityMeasured")
     assert measured["status"] == "True" and measured["observedGeneration"] == 1
@@ -298,6 +298,6 @@ def test_a_budget_no_level_meets_fails_the_plan_with_the_losses() -> None:
 def test_without_an_eval_set_nothing_changes() -> None:
     desired = reconcile.desire(md(md_spec(maxQualityLoss="low")), [L4], CONFIG, False)
     assert desired.quantization == "bf16" and desired.plan[0].quality_loss is None
-    status = reconcile.build_status(md(md_spec()), desired, [], CONFIG, NOW)
+    status = reconcile.build_status(md(md_spec()), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert "quality" not in status
     assert all(c["type"] != "QualityMeasured" for c in status["conditions"])

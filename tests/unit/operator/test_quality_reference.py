@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, planner, quality, quality_job, reconcile
+from kvpilot.operator import api, planner, quality, quality_job, reconcile, typed_status
 from kvpilot.operator.inventory import NodeType
 from kvpilot.runtime.memory import ModelFacts
 from tests.support.quality_fixtures import CONFIG, DIGEST, NOW, job, md, summary_pod
@@ -144,7 +144,7 @@ def test_the_pass_uses_the_reference_of_the_inventory_and_status_names_it() -> N
         md(spec_7b()), [T4], CONFIG, False, observed_quality=observed, now=NOW
     )
     assert desired.error is None and desired.quantization == "int8"
-    status = reconcile.build_status(md(spec_7b()), desired, [], CONFIG, NOW)
+    status = reconcile.build_status(md(spec_7b()), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert [(q["level"], q["reference"]) for q in status["quality"]] == [
         ("int8", "int8"),
         ("int4", "int8"),
