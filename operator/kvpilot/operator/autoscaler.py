@@ -33,9 +33,10 @@ def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
     )
 
 
-def state_from_status(status: Mapping[str, Any] | None) -> PolicyState:
-    autoscaling = (status or {}).get("autoscaling") or {}
-    return PolicyState.from_dict(autoscaling.get("state"))
+def state_from_status(status: api.ModelDeploymentStatus) -> PolicyState:
+    """The policy state `status_patch` wrote. It is not in the CRD's schema (status.autoscaling
+    keeps unknown fields), so the typed status holds it among the extra fields."""
+    return PolicyState.from_dict((status.autoscaling.model_extra or {}).get("state"))
 
 
 @dataclass(frozen=True)
@@ -73,17 +74,14 @@ class Placement:
         )
 
 
-def placement(status: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> Placement:
+def placement(status: api.ModelDeploymentStatus, pods: Sequence[Mapping[str, Any]]) -> Placement:
     """The Placement of a ModelDeployment from its status and its pods (pure).
 
     The replicas asked for per type are the autoscaler's last spread, else reconcile's plan.
     """
-    status = status or {}
-    fitting = [e for e in status.get("plan") or [] if e.get("fits")]
-    order = tuple(str(e["nodeType"]) for e in fitting)
-    asked = (status.get("autoscaling") or {}).get("replicasPerNodeType") or {
-        e["nodeType"]: e.get("replicas", 0) for e in fitting
-    }
+    fitting = [e for e in status.plan if e.fits]
+    order = tuple(e.node_type for e in fitting)
+    asked = status.autoscaling.replicas_per_node_type or {e.node_type: e.replicas for e in fitting}
     pending: dict[str, int] = {}
     since: dict[str, float] = {}
     for pod in pods:
@@ -94,10 +92,8 @@ def placement(status: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]
             since[node_type] = min(since.get(node_type, stuck_at), stuck_at)
     return Placement(
         order=order,
-        gpus_per_replica={
-            str(e["nodeType"]): max(1, int(e.get("tensorParallel") or 1)) for e in fitting
-        },
-        current={t: int(asked.get(t) or 0) for t in order},
+        gpus_per_replica={e.node_type: max(1, e.tensor_parallel) for e in fitting},
+        current={t: asked.get(t, 0) for t in order},
         pending=pending,
         unschedulable_since=since,
     )

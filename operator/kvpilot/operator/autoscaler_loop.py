@@ -40,6 +40,7 @@ from kvpilot.operator import (
     observability,
     runtime_metrics,
     timestamps,
+    typed_status,
 )
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.controller import COMPONENT, Controller
@@ -54,12 +55,18 @@ def autoscaling_spec(md: Obj) -> api.Autoscaling:
     return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
 
 
-def wake_of(md: Obj, autoscaling: api.Autoscaling, current: int, now: float) -> Decision | None:
+def wake_of(
+    md: Obj,
+    status: api.ModelDeploymentStatus,
+    autoscaling: api.Autoscaling,
+    current: int,
+    now: float,
+) -> Decision | None:
     """What a pending wake (the gateway's annotation) asks for, given the parsed spec."""
     return wake(
         autoscaling.mode,
         autoscaler.bounds_from_spec(autoscaling),
-        autoscaler.state_from_status(md.get("status")),
+        autoscaler.state_from_status(status),
         current,
         autoscaler.wake_time(md),
         now,
@@ -70,10 +77,16 @@ def is_builtin(md: Obj) -> bool:
     return autoscaling_spec(md).mode == "builtin"
 
 
-def is_planned(md: Obj) -> bool:
+def is_planned(status: api.ModelDeploymentStatus) -> bool:
     """Only a ModelDeployment with a node type that fits has replicas to scale; one whose plan
     failed waits for its spec or the cluster to change (reconcile reports why)."""
-    return any(entry.get("fits") for entry in (md.get("status") or {}).get("plan") or [])
+    return any(entry.fits for entry in status.plan)
+
+
+def to_scale(listed: Sequence[Obj]) -> list[tuple[Obj, api.ModelDeploymentStatus]]:
+    """The builtin ModelDeployments with a plan, each with its status parsed (once per tick)."""
+    builtin = [(md, typed_status.of(md)) for md in listed if is_builtin(md)]
+    return [(md, status) for md, status in builtin if is_planned(status)]
 
 
 # Keys of status.autoscaling that change on every look; a write only for them would churn the
@@ -81,9 +94,10 @@ def is_planned(md: Obj) -> bool:
 VOLATILE_KEYS = ("lastDecisionTime", "metrics")
 
 
-def is_news(old: Obj, new: Obj) -> bool:
+def is_news(old: api.AutoscalingStatus, new: Obj) -> bool:
     """True when the decision, its reason, the policy state or metric availability changed."""
-    return any(old.get(k) != v for k, v in new.items() if k not in VOLATILE_KEYS)
+    written = typed_status.wire(old)
+    return any(written.get(k) != v for k, v in new.items() if k not in VOLATILE_KEYS)
 
 
 def replicas_by_node_type(pods: Sequence[Obj]) -> dict[str, int]:
@@ -98,18 +112,15 @@ def replicas_by_node_type(pods: Sequence[Obj]) -> dict[str, int]:
     return counts
 
 
-def replica_prices(status: Obj) -> dict[str, float]:
+def replica_prices(plan: Sequence[api.PlanEntry]) -> dict[str, float]:
     """Price of one replica-hour per node type, as the plan worked it out (pure)."""
-    return {
-        str(entry.get("nodeType")): float(entry.get("pricePerHour") or 0.0)
-        for entry in status.get("plan") or []
-    }
+    return {entry.node_type: entry.price_per_hour for entry in plan}
 
 
-def cost_is_due(status: Obj, now: float, window_s: int) -> bool:
+def cost_is_due(old: api.CostStatus | None, now: float, window_s: int) -> bool:
     """status.cost is refreshed about five times per window: often enough to follow the
     traffic, rarely enough not to churn the object (pure)."""
-    measured = (status.get("cost") or {}).get("measuredAt")
+    measured = old.measured_at if old is not None else ""
     return not measured or now - timestamps.unix(measured) >= window_s / 5
 
 
@@ -134,17 +145,16 @@ def ready_pod_urls(pods: Sequence[Obj], port: int) -> tuple[dict[str, str], dict
 
 
 def metrics_condition_patch(
-    old: Sequence[Obj], decision: Decision, now: str
+    old: Sequence[api.Condition], decision: Decision, now: str
 ) -> list[dict[str, Any]]:
     """status.conditions with MetricsAvailable set (transition time kept when unchanged)."""
-    current = [api.Condition.model_validate(c) for c in old]
     fresh = api.Condition.model_validate(autoscaler.metrics_condition(decision))
-    merged = conditions.merge(current, [fresh], now)
-    return [c.model_dump(by_alias=True, exclude_none=True) for c in merged]
+    return [typed_status.wire(c) for c in conditions.merge(old, [fresh], now)]
 
 
 Inventory = tuple[list[Any], list[Any]]
-Decide = Callable[[Obj], Decision | None]
+# A decision on the object as it is now (and its status, parsed).
+Decide = Callable[[Obj, api.ModelDeploymentStatus], Decision | None]
 
 
 class AutoscalerLoop:
@@ -190,15 +200,15 @@ class AutoscalerLoop:
     async def tick(self) -> None:
         """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""
         listed = await asyncio.to_thread(self.safe_list)
-        scaled = [md for md in listed if is_builtin(md) and is_planned(md)]
+        scaled = to_scale(listed)
         try:
             pods = await asyncio.to_thread(self.model_pods) if scaled else {}
         except k8s.ApiException as error:
             log.warning("autoscaler: cannot list runtime pods: %s", error.reason)
             return
-        for md in scaled:
+        for md, status in scaled:
             meta = md["metadata"]
-            await self.scale_one(md, pods.get((meta["namespace"], meta["name"]), []))
+            await self.scale_one(md, status, pods.get((meta["namespace"], meta["name"]), []))
 
     def safe_list(self) -> list[dict[str, Any]]:
         try:
@@ -207,22 +217,33 @@ class AutoscalerLoop:
             log.warning("autoscaler: cannot list ModelDeployments: %s", error.reason)
             return []
 
-    async def scale_one(self, md: Obj, pods: Sequence[Obj]) -> None:
+    async def scale_one(
+        self, md: Obj, status: api.ModelDeploymentStatus, pods: Sequence[Obj]
+    ) -> None:
         meta = md["metadata"]
         try:
-            current = int((md.get("status") or {}).get("replicas") or 0)
-            observations = await self.observe(meta["namespace"], meta["name"], current, pods)
-            await self.act(md, pods, observations, lambda fresh: self.decide(fresh, observations))
-            await asyncio.to_thread(self.record_cost, md, pods)
+            observations = await self.observe(
+                meta["namespace"], meta["name"], status.replicas, pods
+            )
+            await self.act(
+                md,
+                status,
+                pods,
+                observations,
+                lambda fresh, fresh_status: self.decide(fresh, fresh_status, observations),
+            )
+            await asyncio.to_thread(self.record_cost, md, status, pods)
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
             log.warning("autoscaler: %s/%s: %s", meta["namespace"], meta["name"], error)
 
     def request_wake(self, md: Obj) -> bool:
         """A gateway's wake request (the `md-wake` handler, on kopf's loop): queued for the loop
         to decide now rather than on its next tick. True when it was worth queueing."""
-        current = int((md.get("status") or {}).get("replicas") or 0)
         # Every event of an annotated object comes here: the pure check first, API calls later.
-        if not (is_builtin(md) and is_planned(md)) or self.wake_decision(md, current) is None:
+        if not is_builtin(md):
+            return False
+        status = typed_status.of(md)
+        if not is_planned(status) or self.wake_decision(md, status, status.replicas) is None:
             return False
         key = (md["metadata"].get("namespace", ""), md["metadata"]["name"])
         if key not in self.wake_bodies:
@@ -232,8 +253,7 @@ class AutoscalerLoop:
 
     async def wake(self, md: Obj) -> bool:
         """Act on a queued wake: True when it asked for a replica."""
-        meta = md["metadata"]
-        current = int((md.get("status") or {}).get("replicas") or 0)
+        meta, status = md["metadata"], typed_status.of(md)  # the queued body: its latest event
         try:
             pods = await asyncio.to_thread(
                 k8s.list_objects,
@@ -243,13 +263,14 @@ class AutoscalerLoop:
                 meta["namespace"],
                 f"{manifests.LABEL_MODEL}={meta['name']}",
             )
-            observations = await self.observe(meta["namespace"], meta["name"], current, pods)
+            observations = await self.observe(
+                meta["namespace"], meta["name"], status.replicas, pods
+            )
 
-            def woken(fresh: Obj) -> Decision | None:
-                current = int((fresh.get("status") or {}).get("replicas") or 0)
-                return self.wake_decision(fresh, current)
+            def woken(fresh: Obj, fresh_status: api.ModelDeploymentStatus) -> Decision | None:
+                return self.wake_decision(fresh, fresh_status, fresh_status.replicas)
 
-            woke = await self.act(md, pods, observations, woken)
+            woke = await self.act(md, status, pods, observations, woken)
         except k8s.ApiException as error:  # the gateway wakes again, and the tick sees it too
             log.warning("wake of %s failed: %s %s", meta["name"], error.status, error.reason)
             return False
@@ -258,15 +279,23 @@ class AutoscalerLoop:
         return woke
 
     async def act(
-        self, md: Obj, pods: Sequence[Obj], observations: Observations, decide: Decide
+        self,
+        md: Obj,
+        status: api.ModelDeploymentStatus,
+        pods: Sequence[Obj],
+        observations: Observations,
+        decide: Decide,
     ) -> bool:
         """Decide on `md` and record it (in a thread: it writes status)."""
         snapshot = self.indexes() if self.indexes is not None else None
-        return await asyncio.to_thread(self.act_now, md, pods, observations, decide, snapshot)
+        return await asyncio.to_thread(
+            self.act_now, md, status, pods, observations, decide, snapshot
+        )
 
     def act_now(
         self,
         md: Obj,
+        status: api.ModelDeploymentStatus,
         pods: Sequence[Obj],
         observations: Observations,
         decide: Decide,
@@ -277,12 +306,11 @@ class AutoscalerLoop:
         status.autoscaling in between (another instance, an old Lease holder) means deciding
         again on the object as it is now, so neither undoes the other's decision unseen."""
         for _attempt in range(attempts):
-            decision = decide(md)
+            decision = decide(md, status)
             if decision is None:
                 return False
-            current = int((md.get("status") or {}).get("replicas") or 0)
             try:
-                self.place(md, pods, current, observations, decision, snapshot)
+                self.place(md, status, pods, observations, decision, snapshot)
                 return True
             except k8s.ApiException as error:
                 if error.status != 409:
@@ -297,15 +325,15 @@ class AutoscalerLoop:
             )
             if fresh is None:
                 return False
-            md = fresh
+            md, status = fresh, typed_status.of(fresh)
         log.info("autoscaler: %s kept changing; the next tick decides", md["metadata"]["name"])
         return False
 
     def place(
         self,
         md: Obj,
+        status: api.ModelDeploymentStatus,
         pods: Sequence[Obj],
-        current: int,
         observations: Observations,
         decision: Decision,
         snapshot: Inventory | None = None,
@@ -315,15 +343,15 @@ class AutoscalerLoop:
         ModelDeployment sees the decision and runs the reconcile that applies it
         (handlers.md_event), so children are touched by the reconcile alone."""
         now, spill_after = time.time(), self.controller.config.spill_after_seconds
-        where = autoscaler.placement(md.get("status"), pods)
+        current, where = status.replicas, autoscaler.placement(status, pods)
         stuck = where.spilling(now, spill_after)
         if decision.replicas == current and not stuck:
-            self.record(md, observations, decision, None)
+            self.record(md, status, observations, decision, None)
             return
         nodes, all_pods = snapshot or self.list_inventory()
         free = free_gpus(nodes, all_pods, where, self.controller.config.node_types)
         per_type = where.spread(decision.replicas, free, now, spill_after)
-        self.record(md, observations, decision, per_type)
+        self.record(md, status, observations, decision, per_type)
         if decision.replicas != current:
             self.announce_scale(md, current, decision)
         elif per_type != dict(where.current):  # else stuck, but no other type has room yet
@@ -355,46 +383,53 @@ class AutoscalerLoop:
             observability.record_metrics_error("prometheus" if self.prometheus else "pods")
         return observations
 
-    def decide(self, md: Obj, observations: Observations) -> Decision:
+    def decide(
+        self, md: Obj, status: api.ModelDeploymentStatus, observations: Observations
+    ) -> Decision:
         """The policy's decision, or a pending wake's where that asks for more (a wake that
         came while another instance held the Lease)."""
         autoscaling, now = autoscaling_spec(md), time.time()
-        state = autoscaler.state_from_status(md.get("status"))
+        state = autoscaler.state_from_status(status)
         decision = decide(observations, autoscaler.bounds_from_spec(autoscaling), state, now)
-        woken = wake_of(md, autoscaling, observations.current_replicas, now)
+        woken = wake_of(md, status, autoscaling, observations.current_replicas, now)
         return woken if woken is not None and woken.replicas > decision.replicas else decision
 
-    def wake_decision(self, md: Obj, current: int, now: float | None = None) -> Decision | None:
-        return wake_of(md, autoscaling_spec(md), current, time.time() if now is None else now)
+    def wake_decision(
+        self, md: Obj, status: api.ModelDeploymentStatus, current: int, now: float | None = None
+    ) -> Decision | None:
+        when = time.time() if now is None else now
+        return wake_of(md, status, autoscaling_spec(md), current, when)
 
     def record(
         self,
         md: Obj,
+        status: api.ModelDeploymentStatus,
         observations: Observations,
         decision: Decision,
         per_type: Mapping[str, int] | None,
     ) -> None:
-        meta, status = md["metadata"], md.get("status") or {}
+        meta, old = md["metadata"], status.autoscaling
         now = timestamps.rfc3339()
-        old = status.get("autoscaling") or {}
+        # A merge patch, not the model: its nulls delete what no longer holds (a metric gone,
+        # a policy timer reset, a node type left out of the spread).
         autoscaling = autoscaler.status_patch(decision, observations, time.time())
         if per_type is not None:
-            spread = old.get("replicasPerNodeType") or {}
+            spread = old.replicas_per_node_type
             autoscaling["replicasPerNodeType"] = autoscaler.per_type_patch(spread, per_type)
         if not is_news(old, autoscaling):
             return
         patch = {
             "autoscaling": autoscaling,
-            "conditions": metrics_condition_patch(status.get("conditions") or [], decision, now),
+            "conditions": metrics_condition_patch(status.conditions, decision, now),
         }
         version = meta.get("resourceVersion")
         k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch, version)
 
-    def record_cost(self, md: Obj, pods: Sequence[Obj]) -> None:
+    def record_cost(self, md: Obj, status: api.ModelDeploymentStatus, pods: Sequence[Obj]) -> None:
         """status.cost from the traffic Prometheus measured over the window (none without it:
         the rates need its counters' history)."""
-        status, window_s = md.get("status") or {}, self.controller.config.cost_window_seconds
-        if self.prometheus is None or not cost_is_due(status, time.time(), window_s):
+        window_s = self.controller.config.cost_window_seconds
+        if self.prometheus is None or not cost_is_due(status.cost, time.time(), window_s):
             return
         meta, window = md["metadata"], runtime_metrics.prom_duration(window_s)
         try:
@@ -403,10 +438,12 @@ class AutoscalerLoop:
             log.warning("autoscaler: cost of %s/%s: %s", meta["namespace"], meta["name"], error)
             return
         figures = cost.cost_status(
-            replicas_by_node_type(pods), replica_prices(status), traffic, window
+            replicas_by_node_type(pods), replica_prices(status.plan), traffic, window
         )
         figures["measuredAt"] = timestamps.rfc3339()
-        patch = {"cost": cost.merge_patch(status.get("cost"), figures)}
+        # The keys the old cost has (defaults were never written): those `figures` lacks go.
+        old = None if status.cost is None else typed_status.wire(status.cost, exclude_defaults=True)
+        patch = {"cost": cost.merge_patch(old, figures)}
         k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)
 
     def announce_scale(self, md: Obj, current: int, decision: Decision) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api
+from kvpilot.operator import api, typed_status
 from kvpilot.operator import runtime_metrics as metrics
 from kvpilot.operator.autoscaler import (
     bounds_from_spec,
@@ -136,8 +136,8 @@ def test_status_patch_round_trips_the_state() -> None:
     assert patch["lastScaleTime"] == patch["lastDecisionTime"] == "2023-11-14T22:13:20Z"
     assert patch["metrics"]["kvCacheUsage"] == 0.9
     assert patch["metricsAvailable"] is True
-    assert state_from_status({"autoscaling": patch}) == decision.state
-    assert state_from_status(None) == PolicyState()
+    assert state_from_status(typed_status.parse({"autoscaling": patch})) == decision.state
+    assert state_from_status(typed_status.EMPTY) == PolicyState()
     assert event_message(2, decision) == f"Scaled from 2 to 4 replicas: {decision.reason}"
     assert event_message(4, replace(decision, replicas=4)) is None
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import autoscaler, autoscaler_loop
+from kvpilot.operator import api, autoscaler, autoscaler_loop, typed_status
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.policy import Decision, PolicyState
 
@@ -49,8 +49,8 @@ def test_only_builtin_mode_is_autoscaled(spec: dict[str, Any], builtin: bool) ->
 
 def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> None:
     old = [
-        {"type": "Ready", "status": "True", "lastTransitionTime": "t0"},
-        {"type": "MetricsAvailable", "status": "True", "lastTransitionTime": "t1"},
+        api.Condition(type="Ready", status="True", last_transition_time="t0"),
+        api.Condition(type="MetricsAvailable", status="True", last_transition_time="t1"),
     ]
     state = PolicyState()
     fresh = Decision(replicas=1, reason="hold", state=state, metrics_available=True)
@@ -69,14 +69,14 @@ def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> N
     [
         (None, False),
         ([], False),
-        ([{"fits": False}], False),
-        ([{"fits": False}, {"fits": True}], True),
+        ([{"nodeType": "a", "fits": False}], False),
+        ([{"nodeType": "a", "fits": False}, {"nodeType": "b", "fits": True}], True),
     ],
 )
 def test_only_planned_deployments_are_scaled(
     plan: list[dict[str, Any]] | None, planned: bool
 ) -> None:
-    assert autoscaler_loop.is_planned({"status": {"plan": plan}}) is planned
+    assert autoscaler_loop.is_planned(typed_status.parse({"plan": plan})) is planned
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_status_is_written_only_when_the_decision_changes(new: dict[str, Any], n
         "metrics": {"requestsWaiting": 1},
         "metricsAvailable": True,
     }
-    assert autoscaler_loop.is_news(old, new) is news
+    assert autoscaler_loop.is_news(api.AutoscalingStatus.model_validate(old), new) is news
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,7 @@ def test_placement_reads_the_plan_and_counts_stuck_pods_per_type() -> None:
         pod("b", True),
         pod("big", False),  # not a fitting type: ignored
     ]
-    where = autoscaler.placement(status, pods)
+    where = autoscaler.placement(typed_status.parse(status), pods)
     assert where.order == ("a", "b")
     assert where.gpus_per_replica == {"a": 2, "b": 1}
     assert where.current == {"a": 2, "b": 1}
@@ -90,7 +90,7 @@ def test_placement_prefers_the_autoscalers_last_spread_over_the_plan() -> None:
         "plan": [plan_entry("a", 2), plan_entry("b", 0)],
         "autoscaling": {"replicasPerNodeType": {"a": 0, "b": 3}},
     }
-    assert autoscaler.placement(status, []).current == {"a": 0, "b": 3}
+    assert autoscaler.placement(typed_status.parse(status), []).current == {"a": 0, "b": 3}
 
 
 SPILLING = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.operator import autoscaler_loop
+from kvpilot.operator import api, autoscaler_loop
 from kvpilot.operator.cost import Traffic, cost_status, merge_patch, per_unit
 from kvpilot.runtime.bench.stats import cost_per_1k_requests
 
@@ -114,8 +114,11 @@ def test_replicas_billed_are_the_pods_not_being_deleted() -> None:
 
 
 def test_replica_prices_come_from_the_plan() -> None:
-    status = {"plan": [{"nodeType": "l4", "pricePerHour": 0.98}, {"nodeType": "h100"}]}
-    assert autoscaler_loop.replica_prices(status) == {"l4": 0.98, "h100": 0.0}
+    plan = [
+        api.PlanEntry(node_type="l4", fits=True, price_per_hour=0.98),
+        api.PlanEntry(node_type="h100", fits=False),
+    ]
+    assert autoscaler_loop.replica_prices(plan) == {"l4": 0.98, "h100": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -129,5 +132,16 @@ def test_replica_prices_come_from_the_plan() -> None:
 def test_cost_is_refreshed_five_times_per_window(
     measured_at: str | None, now: float, due: bool
 ) -> None:
-    status = {"cost": {"measuredAt": measured_at}} if measured_at else {}
-    assert autoscaler_loop.cost_is_due(status, now, 300) is due
+    old = (
+        api.CostStatus(
+            price_per_hour=0.0,
+            requests_per_second=0.0,
+            output_tokens_per_second=0.0,
+            per_thousand_requests=None,
+            window="5m",
+            measured_at=measured_at,
+        )
+        if measured_at
+        else None
+    )
+    assert autoscaler_loop.cost_is_due(old, now, 300) is due
