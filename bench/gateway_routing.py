@@ -1,6 +1,7 @@
 """kvpilot-gateway: what the proxy costs, and what prefix affinity buys over random routing.
 
     .venv/bin/python -m bench.gateway_routing [--tenants 16] [--questions 8]
+        [--open-questions 8] [--rates R1,R2,...] [--seed 0]
 
 Two real `kvpilot-runtime serve` replicas of tiny-llama and real `kvpilot-gateway` processes
 (static config), driven by `kvpilot bench` (streamed, so TTFT is measured at the client).
@@ -15,6 +16,13 @@ phase finds another's prefixes cached; each phase first sends one warm-up questi
 through the same route and measures the rest (the steady state of a long-lived deployment, not
 each tenant's one-off first prefill). Hit rate: prefix-cache hits / queries (tokens) over both
 replicas during the phase (the runtime's vllm:prefix_cache_* counters).
+(c) The same workload, open loop: requests arrive as a Poisson process (seeded, so every routing
+gets the same arrival times at a rate) at a few offered rates, by default chosen from (b)'s req/s
+(half of random's, random's, halfway from random's to prefix's; or --rates), for each routing
+over the same two replicas; fresh tenants per (rate, routing), warmed up as in (b) with a closed
+loop of one question per tenant. A closed loop of N clients never has more than N requests
+queued; arrivals that do not wait for answers let a queue grow when a routing falls behind, which
+is the load the published gateway comparisons measure.
 """
 
 from __future__ import annotations
@@ -211,18 +219,31 @@ class Phase:
     served: list[int]  # requests per replica
 
 
-def run_chat(url: str, dataset: Path, concurrency: int) -> Summary:
+def closed_loop_load(clients: int) -> list[str]:
+    return ["--concurrency", str(clients)]
+
+
+def poisson_load(rate: float, seed: int) -> list[str]:
+    """Poisson arrivals at `rate` req/s (burstiness 1), no cap on requests in flight; the seed
+    fixes the arrival times, so every routing at this rate gets the same ones."""
+    return ["--request-rate", str(rate), "--burstiness", "1", "--seed", str(seed)]
+
+
+def run_chat(url: str, dataset: Path, load: list[str]) -> Summary:
     count = sum(1 for _ in dataset.open())
     return run_bench(url, "--api", "chat", "--dataset", str(dataset), "--num-prompts", str(count),
-                     "--concurrency", str(concurrency))  # fmt: skip
+                     *load)  # fmt: skip
 
 
-def run_phase(name: str, url: str, replicas: list[str], workload: Workload, tenants: int) -> Phase:
-    """Warm up through the same route, then measure: counters and latencies of the measured part
-    only."""
-    run_chat(url, workload.warmup, tenants)
+def run_phase(
+    name: str, url: str, replicas: list[str], workload: Workload, tenants: int,
+    load: list[str] | None = None,
+) -> Phase:  # fmt: skip
+    """Warm up through the same route (a closed loop of `tenants` clients), then measure under
+    `load` (the same closed loop by default): counters and latencies of the measured part only."""
+    run_chat(url, workload.warmup, closed_loop_load(tenants))
     before = [replica_counters(r) for r in replicas]
-    summary = run_chat(url, workload.measured, tenants)
+    summary = run_chat(url, workload.measured, load or closed_loop_load(tenants))
     after = [replica_counters(r) for r in replicas]
     delta = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before, strict=True)]
     hits, queries = (sum(d[k] for d in delta) for k in COUNTERS[:2])
@@ -237,6 +258,38 @@ def measure_prefix(replicas: list[str], workdir: Path, tenants: int, questions: 
         with gateway(replicas, strategy, workdir) as url:
             phases.append(run_phase(strategy, url, replicas, workload, tenants))
     return phases
+
+
+def sweep_rates(random_rps: float, prefix_rps: float) -> list[float]:
+    """The open loop's offered rates (req/s, one decimal) from the closed loop's req/s: half of
+    random's (neither routing loaded), random's (random at its capacity, prefix below it) and
+    halfway to prefix's (random past its capacity, prefix not yet). Where prefix was not faster
+    the last two coincide, and the sweep has two rates."""
+    rates = [random_rps / 2, random_rps, (random_rps + max(prefix_rps, random_rps)) / 2]
+    return sorted({round(r, 1) for r in rates if round(r, 1) > 0})
+
+
+@dataclass(frozen=True)
+class OpenPhase:
+    rate: float  # offered, req/s
+    phase: Phase
+
+
+def measure_open_loop(
+    replicas: list[str], workdir: Path, args: argparse.Namespace, rates: list[float]
+) -> list[OpenPhase]:
+    """Every routing at every rate, each on tenants of its own (workload phases 4 on; (b) and the
+    reference use 0-3, so no run finds another's prefixes cached)."""
+    results = []
+    for index, (rate, strategy) in enumerate(
+        ((r, s) for r in rates for s in STRATEGIES), start=len(STRATEGIES) + 1
+    ):
+        workload = tenant_workload(index, args.tenants, args.open_questions, workdir)
+        with gateway(replicas, strategy, workdir) as url:
+            load = poisson_load(rate, args.seed)
+            phase = run_phase(strategy, url, replicas, workload, args.tenants, load)
+        results.append(OpenPhase(rate, phase))
+    return results
 
 
 def measure_reference(limits: list[str], workdir: Path, tenants: int, questions: int) -> Phase:
@@ -261,34 +314,25 @@ def held_share(args: argparse.Namespace) -> float:
     return pool_tokens(args) / (SYSTEM_TOKENS * args.tenants)
 
 
-def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) -> str:
+def p95(summary: Summary) -> float:
+    return summary.ttft_ms.percentiles["p95"]
+
+
+def p50(summary: Summary) -> float:
+    return summary.ttft_ms.percentiles["p50"]
+
+
+def report_overhead(args: argparse.Namespace, overhead: Overhead) -> str:
     def best_tps(runs: list[Summary]) -> float:
         return max(s.output_throughput for s in runs)
 
-    def p50s(runs: list[Summary]) -> list[float]:
-        return [s.ttft_ms.percentiles["p50"] for s in runs]
-
     ratio = best_tps(overhead.through) / best_tps(overhead.direct)
-    added = min(p50s(overhead.through)) - min(p50s(overhead.direct))
+    added = min(map(p50, overhead.through)) - min(map(p50, overhead.direct))
     rows = [[name, ", ".join(f"{s.output_throughput:.1f}" for s in runs),
-             ", ".join(f"{p:.1f}" for p in p50s(runs))]
+             ", ".join(f"{p50(s):.1f}" for s in runs)]
             for name, runs in (("direct to the replica", overhead.direct),
                                ("through the gateway", overhead.through))]  # fmt: skip
-    reference = phases[-1].hit_rate
-    prefix_rows = [[p.name, f"{p.summary.ttft_ms.percentiles['p95']:.1f}",
-                    f"{p.summary.ttft_ms.percentiles['p50']:.1f}",
-                    f"{p.summary.request_throughput:.2f}", " / ".join(map(str, p.served)),
-                    f"{100 * p.hit_rate:.1f}%",
-                    f"{p.hit_rate / reference:.2f}" if reference else "-"]
-                   for p in phases]  # fmt: skip
-    random_p95 = next(p for p in phases if p.name == "random").summary.ttft_ms.percentiles["p95"]
-    prefix_p95 = phases[0].summary.ttft_ms.percentiles["p95"]
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
-        f"Load average of this machine when the run ended: {load} (other jobs share its cores: "
-        "the replicas, the gateway and the client compete with them and with each other, so "
-        "wall-clock figures swing from round to round; read the per-round columns before the "
-        "ratios).\n\n"
         f"(a) Overhead: {args.overhead_requests} requests, 128-token prompts, 32 output tokens "
         f"(ignore_eos), {OVERHEAD_CONCURRENCY} clients in a closed loop, streamed, one tiny-llama "
         f"replica; direct and through the gateway alternate for {args.rounds} rounds (per-round "
@@ -297,17 +341,92 @@ def report(args: argparse.Namespace, overhead: Overhead, phases: list[Phase]) ->
         + markdown_table(["", "output tok/s", "TTFT p50 (ms)"], rows)
         + f"\n\nThroughput through the gateway / direct: {ratio:.2f}x (goal >= 0.95x)  \n"
         + f"Added TTFT p50: {added:.1f} ms (goal <= 2 ms)\n\n"
-        + f"(b) Shared prefixes: {args.tenants} tenants x {args.questions} questions (after one "
-        "warm-up question per tenant through the same route, not counted: the steady state), "
-        "system "
-        f"prompts of ~{SYSTEM_TOKENS} tokens, questions of ~{QUESTION_TOKENS} tokens, "
-        f"{OUTPUT_TOKENS} output tokens, chat, {args.tenants} clients in a closed loop, two "
-        f"replicas with a {args.kv_cache_mib} MiB KV pool each (~{pool_tokens(args) // 1000}k "
-        f"tokens, {held_share(args):.0%} of the tenants' prefixes; together they hold them all); "
-        "the last row: one replica with both pools seeing all the traffic, the hit-rate "
-        "reference.\n\n"
-        + markdown_table(PREFIX_COLUMNS, prefix_rows)
-        + f"\n\nTTFT p95, random / prefix affinity: {random_p95 / prefix_p95:.2f}x (goal >= 3x)\n"
+    )
+
+
+def workload_words(args: argparse.Namespace, questions: int) -> str:
+    return (
+        f"{args.tenants} tenants x {questions} questions (after one warm-up question per tenant "
+        f"through the same route, {args.tenants} clients in a closed loop, not counted: the "
+        f"steady state), system prompts of ~{SYSTEM_TOKENS} tokens, questions of "
+        f"~{QUESTION_TOKENS} tokens, {OUTPUT_TOKENS} output tokens, chat, streamed"
+    )
+
+
+def report_closed(args: argparse.Namespace, phases: list[Phase]) -> str:
+    reference = phases[-1].hit_rate
+    rows = [[p.name, f"{p95(p.summary):.1f}", f"{p50(p.summary):.1f}",
+             f"{p.summary.request_throughput:.2f}", " / ".join(map(str, p.served)),
+             f"{100 * p.hit_rate:.1f}%", f"{p.hit_rate / reference:.2f}" if reference else "-"]
+            for p in phases]  # fmt: skip
+    ratio = p95(by_name(phases, "random").summary) / p95(by_name(phases, "prefix").summary)
+    return (
+        f"(b) Shared prefixes, closed loop: {workload_words(args, args.questions)}; measured with "
+        f"{args.tenants} clients in a closed loop (a client sends its next question when its "
+        f"last is answered), two replicas with a {args.kv_cache_mib} MiB KV pool each "
+        f"(~{pool_tokens(args) // 1000}k tokens, {held_share(args):.0%} of the tenants' "
+        "prefixes; together they hold them all); the last row: one replica with both pools "
+        "seeing all the traffic, the hit-rate reference.\n\n"
+        + markdown_table(PREFIX_COLUMNS, rows)
+        + f"\n\nTTFT p95, random / prefix affinity: {ratio:.2f}x (goal >= 3x)\n\n"
+    )
+
+
+def by_name(phases: list[Phase], name: str) -> Phase:
+    return next(p for p in phases if p.name == name)
+
+
+OPEN_COLUMNS = ["offered req/s", "routing", "TTFT p95 (ms)", "TTFT p50 (ms)", "req/s achieved",
+                "requests per replica", "prefix-cache hit rate"]  # fmt: skip
+
+
+def report_open(args: argparse.Namespace, rates: list[float], runs: list[OpenPhase]) -> str:
+    rows = [[f"{r.rate:.1f}", r.phase.name, f"{p95(r.phase.summary):.1f}",
+             f"{p50(r.phase.summary):.1f}", f"{r.phase.summary.request_throughput:.2f}",
+             " / ".join(map(str, r.phase.served)), f"{100 * r.phase.hit_rate:.1f}%"]
+            for r in runs]  # fmt: skip
+    ratios = [[f"{rate:.1f}", f"{ratio:.2f}x", "met" if ratio >= 3 else "not met"]
+              for rate, ratio in p95_ratios(rates, runs)]  # fmt: skip
+    chosen = "given with --rates" if args.rates else (
+        "half of random's closed-loop req/s in (b), random's, and halfway from random's to "
+        "prefix's"
+    )  # fmt: skip
+    return (
+        f"(c) Shared prefixes, open loop: the workload of (b) ({args.tenants} tenants x "
+        f"{args.open_questions} measured questions, fresh tenants for every row, warmed up as in "
+        "(b)), but the measured questions arrive as a Poisson process at the offered rate "
+        f"(seed {args.seed}: every routing gets the same arrival times at a rate), whether or "
+        "not earlier ones were answered, so a routing that falls behind builds a queue; same two "
+        f"replicas. Offered rates: {chosen}. Above a routing's capacity its queue grows for as "
+        f"long as the run lasts ({args.tenants * args.open_questions} requests), so those rows' "
+        "TTFT depends on the run's length, not only on the rate.\n\n"
+        + markdown_table(OPEN_COLUMNS, rows)
+        + "\n\n"
+        + markdown_table(["offered req/s", "TTFT p95, random / prefix", "goal >= 3x"], ratios)
+        + "\n"
+    )
+
+
+def p95_ratios(rates: list[float], runs: list[OpenPhase]) -> list[tuple[float, float]]:
+    def at(rate: float, name: str) -> float:
+        return p95(next(r.phase.summary for r in runs if r.rate == rate and r.phase.name == name))
+
+    return [(rate, at(rate, "random") / at(rate, "prefix")) for rate in rates]
+
+
+def report(
+    args: argparse.Namespace, overhead: Overhead, phases: list[Phase], rates: list[float],
+    runs: list[OpenPhase],
+) -> str:  # fmt: skip
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"Load average of this machine when the run ended: {load} (other jobs share its cores: "
+        "the replicas, the gateway and the client compete with them and with each other, so "
+        "wall-clock figures swing from round to round; read the per-round columns before the "
+        "ratios).\n\n"
+        + report_overhead(args, overhead)
+        + report_closed(args, phases)
+        + report_open(args, rates, runs)
     )
 
 
@@ -319,29 +438,58 @@ def replica_limits(args: argparse.Namespace, kv_cache_mib: int) -> list[str]:
             "--kv-cache-memory", str(kv_cache_mib * 1024**2), "--dtype", "float32"]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_rates(text: str) -> list[float]:
+    """`--rates 5,10.5,20`: req/s, each > 0, in the order the sweep runs them (ascending)."""
+    rates = sorted(float(r) for r in text.split(","))
+    if not rates or rates[0] <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return rates
+
+
+def parse_cli(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tenants", type=int, default=16)
     parser.add_argument("--questions", type=int, default=8, help="per tenant")
+    parser.add_argument("--open-questions", type=int, default=8,
+                        help="per tenant, measured in each open-loop run")  # fmt: skip
+    parser.add_argument("--rates", type=parse_rates,
+                        help="open loop's offered req/s, comma-separated (default: from the "
+                        "closed loop's req/s)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the open loop's arrival times")
     parser.add_argument("--overhead-requests", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
                         help="each replica's KV pool (tiny-llama fp32: 2 KiB a token)")  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    rates = f" --rates {','.join(f'{r:g}' for r in args.rates)}" if args.rates else ""
+    return (f"python -m bench.gateway_routing --tenants {args.tenants} --questions "
+            f"{args.questions} --open-questions {args.open_questions} --seed {args.seed}{rates} "
+            f"--overhead-requests {args.overhead_requests} --rounds {args.rounds} --kv-cache-mib "
+            f"{args.kv_cache_mib}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_cli(argv)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         with runtime_replicas(2, replica_limits(args, args.kv_cache_mib)) as replicas:
             overhead = measure_overhead(replicas[0], workdir, args.overhead_requests, args.rounds)
             phases = measure_prefix(replicas, workdir, args.tenants, args.questions)
+            rates = args.rates or sweep_rates(
+                by_name(phases, "random").summary.request_throughput,
+                by_name(phases, "prefix").summary.request_throughput,
+            )
+            runs = measure_open_loop(replicas, workdir, args, rates)
         both_pools = replica_limits(args, 2 * args.kv_cache_mib)
         phases.append(measure_reference(both_pools, workdir, args.tenants, args.questions))
-    body = report(args, overhead, phases)
+    body = report(args, overhead, phases, rates, runs)
     print(body)
-    command = (f"python -m bench.gateway_routing --tenants {args.tenants} --questions "
-               f"{args.questions} --overhead-requests {args.overhead_requests} --rounds "
-               f"{args.rounds} --kv-cache-mib {args.kv_cache_mib}")  # fmt: skip
-    write_section("gateway_routing", "Gateway: overhead and prefix-affinity routing", command, body)
+    title = "Gateway: overhead and prefix-affinity routing"
+    write_section("gateway_routing", title, command_line(args), body)
     return 0
 
 
