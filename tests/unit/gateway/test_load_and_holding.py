@@ -25,10 +25,28 @@ OLD_VLLM_TEXT = """# TYPE vllm:gpu_cache_usage_perc gauge
 vllm:gpu_cache_usage_perc{model_name="tiny"} 0.25
 """
 
+# Families a real replica's /metrics has around the gauges: names that start like the wanted ones
+# (a histogram's lines, a longer gauge name) count for nothing; an indented sample line does.
+OTHER_FAMILIES = """# HELP vllm:time_to_first_token_seconds TTFT.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="tiny"} 4.0
+vllm:time_to_first_token_seconds_count{model_name="tiny"} 4.0
+# TYPE kvpilot_requests_waiting_seconds histogram
+kvpilot_requests_waiting_seconds_bucket{le="+Inf"} 9.0
+vllm:num_requests_waiting_by_priority{priority="0"} 7.0
+"""
+MORE_SAMPLES = """# TYPE vllm:num_requests_running gauge
+  vllm:num_requests_running{model_name="other"} 1.0
+kvpilot_requests_running 4.0
+"""
+MIXED_TEXT = OTHER_FAMILIES + VLLM_TEXT + MORE_SAMPLES
+
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [(VLLM_TEXT, (5.0, 0.5)), (OLD_VLLM_TEXT, (0.0, 0.25)), ("", (0, 0))]
-)
+    ("text", "expected"),
+    [(VLLM_TEXT, (5.0, 0.5)), (OLD_VLLM_TEXT, (0.0, 0.25)), ("", (0, 0)),
+     (MIXED_TEXT, (6.0, 0.5))],
+)  # fmt: skip
 def test_parse_replica_metrics(text: str, expected: tuple[float, float]) -> None:
     assert parse_replica_metrics(text) == expected
 
