@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -83,7 +84,10 @@ def test_prefix_affinity_sends_a_tenant_to_one_replica(gateway: GatewayProcess) 
             )
             served.setdefault(tenant, set()).add(raw.headers["x-kvpilot-backend"])
     assert all(len(backends) == 1 for backends in served.values()), served
-    assert len(set.union(*served.values())) == 2, "the tenants spread over both replicas"
+    per_replica = Counter(backend for backends in served.values() for backend in backends)
+    # The ring alone splits 12 tenants 9/3 or worse one time in seven; the live-prefix bound
+    # (ceil(1.1 x the mean), counting the few keys earlier tests left) keeps it within 8/4.
+    assert sorted(per_replica.values())[0] >= 4, per_replica
 
 
 BAD_INPUT = [

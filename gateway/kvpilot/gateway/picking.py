@@ -3,13 +3,17 @@
 `prefix` is consistent hashing with bounded loads (CHWBL, Mirrokni et al. 2016, as KubeAI routes):
 each replica owns points on a hash ring built from its name alone, so every gateway replica maps a
 prompt prefix to the same replica without shared state, and a replica's prefix cache sees all of a
-tenant's traffic. The bound keeps affinity from overloading one replica: walking the ring from the
-key's point, a replica is taken only while its load is under `load_factor` × the mean (counting the
-new request). A replica's load is the gateway's own in-flight requests to it (exact, current) plus
-the other gateway replicas' (the running and waiting requests it last reported on /metrics, less
-ours it counted then); one whose KV cache is nearly full is passed over while another can take
-the request. `random` is what
-a Service does; `least-load` picks the least loaded replica; both are for comparison.
+tenant's traffic. Two bounds refine the walk from the key's point:
+- live keys: a replica serving more than `key_factor` x the mean count of live prefixes is passed
+  over for a key it does not hold (affinity.py: a few hot prefixes land unevenly by chance, and a
+  prefix cache holds whole prefixes), and a key this gateway placed goes back to its replica;
+- load: a replica is taken only while its load is under `load_factor` x the mean (counting the new
+  request). A replica's load is the gateway's own in-flight requests to it (exact, current) plus
+  the other gateway replicas' (the running and waiting requests it last reported on /metrics, less
+  ours it counted then); one whose KV cache is nearly full is passed over while another can take
+  the request.
+`random` is what a Service does; `least-load` picks the least loaded replica; both are for
+comparison.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kvpilot.gateway.affinity import Placement
 from kvpilot.gateway.routes import Backend
 
 STRATEGIES = ("prefix", "least-load", "random")
@@ -47,12 +52,15 @@ class PickPolicy:
     strategy: str = "prefix"
     load_factor: float = 1.25
     kv_hot: float = 0.95  # KV usage at which a replica counts as hot
+    key_factor: float = 1.1  # cap on a replica's live prefixes for a new key, times the mean
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {STRATEGIES}")
         if self.load_factor < 1:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+        if self.key_factor < 1:
+            raise ValueError(f"key_factor must be >= 1, got {self.key_factor}")
 
 
 def pick(
@@ -61,6 +69,7 @@ def pick(
     backends: Sequence[Backend],
     loads: Mapping[str, ReplicaLoad],
     rng: random_module.Random | None = None,
+    placement: Placement | None = None,
 ) -> Backend | None:
     """The replica for a request keyed `key` among `backends` (None when there is none)."""
     if not backends:
@@ -70,7 +79,7 @@ def pick(
         return (rng or random_module).choice(list(backends))
     if policy.strategy == "least-load":
         return least_loaded(backends, load, rng)
-    return bounded_ring_pick(key, backends, load, policy)
+    return bounded_ring_pick(key, backends, load, policy, placement or Placement())
 
 
 def least_loaded(
@@ -82,10 +91,14 @@ def least_loaded(
 
 
 def bounded_ring_pick(
-    key: str, backends: Sequence[Backend], load: Mapping[str, ReplicaLoad], policy: PickPolicy
+    key: str,
+    backends: Sequence[Backend],
+    load: Mapping[str, ReplicaLoad],
+    policy: PickPolicy,
+    placement: Placement,
 ) -> Backend:
     by_name = {b.name: b for b in backends}
-    order = ring_order(key, tuple(sorted(by_name)))
+    order = affinity_order(ring_order(key, tuple(sorted(by_name))), placement, policy.key_factor)
     bound = load_bound([load[name].total for name in order], policy.load_factor)
     cool = [name for name in order if load[name].kv_usage < policy.kv_hot] or list(order)
     for name in cool:
@@ -93,6 +106,26 @@ def bounded_ring_pick(
             return by_name[name]
     # Every cool replica is over the bound (the hot ones carried little): the least loaded cool one.
     return by_name[min(cool, key=lambda name: load[name].total)]
+
+
+def affinity_order(ring_walk: list[str], placement: Placement, key_factor: float) -> list[str]:
+    """The ring walk with the replicas whose live keys are within the bound first (the key's own
+    replica first of them), then those over it; each group in ring order. The key's own count is
+    left out, so a known key stays where it is while its replica is within the bound, and moves
+    when the replica is over it (more keys than its share after a scale-up)."""
+    keys = dict(placement.keys)
+    owner = placement.owner
+    if owner is not None and owner in ring_walk:
+        keys[owner] = keys.get(owner, 1) - 1
+        ring_walk = [owner, *(name for name in ring_walk if name != owner)]
+    bound = load_bound([keys.get(name, 0) for name in ring_walk], key_factor)
+    within = [name for name in ring_walk if keys.get(name, 0) + 1 <= bound]
+    return within + [name for name in ring_walk if name not in within]
+
+
+def home(key: str, replicas: Sequence[str], placement: Placement, key_factor: float) -> str:
+    """The replica a key belongs to among `replicas` (the route's, tried or not), load aside."""
+    return affinity_order(ring_order(key, tuple(sorted(replicas))), placement, key_factor)[0]
 
 
 def load_bound(loads: Sequence[float], load_factor: float) -> float:

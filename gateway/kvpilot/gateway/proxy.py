@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
+from kvpilot.gateway.affinity import Affinity
 from kvpilot.gateway.bodies import BadRequestError, Inbound
 from kvpilot.gateway.cache_policy import HEADER as CACHE
 from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
@@ -28,7 +29,7 @@ from kvpilot.gateway.holding import Holding
 from kvpilot.gateway.keys import CALLER
 from kvpilot.gateway.load import LoadBook, scrape_forever
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.picking import PickPolicy, pick
+from kvpilot.gateway.picking import PickPolicy, home, pick
 from kvpilot.gateway.routes import Backend, Provider, Route, RouteTable
 from kvpilot.gateway.upstream import Hop, Refusal, error_response, forward
 from kvpilot.gateway.wake import Waker
@@ -78,6 +79,7 @@ class Gateway:
         self.policies = list(policies)  # run in order around each request (exchange.py)
         self.metrics = metrics or GatewayMetrics()
         self.book = LoadBook(eject_s=self.options.eject_s)
+        self.affinity = Affinity()  # prompt prefix -> the replica it went to (picking.py)
         self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
         self.session: aiohttp.ClientSession | None = None
 
@@ -230,8 +232,7 @@ class Gateway:
                     outcome.reason = why
                     return outcome
                 continue
-            prefix = exchange.inbound.prefix
-            backend = pick(self.options.policy, prefix, candidates, self.book.loads())
+            backend = self.pick(exchange.inbound.prefix, route, candidates)
             if backend is None:  # pick returns one whenever candidates is not empty
                 return outcome
             if outcome.attempts:
@@ -241,6 +242,17 @@ class Gateway:
             if await self.try_backend(exchange, body, route, backend, outcome):
                 return outcome
         return outcome
+
+    def pick(self, prefix: str, route: Route, candidates: list[Backend]) -> Backend | None:
+        """The replica for this attempt; under prefix affinity, the key's home is remembered
+        (per model: two models' replicas never share a prefix cache)."""
+        policy, placed_key = self.options.policy, f"{route.model}\n{prefix}"
+        placement = self.affinity.placement(placed_key)
+        backend = pick(policy, prefix, candidates, self.book.loads(), placement=placement)
+        if backend is not None and policy.strategy == "prefix":
+            names = [b.name for b in route.backends] or [backend.name]
+            self.affinity.settle(placed_key, home(prefix, names, placement, policy.key_factor))
+        return backend
 
     async def try_backend(
         self, exchange: Exchange, body: bytes, route: Route, backend: Backend, outcome: Outcome

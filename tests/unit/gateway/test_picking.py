@@ -8,7 +8,16 @@ from collections import Counter
 
 import pytest
 
-from kvpilot.gateway.picking import PickPolicy, ReplicaLoad, load_bound, pick, ring_order
+from kvpilot.gateway.affinity import Affinity, Placement
+from kvpilot.gateway.picking import (
+    PickPolicy,
+    ReplicaLoad,
+    affinity_order,
+    home,
+    load_bound,
+    pick,
+    ring_order,
+)
 from kvpilot.gateway.routes import Backend
 
 REPLICAS = [Backend(f"ns/pod-{i}", f"http://10.0.0.{i}:8000") for i in range(4)]
@@ -103,9 +112,59 @@ def test_no_backends_no_pick() -> None:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "factor", "message"),
-    [("round-robin", 1.25, "unknown strategy"), ("prefix", 0.5, "load_factor must be >= 1")],
+    ("strategy", "factor", "key_factor", "message"),
+    [
+        ("round-robin", 1.25, 1.1, "unknown strategy"),
+        ("prefix", 0.5, 1.1, "load_factor must be >= 1"),
+        ("prefix", 1.25, 0.9, "key_factor must be >= 1"),
+    ],
 )
-def test_bad_policy(strategy: str, factor: float, message: str) -> None:
+def test_bad_policy(strategy: str, factor: float, key_factor: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        PickPolicy(strategy, factor)
+        PickPolicy(strategy, factor, key_factor=key_factor)
+
+
+PAIR = ("ns/pod-0", "ns/pod-1")
+
+
+@pytest.mark.parametrize(
+    ("owner", "keys", "expected_first"),
+    [
+        (None, {}, "ring"),  # nothing placed yet: the ring decides
+        (None, {"ring": 5, "other": 3}, "other"),  # new key: 6 > ceil(9 / 2 * 1.1) = 5
+        (None, {"ring": 4, "other": 4}, "ring"),  # 5 <= ceil(9 / 2 * 1.1) = 5
+        ("other", {"ring": 3, "other": 5}, "other"),  # its own: 4 + 1 <= ceil(8 / 2 * 1.1) = 5
+        ("other", {"ring": 0, "other": 16}, "ring"),  # after a scale-up: 16 > ceil(16 / 2 * 1.1)
+        ("gone", {"gone": 8, "ring": 1}, "ring"),  # its replica left the route: placed anew
+    ],
+)
+def test_affinity_order(owner: str | None, keys: dict[str, int], expected_first: str) -> None:
+    key = "tenant-1: system prompt"
+    walk = ring_order(key, PAIR)
+    names = {"ring": walk[0], "other": walk[1], "gone": "ns/pod-9"}
+    placement = Placement(names.get(owner or ""), {names[k]: n for k, n in keys.items()})
+    assert affinity_order(walk, placement, 1.1)[0] == names[expected_first]
+    assert home(key, PAIR, placement, 1.1) == names[expected_first]
+
+
+def test_sixteen_tenants_split_evenly_over_two_replicas_where_the_ring_alone_did_not() -> None:
+    pair = [Backend(name, f"http://{name}") for name in PAIR]
+    tenants = [f"tenant-{i}: you are the assistant of tenant {i}" for i in range(16)]
+    by_ring = Counter(pick(PREFIX, key, pair, {}) for key in tenants)
+    book = Affinity()
+    for key in tenants:
+        placement = book.placement(key)
+        book.settle(key, home(key, PAIR, placement, PREFIX.key_factor))
+    spread = sorted(book.placement("any").keys.values())
+    assert spread in ([7, 9], [8, 8]), spread
+    assert max(by_ring.values()) > 9, by_ring  # why the book exists: these keys land 13/3 or so
+
+
+def test_a_key_keeps_its_replica_while_one_request_spills_over_the_load_bound() -> None:
+    pair = [Backend(name, f"http://{name}") for name in PAIR]
+    key = "tenant-2"
+    walk = ring_order(key, PAIR)
+    placement = Placement(walk[0], {walk[0]: 1})
+    busy = {walk[0]: ReplicaLoad(in_flight=6)}
+    assert pick(PREFIX, key, pair, busy, placement=placement).name == walk[1]  # type: ignore[union-attr]
+    assert home(key, PAIR, placement, PREFIX.key_factor) == walk[0]
