@@ -147,22 +147,20 @@ def _call(
     return json.loads(data) if data else {}
 
 
-def _where(obj: Obj) -> tuple[str, str, str | None, str]:
+def _on(client: k8s_client.ApiClient, verb: str, obj: Obj, **kwargs: Any) -> dict[str, Any]:
+    """`_call` on the object `obj` names (its apiVersion, kind, namespace and name)."""
     meta = obj["metadata"]
-    return obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]
+    where = {"name": meta["name"], "namespace": meta.get("namespace")}
+    return _call(client, verb, obj["apiVersion"], obj["kind"], **where, **kwargs)
 
 
 def apply(client: k8s_client.ApiClient, manifest: Obj, field_manager: str) -> dict[str, Any]:
     """Server-side apply; `force` takes back fields someone else changed (drift is reverted)."""
-    api_version, kind, namespace, name = _where(manifest)
-    return _call(
+    return _on(
         client,
         "server_side_apply",
-        api_version,
-        kind,
+        manifest,
         body=manifest,
-        name=name,
-        namespace=namespace,
         field_manager=field_manager,
         force_conflicts=True,
     )
@@ -170,8 +168,9 @@ def apply(client: k8s_client.ApiClient, manifest: Obj, field_manager: str) -> di
 
 def create(client: k8s_client.ApiClient, manifest: Obj) -> dict[str, Any] | None:
     """Create the object; None when one of that name exists already (it is left as it is)."""
-    api_version, kind, namespace, _ = _where(manifest)
+    namespace = manifest["metadata"].get("namespace")
     try:
+        api_version, kind = manifest["apiVersion"], manifest["kind"]
         return _call(client, "create", api_version, kind, body=manifest, namespace=namespace)
     except ApiException as error:
         if error.status == 409:
@@ -182,52 +181,23 @@ def create(client: k8s_client.ApiClient, manifest: Obj) -> dict[str, Any] | None
 def replace(client: k8s_client.ApiClient, obj: Obj) -> dict[str, Any]:
     """PUT the whole object. Its metadata.resourceVersion, when set, makes this a 409 Conflict
     if someone else wrote the object since it was read."""
-    api_version, kind, namespace, name = _where(obj)
-    return _call(client, "replace", api_version, kind, body=obj, name=name, namespace=namespace)
+    return _on(client, "replace", obj, body=obj)
 
 
 def merge_patch(client: k8s_client.ApiClient, obj: Obj, patch: Obj) -> dict[str, Any]:
     """JSON merge patch (RFC 7386) of the object `obj` names: keys `patch` leaves out stay."""
-    api_version, kind, namespace, name = _where(obj)
-    return _call(
-        client,
-        "patch",
-        api_version,
-        kind,
-        body=patch,
-        name=name,
-        namespace=namespace,
-        content_type=MERGE_PATCH,
-    )
+    return _on(client, "patch", obj, body=patch, content_type=MERGE_PATCH)
 
 
 def add_owner_reference(client: k8s_client.ApiClient, obj: Obj, owner: Obj) -> None:
     """Add `owner` to the object's owners, keeping the others (a strategic merge keyed by uid)."""
-    api_version, kind, namespace, name = _where(obj)
-    _call(
-        client,
-        "patch",
-        api_version,
-        kind,
-        body={"metadata": {"ownerReferences": [dict(owner)]}},
-        name=name,
-        namespace=namespace,
-        content_type="application/strategic-merge-patch+json",
-    )
+    body = {"metadata": {"ownerReferences": [dict(owner)]}}
+    _on(client, "patch", obj, body=body, content_type="application/strategic-merge-patch+json")
 
 
 def delete(client: k8s_client.ApiClient, obj: Obj) -> None:
-    api_version, kind, namespace, name = _where(obj)
     try:
-        _call(
-            client,
-            "delete",
-            api_version,
-            kind,
-            name=name,
-            namespace=namespace,
-            propagation_policy="Background",
-        )
+        _on(client, "delete", obj, propagation_policy="Background")
     except ApiException as error:
         if error.status != 404:
             raise

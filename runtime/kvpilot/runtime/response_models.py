@@ -103,12 +103,17 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] = []
 
 
-class ChatChoice(BaseModel):
+class ChatChoiceBase(BaseModel):
+    """What a chat choice and a streamed chunk's choice share (the message or delta is added)."""
+
     index: int = 0
-    message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+
+
+class ChatChoice(ChatChoiceBase):
+    message: AssistantMessage
 
 
 class ChatCompletionResponse(BaseModel):
@@ -141,12 +146,8 @@ class DeltaMessage(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(ChatChoiceBase):
     delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):
