@@ -55,8 +55,9 @@ def test_crds_apply_server_side_twice_without_change(cluster: Any) -> None:
 
 
 def test_crds_apply_client_side_too(cluster: Any) -> None:
+    crds = sorted((ROOT / "crds").glob("*.yaml"))  # one CRD a file (kvpilot's own: one today)
     done = cluster.kubectl("apply", "--dry-run=server", "-f", str(ROOT / "crds"))
-    assert done.stdout.count("(server dry run)") == 3, done.stdout
+    assert crds and done.stdout.count("(server dry run)") == len(crds), done.stdout
 
 
 def test_every_example_applies_twice_without_change(cluster: Any, namespace: str) -> None:
