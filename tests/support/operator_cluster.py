@@ -35,15 +35,18 @@ class Operator:
                 stderr=subprocess.STDOUT,
             )
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        """Send `sig`; SIGKILL if the operator has not exited 20 s later. Its exit code, or
+        None when it had to be killed (or was not running)."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return None
         self.proc.send_signal(sig)
         try:
-            self.proc.wait(timeout=20)
+            return self.proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+            return None
 
     def tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])

@@ -10,10 +10,10 @@ port meanwhile. An instance that loses the Lease stops and exits 1, to come back
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import sys
-import threading
 from pathlib import Path
 
 import kopf
@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_port
         else None
     )
-    lost = threading.Event()  # set by the Lease keeper: kopf stops, and so does this process
+    # Set by the Lease keeper on kopf's loop: kopf stops, and so does this process. An asyncio
+    # Event, not a threading one: kopf waits for a threading.Event in an executor thread that
+    # nothing wakes on SIGTERM, so a clean stop hung until SIGKILL and never let the Lease go.
+    lost = asyncio.Event()
     try:
         if lease is not None:
             wait_for_lease(lease, readiness)

@@ -266,6 +266,14 @@ def test_the_lease_holder_acts_alone_and_a_standby_takes_over(
         wait_for(lambda: second.proc.poll() is not None, "second to stop", second, timeout=30)  # type: ignore[union-attr]
         assert second.proc.returncode == 1
         assert "lost Lease default/kvpilot-operator" in second.log.read_text()
+
+        # A clean stop (SIGTERM, as a pod's deletion sends) exits 0 at once and lets the Lease
+        # go, so a standby need not wait for it to expire.
+        cluster.kubectl("delete", "lease", LEASE_NAME, "-n", "default")
+        first.start()
+        wait_for(lambda: lease_holder(cluster) == identity(first), "first holds again", first)
+        assert first.stop() == 0, first.tail()
+        assert lease_holder(cluster) == ""
     finally:
         second.stop()
         first.stop()
