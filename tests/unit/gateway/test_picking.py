@@ -60,7 +60,7 @@ def test_load_bound(loads: list[float], factor: float, bound: int) -> None:
 def test_a_replica_over_the_bound_is_passed_over_to_the_next_on_the_ring() -> None:
     key = "tenant-7: system prompt"
     order = ring_order(key, tuple(sorted(b.name for b in REPLICAS)))
-    loads = {order[0]: ReplicaLoad(in_flight=6)}  # bound: ceil(7/4 * 1.25) = 3
+    loads = {order[0]: ReplicaLoad(in_flight=6)}  # bound: ceil(7/4 * 1.5) = 3
     chosen = pick(PREFIX, key, REPLICAS, loads)
     assert chosen is not None and chosen.name == order[1]
 
@@ -69,11 +69,11 @@ def test_the_other_gateways_requests_add_to_ours() -> None:
     pair = REPLICAS[:2]
     key = "tenant-5"
     first, second = ring_order(key, tuple(b.name for b in pair))
-    # One of ours at `first`: load 1, bound ceil((1 + 0 + 1) / 2 * 1.25) = 2: it takes one more.
-    ours = {first: ReplicaLoad(in_flight=1), second: ReplicaLoad()}
+    # Two of ours at `first`: load 2, bound ceil((2 + 0 + 1) / 2 * 1.5) = 3: it takes one more.
+    ours = {first: ReplicaLoad(in_flight=2), second: ReplicaLoad()}
     assert pick(PREFIX, key, pair, ours) == next(b for b in pair if b.name == first)
-    # One more there from another gateway: load 2, bound ceil(3 / 2 * 1.25) = 2: passed over.
-    both = {first: ReplicaLoad(in_flight=1, others=1), second: ReplicaLoad()}
+    # One more there from another gateway: load 3, bound ceil(4 / 2 * 1.5) = 3: passed over.
+    both = {first: ReplicaLoad(in_flight=2, others=1), second: ReplicaLoad()}
     assert pick(PREFIX, key, pair, both) == next(b for b in pair if b.name == second)
 
 
