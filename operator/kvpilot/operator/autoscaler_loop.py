@@ -27,6 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.operator import (
@@ -157,6 +158,17 @@ Inventory = tuple[list[Any], list[Any]]
 Decide = Callable[[Obj, api.ModelDeploymentStatus], Decision | None]
 
 
+@dataclass(frozen=True)
+class Seen:
+    """One ModelDeployment as a tick or a wake found it: the object, its parsed status, its
+    runtime pods and what their metrics say."""
+
+    md: Obj
+    status: api.ModelDeploymentStatus
+    pods: Sequence[Obj]
+    observations: Observations
+
+
 class AutoscalerLoop:
     """A task on kopf's event loop: a tick every `interval_s`, and the gateway's wake requests in
     between, one at a time, so the loop and a wake never race each other on this instance. The
@@ -226,10 +238,7 @@ class AutoscalerLoop:
                 meta["namespace"], meta["name"], status.replicas, pods
             )
             await self.act(
-                md,
-                status,
-                pods,
-                observations,
+                Seen(md, status, pods, observations),
                 lambda fresh, fresh_status: self.decide(fresh, fresh_status, observations),
             )
             await asyncio.to_thread(self.record_cost, md, status, pods)
@@ -270,7 +279,7 @@ class AutoscalerLoop:
             def woken(fresh: Obj, fresh_status: api.ModelDeploymentStatus) -> Decision | None:
                 return self.wake_decision(fresh, fresh_status, fresh_status.replicas)
 
-            woke = await self.act(md, status, pods, observations, woken)
+            woke = await self.act(Seen(md, status, pods, observations), woken)
         except k8s.ApiException as error:  # the gateway wakes again, and the tick sees it too
             log.warning("wake of %s failed: %s %s", meta["name"], error.status, error.reason)
             return False
@@ -278,44 +287,28 @@ class AutoscalerLoop:
             log.info("woke %s/%s", meta["namespace"], meta["name"])
         return woke
 
-    async def act(
-        self,
-        md: Obj,
-        status: api.ModelDeploymentStatus,
-        pods: Sequence[Obj],
-        observations: Observations,
-        decide: Decide,
-    ) -> bool:
-        """Decide on `md` and record it (in a thread: it writes status)."""
+    async def act(self, seen: Seen, decide: Decide) -> bool:
+        """Decide on `seen` and record it (in a thread: it writes status)."""
         snapshot = self.indexes() if self.indexes is not None else None
-        return await asyncio.to_thread(
-            self.act_now, md, status, pods, observations, decide, snapshot
-        )
+        return await asyncio.to_thread(self.act_now, seen, decide, snapshot)
 
     def act_now(
-        self,
-        md: Obj,
-        status: api.ModelDeploymentStatus,
-        pods: Sequence[Obj],
-        observations: Observations,
-        decide: Decide,
-        snapshot: Inventory | None,
-        attempts: int = 3,
+        self, seen: Seen, decide: Decide, snapshot: Inventory | None, attempts: int = 3
     ) -> bool:
         """Record a decision only over the version decided on: another writer of
         status.autoscaling in between (another instance, an old Lease holder) means deciding
         again on the object as it is now, so neither undoes the other's decision unseen."""
         for _attempt in range(attempts):
-            decision = decide(md, status)
+            decision = decide(seen.md, seen.status)
             if decision is None:
                 return False
             try:
-                self.place(md, status, pods, observations, decision, snapshot)
+                self.place(seen, decision, snapshot)
                 return True
             except k8s.ApiException as error:
                 if error.status != 409:
                     raise
-            meta = md["metadata"]
+            meta = seen.md["metadata"]
             fresh = k8s.get(
                 self.controller.client,
                 k8s.MD_API_VERSION,
@@ -325,38 +318,31 @@ class AutoscalerLoop:
             )
             if fresh is None:
                 return False
-            md, status = fresh, typed_status.of(fresh)
-        log.info("autoscaler: %s kept changing; the next tick decides", md["metadata"]["name"])
+            seen = replace(seen, md=fresh, status=typed_status.of(fresh))
+        name = seen.md["metadata"]["name"]
+        log.info("autoscaler: %s kept changing; the next tick decides", name)
         return False
 
-    def place(
-        self,
-        md: Obj,
-        status: api.ModelDeploymentStatus,
-        pods: Sequence[Obj],
-        observations: Observations,
-        decision: Decision,
-        snapshot: Inventory | None = None,
-    ) -> None:
+    def place(self, seen: Seen, decision: Decision, snapshot: Inventory | None = None) -> None:
         """Spread the decided count over node types when it changes or pods are stuck, record
         it in status and announce it. Only status is written here: the watch on the
         ModelDeployment sees the decision and runs the reconcile that applies it
         (handlers.md_event), so children are touched by the reconcile alone."""
         now, spill_after = time.time(), self.controller.config.spill_after_seconds
-        current, where = status.replicas, autoscaler.placement(status, pods)
+        current, where = seen.status.replicas, autoscaler.placement(seen.status, seen.pods)
         stuck = where.spilling(now, spill_after)
         if decision.replicas == current and not stuck:
-            self.record(md, status, observations, decision, None)
+            self.record(seen, decision, None)
             return
         nodes, all_pods = snapshot or self.list_inventory()
         free = free_gpus(nodes, all_pods, where, self.controller.config.node_types)
         per_type = where.spread(decision.replicas, free, now, spill_after)
-        self.record(md, status, observations, decision, per_type)
+        self.record(seen, decision, per_type)
         if decision.replicas != current:
-            self.announce_scale(md, current, decision)
+            self.announce_scale(seen.md, current, decision)
         elif per_type != dict(where.current):  # else stuck, but no other type has room yet
             self.announce(
-                md, "SpilledOver", autoscaler.spill_message(where.current, per_type, stuck)
+                seen.md, "SpilledOver", autoscaler.spill_message(where.current, per_type, stuck)
             )
 
     def model_pods(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -400,19 +386,12 @@ class AutoscalerLoop:
         when = time.time() if now is None else now
         return wake_of(md, status, autoscaling_spec(md), current, when)
 
-    def record(
-        self,
-        md: Obj,
-        status: api.ModelDeploymentStatus,
-        observations: Observations,
-        decision: Decision,
-        per_type: Mapping[str, int] | None,
-    ) -> None:
-        meta, old = md["metadata"], status.autoscaling
+    def record(self, seen: Seen, decision: Decision, per_type: Mapping[str, int] | None) -> None:
+        meta, old, status = seen.md["metadata"], seen.status.autoscaling, seen.status
         now = timestamps.rfc3339()
         # A merge patch, not the model: its nulls delete what no longer holds (a metric gone,
         # a policy timer reset, a node type left out of the spread).
-        autoscaling = autoscaler.status_patch(decision, observations, time.time())
+        autoscaling = autoscaler.status_patch(decision, seen.observations, time.time())
         if per_type is not None:
             spread = old.replicas_per_node_type
             autoscaling["replicasPerNodeType"] = autoscaler.per_type_patch(spread, per_type)
