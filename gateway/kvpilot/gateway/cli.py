@@ -147,12 +147,24 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     stop_discovery()
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (the gateway extra brings it; not on Windows), as
+    uvicorn runs the runtime: less CPU per relayed chunk than asyncio's loop, which every stream
+    pays once per token; asyncio's otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
     try:
         options = build_options(args)
-        asyncio.run(serve(args, options))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(serve(args, options))
     except (ConfigError, ValueError) as error:
         sys.exit(f"kvpilot-gateway: {error}")
 
