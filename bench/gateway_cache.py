@@ -2,15 +2,15 @@
 
     .venv/bin/python -m bench.gateway_cache [--requests 400] [--concurrency 8]
 
-One real `kvpilot-runtime serve` replica of tiny-llama behind a real `kvpilot-gateway` with the
-cache on, once with the in-process store and once with a Redis store (a real `redis-server` on a
-free port). The workload: streamed completions at temperature 0; each request repeats an earlier
-prompt with probability 0.5 (one sent at least 2 x concurrency requests before, so it has finished
-and been stored), else it is a new prompt. TTFT is measured at the client: from sending the
-request to the first content chunk. Hit rate = `x-kvpilot-cache: hit` answers / requests. The
-gateway's own time for a hit (its access log's `duration_ms`: the request read to the replayed
-answer written) is reported beside it: what a hit costs inside the gateway, without the client's
-and the shared CPU's share.
+One real `kvpilot-runtime serve` replica of tiny-llama (on a core of its own where there are two:
+server_common.Cores) behind a real `kvpilot-gateway` with the cache on, once with the in-process
+store and once with a Redis store (a real `redis-server` on a free port). The workload: streamed
+completions at temperature 0; each request repeats an earlier prompt with probability 0.5 (one sent
+at least 2 x concurrency requests before, so it has finished and been stored), else it is a new
+prompt. TTFT is measured at the client: from sending the request to the first content chunk. Hit
+rate = `x-kvpilot-cache: hit` answers / requests. The gateway's own time for a hit (its access
+log's `duration_ms`: the request read to the replayed answer written) is reported beside it: what a
+hit costs inside the gateway, without the client's and the shared CPU's share.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,8 @@ import httpx
 import redis
 import yaml
 
-from bench.gateway_routing import free_port, is_healthy, runtime_replicas
+from bench import server_common
+from bench.gateway_routing import MODEL, free_port, is_healthy
 from bench.report import markdown_table, write_section
 
 REPEAT_SHARE = 0.5
@@ -188,17 +189,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     limits = ["--max-model-len", "2048", "--max-num-seqs", "32"]
     rows: list[list[object]] = []
-    with tempfile.TemporaryDirectory() as tmp, runtime_replicas(1, limits) as replicas:
+    cores = server_common.split_cores()
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores.replica))}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
+        replica, pid = stack.enter_context(
+            server_common.runtime_server(MODEL, free_port(), *limits, env=env)
+        )
+        stack.enter_context(server_common.pinned(pid, cores.replica))
+        stack.enter_context(server_common.pinned(os.getpid(), cores.replica))  # the client
         for store in ("memory", "redis"):
             prompts = workload(args.requests, args.concurrency, args.seed + len(rows))
-            with redis_server(workdir) as redis_url:
-                flags = ("--cache-store", store, "--redis-url", redis_url)
-                with cached_gateway(replicas[0], workdir, *flags) as (url, log_path):
-                    mixed = asyncio.run(run(url, prompts, args.concurrency))
-                    in_gateway = hit_ms_in_gateway(access_lines(log_path))  # the mixed run's
-                    repeats = sorted(set(prompts))[: args.alone]  # all stored by now
-                    alone = asyncio.run(run(url, repeats, 1))
+            with ExitStack() as gateway_stack:
+                with server_common.pinned(os.getpid(), cores.gateway):  # they start there
+                    redis_url = gateway_stack.enter_context(redis_server(workdir))
+                    flags = ("--cache-store", store, "--redis-url", redis_url)
+                    url, log_path = gateway_stack.enter_context(
+                        cached_gateway(replica, workdir, *flags)
+                    )
+                mixed = asyncio.run(run(url, prompts, args.concurrency))
+                in_gateway = hit_ms_in_gateway(access_lines(log_path))  # the mixed run's
+                repeats = sorted(set(prompts))[: args.alone]  # all stored by now
+                alone = asyncio.run(run(url, repeats, 1))
             rows.append(row(store, mixed, alone, in_gateway))
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     body = (
@@ -210,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         "rendered once when it was stored). Goals: hit rate ≈ 50%, hit TTFT p50 <= 5 ms. The "
         "last column: after the mixed run, "
         f"{args.alone} of its prompts sent again one at a time (hits with nothing else in "
-        f"flight). Load average when the run ended: {load} (shared CPU: client, gateway and "
-        "replica compete with other jobs for 2 cores).\n\n" + markdown_table(COLUMNS, rows) + "\n"
+        f"flight). Cores: {cores.words}. Load average when the run ended: {load} (other jobs "
+        "on this machine compete for the same cores).\n\n" + markdown_table(COLUMNS, rows) + "\n"
     )
     print(body)
     command = (f"python -m bench.gateway_cache --requests {args.requests} --concurrency "

@@ -1,13 +1,12 @@
-"""kvpilot-gateway: what the proxy costs, and what prefix affinity buys over random routing.
+"""kvpilot-gateway: what prefix affinity buys over random routing (the proxy's own cost is
+bench.gateway_overhead's).
 
     .venv/bin/python -m bench.gateway_routing [--tenants 16] [--questions 8]
         [--open-questions 8] [--rates R1,R2,...] [--seed 0]
 
 Two real `kvpilot-runtime serve` replicas of tiny-llama and real `kvpilot-gateway` processes
 (static config), driven by `kvpilot bench` (streamed, so TTFT is measured at the client).
-(a) Overhead: the same closed loop of 64 clients straight to one replica and through a gateway in
-front of it, alternating; output tokens/s ratio and the added TTFT p50.
-(b) Shared prefixes: 16 tenants, each with a long system prompt of its own (sized to fit
+(a) Shared prefixes: 16 tenants, each with a long system prompt of its own (sized to fit
 tiny-llama's 2048-token context) and distinct short questions, shuffled, 16 clients; the gateway
 with prefix affinity (CHWBL), least-load and random routing over the two replicas, side by side,
 plus one replica with both replicas' KV pools, seeing all the traffic, as the prefix-cache
@@ -16,10 +15,10 @@ phase finds another's prefixes cached; each phase first sends one warm-up questi
 through the same route and measures the rest (the steady state of a long-lived deployment, not
 each tenant's one-off first prefill). Hit rate: prefix-cache hits / queries (tokens) over both
 replicas during the phase (the runtime's vllm:prefix_cache_* counters).
-(c) The same workload, open loop: requests arrive as a Poisson process (seeded, so every routing
-gets the same arrival times at a rate) at a few offered rates, by default chosen from (b)'s req/s
+(b) The same workload, open loop: requests arrive as a Poisson process (seeded, so every routing
+gets the same arrival times at a rate) at a few offered rates, by default chosen from (a)'s req/s
 (half of random's, random's, halfway from random's to prefix's; or --rates), for each routing
-over the same two replicas; fresh tenants per (rate, routing), warmed up as in (b) with a closed
+over the same two replicas; fresh tenants per (rate, routing), warmed up as in (a) with a closed
 loop of one question per tenant. A closed loop of N clients never has more than N requests
 queued; arrivals that do not wait for answers let a queue grow when a routing falls behind, which
 is the load the published gateway comparisons measure.
@@ -57,7 +56,6 @@ MAX_MODEL_LEN = 2048
 SYSTEM_TOKENS = 1000  # per tenant, as the issue's workload; + question + output < 2048
 QUESTION_TOKENS = 32
 OUTPUT_TOKENS = 16
-OVERHEAD_CONCURRENCY = 64
 # The KV pool is the scarce resource, as it is for real models on GPUs: 24 MiB = ~12k tokens per
 # replica holds ~3/4 of the 16 tenants' prefixes (16k tokens), the two pools together all of them
 # with room for the running requests. Random routing brings every tenant to both replicas, which
@@ -123,28 +121,6 @@ def run_bench(url: str, *args: str) -> Summary:
     if summary.failed:
         raise RuntimeError(f"{summary.failed} requests failed: {summary.errors}")
     return summary
-
-
-def overhead_run(url: str, num_requests: int) -> Summary:
-    return run_bench(url, "--num-prompts", str(num_requests), "--concurrency",
-                     str(OVERHEAD_CONCURRENCY), "--input-len", "128", "--output-len", "32",
-                     "--ignore-eos")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Overhead:
-    direct: list[Summary]
-    through: list[Summary]
-
-
-def measure_overhead(replica: str, workdir: Path, num_requests: int, rounds: int) -> Overhead:
-    result = Overhead([], [])
-    with gateway([replica], "prefix", workdir) as url:
-        overhead_run(url, 16)  # warm-up: connections, first requests' one-off costs
-        for _ in range(rounds):
-            result.direct.append(overhead_run(replica, num_requests))
-            result.through.append(overhead_run(url, num_requests))
-    return result
 
 
 def text_pool() -> list[str]:
@@ -278,7 +254,7 @@ class OpenPhase:
 def measure_open_loop(
     replicas: list[str], workdir: Path, args: argparse.Namespace, rates: list[float]
 ) -> list[OpenPhase]:
-    """Every routing at every rate, each on tenants of its own (workload phases 4 on; (b) and the
+    """Every routing at every rate, each on tenants of its own (workload phases 4 on; (a) and the
     reference use 0-3, so no run finds another's prefixes cached)."""
     results = []
     for index, (rate, strategy) in enumerate(
@@ -322,28 +298,6 @@ def p50(summary: Summary) -> float:
     return summary.ttft_ms.percentiles["p50"]
 
 
-def report_overhead(args: argparse.Namespace, overhead: Overhead) -> str:
-    def best_tps(runs: list[Summary]) -> float:
-        return max(s.output_throughput for s in runs)
-
-    ratio = best_tps(overhead.through) / best_tps(overhead.direct)
-    added = min(map(p50, overhead.through)) - min(map(p50, overhead.direct))
-    rows = [[name, ", ".join(f"{s.output_throughput:.1f}" for s in runs),
-             ", ".join(f"{p50(s):.1f}" for s in runs)]
-            for name, runs in (("direct to the replica", overhead.direct),
-                               ("through the gateway", overhead.through))]  # fmt: skip
-    return (
-        f"(a) Overhead: {args.overhead_requests} requests, 128-token prompts, 32 output tokens "
-        f"(ignore_eos), {OVERHEAD_CONCURRENCY} clients in a closed loop, streamed, one tiny-llama "
-        f"replica; direct and through the gateway alternate for {args.rounds} rounds (per-round "
-        "figures; the ratio takes the best round of each, the added TTFT the lowest p50 of "
-        "each). Client, gateway and replica share this machine's cores.\n\n"
-        + markdown_table(["", "output tok/s", "TTFT p50 (ms)"], rows)
-        + f"\n\nThroughput through the gateway / direct: {ratio:.2f}x (goal >= 0.95x)  \n"
-        + f"Added TTFT p50: {added:.1f} ms (goal <= 2 ms)\n\n"
-    )
-
-
 def workload_words(args: argparse.Namespace, questions: int) -> str:
     return (
         f"{args.tenants} tenants x {questions} questions (after one warm-up question per tenant "
@@ -361,7 +315,7 @@ def report_closed(args: argparse.Namespace, phases: list[Phase]) -> str:
             for p in phases]  # fmt: skip
     ratio = p95(by_name(phases, "random").summary) / p95(by_name(phases, "prefix").summary)
     return (
-        f"(b) Shared prefixes, closed loop: {workload_words(args, args.questions)}; measured with "
+        f"(a) Shared prefixes, closed loop: {workload_words(args, args.questions)}; measured with "
         f"{args.tenants} clients in a closed loop (a client sends its next question when its "
         f"last is answered), two replicas with a {args.kv_cache_mib} MiB KV pool each "
         f"(~{pool_tokens(args) // 1000}k tokens, {held_share(args):.0%} of the tenants' "
@@ -388,13 +342,13 @@ def report_open(args: argparse.Namespace, rates: list[float], runs: list[OpenPha
     ratios = [[f"{rate:.1f}", f"{ratio:.2f}x", "met" if ratio >= 3 else "not met"]
               for rate, ratio in p95_ratios(rates, runs)]  # fmt: skip
     chosen = "given with --rates" if args.rates else (
-        "half of random's closed-loop req/s in (b), random's, and halfway from random's to "
+        "half of random's closed-loop req/s in (a), random's, and halfway from random's to "
         "prefix's"
     )  # fmt: skip
     return (
-        f"(c) Shared prefixes, open loop: the workload of (b) ({args.tenants} tenants x "
+        f"(b) Shared prefixes, open loop: the workload of (a) ({args.tenants} tenants x "
         f"{args.open_questions} measured questions, fresh tenants for every row, warmed up as in "
-        "(b)), but the measured questions arrive as a Poisson process at the offered rate "
+        "(a)), but the measured questions arrive as a Poisson process at the offered rate "
         f"(seed {args.seed}: every routing gets the same arrival times at a rate), whether or "
         "not earlier ones were answered, so a routing that falls behind builds a queue; same two "
         f"replicas. Offered rates: {chosen}. Above a routing's capacity its queue grows for as "
@@ -415,7 +369,7 @@ def p95_ratios(rates: list[float], runs: list[OpenPhase]) -> list[tuple[float, f
 
 
 def report(
-    args: argparse.Namespace, overhead: Overhead, phases: list[Phase], rates: list[float],
+    args: argparse.Namespace, phases: list[Phase], rates: list[float],
     runs: list[OpenPhase],
 ) -> str:  # fmt: skip
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -423,10 +377,7 @@ def report(
         f"Load average of this machine when the run ended: {load} (other jobs share its cores: "
         "the replicas, the gateway and the client compete with them and with each other, so "
         "wall-clock figures swing from round to round; read the per-round columns before the "
-        "ratios).\n\n"
-        + report_overhead(args, overhead)
-        + report_closed(args, phases)
-        + report_open(args, rates, runs)
+        "ratios).\n\n" + report_closed(args, phases) + report_open(args, rates, runs)
     )
 
 
@@ -456,8 +407,6 @@ def parse_cli(argv: list[str] | None) -> argparse.Namespace:
                         help="open loop's offered req/s, comma-separated (default: from the "
                         "closed loop's req/s)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the open loop's arrival times")
-    parser.add_argument("--overhead-requests", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB,
                         help="each replica's KV pool (tiny-llama fp32: 2 KiB a token)")  # fmt: skip
@@ -468,8 +417,7 @@ def command_line(args: argparse.Namespace) -> str:
     rates = f" --rates {','.join(f'{r:g}' for r in args.rates)}" if args.rates else ""
     return (f"python -m bench.gateway_routing --tenants {args.tenants} --questions "
             f"{args.questions} --open-questions {args.open_questions} --seed {args.seed}{rates} "
-            f"--overhead-requests {args.overhead_requests} --rounds {args.rounds} --kv-cache-mib "
-            f"{args.kv_cache_mib}")  # fmt: skip
+            f"--kv-cache-mib {args.kv_cache_mib}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,7 +425,6 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         with runtime_replicas(2, replica_limits(args, args.kv_cache_mib)) as replicas:
-            overhead = measure_overhead(replicas[0], workdir, args.overhead_requests, args.rounds)
             phases = measure_prefix(replicas, workdir, args.tenants, args.questions)
             rates = args.rates or sweep_rates(
                 by_name(phases, "random").summary.request_throughput,
@@ -486,9 +433,9 @@ def main(argv: list[str] | None = None) -> int:
             runs = measure_open_loop(replicas, workdir, args, rates)
         both_pools = replica_limits(args, 2 * args.kv_cache_mib)
         phases.append(measure_reference(both_pools, workdir, args.tenants, args.questions))
-    body = report(args, overhead, phases, rates, runs)
+    body = report(args, phases, rates, runs)
     print(body)
-    title = "Gateway: overhead and prefix-affinity routing"
+    title = "Gateway: prefix-affinity routing"
     write_section("gateway_routing", title, command_line(args), body)
     return 0
 
