@@ -50,7 +50,7 @@ class ReplicaLoad:
 @dataclass(frozen=True)
 class PickPolicy:
     strategy: str = "prefix"
-    load_factor: float = 1.5  # 1.25 spilled so often with two replicas that caches thrashed
+    load_factor: float = 1.75  # lower spills so often with two replicas that caches thrash
     kv_hot: float = 0.95  # KV usage at which a replica counts as hot
     key_factor: float = 1.1  # cap on a replica's live prefixes for a new key, times the mean
 

@@ -60,7 +60,7 @@ def test_load_bound(loads: list[float], factor: float, bound: int) -> None:
 def test_a_replica_over_the_bound_is_passed_over_to_the_next_on_the_ring() -> None:
     key = "tenant-7: system prompt"
     order = ring_order(key, tuple(sorted(b.name for b in REPLICAS)))
-    loads = {order[0]: ReplicaLoad(in_flight=6)}  # bound: ceil(7/4 * 1.5) = 3
+    loads = {order[0]: ReplicaLoad(in_flight=6)}  # bound: ceil(7/4 * 1.75) = 4
     chosen = pick(PREFIX, key, REPLICAS, loads)
     assert chosen is not None and chosen.name == order[1]
 
@@ -69,11 +69,11 @@ def test_the_other_gateways_requests_add_to_ours() -> None:
     pair = REPLICAS[:2]
     key = "tenant-5"
     first, second = ring_order(key, tuple(b.name for b in pair))
-    # Two of ours at `first`: load 2, bound ceil((2 + 0 + 1) / 2 * 1.5) = 3: it takes one more.
+    # Two of ours at `first`: load 2, bound ceil((2 + 0 + 1) / 2 * 1.75) = 3: it takes one more.
     ours = {first: ReplicaLoad(in_flight=2), second: ReplicaLoad()}
     assert pick(PREFIX, key, pair, ours) == next(b for b in pair if b.name == first)
-    # One more there from another gateway: load 3, bound ceil(4 / 2 * 1.5) = 3: passed over.
-    both = {first: ReplicaLoad(in_flight=2, others=1), second: ReplicaLoad()}
+    # Five more there from another gateway: load 7, bound ceil(8 / 2 * 1.75) = 7: passed over.
+    both = {first: ReplicaLoad(in_flight=2, others=5), second: ReplicaLoad()}
     assert pick(PREFIX, key, pair, both) == next(b for b in pair if b.name == second)
 
 
@@ -165,6 +165,6 @@ def test_a_key_keeps_its_replica_while_one_request_spills_over_the_load_bound() 
     key = "tenant-2"
     walk = ring_order(key, PAIR)
     placement = Placement(walk[0], {walk[0]: 1})
-    busy = {walk[0]: ReplicaLoad(in_flight=6)}
+    busy = {walk[0]: ReplicaLoad(in_flight=7)}  # bound ceil(8 / 2 * 1.75) = 7
     assert pick(PREFIX, key, pair, busy, placement=placement).name == walk[1]  # type: ignore[union-attr]
     assert home(key, PAIR, placement, PREFIX.key_factor) == walk[0]
