@@ -147,12 +147,8 @@ def test_readyz_waits_for_the_start_and_the_lease(
     metrics: obs.OperatorMetrics, started: bool, lease_known: bool, status: int, says: str
 ) -> None:
     readiness = obs.Readiness(started=started, lease_known=lease_known)
-    handle = obs.start_server(0, host="127.0.0.1", metrics=metrics, readiness=readiness)
-    try:
-        code, _, body = fetch(handle.port, "/readyz")
-        assert code == status and says in body
-    finally:
-        handle()
+    code, body = readyz(metrics, readiness)
+    assert code == status and says in body
 
 
 @pytest.mark.parametrize(
@@ -165,11 +161,16 @@ def test_readyz_waits_for_the_start_and_the_lease(
 def test_a_standby_is_ready_once_it_knows_who_holds_the_lease(
     metrics: obs.OperatorMetrics, lease_known: bool, status: int, says: str
 ) -> None:
-    readiness = obs.Readiness(lease_known=lease_known, standby=True)
+    code, body = readyz(metrics, obs.Readiness(lease_known=lease_known, standby=True))
+    assert code == status and says in body
+
+
+def readyz(metrics: obs.OperatorMetrics, readiness: obs.Readiness) -> tuple[int, str]:
+    """/readyz's code and body from a server tracking `readiness`."""
     handle = obs.start_server(0, host="127.0.0.1", metrics=metrics, readiness=readiness)
     try:
         code, _, body = fetch(handle.port, "/readyz")
-        assert code == status and says in body
+        return code, body
     finally:
         handle()
 
