@@ -74,38 +74,25 @@ def prompts(count: int, tag: str) -> list[str]:
             for i, start in zip(range(count), itertools.cycle(starts))]  # fmt: skip
 
 
-def first_token_ms(client: httpx.Client, base_url: str, prompt: str) -> float:
-    """TTFT of one streamed completion; the stream is read to its end so the connection is
-    kept for the next request."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    first: float | None = None
-    started = time.perf_counter()
-    with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if first is None and line.startswith("data: {"):
-                first = time.perf_counter()
-    if first is None:
-        raise RuntimeError(f"no token came back from {base_url}")
-    return (first - started) * 1000
-
-
-def measure_alone(replica: str, gateway_url: str, pairs: int) -> Pairs:
+async def measure_alone(replica: str, gateway_url: str, pairs: int) -> Pairs:
     texts = prompts(2 * pairs + 8, "alone")
-    direct, through = [], []
-    with httpx.Client(timeout=120) as client:
+    alone = Pairs([], [])
+    async with httpx.AsyncClient(timeout=120) as client:
+
+        async def ttft(url: str, text: str) -> float:
+            return await streamed_ttft_ms(client, url, text, max_tokens=4)
+
         for text in texts[:8]:  # warm-up: connections and the first requests' one-off costs
-            first_token_ms(client, replica, text), first_token_ms(client, gateway_url, text)
+            await ttft(replica, text), await ttft(gateway_url, text)
         for i in range(pairs):
             a, b = texts[8 + 2 * i], texts[9 + 2 * i]
             if i % 2:  # alternate which goes first and which prompt each gets
-                through.append(first_token_ms(client, gateway_url, a))
-                direct.append(first_token_ms(client, replica, b))
+                alone.through.append(await ttft(gateway_url, a))
+                alone.direct.append(await ttft(replica, b))
             else:
-                direct.append(first_token_ms(client, replica, a))
-                through.append(first_token_ms(client, gateway_url, b))
-    return Pairs(direct, through)
+                alone.direct.append(await ttft(replica, a))
+                alone.through.append(await ttft(gateway_url, b))
+    return alone
 
 
 async def paired_load(replica: str, gateway_url: str, texts: list[str]) -> Pairs:
@@ -130,8 +117,12 @@ async def paired_load(replica: str, gateway_url: str, texts: list[str]) -> Pairs
     return pairs
 
 
-async def streamed_ttft_ms(client: httpx.AsyncClient, base_url: str, prompt: str) -> float:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 32, "stream": True,
+async def streamed_ttft_ms(
+    client: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int = 32
+) -> float:
+    """TTFT of one streamed completion; the stream is read to its end so the connection is
+    kept for the next request."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True}  # fmt: skip
     first: float | None = None
     started = time.perf_counter()
@@ -164,7 +155,7 @@ def measure(workdir: Path, num_requests: int, rounds: int, pairs: int) -> Overhe
         with server_common.pinned(os.getpid(), cores.gateway):  # the gateway starts there
             url = stack.enter_context(gateway([replica], "prefix", workdir))
         stack.enter_context(server_common.pinned(os.getpid(), cores.replica))  # the client
-        alone = measure_alone(replica, url, pairs)
+        alone = asyncio.run(measure_alone(replica, url, pairs))
         for seed, warm_up in enumerate((replica, url), start=1000):  # the replica's first full
             loaded_run(warm_up, num_requests, seed)  # batches, the gateway's connection pool
         texts = prompts(rounds * num_requests, "loaded")
