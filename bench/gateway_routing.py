@@ -85,14 +85,15 @@ def runtime_replicas(count: int, limits: list[str]) -> Iterator[list[str]]:
 
 
 @contextmanager
-def gateway(backends: list[str], strategy: str, workdir: Path) -> Iterator[str]:
-    """A `kvpilot-gateway` process routing model `tiny` to `backends`; its base URL."""
+def gateway(backends: list[str], strategy: str, workdir: Path, *flags: str) -> Iterator[str]:
+    """A `kvpilot-gateway` process routing model `tiny` to `backends` (more CLI `flags` if
+    given); its base URL."""
     config = workdir / f"gateway-{strategy}-{len(backends)}.yaml"
     config.write_text(yaml.safe_dump({"models": [{"name": "tiny", "backends": backends}]}))
     port = free_port()
     command = [sys.executable, "-m", "kvpilot.gateway.cli", "--config", str(config), "--host",
                "127.0.0.1", "--port", str(port), "--strategy", strategy, "--log-level",
-               "warning"]  # fmt: skip
+               "warning", *flags]  # fmt: skip
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     try:
