@@ -247,10 +247,13 @@ class Gateway:
     def pick(self, prefix: str, route: Route, candidates: list[Backend]) -> Backend | None:
         """The replica for this attempt; under prefix affinity, the key's home is remembered
         (per model: two models' replicas never share a prefix cache)."""
-        policy, placed_key = self.options.policy, f"{route.model}\n{prefix}"
+        policy = self.options.policy
+        if policy.strategy != "prefix":  # random and least-load keep no book
+            return pick(policy, prefix, candidates, self.book.loads())
+        placed_key = f"{route.model}\n{prefix}"
         placement = self.affinity.placement(placed_key)
         backend = pick(policy, prefix, candidates, self.book.loads(), placement=placement)
-        if backend is not None and policy.strategy == "prefix":
+        if backend is not None:
             names = [b.name for b in route.backends] or [backend.name]
             self.affinity.settle(placed_key, home(prefix, names, placement, policy.key_factor))
         return backend
