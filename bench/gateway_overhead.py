@@ -62,7 +62,7 @@ class Overhead:
     loaded: Pairs  # pairs under load
     direct: list[Summary]  # per round, under load
     through: list[Summary]
-    pinned: str  # how the cores were split, for the report
+    cores: str  # how the cores were split, in words for the report
 
 
 def prompts(count: int, tag: str) -> list[str]:
@@ -184,7 +184,7 @@ def report(args: argparse.Namespace, overhead: Overhead) -> str:
             for name, runs in (("direct to the replica", overhead.direct),
                                ("through the gateway", overhead.through))]  # fmt: skip
     return (
-        f"Cores: {overhead.pinned}. Streamed completions of 128-token prompts; TTFT at the "
+        f"Cores: {overhead.cores}. Streamed completions of 128-token prompts; TTFT at the "
         "client.\n\n"
         f"(a) alone: {args.pairs} pairs of one request each (4 output tokens), direct and "
         "through the gateway back to back, the order alternating; (b) under load: "
