@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -15,6 +15,24 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+class ApiObject(BaseModel):
+    """What every OpenAI object starts with: its id, its type (each subclass narrows `object` to
+    its own literal) and when it was made, in Unix seconds."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=now)
+
+
+class ApiResponse(ApiObject):
+    """A completion, a chat completion or a streamed chunk: the model that made it, its choices
+    (each subclass narrows their type) and the token counts."""
+
+    model: str
+    choices: list[Any]
+    usage: Usage | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -63,13 +81,9 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ApiResponse):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
@@ -116,11 +130,8 @@ class ChatChoice(ChatChoiceBase):
     message: AssistantMessage
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ApiResponse):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -150,19 +161,13 @@ class ChatChunkChoice(ChatChoiceBase):
     delta: DeltaMessage
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ApiResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
-class ModelCard(BaseModel):
-    id: str
+class ModelCard(ApiObject):
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
     owned_by: str = "kvpilot"
     max_model_len: int | None = None
 
