@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvpilot.runtime.json_text import load_object
+
 GrammarKind = Literal["json_schema", "regex", "choice", "grammar", "lark"]
 
 # The schema `{"type": "json_object"}` stands for: any JSON object.
@@ -33,10 +35,7 @@ class GrammarSpec:
 def json_schema_spec(schema: dict[str, Any] | str, source: str) -> GrammarSpec:
     """A JSON-schema spec; the schema as a JSON object or its text (vLLM accepts both)."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{source}: the schema is not valid JSON: {exc}") from exc
+        schema = load_object(schema, source, "a JSON schema (a JSON object)")
     if not isinstance(schema, dict):
         raise ValueError(f"{source}: a JSON schema must be a JSON object")
     return GrammarSpec("json_schema", canonical_json(schema), source)

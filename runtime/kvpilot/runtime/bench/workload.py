@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvpilot.runtime.json_text import load_object
 
 from .tokens import TokenCounter, exact_prompt
 
@@ -71,12 +72,7 @@ def synthetic_requests(
 
 def parse_jsonl_line(line: str, lineno: int, chat: bool, default_max_tokens: int) -> BenchRequest:
     """One JSONL record: {"prompt": str | [token ids]} or {"messages": [...]}, "max_tokens"."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"line {lineno}: not JSON: {exc}") from exc
-    if not isinstance(record, dict):
-        raise ValueError(f"line {lineno}: expected an object with 'prompt' or 'messages'")
+    record = load_object(line, f"line {lineno}", "an object with 'prompt' or 'messages'")
     max_tokens = record.get("max_tokens", record.get("output_len", default_max_tokens))
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"line {lineno}: max_tokens must be an integer >= 1, got {max_tokens!r}")
