@@ -1,20 +1,11 @@
-"""`kvpilot`: the user's command line (load generator and autoscaling simulator)."""
+"""`kvpilot`: the user's command line (load generator and autoscaling simulator); its
+subcommands are listed in kvpilot.subcommands."""
 
 from __future__ import annotations
 
 import sys
 
-from kvpilot.subcommands import dispatch
-
-SUBCOMMANDS = {
-    "bench": ("kvpilot.runtime.bench", "load-test any OpenAI-compatible endpoint"),
-    "simulate": ("kvpilot.operator.simulator", "compare autoscaling policies on request traces"),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    return dispatch("kvpilot", SUBCOMMANDS, argv)
-
+from kvpilot.subcommands import kvpilot as main
 
 if __name__ == "__main__":
     sys.exit(main())

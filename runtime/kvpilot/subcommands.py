@@ -1,4 +1,5 @@
-"""One dispatcher for kvpilot's command lines (`kvpilot`, `kvpilot-runtime`).
+"""kvpilot's two command lines with subcommands, and their one dispatcher: `kvpilot` (the
+user's tools) and `kvpilot-runtime` (what pods run, and the quantisation-quality tool).
 
 Each subcommand's module is imported only when it runs, so `--help` and a typo answer at once
 and each subcommand needs only its own dependencies (no torch for `kvpilot bench`).
@@ -11,6 +12,16 @@ import sys
 
 # name -> (module with a main(argv) -> int | None, one line of help)
 Subcommands = dict[str, tuple[str, str]]
+
+KVPILOT: Subcommands = {
+    "bench": ("kvpilot.runtime.bench", "load-test any OpenAI-compatible endpoint"),
+    "simulate": ("kvpilot.operator.simulator", "compare autoscaling policies on request traces"),
+}
+KVPILOT_RUNTIME: Subcommands = {
+    "serve": ("kvpilot.runtime.server", "serve the OpenAI-compatible API over the engine"),
+    "eval": ("kvpilot.runtime.evaluate", "perplexity per quantisation level and relative loss"),
+    "fetch": ("kvpilot.runtime.fetch", "copy a model (hf://, s3://, file://) into a directory"),
+}
 
 
 def usage(program: str, subcommands: Subcommands) -> str:
@@ -33,3 +44,11 @@ def dispatch(program: str, subcommands: Subcommands, argv: list[str] | None = No
         return 2
     module = importlib.import_module(subcommands[args[0]][0])
     return int(module.main(args[1:]) or 0)
+
+
+def kvpilot(argv: list[str] | None = None) -> int:
+    return dispatch("kvpilot", KVPILOT, argv)
+
+
+def kvpilot_runtime(argv: list[str] | None = None) -> int:
+    return dispatch("kvpilot-runtime", KVPILOT_RUNTIME, argv)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvpilot import cli as user_cli
 from kvpilot.runtime import cli as runtime_cli
-from kvpilot.subcommands import dispatch, usage
+from kvpilot.subcommands import KVPILOT, KVPILOT_RUNTIME, Subcommands, dispatch
 
 TABLE = {"json": ("json.tool", "pretty-print JSON"), "zip": ("zipfile", "zip files")}
 
@@ -40,14 +41,19 @@ def test_dispatch_runs_the_subcommand_with_the_rest_of_argv(
 
 
 @pytest.mark.parametrize(
-    ("program", "table", "names"),
+    ("program", "main", "table", "names"),
     [
-        ("kvpilot", user_cli.SUBCOMMANDS, ["bench", "simulate"]),
-        ("kvpilot-runtime", runtime_cli.SUBCOMMANDS, ["serve", "eval", "fetch"]),
+        ("kvpilot", user_cli.main, KVPILOT, ["bench", "simulate"]),
+        ("kvpilot-runtime", runtime_cli.main, KVPILOT_RUNTIME, ["serve", "eval", "fetch"]),
     ],
 )
 def test_each_command_line_lists_its_subcommands(
-    program: str, table: dict[str, tuple[str, str]], names: list[str]
+    program: str,
+    main: Callable[[list[str]], int],
+    table: Subcommands,
+    names: list[str],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert list(table) == names
-    assert usage(program, table).startswith(f"usage: {program} {{{','.join(names)}}}")
+    assert main(["--help"]) == 0  # the entry point pyproject names answers with its own table
+    assert capsys.readouterr().out.startswith(f"usage: {program} {{{','.join(names)}}}")

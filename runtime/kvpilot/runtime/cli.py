@@ -1,21 +1,11 @@
-"""`kvpilot-runtime`: what pods run (serve, fetch) and the quantisation-quality tool (eval)."""
+"""`kvpilot-runtime`: what pods run (serve, fetch) and the quantisation-quality tool (eval);
+its subcommands are listed in kvpilot.subcommands."""
 
 from __future__ import annotations
 
 import sys
 
-from kvpilot.subcommands import dispatch
-
-SUBCOMMANDS = {
-    "serve": ("kvpilot.runtime.server", "serve the OpenAI-compatible API over the engine"),
-    "eval": ("kvpilot.runtime.evaluate", "perplexity per quantisation level and relative loss"),
-    "fetch": ("kvpilot.runtime.fetch", "copy a model (hf://, s3://, file://) into a directory"),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    return dispatch("kvpilot-runtime", SUBCOMMANDS, argv)
-
+from kvpilot.subcommands import kvpilot_runtime as main
 
 if __name__ == "__main__":
     sys.exit(main())
