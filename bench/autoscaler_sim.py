@@ -93,9 +93,10 @@ on CPU and publish no per-replica GPU figures yet): {caps}. kvpilot runs with th
 ModelDeployment gets from the CRD (the same numbers as `policy.Bounds`): target KV-cache usage \
 {bounds.target_kv_cache_utilization} (1-minute mean, waiting requests counted as demand), target \
 queue {bounds.target_queue_length:g} per replica, tolerance {bounds.tolerance}, scale-up window \
-{bounds.scale_up_stabilization_s:.0f} s, scale-down window \
-{bounds.scale_down_stabilization_s:.0f} s (scale-down aims at the band's lower edge and waits \
-{bounds.scale_down_settle_s:.0f} s after any change), at most x{bounds.max_scale_up_factor:g} or \
+{bounds.scale_up_stabilization_seconds:.0f} s, scale-down window \
+{bounds.scale_down_stabilization_seconds:.0f} s (scale-down aims at the band's lower edge and \
+waits {bounds.scale_down_settle_s:.0f} s after any change), at most \
+x{bounds.max_scale_up_factor:g} or \
 +{bounds.max_scale_up_step} per 10 s step. The baselines are described in \
 `operator/kvpilot/operator/simulator/policies.py` (their targets: 80% of a replica's batch; \
 KEDA 5 waiting per replica); fixed_max is the cost reference, the oracle (clairvoyant, 90% of \

@@ -138,9 +138,10 @@ class KubernetesDiscovery:
                 self._stopping.wait(delay)
 
     def _relist(self, resource: Resource, scope: str | None) -> str:
-        listed, version = k8s.list_with_version(
+        listed = k8s.list_objects(
             self._client, resource.api_version, resource.kind, scope, resource.selector
         )
+        version = listed.resource_version
         items = {kube_routes.key_of(i): resource.keep(i) for i in listed}
         with self._lock:
             store = self._objects.store(resource.kind)

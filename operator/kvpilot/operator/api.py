@@ -351,13 +351,13 @@ class Autoscaling(_Model):
         " replica count aims at",
     )
     scale_up_stabilization_seconds: int = Field(
-        default=int(POLICY_DEFAULTS.scale_up_stabilization_s), ge=0, le=3600
+        default=int(POLICY_DEFAULTS.scale_up_stabilization_seconds), ge=0, le=3600
     )
     scale_down_stabilization_seconds: int = Field(
-        default=int(POLICY_DEFAULTS.scale_down_stabilization_s), ge=0, le=86_400
+        default=int(POLICY_DEFAULTS.scale_down_stabilization_seconds), ge=0, le=86_400
     )
     scale_to_zero_idle_seconds: int = Field(
-        default=int(POLICY_DEFAULTS.scale_to_zero_idle_s),
+        default=int(POLICY_DEFAULTS.scale_to_zero_idle_seconds),
         ge=0,
         le=86_400,
         description="with minReplicas 0: no request in flight for this long scales to zero",

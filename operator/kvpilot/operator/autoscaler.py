@@ -11,7 +11,7 @@ is pure so it can be tested with tables.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvpilot.operator import api, timestamps
@@ -21,16 +21,10 @@ from kvpilot.operator.spread import is_given_up, spread_replicas
 
 
 def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
-    """The policy's numbers from a ModelDeployment's parsed spec.autoscaling."""
-    return Bounds(
-        min_replicas=autoscaling.min_replicas,
-        max_replicas=autoscaling.max_replicas,
-        target_queue_length=autoscaling.target_queue_length,
-        target_kv_cache_utilization=autoscaling.target_kv_cache_utilization,
-        scale_up_stabilization_s=autoscaling.scale_up_stabilization_seconds,
-        scale_down_stabilization_s=autoscaling.scale_down_stabilization_seconds,
-        scale_to_zero_idle_s=autoscaling.scale_to_zero_idle_seconds,
-    )
+    """The policy's numbers from a ModelDeployment's parsed spec.autoscaling: every Bounds field
+    the spec has, by the same name (tolerance is the policy's own)."""
+    given = type(autoscaling).model_fields.keys() & {f.name for f in fields(Bounds)}
+    return Bounds(**{name: getattr(autoscaling, name) for name in given})
 
 
 def state_from_status(status: api.ModelDeploymentStatus) -> PolicyState:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 from kvpilot.operator.conditions import pod_problem
@@ -106,14 +106,8 @@ def _node_type(name: str, members: list[_GpuNode]) -> NodeType:
 
 
 def _declared_type(decl: DeclaredNodeType) -> NodeType:
-    return NodeType(
-        name=decl.name,
-        product=decl.product,
-        gpu_memory_mib=decl.gpu_memory_mib,
-        gpus_per_node=decl.gpus_per_node,
-        price_per_hour=decl.price_per_hour,
-        node_selector=dict(decl.node_selector),
-    )
+    """A declared type has a discovered one's fields, by the same names, and no nodes yet."""
+    return NodeType(**{f.name: getattr(decl, f.name) for f in fields(decl)})
 
 
 def _gpu_node(

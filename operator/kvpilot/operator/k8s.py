@@ -214,15 +214,23 @@ def get(
         raise
 
 
-def list_with_version(
+class Listing(list[dict[str, Any]]):
+    """A LIST's objects, and its resourceVersion, which a watch starts from."""
+
+    def __init__(self, items: list[dict[str, Any]], resource_version: str) -> None:
+        super().__init__(items)
+        self.resource_version = resource_version
+
+
+def list_objects(
     client: k8s_client.ApiClient,
     api_version: str,
     kind: str,
     namespace: str | None = None,
     selector: str = "",
-) -> tuple[list[dict[str, Any]], str]:
-    """The objects (each with apiVersion and kind) and the list's resourceVersion, which a
-    watch starts from."""
+) -> Listing:
+    """The objects, each with apiVersion and kind (a LIST's items lack them; the pure code keys
+    on them)."""
     listing = _call(
         client,
         "get",
@@ -232,20 +240,10 @@ def list_with_version(
         label_selector=selector or None,
     )
     items = listing.get("items") or []
-    for item in items:  # list items lack apiVersion/kind; the pure code keys on them
+    for item in items:
         item.setdefault("apiVersion", api_version)
         item.setdefault("kind", kind)
-    return items, str(listing["metadata"]["resourceVersion"])
-
-
-def list_objects(
-    client: k8s_client.ApiClient,
-    api_version: str,
-    kind: str,
-    namespace: str | None = None,
-    selector: str = "",
-) -> list[dict[str, Any]]:
-    return list_with_version(client, api_version, kind, namespace, selector)[0]
+    return Listing(items, str(listing["metadata"]["resourceVersion"]))
 
 
 def watch(

@@ -44,17 +44,17 @@ class Bounds:
     target_queue_length: float = 4.0  # waiting requests per ready replica
     target_kv_cache_utilization: float = 0.85  # used / total KV blocks, 0-1 (1-minute mean)
     tolerance: float = 0.2  # ratios within 1 +/- tolerance keep the current count
-    scale_up_stabilization_s: float = 0.0
+    scale_up_stabilization_seconds: float = 0.0
     # Shorter than the HPA's 300 s: the settle wait and the band's lower edge as the scale-down
     # aim already keep a shrink from undershooting, and a burst's fleet goes back sooner.
-    scale_down_stabilization_s: float = 120.0
+    scale_down_stabilization_seconds: float = 120.0
     # No scale-down this soon after a change: the KV-cache signal is a 1-minute mean, which right
     # after a change still mixes in the old fleet (a just-shrunk fleet looks emptier than it is).
     # A shorter scale-down window is a request for quicker scale-downs and caps this wait.
     scale_down_settle_s: float = 60.0
     max_scale_up_factor: float = 2.0  # a step may at least double ...
     max_scale_up_step: int = 4  # ... or add this many, whichever is more
-    scale_to_zero_idle_s: float = 600.0  # only with min_replicas == 0
+    scale_to_zero_idle_seconds: float = 600.0  # only with min_replicas == 0
     max_metrics_age_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -77,15 +77,15 @@ class Bounds:
         if not 0 <= self.tolerance < 1:
             raise ValueError(f"tolerance must be in [0, 1), got {self.tolerance}")
         windows = (
-            self.scale_up_stabilization_s,
-            self.scale_down_stabilization_s,
+            self.scale_up_stabilization_seconds,
+            self.scale_down_stabilization_seconds,
             self.scale_down_settle_s,
         )
         if min(windows) < 0:
             raise ValueError("stabilization windows must be >= 0 seconds")
         if self.max_scale_up_factor < 1 or self.max_scale_up_step < 1:
             raise ValueError("scale-up rate limits must allow growth (factor >= 1, step >= 1)")
-        if self.scale_to_zero_idle_s < 0 or self.max_metrics_age_s <= 0:
+        if self.scale_to_zero_idle_seconds < 0 or self.max_metrics_age_s <= 0:
             raise ValueError("scaleToZeroIdleSeconds must be >= 0 and max metrics age > 0")
 
 
@@ -186,7 +186,8 @@ def decide(observations: Observations, bounds: Bounds, state: PolicyState, now: 
     state = replace(state, idle_since=idle_since)
     if _may_scale_to_zero(observations, bounds, idle_since, now):
         idle_for = now - (idle_since if idle_since is not None else now)
-        reason = f"scale to zero: idle for {idle_for:.0f}s >= {bounds.scale_to_zero_idle_s:.0f}s"
+        limit = bounds.scale_to_zero_idle_seconds
+        reason = f"scale to zero: idle for {idle_for:.0f}s >= {limit:.0f}s"
         return _finish(current, 0, reason, replace(state, recommendations=()), now)
     raw, why = recommend(observations, bounds)
     floor = _floor(bounds, current)
@@ -353,12 +354,12 @@ def _may_scale_to_zero(
         bounds.min_replicas == 0
         and observations.current_replicas > 0
         and idle_since is not None
-        and now - idle_since >= bounds.scale_to_zero_idle_s
+        and now - idle_since >= bounds.scale_to_zero_idle_seconds
     )
 
 
 def _longest_window(bounds: Bounds) -> float:
-    return max(bounds.scale_up_stabilization_s, bounds.scale_down_stabilization_s)
+    return max(bounds.scale_up_stabilization_seconds, bounds.scale_down_stabilization_seconds)
 
 
 def _record(
@@ -381,10 +382,10 @@ def _stabilise(
     """HPA's rule: go up to the smallest recommendation of the up window, down to the largest of
     the down window, otherwise stay. The newest recommendation always counts, so a zero window
     means no damping. A scale-down also waits until the last change has settled."""
-    up = _window_extreme(history, now, bounds.scale_up_stabilization_s, min)
+    up = _window_extreme(history, now, bounds.scale_up_stabilization_seconds, min)
     if up > current:
         return up
-    down = _window_extreme(history, now, bounds.scale_down_stabilization_s, max)
+    down = _window_extreme(history, now, bounds.scale_down_stabilization_seconds, max)
     if down < current and settled:
         return down
     return current
@@ -401,7 +402,7 @@ def _window_extreme(
 
 
 def _settle_s(bounds: Bounds) -> float:
-    return min(bounds.scale_down_settle_s, bounds.scale_down_stabilization_s)
+    return min(bounds.scale_down_settle_s, bounds.scale_down_stabilization_seconds)
 
 
 def _settled(now: float, last_scale_time: float | None, wait_s: float) -> bool:
@@ -429,7 +430,7 @@ def _explain(
             settle = f"{_settle_s(bounds):.0f}s"
             return f"hold at {current}: wants {wanted}, last change under {settle} ago; {why}"
         if wanted < current:
-            window = f"{bounds.scale_down_stabilization_s:.0f}s"
+            window = f"{bounds.scale_down_stabilization_seconds:.0f}s"
             return f"hold at {current}: wants {wanted}, {window} down window not passed; {why}"
         if wanted > current:
             return f"hold at {current}: wants {wanted}, up window not passed; {why}"

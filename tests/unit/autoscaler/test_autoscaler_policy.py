@@ -17,7 +17,7 @@ BOUNDS = Bounds(
     target_queue_length=3.0,
     target_kv_cache_utilization=0.8,
     tolerance=0.1,
-    scale_down_stabilization_s=300.0,
+    scale_down_stabilization_seconds=300.0,
     scale_down_settle_s=60.0,
 )
 
@@ -229,7 +229,7 @@ def test_scale_down_waits_for_the_last_change_to_settle() -> None:
     # a scale-up does not wait
     assert decide(quiet(1.0), BOUNDS, recent, NOW).replicas == 10
     # a scale-down window shorter than the settle time caps it: 20 s was asked for
-    quick = replace(BOUNDS, scale_down_stabilization_s=20.0)
+    quick = replace(BOUNDS, scale_down_stabilization_seconds=20.0)
     assert decide(quiet(0.3), quick, recent, NOW).replicas == 4
 
 
@@ -246,7 +246,7 @@ def test_scale_up_is_immediate_without_up_window() -> None:
 
 
 def test_scale_up_stabilisation_takes_window_min() -> None:
-    bounds = replace(BOUNDS, scale_up_stabilization_s=30.0)
+    bounds = replace(BOUNDS, scale_up_stabilization_seconds=30.0)
     steps = [(0.0, obs(2, kv_cache_usage=0.8)), (10.0, obs(2, requests_waiting=15))]
     steps += [(31.0, obs(2, requests_waiting=15))]
     replicas = [d.replicas for d in run(steps, bounds)]
@@ -279,7 +279,7 @@ def test_history_stays_small_under_steady_load() -> None:
 
 
 def test_scale_to_zero_after_idle_and_back_on_demand() -> None:
-    bounds = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_s=600.0)
+    bounds = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_seconds=600.0)
     idle = obs(2)
     steps = [(0.0, idle), (301.0, idle), (590.0, idle), (600.0, idle), (700.0, idle)]
     steps += [(710.0, Observations(0, requests_waiting=4, sampled_at=NOW + 710))]
@@ -292,7 +292,7 @@ def test_scale_to_zero_after_idle_and_back_on_demand() -> None:
 
 
 def test_busy_fleet_with_min_zero_is_not_scaled_to_zero() -> None:
-    bounds = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_s=60.0)
+    bounds = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_seconds=60.0)
     steps = [(float(t), obs(2, requests_running=1, kv_cache_usage=0.05)) for t in (0, 400, 800)]
     assert [d.replicas for d in run(steps, bounds)] == [2, 1, 1]
 
@@ -316,7 +316,7 @@ def test_last_scale_time_recorded_only_on_change() -> None:
         ({"target_queue_length": 0}, "targetQueueLength"),
         ({"target_kv_cache_utilization": 1.5}, "targetKVCacheUtilization"),
         ({"tolerance": 1.0}, "tolerance"),
-        ({"scale_down_stabilization_s": -1}, "windows"),
+        ({"scale_down_stabilization_seconds": -1}, "windows"),
         ({"scale_down_settle_s": -1}, "windows"),
         ({"max_scale_up_factor": 0.5}, "rate limits"),
     ],
@@ -331,7 +331,7 @@ def test_negative_current_is_rejected() -> None:
         decide(Observations(current_replicas=-1), BOUNDS, PolicyState(), NOW)
 
 
-ZERO_OK = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_s=600.0)
+ZERO_OK = replace(BOUNDS, min_replicas=0, max_replicas=10, scale_to_zero_idle_seconds=600.0)
 SCALED_TO_ZERO = PolicyState(idle_since=NOW - 700, last_scale_time=NOW - 100)
 
 

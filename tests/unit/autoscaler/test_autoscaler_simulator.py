@@ -107,7 +107,7 @@ def test_scale_to_zero_and_back_on_demand() -> None:
     arrivals = np.concatenate([np.arange(0, 120, 0.5), np.arange(1620, 1740, 0.5)])
     sizes = np.full(len(arrivals), 200, dtype=np.int64)
     trace = Trace("gap", 2000.0, arrivals.astype(np.float64), sizes, sizes)
-    bounds = Bounds(min_replicas=0, max_replicas=4, scale_to_zero_idle_s=300.0)
+    bounds = Bounds(min_replicas=0, max_replicas=4, scale_to_zero_idle_seconds=300.0)
     settings = Settings(min_replicas=0, max_replicas=4, initial_replicas=1)
     kvpilot = policies.KvpilotPolicy(bounds)
     result = simulate(trace, kvpilot, CAPACITY, settings)
