@@ -33,6 +33,11 @@ from kvpilot.operator.workqueue import Body, Key, WorkQueue
 # so the burst is best passed all at once. An idle thread costs little; the pool makes them only
 # as passes need them.
 WORKERS = 256
+# A status-only pass (a child Deployment's status moved) waits this long, merging the rest of
+# the rollout's events, so one rollout costs about one refresh (a GET, a LIST, a status patch),
+# not one per event; in a burst of creates those refreshes were most of the operator's API calls
+# and competed with the creates' full passes. Ready shows up to this much later.
+STATUS_DELAY_SECONDS = 1.0
 MAX_BACKOFF_SECONDS = 60.0
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ class Reconciler:
     ) -> None:
         self.controller, self.nodes, self.pods, self.mds = controller, nodes, pods, mds
         self.workers = workers
-        self.queue = WorkQueue(self._run)
+        self.queue = WorkQueue(self._run, STATUS_DELAY_SECONDS)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-pass")
         # Inventory fingerprint each object was last planned with: decides whether a node change
         # is worth a pass. A cache: a restart empties it, and every object passes once anyway.

@@ -9,7 +9,11 @@ What controller-runtime's workqueue gives a Go controller, in a few lines of asy
 - a request for a key that is being passed waits for that pass to end and then runs once more,
   so the last event of a burst is never lost (its pass starts after the event);
 - full passes go before status-only ones, so a burst of creates gets its Deployments first and
-  the status refreshes of the objects already made wait (FIFO within each kind).
+  the status refreshes of the objects already made wait (FIFO within each kind);
+- a status-only request waits `status_delay` seconds before it is ready (controller-runtime's
+  AddAfter), so the events of one rollout (a Deployment reports replicas, updated, ready, each
+  a watch event) merge into one refresh even when a worker is free at once. A full request is
+  never delayed, and one that comes meanwhile takes the waiting request ahead.
 
 Everything here runs on one event loop, so the dictionaries need no lock. `process` is awaited
 by a fixed number of workers; the caller decides where its blocking part runs (a thread pool) and
@@ -42,8 +46,13 @@ class Request:
 
 
 class WorkQueue:
-    def __init__(self, process: Callable[[Key, bool, Body | None], Awaitable[object]]) -> None:
+    def __init__(
+        self,
+        process: Callable[[Key, bool, Body | None], Awaitable[object]],
+        status_delay: float = 0.0,
+    ) -> None:
         self.process = process
+        self.status_delay = status_delay
         self.waiting: dict[Key, Request] = {}
         self.active: set[Key] = set()
         # (0 full | 1 status-only, arrival, key); an entry whose key is no longer waiting, or
@@ -61,8 +70,12 @@ class WorkQueue:
                 self._ready(key, request)  # now full: it goes ahead of the status passes
             return
         request = self.waiting[key] = Request(full, body)
-        if key not in self.active:  # else the worker passing it queues it again when done
+        if key in self.active:
+            return  # the worker passing it queues it again when done
+        if full or self.status_delay <= 0:
             self._ready(key, request)
+        else:  # a full request meanwhile goes ahead at once; this entry is then stale
+            asyncio.get_running_loop().call_later(self.status_delay, self._ready, key, request)
 
     def _ready(self, key: Key, request: Request) -> None:
         self.ready.put_nowait((0 if request.full else 1, next(self.arrivals), key))

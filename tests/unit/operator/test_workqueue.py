@@ -18,6 +18,7 @@ from kvpilot.operator.workqueue import Body, Key, WorkQueue
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, bool, Any]] = []
+        self.times: list[float] = []  # when each pass started, by the loop's clock
         self.running: set[Key] = set()
         self.overlapped = False
         self.hold: asyncio.Event | None = None
@@ -28,6 +29,7 @@ class Recorder:
         self.overlapped |= key in self.running
         self.running.add(key)
         self.calls.append((key[1], full, None if body is None else body["v"]))
+        self.times.append(asyncio.get_running_loop().time())
         self.started.set()
         try:
             if self.hold is not None:
@@ -46,12 +48,16 @@ async def until_idle(queue: WorkQueue) -> None:
             await asyncio.sleep(0.01)
 
 
-def run(test: Callable[[WorkQueue, Recorder], Awaitable[None]], workers: int = 4) -> Recorder:
+def run(
+    test: Callable[[WorkQueue, Recorder], Awaitable[None]],
+    workers: int = 4,
+    status_delay: float = 0.0,
+) -> Recorder:
     """Run `test` against a queue with `workers` workers; wait until the queue is idle."""
     recorder = Recorder()
 
     async def main() -> None:
-        queue: WorkQueue = WorkQueue(recorder)
+        queue: WorkQueue = WorkQueue(recorder, status_delay)
         task = asyncio.create_task(queue.run(workers))
         try:
             await test(queue, recorder)
@@ -174,3 +180,31 @@ def test_full_passes_go_before_status_passes_and_an_upgrade_moves_ahead() -> Non
         ("s2", True),
         ("s1", False),
     ]
+
+
+@pytest.mark.parametrize(
+    ("requests", "expected", "first_waits"),
+    [
+        # A rollout's three status events within the delay: one refresh, after the delay.
+        ([False, False, False], [("m", False)], True),
+        # A full request during the delay goes at once and takes the status request with it.
+        ([False, True], [("m", True)], False),
+        # A full request is never delayed; a status one after it waits for it, then its delay.
+        ([True, False], [("m", True), ("m", False)], False),
+    ],
+)
+def test_status_requests_wait_the_delay_and_merge_while_they_wait(
+    requests: list[bool], expected: list[tuple[str, bool]], first_waits: bool
+) -> None:
+    delay = 0.3
+    start: list[float] = []
+
+    async def test(queue: WorkQueue, recorder: Recorder) -> None:
+        start.append(asyncio.get_running_loop().time())
+        for full in requests:
+            queue.put(("ns", "m"), full)
+            await asyncio.sleep(0.01)
+
+    recorder = run(test, status_delay=delay)
+    assert [(name, full) for name, full, _ in recorder.calls] == expected
+    assert (recorder.times[0] - start[0] >= delay) == first_waits
