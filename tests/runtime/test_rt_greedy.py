@@ -88,3 +88,42 @@ def test_greedy_with_chunked_prefill_matches_transformers(
 ) -> None:
     prompts = make_prompts(tiny_llama_dir, shared_prefix=0)
     assert_matches(make_engine(max_num_batched_tokens=48, max_num_seqs=12), prompts, reference)
+
+
+def quoting(prompts: list[list[int]]) -> list[list[int]]:
+    """Prompts that quote themselves (a span twice), as summaries and code edits do: prompt
+    lookup finds proposals from the first step."""
+    return [[p[0], *p[1:41], *p[1:41]] for p in prompts]
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [1, 4])
+def test_speculative_greedy_matches_transformers(
+    tiny_llama_dir: Path,
+    make_engine: Callable[..., Engine],
+    reference: Callable,
+    num_speculative_tokens: int,
+) -> None:
+    prompts = quoting(make_prompts(tiny_llama_dir, shared_prefix=0))
+    config = f'{{"method": "ngram", "num_speculative_tokens": {num_speculative_tokens}}}'
+    engine = make_engine(speculative_config=config)
+    assert_matches(engine, prompts, reference)
+    stats = engine.stats()
+    assert stats.spec_decode_drafts > 0
+    assert 0 < stats.spec_decode_accepted_tokens <= stats.spec_decode_draft_tokens
+    assert stats.spec_decode_draft_tokens <= stats.spec_decode_drafts * num_speculative_tokens
+
+
+def test_speculative_greedy_under_forced_preemption_matches_transformers(
+    tiny_llama_dir: Path, make_engine: Callable[..., Engine], reference: Callable
+) -> None:
+    prompts = quoting(make_prompts(tiny_llama_dir, shared_prefix=0))
+    probe = make_engine(max_model_len=256)
+    pool_blocks = max(peak_blocks(prompts) // 4, 256 // BLOCK_SIZE)
+    engine = make_engine(
+        max_model_len=256,
+        kv_cache_memory=pool_blocks * block_bytes(probe),
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+    )
+    assert_matches(engine, prompts, reference)
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().spec_decode_accepted_tokens > 0

@@ -141,6 +141,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past those that hold `num_tokens` tokens (rejected speculative
+        proposals' slots). They are fresh, unhashed blocks: first in line to be reused."""
+        keep = -(-num_tokens // BLOCK_SIZE)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                self.free_queue.move_to_end(block.block_id, last=False)
+
     # -- hashing computed blocks ------------------------------------------------------------------
 
     def cache_full_blocks(self, seq: Sequence) -> None:

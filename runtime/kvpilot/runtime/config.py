@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.runtime.speculative import SpeculativeConfig
+from kvpilot.runtime.speculative import parse_config as parse_speculative_config
+
 QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
@@ -54,6 +57,12 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto", "auto: the model dtype; fp8: float8_e4m3fn with a scale", KV_CACHE_DTYPE_CHOICES
     )
+    speculative_config: str | None = option(
+        None,
+        'speculative decoding as JSON, as vLLM takes it: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (prompt lookup; greedy requests '
+        "without a grammar propose)",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
@@ -81,6 +90,13 @@ class EngineConfig:
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        self.speculative()  # a bad --speculative-config fails here, before anything loads
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed; None when speculative decoding is off."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from llguidance import LLMatcher
 
-from kvpilot.runtime import machine, machine_probe, memory
+from kvpilot.runtime import machine, machine_probe, memory, speculative
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
-from kvpilot.runtime.engine_stats import EngineStats
+from kvpilot.runtime.engine_stats import EngineStats, SpecDecodeCounts
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.loader import load_model_config, resolve_dtype
@@ -116,6 +116,8 @@ class Engine:
                 self.tokenizer.eos_token_ids,
             )
         )
+        self.speculative = config.speculative()
+        self.spec_decode = SpecDecodeCounts()
         self._snapshot = self._make_stats()
 
     def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
@@ -307,12 +309,17 @@ class Engine:
             prefix_cache_hits=bm.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_step_tokens=num_step_tokens,
+            spec_decode_drafts=self.spec_decode.drafts,
+            spec_decode_draft_tokens=self.spec_decode.draft_tokens,
+            spec_decode_accepted_tokens=self.spec_decode.accepted_tokens,
         )
 
     # -- the step loop (one thread) ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
+        if self.speculative is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         if batch.scheduled:
@@ -326,7 +333,10 @@ class Engine:
                 item.seq.times.on_token(done)
             for request_id, scored in result.prompt_logprobs.items():
                 self._states[request_id].add_prompt_logprobs(scored)
-            outputs += [self._on_token(item, tok, lp) for item, tok, lp in result.samples]
+            for item, tokens, logprobs in result.samples:
+                outputs.append(self._on_tokens(item, tokens, logprobs))
+                if item.num_draft_tokens:
+                    self._count_drafts(item, len(tokens) - 1)
         if self._followers:
             outputs += self._release_followers()
         with self._lock:
@@ -379,10 +389,47 @@ class Engine:
                     outputs += self._schedule(seq, at_front=True)
         return outputs
 
-    def _on_token(
-        self, item: ScheduledSequence, token_id: int, logprobs: dict[int, float] | None
+    def _propose(self) -> None:
+        """This step's proposals (speculative decoding) for each decoding sequence that may
+        have some; the others' are cleared."""
+        config = self.speculative
+        assert config is not None
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = (
+                speculative.propose(
+                    seq.token_ids, config, speculative.draft_limit(seq, self.max_model_len)
+                )
+                if speculative.can_speculate(seq)
+                else []
+            )
+
+    def _count_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
+        """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and
+        the acceptance counters (vLLM's spec_decode metrics) move."""
+        self.scheduler.accept_drafts(item, num_accepted)
+        self.spec_decode.drafts += 1
+        self.spec_decode.draft_tokens += item.num_draft_tokens
+        self.spec_decode.accepted_tokens += num_accepted
+
+    def _on_tokens(
+        self,
+        item: ScheduledSequence,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
     ) -> RequestOutput:
+        """The step's new tokens of one sequence (several when proposals were accepted), up
+        to the first that finishes it; one output for them all."""
         state = self._states[item.seq.request_id]
+        for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
+            reason = self._on_token(state, token_id, token_logprobs)
+            if reason is not None:
+                return self._finish(state, reason)
+        return make_output(state, is_finished=False)
+
+    def _on_token(
+        self, state: RequestState, token_id: int, logprobs: dict[int, float] | None
+    ) -> str | None:
+        """Append one token; the finish reason it brings, if any."""
         seq = state.seq
         seq.append_token(token_id)
         if logprobs is not None:
@@ -398,9 +445,7 @@ class Engine:
             # The grammar is complete: this token is part of the output, unlike an EOS, so the
             # text was updated as for a running sequence.
             reason = self._grammar_end(seq)
-        if reason is not None:
-            return self._finish(state, reason)
-        return make_output(state, is_finished=False)
+        return reason
 
     def _grammar_end(self, seq: Sequence) -> str:
         """`stop`, or `abort` if the matcher refused a token (the mask makes that a bug)."""

@@ -6,6 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass
+class SpecDecodeCounts:
+    """Speculative decoding so far, as vLLM counts it: steps in which a sequence proposed,
+    the tokens proposed, and those the model accepted (cumulative)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_waiting: int
@@ -17,6 +27,10 @@ class EngineStats:
     prefix_cache_hits: int  # tokens, cumulative
     num_preemptions: int  # cumulative
     num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
+    # speculative decoding, cumulative (SpecDecodeCounts)
+    spec_decode_drafts: int = 0
+    spec_decode_draft_tokens: int = 0
+    spec_decode_accepted_tokens: int = 0
 
     @classmethod
     def idle(cls) -> EngineStats:

@@ -113,6 +113,24 @@ COUNTERS = [
         "Sequences preempted to free KV-cache blocks.",
         "num_preemptions",
     ),
+    (
+        "kvpilot_spec_decode_drafts",
+        "vllm:spec_decode_num_drafts",
+        "Steps in which a sequence proposed tokens (speculative decoding).",
+        "spec_decode_drafts",
+    ),
+    (
+        "kvpilot_spec_decode_draft_tokens",
+        "vllm:spec_decode_num_draft_tokens",
+        "Tokens proposed by speculative decoding.",
+        "spec_decode_draft_tokens",
+    ),
+    (
+        "kvpilot_spec_decode_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "Proposed tokens the model accepted (speculative decoding).",
+        "spec_decode_accepted_tokens",
+    ),
 ]
 SINGLE_GAUGES = [  # (name, help, EngineStats field), under one name only
     # kvpilot only: lets tests and operators see the pool itself

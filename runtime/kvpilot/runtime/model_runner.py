@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvpilot.runtime import speculative
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import (
     AttentionMetadata,
@@ -113,7 +114,7 @@ def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
     for item in layout:
         seq, start, first = item.seq, len(input_ids), item.seq.num_computed_tokens
         end = first + item.num_new_tokens
-        input_ids += seq.token_ids[first:end]
+        input_ids += seq.token_ids[first:end] + item.draft_token_ids
         positions += range(first, end)
         slots += slot_ids(seq.block_table, first, end)
         last_rows[seq] = start + item.num_new_tokens - 1
@@ -128,7 +129,12 @@ def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
         decode_block_tables=[list(seq.block_table) for seq in decodes],
         decode_context_lens=[seq.num_computed_tokens + 1 for seq in decodes],
         prefills=prefills,
-        sample_rows=[last_rows[item.seq] for item in batch if item.is_sampling],
+        sample_rows=[
+            row
+            for item in batch
+            if item.is_sampling
+            for row in range(last_rows[item.seq] - item.num_draft_tokens, last_rows[item.seq] + 1)
+        ],
         prompt_rows=prompt_rows,
         prompt_spans=prompt_spans,
     )
@@ -157,7 +163,9 @@ def plan_prompt_rows(
 
 @dataclass(frozen=True)
 class StepResult:
-    samples: list[tuple[ScheduledSequence, int, dict[int, float] | None]]
+    # Per item that samples: its new tokens (one, or with proposals the accepted ones and the
+    # model's token after them) and their logprobs (None each when not asked for).
+    samples: list[tuple[ScheduledSequence, list[int], list[dict[int, float] | None]]]
     prompt_logprobs: dict[str, list[PromptLogprob]]  # request id -> positions scored this step
 
 
@@ -334,14 +342,17 @@ class ModelRunner:
         sampling = [item for item in batch if item.is_sampling]
         plan = plan_step(batch)
         hidden = self.hidden(plan)  # [S + P, hidden]
-        prompt = self._prompt_logprobs(batch, plan, hidden[len(sampling) :])
+        num_rows = len(plan.sample_rows)  # S: with proposals, one row more per proposal
+        prompt = self._prompt_logprobs(batch, plan, hidden[num_rows:])
         if not sampling:
             return StepResult([], prompt)
-        logits = self.model.compute_logits(hidden[: len(sampling)])  # [S, vocab]
-        self.grammar_masker.apply(logits, [item.seq.grammar for item in sampling])
-        rows = [self._sampling_row(item.seq) for item in sampling]
+        logits = self.model.compute_logits(hidden[:num_rows])  # [S, vocab]
+        rows = [row for item in sampling for row in self._sampling_rows(item)]
+        # A sequence with a grammar proposes nothing, so it has one row.
+        matchers = [item.seq.grammar for item in sampling for _ in range(item.num_draft_tokens + 1)]
+        self.grammar_masker.apply(logits, matchers)
         tokens, logprobs = sample(logits, rows, self.default_generator, self.eos_token_ids)
-        return StepResult(list(zip(sampling, tokens, logprobs, strict=True)), prompt)
+        return StepResult(_accepted(sampling, tokens, logprobs), prompt)
 
     def _prompt_logprobs(
         self, batch: list[ScheduledSequence], plan: StepPlan, hidden: torch.Tensor
@@ -369,5 +380,35 @@ class ModelRunner:
             offset += count
         return result
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, self._generator(seq))
+    def _sampling_rows(self, item: ScheduledSequence) -> list[SamplingRow]:
+        """One row per output position: the next token, then after each proposal the token
+        that would follow it, with the proposals before it counted as output (penalties and
+        min_tokens see the text as it would be)."""
+        seq, drafts = item.seq, item.draft_token_ids
+        generator = self._generator(seq)
+        return [
+            SamplingRow(
+                seq.params,
+                seq.token_ids + drafts[:i] if i else seq.token_ids,
+                seq.num_prompt_tokens,
+                generator,
+            )
+            for i in range(len(drafts) + 1)
+        ]
+
+
+def _accepted(
+    sampling: list[ScheduledSequence],
+    tokens: list[int],
+    logprobs: list[dict[int, float] | None],
+) -> list[tuple[ScheduledSequence, list[int], list[dict[int, float] | None]]]:
+    """Each item's new tokens: the model's choices up to and including the first that differs
+    from a proposal (all of them when every proposal was right)."""
+    samples, offset = [], 0
+    for item in sampling:
+        drafts = item.draft_token_ids
+        chosen = tokens[offset : offset + len(drafts) + 1]
+        keep = speculative.num_accepted(drafts, chosen) + 1
+        samples.append((item, chosen[:keep], logprobs[offset : offset + keep]))
+        offset += len(drafts) + 1
+    return samples

@@ -202,6 +202,7 @@ class EngineChoices(BaseModel):
     kv_cache_blocks: int
     kv_cache_source: str
     weight_bytes: int
+    speculative: str = "off"  # e.g. "ngram, up to 4 tokens, lookup 1-4"
 
 
 class VersionResponse(BaseModel):

@@ -22,12 +22,19 @@ from kvpilot.runtime.sequence import Sequence, SequenceStatus
 @dataclass(frozen=True)
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # the proposals (speculative decoding) included
+    num_draft_tokens: int = 0  # seq.draft_token_ids[:num_draft_tokens] run after the last token
 
     @property
     def is_sampling(self) -> bool:
-        """The chunk reaches the last known token, so the model's output there is the next one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """The chunk reaches the last known token, so the model's output there is the next one
+        (and, with proposals, its output at each proposal checks it)."""
+        num_known = self.num_new_tokens - self.num_draft_tokens
+        return self.seq.num_computed_tokens + num_known == self.seq.num_tokens
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.seq.draft_token_ids[: self.num_draft_tokens]
 
 
 @dataclass
@@ -81,11 +88,14 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            # A decode with proposals asks for them too, as far as the budget goes.
+            num_wanted = seq.num_uncomputed_tokens + _num_drafts(seq)
+            num_new = min(num_wanted, budget)
             if not self._make_room(seq, num_new, out):
                 continue
             self.block_manager.allocate_slots(seq, num_new)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            num_drafts = max(0, num_new - seq.num_uncomputed_tokens)
+            out.scheduled.append(ScheduledSequence(seq, num_new, num_drafts))
             budget -= num_new
         return budget
 
@@ -131,10 +141,23 @@ class Scheduler:
             budget -= num_new
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Mark the scheduled tokens computed and hash the blocks they completed."""
+        """Mark the scheduled known tokens computed and hash the blocks they completed; the
+        proposals count once the model has accepted them (`accept_drafts`)."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
             self.block_manager.cache_full_blocks(item.seq)
+
+    def accept_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
+        """After the step's tokens are appended: the accepted proposals' KV (written by the
+        step) counts as computed; the slots of the rejected ones are given back, so a rejected
+        proposal leaves nothing behind."""
+        seq = item.seq
+        seq.draft_token_ids = []
+        if seq.is_finished or item.num_draft_tokens == 0:
+            return
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free_tail(seq, seq.num_computed_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish (stop, length) or abort a sequence wherever it is, freeing its blocks."""
@@ -144,3 +167,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.finish(reason)
+
+
+def _num_drafts(seq: Sequence) -> int:
+    """Proposals a running sequence brings: only a decode (one token behind) has any."""
+    return len(seq.draft_token_ids) if seq.num_uncomputed_tokens == 1 else 0

@@ -64,6 +64,9 @@ class Sequence:
     is_admitted_once: bool = False
     # The output grammar's matcher (params.grammar compiled), advanced with each output token.
     grammar: LLMatcher | None = None
+    # Tokens proposed for this step by speculative decoding (speculative.py); the step checks
+    # them after the last known token, and they are cleared once it has.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -24,6 +24,7 @@ from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import CacheInfo, ServerMetrics
 from kvpilot.runtime.response_models import EngineChoices
 from kvpilot.runtime.serve_config import ServeConfig
+from kvpilot.runtime.speculative import SpeculativeConfig
 
 log = logging.getLogger("kvpilot.server")
 T = TypeVar("T")
@@ -78,6 +79,16 @@ def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
         kv_cache_blocks=core.block_manager.num_total_blocks,
         kv_cache_source=core.kv_budget_source,
         weight_bytes=core.weight_bytes,
+        speculative=describe_speculative(core.speculative),
+    )
+
+
+def describe_speculative(config: SpeculativeConfig | None) -> str:
+    if config is None:
+        return "off"
+    return (
+        f"{config.method}, up to {config.num_speculative_tokens} token(s), lookup "
+        f"{config.prompt_lookup_min}-{config.prompt_lookup_max}"
     )
 
 
@@ -92,7 +103,8 @@ def describe_choices(choices: EngineChoices) -> str:
         f"{choices.dtype} compute (CPU bf16 units: {'yes' if choices.cpu_has_bf16 else 'no'}), "
         f"weights {choices.weight_bytes / 2**20:.0f} MiB, KV cache {choices.kv_cache_dtype} "
         f"{choices.kv_cache_bytes / 2**20:.0f} MiB in {choices.kv_cache_blocks} blocks of "
-        f"{BLOCK_SIZE} tokens ({choices.kv_cache_source})"
+        f"{BLOCK_SIZE} tokens ({choices.kv_cache_source}), speculative decoding "
+        f"{choices.speculative}"
     )
 
 

@@ -1,0 +1,66 @@
+"""`--speculative-config` through the real server: the same greedy text as a server without it,
+through the official openai client, with vLLM's acceptance metrics and /version saying what runs;
+a bad config stops the server at start-up with one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.support.server_process import MODEL, TINY, RuntimeServer, free_port
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+# A prompt that quotes itself, as a summary or a code edit does: prompt lookup proposes from it.
+QUOTING = "The cat sat on the mat and the dog ran to the park. " * 3 + "The cat"
+
+
+def greedy(server: RuntimeServer) -> str:
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    done = client.completions.create(model=MODEL, prompt=QUOTING, max_tokens=48, temperature=0)
+    return done.choices[0].text
+
+
+def test_speculative_server_gives_the_same_greedy_text_and_reports_acceptance(
+    start_server: Callable[..., RuntimeServer],
+) -> None:
+    plain = start_server("--max-model-len", "512", "--max-num-seqs", "4")
+    spec = start_server(
+        "--max-model-len", "512", "--max-num-seqs", "4", "--speculative-config", NGRAM
+    )
+    assert greedy(spec) == greedy(plain)
+    metrics = spec.metrics()
+    drafts = metrics["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    assert metrics["vllm:spec_decode_num_drafts_total"] > 0 and 0 < accepted <= drafts
+    assert metrics["kvpilot_spec_decode_accepted_tokens_total"] == accepted
+    assert plain.metrics()["vllm:spec_decode_num_drafts_total"] == 0
+    engine = httpx.get(f"{spec.url}/version", timeout=10).json()["engine"]
+    assert engine["speculative"] == "ngram, up to 4 token(s), lookup 1-3"
+    assert httpx.get(f"{plain.url}/version", timeout=10).json()["engine"]["speculative"] == "off"
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"method": "eagle"}', "unknown speculative method 'eagle'; supported: ngram"),
+        ('{"method": "ngram", "num_speculative_tokens": 99}', "must be in [1, 16], got 99"),
+        ('{"method": "draft_model"}', "a draft model is not supported yet"),
+        ("ngram", "--speculative-config is not JSON"),
+    ],
+)
+def test_a_bad_speculative_config_stops_the_server_at_start_up_in_one_line(
+    config: str, message: str
+) -> None:
+    command = [sys.executable, "-m", "kvpilot.runtime.cli", "serve", "--model", str(TINY),
+               "--port", str(free_port()), "--speculative-config", config]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == f"kvpilot-runtime serve: {result.stderr.strip().split(': ', 1)[1]}"
+    )
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
