@@ -19,6 +19,7 @@ from kvpilot.runtime.model_runner import (
     batch_layout,
     decode_group_bounds,
     load_model,
+    plan_step,
     slot_ids,
 )
 from kvpilot.runtime.scheduler import ScheduledSequence
@@ -65,6 +66,22 @@ def test_batch_layout_puts_decodes_first_by_length() -> None:
 
     batch = [item("p1", 0, 9), item("d30", 30, 1), item("p2", 16, 4), item("d5", 5, 1)]
     assert [i.seq.request_id for i in batch_layout(batch)] == ["d5", "d30", "p1", "p2"]
+
+
+def test_proposals_become_decode_rows_with_growing_context() -> None:
+    """A decode with two proposals is three decode rows (context 6, 7, 8), sorted among the
+    plain decodes by context length, and all three are sampled, in order."""
+    spec = Sequence("s", list(range(6)))
+    spec.num_computed_tokens, spec.block_table, spec.draft_token_ids = 5, [3], [40, 41]
+    plain = Sequence("d", list(range(8)))
+    plain.num_computed_tokens, plain.block_table = 7, [9]
+    plan = plan_step([ScheduledSequence(spec, 3, 2), ScheduledSequence(plain, 1)])
+    assert plan.input_ids == [5, 40, 41, 7]
+    assert plan.positions == [5, 6, 7, 7]
+    assert plan.decode_context_lens == [6, 7, 8, 8]
+    assert plan.slot_mapping == [3 * BLOCK_SIZE + 5, 3 * BLOCK_SIZE + 6, 3 * BLOCK_SIZE + 7,
+                                 9 * BLOCK_SIZE + 7]  # fmt: skip
+    assert plan.sample_rows == [0, 1, 2, 3] and plan.prefills == []
 
 
 def test_signed_sin_rotary_is_bit_identical_to_rotate_half() -> None:

@@ -40,7 +40,7 @@ def test_speculative_server_gives_the_same_greedy_text_and_reports_acceptance(
     assert metrics["kvpilot_spec_decode_accepted_tokens_total"] == accepted
     assert plain.metrics()["vllm:spec_decode_num_drafts_total"] == 0
     engine = httpx.get(f"{spec.url}/version", timeout=10).json()["engine"]
-    assert engine["speculative"] == "ngram, up to 4 token(s), lookup 1-3"
+    assert engine["speculative"] == "ngram, up to 4 token(s), lookup 2-3"
     assert httpx.get(f"{plain.url}/version", timeout=10).json()["engine"]["speculative"] == "off"
 
 

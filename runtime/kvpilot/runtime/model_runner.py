@@ -69,12 +69,28 @@ def slot_ids(block_table: list[int], first: int, end: int) -> list[int]:
     return slots
 
 
+def is_decode(item: ScheduledSequence) -> bool:
+    """One known token to run (the last), with the proposals after it if any: each of its rows
+    attends as a decode does, so they batch with the other decodes."""
+    return item.num_new_tokens - item.num_draft_tokens == 1
+
+
 def batch_layout(batch: list[ScheduledSequence]) -> list[ScheduledSequence]:
-    """The order of the chunks in the flat token batch: decodes first, sorted by context length
-    so that each decode group owns consecutive rows, then the prefill chunks."""
-    decodes = [item for item in batch if item.num_new_tokens == 1]
+    """The order of the chunks in the flat token batch: decodes first, by context length (their
+    rows, proposals included, are sorted again in `decode_rows`), then the prefill chunks."""
+    decodes = [item for item in batch if is_decode(item)]
     decodes.sort(key=lambda item: item.seq.num_computed_tokens)
-    return decodes + [item for item in batch if item.num_new_tokens > 1]
+    return decodes + [item for item in batch if not is_decode(item)]
+
+
+def decode_rows(decodes: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, int]]:
+    """(item, offset) per decode row, sorted by context length so that each attention group
+    owns consecutive rows. Offset 0 is the item's last known token; offset i > 0 its i-th
+    proposal, which attends to the context and the proposals before it (a causal chunk as
+    rows of a decode batch, each with its own length)."""
+    rows = [(item, offset) for item in decodes for offset in range(item.num_new_tokens)]
+    rows.sort(key=lambda row: row[0].seq.num_computed_tokens + row[1])
+    return rows
 
 
 @dataclass(frozen=True)
@@ -106,34 +122,50 @@ class StepPlan:
 def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
     """Flatten the scheduled chunks into one token batch and describe where their KV lives."""
     layout = batch_layout(batch)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
+    decodes = [item for item in layout if is_decode(item)]
+    rows = decode_rows(decodes)
+    input_ids = [
+        item.seq.token_ids[item.seq.num_computed_tokens] if offset == 0
+        else item.draft_token_ids[offset - 1]
+        for item, offset in rows
+    ]  # fmt: skip
+    positions = [item.seq.num_computed_tokens + offset for item, offset in rows]
+    slots = [
+        item.seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for (item, _), p in zip(rows, positions, strict=True)
+    ]
+    context_lens = [p + 1 for p in positions]
+    row_of = {(item.seq, offset): index for index, (item, offset) in enumerate(rows)}
     last_rows: dict[Sequence, int] = {}
     prefills: list[PrefillPlan] = []
-    for item in layout:
+    for item in layout[len(decodes) :]:
         seq, start, first = item.seq, len(input_ids), item.seq.num_computed_tokens
         end = first + item.num_new_tokens
-        input_ids += seq.token_ids[first:end] + item.draft_token_ids
+        input_ids += seq.token_ids[first:end]
         positions += range(first, end)
         slots += slot_ids(seq.block_table, first, end)
         last_rows[seq] = start + item.num_new_tokens - 1
-        if item.num_new_tokens > 1:
-            prefills.append(PrefillPlan(start, item.num_new_tokens, first, list(seq.block_table)))
-    decodes = [item.seq for item in layout if item.num_new_tokens == 1]
+        prefills.append(PrefillPlan(start, item.num_new_tokens, first, list(seq.block_table)))
     prompt_rows, prompt_spans = plan_prompt_rows(layout)
     return StepPlan(
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,
-        decode_block_tables=[list(seq.block_table) for seq in decodes],
-        decode_context_lens=[seq.num_computed_tokens + 1 for seq in decodes],
+        decode_block_tables=[
+            item.seq.block_table[: -(-length // BLOCK_SIZE)]
+            for (item, _), length in zip(rows, context_lens, strict=True)
+        ],
+        decode_context_lens=context_lens,
         prefills=prefills,
         sample_rows=[
             row
             for item in batch
             if item.is_sampling
-            for row in range(last_rows[item.seq] - item.num_draft_tokens, last_rows[item.seq] + 1)
+            for row in (
+                [row_of[(item.seq, i)] for i in range(item.num_new_tokens)]
+                if is_decode(item)
+                else [last_rows[item.seq]]
+            )
         ],
         prompt_rows=prompt_rows,
         prompt_spans=prompt_spans,

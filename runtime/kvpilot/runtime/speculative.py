@@ -32,7 +32,9 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # proposals per step, at most
     prompt_lookup_max: int = 4  # the longest suffix matched against earlier text
-    prompt_lookup_min: int = 1  # the shortest; shorter matches propose nothing
+    # The shortest; shorter matches propose nothing. A one-token match is weak evidence: on
+    # tiny-llama's quoting workload at 32 sequences it halved the share of proposals accepted.
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -76,43 +78,38 @@ def parse_config(text: str) -> SpeculativeConfig:
 
 def propose(token_ids: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
     """Up to min(k, limit) tokens that followed the most recent earlier occurrence of the
-    longest suffix (prompt_lookup_max down to prompt_lookup_min tokens) of `token_ids`."""
+    longest suffix of `token_ids` (at most prompt_lookup_max tokens, at least prompt_lookup_min)."""
     count = min(config.num_speculative_tokens, limit)
-    if count <= 0:
+    if count <= 0 or len(token_ids) < 2:
         return []
-    for size in range(min(config.prompt_lookup_max, len(token_ids) - 1), 0, -1):
-        if size < config.prompt_lookup_min:
-            break
-        start = _last_earlier_match(token_ids, size)
-        if start is not None:
-            return token_ids[start + size : start + size + count]
-    return []
+    start, size = _longest_earlier_match(token_ids, config.prompt_lookup_max)
+    if size < config.prompt_lookup_min:
+        return []
+    return token_ids[start + size : start + size + count]
 
 
-def _last_earlier_match(token_ids: list[int], size: int) -> int | None:
-    """Where the suffix of `size` tokens last occurred before itself (it may overlap)."""
-    suffix = token_ids[-size:]
-    last = suffix[-1]
-    # Scan backwards for the suffix's last token, then compare the rest: most positions fail at
-    # the first comparison, so this is one pass over the text per step.
-    end = len(token_ids) - 1  # exclusive: the suffix's own last token is not a match
-    while True:
+def _longest_earlier_match(token_ids: list[int], max_size: int) -> tuple[int, int]:
+    """(start, size) of the longest earlier occurrence (the most recent among equals, and never
+    longer than max_size) of a suffix of `token_ids`; size 0 when its last token never occurred
+    before. One pass over the text, backwards: `list.index` on the reversed copy finds each
+    earlier occurrence of the last token at C speed, and only those are compared further."""
+    reverse = token_ids[::-1]  # reverse[j] is token_ids[n - 1 - j]; the suffix starts at 0
+    best_start, best_size = 0, 0
+    position = 1
+    while best_size < max_size:
         try:
-            index = _rindex(token_ids, last, end)
+            position = reverse.index(reverse[0], position)
         except ValueError:
-            return None
-        start = index - size + 1
-        if start >= 0 and token_ids[start : index + 1] == suffix:
-            return start
-        end = index
-
-
-def _rindex(values: list[int], value: int, end: int) -> int:
-    """The last index of `value` in values[:end]; ValueError when absent."""
-    for index in range(end - 1, -1, -1):
-        if values[index] == value:
-            return index
-    raise ValueError(value)
+            break
+        size = 1
+        while size < max_size and position + size < len(reverse):
+            if reverse[position + size] != reverse[size]:
+                break
+            size += 1
+        if size > best_size:  # an equal one further back is older: the first found stays
+            best_start, best_size = len(token_ids) - position - size, size
+        position += 1
+    return best_start, best_size
 
 
 def can_speculate(seq: Sequence) -> bool:
