@@ -87,6 +87,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
         "tool_call_parser": "hermes",
         "max_request_body_bytes": 2048, "threads": 1,
+        "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
     }  # fmt: skip
     fields_of_config = {
         f for f in ServeConfig.__dataclass_fields__ if f != "gpu_memory_utilization"
