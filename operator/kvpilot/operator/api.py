@@ -8,6 +8,7 @@ rejects a bad object at `kubectl apply`; `model_validator`s repeat them so unit 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -147,6 +148,36 @@ class ModelSource(_Model):
         return self
 
 
+class Speculative(_Model):
+    """Speculative decoding by prompt lookup, passed to the runtime as --speculative-config
+    (vLLM's keys): greedy requests without a grammar propose the tokens that followed an
+    earlier occurrence of their last few tokens, and the model checks them in one step."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "self.promptLookupMin <= self.promptLookupMax",
+                "promptLookupMin must not exceed promptLookupMax",
+            )
+        )
+    )
+
+    method: Literal["ngram"] = "ngram"
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
+    prompt_lookup_max: int = Field(default=4, ge=1, le=64)
+    prompt_lookup_min: int = Field(default=2, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _lookup_bounds(self) -> Speculative:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("promptLookupMin must not exceed promptLookupMax")
+        return self
+
+    def runtime_json(self) -> str:
+        """The runtime's --speculative-config value (its own keys, snake_case)."""
+        return json.dumps(self.model_dump(), separators=(",", ":"))
+
+
 class Serving(_Model):
     max_context_length: int = Field(default=4096, ge=16, le=1_048_576)
     target_concurrency: int = Field(
@@ -162,6 +193,9 @@ class Serving(_Model):
     kv_cache_dtype: KvCacheDtype = "auto"
     gpu_memory_utilization: float = Field(
         default=0.9, ge=0.1, le=1.0, description="share of each GPU's memory the runtime may use"
+    )
+    speculative: Speculative | None = Field(
+        default=None, description="speculative decoding (prompt lookup); off when absent"
     )
 
 

@@ -150,6 +150,9 @@ def runtime_args(
         "kv_cache_dtype": None
         if spec.serving.kv_cache_dtype == "auto"
         else spec.serving.kv_cache_dtype,
+        "speculative_config": None
+        if spec.serving.speculative is None
+        else spec.serving.speculative.runtime_json(),
     }
     return ["serve", *serve_config.to_args(values)]
 

@@ -100,3 +100,45 @@ def test_every_example_parses_in_the_runtime(path: Path) -> None:
     assert config.served_name == api.served_name(spec.model)
     for init in pod.get("initContainers", []):
         parsed_fetch(init)
+
+
+@pytest.mark.parametrize(
+    ("speculative", "expected"),
+    [
+        (None, None),
+        ({}, ("ngram", 4, 4, 2)),
+        (
+            {"numSpeculativeTokens": 8, "promptLookupMax": 6, "promptLookupMin": 3},
+            ("ngram", 8, 6, 3),
+        ),
+    ],
+)
+def test_speculative_decoding_in_the_spec_is_the_runtimes_speculative_config(
+    speculative: dict[str, Any] | None, expected: tuple[str, int, int, int] | None
+) -> None:
+    serving = {} if speculative is None else {"speculative": speculative}
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "serving": serving})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)
+    runtime = parsed_serve(pod["spec"]["template"]["spec"]["containers"][0]).speculative()
+    got = None if runtime is None else (
+        runtime.method, runtime.num_speculative_tokens, runtime.prompt_lookup_max,
+        runtime.prompt_lookup_min,
+    )  # fmt: skip
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        {"method": "eagle"},
+        {"numSpeculativeTokens": 0},
+        {"numSpeculativeTokens": 17},
+        {"promptLookupMin": 5, "promptLookupMax": 4},
+        {"model": "draft"},
+    ],
+)
+def test_a_speculative_spec_the_runtime_would_refuse_is_refused_at_parse(
+    speculative: dict[str, Any],
+) -> None:
+    with pytest.raises(ValueError):
+        api.parse_spec({"model": {"uri": URIS[0]}, "serving": {"speculative": speculative}})
