@@ -27,7 +27,6 @@ from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.config import ConfigError, GatewayConfig, describe
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.keys import KeyRing, KeysPolicy
-from kvpilot.gateway.keys_secret import secret_refresher
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.routes import RouteTable
 
@@ -121,5 +120,8 @@ def build(args: argparse.Namespace, table: RouteTable, metrics: GatewayMetrics) 
     budget = BudgetPolicy(store, metrics, price_lookup(settings.prices, table), options)
     refresh = None
     if args.keys_secret is not None:
+        # Imported here: the Kubernetes client only for keys from a Secret.
+        from kvpilot.gateway.keys_secret import secret_refresher
+
         refresh = secret_refresher(args, ring)
     return Budgets(KeysPolicy(ring), budget, store, refresh)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvpilot.gateway import budget_setup, discovery
+from kvpilot.gateway import budget_setup
 from kvpilot.gateway.cache_config import STORES, CacheSettings, CacheSpec, settings_from
 from kvpilot.gateway.cache_policy import CachePolicy, build_store
 from kvpilot.gateway.cascade import CascadePolicy
@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
                         help="static: the --config file; kubernetes: watch ModelDeployments "
                         "and their runtime pods")  # fmt: skip
-    discovery.add_arguments(parser)
+    add_discovery_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--strategy", choices=STRATEGIES, default="prefix",
@@ -85,6 +85,21 @@ def build_options(args: argparse.Namespace) -> ProxyOptions:
     )
 
 
+def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--namespace` (repeatable) and `--kubeconfig`, for `--discovery kubernetes`."""
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch ModelDeployments only in this namespace (repeat for several; default: all)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config, else in-cluster)",
+    )
+
+
 def start_discovery(
     args: argparse.Namespace, table: RouteTable
 ) -> tuple[Waker | None, Callable[[], None]]:
@@ -93,6 +108,9 @@ def start_discovery(
     if args.discovery == "kubernetes":
         if args.config is not None:
             raise ValueError("--config is for --discovery static; give one or the other")
+        # Imported here: the Kubernetes client is most of the start-up of a static gateway.
+        from kvpilot.gateway import discovery
+
         loop = asyncio.get_running_loop()
         stop, waker = discovery.start_kubernetes_discovery(
             table, loop, args.namespace, args.kubeconfig

@@ -264,18 +264,3 @@ def start_kubernetes_discovery(
     discovery = KubernetesDiscovery(table, loop, client, namespaces)
     discovery.start()
     return discovery.stop, KubernetesWaker(client)
-
-
-def add_arguments(parser: Any) -> None:
-    """`--namespace` (repeatable) and `--kubeconfig`, for `--discovery kubernetes`."""
-    parser.add_argument(
-        "--namespace",
-        action="append",
-        default=[],
-        help="watch ModelDeployments only in this namespace (repeat for several; default: all)",
-    )
-    parser.add_argument(
-        "--kubeconfig",
-        default=None,
-        help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config, else in-cluster)",
-    )

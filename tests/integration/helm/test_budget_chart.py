@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.gateway import budget_setup, cli, discovery
+from kvpilot.gateway import budget_setup, cli
 from tests.support.helm_chart import container, find, render, require
 
 
@@ -22,7 +22,7 @@ def gateway_args(args: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--discovery")
     parser.add_argument("--port")
-    discovery.add_arguments(parser)
+    cli.add_discovery_arguments(parser)
     budget_setup.add_arguments(parser)
     parsed, unknown = parser.parse_known_args(args)
     assert unknown == []

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from hack.devcluster import prometheus
-from kvpilot.gateway import discovery
+from kvpilot.gateway import cli
 from tests.support.helm_chart import component, container, find, render, require, rules
 
 GATEWAY = "kvpilot-gateway"  # release `kvpilot`: the gateway's objects' name
@@ -42,7 +42,7 @@ def parsed_args(objects: list[dict[str, Any]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--discovery", choices=["static", "kubernetes"])
     parser.add_argument("--port", type=int)
-    discovery.add_arguments(parser)
+    cli.add_discovery_arguments(parser)
     gateway = container(objects, "gateway")
     assert gateway["command"] == ["kvpilot-gateway"]
     args, unknown = parser.parse_known_args(gateway["args"])
