@@ -77,26 +77,31 @@ def parse_config(text: str) -> SpeculativeConfig:
 
 
 def propose(token_ids: list[int], config: SpeculativeConfig, limit: int) -> list[int]:
-    """Up to min(k, limit) tokens that followed the most recent earlier occurrence of the
-    longest suffix of `token_ids` (at most prompt_lookup_max tokens, at least prompt_lookup_min)."""
+    """Up to min(k, limit) tokens that followed an earlier occurrence of the longest suffix of
+    `token_ids` (at most prompt_lookup_max tokens, at least prompt_lookup_min); see `_match`."""
     count = min(config.num_speculative_tokens, limit)
     if count <= 0 or len(token_ids) < 2:
         return []
-    start, size = _longest_earlier_match(token_ids, config.prompt_lookup_max)
+    start, size = _match(token_ids, config.prompt_lookup_max, count)
     if size < config.prompt_lookup_min:
         return []
     return token_ids[start + size : start + size + count]
 
 
-def _longest_earlier_match(token_ids: list[int], max_size: int) -> tuple[int, int]:
-    """(start, size) of the longest earlier occurrence (the most recent among equals, and never
-    longer than max_size) of a suffix of `token_ids`; size 0 when its last token never occurred
-    before. One pass over the text, backwards: `list.index` on the reversed copy finds each
-    earlier occurrence of the last token at C speed, and only those are compared further."""
-    reverse = token_ids[::-1]  # reverse[j] is token_ids[n - 1 - j]; the suffix starts at 0
-    best_start, best_size = 0, 0
+def _match(token_ids: list[int], max_size: int, count: int) -> tuple[int, int]:
+    """(start, size) of the earlier occurrence of a suffix of `token_ids` to propose from: the
+    longest (up to max_size), then the one with the most tokens after it (up to `count`), then
+    the most recent. The second rule matters in a loop: the latest occurrence of a repeating
+    run's suffix is one period back, with only a period's worth of tokens after it. Size 0 when
+    the last token never occurred before.
+
+    One pass, backwards: `list.index` on the reversed copy finds each earlier occurrence of the
+    last token at C speed, and only those are compared further. In the reversed copy the suffix
+    starts at 0, and an occurrence at `position` has `position` tokens after it."""
+    reverse = token_ids[::-1]
+    best_start, best_key = 0, (0, 0)
     position = 1
-    while best_size < max_size:
+    while best_key < (max_size, count):
         try:
             position = reverse.index(reverse[0], position)
         except ValueError:
@@ -106,10 +111,11 @@ def _longest_earlier_match(token_ids: list[int], max_size: int) -> tuple[int, in
             if reverse[position + size] != reverse[size]:
                 break
             size += 1
-        if size > best_size:  # an equal one further back is older: the first found stays
-            best_start, best_size = len(token_ids) - position - size, size
+        key = (size, min(position, count))
+        if key > best_key:  # a tie further back is older: the first found stays
+            best_start, best_key = len(token_ids) - position - size, key
         position += 1
-    return best_start, best_size
+    return best_start, best_key[0]
 
 
 def can_speculate(seq: Sequence) -> bool:

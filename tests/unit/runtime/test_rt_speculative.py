@@ -29,8 +29,10 @@ NGRAM4 = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt
     [
         # The suffix [1, 2, 3] occurred at the start: what followed it is proposed.
         ([1, 2, 3, 4, 5, 6, 1, 2, 3], NGRAM4, 10, [4, 5, 6, 1]),
-        # The most recent earlier occurrence wins.
-        ([7, 8, 1, 9, 7, 8, 2, 7, 8], NGRAM4, 10, [2, 7, 8]),
+        # An occurrence with k tokens after it beats a more recent one with fewer...
+        ([7, 8, 1, 9, 7, 8, 2, 7, 8], NGRAM4, 10, [1, 9, 7, 8]),
+        # ... but with a limit of 3 both have enough, and the most recent wins.
+        ([7, 8, 1, 9, 7, 8, 2, 7, 8], NGRAM4, 3, [2, 7, 8]),
         # A longer match is preferred over a more recent shorter one.
         ([5, 6, 7, 1, 4, 7, 9, 5, 6, 7], NGRAM4, 10, [1, 4, 7, 9]),
         # Capped by the limit (max_tokens or the context left).
@@ -40,13 +42,17 @@ NGRAM4 = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt
         ([1, 2, 3, 4], NGRAM4, 10, []),
         # prompt_lookup_min 2: a one-token match proposes nothing.
         ([4, 9, 1, 4], SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=3), 10, []),
-        # An overlapping match (a run of one token) proposes the run going on.
+        # In a loop, the occurrence with k tokens after it, not the latest (one period back).
         ([3, 3, 3, 3], NGRAM4, 10, [3]),
+        ([3, 3, 3, 3, 3, 3, 3, 3], NGRAM4, 10, [3, 3, 3, 3]),
+        ([9, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2], NGRAM4, 10, [1, 2, 1, 2]),
+        # Among equally long matches with enough tokens after them, the latest.
+        ([5, 6, 1, 1, 1, 1, 5, 6, 2, 2, 2, 2, 5, 6], NGRAM4, 10, [2, 2, 2, 2]),
         ([], NGRAM4, 10, []),
         ([5], NGRAM4, 10, []),
     ],
 )
-def test_propose_takes_what_followed_the_latest_longest_earlier_match(
+def test_propose_takes_what_followed_the_longest_earlier_match(
     tokens: list[int], config: SpeculativeConfig, limit: int, expected: list[int]
 ) -> None:
     assert propose(tokens, config, limit) == expected
