@@ -1,0 +1,202 @@
+"""Speculative decoding by prompt lookup (`--speculative-config '{"method": "ngram", ...}'`):
+decode tokens per second with and without it, on prompts that quote their input and on prompts
+that do not.
+
+    .venv/bin/python -m bench.engine_spec [--rounds 2] [--output-tokens 128] [--no-write]
+
+Workloads (token ids cut from text every machine has, greedy, `ignore_eos`, fixed output length):
+- quoting: a 160-token passage, then its first 80 tokens again, as a summary that quotes its
+  source or a code edit that repeats the file does; the model is left to go on;
+- plain: 240 tokens of running text, no quote (what speculation costs when it finds little).
+The prompts are run once first (max_tokens 1) so their blocks are in the prefix cache: the timed
+run is almost all decode. Time is the process's CPU time with one torch thread (engine_common.
+clock); each configuration alternates with the other within a round and keeps its best round.
+Two models: tiny-llama (overhead-bound: a step is mostly Python) and the compute-bound random
+Llama of engine_common (~245 M parameters, bf16). The acceptance rate depends on what the model
+writes: a trained model continuing a quote copies it; a random-weight model mostly falls into
+loops of its own, which prompt lookup then predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.engine_common import (
+    MODEL,
+    clock,
+    compute_bound_llama,
+    corpus_ids,
+    greedy,
+    setup_threads,
+    threads_note,
+)
+from bench.report import markdown_table, write_section
+from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.engine import Engine
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+CONCURRENCIES = (1, 32)
+PASSAGE, QUOTE = 160, 80
+TARGET_AT_1, TARGET_AT_32 = 1.5, 1.0  # quoting workload, spec / plain decode tok/s
+
+
+def prompts(workload: str, count: int, seed: int = 0) -> list[list[int]]:
+    ids = corpus_ids()
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        start = rng.randrange(0, len(ids) - PASSAGE - QUOTE)
+        if workload == "quoting":
+            passage = ids[start : start + PASSAGE]
+            out.append(passage + passage[:QUOTE])
+        else:
+            out.append(ids[start : start + PASSAGE + QUOTE])
+    return out
+
+
+@dataclass(frozen=True)
+class Run:
+    tok_s: float
+    acceptance: float  # accepted / proposed tokens (0 without speculation)
+    tokens_per_step: float  # output tokens per engine step, per sequence
+
+
+def timed_run(engine: Engine, batch: list[list[int]], num_tokens: int) -> Run:
+    for index, prompt in enumerate(batch):  # warm: the prompts' blocks go into the prefix cache
+        engine.add_request(prompt, greedy(1), f"warm-{index}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = engine.stats()
+    for index, prompt in enumerate(batch):
+        engine.add_request(prompt, greedy(num_tokens), f"run-{index}")
+    steps, produced = 0, 0
+    start = clock()
+    while engine.has_unfinished_requests():
+        produced += sum(len(out.new_token_ids) for out in engine.step())
+        steps += 1
+    elapsed = clock() - start
+    after = engine.stats()
+    proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
+    accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
+    return Run(
+        produced / elapsed,
+        accepted / proposed if proposed else 0.0,
+        produced / steps / len(batch),
+    )
+
+
+def measure(
+    model: Path, workload: str, concurrency: int, rounds: int, num_tokens: int
+) -> dict[str, Run]:
+    """Best round of each configuration, the two alternating (which goes first flips)."""
+    engines = {
+        name: Engine(
+            EngineConfig(
+                model=str(model),
+                device="cpu",
+                dtype="bfloat16",
+                max_model_len=1024,
+                max_num_seqs=max(concurrency, 1),
+                speculative_config=spec,
+            )
+        )
+        for name, spec in (("plain", None), ("ngram", NGRAM))
+    }
+    best: dict[str, Run] = {}
+    batch = prompts(workload, concurrency)
+    for round_index in range(rounds):
+        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+        for name in order:
+            run = timed_run(engines[name], batch, num_tokens)
+            if name not in best or run.tok_s > best[name].tok_s:
+                best[name] = run
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    setup_threads()
+    models = (
+        ("tiny-llama (4 M)", MODEL),
+        ("compute-bound (~245 M, random)", compute_bound_llama()),
+    )
+    rows, ratios = [], {}
+    for label, path in models:
+        for workload in ("quoting", "plain"):
+            for concurrency in CONCURRENCIES:
+                best = measure(path, workload, concurrency, args.rounds, args.output_tokens)
+                plain, spec = best["plain"], best["ngram"]
+                ratio = spec.tok_s / plain.tok_s
+                ratios[(label, workload, concurrency)] = ratio
+                rows.append(
+                    (
+                        label,
+                        workload,
+                        concurrency,
+                        f"{plain.tok_s:.1f}",
+                        f"{spec.tok_s:.1f}",
+                        f"{ratio:.2f}x",
+                        f"{100 * spec.acceptance:.0f}%",
+                        f"{spec.tokens_per_step:.2f}",
+                    )
+                )
+                print(rows[-1], flush=True)
+    header = ("model", "workload", "concurrency", "plain tok/s", "ngram tok/s", "ngram / plain",
+              "accepted", "tokens per step")  # fmt: skip
+    table = markdown_table(header, rows)
+    body = "\n\n".join([intro(args.output_tokens), table, verdicts(ratios), NOTE])
+    print(body)
+    if not args.no_write:
+        command = "python -m bench.engine_spec" + (
+            f" --rounds {args.rounds}" if args.rounds != 2 else ""
+        )
+        write_section("engine_spec", "Engine: speculative decoding (prompt lookup)", command, body)
+    return 0
+
+
+def intro(num_tokens: int) -> str:
+    return (
+        f"{threads_note()} bf16 compute. `{NGRAM}` against the same engine without it; "
+        f"{num_tokens} output tokens per request (greedy, ignore_eos), prompts warmed into the "
+        "prefix cache, so the time is decode. quoting: a 160-token passage and its first 80 "
+        "tokens again; plain: 240 tokens of running text. `accepted` is the share of proposed "
+        "tokens the model accepted; `tokens per step` what a sequence gained per engine step "
+        "with speculation (1.00 without)."
+    )
+
+
+NOTE = (
+    "Why 32 sequences gain nothing: each proposal is one more row through every matmul and one "
+    "more gather of its sequence's KV blocks (the rows of one sequence attend as decodes of "
+    "their own, so the same blocks are gathered once per row). At one sequence the extra rows "
+    "are nearly free for the compute-bound model's matmuls (bf16 `linear` of a 1024x4096 weight "
+    "on one core: 98 us for 1 row, 230-250 us for 2-5 rows), so 4 tokens a step pay; at 32 rows "
+    "the matmuls are compute-bound and a rejected proposal costs as much as a real token. "
+    "Reading a sequence's blocks once for all its rows (a multi-query decode kernel) is what "
+    "would cut the gather cost; it is not built."
+)
+
+
+def verdicts(ratios: dict[tuple[str, str, int], float]) -> str:
+    lines = []
+    for (label, workload, concurrency), ratio in ratios.items():
+        if workload != "quoting":
+            continue
+        target = TARGET_AT_1 if concurrency == 1 else TARGET_AT_32
+        met = "met" if ratio >= target else "not met"
+        lines.append(
+            f"- {label}, concurrency {concurrency}: {ratio:.2f}x (target >= {target}x: {met})"
+        )
+    return "Targets (quoting workload):\n" + "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
