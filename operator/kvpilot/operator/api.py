@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 from kvpilot.operator.policy import Bounds
 from kvpilot.runtime.dataset_source import parse_dataset_uri
 from kvpilot.runtime.model_source import parse_model_uri
+from kvpilot.runtime.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 GROUP = "kvpilot.dev"
 VERSION = "v1alpha1"
@@ -63,6 +64,9 @@ MAX_CASCADE_RULES = 8
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
 # the CRD's defaults, so the simulator measures what a ModelDeployment without settings gets.
 POLICY_DEFAULTS = Bounds()
+# The runtime's speculative-decoding defaults and limits are the CRD's, so a field left out means
+# what the runtime would do with the key left out.
+SPECULATIVE_DEFAULTS = SpeculativeConfig()
 
 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -163,9 +167,11 @@ class Speculative(_Model):
     )
 
     method: Literal["ngram"] = "ngram"
-    num_speculative_tokens: int = Field(default=4, ge=1, le=16)
-    prompt_lookup_max: int = Field(default=4, ge=1, le=64)
-    prompt_lookup_min: int = Field(default=2, ge=1, le=64)
+    num_speculative_tokens: int = Field(
+        default=SPECULATIVE_DEFAULTS.num_speculative_tokens, ge=1, le=MAX_SPECULATIVE_TOKENS
+    )
+    prompt_lookup_max: int = Field(default=SPECULATIVE_DEFAULTS.prompt_lookup_max, ge=1, le=64)
+    prompt_lookup_min: int = Field(default=SPECULATIVE_DEFAULTS.prompt_lookup_min, ge=1, le=64)
 
     @model_validator(mode="after")
     def _lookup_bounds(self) -> Speculative:
