@@ -32,8 +32,9 @@ class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # proposals per step, at most
     prompt_lookup_max: int = 4  # the longest suffix matched against earlier text
-    # The shortest; shorter matches propose nothing. A one-token match is weak evidence: on
-    # tiny-llama's quoting workload at 32 sequences it halved the share of proposals accepted.
+    # The shortest; shorter matches propose nothing. A one-token match is weak evidence (any
+    # common token recurs), and every proposal costs a row in the step whether accepted or not;
+    # compare with bench.engine_spec after setting "prompt_lookup_min": 1 in its NGRAM.
     prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
