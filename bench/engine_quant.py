@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from bench.engine_common import (
     MODEL,
     clock,
@@ -27,52 +29,52 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
+from kvpilot.runtime import machine_probe
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import parse_args, run
-from kvpilot.runtime.layers.quant import Int8DynamicWeight, Int8Weight
-from kvpilot.runtime.models.llama import LlamaModel
+from kvpilot.runtime.layers.quant import resolve_int8_kernel
 
-W8A8 = "int8 W8A8"  # the int8 weights through Int8DynamicWeight (experimental, CPU only)
 TARGETS = {"bf16": (1.0, 0.0), "int8": (0.52, 0.01), "int4": (0.30, 0.10)}
-SPEED_LEVELS = ("bf16", "int8", "int4", W8A8)
+# (label, level, --int8-kernel): int8 with the kernel `auto` picks here, and both kernels named
+SPEED_CASES = (
+    ("bf16", "bf16", "auto"),
+    ("int8", "int8", "auto"),
+    ("int8 w8a16", "int8", "w8a16"),
+    ("int8 w8a8", "int8", "w8a8"),
+    ("int4", "int4", "auto"),
+)
 CONCURRENCIES = (1, 32)
 PROMPT_TOKENS = 32
 WARMUP_STEPS = 2
 INT8_VS_BF16_TARGET = 1.3  # at concurrency 1 on the compute-bound model (issue 19)
 
 
-W8A8_NOTE = (
-    "int8 is weight-only (`aten._weight_int8pack_mm`, bf16 activations): on one core its kernel "
-    "converts every int8 weight to fp32 before its FMA: compute-bound at concurrency 1, and "
-    "slower than bf16's GEMM at concurrency 32 (profile: 80% of an int8 step in that kernel). "
-    "The experimental column "
-    "runs the same int8 weights with int8 activations quantised per row at each step "
-    "(`torch._int_mm`, VNNI; layers/quant.Int8DynamicWeight): not selectable yet."
+KERNEL_NOTE = (
+    "The int8 level has two kernels over the same stored weights (`--int8-kernel`): w8a16 keeps "
+    "bf16 activations (`aten._weight_int8pack_mm`; on CPU it widens every int8 weight to fp32 "
+    "before its FMA, so it is slower than bf16's GEMM from a few rows up); w8a8 quantises each "
+    "activation row to int8 at the step and multiplies int8 by int8 in int32 (`torch._int_mm`, "
+    "VNNI), as llama.cpp's q8_0 quantises its activations. `auto` picks w8a8 on CPUs with int8 "
+    "dot products (VNNI, AMX), w8a16 elsewhere."
 )
-
-
-def verdict(is_met: bool) -> str:
-    return "met" if is_met else "not met"
 
 
 @dataclass(frozen=True)
 class SpeedCase:
     model: str  # a label
     path: Path
-    level: str
+    label: str  # a SPEED_CASES label
     concurrency: int
 
+    @property
+    def config(self) -> tuple[str, str]:
+        """(quantization, int8_kernel)"""
+        return next((level, kernel) for label, level, kernel in SPEED_CASES if label == self.label)
 
-def use_int8_activations(model: LlamaModel) -> None:
-    """Swap every int8 matmul of a loaded int8 model for its W8A8 kernel (same stored weights;
-    the embedding keeps looking its rows up in them)."""
-    for layer in model.layers:
-        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            assert isinstance(linear.weight, Int8Weight)
-            linear.weight = Int8DynamicWeight(linear.weight)
-    assert isinstance(model.lm_head, Int8Weight)
-    model.lm_head = Int8DynamicWeight(model.lm_head)
+
+def verdict(is_met: bool) -> str:
+    return "met" if is_met else "not met"
 
 
 def decode_tokens_per_second(engine: Engine, concurrency: int, decode_steps: int) -> float:
@@ -97,12 +99,14 @@ def measure_speed(cases: list[SpeedCase], rounds: int, decode_steps: int) -> dic
     best: dict[SpeedCase, float] = {}
     for _ in range(rounds):
         for case in cases:
-            key = (case.path, case.level)
+            key = (case.path, case.label)
             if key not in engines:
+                quantization, int8_kernel = case.config
                 engines[key] = Engine(
                     EngineConfig(
                         model=str(case.path),
-                        quantization="int8" if case.level == W8A8 else case.level,
+                        quantization=quantization,
+                        int8_kernel=int8_kernel,
                         dtype="bfloat16",
                         device="auto",
                         max_model_len=256,
@@ -111,8 +115,6 @@ def measure_speed(cases: list[SpeedCase], rounds: int, decode_steps: int) -> dic
                         kv_cache_memory=64 * 2**20,
                     )
                 )
-                if case.level == W8A8:
-                    use_int8_activations(engines[key].runner.model)
             rate = decode_tokens_per_second(engines[key], case.concurrency, decode_steps)
             best[case] = max(best.get(case, 0.0), rate)
     return best
@@ -121,10 +123,10 @@ def measure_speed(cases: list[SpeedCase], rounds: int, decode_steps: int) -> dic
 def speed_section(rounds: int, decode_steps: int) -> str:
     models = {"compute-bound (~237 M, random)": compute_bound_llama(), "tiny-llama (4 M)": MODEL}
     cases = [
-        SpeedCase(label, path, level, concurrency)
-        for label, path in models.items()
+        SpeedCase(model, path, label, concurrency)
+        for model, path in models.items()
         for concurrency in CONCURRENCIES
-        for level in SPEED_LEVELS
+        for label, _, _ in SPEED_CASES
     ]
     rates = measure_speed(cases, rounds, decode_steps)
     rows: list[list[object]] = []
@@ -132,7 +134,7 @@ def speed_section(rounds: int, decode_steps: int) -> str:
     for label, path in models.items():
         for concurrency in CONCURRENCIES:
             rate = {
-                c.level: r
+                c.label: r
                 for c, r in rates.items()
                 if c.path == path and c.concurrency == concurrency
             }
@@ -141,12 +143,10 @@ def speed_section(rounds: int, decode_steps: int) -> str:
                 [
                     label,
                     concurrency,
-                    f"{rate['bf16']:.1f}",
-                    f"{rate['int8']:.1f}",
-                    f"{rate['int4']:.1f}",
+                    *(f"{rate[name]:.1f}" for name, _, _ in SPEED_CASES),
                     f"{int8_ratio:.2f}x",
+                    f"{rate['int8 w8a16'] / rate['bf16']:.2f}x",
                     f"{int4_ratio:.2f}x",
-                    f"{rate[W8A8]:.1f} ({rate[W8A8] / rate['bf16']:.2f}x bf16)",
                 ]
             )
             if path != MODEL and concurrency == 1:
@@ -159,25 +159,35 @@ def speed_section(rounds: int, decode_steps: int) -> str:
         [
             "model",
             "concurrency",
-            "bf16 tok/s",
-            "int8 tok/s",
-            "int4 tok/s",
+            *(f"{name} tok/s" for name, _, _ in SPEED_CASES),
             "int8 / bf16",
+            "int8 w8a16 / bf16",
             "int4 / int8",
-            "int8 W8A8 tok/s (experimental)",
         ],
         rows,
     )
+    chosen = resolve_int8_kernel("auto", torch.device("cpu"), machine_probe.cpu_supports_int8_dot())
     return (
         f"Decode tokens per CPU-second, bf16 compute, {PROMPT_TOKENS}-token prompts, "
-        f"{decode_steps} timed decode steps, best of {rounds} alternating rounds.\n\n"
-        f"{table}\n\n" + " ".join(verdicts) + "\n\n" + W8A8_NOTE
+        f"{decode_steps} timed decode steps, best of {rounds} alternating rounds. `int8` is the "
+        f"level as `serve --quantization int8` runs it here (`--int8-kernel auto`: {chosen} on "
+        f"this CPU).\n\n{table}\n\n" + " ".join(verdicts) + "\n\n" + KERNEL_NOTE
     )
 
 
 def perplexity_section() -> str:
     dataset = MODEL / "eval.txt"
-    result = run(parse_args(["--model", str(MODEL), "--dataset", str(dataset)]))
+    argv = ["--model", str(MODEL), "--dataset", str(dataset)]
+    result = run(parse_args(argv))
+    kernel = resolve_int8_kernel("auto", torch.device("cpu"), machine_probe.cpu_supports_int8_dot())
+    other = "w8a16" if kernel == "w8a8" else "w8a8"
+    other_run = run(parse_args([*argv, "--quantization", "int8", "--int8-kernel", other]))
+    result["levels"] = {
+        "bf16": result["levels"]["bf16"],
+        f"int8 ({kernel}, auto)": result["levels"]["int8"],
+        f"int8 ({other})": other_run["levels"]["int8"],
+        "int4": result["levels"]["int4"],
+    }
     bf16_bytes = result["levels"]["bf16"]["weight_bytes"]
     rows: list[list[object]] = [
         [
@@ -189,7 +199,7 @@ def perplexity_section() -> str:
         ],
     ]
     for level, row in result["levels"].items():
-        max_ratio, max_loss = TARGETS[level]
+        max_ratio, max_loss = TARGETS[level.split()[0]]
         ratio = row["weight_bytes"] / bf16_bytes
         loss = row["relative_loss"]
         rows.append(
@@ -203,8 +213,9 @@ def perplexity_section() -> str:
         )
     return (
         f"Quality: models/tiny-llama ({result['num_tokens']} held-out tokens of "
-        "models/tiny-llama/eval.txt, 512-token windows), fp32 compute (the int8/int4 kernels "
-        "take their activations in bf16). Embeddings and lm_head are quantised too (tied).\n\n"
+        "models/tiny-llama/eval.txt, 512-token windows), fp32 compute (the w8a16 and int4 "
+        "kernels take their activations in bf16, w8a8 in int8 per row). Embeddings and lm_head "
+        "are quantised too (tied).\n\n"
         + markdown_table(
             ["level", "perplexity", "relative loss", "weight MiB", "bytes vs bf16"], rows
         )
@@ -225,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parts.append(speed_section(args.rounds, args.decode_steps))
     body = "\n\n".join(parts)
     command = " ".join(["python -m bench.engine_quant", *argv])
-    write_section("engine_quant", "Engine: weight-only quantisation", command, body)
+    write_section("engine_quant", "Engine: quantisation", command, body)
     print(body)
     return 0
 

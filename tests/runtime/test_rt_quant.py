@@ -1,6 +1,6 @@
-"""Weight-only quantisation: round-trip error bounds, the packed kernels against the dequantised
-reference (one matrix and the whole model), embedding rows from the packed layout, and memory
-against the planner's arithmetic."""
+"""Quantisation: round-trip error bounds, the packed kernels against the dequantised reference
+(one matrix and the whole model, int8 through both its kernels), the int8 kernel chosen per
+device, embedding rows from the packed layout, and memory against the planner's arithmetic."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvpilot.runtime.layers.quant import (
     Int8Weight,
     Weight,
     make_weight,
+    resolve_int8_kernel,
 )
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.model_runner import load_model
@@ -184,14 +185,23 @@ def dequantized_copy(model: LlamaModel) -> LlamaModel:
     return model
 
 
-@pytest.mark.parametrize("level", ["int8", "int4"])
-def test_model_logits_equal_dequantized_model(tiny_llama_dir: Path, level: str) -> None:
+@pytest.mark.parametrize(
+    ("level", "int8_kernel"), [("int8", "w8a16"), ("int8", "w8a8"), ("int4", "w8a16")]
+)
+def test_model_logits_equal_dequantized_model(
+    tiny_llama_dir: Path, level: str, int8_kernel: str
+) -> None:
     """Every layer through the packed kernels vs the dequantised weights through F.linear,
-    fp32 compute: the kernels' bf16 activations are the only difference (a misread layout or
-    scale moves the logits by their own size)."""
+    fp32 compute: the kernels' bf16 (w8a8: int8, per row) activations are the only difference
+    (a misread layout or scale moves the logits by their own size)."""
     cfg, cpu = load_model_config(tiny_llama_dir), torch.device("cpu")
     ids = Tokenizer(tiny_llama_dir).encode((tiny_llama_dir / "eval.txt").read_text()[:2000])[:200]
-    quantized = window_logits(load_model(tiny_llama_dir, cfg, level, torch.float32, cpu), ids, cpu)
+    model = load_model(tiny_llama_dir, cfg, level, torch.float32, cpu, int8_kernel=int8_kernel)
+    if level == "int8":  # the kernel asked for is the one that runs, the lm_head's included
+        kernel_type = Int8DynamicWeight if int8_kernel == "w8a8" else Int8Weight
+        assert isinstance(model.layers[0].down.weight, kernel_type)
+        assert isinstance(model.lm_head, kernel_type)
+    quantized = window_logits(model, ids, cpu)
     dequantized = dequantized_copy(load_model(tiny_llama_dir, cfg, level, torch.float32, cpu))
     reference = window_logits(dequantized, ids, cpu)
     assert float((quantized - reference).norm() / reference.norm()) < 0.01
@@ -209,9 +219,35 @@ def test_weight_memory_ratios_and_arithmetic(make_engine: Callable[..., Engine])
         assert abs(measured - predicted) / predicted < 0.03, level
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_engine_generates(make_engine: Callable[..., Engine], quantization: str) -> None:
-    engine = make_engine(quantization=quantization)
+@pytest.mark.parametrize(
+    ("device", "choice", "cpu_has_int8_dot", "expected"),
+    [
+        ("cpu", "auto", True, "w8a8"),  # VNNI / AMX: int8 x int8 beats the weight-only kernel
+        ("cpu", "auto", False, "w8a16"),
+        ("cuda", "auto", True, "w8a16"),  # CUDA's _int_mm needs > 16 rows; a decode has 1
+        ("cpu", "w8a16", True, "w8a16"),
+        ("cpu", "w8a8", False, "w8a8"),  # asked for: runs, without the dot-product speed
+        ("cuda", "w8a16", False, "w8a16"),
+    ],
+)
+def test_resolve_int8_kernel(
+    device: str, choice: str, cpu_has_int8_dot: bool, expected: str
+) -> None:
+    assert resolve_int8_kernel(choice, torch.device(device), cpu_has_int8_dot) == expected
+
+
+def test_w8a8_on_a_gpu_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="w8a8 runs on CPU only, not cuda; use w8a16 or auto"):
+        resolve_int8_kernel("w8a8", torch.device("cuda"), True)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "int8_kernel"), [("int8", "w8a16"), ("int8", "w8a8"), ("int4", "auto")]
+)
+def test_quantized_engine_generates(
+    make_engine: Callable[..., Engine], quantization: str, int8_kernel: str
+) -> None:
+    engine = make_engine(quantization=quantization, int8_kernel=int8_kernel)
     engine.add_request("The for statement", SamplingParams(max_tokens=8, temperature=0), "q")
     outputs = []
     while engine.has_unfinished_requests():

@@ -23,7 +23,13 @@ import pytest
 import torch
 
 from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight
+from kvpilot.runtime.layers.quant import (
+    DenseWeight,
+    Int4Weight,
+    Int8DynamicWeight,
+    Int8Weight,
+    Weight,
+)
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
@@ -116,11 +122,12 @@ def test_tp2_logits_and_greedy_tokens_match_one_process(
 @pytest.mark.parametrize(
     ("kwargs", "weight_type"),
     [
-        ({"quantization": "int8"}, Int8Weight),
+        ({"quantization": "int8", "int8_kernel": "w8a16"}, Int8Weight),
+        ({"quantization": "int8", "int8_kernel": "w8a8"}, Int8DynamicWeight),
         ({"quantization": "int4"}, Int4Weight),
         ({"kv_cache_dtype": "fp8"}, DenseWeight),
     ],
-    ids=["int8", "int4", "fp8-kv"],
+    ids=["int8-w8a16", "int8-w8a8", "int4", "fp8-kv"],
 )
 def test_tp2_quantised_greedy_matches_tp1(
     make_engine: Callable[..., Engine], kwargs: dict[str, str], weight_type: type[Weight]

@@ -110,6 +110,11 @@ def test_version_is_the_package_version_and_the_choices_for_this_machine(
     assert (engine["threads"], engine["threads_source"]) == (threads.num_threads, threads.source)
     has_bf16 = machine_probe.cpu_supports_bf16()
     assert engine["cpu_has_bf16"] is has_bf16
+    # --int8-kernel auto: w8a8 where the CPU has int8 dot products (reported whatever the level)
+    has_int8_dot = machine_probe.cpu_supports_int8_dot()
+    assert engine["cpu_has_int8_dot"] is has_int8_dot
+    assert engine["int8_kernel"] == ("w8a8" if has_int8_dot else "w8a16")
+    assert engine["quantization"] == "none"
     # tiny-llama is a bf16 checkpoint: bf16 compute where the CPU has bf16 units
     assert engine["dtype"] == ("bfloat16" if has_bf16 else "float32")
     assert engine["kv_cache_dtype"] == engine["dtype"]

@@ -13,6 +13,7 @@ from kvpilot.runtime.speculative import SpeculativeConfig
 from kvpilot.runtime.speculative import parse_config as parse_speculative_config
 
 QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
+INT8_KERNEL_CHOICES = ("auto", "w8a16", "w8a8")  # layers/quant.py says what each runs
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
@@ -29,6 +30,13 @@ class EngineConfig:
     model: str = field(metadata={"help": "local path to an HF-format checkpoint directory"})
     served_name: str | None = option(None, "model id clients send (default: the model's name)")
     quantization: str = option("none", "weight quantisation", QUANTIZATION_CHOICES)
+    int8_kernel: str = option(
+        "auto",
+        "the int8 level's matmul: w8a8 quantises each activation row to int8 too (torch._int_mm,"
+        " CPU), w8a16 keeps bf16 activations (aten._weight_int8pack_mm); auto: w8a8 on CPUs with"
+        " int8 dot products (VNNI, AMX), w8a16 elsewhere",
+        INT8_KERNEL_CHOICES,
+    )
     dtype: str = option(
         "auto",
         "auto: config.json dtype on CUDA; on CPU bfloat16 for a 16-bit checkpoint where the CPU "
@@ -66,6 +74,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
+        _check_choice("int8_kernel", self.int8_kernel, INT8_KERNEL_CHOICES)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         if self.tensor_parallel_size < 1:

@@ -28,6 +28,7 @@ from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_m
 from kvpilot.runtime.engine_stats import EngineStats, SpecDecodeCounts
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
+from kvpilot.runtime.layers.quant import resolve_int8_kernel
 from kvpilot.runtime.loader import load_model_config, resolve_dtype
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.output_processor import (
@@ -86,6 +87,10 @@ class Engine:
         self.dtype = dtype
         # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
+        self.cpu_has_int8_dot = machine_probe.cpu_supports_int8_dot()
+        self.int8_kernel = resolve_int8_kernel(
+            config.int8_kernel, self.device, self.cpu_has_int8_dot
+        )
         # Each rank, this one included, computes with its share of the threads torch was given.
         # Process-wide: this process is rank 0 of the group from here on.
         self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)
@@ -125,6 +130,7 @@ class Engine:
             model_dir=Path(self.config.model),
             model_config=self.model_config,
             quantization=self.config.quantization,
+            int8_kernel=self.int8_kernel,
             dtype=dtype,
             device=self.device,
             seed=self.config.seed,
@@ -139,7 +145,13 @@ class Engine:
         """This rank's shard of the model and KV pool; with workers, theirs alongside."""
         group = TPGroup(0, self.config.tensor_parallel_size)
         model = load_model(
-            model_dir, self.model_config, self.config.quantization, dtype, self.device, group
+            model_dir,
+            self.model_config,
+            self.config.quantization,
+            dtype,
+            self.device,
+            group,
+            self.int8_kernel,
         )
         if self.workers is not None:
             self.workers.join_group(group, self.device)

@@ -38,13 +38,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
-from kvpilot.runtime.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from kvpilot.runtime import machine_probe
+from kvpilot.runtime.config import (
+    INT8_KERNEL_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+)
 from kvpilot.runtime.dataset_source import parse_dataset_uri
 from kvpilot.runtime.engine import resolve_device
 from kvpilot.runtime.fetch import FetchError, fetch_dataset
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import AttentionMetadata, PrefillSpan, chunk_mask
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
+from kvpilot.runtime.layers.quant import resolve_int8_kernel
 from kvpilot.runtime.loader import load_model_config, resolve_dtype
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import load_model
@@ -206,12 +212,16 @@ def evaluate_level(
     dtype_name: str,
     device_name: str,
     kv_cache_dtype: str = "auto",
+    int8_kernel: str = "auto",
 ) -> Scores:
+    """The level's scores, with the kernels `serve` would run on this machine (the eval Job
+    runs on the node type it measures for), `--int8-kernel` included."""
     cfg = load_model_config(model_dir)
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, cfg.torch_dtype, device)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
-    model = load_model(model_dir, cfg, quantization, dtype, device)
+    kernel = resolve_int8_kernel(int8_kernel, device, machine_probe.cpu_supports_int8_dot())
+    model = load_model(model_dir, cfg, quantization, dtype, device, int8_kernel=kernel)
     scores = score(model, samples, device, kv_dtype)
     scores.weight_bytes = model.weight_bytes()
     return scores
@@ -261,7 +271,9 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
     samples = samples_for(args.metric, dataset, Tokenizer(model_dir), max_length)
     if not samples:
         raise ValueError(f"dataset {args.dataset} has nothing to score (fewer than 2 tokens?)")
-    base = evaluate_level(model_dir, args.baseline, samples, args.dtype, args.device)
+    base = evaluate_level(
+        model_dir, args.baseline, samples, args.dtype, args.device, int8_kernel=args.int8_kernel
+    )
     result: dict[str, Any] = {
         "model": str(model_dir),
         "dataset": args.dataset,
@@ -271,6 +283,7 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
         "num_tokens": base.num_targets,
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "int8_kernel": args.int8_kernel,
         "baseline": {
             "quantization": args.baseline,
             "kv_cache_dtype": "auto",
@@ -283,7 +296,9 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
         measured = (
             base
             if level == args.baseline and kv_name == "auto"
-            else evaluate_level(model_dir, level, samples, args.dtype, args.device, kv_name)
+            else evaluate_level(
+                model_dir, level, samples, args.dtype, args.device, kv_name, args.int8_kernel
+            )
         )
         result["levels"][level] = level_row(args.metric, measured, base, len(samples))
     return result
@@ -350,6 +365,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="auto",
         choices=KV_CACHE_DTYPE_CHOICES,
         help="KV-cache storage for every level (the baseline keeps auto)",
+    )
+    parser.add_argument(
+        "--int8-kernel",
+        default="auto",
+        choices=INT8_KERNEL_CHOICES,
+        help="the int8 level's matmul, as `serve --int8-kernel` (auto: what serve picks here)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

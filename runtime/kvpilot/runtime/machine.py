@@ -18,6 +18,9 @@ from dataclasses import dataclass
 # Flags that mean the CPU multiplies bf16 natively (AVX512-BF16 dot products, AMX tiles), so
 # bf16 weights compute faster than float32 rather than being widened on every matmul.
 BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Flags that mean the CPU has int8 dot products (VNNI, AMX int8 tiles): an int8 x int8 matmul
+# accumulating in int32 then beats a bf16 one, so int8 weights can meet int8 activations.
+INT8_DOT_CPU_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # cgroup v1 writes "no limit" as a huge page-aligned number rather than "max".
 _V1_UNLIMITED_BYTES = 2**62
 
@@ -106,6 +109,10 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
 
 def cpu_supports_bf16(flags: frozenset[str]) -> bool:
     return bool(flags & BF16_CPU_FLAGS)
+
+
+def cpu_supports_int8_dot(flags: frozenset[str]) -> bool:
+    return bool(flags & INT8_DOT_CPU_FLAGS)
 
 
 def cgroup_memory_limit(memory_max_v2: str | None, limit_v1: str | None) -> int | None:

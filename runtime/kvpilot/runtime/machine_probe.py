@@ -39,8 +39,16 @@ def thread_choice(requested: int | None) -> machine.ThreadChoice:
     )
 
 
+def cpu_flags() -> frozenset[str]:
+    return machine.cpu_flags(read_text(Path("/proc/cpuinfo")) or "")
+
+
 def cpu_supports_bf16() -> bool:
-    return machine.cpu_supports_bf16(machine.cpu_flags(read_text(Path("/proc/cpuinfo")) or ""))
+    return machine.cpu_supports_bf16(cpu_flags())
+
+
+def cpu_supports_int8_dot() -> bool:
+    return machine.cpu_supports_int8_dot(cpu_flags())
 
 
 def usable_memory() -> int | None:

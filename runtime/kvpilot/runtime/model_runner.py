@@ -45,8 +45,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     group: TPGroup | None = None,
+    int8_kernel: str = "w8a16",
 ) -> LlamaModel:
-    """The model, or this rank's shard of it: every rank reads the checkpoint, keeps its part."""
+    """The model, or this rank's shard of it: every rank reads the checkpoint, keeps its part.
+    `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel)."""
     with open_weights(model_dir) as read:
 
         def get(name: str) -> torch.Tensor:
@@ -55,7 +57,7 @@ def load_model(
                 raise ValueError(f"checkpoint in {model_dir} is missing tensor {name!r}")
             return tensor
 
-        return LlamaModel(cfg, get, quantization, dtype, device, group)
+        return LlamaModel(cfg, get, quantization, dtype, device, group, int8_kernel)
 
 
 def slot_ids(block_table: list[int], first: int, end: int) -> list[int]:

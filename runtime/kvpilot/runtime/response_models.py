@@ -197,6 +197,9 @@ class EngineChoices(BaseModel):
     threads_source: str
     dtype: str
     cpu_has_bf16: bool
+    quantization: str = "none"
+    int8_kernel: str = "w8a16"  # what the int8 level runs (w8a8 or w8a16), whatever the level
+    cpu_has_int8_dot: bool = False
     kv_cache_dtype: str
     kv_cache_bytes: int
     kv_cache_blocks: int

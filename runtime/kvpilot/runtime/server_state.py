@@ -74,6 +74,9 @@ def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
         threads_source=per_rank.source,
         dtype=dtype_name(core.dtype),
         cpu_has_bf16=core.cpu_has_bf16,
+        quantization=core.config.quantization,
+        int8_kernel=core.int8_kernel,
+        cpu_has_int8_dot=core.cpu_has_int8_dot,
         kv_cache_dtype=dtype_name(core.kv_dtype),
         kv_cache_bytes=sum(k.data.nbytes + v.data.nbytes for k, v in core.runner.kv_caches),
         kv_cache_blocks=core.block_manager.num_total_blocks,
@@ -92,6 +95,13 @@ def describe_speculative(config: SpeculativeConfig | None) -> str:
     )
 
 
+def int8_note(choices: EngineChoices) -> str:
+    if choices.quantization != "int8":
+        return ""
+    dot = "yes" if choices.cpu_has_int8_dot else "no"
+    return f" ({choices.int8_kernel}; CPU int8 dot products: {dot})"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -101,7 +111,8 @@ def describe_choices(choices: EngineChoices) -> str:
     return (
         f"{choices.device}, {choices.threads} thread(s) ({choices.threads_source}), "
         f"{choices.dtype} compute (CPU bf16 units: {'yes' if choices.cpu_has_bf16 else 'no'}), "
-        f"weights {choices.weight_bytes / 2**20:.0f} MiB, KV cache {choices.kv_cache_dtype} "
+        f"weights {choices.quantization}{int8_note(choices)} "
+        f"{choices.weight_bytes / 2**20:.0f} MiB, KV cache {choices.kv_cache_dtype} "
         f"{choices.kv_cache_bytes / 2**20:.0f} MiB in {choices.kv_cache_blocks} blocks of "
         f"{BLOCK_SIZE} tokens ({choices.kv_cache_source}), speculative decoding "
         f"{choices.speculative}"

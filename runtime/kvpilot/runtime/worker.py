@@ -54,6 +54,7 @@ class WorkerArgs:
     model_dir: Path
     model_config: ModelConfig  # the whole model's
     quantization: str
+    int8_kernel: str  # resolved: w8a16 or w8a8
     dtype: torch.dtype
     device: torch.device  # rank 0's; rank r uses the r-th device after it (parallel.rank_device)
     seed: int
@@ -200,7 +201,13 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
 
 def load_rank(args: WorkerArgs, device: torch.device) -> ModelRunner:
     model = load_model(
-        args.model_dir, args.model_config, args.quantization, args.dtype, device, args.group
+        args.model_dir,
+        args.model_config,
+        args.quantization,
+        args.dtype,
+        device,
+        args.group,
+        args.int8_kernel,
     )
     return ModelRunner(model, device, args.seed)
 

@@ -121,6 +121,21 @@ def test_cpu_supports_bf16(cpuinfo: str, has_bf16: bool) -> None:
 
 
 @pytest.mark.parametrize(
+    ("cpuinfo", "has_int8_dot"),
+    [
+        (ZEN4_CPUINFO, True),  # AVX512-VNNI
+        (SAPPHIRE_RAPIDS_CPUINFO, True),  # AMX int8 tiles
+        ("flags\t\t: fpu sse2 avx2 avx_vnni\n", True),  # Alder Lake: VNNI on AVX2
+        (SKYLAKE_CPUINFO, False),
+        (GRAVITON3_CPUINFO, False),  # Arm's i8mm is not a flag torch's x86 kernels use
+        ("", False),
+    ],
+)
+def test_cpu_supports_int8_dot(cpuinfo: str, has_int8_dot: bool) -> None:
+    assert machine.cpu_supports_int8_dot(machine.cpu_flags(cpuinfo)) is has_int8_dot
+
+
+@pytest.mark.parametrize(
     ("name", "checkpoint", "device", "cpu_has_bf16", "expected"),
     [
         ("auto", "bfloat16", "cpu", True, torch.bfloat16),

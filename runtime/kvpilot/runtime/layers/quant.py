@@ -1,7 +1,12 @@
 """Weight storage formats and the matmul each runs, packed once at load.
 
 - dense: the weight in the compute dtype (`none`) or stored in bfloat16 (`bf16`); `F.linear`.
-- int8: symmetric, one scale per output channel; `aten._weight_int8pack_mm` (CPU and CUDA).
+- int8: symmetric, one scale per output channel. Two kernels over the same stored weights:
+  `w8a16` keeps bf16 activations (`aten._weight_int8pack_mm`, CPU and CUDA); `w8a8` quantises
+  each activation row to int8 at the step (its own scale, as llama.cpp's q8_0 does per block)
+  and multiplies int8 by int8 in int32 (`torch._int_mm`, CPU only). `auto` picks w8a8 where the
+  CPU has int8 dot products (VNNI, AMX): there the weight-only kernel widens every weight to
+  fp32 before its FMA and runs slower than bf16 from a few rows up (docs/benchmarks.md).
 - int4: asymmetric, a scale and a zero per group of 128 input channels, two values per byte;
   `aten._weight_int4pack_mm_for_cpu` on CPU, `aten._weight_int4pack_mm` (tinygemm) on CUDA.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
+from kvpilot.runtime.config import INT8_KERNEL_CHOICES
 from kvpilot.runtime.memory import INT4_GROUP_SIZE
 
 INT8_MAX = 127
@@ -120,10 +126,11 @@ class Int8Weight(Weight):
 
 
 class Int8DynamicWeight(Weight):
-    """Experimental, CPU only, not a `--quantization` level yet: the same stored int8 weights
-    multiplied by int8 activations (W8A8), each activation row quantised at the step with its
-    own scale (absmax / 127), `torch._int_mm` accumulating int8 x int8 in int32 (VNNI).
-    bench.engine_quant measures it against the weight-only kernel on identical weights."""
+    """The int8 level's `w8a8` kernel, CPU only: the stored int8 weights multiplied by int8
+    activations, each activation row quantised at the step with its own scale (absmax / 127),
+    `torch._int_mm` accumulating int8 x int8 in int32 (VNNI). A row's result depends on that row
+    alone, never on the rest of the batch. bench.engine_quant measures it against the
+    weight-only kernel on identical weights."""
 
     def __init__(self, weight: Int8Weight) -> None:
         if weight.qweight.device.type != "cpu":
@@ -134,10 +141,10 @@ class Int8DynamicWeight(Weight):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x32 = x.float()
-        x_scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8) / INT8_MAX  # [T, 1]
-        xq = torch.round(x32 / x_scale).to(torch.int8)
+        x_scale = x32.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-8).div_(INT8_MAX)  # [T, 1]
+        xq = x32.div(x_scale).round_().to(torch.int8)
         xq = _as_kernel_input(xq, torch.int8, self.qweight_t.shape[0])
-        out = torch._int_mm(xq, self.qweight_t).float() * x_scale * self.scale
+        out = torch._int_mm(xq, self.qweight_t).float().mul_(x_scale).mul_(self.scale)
         return _finish(out, x.dtype, bias)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -264,17 +271,37 @@ class Int4Weight(Weight):
         return self.packed.numel() + self.scales_and_zeros.numel() * 2 + copy
 
 
+def resolve_int8_kernel(choice: str, device: torch.device, cpu_has_int8_dot: bool) -> str:
+    """The int8 level's kernel (w8a16 or w8a8) for `--int8-kernel` on this device; raises
+    ValueError for w8a8 on a GPU (CUDA's `_int_mm` needs more than 16 rows, a decode has 1)."""
+    if choice not in INT8_KERNEL_CHOICES:
+        raise ValueError(f"int8_kernel must be one of {INT8_KERNEL_CHOICES}, got {choice!r}")
+    if choice == "auto":
+        return "w8a8" if device.type == "cpu" and cpu_has_int8_dot else "w8a16"
+    if choice == "w8a8" and device.type != "cpu":
+        raise ValueError(
+            f"--int8-kernel w8a8 runs on CPU only, not {device.type}; use w8a16 or auto there"
+        )
+    return choice
+
+
 def make_weight(
-    weight: torch.Tensor, quantization: str, dtype: torch.dtype, rows_needed: bool = False
+    weight: torch.Tensor,
+    quantization: str,
+    dtype: torch.dtype,
+    rows_needed: bool = False,
+    int8_kernel: str = "w8a16",
 ) -> Weight:
     """Store a checkpoint matrix in the format of a quantisation level; `dtype` is the compute
-    dtype the model runs in; `rows_needed` for an embedding (see Int4Weight)."""
+    dtype the model runs in; `rows_needed` for an embedding (see Int4Weight); `int8_kernel` a
+    resolved one (resolve_int8_kernel)."""
     if quantization == "none":
         return DenseWeight(weight, dtype)
     if quantization == "bf16":
         return DenseWeight(weight, torch.bfloat16)
     if quantization == "int8":
-        return Int8Weight(weight, dtype)
+        int8 = Int8Weight(weight, dtype)
+        return Int8DynamicWeight(int8) if int8_kernel == "w8a8" else int8
     if quantization == "int4":
         return Int4Weight(weight, rows_needed=rows_needed)
     raise ValueError(f"quantization must be one of none, bf16, int8, int4, got {quantization!r}")

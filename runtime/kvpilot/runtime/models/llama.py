@@ -117,15 +117,18 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         group: TPGroup | None = None,
+        int8_kernel: str = "w8a16",
     ) -> None:
-        """`cfg` is the whole model's; the model keeps this rank's share of it (parallel.py)."""
+        """`cfg` is the whole model's; the model keeps this rank's share of it (parallel.py).
+        `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel)."""
         group = group or TPGroup()
 
         def get(name: str) -> torch.Tensor:  # shard first, then quantise
             return group.shard(name, get_full(name))
 
         def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            return Linear(make_weight(weight.to(device), quantization, dtype), bias, dtype)
+            stored = make_weight(weight.to(device), quantization, dtype, int8_kernel=int8_kernel)
+            return Linear(stored, bias, dtype)
 
         def get_dense(name: str) -> torch.Tensor:
             return get(name).to(device=device, dtype=dtype)
@@ -136,13 +139,13 @@ class LlamaModel:
             for i in range(cfg.num_layers)
         ]
         embed = get("model.embed_tokens.weight").to(device)
-        self.embed = make_weight(embed, quantization, dtype, rows_needed=True)
+        self.embed = make_weight(embed, quantization, dtype, True, int8_kernel)  # tied: lm_head
         tied = cfg.tie_word_embeddings
-        self.lm_head = (
-            self.embed
-            if tied
-            else make_weight(get("lm_head.weight").to(device), quantization, dtype)
-        )
+        if tied:
+            self.lm_head = self.embed
+        else:
+            lm_head = get("lm_head.weight").to(device)
+            self.lm_head = make_weight(lm_head, quantization, dtype, False, int8_kernel)
         self.norm = get_dense("model.norm.weight")
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
