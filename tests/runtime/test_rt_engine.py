@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -159,6 +160,39 @@ def test_async_engine_streams_and_aborts_on_cancel(engine: Engine) -> None:
     assert sum(len(o.new_token_ids) for o in streamed) == 6 and streamed[-1].finished
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
     assert steps and max(steps) >= 1
+
+
+def test_async_engine_builds_the_engine_on_the_thread_that_steps_it(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """One OS thread runs every torch op of the engine, its load included: a second thread
+    with an OpenMP team of its own halves CPU decode speed (async_engine.py says why)."""
+    threads: dict[str, int] = {}
+
+    def build() -> Engine:
+        threads["build"] = threading.get_ident()
+        return make_engine()
+
+    async def scenario() -> list[RequestOutput]:
+        driver = await AsyncEngine.create(build)
+        driver.add_step_listener(lambda *_: threads.setdefault("step", threading.get_ident()))
+        await driver.start()
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        outputs = [o async for o in driver.generate(PROMPT, params, "t1")]
+        await driver.stop()
+        return outputs
+
+    outputs = asyncio.run(scenario())
+    assert outputs[-1].finished
+    assert threads["build"] == threads["step"] != threading.get_ident()
+
+
+def test_async_engine_create_raises_what_the_build_raises() -> None:
+    def build() -> Engine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        asyncio.run(AsyncEngine.create(build))
 
 
 def test_async_engine_concurrent_streams_equal_sync_results(engine: Engine) -> None:

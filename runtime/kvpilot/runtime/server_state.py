@@ -155,13 +155,14 @@ class ServerState:
         """Load the model off the event loop so /health answers meanwhile."""
         try:
             model_dir = await asyncio.to_thread(local_model_dir, self.config)
-            core = await asyncio.to_thread(Engine, engine_config(self.config, model_dir))
+            config = engine_config(self.config, model_dir)
+            engine = await AsyncEngine.create(lambda: Engine(config))  # see async_engine.py
         except Exception as exc:  # any load failure ends the process with its message
             self.load_error = f"cannot load model {self.config.model}: {exc}"
             log.error(self.load_error)
             self.on_fatal()
             return
-        engine = AsyncEngine(core)
+        core = engine.engine
         engine.add_step_listener(self.metrics.on_step)
         self.metrics.on_engine_ready(core.max_model_len, cache_info(self.config, core))
         await engine.start()
