@@ -175,7 +175,11 @@ def test_async_engine_builds_the_engine_on_the_thread_that_steps_it(
 
     async def scenario() -> list[RequestOutput]:
         driver = await AsyncEngine.create(build)
-        driver.add_step_listener(lambda *_: threads.setdefault("step", threading.get_ident()))
+
+        def on_step(*_: object) -> None:
+            threads.setdefault("step", threading.get_ident())
+
+        driver.add_step_listener(on_step)
         await driver.start()
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         outputs = [o async for o in driver.generate(PROMPT, params, "t1")]
