@@ -409,7 +409,7 @@ class Engine:
         for seq in self.scheduler.running:
             seq.draft_token_ids = (
                 speculative.propose(
-                    seq.token_ids, config, speculative.draft_limit(seq, self.max_model_len)
+                    seq.token_ids, config, speculative.draft_budget(seq, config, self.max_model_len)
                 )
                 if speculative.can_speculate(seq)
                 else []
@@ -419,6 +419,12 @@ class Engine:
         """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and
         the acceptance counters (vLLM's spec_decode metrics) move."""
         self.scheduler.accept_drafts(item, num_accepted)
+        assert self.speculative is not None
+        seq = item.seq
+        seq.draft_pace = speculative.pace(
+            seq.draft_pace, self.speculative.num_speculative_tokens, item.num_draft_tokens,
+            num_accepted,
+        )  # fmt: skip
         self.spec_decode.drafts += 1
         self.spec_decode.draft_tokens += item.num_draft_tokens
         self.spec_decode.accepted_tokens += num_accepted

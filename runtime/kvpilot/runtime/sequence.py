@@ -22,6 +22,15 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class DraftPace:
+    """A sequence's proposal budget for its next steps (speculative.pace moves it)."""
+
+    budget: int | None = None  # proposals allowed next; None: the configured k
+    skip: int = 0  # steps to propose nothing before trying again
+    misses: int = 0  # proposals rejected outright, in a row
+
+
 @dataclass
 class Timestamps:
     """Moments of one request on the engine's clock (time.monotonic, set by the engine), from
@@ -67,6 +76,8 @@ class Sequence:
     # Tokens proposed for this step by speculative decoding (speculative.py); the step checks
     # them after the last known token, and they are cleared once it has.
     draft_token_ids: list[int] = field(default_factory=list)
+    # How this sequence's proposals have fared (speculative.pace), which bounds the next ones.
+    draft_pace: DraftPace = DraftPace()
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -19,11 +19,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.sequence import DraftPace, Sequence
 
 METHODS = ("ngram",)
 NOT_YET = {"draft_model": "a draft model is not supported yet; use method 'ngram'"}
 MAX_SPECULATIVE_TOKENS = 16
+# A sequence whose proposals were all rejected waits 1, 3, 7, 15 steps (at most this many)
+# before it proposes again: a proposal is a row in the step's matmuls whether accepted or not.
+MAX_SKIP_STEPS = 15
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
@@ -117,6 +120,33 @@ def _match(token_ids: list[int], max_size: int, count: int) -> tuple[int, int]:
             best_start, best_key = len(token_ids) - position - size, key
         position += 1
     return best_start, best_key[0]
+
+
+def pace(
+    previous: DraftPace, num_speculative_tokens: int, num_proposed: int, num_accepted: int
+) -> DraftPace:
+    """The budget after a step that proposed `num_proposed` tokens, `num_accepted` of them
+    kept: all kept, one more next time (up to k); some, one more than were kept; none, one
+    token, after a wait that doubles with each miss in a row. A sequence whose text keeps
+    repeating proposes k a step; one whose matches are chance spends few rows on them."""
+    if num_accepted == num_proposed:
+        budget = previous.budget if previous.budget is not None else num_speculative_tokens
+        return DraftPace(budget=min(num_speculative_tokens, budget + 1))
+    if num_accepted > 0:
+        return DraftPace(budget=num_accepted + 1)
+    misses = previous.misses + 1
+    return DraftPace(budget=1, skip=min(2**misses - 1, MAX_SKIP_STEPS), misses=misses)
+
+
+def draft_budget(seq: Sequence, config: SpeculativeConfig, max_model_len: int) -> int:
+    """Proposals `seq` may make this step: what fits (`draft_limit`) within its pace; 0 while
+    it waits out a miss (the step counts the wait down)."""
+    current = seq.draft_pace
+    if current.skip:
+        seq.draft_pace = DraftPace(current.budget, current.skip - 1, current.misses)
+        return 0
+    budget = config.num_speculative_tokens if current.budget is None else current.budget
+    return min(budget, draft_limit(seq, max_model_len))
 
 
 def can_speculate(seq: Sequence) -> bool:

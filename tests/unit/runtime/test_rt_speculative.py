@@ -10,12 +10,14 @@ from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import Scheduler
-from kvpilot.runtime.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.sequence import DraftPace, Sequence, SequenceStatus
 from kvpilot.runtime.speculative import (
     SpeculativeConfig,
     can_speculate,
+    draft_budget,
     draft_limit,
     num_accepted,
+    pace,
     parse_config,
     propose,
 )
@@ -137,6 +139,36 @@ def test_draft_limit_keeps_the_step_within_max_tokens_and_the_context(
 ) -> None:
     seq = decoding(SamplingParams(temperature=0, max_tokens=max_tokens))  # 12 tokens, 2 out
     assert draft_limit(seq, max_model_len) == expected
+
+
+@pytest.mark.parametrize(
+    ("previous", "proposed", "accepted", "expected"),
+    [
+        (DraftPace(), 4, 4, DraftPace(budget=4)),  # all kept: stays at k
+        (DraftPace(budget=2), 2, 2, DraftPace(budget=3)),  # all kept: one more
+        (DraftPace(budget=4), 4, 1, DraftPace(budget=2)),  # some: one more than were kept
+        (DraftPace(budget=4), 4, 3, DraftPace(budget=4)),
+        (DraftPace(budget=4), 4, 0, DraftPace(budget=1, skip=1, misses=1)),  # none: wait
+        (DraftPace(budget=1, misses=1), 1, 0, DraftPace(budget=1, skip=3, misses=2)),
+        (DraftPace(budget=1, misses=4), 1, 0, DraftPace(budget=1, skip=15, misses=5)),
+        (DraftPace(budget=1, misses=9), 1, 0, DraftPace(budget=1, skip=15, misses=10)),  # cap
+        (DraftPace(budget=1, misses=3), 1, 1, DraftPace(budget=2)),  # a hit forgives
+    ],
+)
+def test_pace_follows_what_the_model_kept(
+    previous: DraftPace, proposed: int, accepted: int, expected: DraftPace
+) -> None:
+    assert pace(previous, 4, proposed, accepted) == expected
+
+
+def test_draft_budget_waits_out_a_miss_then_proposes_within_the_limit() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=4)
+    seq = decoding(SamplingParams(temperature=0, max_tokens=16))  # room for 13
+    seq.draft_pace = DraftPace(budget=1, skip=2, misses=2)
+    assert [draft_budget(seq, config, 1000) for _ in range(3)] == [0, 0, 1]
+    seq.draft_pace = DraftPace()
+    assert draft_budget(seq, config, 1000) == 4
+    assert draft_budget(seq, config, 14) == 1  # the context has room for one more
 
 
 @pytest.mark.parametrize(("budget", "expected_drafts"), [(64, 4), (3, 2), (1, 0)])
