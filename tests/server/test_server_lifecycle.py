@@ -170,12 +170,14 @@ def test_sigterm_drains_in_flight_requests(start_server: Callable[..., RuntimeSe
 def test_drain_timeout_aborts_the_rest_and_exits_0(
     start_server: Callable[..., RuntimeServer],
 ) -> None:
-    server = start_server("--max-model-len", "512", "--shutdown-timeout", "1")
+    # A request far longer than the drain timeout (2,000 tokens; tiny-llama makes ~600 a second
+    # on one CPU core), so the timeout, not the request, ends it.
+    server = start_server("--max-model-len", "2048", "--shutdown-timeout", "0.5")
 
     async def run() -> str:
         async with httpx.AsyncClient(timeout=120) as client:
             url = f"{server.url}/v1/completions"
-            async with client.stream("POST", url, json=body(500)) as response:
+            async with client.stream("POST", url, json=body(2000)) as response:
                 lines = response.aiter_lines()
                 await anext(lines)
                 os.kill(server.process.pid, signal.SIGTERM)
