@@ -61,8 +61,14 @@ def decoding_engine(model: Path, num_seqs: int, num_steps: int) -> Engine:
     for index in range(num_seqs):
         prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
         engine.add_request(prompt, greedy(num_steps + 8), f"profile-{index}")
-    running = engine.scheduler.running
-    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in running):
+    scheduler = engine.scheduler
+
+    def is_prefilling() -> bool:
+        # Requests wait in the engine's inbox until a step takes them: count the running ones.
+        running = scheduler.running
+        return len(running) < num_seqs or any(s.num_output_tokens == 0 for s in running)
+
+    while is_prefilling():
         engine.step()
     engine.step()  # one decode-only step before timing
     return engine
