@@ -73,6 +73,11 @@ class SpeedCase:
         return next((level, kernel) for label, level, kernel in SPEED_CASES if label == self.label)
 
 
+def auto_int8_kernel() -> str:
+    """What `--int8-kernel auto` runs on this CPU."""
+    return resolve_int8_kernel("auto", torch.device("cpu"), machine_probe.cpu_supports_int8_dot())
+
+
 def verdict(is_met: bool) -> str:
     return "met" if is_met else "not met"
 
@@ -166,7 +171,7 @@ def speed_section(rounds: int, decode_steps: int) -> str:
         ],
         rows,
     )
-    chosen = resolve_int8_kernel("auto", torch.device("cpu"), machine_probe.cpu_supports_int8_dot())
+    chosen = auto_int8_kernel()
     return (
         f"Decode tokens per CPU-second, bf16 compute, {PROMPT_TOKENS}-token prompts, "
         f"{decode_steps} timed decode steps, best of {rounds} alternating rounds. `int8` is the "
@@ -179,7 +184,7 @@ def perplexity_section() -> str:
     dataset = MODEL / "eval.txt"
     argv = ["--model", str(MODEL), "--dataset", str(dataset)]
     result = run(parse_args(argv))
-    kernel = resolve_int8_kernel("auto", torch.device("cpu"), machine_probe.cpu_supports_int8_dot())
+    kernel = auto_int8_kernel()
     other = "w8a16" if kernel == "w8a8" else "w8a8"
     other_run = run(parse_args([*argv, "--quantization", "int8", "--int8-kernel", other]))
     result["levels"] = {

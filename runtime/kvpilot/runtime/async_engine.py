@@ -6,8 +6,9 @@ event loop. `add_request`, `abort` and `stats` are safe from any thread (engine.
 The engine is built on the thread that steps it (`AsyncEngine.create`). On CPU every OS thread
 that runs a parallel torch op keeps an OpenMP team of its own; once the process has more such
 threads than cores, libgomp stops spinning between parallel regions and each region pays a
-futex wake-up. A model loaded on one thread and stepped on another doubled a decode step
-(compute-bound model, 32 sequences, 2 cores: 47 -> 94 ms, 1.4 of 2 cores busy).
+futex wake-up: a model loaded on one thread and stepped on another ran its decode steps at
+about half speed on 2 cores, with both cores partly idle. To see it, time `Engine.step()` on a
+thread other than the one that built the engine.
 """
 
 from __future__ import annotations

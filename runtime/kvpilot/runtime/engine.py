@@ -80,14 +80,15 @@ class Engine:
             self.device = rank_device(self.device, 0, tp)
         # Read before the weights load, which take their share of it (subtracted in the budget).
         self.usable_memory = machine_probe.usable_memory() if self.device.type == "cpu" else None
-        self.cpu_has_bf16 = machine_probe.cpu_supports_bf16()
+        cpu_flags = machine_probe.cpu_flags()  # /proc/cpuinfo, read once
+        self.cpu_has_bf16 = machine.cpu_supports_bf16(cpu_flags)
         dtype = resolve_dtype(
             config.dtype, self.model_config.torch_dtype, self.device, self.cpu_has_bf16
         )
         self.dtype = dtype
         # Before the weights load: an unsupported KV dtype fails in a second, not a minute.
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, self.device)
-        self.cpu_has_int8_dot = machine_probe.cpu_supports_int8_dot()
+        self.cpu_has_int8_dot = machine.cpu_supports_int8_dot(cpu_flags)
         self.int8_kernel = resolve_int8_kernel(
             config.int8_kernel, self.device, self.cpu_has_int8_dot
         )
