@@ -42,3 +42,10 @@ if [ "$(cat "$venv/.clone" 2>/dev/null)" != "$marker" ]; then
 fi
 ln -sfn "$venv" .venv
 echo "==> virtualenv ready: .venv -> $venv"
+
+# The CPU paged-attention kernel (runtime/kvpilot/runtime/layers/paged_kernel.py) is compiled once
+# per machine, source and torch version (cached under ~/.cache/kvpilot/kernels): build it here, so
+# no engine start (or test with a start-up timeout) pays the ~15 s. Without a C++ compiler the
+# runtime runs decode attention through torch SDPA instead, so this never fails the set-up.
+"$venv/bin/python" -m kvpilot.runtime.layers.paged_kernel \
+  || echo "==> (no paged-attention kernel here: the runtime falls back to --attention-backend sdpa)"

@@ -1,15 +1,23 @@
-"""Paged attention against a plain per-sequence reference, and the runner's batch layout:
-decode groups cut by padded size, slot ids a block at a time, rotary halves swapped exactly."""
+"""Paged attention against a plain per-sequence reference (both decode backends: the gather and
+SDPA, and the CPU kernel that reads the pool in place), the kernel's own checks, the backend
+choice, and the runner's batch layout: decode groups cut by padded size, slot ids a block at a
+time, rotary halves swapped exactly."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
+from kvpilot.runtime.layers import paged_kernel
+from kvpilot.runtime.layers.attention import (
+    AttentionMetadata,
+    paged_attention,
+    resolve_attention_backend,
+)
 from kvpilot.runtime.layers.kv_cache import dequantize, quantize
 from kvpilot.runtime.layers.rotary import apply_rotary, signed_sin
 from kvpilot.runtime.loader import load_model_config
@@ -133,24 +141,43 @@ def scheduled(contexts: list[tuple[int, int]]) -> list[ScheduledSequence]:
     return batch
 
 
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    """The CPU kernel, built (or loaded from the cache) once; a machine without a C++ compiler
+    fails here with the reason, rather than skipping what the default backend runs."""
+    paged_kernel.load()
+
+
 @pytest.mark.parametrize(
-    "decode_group_limits",
-    [(10**6, 10**6), (4, 16), (1, 1), (10**6, 3)],
-    ids=["one-group", "by-padded-size", "one-per-group", "by-count"],
+    ("backend", "decode_group_limits"),
+    [
+        ("sdpa", (10**6, 10**6)),
+        ("sdpa", (4, 16)),
+        ("sdpa", (1, 1)),
+        ("sdpa", (10**6, 3)),
+        ("paged", (4, 16)),
+    ],
+    ids=["one-group", "by-padded-size", "one-per-group", "by-count", "paged-kernel"],
 )
 def test_paged_attention_matches_reference(
-    runner: ModelRunner, decode_group_limits: tuple[int, int]
+    runner: ModelRunner, kernel: None, backend: str, decode_group_limits: tuple[int, int]
 ) -> None:
-    """Decodes of many lengths (split into groups of different widths) and prefill chunks, with
-    and without cached context, in one step."""
+    """Decodes of many lengths (split into groups of different widths, or all in one kernel
+    call) and prefill chunks, with and without cached context, in one step."""
     torch.manual_seed(0)
+    runner.attention_backend = backend
     runner.decode_group_limits = decode_group_limits
     for k_cache, v_cache in runner.kv_caches:
         k_cache.data.normal_(), v_cache.data.normal_()
     contexts = [(40, 1), (0, 1), (16, 1), (3, 1), (0, 12), (33, 1), (20, 7), (15, 1), (63, 1)]
     batch = scheduled(contexts)
     _, _, meta, _ = runner.prepare(batch)
-    assert len(meta.decodes) > 1 or decode_group_limits[0] == 10**6
+    if backend == "paged":
+        assert not meta.decodes and meta.paged_decodes is not None
+        assert meta.paged_decodes.num_seqs == 7  # every decode row in one call
+    else:
+        assert meta.paged_decodes is None
+        assert len(meta.decodes) > 1 or decode_group_limits[0] == 10**6
     cfg = runner.model.cfg
     num_tokens = sum(num_new for _, num_new in contexts)
     q = torch.randn(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -168,6 +195,7 @@ def test_paged_attention_matches_reference(
 
 
 def test_chunk_over_cached_kv_needs_its_mask(runner: ModelRunner) -> None:
+    runner.attention_backend = "sdpa"
     batch = scheduled([(16, 4)])
     _, _, meta, _ = runner.prepare(batch)
     meta = AttentionMetadata(meta.slot_mapping, [], [meta.prefills[0]])
@@ -207,3 +235,138 @@ def test_paged_attention_reads_fp8_through_its_scales(tiny_llama_dir: Path) -> N
         expected = reference_attention(q[rows], keys, values, item.seq, item.num_new_tokens)
         torch.testing.assert_close(out[rows], expected, atol=1e-4, rtol=1e-4)
         start += item.num_new_tokens
+
+
+def kernel_inputs(
+    dtype: torch.dtype, lengths: list[int], num_heads: int = 8, num_kv_heads: int = 2, dim: int = 64
+) -> tuple[torch.Tensor, ...]:
+    """q [B, H, D] (a strided view, as the model hands it over), a pool of shuffled blocks and
+    block tables padded with block 0."""
+    generator = torch.Generator().manual_seed(0)
+    widths = [-(-length // BLOCK_SIZE) for length in lengths]
+    blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    tables = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
+    for row, width in enumerate(widths):
+        tables[row, :width] = torch.tensor(blocks[:width])
+        blocks = blocks[width:]
+    shape = (NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    wide = torch.randn(len(lengths), num_heads + num_kv_heads, dim, generator=generator)
+    q = wide.to(dtype)[:, :num_heads]  # not contiguous: rows of H + H_kv heads
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def kernel_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    out = torch.empty(q.shape)
+    group = q.shape[1] // k_cache.shape[2]
+    for row, length in enumerate(lengths.tolist()):
+        slots = [
+            int(tables[row, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(length)
+        ]
+        keys = k_cache.flatten(0, 1)[slots].float()  # [ctx, H_kv, D]
+        values = v_cache.flatten(0, 1)[slots].float()
+        for head in range(q.shape[1]):
+            scores = keys[:, head // group] @ q[row, head].float() * q.shape[-1] ** -0.5
+            out[row, head] = scores.softmax(-1) @ values[:, head // group]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "dim", "tolerance"),
+    [
+        (torch.float32, 64, 1e-5),
+        (torch.bfloat16, 64, 2e-2),  # the output is rounded to bf16 (8 bits of mantissa)
+        (torch.float16, 32, 2e-3),
+        (torch.float32, 48, 1e-5),  # a head size without its own specialisation
+    ],
+)
+def test_kernel_matches_reference(
+    kernel: None, dtype: torch.dtype, dim: int, tolerance: float
+) -> None:
+    """Lengths at, under and over block boundaries, one token to 100, in one call."""
+    lengths = [1, 15, 16, 17, 33, 100, 64]
+    q, k_cache, v_cache, tables, lens = kernel_inputs(dtype, lengths, dim=dim)
+    out = paged_kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    expected = kernel_reference(q, k_cache, v_cache, tables, lens)
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda args: {**args, "lens": torch.tensor([0, 5], dtype=torch.int32)}, "outside 1.."),
+        (lambda args: {**args, "lens": torch.tensor([5, 33], dtype=torch.int32)}, "outside 1.."),
+        (lambda args: {**args, "tables": args["tables"] + NUM_BLOCKS}, "outside the pool"),
+        (lambda args: {**args, "tables": args["tables"].long()}, "int32"),
+        (lambda args: {**args, "k": args["k"].to(torch.bfloat16)}, "query's dtype"),
+        (
+            lambda args: {
+                **args,
+                "k": args["k"][:, :8].contiguous(),
+                "v": args["v"][:, :8].contiguous(),
+            },
+            "16 tokens",
+        ),
+        (lambda args: {**args, "q": args["q"][:, :3]}, "multiple of H_kv"),
+    ],
+    ids=["empty", "past-table", "block-id", "int64-table", "kv-dtype", "block-size", "heads"],
+)
+def test_kernel_refuses_bad_input(kernel: None, change: Any, message: str) -> None:
+    """A malformed call is a RuntimeError that names the problem, never a read outside the pool."""
+    q, k_cache, v_cache, tables, lens = kernel_inputs(torch.float32, [5, 20])
+    args = change({"q": q, "k": k_cache, "v": v_cache, "tables": tables, "lens": lens})
+    with pytest.raises(RuntimeError, match=message):
+        paged_kernel.paged_decode_attention(
+            args["q"], args["k"], args["v"], args["tables"], args["lens"], 0.125
+        )
+
+
+def kernel_ok() -> str | None:
+    return None
+
+
+def kernel_missing() -> str:
+    return "no C++ compiler"
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "kv_in_model_dtype", "kernel_error", "expected"),
+    [
+        ("auto", "cpu", True, kernel_ok, "paged"),
+        ("auto", "cpu", True, kernel_missing, "sdpa"),
+        ("auto", "cpu", False, kernel_ok, "sdpa"),  # fp8 KV: the kernel reads the model dtype
+        ("auto", "cuda", True, kernel_ok, "sdpa"),
+        ("paged", "cpu", True, kernel_ok, "paged"),
+        ("sdpa", "cpu", True, kernel_ok, "sdpa"),
+        ("sdpa", "cuda", True, kernel_missing, "sdpa"),
+    ],
+)
+def test_resolve_attention_backend(
+    choice: str, device: str, kv_in_model_dtype: bool, kernel_error: Any, expected: str
+) -> None:
+    backend, why = resolve_attention_backend(
+        choice, torch.device(device), kv_in_model_dtype, kernel_error
+    )
+    assert backend == expected and why
+    if kernel_error is kernel_missing and choice == "auto" and device == "cpu":
+        assert "no C++ compiler" in why  # the start-up log says why it fell back
+
+
+@pytest.mark.parametrize(
+    ("device", "kv_in_model_dtype", "kernel_error", "message"),
+    [
+        ("cuda", True, kernel_ok, "is a CPU kernel"),
+        ("cpu", False, kernel_ok, "--kv-cache-dtype fp8"),
+        ("cpu", True, kernel_missing, "no C\\+\\+ compiler"),
+    ],
+)
+def test_paged_backend_asked_for_where_it_cannot_run(
+    device: str, kv_in_model_dtype: bool, kernel_error: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_attention_backend("paged", torch.device(device), kv_in_model_dtype, kernel_error)

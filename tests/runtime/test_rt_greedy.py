@@ -50,11 +50,19 @@ def block_bytes(engine: Engine) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * BLOCK_SIZE  # fp32
 
 
+@pytest.mark.parametrize("attention_backend", ["paged", "sdpa"])
 def test_batched_greedy_matches_transformers(
-    tiny_llama_dir: Path, make_engine: Callable[..., Engine], reference: Callable
+    tiny_llama_dir: Path,
+    make_engine: Callable[..., Engine],
+    reference: Callable,
+    attention_backend: str,
 ) -> None:
+    """Both decode attention backends (the default on CPU is the paged kernel, which the other
+    tests here run)."""
     prompts = make_prompts(tiny_llama_dir, shared_prefix=0)
-    assert_matches(make_engine(enable_prefix_caching=False), prompts, reference)
+    engine = make_engine(enable_prefix_caching=False, attention_backend=attention_backend)
+    assert engine.attention_backend == attention_backend
+    assert_matches(engine, prompts, reference)
 
 
 def test_prefix_cached_greedy_matches_transformers(
@@ -96,16 +104,19 @@ def quoting(prompts: list[list[int]]) -> list[list[int]]:
     return [[p[0], *p[1:41], *p[1:41]] for p in prompts]
 
 
-@pytest.mark.parametrize("num_speculative_tokens", [1, 4])
+@pytest.mark.parametrize(
+    ("num_speculative_tokens", "attention_backend"), [(1, "auto"), (4, "auto"), (4, "sdpa")]
+)
 def test_speculative_greedy_matches_transformers(
     tiny_llama_dir: Path,
     make_engine: Callable[..., Engine],
     reference: Callable,
     num_speculative_tokens: int,
+    attention_backend: str,
 ) -> None:
     prompts = quoting(make_prompts(tiny_llama_dir, shared_prefix=0))
     config = f'{{"method": "ngram", "num_speculative_tokens": {num_speculative_tokens}}}'
-    engine = make_engine(speculative_config=config)
+    engine = make_engine(speculative_config=config, attention_backend=attention_backend)
     assert_matches(engine, prompts, reference)
     stats = engine.stats()
     assert stats.spec_decode_drafts > 0

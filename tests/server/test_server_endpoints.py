@@ -11,6 +11,7 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.runtime import machine_probe
+from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.tokenizer import Tokenizer
@@ -115,6 +116,11 @@ def test_version_is_the_package_version_and_the_choices_for_this_machine(
     assert engine["cpu_has_int8_dot"] is has_int8_dot
     assert engine["int8_kernel"] == ("w8a8" if has_int8_dot else "w8a16")
     assert engine["quantization"] == "none"
+    # --attention-backend auto: the paged kernel on CPU where it builds (make setup builds it)
+    assert engine["attention_backend"] == (
+        "paged" if paged_kernel.unavailable_reason() is None else "sdpa"
+    )
+    assert engine["attention_source"]
     # tiny-llama is a bf16 checkpoint: bf16 compute where the CPU has bf16 units
     assert engine["dtype"] == ("bfloat16" if has_bf16 else "float32")
     assert engine["kv_cache_dtype"] == engine["dtype"]

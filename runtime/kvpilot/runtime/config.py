@@ -17,6 +17,7 @@ INT8_KERNEL_CHOICES = ("auto", "w8a16", "w8a8")  # layers/quant.py says what eac
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
+ATTENTION_BACKEND_CHOICES = ("auto", "paged", "sdpa")  # layers/attention.py says what each runs
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
@@ -65,6 +66,14 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto", "auto: the model dtype; fp8: float8_e4m3fn with a scale", KV_CACHE_DTYPE_CHOICES
     )
+    attention_backend: str = option(
+        "auto",
+        "decode attention: paged reads each sequence's blocks in place from the KV cache (a C++ "
+        "kernel built once per machine, CPU only); sdpa copies them out, then runs torch SDPA; "
+        "auto: paged on CPU where the kernel builds and the KV cache is in the model dtype, sdpa "
+        "elsewhere",
+        ATTENTION_BACKEND_CHOICES,
+    )
     speculative_config: str | None = option(
         None,
         'speculative decoding as JSON, as vLLM takes it: {"method": "ngram", '
@@ -77,6 +86,7 @@ class EngineConfig:
         _check_choice("int8_kernel", self.int8_kernel, INT8_KERNEL_CHOICES)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):

@@ -27,6 +27,8 @@ from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
 from kvpilot.runtime.engine_stats import EngineStats, SpecDecodeCounts
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
+from kvpilot.runtime.layers import paged_kernel
+from kvpilot.runtime.layers.attention import resolve_attention_backend
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.layers.quant import resolve_int8_kernel
 from kvpilot.runtime.loader import load_model_config, resolve_dtype
@@ -92,6 +94,10 @@ class Engine:
         self.int8_kernel = resolve_int8_kernel(
             config.int8_kernel, self.device, self.cpu_has_int8_dot
         )
+        self.attention_backend, self.attention_source = resolve_attention_backend(
+            config.attention_backend, self.device, self.kv_dtype == dtype,
+            paged_kernel.unavailable_reason,
+        )  # fmt: skip
         # Each rank, this one included, computes with its share of the threads torch was given.
         # Process-wide: this process is rank 0 of the group from here on.
         self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)
@@ -132,6 +138,7 @@ class Engine:
             model_config=self.model_config,
             quantization=self.config.quantization,
             int8_kernel=self.int8_kernel,
+            attention_backend=self.attention_backend,
             dtype=dtype,
             device=self.device,
             seed=self.config.seed,
@@ -158,7 +165,9 @@ class Engine:
             self.workers.join_group(group, self.device)
         self.weight_bytes = model.weight_bytes()  # per rank
         eos = tuple(self.tokenizer.eos_token_ids)
-        self.runner = ModelRunner(model, self.device, self.config.seed, self.workers, eos)
+        self.runner = ModelRunner(
+            model, self.device, self.config.seed, self.workers, eos, self.attention_backend
+        )
         self.num_kv_blocks = self._num_kv_blocks(self.kv_dtype)
         self.runner.allocate_kv_cache(self.num_kv_blocks, self.kv_dtype)
 

@@ -14,6 +14,7 @@ from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import (
     AttentionMetadata,
     DecodeGroup,
+    PagedDecodes,
     PrefillSpan,
     chunk_mask,
     decode_mask,
@@ -244,8 +245,12 @@ class ModelRunner:
         seed: int,
         workers: OtherRanks | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        attention_backend: str = "sdpa",
     ) -> None:
+        """`attention_backend`: resolved (attention.resolve_attention_backend); with `paged` the
+        kernel must be loaded in this process."""
         self.model, self.device, self.workers = model, device, workers
+        self.attention_backend = attention_backend
         self.eos_token_ids = eos_token_ids  # masked with stop ids until a row's min_tokens
         self.kv_caches: KVCache = []
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
@@ -305,9 +310,12 @@ class ModelRunner:
         those scoring prompt tokens."""
         meta = AttentionMetadata(
             slot_mapping=self._tensor(plan.slot_mapping),
-            decodes=self._decode_groups(plan.decode_block_tables, plan.decode_context_lens),
             prefills=[self._prefill_span(prefill) for prefill in plan.prefills],
         )
+        if self.attention_backend == "paged":
+            meta.paged_decodes = self._paged_decodes(plan)
+        else:
+            meta.decodes = self._decode_groups(plan.decode_block_tables, plan.decode_context_lens)
         ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
         return ids, positions, meta, self._tensor(plan.sample_rows + plan.prompt_rows)
 
@@ -322,6 +330,20 @@ class ModelRunner:
                 num_tokens, num_computed, num_groups, self.model.dtype, self.device
             )
         return span
+
+    def _paged_decodes(self, plan: StepPlan) -> PagedDecodes | None:
+        """The decodes' block tables as one [B, W] int32 matrix, padded with block 0 (never read:
+        the kernel stops at each row's context length)."""
+        tables = plan.decode_block_tables
+        if not tables:
+            return None
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        lens = plan.decode_context_lens
+        return PagedDecodes(
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+        )
 
     def _decode_groups(
         self, block_tables: list[list[int]], context_lens: list[int]

@@ -77,6 +77,8 @@ def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
         quantization=core.config.quantization,
         int8_kernel=core.int8_kernel,
         cpu_has_int8_dot=core.cpu_has_int8_dot,
+        attention_backend=core.attention_backend,
+        attention_source=core.attention_source,
         kv_cache_dtype=dtype_name(core.kv_dtype),
         kv_cache_bytes=sum(k.data.nbytes + v.data.nbytes for k, v in core.runner.kv_caches),
         kv_cache_blocks=core.block_manager.num_total_blocks,
@@ -114,7 +116,8 @@ def describe_choices(choices: EngineChoices) -> str:
         f"weights {choices.quantization}{int8_note(choices)} "
         f"{choices.weight_bytes / 2**20:.0f} MiB, KV cache {choices.kv_cache_dtype} "
         f"{choices.kv_cache_bytes / 2**20:.0f} MiB in {choices.kv_cache_blocks} blocks of "
-        f"{BLOCK_SIZE} tokens ({choices.kv_cache_source}), speculative decoding "
+        f"{BLOCK_SIZE} tokens ({choices.kv_cache_source}), decode attention "
+        f"{choices.attention_backend} ({choices.attention_source}), speculative decoding "
         f"{choices.speculative}"
     )
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.loader import ModelConfig
 from kvpilot.runtime.model_runner import ModelRunner, StepPlan, load_model
 from kvpilot.runtime.parallel import (
@@ -55,6 +56,7 @@ class WorkerArgs:
     model_config: ModelConfig  # the whole model's
     quantization: str
     int8_kernel: str  # resolved: w8a16 or w8a8
+    attention_backend: str  # resolved: paged or sdpa
     dtype: torch.dtype
     device: torch.device  # rank 0's; rank r uses the r-th device after it (parallel.rank_device)
     seed: int
@@ -209,7 +211,9 @@ def load_rank(args: WorkerArgs, device: torch.device) -> ModelRunner:
         args.group,
         args.int8_kernel,
     )
-    return ModelRunner(model, device, args.seed)
+    if args.attention_backend == "paged":
+        paged_kernel.load()  # built by rank 0 already: this loads it into the worker
+    return ModelRunner(model, device, args.seed, attention_backend=args.attention_backend)
 
 
 def follow(conn: Connection, handlers: dict[str, Callable[[Any], object]]) -> bool:

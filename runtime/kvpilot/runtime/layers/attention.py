@@ -1,10 +1,14 @@
-"""Paged attention in plain torch (CPU and CUDA).
+"""Paged attention (CPU and CUDA).
 
 The KV cache of a layer is [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim] for keys and for
 values, stored in the `--kv-cache-dtype` and read back in the query's dtype (kv_cache.py). New
-keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset); attention reads a
-sequence's context back by gathering its block table. Decodes are batched into gathers of
-similar context length; prefill chunks run one sequence at a time, so no query padding is wasted.
+keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset). Decodes attend by
+one of two backends (`--attention-backend`):
+- `paged`: one call of the CPU kernel (paged_kernel.py) for all decode rows, which walks each
+  block table and reads the blocks where they lie, with an online softmax;
+- `sdpa`: decodes batched into gathers of similar context length (a copy of their blocks), then
+  torch's SDPA over the copy.
+Prefill chunks run one sequence at a time through SDPA, so no query padding is wasted.
 
 Everything that is the same in every layer (which rows a group owns, the flattened block tables,
 the masks) is built once per step by the model runner, so a layer only gathers and attends.
@@ -12,12 +16,14 @@ the masks) is built once per step by the model runner, so a layer only gathers a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
+from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.kv_cache import PagedCache
 
 # SDPA shares K/V heads itself from torch 2.5 on (twice as fast as copying them on CPU).
@@ -51,10 +57,54 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecodes:
+    """All decode rows for the paged kernel: rows 0..B-1 of the flat batch."""
+
+    block_tables: torch.Tensor  # [B, W] int32, padded with block 0 past a sequence's blocks
+    context_lens: torch.Tensor  # [B] int32, the row's own token included
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long
-    decodes: list[DecodeGroup] = field(default_factory=list)
+    decodes: list[DecodeGroup] = field(default_factory=list)  # sdpa backend
     prefills: list[PrefillSpan] = field(default_factory=list)
+    paged_decodes: PagedDecodes | None = None  # paged backend
+
+
+def resolve_attention_backend(
+    choice: str,
+    device: torch.device,
+    kv_in_model_dtype: bool,
+    kernel_error: Callable[[], str | None],
+) -> tuple[str, str]:
+    """`--attention-backend` -> (paged or sdpa, why). `kernel_error` builds or loads the kernel
+    and says why it cannot (None: loaded); it is called only where the kernel could run."""
+    if choice == "sdpa":
+        return "sdpa", "--attention-backend sdpa"
+    if device.type != "cpu":
+        if choice == "paged":
+            raise ValueError(
+                f"--attention-backend paged is a CPU kernel; on {device} use auto or sdpa"
+            )
+        return "sdpa", f"auto on {device.type}"
+    if not kv_in_model_dtype:
+        if choice == "paged":
+            raise ValueError(
+                "--attention-backend paged reads the KV cache in the model dtype; with "
+                "--kv-cache-dtype fp8 (or another dtype than the model's) use auto or sdpa"
+            )
+        return "sdpa", "auto: the KV cache is stored in another dtype than the model's"
+    error = kernel_error()
+    if error is None:
+        return "paged", f"{choice}: the CPU kernel is built"
+    if choice == "paged":
+        raise ValueError(error)
+    return "sdpa", f"auto: {error}"
 
 
 def additive_mask(is_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,6 +146,12 @@ def paged_attention(
     k_cache.write(k, meta.slot_mapping)
     v_cache.write(v, meta.slot_mapping)
     out = torch.empty_like(q)
+    if meta.paged_decodes is not None:
+        paged = meta.paged_decodes
+        rows = slice(0, paged.num_seqs)
+        out[rows] = paged_kernel.paged_decode_attention(
+            q[rows], k_cache.data, v_cache.data, paged.block_tables, paged.context_lens, scale
+        )
     for group in meta.decodes:
         rows = slice(group.start, group.start + group.num_seqs)
         out[rows] = _decode(q[rows], k_cache, v_cache, group, scale)

@@ -1,0 +1,242 @@
+// Decode attention that reads the paged KV cache in place, on CPU (`--attention-backend paged`).
+//
+// One query token per row: each row (a sequence's decode, or one of its speculative proposals)
+// walks its block table; each block's keys and values, all heads, are read once, in memory
+// order, straight from the pool (never copied into a padded batch), converted to float, and
+// folded into a running softmax per query head (the online softmax of FlashAttention). Rows run
+// in parallel on torch's threads; the output is in the query's dtype.
+//
+// Built at first use by paged_kernel.py (torch.utils.cpp_extension: -O3 -march=native, and
+// -ffast-math so exp vectorises) and registered as torch.ops.kvpilot.paged_decode_attention.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+// bf16 is the top half of a float: a shift the compiler vectorises, unlike the c10 operator.
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+constexpr int64_t kBlockSize = 16;  // memory.BLOCK_SIZE: a block's scores fill one AVX-512 register
+// The score of a slot past the context and the running maximum before the first block: finite,
+// because the kernel is built with -ffast-math (which lets the compiler vectorise exp with
+// glibc's libmvec) and fast math may assume no infinities. exp(kNoScore - x) is exactly 0.
+constexpr float kNoScore = -1e30f;
+
+// One sequence's running state for all its query heads, reused across the sequences a thread
+// runs, and the block being read, keys and values of all heads, converted to float.
+struct Scratch {
+  std::vector<float> query, acc, max_score, denominator, keys, values;
+  Scratch(int64_t num_heads, int64_t block_elements, int64_t head_dim)
+      : query(num_heads * head_dim), acc(num_heads * head_dim), max_score(num_heads),
+        denominator(num_heads), keys(block_elements), values(block_elements) {}
+};
+
+struct Shapes {
+  int64_t num_heads, head_dim, num_kv_heads, group, table_width;
+  int64_t q_seq_stride, q_head_stride, token_stride, block_stride;
+};
+
+// One KV head's share of a block of `n` tokens (already converted to float, all heads, in
+// w.keys / w.values) for the `group` query heads sharing it: scores, rescale of what was
+// accumulated so far, then the weighted values. D is the head size where it is one of the
+// common ones (the accumulator then stays in registers), 0 for any other (read from `s`).
+template <int64_t D>
+void fold_head(int64_t n, int64_t kv_head, const Shapes& s, Scratch& w) {
+  const int64_t d = D > 0 ? D : s.head_dim;
+  const float* keys = &w.keys[kv_head * d];
+  const float* values = &w.values[kv_head * d];
+  for (int64_t head = kv_head * s.group; head < (kv_head + 1) * s.group; ++head) {
+    float scores[kBlockSize];
+    const float* query = &w.query[head * d];
+    for (int64_t t = 0; t < n; ++t) scores[t] = dot(query, keys + t * s.token_stride, d);
+    for (int64_t t = n; t < kBlockSize; ++t) scores[t] = kNoScore;  // past the context
+    float block_max = kNoScore;
+#pragma omp simd reduction(max : block_max)
+    for (int64_t t = 0; t < kBlockSize; ++t) block_max = std::max(block_max, scores[t]);
+    const float new_max = std::max(w.max_score[head], block_max);
+    const float correction = std::exp(w.max_score[head] - new_max);  // 0 on the first block
+    w.max_score[head] = new_max;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < kBlockSize; ++t) {
+      scores[t] = std::exp(scores[t] - new_max);
+      sum += scores[t];
+    }
+    w.denominator[head] = w.denominator[head] * correction + sum;
+    float* acc = &w.acc[head * d];
+    if constexpr (D > 0) {
+      float local[D];
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) local[i] = acc[i] * correction;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = scores[t];
+        const float* row = values + t * s.token_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) local[i] += p * row[i];
+      }
+      std::memcpy(acc, local, sizeof(local));
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = scores[t];
+        const float* row = values + t * s.token_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
+      }
+    }
+  }
+}
+
+// `n` elements of a block into float, one cache line at a time, asking for the same line of the
+// next block (`next`, or null) as it goes: blocks lie anywhere in the pool, where the hardware
+// prefetcher, which stops at page boundaries, would start cold; a burst of prefetches for a
+// whole block at once overflows the core's miss buffers and most are dropped.
+template <typename T>
+inline void load_block(const T* src, const T* next, float* dst, int64_t n) {
+  constexpr int64_t kPerLine = 64 / sizeof(T);
+  for (int64_t at = 0; at < n; at += kPerLine) {
+    if (next != nullptr) __builtin_prefetch(next + at);
+    const int64_t end = std::min(n, at + kPerLine);
+#pragma omp simd
+    for (int64_t i = at; i < end; ++i) dst[i] = to_float(src[i]);
+  }
+}
+
+// One sequence, all heads: block by block, every KV head of a block in turn, so the pool is read
+// one whole block (all heads, contiguous) at a time.
+template <typename T>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t length,
+            float scale, const Shapes& s, Scratch& w, T* out) {
+  const int64_t d = s.head_dim;
+  for (int64_t head = 0; head < s.num_heads; ++head) {
+    const T* row = q + head * s.q_head_stride;
+    for (int64_t i = 0; i < d; ++i) w.query[head * d + i] = to_float(row[i]) * scale;
+  }
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.max_score.begin(), w.max_score.end(), kNoScore);
+  std::fill(w.denominator.begin(), w.denominator.end(), 0.f);
+  for (int64_t start = 0, block = 0; start < length; start += kBlockSize, ++block) {
+    const int64_t offset = static_cast<int64_t>(table[block]) * s.block_stride;
+    const int64_t n = std::min(kBlockSize, length - start);
+    const bool has_next = start + kBlockSize < length;
+    const int64_t next = has_next ? static_cast<int64_t>(table[block + 1]) * s.block_stride : 0;
+    // The block's first n tokens, all heads, are one contiguous run in the pool: read in order.
+    load_block(k_cache + offset, has_next ? k_cache + next : nullptr, w.keys.data(),
+               n * s.token_stride);
+    load_block(v_cache + offset, has_next ? v_cache + next : nullptr, w.values.data(),
+               n * s.token_stride);
+    for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head) {
+      switch (d) {
+        case 32: fold_head<32>(n, kv_head, s, w); break;
+        case 64: fold_head<64>(n, kv_head, s, w); break;
+        case 128: fold_head<128>(n, kv_head, s, w); break;
+        default: fold_head<0>(n, kv_head, s, w);
+      }
+    }
+  }
+  for (int64_t head = 0; head < s.num_heads; ++head) {
+    const float inverse = 1.f / w.denominator[head];
+    for (int64_t i = 0; i < d; ++i) out[head * d + i] = static_cast<T>(w.acc[head * d + i] * inverse);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+         at::Tensor& out) {
+  const int64_t num_kv_heads = k_cache.size(2), head_dim = q.size(2);
+  const Shapes s{q.size(1),    head_dim,    num_kv_heads, q.size(1) / num_kv_heads,
+                 block_tables.size(1),      q.stride(0),  q.stride(1),
+                 num_kv_heads * head_dim,   kBlockSize * num_kv_heads * head_dim};
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k_cache.data_ptr<T>();
+  const T* v_data = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, q.size(0), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(s.num_heads, s.block_stride, s.head_dim);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      attend(q_data + seq * s.q_seq_stride, k_data, v_data, tables + seq * s.table_width,
+             lengths[seq], static_cast<float>(scale), s, scratch,
+             out_data + seq * s.num_heads * s.head_dim);
+    }
+  });
+}
+
+// q: [B, H, D] (rows may be strided; D contiguous); k_cache, v_cache: [num_blocks, BS, H_kv, D]
+// contiguous, q's dtype; block_tables: [B, W] int32, a sequence's blocks first; context_lens:
+// [B] int32, 1 <= length <= W * BS. Returns [B, H, D], contiguous.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, H, D] with D contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, BS, H_kv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "the KV cache must be stored in the query's dtype");
+  TORCH_CHECK(k_cache.size(1) == kBlockSize, "blocks must hold ", kBlockSize, " tokens");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match and H must be a multiple of H_kv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous() && block_tables.size(0) == q.size(0),
+              "block_tables must be contiguous int32 [B, W]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() == q.size(0),
+              "context_lens must be contiguous int32 [B]");
+  // Every block a sequence reads is checked once here, so no task reads outside the pool.
+  const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
+  const int32_t* lengths = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t seq = 0; seq < context_lens.numel(); ++seq) {
+    TORCH_CHECK(lengths[seq] >= 1 && lengths[seq] <= width * block_size, "context length ",
+                lengths[seq], " outside 1..", width * block_size, " (the block table's width)");
+    for (int64_t block = 0; block * block_size < lengths[seq]; ++block) {
+      const int32_t id = tables[seq * width + block];
+      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id ", id, " outside the pool of ",
+                  k_cache.size(0), " blocks");
+    }
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    run<scalar_t>(q, k_cache, v_cache, block_tables, context_lens, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpilot, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvpilot, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

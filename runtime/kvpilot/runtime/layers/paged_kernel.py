@@ -1,0 +1,125 @@
+"""The CPU decode-attention kernel over the paged KV cache (paged_decode.cpp), built once per
+machine and loaded as `torch.ops.kvpilot.paged_decode_attention`.
+
+No well-kept CPU paged-attention kernel installs beside current torch (IPEX stops at torch 2.8,
+vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUDA kernels only),
+and torch's SDPA needs each sequence's keys and values copied out of the pool first. So the
+kernel is ours: ~150 lines of C++, compiled by torch.utils.cpp_extension with -march=native the
+first time a process asks for it (about a minute on 2 cores), then loaded from
+~/.cache/kvpilot/kernels (KVPILOT_KERNEL_CACHE), keyed by the source, torch and the CPU's flags.
+
+    python -m kvpilot.runtime.layers.paged_kernel     # build now (make setup does), print where
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("paged_decode.cpp")
+CACHE_ENV = "KVPILOT_KERNEL_CACHE"
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+
+class KernelUnavailableError(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why and what to do."""
+
+
+def cache_root() -> Path:
+    default = Path.home() / ".cache" / "kvpilot" / "kernels"
+    return Path(os.environ.get(CACHE_ENV) or default)
+
+
+def build_key() -> str:
+    """What the compiled library depends on: its source, torch, Python and (for -march=native)
+    the CPU it was built for."""
+    from kvpilot.runtime import machine_probe  # /proc reads stay out of import time
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    flags = sorted(machine_probe.cpu_flags())
+    for part in (torch.__version__, sys.version, platform.machine(), *flags):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def load() -> None:
+    """Build (first time) and load the kernel into this process; KernelUnavailableError otherwise.
+    Cached: a process builds or fails once."""
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise KernelUnavailableError(
+            f"no C++ compiler ({compiler!r} not on PATH) to build the paged-attention kernel: "
+            "install g++ (Debian: apt-get install g++), or pass --attention-backend sdpa"
+        )
+    try:
+        import ninja  # noqa: F401 - torch.utils.cpp_extension builds with it
+    except ImportError as error:
+        raise KernelUnavailableError(
+            "the paged-attention kernel builds with ninja: pip install ninja (the runtime "
+            "extra has it), or pass --attention-backend sdpa"
+        ) from error
+    from torch.utils import cpp_extension
+
+    key = build_key()
+    build_dir = cache_root() / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=f"kvpilot_paged_decode_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=COMPILE_FLAGS,
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as error:
+        last_line = (str(error).strip().splitlines() or ["no message"])[-1]
+        raise KernelUnavailableError(
+            f"building the paged-attention kernel in {build_dir} failed ({last_line}); "
+            "pass --attention-backend sdpa"
+        ) from error
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel is loaded; otherwise why it cannot be."""
+    try:
+        load()
+    except KernelUnavailableError as error:
+        return str(error)
+    return None
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [B, H, D]; caches: [num_blocks, BS, H_kv, D] in q's dtype; block_tables: [B, W] int32;
+    context_lens: [B] int32 -> [B, H, D]. `load()` must have succeeded in this process."""
+    op = torch.ops.kvpilot.paged_decode_attention
+    return op(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def main() -> int:
+    print(f"==> paged-attention kernel: building or loading under {cache_root()} ...", flush=True)
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"not available: {reason}", file=sys.stderr)
+        return 1
+    print(f"==> paged-attention kernel ready ({cache_root() / build_key()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
