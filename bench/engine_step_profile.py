@@ -1,17 +1,22 @@
 """Engine: where a decode step at 64 sequences spends its CPU time (issue 19 item 5).
 
     .venv/bin/python -m bench.engine_step_profile [--models tiny,compute] [--steps 30]
-        [--num-seqs 64] [--rounds 2]
+        [--num-seqs 64] [--prompt-len 128] [--rounds 2] [--attention-backends sdpa,paged]
 
---num-seqs sequences with random token-id prompts of 128 tokens are prefilled, then --steps
+--num-seqs sequences with random token-id prompts of --prompt-len tokens are prefilled, then --steps
 decode steps are timed, each phase with the process's CPU time (one torch thread: on a shared
 machine wall time measures the neighbours). The phases are the engine's own calls, timed by
 wrapping them on this engine instance: scheduling (Scheduler.schedule), the step plan
 (model_runner.plan_step: flat ids, positions, slots, block tables as Python lists), the forward
-(ModelRunner.run_model: the plan as tensors, then the layers), the logits (lm_head), the sampler,
+(ModelRunner.run_model: the plan as tensors, then the layers, less their attention), the
+attention (layers.attention.paged_attention: writing the new keys and values, then per decode group
+the copy of its blocks out of the paged cache, `PagedCache.gather`, and the attention kernel over
+that copy, SDPA; or with `--attention-backend paged` one kernel call that reads the blocks in
+place, no gather), the logits (lm_head), the sampler,
 and the rest of Engine.step (per-sequence output handling: appending the token, stop checks,
 incremental detokenisation, the stats snapshot). The best of --rounds rounds per model (the
-lowest total). Models: tiny-llama (4 M parameters, overhead-bound) and the compute-bound
+lowest total), each attention backend side by side in one run. Models: tiny-llama (4 M
+parameters, overhead-bound) and the compute-bound
 random-weight Llama of bench.engine_common, both with `--dtype auto`.
 """
 
@@ -31,9 +36,12 @@ from bench.report import markdown_table, write_section
 from kvpilot.runtime import model_runner
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.layers.kv_cache import PagedCache
+from kvpilot.runtime.models import llama
 
-PROMPT_LEN = 128
-PHASES = ("schedule", "plan", "forward", "logits", "sample")
+PHASES = ("schedule", "plan", "forward", "attention", "kv gather", "logits", "sample")
+# Timed inside another phase, reported apart: forward less attention, attention less its gathers.
+NESTED = {"forward": "attention", "attention": "kv gather"}
 
 
 @dataclass
@@ -52,14 +60,19 @@ class PhaseTimes:
         return run
 
 
-def decoding_engine(model: Path, num_seqs: int, num_steps: int) -> Engine:
+def decoding_engine(
+    model: Path, num_seqs: int, num_steps: int, prompt_len: int, attention_backend: str
+) -> Engine:
     """An engine whose `num_seqs` sequences have all been prefilled and are decoding."""
-    config = EngineConfig(model=str(model), device="cpu", max_model_len=1024, max_num_seqs=num_seqs)
+    config = EngineConfig(
+        model=str(model), device="cpu", max_model_len=prompt_len + num_steps + 64,
+        max_num_seqs=num_seqs, attention_backend=attention_backend,
+    )  # fmt: skip
     engine = Engine(config)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     for index in range(num_seqs):
-        prompt = [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)]
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
         engine.add_request(prompt, greedy(num_steps + 8), f"profile-{index}")
     scheduler = engine.scheduler
 
@@ -76,37 +89,65 @@ def decoding_engine(model: Path, num_seqs: int, num_steps: int) -> Engine:
 
 def profile(engine: Engine, num_steps: int) -> PhaseTimes:
     """Time `num_steps` decode steps, phase by phase (wrapping this engine's calls only; the
-    module-level plan_step and sample are put back afterwards)."""
+    module-level functions and PagedCache.gather are put back afterwards)."""
     times = PhaseTimes()
     runner = engine.runner
-    originals = (model_runner.plan_step, model_runner.sample)
+    originals = (model_runner.plan_step, model_runner.sample, llama.paged_attention)
+    gather = PagedCache.gather
     engine.scheduler.schedule = times.timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
     runner.run_model = times.timed("forward", runner.run_model)  # type: ignore[method-assign]
     runner.model.compute_logits = times.timed("logits", runner.model.compute_logits)  # type: ignore[method-assign]
     model_runner.plan_step = times.timed("plan", model_runner.plan_step)
     model_runner.sample = times.timed("sample", model_runner.sample)
+    llama.paged_attention = times.timed("attention", llama.paged_attention)
+    PagedCache.gather = times.timed("kv gather", gather)  # type: ignore[method-assign]
     try:
         for _ in range(num_steps):
             started = time.process_time()
             engine.step()
             times.total += time.process_time() - started
     finally:
-        model_runner.plan_step, model_runner.sample = originals
+        model_runner.plan_step, model_runner.sample, llama.paged_attention = originals
+        PagedCache.gather = gather  # type: ignore[method-assign]
+    for outer, inner in NESTED.items():
+        times.seconds[outer] -= times.seconds[inner]
     return times
 
 
-def rows(times: PhaseTimes, num_steps: int) -> list[list[object]]:
-    def ms(seconds: float) -> str:
-        return f"{1000 * seconds / num_steps:.2f}"
+def rows(by_backend: dict[str, PhaseTimes], num_steps: int) -> list[list[object]]:
+    """One row per phase, ms and share per backend side by side."""
 
-    def share(seconds: float) -> str:
-        return f"{100 * seconds / times.total:.0f}%"
+    def cells(times: PhaseTimes, seconds: float) -> list[object]:
+        return [f"{1000 * seconds / num_steps:.2f}", f"{100 * seconds / times.total:.0f}%"]
 
-    rest = times.total - sum(times.seconds.values())
-    named = [(phase, times.seconds[phase]) for phase in PHASES] + [("rest of the step", rest)]
-    table: list[list[object]] = [[phase, ms(s), share(s)] for phase, s in named]
-    table.append(["**step**", f"**{ms(times.total)}**", "100%"])
+    def rest(times: PhaseTimes) -> float:
+        return times.total - sum(times.seconds.values())
+
+    table: list[list[object]] = []
+    for phase in PHASES:
+        table.append([phase, *(c for t in by_backend.values() for c in cells(t, t.seconds[phase]))])
+    table.append(["rest of the step", *(c for t in by_backend.values() for c in cells(t, rest(t)))])
+    table.append(["**attention, all**", *(
+        c for t in by_backend.values()
+        for c in cells(t, t.seconds["attention"] + t.seconds["kv gather"])
+    )])  # fmt: skip
+    steps = [f"**{1000 * t.total / num_steps:.2f}**" for t in by_backend.values()]
+    table.append(["**step**", *(c for step in steps for c in (step, "100%"))])
     return table
+
+
+def best_times(model: Path, backend: str, args: argparse.Namespace, label: str) -> PhaseTimes:
+    """The lowest-total of --rounds profiles of a fresh engine."""
+    best: PhaseTimes | None = None
+    for _ in range(args.rounds):
+        engine = decoding_engine(model, args.num_seqs, args.steps, args.prompt_len, backend)
+        times = profile(engine, args.steps)
+        best = times if best is None or times.total < best.total else best
+        share = (times.seconds["attention"] + times.seconds["kv gather"]) / times.total
+        step_ms = 1000 * times.total / args.steps
+        print(f"{label} {backend}: {step_ms:.1f} ms/step, attention {share:.0%}", flush=True)
+    assert best is not None
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,26 +155,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="tiny,compute", help="comma-separated: tiny, compute")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--attention-backends", default="sdpa,paged", help="comma-separated, side by side"
+    )
     args = parser.parse_args(argv)
     setup_threads()
     paths = {"tiny": MODEL, "compute": None}
     body = [
-        f"{args.num_seqs} sequences decoding (prompts of {PROMPT_LEN} random token ids, greedy), "
+        f"{args.num_seqs} sequences decoding (prompts of {args.prompt_len} random token ids, "
+        "greedy), "
         f"{args.steps} steps timed, best of {args.rounds} rounds; CPU time of the process. "
         f"{threads_note()}",
     ]
+    backends = args.attention_backends.split(",")
     for name in args.models.split(","):
         model = paths[name] or compute_bound_llama()
-        best: PhaseTimes | None = None
-        for _ in range(args.rounds):
-            times = profile(decoding_engine(model, args.num_seqs, args.steps), args.steps)
-            best = times if best is None or times.total < best.total else best
-            print(f"{name}: {1000 * times.total / args.steps:.1f} ms/step", flush=True)
-        assert best is not None
+        by_backend = {backend: best_times(model, backend, args, name) for backend in backends}
         title = "tiny-llama (4 M parameters)" if name == "tiny" else "compute-bound Llama (245 M)"
-        table = markdown_table(["phase", "ms per step", "share"], rows(best, args.steps))
-        body += [f"### {title}", table]
+        header = ["phase", *(h for b in backends for h in (f"{b}: ms per step", "share"))]
+        body += [f"### {title}", markdown_table(header, rows(by_backend, args.steps))]
     command = "python -m bench.engine_step_profile " + " ".join(argv or sys.argv[1:])
     write_section(
         "engine_step_profile", "Engine: a decode step, phase by phase", command.strip(),
