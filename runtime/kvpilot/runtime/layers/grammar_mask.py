@@ -12,7 +12,12 @@ from collections.abc import Sequence
 
 import torch
 from llguidance import LLExecutor, LLMatcher
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+
+# The numpy helpers, not llguidance.torch's: that module compiles a function with torch.compile
+# at import, which imports torch._dynamo (5.4 s of a 7.8 s `import kvpilot.runtime.engine` on
+# 2 cores, at every runtime start). The bitmask is a host tensor, so its numpy view is the
+# same memory.
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 BITS = 32
 # llguidance's executor takes 80% of the CPUs: below 4 that is one worker, and handing the
@@ -59,12 +64,12 @@ class GrammarMasker:
         """Row k of `bitmask` := the tokens matchers[k] allows next."""
         if not self.is_parallel:
             for k, matcher in enumerate(matchers):
-                fill_next_token_bitmask(matcher, bitmask, k)
+                fill_next_token_bitmask(matcher, bitmask.numpy(), k)
             return
         if self.executor is None:
             self.executor = LLExecutor()
         pairs = [(matcher, k) for k, matcher in enumerate(matchers)]
-        fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+        fill_next_token_bitmask_par(self.executor, pairs, bitmask.numpy())
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         """A [num_rows, W] view of a reused host buffer (pinned on CUDA for the async copy)."""
