@@ -195,14 +195,15 @@ def linear_us(rows: int, repeats: int = 200) -> float:
 def note() -> str:
     one, two, five = (linear_us(rows) for rows in (1, 2, 5))
     return (
-        "Why 32 sequences gain nothing: each proposal is one more row through every matmul and "
-        "one more gather of its sequence's KV blocks (the rows of one sequence attend as decodes "
-        "of their own, so the same blocks are gathered once per row). At one sequence the extra "
+        "Why 32 sequences gain little: each proposal is one more row through every matmul and "
+        "one more walk over its sequence's KV blocks (the rows of one sequence attend as decodes "
+        "of their own, so the paged kernel reads the same blocks once per row). At one sequence "
+        "the extra "
         "rows are nearly free for the compute-bound model's matmuls (measured in this run: bf16 "
         f"`linear` of a 1024x4096 weight, {one:.0f} us for 1 row, {two:.0f} us for 2, {five:.0f} "
         "us for 5), so 4 tokens a step pay; at 32 rows the matmuls are compute-bound and a "
         "rejected proposal costs as much as a real token. Reading a sequence's blocks once for "
-        "all its rows (a multi-query decode kernel) is what would cut the gather cost; it is not "
+        "all its rows (a multi-query decode kernel) would cut the attention share; it is not "
         "built."
     )
 
