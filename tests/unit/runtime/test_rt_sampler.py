@@ -137,6 +137,22 @@ def test_top_p_sorts_only_rows_its_candidates_do_not_cover(
         assert same_logits(got[index], reference.filtered_logits(logits[index], row))
 
 
+@pytest.mark.parametrize("num_candidates", [4, 1024])  # the full sort, and the candidates
+def test_a_near_zero_top_p_keeps_greedys_token_among_tied_logits(
+    num_candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 logits tie often; top_p -> 0 keeps exactly the token argmax (greedy) picks, the first
+    of the tied largest, whatever order topk or sort leave ties in."""
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", num_candidates)
+    logits = torch.full((3, VOCAB), -4.0)
+    for row, tied in enumerate([(3, 7), (9, 2, 5), (0, VOCAB - 1)]):
+        logits[row, list(tied)] = 2.5
+    got = filter_logits(logits, [SamplingParams(top_p=1e-9)] * 3)
+    for row in range(3):
+        kept = got[row].isfinite().nonzero().flatten().tolist()
+        assert kept == [int(logits[row].argmax())]
+
+
 def test_draws_follow_the_distribution() -> None:
     """20,000 rows of the same logits: each token's share is its probability (within 4 sigma)."""
     num_rows = 20_000

@@ -248,7 +248,7 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     vocab_size, device = logits.shape[-1], logits.device
     top_ks = [p.effective_top_k for p in params]
     num_candidates = min(vocab_size, max(*top_ks, TOP_P_CANDIDATES))
-    values, ids = logits.topk(num_candidates, dim=-1)  # [N, C], descending
+    values, ids = by_value_then_id(*logits.topk(num_candidates, dim=-1))  # [N, C], descending
     has_top_k = _long(top_ks, device).unsqueeze(1) > 0
     values = values.masked_fill(has_top_k & (values < _kth(values, top_ks)), float("-inf"))
     # Probabilities over the row's whole vocabulary, or over its top-k when it has one.
@@ -270,6 +270,17 @@ def apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> tor
     return result
 
 
+def by_value_then_id(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates in descending value, equal values by ascending token id. topk leaves the order
+    of ties open, and top-p keeps the first of tied tokens at its edge: ordered so, a top_p near
+    0 keeps the token greedy's argmax picks (the first of the largest), not another with the same
+    logit, which bf16 logits often have."""
+    by_id = ids.argsort(dim=-1)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(1, order), ids.gather(1, order)
+
+
 def _kth(values: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     """[N, 1]: the k-th largest of each row of descending `values` (the last for k = 0)."""
     width = values.shape[-1]
@@ -281,7 +292,7 @@ def top_k_top_p_sorted(
     logits: torch.Tensor, top_ks: list[int], top_p: torch.Tensor
 ) -> torch.Tensor:
     """top_p: [N, 1]. The same filters over a full sort of each row."""
-    ordered, order = logits.sort(-1, descending=True)
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)  # ties by id, as above
     has_top_k = _long(top_ks, logits.device).unsqueeze(1) > 0
     ordered = ordered.masked_fill(has_top_k & (ordered < _kth(ordered, top_ks)), float("-inf"))
     probs = ordered.softmax(-1)
