@@ -246,9 +246,11 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
   const int64_t d = D > 0 ? D : s.head_dim;
   for (int64_t head = 0; head < s.num_heads; ++head) {
     const T* row = q + head * s.q_head_stride;
-    for (int64_t i = 0; i < d; ++i) {
-      w.query[head * d + i] = to_float(row[i]) * scale;
-      w.query_bf16[head * d + i] = c10::BFloat16(w.query[head * d + i]).x;
+    for (int64_t i = 0; i < d; ++i) w.query[head * d + i] = to_float(row[i]) * scale;
+    if constexpr (kUsesBf16Dot<T, D>) {
+      for (int64_t i = 0; i < d; ++i) {
+        w.query_bf16[head * d + i] = c10::BFloat16(w.query[head * d + i]).x;
+      }
     }
   }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
