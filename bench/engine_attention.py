@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads, threads_note
-from bench.report import markdown_table, write_section
+from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
@@ -53,10 +53,11 @@ class Shape:
     head_dim: int
 
 
-def load_runner(name: str, model_dir: Path, backend: str) -> tuple[Shape, ModelRunner]:
+def load_runner(name: str, model_dir: Path) -> tuple[Shape, ModelRunner]:
+    """The model's runner; each backend sets `attention_backend` on it (engine_backend)."""
     cfg = load_model_config(model_dir)
     model = load_model(model_dir, cfg, "none", DTYPE, torch.device("cpu"))
-    runner = ModelRunner(model, torch.device("cpu"), 0, attention_backend=backend)
+    runner = ModelRunner(model, torch.device("cpu"), 0)
     return Shape(name, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), runner
 
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(part) for part in args.contexts.split(",")]
     table = []
     for name, model_dir in (("tiny-llama", MODEL), ("compute-bound Llama", compute_bound_llama())):
-        shape, runner = load_runner(name, model_dir, "sdpa")
+        shape, runner = load_runner(name, model_dir)
         table += [measure(runner, shape, args.num_seqs, c, args.rounds) for c in contexts]
     header = [
         "heads of", "context", "sdpa ms", "paged ms", "paged speed-up", "flex ms", "flex speed-up"
@@ -198,10 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds of {CALLS_PER_ROUND}). {threads_note()}\n\n"
         + markdown_table(header, table)
     )
-    command = "python -m bench.engine_attention " + " ".join(argv or sys.argv[1:])
+    command = command_line("bench.engine_attention", argv)
     write_section(
         "engine_attention", "Engine: decode attention, three ways of reading the paged cache",
-        command.strip(), body,
+        command, body,
     )  # fmt: skip
     return 0
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads, threads_note
 from bench.engine_step_profile import decoding_engine
-from bench.report import markdown_table, write_section
+from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.layers.rotary import apply_rotary
 from kvpilot.runtime.models import llama
 
@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         "oneDNN/MKL calls either way, and what inductor fuses (the norms, SiLU x up, the "
         "rotary embedding) is a small share of a step."
     )
-    command = "python -m bench.engine_compile " + " ".join(argv or sys.argv[1:])
+    command = command_line("bench.engine_compile", argv)
     write_section(
         "engine_compile", "Engine: torch.compile of the decoder layers (trial)",
-        command.strip(), body,
+        command, body,
     )  # fmt: skip
     return 0
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.engine_common import MODEL, compute_bound_llama, greedy, setup_threads, threads_note
-from bench.report import markdown_table, write_section
+from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime import model_runner
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         title = "tiny-llama (4 M parameters)" if name == "tiny" else "compute-bound Llama (245 M)"
         header = ["phase", *(h for b in backends for h in (f"{b}: ms per step", "share"))]
         body += [f"### {title}", markdown_table(header, rows(by_backend, args.steps))]
-    command = "python -m bench.engine_step_profile " + " ".join(argv or sys.argv[1:])
+    command = command_line("bench.engine_step_profile", argv)
     write_section(
-        "engine_step_profile", "Engine: a decode step, phase by phase", command.strip(),
+        "engine_step_profile", "Engine: a decode step, phase by phase", command,
         "\n\n".join(body),
     )  # fmt: skip
     return 0

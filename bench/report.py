@@ -11,6 +11,7 @@ import os
 import platform
 import re
 import subprocess
+import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,6 +57,11 @@ def gpu_name() -> str:
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return ""
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """How a benchmark was run, for its section: `python -m MODULE ARGS`."""
+    return " ".join(["python -m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_section(name: str, title: str, command: str, body: str, doc: Path = DOC) -> None:

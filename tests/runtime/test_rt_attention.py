@@ -371,3 +371,12 @@ def test_paged_backend_asked_for_where_it_cannot_run(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_attention_backend("paged", torch.device(device), kv_in_model_dtype, kernel_error)
+
+
+def test_a_machine_without_a_compiler_gets_the_reason_and_the_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The build stops before torch's extension builder with a line that says what to do."""
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(paged_kernel.KernelUnavailableError, match="--attention-backend sdpa"):
+        paged_kernel._build_and_load()

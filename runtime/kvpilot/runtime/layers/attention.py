@@ -10,8 +10,8 @@ one of two backends (`--attention-backend`):
   torch's SDPA over the copy.
 Prefill chunks run one sequence at a time through SDPA, so no query padding is wasted.
 
-Everything that is the same in every layer (which rows a group owns, the flattened block tables,
-the masks) is built once per step by the model runner, so a layer only gathers and attends.
+Everything that is the same in every layer (which rows a group owns, the block tables, the
+masks) is built once per step by the model runner, so a layer only reads the cache and attends.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ machine and loaded as `torch.ops.kvpilot.paged_decode_attention`.
 No well-kept CPU paged-attention kernel installs beside current torch (IPEX stops at torch 2.8,
 vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUDA kernels only),
 and torch's SDPA needs each sequence's keys and values copied out of the pool first. So the
-kernel is ours: ~150 lines of C++, compiled by torch.utils.cpp_extension with -march=native the
-first time a process asks for it (about a minute on 2 cores), then loaded from
-~/.cache/kvpilot/kernels (KVPILOT_KERNEL_CACHE), keyed by the source, torch and the CPU's flags.
+kernel is ours: ~370 lines of C++, compiled by torch.utils.cpp_extension with -march=native the
+first time a process asks for it (~15 s on 2 cores), then loaded from ~/.cache/kvpilot/kernels
+(KVPILOT_KERNEL_CACHE), keyed by the source, torch, Python and the CPU's flags.
 
     python -m kvpilot.runtime.layers.paged_kernel     # build now (make setup does), print where
 """
@@ -49,10 +49,26 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-@functools.cache
 def load() -> None:
-    """Build (first time) and load the kernel into this process; KernelUnavailableError otherwise.
-    Cached: a process builds or fails once."""
+    """Build (first time) and load the kernel into this process; KernelUnavailableError, with
+    the reason, where it cannot be."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailableError(reason)
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None once the kernel is loaded; otherwise why it cannot be. Cached, failures included: a
+    process tries the build once, however many engines it starts."""
+    try:
+        _build_and_load()
+    except KernelUnavailableError as error:
+        return str(error)
+    return None
+
+
+def _build_and_load() -> None:
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise KernelUnavailableError(
@@ -86,15 +102,6 @@ def load() -> None:
             f"building the paged-attention kernel in {build_dir} failed ({last_line}); "
             "pass --attention-backend sdpa"
         ) from error
-
-
-def unavailable_reason() -> str | None:
-    """None when the kernel is loaded; otherwise why it cannot be."""
-    try:
-        load()
-    except KernelUnavailableError as error:
-        return str(error)
-    return None
 
 
 def paged_decode_attention(
