@@ -13,7 +13,7 @@ import torch
 
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
-from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, run_all
+from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +96,6 @@ def test_greedy_with_chunked_prefill_matches_transformers(
 ) -> None:
     prompts = make_prompts(tiny_llama_dir, shared_prefix=0)
     assert_matches(make_engine(max_num_batched_tokens=48, max_num_seqs=12), prompts, reference)
-
-
-def quoting(prompts: list[list[int]]) -> list[list[int]]:
-    """Prompts that quote themselves (a span twice), as summaries and code edits do: prompt
-    lookup finds proposals from the first step."""
-    return [[p[0], *p[1:41], *p[1:41]] for p in prompts]
 
 
 @pytest.mark.parametrize(

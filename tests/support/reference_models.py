@@ -133,8 +133,18 @@ def make_prompts(tiny_llama_dir: Path, shared_prefix: int) -> list[list[int]]:
     return prompts
 
 
-def run_all(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    params = SamplingParams(max_tokens=GREEDY_NEW_TOKENS, temperature=0)
+def quoting(prompts: list[list[int]]) -> list[list[int]]:
+    """Prompts that quote themselves (a span twice), as summaries and code edits do: prompt
+    lookup finds proposals from the first step."""
+    return [[p[0], *p[1:41], *p[1:41]] for p in prompts]
+
+
+def run_all(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams | None = None
+) -> dict[str, list[int]]:
+    """Every prompt's output tokens by request id (its index), all run together; greedy unless
+    `params` says otherwise."""
+    params = params or SamplingParams(max_tokens=GREEDY_NEW_TOKENS, temperature=0)
     for index, prompt in enumerate(prompts):
         engine.add_request(prompt, params, str(index))
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}

@@ -7,8 +7,17 @@ chunk over the cached context; the model's own choice at each position is kept, 
 proposals count only as far as they agree with it (see `num_accepted`). Greedy output is the
 same token for token as without speculation, and a step yields 1 + accepted tokens instead of 1.
 
-Only greedy requests without a grammar propose: sampled tokens would need rejection sampling to
-keep their distribution, and a grammar would have to advance over the proposals. Configured as
+Sampled requests propose too, and the same rule is rejection sampling: each position's token is
+drawn from the target distribution p (its own draw, with the proposals before it as context),
+and a proposal d is kept when the draw equals it. A lookup proposes d with certainty (q = one-hot
+on d), so speculative sampling's rule (keep d with probability min(1, p(d) / q(d)) = p(d); on a
+rejection draw from the residual (p - q)+, which is p without d, renormalised) is exactly this:
+the draw equals d with probability p(d), and a draw that differs is distributed as p given "not
+d". Every emitted token keeps its distribution (tests/unit/runtime/test_rt_spec_sampling.py).
+
+Not proposing: requests with a grammar (the matcher would have to advance over the proposals)
+and seeded requests, whose draws follow their own generator one token at a time so that a seed
+gives the same text with and without speculation, whatever else the server runs. Configured as
 vLLM does: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
 "prompt_lookup_max": 4}'`.
 """
@@ -150,9 +159,9 @@ def draft_budget(seq: Sequence, config: SpeculativeConfig, max_model_len: int) -
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Whether `seq` may propose: greedy, no grammar, decoding (one token behind)."""
+    """Whether `seq` may propose: no grammar, no seed, decoding (one token behind)."""
     params = seq.params
-    return params.is_greedy and params.grammar is None and seq.num_uncomputed_tokens == 1
+    return params.grammar is None and params.seed is None and seq.num_uncomputed_tokens == 1
 
 
 def draft_limit(seq: Sequence, max_model_len: int) -> int:

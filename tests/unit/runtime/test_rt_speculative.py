@@ -120,11 +120,14 @@ def decoding(params: SamplingParams, prompt: int = 10, generated: int = 2) -> Se
     ("params", "expected"),
     [
         (SamplingParams(temperature=0), True),
-        (SamplingParams(temperature=0.7), False),
+        (SamplingParams(temperature=0.7, top_p=0.9, presence_penalty=0.5), True),
+        (SamplingParams(temperature=0.7, seed=3), False),
+        (SamplingParams(temperature=0, seed=3), False),
         (SamplingParams(temperature=0, grammar=GrammarSpec("regex", "a+")), False),
+        (SamplingParams(temperature=0.7, grammar=GrammarSpec("regex", "a+")), False),
     ],
 )
-def test_only_greedy_requests_without_a_grammar_propose(
+def test_requests_without_a_grammar_or_a_seed_propose(
     params: SamplingParams, expected: bool
 ) -> None:
     assert can_speculate(decoding(params)) is expected
