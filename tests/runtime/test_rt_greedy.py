@@ -4,6 +4,7 @@ prefill. EOS handling is live on both sides, so early stops must agree too."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,15 @@ import torch
 
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
-from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
+from tests.support.reference_models import (
+    GREEDY_NEW_TOKENS,
+    TINY_LLAMA,
+    make_prompts,
+    quoting,
+    qwen3_checkpoint,
+    run_all,
+    truncated_tiny_llama,
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,17 +127,85 @@ def test_speculative_greedy_matches_transformers(
     assert stats.spec_decode_draft_tokens <= stats.spec_decode_drafts * num_speculative_tokens
 
 
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Draft models with tiny-llama's tokenizer: itself (agrees on every proposal), its first two
+    of four layers (agrees often), a random Qwen3 (rarely)."""
+    root = tmp_path_factory.mktemp("drafts")
+    qwen3_checkpoint(root / "qwen3", tied=False)
+    return {
+        "itself": TINY_LLAMA,
+        "two of its layers": truncated_tiny_llama(root / "two-layers", 2),
+        "a random qwen3": root / "qwen3",
+    }
+
+
+def draft_config(draft: Path, num_speculative_tokens: int) -> str:
+    return json.dumps(
+        {
+            "method": "draft_model",
+            "model": str(draft),
+            "num_speculative_tokens": num_speculative_tokens,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("draft", "shared_prefix", "num_speculative_tokens"),
+    [
+        ("itself", 0, 4),
+        ("two of its layers", 0, 3),
+        ("two of its layers", 40, 4),  # through the prefix cache
+        ("a random qwen3", 0, 2),
+    ],
+)
+def test_draft_model_greedy_matches_transformers(
+    tiny_llama_dir: Path,
+    make_engine: Callable[..., Engine],
+    reference: Callable,
+    drafts: dict[str, Path],
+    draft: str,
+    shared_prefix: int,
+    num_speculative_tokens: int,
+) -> None:
+    prompts = quoting(make_prompts(tiny_llama_dir, shared_prefix=shared_prefix))
+    engine = make_engine(speculative_config=draft_config(drafts[draft], num_speculative_tokens))
+    assert_matches(engine, prompts, reference)
+    stats = engine.stats()
+    assert stats.spec_decode_drafts > 0
+    assert stats.spec_decode_draft_tokens <= stats.spec_decode_drafts * num_speculative_tokens
+    if draft == "itself":  # the same weights: only a near-tie in another batch can differ
+        assert stats.spec_decode_accepted_tokens >= 0.95 * stats.spec_decode_draft_tokens
+    if draft == "two of its layers":
+        assert 0 < stats.spec_decode_accepted_tokens < stats.spec_decode_draft_tokens
+
+
+@pytest.mark.parametrize(
+    ("method", "kv_scale"),
+    [("ngram", 1.0), ("draft_model", 1.5)],  # the draft's KV: 2 of tiny-llama's 4 layers
+)
 def test_speculative_greedy_under_forced_preemption_matches_transformers(
-    tiny_llama_dir: Path, make_engine: Callable[..., Engine], reference: Callable
+    tiny_llama_dir: Path,
+    make_engine: Callable[..., Engine],
+    reference: Callable,
+    drafts: dict[str, Path],
+    method: str,
+    kv_scale: float,
 ) -> None:
     prompts = quoting(make_prompts(tiny_llama_dir, shared_prefix=0))
     probe = make_engine(max_model_len=256)
     pool_blocks = max(peak_blocks(prompts) // 4, 256 // BLOCK_SIZE)
+    config = (
+        '{"method": "ngram", "num_speculative_tokens": 3}'
+        if method == "ngram"
+        else draft_config(drafts["two of its layers"], 3)
+    )
     engine = make_engine(
         max_model_len=256,
-        kv_cache_memory=pool_blocks * block_bytes(probe),
-        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+        kv_cache_memory=int(pool_blocks * block_bytes(probe) * kv_scale),
+        speculative_config=config,
     )
+    assert engine.num_kv_blocks == pool_blocks
     assert_matches(engine, prompts, reference)
     assert engine.stats().num_preemptions > 0
     assert engine.stats().spec_decode_accepted_tokens > 0

@@ -4,6 +4,7 @@ engine. Here rather than in one test module so that no test module imports anoth
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -67,6 +68,27 @@ def our_logits(
 def hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([prompt])).logits[0].float()
+
+
+def truncated_tiny_llama(path: Path, num_layers: int) -> Path:
+    """tiny-llama's embeddings, first `num_layers` layers, norm and head, with its tokenizer: a
+    draft model that agrees with it often but not always (layer-skip self-speculation)."""
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(TINY_LLAMA / "model.safetensors")
+    kept = {
+        name: tensor
+        for name, tensor in tensors.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+    }
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TINY_LLAMA / name, path / name)
+    return path
 
 
 def qwen3_checkpoint(path: Path, tied: bool, dtype: torch.dtype = torch.float32) -> Any:

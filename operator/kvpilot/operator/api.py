@@ -154,8 +154,10 @@ class ModelSource(_Model):
 
 class Speculative(_Model):
     """Speculative decoding by prompt lookup, passed to the runtime as --speculative-config
-    (vLLM's keys): greedy requests without a grammar propose the tokens that followed an
-    earlier occurrence of their last few tokens, and the model checks them in one step."""
+    (vLLM's keys): requests without a grammar or a seed propose the tokens that followed an
+    earlier occurrence of their last few tokens, and the model checks them in one step (sampled
+    requests keep their distribution). The runtime's draft_model method is not offered here
+    yet: the pod would need the draft model fetched beside the served one."""
 
     model_config = ConfigDict(
         json_schema_extra=_cel(

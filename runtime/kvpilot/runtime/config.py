@@ -77,8 +77,9 @@ class EngineConfig:
     speculative_config: str | None = option(
         None,
         'speculative decoding as JSON, as vLLM takes it: {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (prompt lookup; greedy requests '
-        "without a grammar propose)",
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (prompt lookup) or {"method": '
+        '"draft_model", "model": DIR, "num_speculative_tokens": 4} (a small model with the same '
+        "tokenizer); requests without a grammar or a seed propose",
     )
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from llguidance import LLMatcher
 from kvpilot.runtime import machine, machine_probe, memory, speculative
 from kvpilot.runtime.block_manager import BlockManager
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.draft_model import DraftModelProposer, load_draft
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
 from kvpilot.runtime.engine_stats import EngineStats, SpecDecodeCounts
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
@@ -102,6 +103,12 @@ class Engine:
         # Process-wide: this process is rank 0 of the group from here on.
         self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)
         torch.set_num_threads(self.num_threads)
+        self.speculative = config.speculative()
+        if self.speculative is not None and self.speculative.model is not None and tp > 1:
+            raise ValueError(
+                "speculative method draft_model is not supported with --tensor-parallel-size > 1"
+                ' yet: use {"method": "ngram"} or one rank'
+            )
         self.workers = self._start_workers(dtype) if tp > 1 else None
         try:
             self._load(model_dir, dtype)
@@ -128,7 +135,6 @@ class Engine:
                 self.tokenizer.eos_token_ids,
             )
         )
-        self.speculative = config.speculative()
         self.spec_decode = SpecDecodeCounts()
         self._snapshot = self._make_stats()
 
@@ -168,8 +174,26 @@ class Engine:
         self.runner = ModelRunner(
             model, self.device, self.config.seed, self.workers, eos, self.attention_backend
         )
+        self.proposer = self._load_proposer(model_dir, dtype)
         self.num_kv_blocks = self._num_kv_blocks(self.kv_dtype)
         self.runner.allocate_kv_cache(self.num_kv_blocks, self.kv_dtype)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.runner.allocate_kv_cache(self.num_kv_blocks, self.kv_dtype)
+
+    def _load_proposer(self, model_dir: Path, dtype: torch.dtype) -> speculative.Proposer | None:
+        """Where proposals come from (speculative decoding), None when it is off. A draft
+        model's weights count with the served model's in the memory budget."""
+        config = self.speculative
+        if config is None:
+            return None
+        if config.model is None:
+            return speculative.NgramProposer(config)
+        draft = load_draft(
+            Path(config.model), model_dir, self.max_model_len, dtype,
+            self.device, self.config.seed, self.attention_backend,
+        )  # fmt: skip
+        self.weight_bytes += draft.runner.model.weight_bytes()
+        return draft
 
     def shutdown(self) -> None:
         """Stop and reap the tensor-parallel workers, if any; idempotent. A single-process
@@ -186,8 +210,16 @@ class Engine:
         sizes it for every rank, so the ranks' GPUs are taken to be alike (one per replica type)."""
         kv_bytes = torch.tensor([], dtype=kv_dtype).element_size()
         rank_facts = model_facts(self.runner.model.cfg)  # this rank's share of the KV heads
-        budget = self._kv_budget(rank_facts, kv_bytes)
-        num_blocks = memory.num_kv_blocks(rank_facts, kv_bytes, budget)
+        # A draft model's KV cache has as many blocks as the served model's: the budget holds
+        # both, so each block costs (1 + draft_share) of the served model's bytes.
+        draft_share = 0.0
+        if isinstance(self.proposer, DraftModelProposer):
+            draft_facts = model_facts(self.proposer.model_config)
+            draft_share = memory.kv_bytes_per_token(draft_facts, kv_bytes) / (
+                memory.kv_bytes_per_token(rank_facts, kv_bytes)
+            )
+        budget = self._kv_budget(rank_facts, kv_bytes, 1 + draft_share)
+        num_blocks = memory.num_kv_blocks(rank_facts, kv_bytes, budget / (1 + draft_share))
         needed = -(-self.max_model_len // memory.BLOCK_SIZE)
         if num_blocks < needed:
             raise ValueError(
@@ -197,8 +229,9 @@ class Engine:
             )
         return num_blocks
 
-    def _kv_budget(self, facts: memory.ModelFacts, kv_bytes: int) -> float:
-        """Bytes for the pool, with where they come from in `kv_budget_source` (logged)."""
+    def _kv_budget(self, facts: memory.ModelFacts, kv_bytes: int, kv_scale: float = 1.0) -> float:
+        """Bytes for the pool, with where they come from in `kv_budget_source` (logged);
+        `kv_scale`: bytes per token as a multiple of `facts`' (a draft model's cache too)."""
         utilization = self.config.gpu_memory_utilization
         if self.config.kv_cache_memory is not None:
             self.kv_budget_source = "--kv-cache-memory"
@@ -214,6 +247,7 @@ class Engine:
             )
         tokens = -(-self.max_model_len // memory.BLOCK_SIZE) * memory.BLOCK_SIZE
         demand = memory.kv_cache_bytes(facts, kv_bytes, tokens, self.config.max_num_seqs)
+        demand = int(demand * kv_scale)
         budget = memory.host_kv_budget_bytes(
             self.usable_memory, utilization, self.weight_bytes, demand
         )
@@ -340,9 +374,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
-        if self.speculative is not None:
-            self._propose()
+        if self.proposer is not None:
+            self._propose(self.proposer)
         batch = self.scheduler.schedule()
+        if self.proposer is not None:
+            self.proposer.fill(batch.scheduled)
         num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         if batch.scheduled:
             started = time.monotonic()
@@ -411,19 +447,16 @@ class Engine:
                     outputs += self._schedule(seq, at_front=True)
         return outputs
 
-    def _propose(self) -> None:
-        """This step's proposals (speculative decoding) for each decoding sequence that may
-        have some; the others' are cleared."""
+    def _propose(self, proposer: speculative.Proposer) -> None:
+        """This step's proposals (speculative decoding), or a draft model's placeholders, for
+        each decoding sequence that may have some; the others' are cleared."""
         config = self.speculative
         assert config is not None
         for seq in self.scheduler.running:
-            seq.draft_token_ids = (
-                speculative.propose(
-                    seq.token_ids, config, speculative.draft_budget(seq, config, self.max_model_len)
-                )
-                if speculative.can_speculate(seq)
-                else []
-            )
+            budget = 0
+            if speculative.can_speculate(seq):
+                budget = speculative.draft_budget(seq, config, self.max_model_len)
+            seq.draft_token_ids = proposer.reserve(seq, budget) if budget else []
 
     def _count_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and
@@ -487,5 +520,7 @@ class Engine:
     def _finish(self, state: RequestState, reason: str) -> RequestOutput:
         self.scheduler.finish(state.seq, reason)
         self.runner.release(state.seq.request_id)
+        if self.proposer is not None:
+            self.proposer.release(state.seq.request_id)
         del self._states[state.seq.request_id]
         return make_output(state, is_finished=True)

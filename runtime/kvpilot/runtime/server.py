@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.runtime import machine_probe, serving, tokenization
 from kvpilot.runtime.api_errors import ApiError, error_response
+from kvpilot.runtime.draft_model import check_before_start
 from kvpilot.runtime.input_limits import BodySizeLimit
 from kvpilot.runtime.job import Job
 from kvpilot.runtime.machine import ThreadChoice
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
         threads = machine_probe.thread_choice(config.threads)  # --threads above the cores
-    except ValueError as exc:
+        check_before_start(config.speculative(), config.model)
+    except (ValueError, FileNotFoundError) as exc:
         print(f"kvpilot-runtime serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")

@@ -91,10 +91,12 @@ def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
 def describe_speculative(config: SpeculativeConfig | None) -> str:
     if config is None:
         return "off"
-    return (
-        f"{config.method}, up to {config.num_speculative_tokens} token(s), lookup "
-        f"{config.prompt_lookup_min}-{config.prompt_lookup_max}"
+    where = (
+        f"lookup {config.prompt_lookup_min}-{config.prompt_lookup_max}"
+        if config.model is None
+        else f"draft {config.model}"
     )
+    return f"{config.method}, up to {config.num_speculative_tokens} token(s), {where}"
 
 
 def int8_note(choices: EngineChoices) -> str:

@@ -26,17 +26,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import DraftPace, Sequence
 
-METHODS = ("ngram",)
-NOT_YET = {"draft_model": "a draft model is not supported yet; use method 'ngram'"}
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # A sequence whose proposals were all rejected waits 1, 3, 7, 15 steps (at most this many)
 # before it proposes again: a proposal is a row in the step's matmuls whether accepted or not.
 MAX_SKIP_STEPS = 15
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+KEYS_OF = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    "draft_model": {"method", "num_speculative_tokens", "model"},
+}
 
 
 @dataclass(frozen=True)
@@ -48,13 +53,18 @@ class SpeculativeConfig:
     # common token recurs), and every proposal costs a row in the step whether accepted or not;
     # compare with bench.engine_spec after setting "prompt_lookup_min": 1 in its NGRAM.
     prompt_lookup_min: int = 2
+    # draft_model: the small model's directory (the same tokenizer as the served model's)
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method in NOT_YET:
-            raise ValueError(f"speculative method {self.method!r}: {NOT_YET[self.method]}")
         if self.method not in METHODS:
             raise ValueError(
                 f"unknown speculative method {self.method!r}; supported: {', '.join(METHODS)}"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                'speculative method "draft_model" needs "model" (the draft model\'s directory), '
+                "and only it takes one"
             )
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -66,6 +76,34 @@ class SpeculativeConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+
+
+class Proposer(Protocol):
+    """Where a step's proposals come from. `reserve` runs before scheduling and gives each
+    proposing sequence its proposals, or placeholders the scheduler reserves slots for; `fill`
+    runs after it and replaces the placeholders of the scheduled ones."""
+
+    def reserve(self, seq: Sequence, budget: int) -> list[int]: ...
+
+    def fill(self, scheduled: list[ScheduledSequence]) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+class NgramProposer:
+    """Prompt lookup: the proposals are known before scheduling."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def reserve(self, seq: Sequence, budget: int) -> list[int]:
+        return propose(seq.token_ids, self.config, budget)
+
+    def fill(self, scheduled: list[ScheduledSequence]) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
 
 
 def parse_config(text: str) -> SpeculativeConfig:
@@ -82,10 +120,17 @@ def parse_config(text: str) -> SpeculativeConfig:
             f"--speculative-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}"
         )
     if "method" not in raw:
-        raise ValueError('--speculative-config needs a "method" (supported: ngram)')
-    for key in KEYS[1:]:
+        raise ValueError(f'--speculative-config needs a "method" (supported: {", ".join(METHODS)})')
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
             raise ValueError(f"--speculative-config: {key} must be an integer, got {raw[key]!r}")
+    if "model" in raw and (not isinstance(raw["model"], str) or not raw["model"]):
+        raise ValueError(f"--speculative-config: model must be a path, got {raw['model']!r}")
+    foreign = sorted(set(raw) - KEYS_OF.get(raw["method"], set(KEYS)))
+    if foreign:
+        raise ValueError(
+            f"--speculative-config: {', '.join(foreign)} does not apply to method {raw['method']!r}"
+        )
     return SpeculativeConfig(**raw)
 
 
@@ -158,10 +203,14 @@ def draft_budget(seq: Sequence, config: SpeculativeConfig, max_model_len: int) -
     return min(budget, draft_limit(seq, max_model_len))
 
 
+def may_speculate(params: SamplingParams) -> bool:
+    """Whether a request proposes at all: not with a grammar, not with a seed."""
+    return params.grammar is None and params.seed is None
+
+
 def can_speculate(seq: Sequence) -> bool:
-    """Whether `seq` may propose: no grammar, no seed, decoding (one token behind)."""
-    params = seq.params
-    return params.grammar is None and params.seed is None and seq.num_uncomputed_tokens == 1
+    """Whether `seq` may propose this step: it may at all, and it is decoding (one behind)."""
+    return may_speculate(seq.params) and seq.num_uncomputed_tokens == 1
 
 
 def draft_limit(seq: Sequence, max_model_len: int) -> int:

@@ -1,0 +1,173 @@
+"""Speculative decoding with a draft model (vLLM's `draft_model` method): a small model with the
+served model's tokenizer proposes k tokens a step, greedily, and the served model checks them in
+its one forward pass, as it checks prompt-lookup proposals (speculative.py).
+
+The draft keeps its own KV cache with the same number of blocks as the served model's and reads
+it through the same block tables, so no block bookkeeping of its own: a sequence's slots hold
+the served model's KV in one pool and the draft's in the other. `_computed` says how many of a
+sequence's positions hold valid draft KV. Each step, after scheduling (the scheduler has given a
+proposing sequence slots for its proposals), the draft:
+
+1. runs every scheduled token of a sequence that may propose (its prefill chunks, the tokens
+   accepted since its last proposals) over what it had computed, and, where that reaches the
+   last token, takes its greedy next token as the first proposal;
+2. runs k - 1 more one-token steps over its own proposals, writing their KV into the slots the
+   scheduler reserved (past the known tokens, so nothing the served model reads).
+
+Only positions before the last known token count as computed afterwards; proposals the served
+model keeps are run again next step (a few rows of a small model). A preempted sequence's count
+drops with the served model's (`min`), so a recomputed prompt is recomputed by the draft too.
+
+Greedy proposals are a one-hot q, so the served model's keep-while-the-draw-agrees rule is
+speculative sampling's rejection rule for sampled requests as well (speculative.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvpilot.runtime.loader import ModelConfig, load_model_config
+from kvpilot.runtime.model_runner import ModelRunner, load_model
+from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.scheduler import ScheduledSequence
+from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.speculative import SpeculativeConfig, may_speculate
+from kvpilot.runtime.tokenizer import Tokenizer
+
+PLACEHOLDER = 0  # a reserved proposal slot between scheduling and the draft's run
+GREEDY = SamplingParams(max_tokens=1 << 30, temperature=0)
+
+
+def check_draft(
+    draft_dir: Path,
+    draft: ModelConfig,
+    draft_vocab: dict[str, int],
+    target: ModelConfig,
+    target_vocab: dict[str, int],
+) -> None:
+    """ValueError, in one line, when the draft cannot propose for the served model."""
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"draft model {draft_dir} has another tokenizer than the served model "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, or different ids): a draft "
+            "model must share the served model's tokenizer"
+        )
+    if draft.vocab_size > target.vocab_size:
+        raise ValueError(
+            f"draft model {draft_dir} has {draft.vocab_size} output rows, more than the served "
+            f"model's {target.vocab_size}: it could propose ids the served model cannot read"
+        )
+
+
+def check_draft_files(draft_dir: Path, target_dir: Path) -> ModelConfig:
+    """The draft's config, once its files say it can propose for the served model's (configs
+    and tokenizers only, no weights: the server checks this before it starts)."""
+    draft = load_model_config(draft_dir)
+    draft_vocab = Tokenizer(draft_dir).hf.get_vocab()
+    target_vocab = Tokenizer(target_dir).hf.get_vocab()
+    check_draft(draft_dir, draft, draft_vocab, load_model_config(target_dir), target_vocab)
+    return draft
+
+
+def check_before_start(speculative: SpeculativeConfig | None, served_model: str) -> None:
+    """A draft model that cannot propose for the served model stops the server before it
+    starts, in one line (the engine checks again as it loads, for a model fetched then)."""
+    if speculative is None or speculative.model is None:
+        return
+    if Path(served_model).is_dir():
+        check_draft_files(Path(speculative.model), Path(served_model))
+    else:
+        load_model_config(Path(speculative.model))  # the draft's own files, at least
+
+
+def check_draft_positions(draft_dir: Path, draft: ModelConfig, max_model_len: int) -> None:
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"draft model {draft_dir} handles {draft.max_position_embeddings} positions, fewer "
+            f"than --max-model-len {max_model_len}: pass a smaller --max-model-len"
+        )
+
+
+class DraftModelProposer:
+    """Proposals from a draft model, run after scheduling (see the module's docstring)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.model_config = runner.model.cfg
+        self._computed: dict[str, int] = {}  # request id -> positions with valid draft KV
+
+    def reserve(self, seq: Sequence, budget: int) -> list[int]:
+        """Before scheduling: `budget` placeholders, so the scheduler gives the proposals slots."""
+        return [PLACEHOLDER] * budget
+
+    def fill(self, scheduled: list[ScheduledSequence]) -> None:
+        """After scheduling: run the draft and put its proposals in place of the placeholders."""
+        batch = [self._catch_up(item) for item in scheduled if may_speculate(item.seq.params)]
+        views = {item.seq.request_id: item.seq for item in batch}
+        wanted = {item.seq.request_id: item.num_draft_tokens for item in scheduled}
+        proposals: dict[str, list[int]] = {request_id: [] for request_id in views}
+        while batch:
+            for item, tokens, _ in self.runner.execute(batch).samples:
+                if wanted[item.seq.request_id]:
+                    proposals[item.seq.request_id].append(tokens[0])
+            batch = self._next_round(batch, views, proposals, wanted)
+        for item in scheduled:
+            if item.num_draft_tokens:
+                item.seq.draft_token_ids = proposals[item.seq.request_id]
+
+    def _catch_up(self, item: ScheduledSequence) -> ScheduledSequence:
+        """The draft's first run of a sequence this step: from as far as its own KV goes up to
+        the tokens the served model computes this step (not the placeholders)."""
+        seq = item.seq
+        end = seq.num_computed_tokens + item.num_new_tokens - item.num_draft_tokens
+        start = min(self._computed.get(seq.request_id, 0), seq.num_computed_tokens)
+        self._computed[seq.request_id] = end
+        # A copy only where proposals will be appended to it; otherwise read in place (a
+        # prefill chunk that stops short of the last token then samples nothing).
+        token_ids = list(seq.token_ids) if item.num_draft_tokens else seq.token_ids
+        view = Sequence(
+            seq.request_id, token_ids, GREEDY, num_prompt_tokens=seq.num_prompt_tokens,
+            num_computed_tokens=start, block_table=seq.block_table,
+        )  # fmt: skip
+        return ScheduledSequence(view, end - start)
+
+    @staticmethod
+    def _next_round(
+        batch: list[ScheduledSequence],
+        views: dict[str, Sequence],
+        proposals: dict[str, list[int]],
+        wanted: dict[str, int],
+    ) -> list[ScheduledSequence]:
+        """One-token steps over the last proposal, for the sequences that want more."""
+        following = []
+        for item in batch:
+            request_id = item.seq.request_id
+            made = proposals[request_id]
+            if not made or len(made) >= wanted[request_id]:
+                continue
+            view = views[request_id]
+            view.num_computed_tokens = view.num_tokens
+            view.token_ids.append(made[-1])
+            following.append(ScheduledSequence(view, 1))
+        return following
+
+    def release(self, request_id: str) -> None:
+        self._computed.pop(request_id, None)
+
+
+def load_draft(
+    draft_dir: Path,
+    target_dir: Path,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    attention_backend: str,
+) -> DraftModelProposer:
+    """The draft model loaded beside the served one (its KV cache comes with the pool's size)."""
+    draft = check_draft_files(draft_dir, target_dir)
+    check_draft_positions(draft_dir, draft, max_model_len)
+    model = load_model(draft_dir, draft, "none", dtype, device)
+    return DraftModelProposer(ModelRunner(model, device, seed, None, (), attention_backend))
