@@ -21,7 +21,7 @@ from tests.support.reference_models import (
     quoting,
     qwen3_checkpoint,
     run_all,
-    truncated_tiny_llama,
+    truncated_llama,
 )
 
 
@@ -135,7 +135,7 @@ def drafts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     qwen3_checkpoint(root / "qwen3", tied=False)
     return {
         "itself": TINY_LLAMA,
-        "two of its layers": truncated_tiny_llama(root / "two-layers", 2),
+        "two of its layers": truncated_llama(root / "two-layers", 2),
         "a random qwen3": root / "qwen3",
     }
 

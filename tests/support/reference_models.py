@@ -70,24 +70,25 @@ def hf_logits(hf_model: Any, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt])).logits[0].float()
 
 
-def truncated_tiny_llama(path: Path, num_layers: int) -> Path:
-    """tiny-llama's embeddings, first `num_layers` layers, norm and head, with its tokenizer: a
-    draft model that agrees with it often but not always (layer-skip self-speculation)."""
+def truncated_llama(path: Path, num_layers: int, source: Path = TINY_LLAMA) -> Path:
+    """A Llama checkpoint's embeddings, first `num_layers` layers, norm and head, with its
+    tokenizer (one safetensors file): a draft model that agrees with it often but not always
+    (layer-skip self-speculation)."""
     from safetensors.torch import load_file, save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    tensors = load_file(TINY_LLAMA / "model.safetensors")
+    tensors = load_file(source / "model.safetensors")
     kept = {
         name: tensor
         for name, tensor in tensors.items()
         if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
     }
     save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((TINY_LLAMA / "config.json").read_text())
+    config = json.loads((source / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
     (path / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TINY_LLAMA / name, path / name)
+        shutil.copy(source / name, path / name)
     return path
 
 
