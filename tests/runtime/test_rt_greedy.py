@@ -175,14 +175,14 @@ def test_draft_model_greedy_matches_transformers(
     assert stats.spec_decode_drafts > 0
     assert stats.spec_decode_draft_tokens <= stats.spec_decode_drafts * num_speculative_tokens
     if draft == "itself":  # the same weights: only a near-tie in another batch can differ
-        assert stats.spec_decode_accepted_tokens >= 0.95 * stats.spec_decode_draft_tokens
+        assert stats.spec_decode_accepted_tokens >= 0.99 * stats.spec_decode_draft_tokens, stats
     if draft == "two of its layers":
         assert 0 < stats.spec_decode_accepted_tokens < stats.spec_decode_draft_tokens
 
 
 @pytest.mark.parametrize(
     ("method", "kv_scale"),
-    [("ngram", 1.0), ("draft_model", 1.5)],  # the draft's KV: 2 of tiny-llama's 4 layers
+    [("ngram", 1.0), ("draft_model", 2.0)],  # the draft (itself) doubles the KV per block
 )
 def test_speculative_greedy_under_forced_preemption_matches_transformers(
     tiny_llama_dir: Path,
@@ -198,7 +198,7 @@ def test_speculative_greedy_under_forced_preemption_matches_transformers(
     config = (
         '{"method": "ngram", "num_speculative_tokens": 3}'
         if method == "ngram"
-        else draft_config(drafts["two of its layers"], 3)
+        else draft_config(drafts["itself"], 3)
     )
     engine = make_engine(
         max_model_len=256,
@@ -207,5 +207,8 @@ def test_speculative_greedy_under_forced_preemption_matches_transformers(
     )
     assert engine.num_kv_blocks == pool_blocks
     assert_matches(engine, prompts, reference)
-    assert engine.stats().num_preemptions > 0
-    assert engine.stats().spec_decode_accepted_tokens > 0
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_decode_accepted_tokens > 0
+    if method == "draft_model":  # a preempted sequence's draft KV is recomputed, not stale
+        assert stats.spec_decode_accepted_tokens >= 0.99 * stats.spec_decode_draft_tokens, stats

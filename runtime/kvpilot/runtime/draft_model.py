@@ -6,17 +6,21 @@ The draft keeps its own KV cache with the same number of blocks as the served mo
 it through the same block tables, so no block bookkeeping of its own: a sequence's slots hold
 the served model's KV in one pool and the draft's in the other. `_computed` says how many of a
 sequence's positions hold valid draft KV. Each step, after scheduling (the scheduler has given a
-proposing sequence slots for its proposals), the draft:
+proposing sequence slots for its proposals), for each sequence that proposes this step, the
+draft:
 
-1. runs every scheduled token of a sequence that may propose (its prefill chunks, the tokens
-   accepted since its last proposals) over what it had computed, and, where that reaches the
-   last token, takes its greedy next token as the first proposal;
+1. runs the sequence's tokens from as far as its own KV goes to the last known token (the whole
+   prompt the first time; after that the tokens accepted since its last proposals, or all since
+   it last proposed), and takes its greedy next token as the first proposal;
 2. runs k - 1 more one-token steps over its own proposals, writing their KV into the slots the
    scheduler reserved (past the known tokens, so nothing the served model reads).
 
-Only positions before the last known token count as computed afterwards; proposals the served
-model keeps are run again next step (a few rows of a small model). A preempted sequence's count
-drops with the served model's (`min`), so a recomputed prompt is recomputed by the draft too.
+A sequence that does not propose in a step (its pace, the governor) costs the draft nothing.
+
+Only the known tokens count as computed afterwards; proposals the served model keeps are run
+again next time (a few rows of a small model). A preempted sequence is forgotten (`release`:
+its blocks went back to the pool), so the draft recomputes it from the start when it next
+proposes, prefix-cache hits included (same tokens, same KV).
 
 Greedy proposals are a one-hot q, so the served model's keep-while-the-draw-agrees rule is
 speculative sampling's rejection rule for sampled requests as well (speculative.py).
@@ -33,7 +37,7 @@ from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
-from kvpilot.runtime.speculative import SpeculativeConfig, may_speculate
+from kvpilot.runtime.speculative import SpeculativeConfig
 from kvpilot.runtime.tokenizer import Tokenizer
 
 PLACEHOLDER = 0  # a reserved proposal slot between scheduling and the draft's run
@@ -104,34 +108,30 @@ class DraftModelProposer:
 
     def fill(self, scheduled: list[ScheduledSequence]) -> None:
         """After scheduling: run the draft and put its proposals in place of the placeholders."""
-        batch = [self._catch_up(item) for item in scheduled if may_speculate(item.seq.params)]
+        batch = [self._catch_up(item) for item in scheduled if item.num_draft_tokens]
         views = {item.seq.request_id: item.seq for item in batch}
         wanted = {item.seq.request_id: item.num_draft_tokens for item in scheduled}
         proposals: dict[str, list[int]] = {request_id: [] for request_id in views}
         while batch:
             for item, tokens, _ in self.runner.execute(batch).samples:
-                if wanted[item.seq.request_id]:
-                    proposals[item.seq.request_id].append(tokens[0])
+                proposals[item.seq.request_id].append(tokens[0])
             batch = self._next_round(batch, views, proposals, wanted)
         for item in scheduled:
             if item.num_draft_tokens:
                 item.seq.draft_token_ids = proposals[item.seq.request_id]
 
     def _catch_up(self, item: ScheduledSequence) -> ScheduledSequence:
-        """The draft's first run of a sequence this step: from as far as its own KV goes up to
-        the tokens the served model computes this step (not the placeholders)."""
+        """The draft's first run of a proposing sequence this step: from as far as its own KV
+        goes up to the last known token (its proposals follow in the slots after it)."""
         seq = item.seq
-        end = seq.num_computed_tokens + item.num_new_tokens - item.num_draft_tokens
         start = min(self._computed.get(seq.request_id, 0), seq.num_computed_tokens)
-        self._computed[seq.request_id] = end
-        # A copy only where proposals will be appended to it; otherwise read in place (a
-        # prefill chunk that stops short of the last token then samples nothing).
-        token_ids = list(seq.token_ids) if item.num_draft_tokens else seq.token_ids
+        self._computed[seq.request_id] = seq.num_tokens
+        token_ids = list(seq.token_ids)  # the proposals are appended to the draft's view
         view = Sequence(
             seq.request_id, token_ids, GREEDY, num_prompt_tokens=seq.num_prompt_tokens,
             num_computed_tokens=start, block_table=seq.block_table,
         )  # fmt: skip
-        return ScheduledSequence(view, end - start)
+        return ScheduledSequence(view, seq.num_tokens - start)
 
     @staticmethod
     def _next_round(
@@ -154,6 +154,7 @@ class DraftModelProposer:
         return following
 
     def release(self, request_id: str) -> None:
+        """The sequence finished or lost its blocks (preempted): its draft KV is gone too."""
         self._computed.pop(request_id, None)
 
 

@@ -378,10 +378,13 @@ class Engine:
             self._propose(self.proposer)
         batch = self.scheduler.schedule()
         if self.proposer is not None:
-            self.proposer.fill(batch.scheduled)
+            for seq in batch.preempted:  # its blocks are gone: a draft's KV with them
+                self.proposer.release(seq.request_id)
         num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         if batch.scheduled:
             started = time.monotonic()
+            if self.proposer is not None:
+                self.proposer.fill(batch.scheduled)
             for item in batch.scheduled:
                 item.seq.times.on_scheduled(started)
             result = self.runner.execute(batch.scheduled)

@@ -87,7 +87,8 @@ class Proposer(Protocol):
 
     def fill(self, scheduled: list[ScheduledSequence]) -> None: ...
 
-    def release(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> None:
+        """The sequence finished, or was preempted (its blocks went back to the pool)."""
 
 
 class NgramProposer:
