@@ -46,6 +46,7 @@ from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, rank_device
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence, Scheduler
 from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.spec_governor import Governor, StepCosts
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
@@ -136,6 +137,7 @@ class Engine:
             )
         )
         self.spec_decode = SpecDecodeCounts()
+        self.governor = Governor(StepCosts())
         self._snapshot = self._make_stats()
 
     def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
@@ -398,6 +400,8 @@ class Engine:
                 outputs.append(self._on_tokens(item, tokens, logprobs))
                 if item.num_draft_tokens:
                     self._count_drafts(item, len(tokens) - 1)
+            if self.proposer is not None:
+                self._on_step_costs(batch.scheduled, result.samples, done - started)
         if self._followers:
             outputs += self._release_followers()
         with self._lock:
@@ -455,11 +459,29 @@ class Engine:
         each decoding sequence that may have some; the others' are cleared."""
         config = self.speculative
         assert config is not None
+        # Proposals this step only where they are expected to pay (spec_governor).
+        pays = self.governor.pays(len(self.scheduler.running))
         for seq in self.scheduler.running:
             budget = 0
-            if speculative.can_speculate(seq):
+            if pays and speculative.can_speculate(seq):
                 budget = speculative.draft_budget(seq, config, self.max_model_len)
             seq.draft_token_ids = proposer.reserve(seq, budget) if budget else []
+
+    def _on_step_costs(
+        self,
+        scheduled: list[ScheduledSequence],
+        samples: list[tuple[ScheduledSequence, list[int], list[dict[int, float] | None]]],
+        seconds: float,
+    ) -> None:
+        """What the step cost and what its proposals kept, for the governor's next decision.
+        Only steps of decodes feed the cost fit: a prefill chunk's tokens cost less each (one
+        matmul over many rows), and its thousands of rows would decide the line alone."""
+        if all(item.num_new_tokens - item.num_draft_tokens == 1 for item in scheduled):
+            self.governor.on_step(sum(item.num_new_tokens for item in scheduled), seconds)
+        proposed = sum(item.num_draft_tokens for item, _, _ in samples)
+        if proposed:
+            accepted = sum(len(tokens) - 1 for item, tokens, _ in samples if item.num_draft_tokens)
+            self.governor.on_proposals(proposed, accepted)
 
     def _count_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and
