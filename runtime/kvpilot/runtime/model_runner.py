@@ -462,6 +462,10 @@ def _accepted(
     from a proposal (all of them when every proposal was right)."""
     samples, offset = [], 0
     for item in sampling:
+        if not item.num_draft_tokens:  # the common case, a row of its own
+            samples.append((item, [tokens[offset]], [logprobs[offset]]))
+            offset += 1
+            continue
         drafts = item.draft_token_ids
         chosen = tokens[offset : offset + len(drafts) + 1]
         keep = speculative.num_accepted(drafts, chosen) + 1

@@ -1,6 +1,7 @@
 """From sampled tokens to what a client sees: finish rules, incremental text, stop strings.
 
-Pure Python: the tokenizer is passed in as anything with `decode(list[int]) -> str`.
+Pure Python: the tokenizer is passed in as anything with `decode(list[int]) -> str` and
+`decode_stream()` (a detokeniser fed one token at a time, tokenizers' DecodeStream).
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ if TYPE_CHECKING:
     from kvpilot.runtime.sequence import Timestamps
 
 
+class TextStream(Protocol):
+    def step(self, token_id: int) -> str | None:
+        """The text this token completes (None while a character is still incomplete)."""
+
+
 class Decoder(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def decode_stream(self) -> TextStream: ...
 
 
 @dataclass
@@ -54,6 +62,7 @@ class RequestState:
     pending_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     is_prompt_logprobs_sent: bool = False
+    text_stream: TextStream | None = None  # the output detokenised so far, token by token
 
     def add_prompt_logprobs(self, scored: list[PromptLogprob]) -> None:
         self.prompt_logprobs += scored
@@ -84,19 +93,28 @@ def stop_reason_for_token(
 
 
 def update_text(state: RequestState, decoder: Decoder, reason: str | None) -> str | None:
-    """Re-decode the output and apply stop strings; returns the (possibly new) finish reason and
-    records a matched stop string as the sequence's stop reason.
+    """Extend the text by the output's last token and apply stop strings; returns the
+    (possibly new) finish reason and records a matched stop string as the stop reason.
 
-    A token that ended the request by being a stop/EOS token is not part of the text, nor is a
-    stop string, unless the request asks for include_stop_str_in_output.
+    While the request runs, the last token goes through its text stream: constant work per
+    token (re-decoding the whole output each time made a long output quadratic). The token that
+    finishes it has the whole output decoded once, as a single decode gives it: a stop or EOS
+    token that ended the request is not part of the text (a stream chunk may hold bytes of
+    earlier tokens, so it cannot simply be dropped), nor is a stop string, unless the request
+    asks for include_stop_str_in_output; a character left incomplete shows as U+FFFD.
     """
     seq = state.seq
     include_stop = seq.params.include_stop_str_in_output
-    ids = seq.output_token_ids
-    if reason == "stop" and ids and not include_stop:
-        ids = ids[:-1]
     previous = len(state.text)
-    state.text = decoder.decode(ids)
+    if reason is None:
+        if state.text_stream is None:
+            state.text_stream = decoder.decode_stream()
+        state.text += state.text_stream.step(seq.token_ids[-1]) or ""
+    else:
+        ids = seq.output_token_ids
+        if reason == "stop" and ids and not include_stop:
+            ids = ids[:-1]
+        state.text = decoder.decode(ids)
     stops = seq.params.stop
     if stops and seq.num_output_tokens > seq.params.min_tokens:  # vLLM: none before min_tokens
         match = find_stop_match(state.text, stops, stop_search_start(previous, stops))

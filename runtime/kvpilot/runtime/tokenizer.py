@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from kvpilot.runtime.loader import read_json
 
@@ -67,6 +68,11 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
+    def decode_stream(self) -> TokenStream:
+        """A detokeniser fed one token at a time, whose pieces join into what `decode` gives
+        (special tokens skipped)."""
+        return TokenStream(self.hf)
+
     def token_strs(self, token_ids: list[int]) -> list[str]:
         """Each id's vocabulary entry as stored (e.g. 'Ġthe' for byte-level BPE)."""
         return [self.hf.id_to_token(token_id) or "" for token_id in token_ids]
@@ -83,3 +89,15 @@ class Tokenizer:
         """
         vocab = self.hf.get_vocab(with_added_tokens=True)
         return max((len(token) for token in vocab), default=1)
+
+
+class TokenStream:
+    """tokenizers' DecodeStream bound to its tokenizer: the text each new token completes."""
+
+    def __init__(self, hf: HFTokenizer) -> None:
+        self.hf = hf
+        self.stream = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str | None:
+        piece = self.stream.step(self.hf, token_id)
+        return None if piece is None else str(piece)

@@ -26,6 +26,14 @@ class CharDecoder:
     def decode(self, token_ids: list[int]) -> str:
         return "".join(chr(t) for t in token_ids if t != EOS)
 
+    def decode_stream(self) -> CharStream:
+        return CharStream()
+
+
+class CharStream:
+    def step(self, token_id: int) -> str | None:
+        return "" if token_id == EOS else chr(token_id)
+
 
 def feed(text: str, params: SamplingParams, max_model_len: int) -> tuple[str, RequestOutput]:
     """Feed `text` token by token as the engine does; returns (streamed text, last output)."""
