@@ -298,6 +298,30 @@ def test_kernel_matches_reference(
 
 
 @pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dim", "dtype"),
+    [
+        (8, 8, 64, torch.bfloat16),  # group 1: the values read once per head from the pool
+        (8, 4, 128, torch.bfloat16),  # group 2 of 128-wide heads: 16 registers of sums
+        (16, 2, 32, torch.float16),  # group 8 of 32-wide heads: 16 registers, fp16 values
+        (16, 2, 64, torch.bfloat16),  # group 8 of 64-wide heads: too many sums, per head
+        (12, 4, 64, torch.float32),  # group 3: no fused form, per head
+        (8, 2, 128, torch.float32),  # group 4 of 128-wide heads: per head
+    ],
+)
+def test_kernel_matches_reference_for_each_group(
+    kernel: None, num_heads: int, num_kv_heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    """Query heads per KV head take the fused path (every head's sums in registers, each value
+    row read once) where they fit, the per-head path elsewhere: the same output either way."""
+    lengths = [1, 16, 17, 50]
+    q, k_cache, v_cache, tables, lens = kernel_inputs(dtype, lengths, num_heads, num_kv_heads, dim)
+    out = paged_kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    expected = kernel_reference(q, k_cache, v_cache, tables, lens)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda args: {**args, "lens": torch.tensor([0, 5], dtype=torch.int32)}, "outside 1.."),

@@ -4,9 +4,11 @@
 // walks its block table; each block's keys and values, all heads, are read once, in memory
 // order, straight from the pool (never copied into a padded batch), and folded into a running
 // softmax per query head (the online softmax of FlashAttention), in float. With AVX-512 the 16
-// scores of a block are summed as one register (`lane_sums`), and with AVX512-BF16 a bf16 cache's
-// keys are multiplied without conversion (`block_scores_bf16`); other CPUs and head sizes take
-// plain loops the compiler vectorises. Rows run in parallel on torch's threads; the output is in
+// scores of a block are summed as one register (`lane_sums`), with AVX512-BF16 a bf16 cache's
+// keys are multiplied without conversion (`block_scores_bf16`), and where the sums of all query
+// heads sharing a KV head fit in registers each value row is read from the pool and converted
+// once for all of them (`accumulate_group`); other CPUs and head sizes take plain loops the
+// compiler vectorises. Rows run in parallel on torch's threads; the output is in
 // the query's dtype.
 //
 // Built at first use by paged_kernel.py (torch.utils.cpp_extension: -O3 -march=native, and
@@ -157,18 +159,161 @@ inline void block_scores_bf16(const uint16_t* query, const c10::BFloat16* keys,
 }
 #endif
 
-// One KV head's share of a block of `n` tokens for the `group` query heads sharing it: scores,
-// rescale of what was accumulated so far, then the weighted values. The values (and, unless the
-// bf16 dot product reads them from the pool, `raw_keys`, the keys) are already in float in
-// w.values / w.keys, all heads. D is the head size where it is one of the common ones (the
-// accumulator then stays in registers), 0 for any other (read from `s`).
+// The most query heads per KV head whose block probabilities fold_head keeps at once (the fused
+// path's limit; unfused, one head's at a time).
+constexpr int64_t kMaxGroupProbs = 8;
+
+#if defined(__AVX512F__)
+// acc = acc * correction + sum over t < n of scores[t] * values row t, with the accumulator held
+// in registers: written as a plain loop over a float[D], the compiler stored it to the stack
+// after every token's multiply-add (the kernel's hottest instructions, by perf).
+template <int64_t D>
+inline void accumulate_values(const float* scores, const float* values, int64_t token_stride,
+                              int64_t n, float correction, float* acc) {
+  constexpr int kVectors = D / 16;
+  __m512 sum[kVectors];
+  const __m512 scale = _mm512_set1_ps(correction);
+  for (int v = 0; v < kVectors; ++v) sum[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), scale);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 p = _mm512_set1_ps(scores[t]);
+    const float* row = values + t * token_stride;
+    for (int v = 0; v < kVectors; ++v) {
+      sum[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(row + 16 * v), sum[v]);
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc + 16 * v, sum[v]);
+}
+#endif
+
+// One query head's weighted values from the float scratch: acc = acc * correction + sum over
+// t < n of scores[t] * values row t.
+template <int64_t D>
+inline void accumulate_head(const float* scores, const float* values, int64_t token_stride,
+                            int64_t n, int64_t d, float correction, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (D > 0 && D % 16 == 0) {
+    accumulate_values<D>(scores, values, token_stride, n, correction, acc);
+    return;
+  }
+#endif
+  if constexpr (D > 0) {
+    float local[D];
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) local[i] = acc[i] * correction;
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = scores[t];
+      const float* row = values + t * token_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) local[i] += p * row[i];
+    }
+    std::memcpy(acc, local, sizeof(local));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+    for (int64_t t = 0; t < n; ++t) {
+      const float p = scores[t];
+      const float* row = values + t * token_stride;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
+    }
+  }
+}
+
+// The query heads of a group share their KV head's values: with the accumulators of all of them
+// in registers (group x D / 16 of them, at most kMaxFusedRegisters), each value row is read
+// straight from the pool and converted once, then multiplied into every head's sum. Unfused, the
+// block's values were converted into a float scratch first and read back once per head.
+constexpr int64_t kMaxFusedGroup = 8;
+constexpr int64_t kMaxFusedRegisters = 16;
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load_16(const T* src) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // bf16: the top half of a float
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  }
+}
+
+template <typename T, int64_t D, int64_t G>
+inline void accumulate_group(const float (*probs)[kBlockSize], const float* corrections,
+                             const T* values, int64_t token_stride, int64_t n, float* acc) {
+  constexpr int kVectors = D / 16;
+  __m512 sum[G][kVectors];
+  for (int g = 0; g < G; ++g) {
+    const __m512 scale = _mm512_set1_ps(corrections[g]);
+    for (int v = 0; v < kVectors; ++v) {
+      sum[g][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * v), scale);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = values + t * token_stride;
+    __m512 value[kVectors];
+    for (int v = 0; v < kVectors; ++v) value[v] = load_16(row + 16 * v);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g][t]);
+      for (int v = 0; v < kVectors; ++v) sum[g][v] = _mm512_fmadd_ps(p, value[v], sum[g][v]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(acc + g * D + 16 * v, sum[g][v]);
+  }
+}
+
+// Whether accumulate_group takes a KV head's values (else accumulate_values, per head).
+template <int64_t D>
+inline bool fuses_group(int64_t group) {
+  const bool listed = group == 1 || group == 2 || group == 4 || group == 8;
+  return D > 0 && D % 16 == 0 && listed && group * D / 16 <= kMaxFusedRegisters;
+}
+
 template <typename T, int64_t D>
-void fold_head(const T* raw_keys, int64_t n, int64_t kv_head, const Shapes& s, Scratch& w) {
+inline void accumulate_fused(int64_t group, const float (*probs)[kBlockSize],
+                             const float* corrections, const T* values, int64_t token_stride,
+                             int64_t n, float* acc) {
+  if constexpr (D > 0 && D % 16 == 0) {
+    switch (group) {  // the group size a template argument: the sums stay in registers
+      case 1: return accumulate_group<T, D, 1>(probs, corrections, values, token_stride, n, acc);
+      case 2: return accumulate_group<T, D, 2>(probs, corrections, values, token_stride, n, acc);
+      case 4:
+        if constexpr (4 * D / 16 <= kMaxFusedRegisters) {
+          return accumulate_group<T, D, 4>(probs, corrections, values, token_stride, n, acc);
+        }
+        break;
+      case 8:
+        if constexpr (8 * D / 16 <= kMaxFusedRegisters) {
+          return accumulate_group<T, D, 8>(probs, corrections, values, token_stride, n, acc);
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  TORCH_CHECK(false, "paged attention: no fused path for group ", group, " and head size ", D);
+}
+#endif
+
+// One KV head's share of a block of `n` tokens for the `group` query heads sharing it: scores,
+// rescale of what was accumulated so far, then the weighted values. The keys are in float in
+// w.keys unless the bf16 dot product reads them from the pool (`raw_keys`); the values are read
+// from the pool (`raw_values`) where the group's sums fit in registers (`fused`), else from
+// w.values in float. D is the head size where it is one of the common ones (the accumulator
+// then stays in registers), 0 for any other (read from `s`).
+template <typename T, int64_t D>
+void fold_head(const T* raw_keys, const T* raw_values, bool fused, int64_t n, int64_t kv_head,
+               const Shapes& s, Scratch& w) {
   const int64_t d = D > 0 ? D : s.head_dim;
   const float* keys = &w.keys[kv_head * d];
   const float* values = &w.values[kv_head * d];
-  for (int64_t head = kv_head * s.group; head < (kv_head + 1) * s.group; ++head) {
-    float scores[kBlockSize];
+  float probs[kMaxGroupProbs][kBlockSize];
+  float corrections[kMaxGroupProbs];
+  for (int64_t g = 0; g < s.group; ++g) {
+    const int64_t head = kv_head * s.group + g;
+    float* scores = fused ? probs[g] : probs[0];
     if constexpr (kUsesBf16Dot<T, D>) {
 #if defined(__AVX512BF16__)
       block_scores_bf16<D>(&w.query_bf16[head * d], raw_keys, s.token_stride, n, scores);
@@ -189,29 +334,18 @@ void fold_head(const T* raw_keys, int64_t n, int64_t kv_head, const Shapes& s, S
       sum += scores[t];
     }
     w.denominator[head] = w.denominator[head] * correction + sum;
-    float* acc = &w.acc[head * d];
-    if constexpr (D > 0) {
-      float local[D];
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) local[i] = acc[i] * correction;
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = scores[t];
-        const float* row = values + t * s.token_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) local[i] += p * row[i];
-      }
-      std::memcpy(acc, local, sizeof(local));
-    } else {
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
-      for (int64_t t = 0; t < n; ++t) {
-        const float p = scores[t];
-        const float* row = values + t * s.token_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) acc[i] += p * row[i];
-      }
+    if (fused) {
+      corrections[g] = correction;
+      continue;
     }
+    accumulate_head<D>(scores, values, s.token_stride, n, d, correction, &w.acc[head * d]);
   }
+#if defined(__AVX512F__)
+  if (fused) {
+    accumulate_fused<T, D>(s.group, probs, corrections, raw_values, s.token_stride, n,
+                           &w.acc[kv_head * s.group * d]);
+  }
+#endif
 }
 
 // Asks for `n` elements from `start` on, a cache line at a time: the next block's keys where the
@@ -253,6 +387,11 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
       }
     }
   }
+#if defined(__AVX512F__)
+  const bool fused = fuses_group<D>(s.group);
+#else
+  const bool fused = false;
+#endif
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.max_score.begin(), w.max_score.end(), kNoScore);
   std::fill(w.denominator.begin(), w.denominator.end(), 0.f);
@@ -268,10 +407,15 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int32_t* table
       load_block(k_cache + offset, has_next ? k_cache + next : nullptr, w.keys.data(),
                  n * s.token_stride);
     }
-    load_block(v_cache + offset, has_next ? v_cache + next : nullptr, w.values.data(),
-               n * s.token_stride);
+    if (fused) {
+      if (has_next) prefetch_lines(v_cache + next, s.block_stride);
+    } else {
+      load_block(v_cache + offset, has_next ? v_cache + next : nullptr, w.values.data(),
+                 n * s.token_stride);
+    }
     for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head) {
-      fold_head<T, D>(k_cache + offset + kv_head * d, n, kv_head, s, w);
+      fold_head<T, D>(k_cache + offset + kv_head * d, v_cache + offset + kv_head * d, fused, n,
+                      kv_head, s, w);
     }
   }
   for (int64_t head = 0; head < s.num_heads; ++head) {
