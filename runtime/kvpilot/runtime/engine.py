@@ -46,7 +46,7 @@ from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, rank_device
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence, Scheduler
 from kvpilot.runtime.sequence import Sequence
-from kvpilot.runtime.spec_governor import Governor, StepCosts
+from kvpilot.runtime.spec_governor import Governor
 from kvpilot.runtime.tokenizer import Tokenizer
 from kvpilot.runtime.worker import WorkerArgs, WorkerPool, start_workers
 
@@ -137,7 +137,7 @@ class Engine:
             )
         )
         self.spec_decode = SpecDecodeCounts()
-        self.governor = Governor(StepCosts())
+        self.governor = Governor()
         self._snapshot = self._make_stats()
 
     def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
@@ -459,11 +459,13 @@ class Engine:
         each decoding sequence that may have some; the others' are cleared."""
         config = self.speculative
         assert config is not None
-        # Proposals this step only where they are expected to pay (spec_governor).
-        pays = self.governor.pays(len(self.scheduler.running))
-        for seq in self.scheduler.running:
+        able = [speculative.can_speculate(seq) for seq in self.scheduler.running]
+        # Proposals only where they have measured faster (spec_governor); its epochs count the
+        # steps in which some sequence could propose, not idle ones or prefills.
+        pays = any(able) and self.governor.pays()
+        for seq, can in zip(self.scheduler.running, able, strict=True):
             budget = 0
-            if pays and speculative.can_speculate(seq):
+            if pays and can:
                 budget = speculative.draft_budget(seq, config, self.max_model_len)
             seq.draft_token_ids = proposer.reserve(seq, budget) if budget else []
 
@@ -473,15 +475,11 @@ class Engine:
         samples: list[tuple[ScheduledSequence, list[int], list[dict[int, float] | None]]],
         seconds: float,
     ) -> None:
-        """What the step cost and what its proposals kept, for the governor's next decision.
-        Only steps of decodes feed the cost fit: a prefill chunk's tokens cost less each (one
-        matmul over many rows), and its thousands of rows would decide the line alone."""
+        """The tokens a step of decodes gave out and its time, for the governor's rates (a
+        step with a prefill chunk measures the prompt, not the proposals)."""
         if all(item.num_new_tokens - item.num_draft_tokens == 1 for item in scheduled):
-            self.governor.on_step(sum(item.num_new_tokens for item in scheduled), seconds)
-        proposed = sum(item.num_draft_tokens for item, _, _ in samples)
-        if proposed:
-            accepted = sum(len(tokens) - 1 for item, tokens, _ in samples if item.num_draft_tokens)
-            self.governor.on_proposals(proposed, accepted)
+            tokens = sum(len(tokens) for _, tokens, _ in samples)
+            self.governor.on_step(tokens, seconds, any(i.num_draft_tokens for i in scheduled))
 
     def _count_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and

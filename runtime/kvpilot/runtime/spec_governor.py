@@ -1,115 +1,87 @@
-"""Whether speculative proposals pay in this step, from what recent steps cost (pure Python).
+"""Whether speculative proposals pay, measured rather than modelled (pure Python).
 
-A proposal is one more row through every matmul and attention, accepted or not. With step time
-t = fixed + per_row x rows, R decoding sequences, D proposals of which A are accepted, a step
-yields R + A tokens in fixed + per_row x (R + D) instead of R in fixed + per_row x R; that is
-more tokens per second exactly when
+A proposal is one more row through every matmul and attention, accepted or not. With one
+sequence the fixed part of a step (Python, kernel launches, reading the weights once) dominates
+and nearly any acceptance pays; with 32 sequences of a small model a step is almost all per-row
+work and a proposal accepted 60% of the time loses (bench.engine_spec: 0.85x). Where the line
+falls depends on the model, the machine, the batch and the text, and a cost model fitted to step
+times missed it (proposal rows cost more than its line said, and contexts grow as a run goes),
+so the governor compares what it is after directly: output tokens per second of decode steps,
+with proposals and without.
 
-    A / D  >  per_row x R / (fixed + per_row x R),
-
-the acceptance rate beats the share of the step that grows with its rows. With one sequence the
-fixed part (Python, kernel launches, reading the weights once) dominates and nearly any
-acceptance pays; with 32 sequences of a small model the step is almost all per-row work and a
-proposal accepted 60% of the time loses (bench.engine_spec measured 0.93x before this rule).
-
-Both sides are measured as the engine runs: `StepCosts` fits fixed and per_row by exponentially
-weighted least squares over recent decode steps (rows vary as requests come and go and as
-proposals do), and the acceptance rate is a decayed ratio of recent proposals. Until the fit can
-tell (too few steps, rows too alike), proposals go ahead; once it has, its last estimate stands
-through stretches of alike rows (a batch that stops proposing has alike rows). While proposals
-do not pay, one step in PROBE_EVERY proposes anyway, so that the acceptance rate follows what the
-sequences now write (a batch turning to quoting text wins its proposals back).
+A step counts for the rate with proposals when some sequence proposed in it, and for the one
+without otherwise (a step allowed to propose in which no sequence found anything to propose ran
+exactly as one without). Steps run in epochs of EPOCH; in each cycle of `cycle` epochs all but
+the last allow proposals or not as the faster rate says, and the last does the other, so both
+rates stay current (decayed sums of tokens and seconds; a rate counts after MIN_STEPS steps).
+Until proposals have a rate they are
+allowed (nothing is lost while none is made); until steps without them have one, epochs
+alternate. Once one mode leads by more than CLEAR_MARGIN the other is tried only one cycle in
+four (LONG_CYCLE), which keeps the cost of checking small where the answer is plain.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-DECAY = 0.97  # per step: the fit and the acceptance forget with a half-life of ~23 steps
-MIN_STEPS = 16.0  # decayed weight (at most 33) before a fit counts: ~22 decode steps
-MIN_EVIDENCE = 16.0  # decayed proposed tokens before their acceptance may stop proposals
-SPIKE = 3.0  # a step slower than this many times the fit's prediction counts as this many
-MIN_ROW_VARIANCE = 1.0  # rows^2: below it the rows are too alike to separate fixed from per-row
-PROBE_EVERY = 50  # steps: while proposals do not pay, one step in this many proposes anyway
+EPOCH = 8  # steps run in one mode before the next is chosen
+CYCLE = 8  # epochs per cycle while the two modes are close: the last runs the slower one
+LONG_CYCLE = 32  # epochs per cycle once one mode leads by CLEAR_MARGIN
+CLEAR_MARGIN = 1.25
+DECAY = 0.98  # per recorded step: a mode's rate follows its last ~50 steps
+MIN_STEPS = 6.0  # decayed steps before a mode's rate counts (one rejected proposal is no rate)
 
 
 @dataclass
-class StepCosts:
-    """seconds ~ fixed + per_row x rows, fitted over recent steps (decayed sums)."""
+class Rate:
+    """Decayed output tokens and seconds of one mode's decode steps."""
 
-    weight: float = 0.0
-    sum_rows: float = 0.0
-    sum_seconds: float = 0.0
-    sum_rows_sq: float = 0.0
-    sum_rows_seconds: float = 0.0
-    last_fit: tuple[float, float] | None = None
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
 
-    def add(self, rows: int, seconds: float) -> None:
-        """One step; a stall (the thread descheduled, a collection) is clipped to SPIKE times
-        what the fit predicts, so that one does not decide the slope."""
-        if self.last_fit is not None:
-            fixed, per_row = self.last_fit
-            seconds = min(seconds, SPIKE * (fixed + per_row * rows))
-        self.weight = self.weight * DECAY + 1
-        self.sum_rows = self.sum_rows * DECAY + rows
-        self.sum_seconds = self.sum_seconds * DECAY + seconds
-        self.sum_rows_sq = self.sum_rows_sq * DECAY + rows * rows
-        self.sum_rows_seconds = self.sum_rows_seconds * DECAY + rows * seconds
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * DECAY + tokens
+        self.seconds = self.seconds * DECAY + seconds
+        self.steps = self.steps * DECAY + 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed, per_row) seconds from the recent steps, or the last such estimate while
-        they cannot tell them apart; None before there has been one."""
-        if self.weight < MIN_STEPS:
-            return self.last_fit
-        mean_rows = self.sum_rows / self.weight
-        mean_seconds = self.sum_seconds / self.weight
-        variance = self.sum_rows_sq / self.weight - mean_rows**2
-        if variance < MIN_ROW_VARIANCE:
-            return self.last_fit
-        covariance = self.sum_rows_seconds / self.weight - mean_rows * mean_seconds
-        per_row = max(covariance / variance, 0.0)
-        self.last_fit = max(mean_seconds - per_row * mean_rows, 0.0), per_row
-        return self.last_fit
-
-
-def proposals_pay(acceptance: float, costs: tuple[float, float] | None, num_rows: int) -> bool:
-    """Whether proposing beats not proposing for a step of `num_rows` decoding sequences (see
-    the module's docstring); True while the costs are unknown."""
-    if costs is None or num_rows <= 0:
-        return True
-    fixed, per_row = costs
-    grows = per_row * num_rows
-    return acceptance * (fixed + grows) > grows
+    @property
+    def per_second(self) -> float | None:
+        """Tokens per second, None until MIN_STEPS steps have been measured."""
+        if self.steps < MIN_STEPS or self.seconds <= 0:
+            return None
+        return self.tokens / self.seconds
 
 
 @dataclass
 class Governor:
-    """The engine's running view: step costs and the acceptance rate of recent proposals."""
+    """Chooses, before each step, whether it proposes (`pays`), and learns from what the step
+    gave (`on_step`)."""
 
-    costs: StepCosts
-    proposed: float = 0.0  # decayed proposal counts; the rate starts at 1 (optimistic)
-    accepted: float = 0.0
-    steps_without: int = 0  # steps in a row in which proposals did not pay
+    with_proposals: Rate = field(default_factory=Rate)
+    without: Rate = field(default_factory=Rate)
+    steps: int = 0
+    proposing: bool = True  # this step's mode
 
-    def on_step(self, rows: int, seconds: float) -> None:
-        self.costs.add(rows, seconds)
+    def pays(self) -> bool:
+        self.proposing = choose(self.with_proposals.per_second, self.without.per_second, self.steps)
+        self.steps += 1
+        return self.proposing
 
-    def on_proposals(self, proposed: int, accepted: int) -> None:
-        """One step's proposals of all sequences together."""
-        self.proposed = self.proposed * DECAY + proposed
-        self.accepted = self.accepted * DECAY + accepted
+    def on_step(self, tokens: int, seconds: float, proposed: bool) -> None:
+        """A decode step: the tokens it gave out, its time, and whether any sequence proposed."""
+        (self.with_proposals if proposed else self.without).add(tokens, seconds)
 
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 1.0
 
-    def pays(self, num_rows: int) -> bool:
-        """Whether this step proposes: where proposals pay (or too few have been made to
-        tell), and one step in PROBE_EVERY."""
-        if self.proposed < MIN_EVIDENCE or proposals_pay(
-            self.acceptance, self.costs.fit(), num_rows
-        ):
-            self.steps_without = 0
-            return True
-        self.steps_without += 1
-        return self.steps_without % PROBE_EVERY == 0
+def choose(rate_with: float | None, rate_without: float | None, step: int) -> bool:
+    """Whether step `step` proposes, given each mode's recent tokens per second."""
+    epoch = step // EPOCH
+    if rate_with is None:
+        return True  # nothing proposed yet, so nothing to lose by allowing it
+    if rate_without is None:
+        return epoch % 2 == 0
+    leader_is_with = rate_with >= rate_without
+    lead = max(rate_with, rate_without) / min(rate_with, rate_without)
+    cycle = LONG_CYCLE if lead > CLEAR_MARGIN else CYCLE
+    is_check = epoch % cycle == cycle - 1
+    return leader_is_with != is_check

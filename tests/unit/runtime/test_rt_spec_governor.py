@@ -1,87 +1,77 @@
-"""The speculative-decoding governor: proposals only where their acceptance beats the share of a
-step that grows with its rows (kvpilot.runtime.spec_governor)."""
+"""The speculative-decoding governor: proposals where they have measured faster, the other mode
+checked one epoch in a cycle (kvpilot.runtime.spec_governor)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.spec_governor import PROBE_EVERY, Governor, StepCosts, proposals_pay
-
-FIXED, PER_ROW = 1e-3, 1e-4  # seconds: a step of 32 rows is 76% per-row work
-
-
-def fed(rows: list[int]) -> StepCosts:
-    costs = StepCosts()
-    for count in rows:
-        costs.add(count, FIXED + PER_ROW * count)
-    return costs
-
-
-def test_the_fit_recovers_fixed_and_per_row_costs() -> None:
-    fit = fed([30, 34, 41, 32, 38, 45, 31, 36, 40, 33] * 3).fit()
-    assert fit is not None
-    assert fit == pytest.approx((FIXED, PER_ROW), rel=1e-6)
+from kvpilot.runtime.spec_governor import CYCLE, EPOCH, LONG_CYCLE, Governor, Rate, choose
 
 
 @pytest.mark.parametrize(
-    ("rows", "why"),
-    [([30, 40, 35] * 5, "too few steps"), ([32] * 40, "rows all alike"), ([32, 33] * 20, "barely")],
-)
-def test_no_fit_while_the_steps_cannot_tell(rows: list[int], why: str) -> None:
-    assert fed(rows).fit() is None, why
-
-
-def test_a_stall_does_not_decide_the_slope() -> None:
-    costs = fed([30, 34, 41, 32, 38, 45, 31, 36, 40, 33] * 4)
-    costs.add(31, 0.5)  # descheduled for half a second
-    fit = costs.fit()
-    assert fit is not None and fit[1] < 2 * PER_ROW
-
-
-def test_the_last_fit_stands_while_the_rows_are_alike() -> None:
-    costs = fed([30, 34, 41, 32, 38, 45, 31, 36, 40, 33] * 4)
-    fit = costs.fit()
-    assert fit is not None
-    for _ in range(300):  # proposals off: 32 rows a step, until the spread is forgotten
-        costs.add(32, FIXED + PER_ROW * 32)
-    assert costs.fit() == fit
-
-
-@pytest.mark.parametrize(
-    ("acceptance", "num_rows", "pays"),
+    ("rate_with", "rate_without", "epoch", "proposes"),
     [
-        (0.6, 1, True),  # share 0.09: one sequence gains from nearly any acceptance
-        (0.6, 32, False),  # share 0.76
-        (0.8, 32, True),
-        (0.1, 1, True),
-        (0.05, 1, False),
-        (0.0, 1, False),
+        (None, None, 1, True),  # nothing proposed yet: allowed, nothing to lose
+        (None, 5.0, 1, True),
+        (5.0, None, 0, True),  # no rate without proposals: alternate epochs
+        (5.0, None, 1, False),
+        (1.1, 1.0, 0, True),  # close: the faster mode ...
+        (1.1, 1.0, CYCLE - 1, False),  # ... and the other in the cycle's last epoch
+        (1.1, 1.0, CYCLE, True),
+        (1.0, 1.1, 0, False),
+        (1.0, 1.1, CYCLE - 1, True),
+        (2.0, 1.0, CYCLE - 1, True),  # a clear lead: the other is checked less often
+        (2.0, 1.0, LONG_CYCLE - 1, False),
+        (1.0, 2.0, LONG_CYCLE - 1, True),
     ],
 )
-def test_proposals_pay_when_acceptance_beats_the_per_row_share(
-    acceptance: float, num_rows: int, pays: bool
+def test_choose_runs_the_faster_mode_and_checks_the_other(
+    rate_with: float | None, rate_without: float | None, epoch: int, proposes: bool
 ) -> None:
-    assert proposals_pay(acceptance, (FIXED, PER_ROW), num_rows) is pays
+    for step in range(epoch * EPOCH, (epoch + 1) * EPOCH):
+        assert choose(rate_with, rate_without, step) is proposes
 
 
-def test_unknown_costs_let_proposals_go_ahead() -> None:
-    assert proposals_pay(0.0, None, 32)
-    assert proposals_pay(0.0, (FIXED, PER_ROW), 0)
+def run(governor: Governor, steps: int, speed_with: float, speed_without: float) -> float:
+    """Steps of 32 tokens whose time depends on the mode; the share that proposed."""
+    proposing = 0
+    for _ in range(steps):
+        chosen = governor.pays()
+        proposing += chosen
+        governor.on_step(32, 32 / (speed_with if chosen else speed_without), chosen)
+    return proposing / steps
 
 
-def test_the_governor_follows_recent_acceptance_and_costs() -> None:
-    governor = Governor(StepCosts())
-    assert governor.acceptance == 1.0 and governor.pays(32)  # nothing known: propose
-    governor.on_proposals(4, 0)  # an early miss is too little evidence to stop proposing
-    assert governor.acceptance == 0.0 and governor.pays(32)
-    for rows in [30, 34, 41, 32, 38, 45, 31, 36, 40, 33] * 4:
-        governor.on_step(rows, FIXED + PER_ROW * rows)
-        governor.on_proposals(10, 6)
-    assert governor.acceptance == pytest.approx(0.6, abs=0.01)
-    assert governor.pays(1)
-    decisions = [governor.pays(32) for _ in range(2 * PROBE_EVERY)]
-    # Not paying: only a probe every PROBE_EVERY steps, to see whether acceptance has changed.
-    assert [i for i, d in enumerate(decisions) if d] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
-    for _ in range(200):  # proposals now kept: the old misses fade
-        governor.on_proposals(10, 9)
-    assert governor.acceptance == pytest.approx(0.9, abs=0.01) and governor.pays(32)
+@pytest.mark.parametrize(
+    ("speed_with", "speed_without", "low", "high"),
+    [
+        (0.9, 1.0, 0.0, 1.5 / CYCLE),  # proposals lose 10%: only the checks propose
+        (0.5, 1.0, 0.0, 1.5 / LONG_CYCLE + 0.02),  # they lose half: checked seldom
+        (1.8, 1.0, 1 - 1.5 / LONG_CYCLE - 0.02, 1.0),  # they win: nearly always
+    ],
+)
+def test_the_governor_settles_on_the_faster_mode(
+    speed_with: float, speed_without: float, low: float, high: float
+) -> None:
+    governor = Governor()
+    run(governor, 2 * EPOCH, speed_with, speed_without)  # both measured
+    assert low <= run(governor, 40 * CYCLE * EPOCH, speed_with, speed_without) <= high
+
+
+def test_the_governor_follows_a_change() -> None:
+    """A batch that grows (proposals stop paying) and shrinks again (they pay again)."""
+    governor = Governor()
+    assert run(governor, 50 * EPOCH, 2.0, 1.0) > 0.9
+    assert run(governor, 200 * EPOCH, 0.8, 1.0) < 0.2
+    # Back: a check epoch finds proposals faster, after the old rate has decayed (a few checks)
+    assert run(governor, 200 * EPOCH, 2.0, 1.0) > 0.8
+
+
+def test_a_rate_counts_after_a_few_steps() -> None:
+    """One rejected proposal's step is no verdict on proposals."""
+    rate = Rate()
+    rate.add(1, 0.01)
+    assert rate.per_second is None
+    for _ in range(6):
+        rate.add(4, 0.01)
+    assert rate.per_second == pytest.approx(25 / 0.07, rel=0.05)
