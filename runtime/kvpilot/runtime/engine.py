@@ -462,7 +462,7 @@ class Engine:
         able = [speculative.can_speculate(seq) for seq in self.scheduler.running]
         # Proposals only where they have measured faster (spec_governor); its epochs count the
         # steps in which some sequence could propose, not idle ones or prefills.
-        pays = any(able) and self.governor.pays()
+        pays = any(able) and self.governor.pays(sum(able))
         for seq, can in zip(self.scheduler.running, able, strict=True):
             budget = 0
             if pays and can:
@@ -479,7 +479,8 @@ class Engine:
         step with a prefill chunk measures the prompt, not the proposals)."""
         if all(item.num_new_tokens - item.num_draft_tokens == 1 for item in scheduled):
             tokens = sum(len(tokens) for _, tokens, _ in samples)
-            self.governor.on_step(tokens, seconds, any(i.num_draft_tokens for i in scheduled))
+            proposed = any(item.num_draft_tokens for item in scheduled)
+            self.governor.on_step(tokens, seconds, proposed, len(scheduled))
 
     def _count_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and

@@ -9,6 +9,11 @@ times missed it (proposal rows cost more than its line said, and contexts grow a
 so the governor compares what it is after directly: output tokens per second of decode steps,
 with proposals and without.
 
+Below SMALL_BATCH decoding sequences proposals always run and nothing is measured: there the
+fixed part of a step dominates on any model (a proposal row is nearly free), and with so few
+sequences the two rates would compare stretches of different text (the start of an answer
+proposes little, a quote copied later a lot), which the per-sequence pace already follows.
+
 A step counts for the rate with proposals when some sequence proposed in it, and for the one
 without otherwise (a step allowed to propose in which no sequence found anything to propose ran
 exactly as one without). Steps run in epochs of EPOCH; in each cycle of `cycle` epochs all but
@@ -29,6 +34,7 @@ CYCLE = 8  # epochs per cycle while the two modes are close: the last runs the s
 LONG_CYCLE = 32  # epochs per cycle once one mode leads by CLEAR_MARGIN
 CLEAR_MARGIN = 1.25
 DECAY = 0.98  # per recorded step: a mode's rate follows its last ~50 steps
+SMALL_BATCH = 4  # decoding sequences below which proposals always run, unmeasured
 MIN_STEPS = 6.0  # decayed steps before a mode's rate counts (one rejected proposal is no rate)
 
 
@@ -63,14 +69,20 @@ class Governor:
     steps: int = 0
     proposing: bool = True  # this step's mode
 
-    def pays(self) -> bool:
+    def pays(self, num_rows: int) -> bool:
+        """Whether a step of `num_rows` decoding sequences may propose."""
+        if num_rows < SMALL_BATCH:
+            self.proposing = True
+            return True
         self.proposing = choose(self.with_proposals.per_second, self.without.per_second, self.steps)
         self.steps += 1
         return self.proposing
 
-    def on_step(self, tokens: int, seconds: float, proposed: bool) -> None:
-        """A decode step: the tokens it gave out, its time, and whether any sequence proposed."""
-        (self.with_proposals if proposed else self.without).add(tokens, seconds)
+    def on_step(self, tokens: int, seconds: float, proposed: bool, num_rows: int) -> None:
+        """A decode step of `num_rows` sequences: the tokens it gave out, its time, and whether
+        any sequence proposed."""
+        if num_rows >= SMALL_BATCH:
+            (self.with_proposals if proposed else self.without).add(tokens, seconds)
 
 
 def choose(rate_with: float | None, rate_without: float | None, step: int) -> bool:

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.spec_governor import CYCLE, EPOCH, LONG_CYCLE, Governor, Rate, choose
+from kvpilot.runtime.spec_governor import (
+    CYCLE,
+    EPOCH,
+    LONG_CYCLE,
+    SMALL_BATCH,
+    Governor,
+    Rate,
+    choose,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,9 +44,9 @@ def run(governor: Governor, steps: int, speed_with: float, speed_without: float)
     """Steps of 32 tokens whose time depends on the mode; the share that proposed."""
     proposing = 0
     for _ in range(steps):
-        chosen = governor.pays()
+        chosen = governor.pays(32)
         proposing += chosen
-        governor.on_step(32, 32 / (speed_with if chosen else speed_without), chosen)
+        governor.on_step(32, 32 / (speed_with if chosen else speed_without), chosen, 32)
     return proposing / steps
 
 
@@ -65,6 +73,16 @@ def test_the_governor_follows_a_change() -> None:
     assert run(governor, 200 * EPOCH, 0.8, 1.0) < 0.2
     # Back: a check epoch finds proposals faster, after the old rate has decayed (a few checks)
     assert run(governor, 200 * EPOCH, 2.0, 1.0) > 0.8
+
+
+def test_a_small_batch_always_proposes_and_measures_nothing() -> None:
+    governor = Governor()
+    run(governor, 50 * EPOCH, 0.5, 1.0)  # proposals lose at 32 sequences
+    assert not governor.pays(32)
+    rates = (governor.with_proposals.per_second, governor.without.per_second)
+    assert governor.pays(SMALL_BATCH - 1)
+    governor.on_step(1, 10.0, True, SMALL_BATCH - 1)
+    assert (governor.with_proposals.per_second, governor.without.per_second) == rates
 
 
 def test_a_rate_counts_after_a_few_steps() -> None:
