@@ -21,8 +21,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.engine_common import MODEL, clock, greedy, setup_threads, threads_note
-from bench.engine_spec import Run, prompts
+from bench.engine_common import MODEL, setup_threads, threads_note
+from bench.engine_spec import Run, prompts, run_to_the_end
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
@@ -46,23 +46,10 @@ def engine(concurrency: int, draft: Path | None) -> Engine:
 
 
 def cold_run(engine: Engine, batch: list[list[int]], num_tokens: int, round_index: int) -> Run:
-    """Prompts (new request ids, prompts unseen by this engine's cache) to the last token."""
-    before = engine.stats()
-    batch = [[round_index + 3, *prompt[1:]] for prompt in batch]  # a miss in the prefix cache
-    for index, prompt in enumerate(batch):
-        engine.add_request(prompt, greedy(num_tokens), f"run-{round_index}-{index}")
-    steps, produced = 0, 0
-    start = clock()
-    while engine.has_unfinished_requests():
-        produced += sum(len(out.new_token_ids) for out in engine.step())
-        steps += 1
-    elapsed = clock() - start
-    after = engine.stats()
-    proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
-    accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
-    return Run(
-        produced / elapsed, accepted / proposed if proposed else 0.0, produced / steps / len(batch)
-    )
+    """Prompts this engine's prefix cache has not seen (their first token changed each round),
+    timed from their arrival to the last token."""
+    batch = [[round_index + 3, *prompt[1:]] for prompt in batch]
+    return run_to_the_end(engine, batch, num_tokens, f"run-{round_index}")
 
 
 def measure(draft: Path, concurrency: int, rounds: int, num_tokens: int) -> dict[str, Run]:

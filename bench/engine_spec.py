@@ -73,9 +73,14 @@ def timed_run(engine: Engine, batch: list[list[int]], num_tokens: int) -> Run:
         engine.add_request(prompt, greedy(1), f"warm-{index}")
     while engine.has_unfinished_requests():
         engine.step()
+    return run_to_the_end(engine, batch, num_tokens, "run")
+
+
+def run_to_the_end(engine: Engine, batch: list[list[int]], num_tokens: int, name: str) -> Run:
+    """The batch's requests (ids `name`-index) timed from their arrival to the last token."""
     before = engine.stats()
     for index, prompt in enumerate(batch):
-        engine.add_request(prompt, greedy(num_tokens), f"run-{index}")
+        engine.add_request(prompt, greedy(num_tokens), f"{name}-{index}")
     steps, produced = 0, 0
     start = clock()
     while engine.has_unfinished_requests():

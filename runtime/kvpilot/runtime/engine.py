@@ -401,7 +401,7 @@ class Engine:
                 if item.num_draft_tokens:
                     self._count_drafts(item, len(tokens) - 1)
             if self.proposer is not None:
-                self._on_step_costs(batch.scheduled, result.samples, done - started)
+                self._measure_for_governor(batch.scheduled, result.samples, done - started)
         if self._followers:
             outputs += self._release_followers()
         with self._lock:
@@ -469,7 +469,7 @@ class Engine:
                 budget = speculative.draft_budget(seq, config, self.max_model_len)
             seq.draft_token_ids = proposer.reserve(seq, budget) if budget else []
 
-    def _on_step_costs(
+    def _measure_for_governor(
         self,
         scheduled: list[ScheduledSequence],
         samples: list[tuple[ScheduledSequence, list[int], list[dict[int, float] | None]]],
