@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench.engine_common import MODEL, setup_threads, threads_note
-from bench.engine_spec import Run, prompts, run_to_the_end
+from bench.engine_spec import Run, best_alternating, prompts, run_to_the_end
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
@@ -56,14 +56,9 @@ def measure(draft: Path, concurrency: int, rounds: int, num_tokens: int) -> dict
     """Best round of each configuration, the two alternating (which goes first flips)."""
     engines = {"plain": engine(concurrency, None), "draft": engine(concurrency, draft)}
     batch = prompts("plain", concurrency)
-    best: dict[str, Run] = {}
-    for round_index in range(rounds):
-        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
-        for name in order:
-            run = cold_run(engines[name], batch, num_tokens, round_index)
-            if name not in best or run.tok_s > best[name].tok_s:
-                best[name] = run
-    return best
+    return best_alternating(
+        engines, rounds, lambda engine, index: cold_run(engine, batch, num_tokens, index)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,14 +115,22 @@ def measure(
         )
         for name, spec in (("plain", None), ("ngram", NGRAM))
     }
-    best: dict[str, Run] = {}
     batch = prompts(workload, concurrency)
+    return best_alternating(engines, rounds, lambda engine, _: timed_run(engine, batch, num_tokens))
+
+
+def best_alternating(
+    engines: dict[str, Engine], rounds: int, run: Callable[[Engine, int], Run]
+) -> dict[str, Run]:
+    """Each engine's best round of `run(engine, round)`, the engines alternating (which goes
+    first flips each round)."""
+    best: dict[str, Run] = {}
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
         for name in order:
-            run = timed_run(engines[name], batch, num_tokens)
-            if name not in best or run.tok_s > best[name].tok_s:
-                best[name] = run
+            result = run(engines[name], round_index)
+            if name not in best or result.tok_s > best[name].tok_s:
+                best[name] = result
     return best
 
 

@@ -8,25 +8,10 @@ from pathlib import Path
 import pytest
 
 from kvpilot.runtime.draft_model import check_draft, check_draft_positions
-from kvpilot.runtime.loader import ModelConfig
+from kvpilot.runtime.loader import ModelConfig, load_model_config
+from tests.support.reference_models import TINY_LLAMA
 
-SERVED = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=688,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=32,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    has_qkv_bias=False,
-    torch_dtype="bfloat16",
-)
+SERVED = load_model_config(TINY_LLAMA)  # 4096 output rows, 2048 positions
 VOCAB = {"<s>": 0, "the": 1, "and": 2}
 DRAFT_DIR = Path("/models/draft")
 
