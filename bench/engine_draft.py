@@ -16,13 +16,12 @@ plain engine only. Process CPU time with one thread, alternating, best of the ro
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 from bench.engine_common import MODEL, setup_threads, threads_note
-from bench.engine_spec import Run, best_alternating, prompts, run_to_the_end
+from bench.engine_spec import Run, best_alternating, parse_args, prompts, run_to_the_end
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
@@ -62,11 +61,7 @@ def measure(draft: Path, concurrency: int, rounds: int, num_tokens: int) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--output-tokens", type=int, default=128)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_args(argv, __doc__)
     setup_threads()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -134,12 +134,17 @@ def best_alternating(
     return best
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def parse_args(argv: list[str] | None, description: str | None) -> argparse.Namespace:
+    """The flags of the speculative-decoding benchmarks (this one and bench.engine_draft)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv, __doc__)
     setup_threads()
     models = (
         ("tiny-llama (4 M)", MODEL),
