@@ -78,17 +78,29 @@ def watch_first(
     poll: a LIST of 200 ModelDeployments every 0.25 s cost the apiserver as much as an operator
     under test."""
     from kubernetes import watch
+    from kubernetes.client.rest import ApiException
 
+    version: dict[str, str] = {}  # where the last watch ended; empty: start with a listing
     while not stop.is_set():
         stream = watch.Watch()
-        # Plain JSON: the client's models took the watch thread ~5 ms an event, so under a
-        # burst the bench saw Deployments up to a second after the apiserver sent them.
-        for event in stream.stream(list_fn, *args, timeout_seconds=5, deserialize=False):
-            obj = event["object"]
-            if is_done(obj):
-                seen.setdefault(obj["metadata"]["name"], time.monotonic())
-            if stop.is_set():
-                stream.stop()
+        # Each watch resumes where the last ended and lasts a minute. One that ended every 5 s
+        # and started afresh saw the objects made in between only once the new watch had sent
+        # every object again: under the burst 70 Deployments at once, 1.5 s after the operator
+        # had made them, and the p95 went from 0.9 to 2.8 s between runs. Resumed, the times
+        # agree within 10 ms with those of a `kubectl get -w` run beside it.
+        try:
+            events = stream.stream(list_fn, *args, timeout_seconds=60, deserialize=False, **version)
+            for event in events:
+                obj = event["object"]
+                version = {"resource_version": obj["metadata"]["resourceVersion"]}
+                if is_done(obj):
+                    seen.setdefault(obj["metadata"]["name"], time.monotonic())
+                if stop.is_set():
+                    stream.stop()
+        except ApiException as error:
+            if error.status != 410:  # 410: the version is too old; list afresh
+                raise
+            version = {}
 
 
 def is_any(obj: dict[str, Any]) -> bool:
