@@ -48,6 +48,8 @@ class PlanRequest:
     node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
     # (node type, $ per 1,000 requests) measured on real traffic (status.cost.nodeTypes)
     measured_cost: tuple[tuple[str, float], ...] = ()
+    # speculative draft_model: the draft's facts; it shares each replica's one GPU
+    draft: ModelFacts | None = None
 
     def __post_init__(self) -> None:
         if not self.quantizations:
@@ -63,8 +65,10 @@ class PlanRequest:
         spec: ModelDeploymentSpec,
         facts: ModelFacts,
         quantizations: tuple[str, ...] | None = None,
+        draft: ModelFacts | None = None,
     ) -> PlanRequest:
-        """`quantizations`: the levels quality admits (quality.admit); default: the category's."""
+        """`quantizations`: the levels quality admits (quality.admit); default: the category's.
+        `draft`: the facts of spec.serving.speculative's draft model, if it names one."""
         names = tuple(spec.placement.node_types)
         return cls(
             facts=facts,
@@ -79,6 +83,7 @@ class PlanRequest:
             min_gpus_per_replica=spec.placement.min_gpus_per_replica,
             prefer=spec.placement.prefer,
             node_types=() if names == ("auto",) else names,
+            draft=draft,
         )
 
 
@@ -135,8 +140,11 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
 
 def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
-    those that split the KV heads evenly (the runtime refuses any other)."""
+    those that split the KV heads evenly (the runtime refuses any other). A draft model runs
+    on one GPU, and so does its replica (the runtime refuses a draft with tensor parallelism)."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
+    if request.draft is not None:
+        max_tp = min(max_tp, 1)
     return [
         tp
         for tp in TP_DEGREES
@@ -152,6 +160,11 @@ def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
         )
     if node_type.gpus_per_node < 1:
         return f"{node_type.name}: no GPUs per node"
+    if request.draft is not None:
+        return (
+            f"{node_type.name}: a draft model runs on one GPU, minGpusPerReplica is"
+            f" {request.min_gpus_per_replica}"
+        )
     return (
         f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
         f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "
@@ -175,6 +188,7 @@ def _estimate(
         tensor_parallel=tp,
         gpu_memory_bytes=node_type.gpu_memory_bytes,
         gpu_memory_utilization=request.gpu_memory_utilization,
+        draft=request.draft,
     )
 
 
@@ -185,7 +199,7 @@ def _fitting(
         node_type.gpu_memory_bytes, request.gpu_memory_utilization, estimate.weights_bytes
     )
     concurrency = memory.max_concurrency(
-        request.facts, request.kv_bytes, request.max_context_length, budget, tp
+        request.facts, request.kv_bytes, request.max_context_length, budget, tp, request.draft
     )
     return NodePlan(
         node_type,

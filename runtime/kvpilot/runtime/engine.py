@@ -214,12 +214,10 @@ class Engine:
         rank_facts = model_facts(self.runner.model.cfg)  # this rank's share of the KV heads
         # A draft model's KV cache has as many blocks as the served model's: the budget holds
         # both, so each block costs (1 + draft_share) of the served model's bytes.
-        draft_share = 0.0
+        draft_facts = None
         if isinstance(self.proposer, DraftModelProposer):
             draft_facts = model_facts(self.proposer.model_config)
-            draft_share = memory.kv_bytes_per_token(draft_facts, kv_bytes) / (
-                memory.kv_bytes_per_token(rank_facts, kv_bytes)
-            )
+        draft_share = memory.draft_kv_share(rank_facts, draft_facts, kv_bytes)
         budget = self._kv_budget(rank_facts, kv_bytes, 1 + draft_share)
         num_blocks = memory.num_kv_blocks(rank_facts, kv_bytes, budget / (1 + draft_share))
         needed = -(-self.max_model_len // memory.BLOCK_SIZE)

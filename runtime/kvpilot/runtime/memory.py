@@ -32,6 +32,9 @@ _BYTES_PER_PARAM = {
 }
 _KV_BYTES = {"auto": 2, "fp16": 2, "bf16": 2, "fp8": 1, "fp32": 4}
 
+# The runtime loads a draft model (speculative decoding) unquantised, at the serving dtype.
+DRAFT_QUANTIZATION = "bf16"
+
 # Fixed cost per GPU process that is neither weights nor KV cache: CUDA context, allocator
 # fragmentation, cuBLAS workspaces and CUDA graphs. Activations scale with the weights.
 OVERHEAD_BASE_BYTES = 1 * GIB
@@ -118,6 +121,14 @@ def overhead_bytes(weights_per_gpu: float) -> float:
     return OVERHEAD_BASE_BYTES + OVERHEAD_ACTIVATION_FRACTION * weights_per_gpu
 
 
+def draft_kv_share(model: ModelFacts, draft: ModelFacts | None, kv_bytes: int) -> float:
+    """What a draft model's KV cache adds to each block of the served model's: the draft has as
+    many blocks (it reads the same block tables), each this share of a served block's bytes."""
+    if draft is None:
+        return 0.0
+    return kv_bytes_per_token(draft, kv_bytes) / kv_bytes_per_token(model, kv_bytes)
+
+
 def estimate(
     model: ModelFacts,
     quantization: str,
@@ -127,14 +138,19 @@ def estimate(
     tensor_parallel: int,
     gpu_memory_bytes: float,
     gpu_memory_utilization: float,
+    draft: ModelFacts | None = None,
 ) -> MemoryEstimate:
-    """Per-GPU memory of one replica holding `sequences` sequences of `tokens` tokens each."""
+    """Per-GPU memory of one replica holding `sequences` sequences of `tokens` tokens each;
+    with a draft model (speculative decoding), its weights unquantised and its KV cache too."""
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     weights = weight_bytes(model.parameters, quantization) / tensor_parallel
     kv = kv_cache_bytes(model, kv_bytes, tokens, sequences) / tensor_parallel
+    if draft is not None:
+        weights += weight_bytes(draft.parameters, DRAFT_QUANTIZATION)
+        kv *= 1 + draft_kv_share(model, draft, kv_bytes)
     return MemoryEstimate(
         weights_bytes=weights,
         kv_cache_bytes=kv,
@@ -144,11 +160,18 @@ def estimate(
 
 
 def max_concurrency(
-    model: ModelFacts, kv_bytes: int, tokens: int, kv_budget_bytes: float, tensor_parallel: int = 1
+    model: ModelFacts,
+    kv_bytes: int,
+    tokens: int,
+    kv_budget_bytes: float,
+    tensor_parallel: int = 1,
+    draft: ModelFacts | None = None,
 ) -> int:
-    """How many sequences of `tokens` tokens fit in a per-GPU KV budget (block-rounded)."""
+    """How many sequences of `tokens` tokens fit in a per-GPU KV budget (block-rounded), a
+    draft model's KV cache beside the served model's."""
     blocks_per_seq = math.ceil(tokens / BLOCK_SIZE)
-    return num_kv_blocks(model, kv_bytes, kv_budget_bytes * tensor_parallel) // blocks_per_seq
+    budget = kv_budget_bytes * tensor_parallel / (1 + draft_kv_share(model, draft, kv_bytes))
+    return num_kv_blocks(model, kv_bytes, budget) // blocks_per_seq
 
 
 def num_kv_blocks(model: ModelFacts, kv_bytes: int, kv_budget_bytes: float) -> int:

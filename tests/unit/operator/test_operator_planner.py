@@ -279,3 +279,35 @@ def test_no_degree_says_why(kv_heads: int, gpus: int, min_gpus: int, reason: str
         request(facts, min_gpus_per_replica=min_gpus), pool("p", 81559, gpus)
     )
     assert not plan.fits and plan.reason == reason
+
+
+# A 0.5B draft beside the 7B: 16 layers x 2 KV heads x 64 per token, 1/16 of the 7B's 32 x 8 x 128.
+DRAFT = ModelFacts(parameters=500_000_000, layers=16, kv_heads=2, head_dim=64)
+
+
+def test_a_draft_model_adds_its_bf16_weights_and_its_share_of_every_kv_block() -> None:
+    alone = planner.plan_node_type(request(quantizations=("int8",)), BIG).estimate
+    drafted = planner.plan_node_type(request(quantizations=("int8",), draft=DRAFT), BIG).estimate
+    assert alone and drafted
+    # the draft is loaded unquantised (bf16, 2 bytes a parameter) whatever the served level
+    assert drafted.weights_bytes - alone.weights_bytes == 500_000_000 * 2
+    assert drafted.kv_cache_bytes == alone.kv_cache_bytes * (1 + 1 / 16)
+
+
+def test_a_draft_model_holds_fewer_sequences_in_the_same_budget() -> None:
+    alone = planner.plan_node_type(request(), H100)
+    drafted = planner.plan_node_type(request(draft=DRAFT), H100)
+    # the KV budget shrinks by the draft's 1 GB of weights (and 5% of them in overhead), and
+    # each sequence costs 1 + 1/16 of its blocks
+    budget_gib = 81559 * 0.9 / 1024 - 15e9 / GIB - (1 + 0.05 * 15e9 / GIB)
+    assert (alone.max_concurrency, drafted.max_concurrency) == (56, int(budget_gib / (17 / 16)))
+
+
+def test_a_draft_model_keeps_each_replica_on_one_gpu() -> None:
+    # bf16 on L4x4 needs tp 2 alone; with a draft only one GPU is tried, where int8 fits
+    assert planner.tp_degrees(request(draft=DRAFT), L4X4) == [1]
+    drafted = planner.plan_node_type(request(draft=DRAFT), L4X4)
+    assert (drafted.quantization, drafted.tensor_parallel) == ("int8", 1)
+    refused = planner.plan_node_type(request(draft=DRAFT, min_gpus_per_replica=2), L4X4)
+    assert not refused.fits
+    assert refused.reason == "l4x4-24gb: a draft model runs on one GPU, minGpusPerReplica is 2"
