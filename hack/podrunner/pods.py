@@ -127,7 +127,8 @@ def rewrite_paths(text: str, mounts: Sequence[tuple[str, str]]) -> str:
     # rewritten again; the longest path first, so /mnt/models/x wins over /mnt/models.
     local_dirs = dict(mounts)
     alternatives = "|".join(re.escape(path) for path in sorted(local_dirs, key=len, reverse=True))
-    pattern = rf"(?<![\w.-])({alternatives})(?=/|$|\s|=)"
+    # A path ends at a separator, the end, a space, an `=` or a quote (a JSON value in a flag).
+    pattern = rf"(?<![\w.-])({alternatives})(?=/|$|\s|=|[\"'])"
     return re.sub(pattern, lambda found: local_dirs[found.group(1)], text)
 
 

@@ -47,6 +47,8 @@ QUALITY_LOSS_LEVELS: dict[str, tuple[str, ...]] = {
 URI_PATTERN = (
     r"^(hf://[^/\s]+/[^\s]+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^\s]*|s3://[^\s]+|file:///[^\s]*)$"
 )
+# A draft model is fetched into the pod by an init container, as hf:// and s3:// models are.
+DRAFT_URI_PATTERN = r"^(hf://[^/\s]+/[^\s]+|s3://[^\s]+)$"
 # One file: an eval Job cannot see a file:// path on the user's machine.
 EVAL_DATASET_URI_PATTERN = (
     r"^(hf://[^/\s]+/[^/\s]+/[^\s]*[^/\s]|s3://[^/\s]+/[^\s]*[^/\s]"
@@ -67,6 +69,12 @@ POLICY_DEFAULTS = Bounds()
 # The runtime's speculative-decoding defaults and limits are the CRD's, so a field left out means
 # what the runtime would do with the key left out.
 SPECULATIVE_DEFAULTS = SpeculativeConfig()
+_DRAFT_NEEDS_MODEL = (
+    "speculative method draft_model needs model (the draft's hf:// or s3:// URI), and only it"
+    " takes one"
+)
+_LOOKUP_IS_NGRAM = "promptLookupMax and promptLookupMin apply to speculative method ngram only"
+_LOOKUP_BOUNDS = "promptLookupMin must not exceed promptLookupMax"
 
 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -153,37 +161,92 @@ class ModelSource(_Model):
 
 
 class Speculative(_Model):
-    """Speculative decoding by prompt lookup, passed to the runtime as --speculative-config
-    (vLLM's keys): requests without a grammar or a seed propose the tokens that followed an
-    earlier occurrence of their last few tokens, and the model checks them in one step (sampled
-    requests keep their distribution). The runtime's draft_model method is not offered here
-    yet: the pod would need the draft model fetched beside the served one."""
+    """Speculative decoding, passed to the runtime as --speculative-config (vLLM's keys):
+    requests without a grammar or a seed take proposals, and the served model checks them in
+    one step (sampled requests keep their distribution). `ngram` proposes the tokens that
+    followed an earlier occurrence of the last few (prompt lookup); `draft_model` runs a
+    smaller model with the served model's tokenizer, which each pod fetches beside the served
+    one (an init container) and holds on the same GPU."""
 
     model_config = ConfigDict(
         json_schema_extra=_cel(
             (
-                "self.promptLookupMin <= self.promptLookupMax",
-                "promptLookupMin must not exceed promptLookupMax",
-            )
+                "self.method == 'draft_model' ? has(self.model) : !has(self.model)",
+                _DRAFT_NEEDS_MODEL,
+            ),
+            (
+                "self.method == 'ngram' || (!has(self.promptLookupMax) && "
+                "!has(self.promptLookupMin))",
+                _LOOKUP_IS_NGRAM,
+            ),
+            (
+                f"(has(self.promptLookupMin) ? self.promptLookupMin : "
+                f"{SPECULATIVE_DEFAULTS.prompt_lookup_min}) <= (has(self.promptLookupMax) ? "
+                f"self.promptLookupMax : {SPECULATIVE_DEFAULTS.prompt_lookup_max})",
+                _LOOKUP_BOUNDS,
+            ),
         )
     )
 
-    method: Literal["ngram"] = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
+    model: str | None = Field(
+        default=None,
+        pattern=DRAFT_URI_PATTERN,
+        max_length=1024,
+        description="draft_model: the draft's hf://org/name or s3://bucket/path, with the served"
+        " model's tokenizer (fetched with spec.model.secretRef's credentials)",
+    )
     num_speculative_tokens: int = Field(
         default=SPECULATIVE_DEFAULTS.num_speculative_tokens, ge=1, le=MAX_SPECULATIVE_TOKENS
     )
-    prompt_lookup_max: int = Field(default=SPECULATIVE_DEFAULTS.prompt_lookup_max, ge=1, le=64)
-    prompt_lookup_min: int = Field(default=SPECULATIVE_DEFAULTS.prompt_lookup_min, ge=1, le=64)
+    # No defaults in the schema: draft_model refuses them, so they must stay absent unless set.
+    prompt_lookup_max: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description=f"ngram: the longest suffix matched (default"
+        f" {SPECULATIVE_DEFAULTS.prompt_lookup_max})",
+    )
+    prompt_lookup_min: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description=f"ngram: the shortest suffix matched (default"
+        f" {SPECULATIVE_DEFAULTS.prompt_lookup_min})",
+    )
 
     @model_validator(mode="after")
-    def _lookup_bounds(self) -> Speculative:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("promptLookupMin must not exceed promptLookupMax")
+    def _fields_of_the_method(self) -> Speculative:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(_DRAFT_NEEDS_MODEL)
+        lookup = (self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.method == "draft_model" and lookup != (None, None):
+            raise ValueError(_LOOKUP_IS_NGRAM)
+        if self.method == "ngram" and self.lookup_min > self.lookup_max:
+            raise ValueError(_LOOKUP_BOUNDS)
         return self
 
-    def runtime_json(self) -> str:
-        """The runtime's --speculative-config value (its own keys, snake_case)."""
-        return json.dumps(self.model_dump(), separators=(",", ":"))
+    @property
+    def lookup_max(self) -> int:
+        return self.prompt_lookup_max or SPECULATIVE_DEFAULTS.prompt_lookup_max
+
+    @property
+    def lookup_min(self) -> int:
+        return self.prompt_lookup_min or SPECULATIVE_DEFAULTS.prompt_lookup_min
+
+    def runtime_json(self, draft_dir: str) -> str:
+        """The runtime's --speculative-config value (its own keys, snake_case); `draft_dir`:
+        where the pod holds the draft model (draft_model only)."""
+        values: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.method == "ngram":
+            values["prompt_lookup_max"] = self.lookup_max
+            values["prompt_lookup_min"] = self.lookup_min
+        else:
+            values["model"] = draft_dir
+        return json.dumps(values, separators=(",", ":"))
 
 
 class Serving(_Model):
@@ -203,7 +266,7 @@ class Serving(_Model):
         default=0.9, ge=0.1, le=1.0, description="share of each GPU's memory the runtime may use"
     )
     speculative: Speculative | None = Field(
-        default=None, description="speculative decoding (prompt lookup); off when absent"
+        default=None, description="speculative decoding (ngram or draft_model); off when absent"
     )
 
 
@@ -741,6 +804,15 @@ def allowed_quantizations(policy: QuantizationPolicy) -> tuple[str, ...]:
     """The user's preference order, without the levels their tolerated quality loss excludes."""
     admitted = QUALITY_LOSS_LEVELS[policy.max_quality_loss]
     return tuple(q for q in policy.allowed if q in admitted)
+
+
+def draft_source(spec: ModelDeploymentSpec) -> ModelSource | None:
+    """spec.serving.speculative's draft model as a model source (its facts come from the catalog
+    or its config.json, as spec.model's do); None when the spec names no draft."""
+    speculative = spec.serving.speculative
+    if speculative is None or speculative.model is None:
+        return None
+    return ModelSource(uri=speculative.model)
 
 
 def served_name(source: ModelSource) -> str:

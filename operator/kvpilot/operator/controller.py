@@ -103,12 +103,13 @@ class Controller:
             node_types,
             self.config,
             has_crd,
-            self._source_facts(md, spec),
+            self._source_facts(md, spec, None if spec is None else spec.model),
             cache,
             has_pool_crd,
             quality_io.observe(self.client, md, spec),
             timestamps.rfc3339(),
             status,
+            self._source_facts(md, spec, None if spec is None else api.draft_source(spec)),
         )
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
@@ -151,13 +152,14 @@ class Controller:
         return model_cache.status(name, job, pods), job
 
     def _source_facts(
-        self, md: Obj, spec: api.ModelDeploymentSpec | None
+        self, md: Obj, spec: api.ModelDeploymentSpec | None, model: api.ModelSource | None
     ) -> ModelFacts | str | None:
-        """Facts read from an uncatalogued model's config.json, or why they could not be."""
-        if spec is None or not model_facts.needs_reading(spec):
+        """Facts read from an uncatalogued model's config.json (spec.model, or the draft
+        model), or why they could not be."""
+        if spec is None or model is None or not model_facts.needs_reading(model):
             return None
         try:
-            return self.facts.read(md["metadata"]["namespace"], spec)
+            return self.facts.read(md["metadata"]["namespace"], spec, model.uri)
         except ValueError as error:
             return str(error)
 

@@ -34,6 +34,8 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_SPEC_HASH = "kvpilot.dev/spec-hash"
 MANAGED_BY = "kvpilot-operator"
 MODEL_MOUNT = "/mnt/models"
+DRAFT_MOUNT = "/mnt/draft-model"  # speculative draft_model: fetched by its own init container
+DRAFT_VOLUME = "draft-model"
 CACHE_MOUNT = "/var/cache/kvpilot"
 MAX_NAME = 63
 MAX_NUM_SEQS_CAP = (
@@ -152,22 +154,31 @@ def runtime_args(
         else spec.serving.kv_cache_dtype,
         "speculative_config": None
         if spec.serving.speculative is None
-        else spec.serving.speculative.runtime_json(),
+        else spec.serving.speculative.runtime_json(DRAFT_MOUNT),
     }
     return ["serve", *serve_config.to_args(values)]
 
 
 def fetch_container(
-    spec: api.ModelDeploymentSpec, config: OperatorConfig, *extra_args: str
+    spec: api.ModelDeploymentSpec,
+    config: OperatorConfig,
+    *extra_args: str,
+    draft: api.ModelSource | None = None,
 ) -> dict[str, Any]:
     """The container that copies an hf:// or s3:// model into the model volume (a pod's init
-    container, or the cache fill Job's); the Secret named by spec.model.secretRef is its
-    environment (tokens never appear in the spec)."""
+    container, or the cache fill Job's), or with `draft` the speculative draft model into its
+    volume; the Secret named by spec.model.secretRef is its environment (tokens never appear in
+    the spec)."""
+    uri, volume, mount = (
+        (spec.model.uri, "model", MODEL_MOUNT)
+        if draft is None
+        else (draft.uri, DRAFT_VOLUME, DRAFT_MOUNT)
+    )
     container: dict[str, Any] = {
-        "name": "fetch-model",
+        "name": "fetch-model" if draft is None else "fetch-draft-model",
         "image": spec.runtime.image or config.runtime_image,
         "command": ["kvpilot-runtime"],
-        "args": ["fetch", f"--model={spec.model.uri}", f"--to={MODEL_MOUNT}", *extra_args],
+        "args": ["fetch", f"--model={uri}", f"--to={mount}", *extra_args],
         "env": container_env(spec),
         # Its one-line error becomes the pod's status message, which the operator's conditions show.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -175,7 +186,7 @@ def fetch_container(
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "model", "mountPath": MODEL_MOUNT},
+            {"name": volume, "mountPath": mount},
         ],
     }
     if spec.model.secret_ref is not None:
@@ -207,6 +218,11 @@ def _container(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
     model_mounts = model_location(spec.model).mounts
+    if api.draft_source(spec) is not None:
+        model_mounts = [
+            *model_mounts,
+            {"name": DRAFT_VOLUME, "mountPath": DRAFT_MOUNT, "readOnly": True},
+        ]
     port = config.runtime_port
     return {
         "name": "runtime",
@@ -270,8 +286,13 @@ def pod_spec(
         "containers": [_container(spec, node_plan, config)],
         "volumes": [*copy.deepcopy(SCRATCH_VOLUMES), *model.volumes],
     }
-    if model.needs_fetch:
-        pod["initContainers"] = [fetch_container(spec, config)]
+    fetches = [fetch_container(spec, config)] if model.needs_fetch else []
+    draft = api.draft_source(spec)
+    if draft is not None:
+        pod["volumes"].append({"name": DRAFT_VOLUME, "emptyDir": {}})
+        fetches.append(fetch_container(spec, config, draft=draft))
+    if fetches:
+        pod["initContainers"] = fetches
     return pod
 
 

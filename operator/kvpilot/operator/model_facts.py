@@ -26,17 +26,20 @@ class ModelFactsReader:
     client: k8s_client.ApiClient
     _known: dict[tuple[str, str], ModelFacts] = field(default_factory=dict)
 
-    def read(self, namespace: str, spec: api.ModelDeploymentSpec) -> ModelFacts:
-        """ValueError in one line (the URI, the cause, the remedy) when the source says no."""
-        key = (namespace, spec.model.uri)
+    def read(self, namespace: str, spec: api.ModelDeploymentSpec, uri: str) -> ModelFacts:
+        """The facts of `uri`: spec.model's, or its speculative draft model's (fetched with the
+        same credentials). ValueError in one line (the URI, the cause, the remedy) when the
+        source says no."""
+        key = (namespace, uri)
         if key not in self._known:
-            source = parse_model_uri(spec.model.uri)
+            source = parse_model_uri(uri)
             env, note = self._env(namespace, spec)
+            which = "model" if uri == spec.model.uri else "draft model"
             try:
                 config = read_config_json(source, env)
                 facts = catalog.facts_from_config(config, count_parameters(source, env))
             except (FetchError, KeyError, ValueError) as error:
-                raise ValueError(f"cannot read the model's config.json: {error}{note}") from error
+                raise ValueError(f"cannot read the {which}'s config.json: {error}{note}") from error
             self._known[key] = facts
         return self._known[key]
 
@@ -65,10 +68,10 @@ class ModelFactsReader:
         return env | {k: base64.b64decode(v).decode() for k, v in data.items()}, ""
 
 
-def needs_reading(spec: api.ModelDeploymentSpec) -> bool:
+def needs_reading(model: api.ModelSource) -> bool:
     """Neither the spec nor the catalog has the facts, and the source can be read from here."""
     try:
-        catalog.resolve(spec.model)
+        catalog.resolve(model)
     except ValueError:
-        return parse_model_uri(spec.model.uri).is_fetched
+        return parse_model_uri(model.uri).is_fetched
     return False

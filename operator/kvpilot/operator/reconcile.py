@@ -69,22 +69,25 @@ def desire(
     observed_quality: quality.Observed | None = None,
     now: str = "",
     status: api.ModelDeploymentStatus = typed_status.EMPTY,
+    draft_facts: ModelFacts | str | None = None,
 ) -> Desired:
     """`source_facts`: what the operator read from the model's config.json, or why it could
     not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
     fill Job reports it; replicas wait at zero until it is Cached. `observed_quality`: the eval
     set's digest, cached measurements and eval Jobs (spec.quantization.evaluation). `status`:
     the object's status as parsed where it came in (the autoscaler's decision, measured cost);
-    EMPTY for one never reconciled."""
-    read = source_facts if isinstance(source_facts, ModelFacts) else None
+    EMPTY for one never reconciled. `draft_facts`: as `source_facts`, for the speculative
+    draft model the spec may name."""
     try:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
-        facts = catalog.resolve(spec.model, read)
-        request = planner.PlanRequest.from_spec(spec, facts)
+        facts = catalog.resolve(spec.model, _read(source_facts))
+        draft = _draft(spec, draft_facts)
+        request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
     except (ValidationError, ValueError) as error:
-        if isinstance(source_facts, str):
-            return Desired(error=f"{_one_line(error)}; {source_facts}", needs_retry=True)
+        unread = [why for why in (source_facts, draft_facts) if isinstance(why, str)]
+        if unread:  # the source may answer later: try again
+            return Desired(error="; ".join([_one_line(error), *unread]), needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
     verdict = _assess_quality(md, spec, request, node_types, observed_quality, config, now)
     if not verdict.admission.levels:
@@ -122,6 +125,26 @@ def desire(
         quality=verdict,
         needs_retry=quality.needs_retry(verdict),  # a ConfigMap is not watched: look again
     )
+
+
+def _draft(spec: api.ModelDeploymentSpec, read: ModelFacts | str | None) -> ModelFacts | None:
+    """The facts of the speculative draft model the spec names (None: it names none), from the
+    catalog or its config.json; ValueError when neither has them."""
+    draft = api.draft_source(spec)
+    if draft is None:
+        return None
+    found = catalog.lookup(draft.uri) or _read(read)
+    if found is None:
+        raise ValueError(
+            f"no architecture facts for the draft model {draft.uri}: the operator reads them"
+            " from its config.json"
+        )
+    return found
+
+
+def _read(facts: ModelFacts | str | None) -> ModelFacts | None:
+    """What was read from a source, or None when it was not (or could not be: a reason)."""
+    return facts if isinstance(facts, ModelFacts) else None
 
 
 def measured_cost(status: api.ModelDeploymentStatus) -> tuple[tuple[str, float], ...]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.operator_cluster import (
     ROOT,
@@ -47,6 +49,40 @@ def test_fetched_models_serve_on_real_pods(
     assert complete(pod)["usage"]["completion_tokens"] == 4
     md = get(cluster, "modeldeployment", "tiny", "-n", namespace)
     assert md["status"]["plan"][0]["nodeType"] == "local"  # planned from the source's facts
+
+
+def test_a_draft_model_is_fetched_beside_the_served_one_and_proposes(
+    cluster: Any, operator: Operator, namespace: str
+) -> None:
+    model_server_env(cluster)
+    apply_secret(cluster, namespace, "model-creds", {"HF_TOKEN": "unused-here"})
+    md = tiny_llama_from("hf://kvpilot/tiny-llama", cluster, "model-creds")
+    # tiny-llama drafts for itself: the same tokenizer, and greedy proposals it accepts
+    draft = {"method": "draft_model", "model": "hf://kvpilot/tiny-llama", "numSpeculativeTokens": 3}
+    md["spec"]["serving"]["speculative"] = draft
+    apply_doc(cluster, namespace, md)
+    wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=240)
+    (pod,) = pods(cluster, namespace, "tiny")
+    inits = {
+        s["name"]: s["state"]["terminated"]["exitCode"]
+        for s in pod["status"]["initContainerStatuses"]
+    }
+    assert inits == {"fetch-model": 0, "fetch-draft-model": 0}
+    url = f"http://{pod['status']['podIP']}:8000"
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    assert (
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"][
+            "completion_tokens"
+        ]
+        == 16
+    )
+    counts = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        for sample in family.samples
+    }
+    assert counts["vllm:spec_decode_num_draft_tokens_total"] > 0
+    assert counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
 
 
 def test_a_fetch_that_fails_says_why_in_the_pod_status(

@@ -144,6 +144,8 @@ def test_config_map_volumes_project_keys_as_files() -> None:
         ("--model=file:///mnt/models/llama/8b", "--model=file:///local/weights/8b"),
         ("--to=/mnt/models", "--to=/local/model"),
         ("/mnt/modelsX", "/mnt/modelsX"),  # not a path boundary
+        # a path as a JSON value (--speculative-config's draft model)
+        ('{"model":"/mnt/models/llama"}', '{"model":"/local/weights"}'),
         ("--port=8000", "--port=8000"),
     ],
 )

@@ -278,6 +278,44 @@ def test_a_source_that_cannot_be_read_fails_the_plan_for_now_not_for_good() -> N
     assert desired.error is not None and why in desired.error and "spec.model" in desired.error
 
 
+DRAFTED = {
+    **UNCATALOGUED,
+    "serving": {
+        "maxContextLength": 4096,
+        "speculative": {"method": "draft_model", "model": "hf://acme/in-house-draft"},
+    },
+}
+IN_HOUSE_8B = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
+
+
+def test_a_draft_model_is_planned_from_its_facts_read_at_the_source() -> None:
+    draft = ModelFacts(parameters=500_000_000, layers=16, kv_heads=2, head_dim=64)
+    alone = reconcile.desire(md(UNCATALOGUED), [H100], CONFIG, False, IN_HOUSE_8B)
+    desired = reconcile.desire(md(DRAFTED), [H100], CONFIG, False, IN_HOUSE_8B, draft_facts=draft)
+    assert desired.error is None and desired.plan[0].fits
+    added = desired.plan[0].weights_gi_b - alone.plan[0].weights_gi_b
+    assert added == pytest.approx(500_000_000 * 2 / 2**30, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("draft_facts", "retried"),
+    [
+        ("cannot read the draft model's config.json: hf://acme/in-house-draft: 404", True),
+        (None, False),  # nothing read (the operator did not look): the spec cannot plan
+    ],
+)
+def test_a_draft_without_facts_fails_the_plan_saying_which_model(
+    draft_facts: str | None, retried: bool
+) -> None:
+    desired = reconcile.desire(
+        md(DRAFTED), [H100], CONFIG, False, IN_HOUSE_8B, draft_facts=draft_facts
+    )
+    assert desired.error is not None and "draft model hf://acme/in-house-draft" in desired.error
+    assert desired.needs_retry == retried and desired.is_invalid_spec != retried
+    if draft_facts is not None:
+        assert draft_facts in desired.error
+
+
 def test_facts_in_the_spec_win_over_the_source() -> None:
     facts = {"parameters": 1_000_000, "layers": 2, "kvHeads": 1, "headDim": 8}
     spec = {**UNCATALOGUED, "model": {"uri": "hf://acme/in-house-8b", **facts}}

@@ -127,6 +127,30 @@ def test_speculative_decoding_in_the_spec_is_the_runtimes_speculative_config(
     assert got == expected
 
 
+def test_a_draft_model_is_fetched_into_its_volume_and_named_in_the_speculative_config() -> None:
+    for served in URIS:
+        speculative = {
+            "method": "draft_model",
+            "model": "hf://org/draft",
+            "numSpeculativeTokens": 3,
+        }
+        serving = {"speculative": speculative}
+        spec = api.parse_spec({"model": {"uri": served}, "serving": serving})
+        pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        runtime = parsed_serve(container).speculative()
+        assert runtime is not None
+        assert (runtime.method, runtime.num_speculative_tokens) == ("draft_model", 3)
+        *_, draft_fetch = pod["spec"]["initContainers"]
+        parsed_fetch(draft_fetch)
+        assert f"--model={speculative['model']}" in draft_fetch["args"]
+        # what the init container writes is what the runtime reads, from a volume of the pod
+        (written,) = [m for m in draft_fetch["volumeMounts"] if m["mountPath"] == runtime.model]
+        (read,) = [m for m in container["volumeMounts"] if m["mountPath"] == runtime.model]
+        assert written["name"] == read["name"] and read["readOnly"]
+        assert {"name": read["name"], "emptyDir": {}} in pod["spec"]["volumes"]
+
+
 @pytest.mark.parametrize(
     "speculative",
     [
@@ -134,7 +158,11 @@ def test_speculative_decoding_in_the_spec_is_the_runtimes_speculative_config(
         {"numSpeculativeTokens": 0},
         {"numSpeculativeTokens": 17},
         {"promptLookupMin": 5, "promptLookupMax": 4},
-        {"model": "draft"},
+        {"promptLookupMin": 5},  # above the default max (4)
+        {"model": "hf://org/draft"},
+        {"method": "draft_model"},
+        {"method": "draft_model", "model": "hf://org/draft", "promptLookupMax": 4},
+        {"method": "draft_model", "model": "pvc://claim/draft"},
     ],
 )
 def test_a_speculative_spec_the_runtime_would_refuse_is_refused_at_parse(
