@@ -129,6 +129,16 @@ def model_location(model: api.ModelSource) -> ModelMount:
     return ModelMount(model.uri, [], [], needs_fetch=False)
 
 
+def draft_location(spec: api.ModelDeploymentSpec) -> ModelMount | None:
+    """Where the pod holds spec.serving.speculative's draft model, if it names one: its own
+    emptyDir, filled by its own init container (fetch_container with `draft`)."""
+    if api.draft_source(spec) is None:
+        return None
+    volume = {"name": DRAFT_VOLUME, "emptyDir": {}}
+    mount = {"name": DRAFT_VOLUME, "mountPath": DRAFT_MOUNT, "readOnly": True}
+    return ModelMount(DRAFT_MOUNT, [volume], [mount], needs_fetch=True)
+
+
 def runtime_args(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, port: int, grace_seconds: int
 ) -> list[str]:
@@ -217,12 +227,8 @@ def gpu_resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[st
 def _container(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
-    model_mounts = model_location(spec.model).mounts
-    if api.draft_source(spec) is not None:
-        model_mounts = [
-            *model_mounts,
-            {"name": DRAFT_VOLUME, "mountPath": DRAFT_MOUNT, "readOnly": True},
-        ]
+    draft = draft_location(spec)
+    model_mounts = [*model_location(spec.model).mounts, *(draft.mounts if draft else [])]
     port = config.runtime_port
     return {
         "name": "runtime",
@@ -276,7 +282,7 @@ SCRATCH_VOLUMES = [
 def pod_spec(
     spec: api.ModelDeploymentSpec, node_plan: NodePlan, config: OperatorConfig
 ) -> dict[str, Any]:
-    model = model_location(spec.model)
+    model, draft = model_location(spec.model), draft_location(spec)
     pod: dict[str, Any] = {
         "nodeSelector": dict(node_plan.node_type.node_selector),
         "tolerations": copy.deepcopy(GPU_TOLERATIONS),
@@ -284,13 +290,15 @@ def pod_spec(
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY),
         "containers": [_container(spec, node_plan, config)],
-        "volumes": [*copy.deepcopy(SCRATCH_VOLUMES), *model.volumes],
+        "volumes": [
+            *copy.deepcopy(SCRATCH_VOLUMES),
+            *model.volumes,
+            *(draft.volumes if draft else []),
+        ],
     }
     fetches = [fetch_container(spec, config)] if model.needs_fetch else []
-    draft = api.draft_source(spec)
     if draft is not None:
-        pod["volumes"].append({"name": DRAFT_VOLUME, "emptyDir": {}})
-        fetches.append(fetch_container(spec, config, draft=draft))
+        fetches.append(fetch_container(spec, config, draft=api.draft_source(spec)))
     if fetches:
         pod["initContainers"] = fetches
     return pod
