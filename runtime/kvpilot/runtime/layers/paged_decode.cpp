@@ -4,15 +4,17 @@
 // walks its block table; each block's keys and values, all heads, are read once, in memory
 // order, straight from the pool (never copied into a padded batch), and folded into a running
 // softmax per query head (the online softmax of FlashAttention), in float. With AVX-512 the 16
-// scores of a block are summed as one register (`lane_sums`), with AVX512-BF16 a bf16 cache's
-// keys are multiplied without conversion (`block_scores_bf16`), and where the sums of all query
-// heads sharing a KV head fit in registers each value row is read from the pool and converted
-// once for all of them (`accumulate_group`); other CPUs and head sizes take plain loops the
-// compiler vectorises. Rows run in parallel on torch's threads; the output is in
-// the query's dtype.
+// scores of a block are summed as one register (`lane_sums`) and exponentiated inline
+// (`exp_16`); with AVX512-BF16 a bf16 cache's keys are multiplied without conversion, for all
+// the query heads sharing a KV head at once where their sums fit in registers
+// (`group_scores_bf16`, else per head: `block_scores_bf16`), and where the sums of those heads'
+// weighted values fit too, each value row is read from the pool and converted once for all of
+// them (`accumulate_group`); other CPUs and head sizes take plain loops the compiler
+// vectorises. Rows run in parallel on torch's threads; the output is in the query's dtype.
 //
 // Built at first use by paged_kernel.py (torch.utils.cpp_extension: -O3 -march=native, and
-// -ffast-math so exp vectorises) and registered as torch.ops.kvpilot.paged_decode_attention.
+// -ffast-math so plain loops vectorise) and registered as
+// torch.ops.kvpilot.paged_decode_attention.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,9 +52,14 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 constexpr int64_t kBlockSize = 16;  // memory.BLOCK_SIZE: a block's scores fill one AVX-512 register
 // The score of a slot past the context and the running maximum before the first block: finite,
-// because the kernel is built with -ffast-math (which lets the compiler vectorise exp with
-// glibc's libmvec) and fast math may assume no infinities. exp(kNoScore - x) is exactly 0.
+// because the kernel is built with -ffast-math and fast math may assume no infinities.
 constexpr float kNoScore = -1e30f;
+// Where exp's argument is clamped. exp(-80) is a normal float (1.8e-35), so no exp call takes
+// libm's underflow path: glibc's expf falls back to scalar code per lane there (`xflowf`), which
+// perf found in a sixth of the kernel's time at tiny-llama's shapes, because every first block's
+// correction and every slot past the context underflowed. Weights below e^-80 of the largest are
+// below float's resolution of the sum either way.
+constexpr float kMinExponent = -80.f;
 
 // One sequence's running state for all its query heads, reused across the sequences a thread
 // runs, and the block being read, keys and values of all heads, converted to float.
@@ -158,6 +165,137 @@ inline void block_scores_bf16(const uint16_t* query, const c10::BFloat16* keys,
                                                 lane_sums(products)));
 }
 #endif
+
+#if defined(__AVX512F__)
+// exp of 16 floats, inline: 2^k * e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its
+// Taylor series to r^6 (relative error ~1e-7, a float's), 2^k applied by vscalefps. libmvec's
+// expf costs a call per block and head, and takes the scalar path for any lane below ~-87.
+inline __m512 exp_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(kMinExponent));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 1.f / 2, 1.f, 1.f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+inline float block_max(const float* scores) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(_mm512_loadu_ps(scores));
+#else
+  float most = kNoScore;
+#pragma omp simd reduction(max : most)
+  for (int64_t t = 0; t < kBlockSize; ++t) most = std::max(most, scores[t]);
+  return most;
+#endif
+}
+
+// scores[t] = exp(scores[t] - max) for the n slots inside the context, 0 past it; returns their
+// sum, the block's share of the softmax denominator.
+inline float exponentiate(float* scores, float max, int64_t n) {
+#if defined(__AVX512F__)
+  const __mmask16 inside = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(scores), _mm512_set1_ps(max));
+  const __m512 weights = _mm512_maskz_mov_ps(inside, exp_16(shifted));
+  _mm512_storeu_ps(scores, weights);
+  return _mm512_reduce_add_ps(weights);
+#else
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < kBlockSize; ++t) {
+    scores[t] = t < n ? std::exp(std::max(scores[t] - max, kMinExponent)) : 0.f;
+    sum += scores[t];
+  }
+  return sum;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// Transposes 16 rows of 16 32-bit elements in registers: afterwards r[e] lane t holds what was
+// element e of row t. Three rounds of unpacks and lane shuffles, 64 instructions.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i pairs[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: elements 4L, 4L+1 (lo), 4L+2, 4L+3 (hi) of 2 rows
+    pairs[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i columns[16];  // columns[4i + k] lane L: element 4L + k of rows 4i .. 4i + 3
+  for (int i = 0; i < 4; ++i) {
+    for (int half = 0; half < 2; ++half) {
+      const __m512i a = pairs[4 * i + half], b = pairs[4 * i + 2 + half];
+      columns[4 * i + 2 * half] = _mm512_unpacklo_epi64(a, b);
+      columns[4 * i + 2 * half + 1] = _mm512_unpackhi_epi64(a, b);
+    }
+  }
+  for (int k = 0; k < 4; ++k) {  // element 4L + k gathers lane L of columns k, 4 + k, 8 + k, 12 + k
+    const __m512i ab_lo = _mm512_shuffle_i32x4(columns[k], columns[4 + k], 0x44);
+    const __m512i ab_hi = _mm512_shuffle_i32x4(columns[k], columns[4 + k], 0xEE);
+    const __m512i cd_lo = _mm512_shuffle_i32x4(columns[8 + k], columns[12 + k], 0x44);
+    const __m512i cd_hi = _mm512_shuffle_i32x4(columns[8 + k], columns[12 + k], 0xEE);
+    r[k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
+    r[8 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
+  }
+}
+
+// The block's scores for all G query heads sharing a KV head at once: the keys, 32 bf16 a token
+// per register, are transposed so that a register holds one pair of dimensions for the 16
+// tokens; each head then adds pair by pair (vdpbf16ps with its two query values broadcast) into
+// one register that ends as its 16 scores. The transpose is paid once for the G heads, where
+// block_scores_bf16 reduces 16 registers across lanes (lane_sums) for every head: at tiny-llama's
+// shapes (G = 4, heads of 32) 128 instructions per block and KV head instead of 244.
+template <int64_t D, int G>
+inline void group_scores_bf16(const uint16_t* queries, const c10::BFloat16* keys,
+                              int64_t token_stride, int64_t n, float (*scores)[kBlockSize]) {
+  __m512 sums[G];
+  for (int g = 0; g < G; ++g) sums[g] = _mm512_setzero_ps();
+  for (int64_t chunk = 0; chunk < D; chunk += 32) {
+    __m512i rows[kBlockSize];
+    for (int64_t t = 0; t < kBlockSize; ++t) {  // slots past the context read as zeros
+      rows[t] = t < n ? _mm512_loadu_si512(keys + t * token_stride + chunk) : _mm512_setzero_si512();
+    }
+    transpose_16x16(rows);
+    for (int pair = 0; pair < 16; ++pair) {
+      for (int g = 0; g < G; ++g) {
+        uint32_t both;
+        std::memcpy(&both, queries + g * D + chunk + 2 * pair, sizeof(both));
+        sums[g] = _mm512_dpbf16_ps(sums[g], (__m512bh)rows[pair],
+                                   (__m512bh)_mm512_set1_epi32(static_cast<int>(both)));
+      }
+    }
+  }
+  const __mmask16 inside = static_cast<__mmask16>((1u << n) - 1);
+  for (int g = 0; g < G; ++g) {
+    _mm512_storeu_ps(scores[g], _mm512_mask_blend_ps(inside, _mm512_set1_ps(kNoScore), sums[g]));
+  }
+}
+#endif
+
+// Whether all_scores_bf16 computes a group's scores together (else block_scores_bf16, per head).
+template <typename T, int64_t D>
+inline bool scores_by_group(int64_t group) {
+  return kUsesBf16Dot<T, D> && (group == 1 || group == 2 || group == 4 || group == 8);
+}
+
+template <int64_t D>
+inline void all_scores_bf16(int64_t group, const uint16_t* queries, const c10::BFloat16* keys,
+                            int64_t token_stride, int64_t n, float (*scores)[kBlockSize]) {
+#if defined(__AVX512BF16__)
+  switch (group) {  // the group size a template argument: the sums stay in registers
+    case 1: return group_scores_bf16<D, 1>(queries, keys, token_stride, n, scores);
+    case 2: return group_scores_bf16<D, 2>(queries, keys, token_stride, n, scores);
+    case 4: return group_scores_bf16<D, 4>(queries, keys, token_stride, n, scores);
+    case 8: return group_scores_bf16<D, 8>(queries, keys, token_stride, n, scores);
+    default: break;
+  }
+#endif
+  TORCH_CHECK(false, "paged attention: no grouped scores for group ", group, " and head size ", D);
+}
 
 // The most query heads per KV head whose block probabilities fold_head keeps at once (the fused
 // path's limit; unfused, one head's at a time).
@@ -297,6 +435,20 @@ inline void accumulate_fused(int64_t group, const float (*probs)[kBlockSize],
 }
 #endif
 
+// One query head's scores for the block, where its group's are not computed together.
+template <typename T, int64_t D>
+inline void head_scores(const T* raw_keys, const float* keys, int64_t head, int64_t n,
+                        const Shapes& s, const Scratch& w, float* scores) {
+  const int64_t d = D > 0 ? D : s.head_dim;
+  if constexpr (kUsesBf16Dot<T, D>) {
+#if defined(__AVX512BF16__)
+    block_scores_bf16<D>(&w.query_bf16[head * d], raw_keys, s.token_stride, n, scores);
+#endif
+  } else {
+    block_scores<D>(&w.query[head * d], keys, s.token_stride, n, d, scores);
+  }
+}
+
 // One KV head's share of a block of `n` tokens for the `group` query heads sharing it: scores,
 // rescale of what was accumulated so far, then the weighted values. The keys are in float in
 // w.keys unless the bf16 dot product reads them from the pool (`raw_keys`); the values are read
@@ -311,29 +463,20 @@ void fold_head(const T* raw_keys, const T* raw_values, bool fused, int64_t n, in
   const float* values = &w.values[kv_head * d];
   float probs[kMaxGroupProbs][kBlockSize];
   float corrections[kMaxGroupProbs];
+  const bool grouped = scores_by_group<T, D>(s.group);
+  if constexpr (kUsesBf16Dot<T, D>) {
+    if (grouped) all_scores_bf16<D>(s.group, &w.query_bf16[kv_head * s.group * d], raw_keys,
+                                    s.token_stride, n, probs);
+  }
   for (int64_t g = 0; g < s.group; ++g) {
     const int64_t head = kv_head * s.group + g;
-    float* scores = fused ? probs[g] : probs[0];
-    if constexpr (kUsesBf16Dot<T, D>) {
-#if defined(__AVX512BF16__)
-      block_scores_bf16<D>(&w.query_bf16[head * d], raw_keys, s.token_stride, n, scores);
-#endif
-    } else {
-      block_scores<D>(&w.query[head * d], keys, s.token_stride, n, d, scores);
-    }
-    float block_max = kNoScore;
-#pragma omp simd reduction(max : block_max)
-    for (int64_t t = 0; t < kBlockSize; ++t) block_max = std::max(block_max, scores[t]);
-    const float new_max = std::max(w.max_score[head], block_max);
-    const float correction = std::exp(w.max_score[head] - new_max);  // 0 on the first block
+    float* scores = fused || grouped ? probs[g] : probs[0];
+    if (!grouped) head_scores<T, D>(raw_keys, keys, head, n, s, w, scores);
+    const float new_max = std::max(w.max_score[head], block_max(scores));
+    // ~0 on the first block, where it scales an accumulator and a denominator of 0
+    const float correction = std::exp(std::max(w.max_score[head] - new_max, kMinExponent));
     w.max_score[head] = new_max;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < kBlockSize; ++t) {
-      scores[t] = std::exp(scores[t] - new_max);
-      sum += scores[t];
-    }
-    w.denominator[head] = w.denominator[head] * correction + sum;
+    w.denominator[head] = w.denominator[head] * correction + exponentiate(scores, new_max, n);
     if (fused) {
       corrections[g] = correction;
       continue;

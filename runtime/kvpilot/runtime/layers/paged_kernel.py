@@ -4,7 +4,7 @@ machine and loaded as `torch.ops.kvpilot.paged_decode_attention`.
 No well-kept CPU paged-attention kernel installs beside current torch (IPEX stops at torch 2.8,
 vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUDA kernels only),
 and torch's SDPA needs each sequence's keys and values copied out of the pool first. So the
-kernel is ours: ~370 lines of C++, compiled by torch.utils.cpp_extension with -march=native the
+kernel is ours: ~650 lines of C++, compiled by torch.utils.cpp_extension with -march=native the
 first time a process asks for it (~15 s on 2 cores), then loaded from ~/.cache/kvpilot/kernels
 (KVPILOT_KERNEL_CACHE), keyed by the source, torch, Python and the CPU's flags.
 
