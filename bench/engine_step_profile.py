@@ -136,6 +136,23 @@ def rows(by_backend: dict[str, PhaseTimes], num_steps: int) -> list[list[object]
     return table
 
 
+def attention_share(times: PhaseTimes) -> float:
+    return (times.seconds["attention"] + times.seconds["kv gather"]) / times.total
+
+
+def target_line(title: str, by_backend: dict[str, PhaseTimes]) -> str | None:
+    """Issue 19's target: the decode attention share of a step halved by reading the paged
+    cache in place, against the gather and SDPA."""
+    if not {"sdpa", "paged"} <= by_backend.keys():
+        return None
+    before, after = (attention_share(by_backend[b]) for b in ("sdpa", "paged"))
+    verdict = "met" if after <= before / 2 else "not met"
+    return (
+        f"{title}: decode attention {after:.0%} of a step with the paged kernel, {before:.0%} "
+        f"with the gather and SDPA, {after / before:.2f}x (target <= 0.5x: {verdict})"
+    )
+
+
 def best_times(model: Path, backend: str, args: argparse.Namespace, label: str) -> PhaseTimes:
     """The lowest-total of --rounds profiles of a fresh engine."""
     best: PhaseTimes | None = None
@@ -143,7 +160,7 @@ def best_times(model: Path, backend: str, args: argparse.Namespace, label: str) 
         engine = decoding_engine(model, args.num_seqs, args.steps, args.prompt_len, backend)
         times = profile(engine, args.steps)
         best = times if best is None or times.total < best.total else best
-        share = (times.seconds["attention"] + times.seconds["kv gather"]) / times.total
+        share = attention_share(times)
         step_ms = 1000 * times.total / args.steps
         print(f"{label} {backend}: {step_ms:.1f} ms/step, attention {share:.0%}", flush=True)
     assert best is not None
@@ -176,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         title = "tiny-llama (4 M parameters)" if name == "tiny" else "compute-bound Llama (245 M)"
         header = ["phase", *(h for b in backends for h in (f"{b}: ms per step", "share"))]
         body += [f"### {title}", markdown_table(header, rows(by_backend, args.steps))]
+        target = target_line(title, by_backend)
+        if target is not None:
+            body.append(target)
     command = command_line("bench.engine_step_profile", argv)
     write_section(
         "engine_step_profile", "Engine: a decode step, phase by phase", command,
