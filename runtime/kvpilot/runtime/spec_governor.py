@@ -21,18 +21,27 @@ the last allow proposals or not as the faster rate says, and the last does the o
 rates stay current (decayed sums of tokens and seconds; a rate counts after MIN_STEPS steps).
 Until proposals have a rate they are
 allowed (nothing is lost while none is made); until steps without them have one, epochs
-alternate. Once one mode leads by more than CLEAR_MARGIN the other is tried only one cycle in
-four (LONG_CYCLE), which keeps the cost of checking small where the answer is plain.
+alternate. The check epoch costs the time the slower mode takes over the faster one's, so the
+cycle grows with the lead (`cycle_epochs`) to keep that under CHECK_COST of the time: modes
+within a few percent are checked every CYCLE epochs (little to lose, and the lead may turn), a
+clear loser at most every LONG_CYCLE (the longest a change of workload goes unnoticed; each
+mode's sums weigh less with every step of the other, so one check reads the change).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 EPOCH = 8  # steps run in one mode before the next is chosen
-CYCLE = 8  # epochs per cycle while the two modes are close: the last runs the slower one
-LONG_CYCLE = 32  # epochs per cycle once one mode leads by CLEAR_MARGIN
-CLEAR_MARGIN = 1.25
+CYCLE = 8  # the fewest epochs per cycle (modes close): the last runs the slower one
+# The most epochs per cycle (one mode far ahead): 1,024 steps, ~3 s of tiny-llama at 32
+# sequences, ~2 min of the compute-bound bench model's (bench.engine_spec).
+LONG_CYCLE = 128
+# The share of time the check epochs may cost. bench.engine_spec, tiny-llama at 32 sequences:
+# proposals' steps measured 1.4-3x as long per token there, and a check every 8 epochs cost
+# 2-4% (0.96-0.98x).
+CHECK_COST = 0.005
 DECAY = 0.98  # per recorded step: a mode's rate follows its last ~50 steps
 SMALL_BATCH = 4  # decoding sequences below which proposals always run, unmeasured
 MIN_STEPS = 6.0  # decayed steps before a mode's rate counts (one rejected proposal is no rate)
@@ -50,6 +59,13 @@ class Rate:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + seconds
         self.steps = self.steps * DECAY + 1
+
+    def age(self) -> None:
+        """A step of the other mode: what this one measured weighs less against what it will
+        measure next, while the rate stays as measured. Checked one epoch in up to LONG_CYCLE, a
+        mode would otherwise take several checks to show that the workload changed."""
+        self.tokens *= DECAY
+        self.seconds *= DECAY
 
     @property
     def per_second(self) -> float | None:
@@ -82,7 +98,13 @@ class Governor:
         """A decode step of `num_rows` sequences: the tokens it gave out, its time, and whether
         any sequence proposed."""
         if num_rows >= SMALL_BATCH:
-            (self.with_proposals if proposed else self.without).add(tokens, seconds)
+            measured, other = (
+                (self.with_proposals, self.without)
+                if proposed
+                else (self.without, self.with_proposals)
+            )
+            measured.add(tokens, seconds)
+            other.age()
 
 
 def choose(rate_with: float | None, rate_without: float | None, step: int) -> bool:
@@ -93,7 +115,14 @@ def choose(rate_with: float | None, rate_without: float | None, step: int) -> bo
     if rate_without is None:
         return epoch % 2 == 0
     leader_is_with = rate_with >= rate_without
-    lead = max(rate_with, rate_without) / min(rate_with, rate_without)
-    cycle = LONG_CYCLE if lead > CLEAR_MARGIN else CYCLE
+    cycle = cycle_epochs(max(rate_with, rate_without) / min(rate_with, rate_without))
     is_check = epoch % cycle == cycle - 1
     return leader_is_with != is_check
+
+
+def cycle_epochs(lead: float) -> int:
+    """Epochs per cycle when the faster mode's rate is `lead` times the slower one's: the check
+    epoch takes lead - 1 epochs' time more than the faster mode would, of n + lead - 1 in the
+    cycle, which is at most CHECK_COST from n = (lead - 1) (1 / CHECK_COST - 1)."""
+    epochs = math.ceil((lead - 1) * (1 / CHECK_COST - 1) - 1e-9)  # an exact product stays
+    return min(LONG_CYCLE, max(CYCLE, epochs))
