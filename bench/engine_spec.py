@@ -127,9 +127,15 @@ def counted_run(engine: Engine, batch: list[list[int]], num_tokens: int, name: s
 
 
 def measure(
-    model: Path, workload: str, concurrency: int, rounds: int, num_tokens: int
+    model: Path,
+    workload: str,
+    concurrency: int,
+    rounds: int,
+    num_tokens: int,
+    configs: tuple[tuple[str, str | None], ...] = (("plain", None), ("ngram", NGRAM)),
 ) -> dict[str, Run]:
-    """Best round of each configuration, the two alternating (which goes first flips)."""
+    """Best round of each configuration (name, --speculative-config), the two alternating
+    (which goes first flips)."""
     engines = {
         name: Engine(
             EngineConfig(
@@ -141,7 +147,7 @@ def measure(
                 speculative_config=spec,
             )
         )
-        for name, spec in (("plain", None), ("ngram", NGRAM))
+        for name, spec in configs
     }
     batch = prompts(workload, concurrency)
     return best_alternating(engines, rounds, lambda engine, _: timed_run(engine, batch, num_tokens))
@@ -202,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     header = ("model", "workload", "concurrency", "plain tok/s", "ngram tok/s", "ngram / plain",
               "accepted", "tokens per step")  # fmt: skip
     table = markdown_table(header, rows)
-    body = "\n\n".join([intro(args.output_tokens), table, verdicts(ratios), note()])
+    control = noise_floor(args)
+    body = "\n\n".join([intro(args.output_tokens), table, verdicts(ratios), control, note()])
     print(body)
     if not args.no_write:
         command = "python -m bench.engine_spec" + (
@@ -210,6 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         write_section("engine_spec", "Engine: speculative decoding (prompt lookup)", command, body)
     return 0
+
+
+def noise_floor(args: argparse.Namespace) -> str:
+    """The same comparison between two engines without speculation (tiny-llama, quoting, 32
+    sequences): how far apart two engines doing the same work measure here."""
+    configs = (("plain", None), ("plain again", None))
+    best = measure(MODEL, "quoting", 32, args.rounds, args.output_tokens, configs)
+    ratio = best["plain again"].tok_s / best["plain"].tok_s
+    print(f"control: {ratio:.3f}", flush=True)
+    return (
+        f"Control: two tiny-llama engines, both without speculation, measured the same way "
+        f"(quoting, 32 sequences): {ratio:.2f}x, what two engines doing the same work differ "
+        "by in this run."
+    )
 
 
 def intro(num_tokens: int) -> str:
