@@ -322,6 +322,33 @@ def test_kernel_matches_reference_for_each_group(
 
 
 @pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "dim", "dtype"),
+    [
+        (8, 2, 32, torch.bfloat16),  # the grouped bf16 scores (tiny-llama's shape)
+        (16, 2, 64, torch.bfloat16),  # grouped scores, values per head
+        (12, 4, 64, torch.float32),  # per head throughout
+    ],
+)
+def test_kernel_reads_nothing_past_the_context(
+    kernel: None, num_heads: int, num_kv_heads: int, dim: int, dtype: torch.dtype
+) -> None:
+    """Slots past a sequence's length hold whatever the pool held (here NaN): none of it may
+    reach the output, through the scores, the softmax or the values."""
+    lengths = [1, 5, 17, 40]
+    q, k_cache, v_cache, tables, lens = kernel_inputs(dtype, lengths, num_heads, num_kv_heads, dim)
+    expected = kernel_reference(q, k_cache, v_cache, tables, lens)
+    for row, length in enumerate(lengths):
+        for position in range(length, tables.shape[1] * BLOCK_SIZE):
+            block = int(tables[row, position // BLOCK_SIZE])
+            if position // BLOCK_SIZE < -(-length // BLOCK_SIZE):  # a block the row reads
+                k_cache[block, position % BLOCK_SIZE] = float("nan")
+                v_cache[block, position % BLOCK_SIZE] = float("nan")
+    out = paged_kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda args: {**args, "lens": torch.tensor([0, 5], dtype=torch.int32)}, "outside 1.."),
