@@ -337,12 +337,10 @@ def test_kernel_reads_nothing_past_the_context(
     lengths = [1, 5, 17, 40]
     q, k_cache, v_cache, tables, lens = kernel_inputs(dtype, lengths, num_heads, num_kv_heads, dim)
     expected = kernel_reference(q, k_cache, v_cache, tables, lens)
-    for row, length in enumerate(lengths):
-        for position in range(length, tables.shape[1] * BLOCK_SIZE):
-            block = int(tables[row, position // BLOCK_SIZE])
-            if position // BLOCK_SIZE < -(-length // BLOCK_SIZE):  # a block the row reads
-                k_cache[block, position % BLOCK_SIZE] = float("nan")
-                v_cache[block, position % BLOCK_SIZE] = float("nan")
+    for row, length in enumerate(lengths):  # the rest of the row's last block
+        block = int(tables[row, (length - 1) // BLOCK_SIZE])
+        k_cache[block, (length - 1) % BLOCK_SIZE + 1 :] = float("nan")
+        v_cache[block, (length - 1) % BLOCK_SIZE + 1 :] = float("nan")
     out = paged_kernel.paged_decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)

@@ -166,10 +166,24 @@ def apply_secret(cluster: Any, namespace: str, name: str, data: dict[str, str]) 
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=made.stdout)
 
 
-def complete(pod: dict[str, Any]) -> dict[str, Any]:
-    url = f"http://{pod['status']['podIP']}:8000/v1/completions"
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4}
-    return dict(httpx.post(url, json=body, timeout=60).json())
+def pod_url(pod: dict[str, Any]) -> str:
+    return f"http://{pod['status']['podIP']}:8000"
+
+
+def complete(pod: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A completion from the pod's runtime (4 tokens unless `fields` say otherwise)."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, **fields}
+    return dict(httpx.post(f"{pod_url(pod)}/v1/completions", json=body, timeout=60).json())
+
+
+def pod_metrics(pod: dict[str, Any]) -> dict[str, float]:
+    """The pod's runtime /metrics, sample name -> value."""
+    text = httpx.get(f"{pod_url(pod)}/metrics", timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def reconciles(metrics_port: int) -> float:

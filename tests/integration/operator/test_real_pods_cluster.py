@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.operator_cluster import (
     ROOT,
@@ -22,6 +20,7 @@ from tests.support.operator_cluster import (
     get,
     model_deployment,
     model_server_env,
+    pod_metrics,
     pods,
     ready_check,
     tiny_llama_from,
@@ -68,19 +67,8 @@ def test_a_draft_model_is_fetched_beside_the_served_one_and_proposes(
         for s in pod["status"]["initContainerStatuses"]
     }
     assert inits == {"fetch-model": 0, "fetch-draft-model": 0}
-    url = f"http://{pod['status']['podIP']}:8000"
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
-    assert (
-        httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"][
-            "completion_tokens"
-        ]
-        == 16
-    )
-    counts = {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-        for sample in family.samples
-    }
+    assert complete(pod, max_tokens=16, temperature=0)["usage"]["completion_tokens"] == 16
+    counts = pod_metrics(pod)
     assert counts["vllm:spec_decode_num_draft_tokens_total"] > 0
     assert counts["vllm:spec_decode_num_accepted_tokens_total"] > 0
 

@@ -219,7 +219,8 @@ inline float exponentiate(float* scores, float max, int64_t n) {
 // element e of row t. Three rounds of unpacks and lane shuffles, 64 instructions.
 inline void transpose_16x16(__m512i r[16]) {
   __m512i pairs[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: elements 4L, 4L+1 (lo), 4L+2, 4L+3 (hi) of 2 rows
+  // per 128-bit lane L: elements 4L, 4L+1 (lo) and 4L+2, 4L+3 (hi) of two rows, interleaved
+  for (int i = 0; i < 8; ++i) {
     pairs[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     pairs[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
@@ -257,7 +258,8 @@ inline void group_scores_bf16(const uint16_t* queries, const c10::BFloat16* keys
   for (int64_t chunk = 0; chunk < D; chunk += 32) {
     __m512i rows[kBlockSize];
     for (int64_t t = 0; t < kBlockSize; ++t) {  // slots past the context read as zeros
-      rows[t] = t < n ? _mm512_loadu_si512(keys + t * token_stride + chunk) : _mm512_setzero_si512();
+      rows[t] = t < n ? _mm512_loadu_si512(keys + t * token_stride + chunk)
+                      : _mm512_setzero_si512();
     }
     transpose_16x16(rows);
     for (int pair = 0; pair < 16; ++pair) {
@@ -276,10 +278,16 @@ inline void group_scores_bf16(const uint16_t* queries, const c10::BFloat16* keys
 }
 #endif
 
+// The query heads per KV head that the grouped paths take as a template argument (the cases of
+// all_scores_bf16 and accumulate_fused), so that their sums stay in registers.
+inline bool is_templated_group(int64_t group) {
+  return group == 1 || group == 2 || group == 4 || group == 8;
+}
+
 // Whether all_scores_bf16 computes a group's scores together (else block_scores_bf16, per head).
 template <typename T, int64_t D>
 inline bool scores_by_group(int64_t group) {
-  return kUsesBf16Dot<T, D> && (group == 1 || group == 2 || group == 4 || group == 8);
+  return kUsesBf16Dot<T, D> && is_templated_group(group);
 }
 
 template <int64_t D>
@@ -405,8 +413,7 @@ inline void accumulate_group(const float (*probs)[kBlockSize], const float* corr
 // Whether accumulate_group takes a KV head's values (else accumulate_values, per head).
 template <int64_t D>
 inline bool fuses_group(int64_t group) {
-  const bool listed = group == 1 || group == 2 || group == 4 || group == 8;
-  return D > 0 && D % 16 == 0 && listed && group * D / 16 <= kMaxFusedRegisters;
+  return D > 0 && D % 16 == 0 && is_templated_group(group) && group * D / 16 <= kMaxFusedRegisters;
 }
 
 template <typename T, int64_t D>
