@@ -14,6 +14,7 @@ import torch
 
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.runtime.spec_governor import Governor
 from tests.support.reference_models import (
     GREEDY_NEW_TOKENS,
     TINY_LLAMA,
@@ -125,6 +126,48 @@ def test_speculative_greedy_matches_transformers(
     assert stats.spec_decode_drafts > 0
     assert 0 < stats.spec_decode_accepted_tokens <= stats.spec_decode_draft_tokens
     assert stats.spec_decode_draft_tokens <= stats.spec_decode_drafts * num_speculative_tokens
+
+
+class Alternating(Governor):
+    """Proposals every other step, whatever they measure; remembers what it said last."""
+
+    said: bool | None = None
+
+    def pays(self, num_rows: int) -> bool:
+        self.steps += 1
+        self.proposing = self.said = self.steps % 2 == 1
+        return self.proposing
+
+
+def test_speculative_greedy_matches_transformers_as_proposals_start_and_stop(
+    tiny_llama_dir: Path, make_engine: Callable[..., Engine], reference: Callable
+) -> None:
+    """A step the governor keeps from proposing runs no proposal, not even one left from the
+    step before by a sequence the token budget left out. Stale proposals would not change
+    greedy output (the model rejects them) but would cost rows and count the step as one with
+    proposals. The second run finds every prompt cached, so all 32 sequences decode from its
+    first steps, and 48 tokens hold the proposals of fewer than 10."""
+    prompts = quoting(make_prompts(tiny_llama_dir, shared_prefix=0))
+    engine = make_engine(
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
+        max_num_batched_tokens=48,
+        enable_prefix_caching=True,
+    )
+    governor = engine.governor = Alternating()
+    execute = engine.runner.execute
+    steps_without = []
+
+    def checked(scheduled: list[Any]) -> Any:
+        if governor.said is False:
+            steps_without.append(sum(item.num_draft_tokens for item in scheduled))
+        governor.said = None
+        return execute(scheduled)
+
+    engine.runner.execute = checked  # type: ignore[method-assign,assignment]
+    assert_matches(engine, prompts, reference)
+    assert_matches(engine, prompts, reference)
+    assert engine.stats().spec_decode_accepted_tokens > 0
+    assert len(steps_without) > 5 and not any(steps_without)
 
 
 @pytest.fixture(scope="module")

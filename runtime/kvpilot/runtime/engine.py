@@ -138,6 +138,7 @@ class Engine:
         )
         self.spec_decode = SpecDecodeCounts()
         self.governor = Governor()
+        self._drafted: list[Sequence] = []  # the sequences given proposals this step
         self._snapshot = self._make_stats()
 
     def _start_workers(self, dtype: torch.dtype) -> WorkerPool:
@@ -399,7 +400,9 @@ class Engine:
                 if item.num_draft_tokens:
                     self._count_drafts(item, len(tokens) - 1)
             if self.proposer is not None:
-                self._measure_for_governor(batch.scheduled, result.samples, done - started)
+                self._measure_for_governor(
+                    batch.scheduled, result.samples, num_step_tokens, done - started
+                )
         if self._followers:
             outputs += self._release_followers()
         with self._lock:
@@ -454,31 +457,42 @@ class Engine:
 
     def _propose(self, proposer: speculative.Proposer) -> None:
         """This step's proposals (speculative decoding), or a draft model's placeholders, for
-        each decoding sequence that may have some; the others' are cleared."""
+        each decoding sequence that may have some. The last step's are spent (accepted,
+        rejected or not scheduled) and cleared where they were made, so a step without
+        proposals, the usual one where they do not pay, costs no work per sequence beyond
+        counting the decoding ones."""
+        for seq in self._drafted:
+            seq.draft_token_ids = []
+        self._drafted = []
         config = self.speculative
         assert config is not None
-        able = [speculative.can_speculate(seq) for seq in self.scheduler.running]
+        able = [seq for seq in self.scheduler.running if speculative.can_speculate(seq)]
         # Proposals only where they have measured faster (spec_governor); its epochs count the
         # steps in which some sequence could propose, not idle ones or prefills.
-        pays = any(able) and self.governor.pays(sum(able))
-        for seq, can in zip(self.scheduler.running, able, strict=True):
-            budget = 0
-            if pays and can:
-                budget = speculative.draft_budget(seq, config, self.max_model_len)
-            seq.draft_token_ids = proposer.reserve(seq, budget) if budget else []
+        if not able or not self.governor.pays(len(able)):
+            return
+        for seq in able:
+            budget = speculative.draft_budget(seq, config, self.max_model_len)
+            if budget:
+                seq.draft_token_ids = proposer.reserve(seq, budget)
+                self._drafted.append(seq)
 
     def _measure_for_governor(
         self,
         scheduled: list[ScheduledSequence],
         samples: list[tuple[ScheduledSequence, list[int], list[dict[int, float] | None]]],
+        num_step_tokens: int,
         seconds: float,
     ) -> None:
         """The tokens a step of decodes gave out and its time, for the governor's rates (a
-        step with a prefill chunk measures the prompt, not the proposals)."""
-        if all(item.num_new_tokens - item.num_draft_tokens == 1 for item in scheduled):
-            tokens = sum(len(tokens) for _, tokens, _ in samples)
-            proposed = any(item.num_draft_tokens for item in scheduled)
-            self.governor.on_step(tokens, seconds, proposed, len(scheduled))
+        step with a prefill chunk measures the prompt, not the proposals). Each scheduled
+        sequence brings at least one known token, so the step is all decodes when it ran one
+        token per sequence besides the proposals."""
+        num_drafts = sum(item.num_draft_tokens for item in scheduled) if self._drafted else 0
+        if num_step_tokens != len(scheduled) + num_drafts:
+            return
+        tokens = sum(len(tokens) for _, tokens, _ in samples) if num_drafts else len(samples)
+        self.governor.on_step(tokens, seconds, num_drafts > 0, len(scheduled))
 
     def _count_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The accepted proposals' KV counts from here, the rejected ones' slots are freed, and
