@@ -2,7 +2,7 @@
 tokens per second with and without it, on running text, for drafts that agree with the served
 model more or less often.
 
-    .venv/bin/python -m bench.engine_draft [--rounds 2] [--output-tokens 128] [--no-write]
+    .venv/bin/python -m bench.engine_draft [--rounds 5] [--output-tokens 128] [--no-write]
 
 No trained draft/target pair is on this machine (no model hub), so the drafts are made from
 tiny-llama itself: the model as its own draft (accepts every proposal: the mechanism's upper
@@ -11,7 +11,8 @@ four layers (layer-skip self-speculation: cheaper, accepted less often). Prompts
 bench.engine_spec's `plain` (240 tokens of running text), but timed from a cold start, prompt
 included: a draft keeps its KV per sequence, so a prompt from the prefix cache is still computed
 by the draft when the sequence first proposes, and a warmed cache would hide that from the
-plain engine only. Process CPU time with one thread, alternating, best of the rounds.
+plain engine only. Process CPU time with one thread, alternating; tok/s is each one's best
+round, the ratio the median of the rounds' ratios (bench.engine_spec.Ratio) with their range.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench.engine_common import MODEL, setup_threads, threads_note
-from bench.engine_spec import Run, best_alternating, parse_args, prompts, run_to_the_end
+from bench.engine_spec import Ratio, Run, alternating, best, parse_args, prompts, run_to_the_end
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
@@ -51,11 +52,11 @@ def cold_run(engine: Engine, batch: list[list[int]], num_tokens: int, round_inde
     return run_to_the_end(engine, batch, num_tokens, f"run-{round_index}")
 
 
-def measure(draft: Path, concurrency: int, rounds: int, num_tokens: int) -> dict[str, Run]:
-    """Best round of each configuration, the two alternating (which goes first flips)."""
+def measure(draft: Path, concurrency: int, rounds: int, num_tokens: int) -> dict[str, list[Run]]:
+    """Every round of each configuration, the two alternating (which goes first flips)."""
     engines = {"plain": engine(concurrency, None), "draft": engine(concurrency, draft)}
     batch = prompts("plain", concurrency)
-    return best_alternating(
+    return alternating(
         engines, rounds, lambda engine, index: cold_run(engine, batch, num_tokens, index)
     )
 
@@ -72,14 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         for label, draft in drafts.items():
             for concurrency in CONCURRENCIES:
-                best = measure(draft, concurrency, args.rounds, args.output_tokens)
-                plain, spec = best["plain"], best["draft"]
+                runs = measure(draft, concurrency, args.rounds, args.output_tokens)
+                plain, spec = best(runs["plain"]), best(runs["draft"])
+                ratio = Ratio.of(runs["draft"], runs["plain"])
                 rows.append((label, concurrency, f"{plain.tok_s:.1f}", f"{spec.tok_s:.1f}",
-                             f"{spec.tok_s / plain.tok_s:.2f}x", f"{100 * spec.acceptance:.0f}%",
+                             str(ratio), f"{100 * spec.acceptance:.0f}%",
                              f"{spec.tokens_per_step:.2f}"))  # fmt: skip
                 print(rows[-1], flush=True)
     header = ("draft of tiny-llama", "concurrency", "plain tok/s", "draft tok/s",
-              "draft / plain", "accepted", "tokens per step")  # fmt: skip
+              "draft / plain (range)", "accepted", "tokens per step")  # fmt: skip
     body = "\n\n".join([intro(args.output_tokens), markdown_table(header, rows), NOTE])
     print(body)
     if not args.no_write:
@@ -97,7 +99,9 @@ def intro(num_tokens: int) -> str:
         f"{threads_note()} bf16 compute. tiny-llama served with a draft model proposing up to "
         f"{NUM_SPECULATIVE_TOKENS} tokens a step, against the same engine without one; "
         f"{num_tokens} output tokens per request (greedy, ignore_eos) after a 240-token prompt "
-        "of running text, timed from a cold start (prompt included). `accepted`: the share of "
+        "of running text, timed from a cold start (prompt included). tok/s: each one's best "
+        "round; `draft / plain`: the median of the rounds' ratios (the two back to back in "
+        "each) and their range. `accepted`: the share of "
         "proposed tokens kept; `tokens per step`: output tokens per sequence per engine step."
     )
 

@@ -2,7 +2,7 @@
 decode tokens per second with and without it, on prompts that quote their input and on prompts
 that do not.
 
-    .venv/bin/python -m bench.engine_spec [--rounds 2] [--output-tokens 128] [--no-write]
+    .venv/bin/python -m bench.engine_spec [--rounds 5] [--output-tokens 128] [--no-write]
 
 Workloads (token ids cut from text every machine has, greedy, `ignore_eos`, fixed output length):
 - quoting: a 160-token passage, then its first 80 tokens again, as a summary that quotes its
@@ -10,8 +10,10 @@ Workloads (token ids cut from text every machine has, greedy, `ignore_eos`, fixe
 - plain: 240 tokens of running text, no quote (what speculation costs when it finds little).
 The prompts are run once first (max_tokens 1) so their blocks are in the prefix cache: the timed
 run is almost all decode; a run repeats its batch until it has taken MIN_RUN_SECONDS. Time is
-the process's CPU time with one torch thread (engine_common.clock); each configuration
-alternates with the other within a round and keeps its best round.
+the process's CPU time with one torch thread (engine_common.clock); the configurations alternate
+within each round. The tok/s columns are each one's best round; the ratio is the median of the
+rounds' ratios, each between two runs back to back (the machine's speed drifts between rounds by
+more than the effects measured), with their range.
 Two models: tiny-llama (overhead-bound: a step is mostly Python) and the compute-bound random
 Llama of engine_common (~245 M parameters, bf16). The acceptance rate depends on what the model
 writes: a trained model continuing a quote copies it; a random-weight model mostly falls into
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +42,7 @@ from bench.engine_common import (
     setup_threads,
     threads_note,
 )
-from bench.report import markdown_table, write_section
+from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 
@@ -133,8 +136,8 @@ def measure(
     rounds: int,
     num_tokens: int,
     configs: tuple[tuple[str, str | None], ...] = (("plain", None), ("ngram", NGRAM)),
-) -> dict[str, Run]:
-    """Best round of each configuration (name, --speculative-config), the two alternating
+) -> dict[str, list[Run]]:
+    """Every round of each configuration (name, --speculative-config), the two alternating
     (which goes first flips)."""
     engines = {
         name: Engine(
@@ -150,28 +153,50 @@ def measure(
         for name, spec in configs
     }
     batch = prompts(workload, concurrency)
-    return best_alternating(engines, rounds, lambda engine, _: timed_run(engine, batch, num_tokens))
+    return alternating(engines, rounds, lambda engine, _: timed_run(engine, batch, num_tokens))
 
 
-def best_alternating(
+def alternating(
     engines: dict[str, Engine], rounds: int, run: Callable[[Engine, int], Run]
-) -> dict[str, Run]:
-    """Each engine's best round of `run(engine, round)`, the engines alternating (which goes
+) -> dict[str, list[Run]]:
+    """Each engine's `run(engine, round)` in every round, the engines alternating (which goes
     first flips each round)."""
-    best: dict[str, Run] = {}
+    runs: dict[str, list[Run]] = {name: [] for name in engines}
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
         for name in order:
-            result = run(engines[name], round_index)
-            if name not in best or result.tok_s > best[name].tok_s:
-                best[name] = result
-    return best
+            runs[name].append(run(engines[name], round_index))
+    return runs
+
+
+def best(runs: list[Run]) -> Run:
+    return max(runs, key=lambda run: run.tok_s)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """tok/s of one configuration over another's, compared within each round (the two ran
+    back to back there): the median of the rounds' ratios and their range. The machine's speed
+    drifts between rounds by more than the effects measured here, so the best round of one
+    and the best of the other may compare two different machines' worth of CPU."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, runs: list[Run], base: list[Run]) -> Ratio:
+        ratios = sorted(run.tok_s / other.tok_s for run, other in zip(runs, base, strict=True))
+        return cls(statistics.median(ratios), ratios[0], ratios[-1])
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f}x ({self.low:.2f}-{self.high:.2f})"
 
 
 def parse_args(argv: list[str] | None, description: str | None) -> argparse.Namespace:
     """The flags of the speculative-decoding benchmarks (this one and bench.engine_draft)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)  # odd: the median is a round
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--no-write", action="store_true")
     return parser.parse_args(argv)
@@ -188,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, path in models:
         for workload in ("quoting", "plain"):
             for concurrency in CONCURRENCIES:
-                best = measure(path, workload, concurrency, args.rounds, args.output_tokens)
-                plain, spec = best["plain"], best["ngram"]
-                ratio = spec.tok_s / plain.tok_s
-                ratios[(label, workload, concurrency)] = ratio
+                runs = measure(path, workload, concurrency, args.rounds, args.output_tokens)
+                plain, spec = best(runs["plain"]), best(runs["ngram"])
+                ratio = ratios[(label, workload, concurrency)] = Ratio.of(
+                    runs["ngram"], runs["plain"]
+                )
                 rows.append(
                     (
                         label,
@@ -199,22 +225,20 @@ def main(argv: list[str] | None = None) -> int:
                         concurrency,
                         f"{plain.tok_s:.1f}",
                         f"{spec.tok_s:.1f}",
-                        f"{ratio:.2f}x",
+                        str(ratio),
                         f"{100 * spec.acceptance:.0f}%",
                         f"{spec.tokens_per_step:.2f}",
                     )
                 )
                 print(rows[-1], flush=True)
-    header = ("model", "workload", "concurrency", "plain tok/s", "ngram tok/s", "ngram / plain",
-              "accepted", "tokens per step")  # fmt: skip
+    header = ("model", "workload", "concurrency", "plain tok/s", "ngram tok/s",
+              "ngram / plain (range)", "accepted", "tokens per step")  # fmt: skip
     table = markdown_table(header, rows)
     control = noise_floor(args)
     body = "\n\n".join([intro(args.output_tokens), table, verdicts(ratios), control, note()])
     print(body)
     if not args.no_write:
-        command = "python -m bench.engine_spec" + (
-            f" --rounds {args.rounds}" if args.rounds != 2 else ""
-        )
+        command = command_line("bench.engine_spec", argv)
         write_section("engine_spec", "Engine: speculative decoding (prompt lookup)", command, body)
     return 0
 
@@ -223,12 +247,12 @@ def noise_floor(args: argparse.Namespace) -> str:
     """The same comparison between two engines without speculation (tiny-llama, quoting, 32
     sequences): how far apart two engines doing the same work measure here."""
     configs = (("plain", None), ("plain again", None))
-    best = measure(MODEL, "quoting", 32, args.rounds, args.output_tokens, configs)
-    ratio = best["plain again"].tok_s / best["plain"].tok_s
-    print(f"control: {ratio:.3f}", flush=True)
+    runs = measure(MODEL, "quoting", 32, args.rounds, args.output_tokens, configs)
+    ratio = Ratio.of(runs["plain again"], runs["plain"])
+    print(f"control: {ratio}", flush=True)
     return (
         f"Control: two tiny-llama engines, both without speculation, measured the same way "
-        f"(quoting, 32 sequences): {ratio:.2f}x, what two engines doing the same work differ "
+        f"(quoting, 32 sequences): {ratio}, what two engines doing the same work differ "
         "by in this run."
     )
 
@@ -240,9 +264,11 @@ def intro(num_tokens: int) -> str:
         "prefix cache, so the time is decode; a run repeats its batch (the same engine, "
         f"the governor's state kept) until it has taken {MIN_RUN_SECONDS:.0f} s of CPU. quoting: "
         "a 160-token passage and its first 80 "
-        "tokens again; plain: 240 tokens of running text. `accepted` is the share of proposed "
-        "tokens the model accepted; `tokens per step` what a sequence gained per engine step "
-        "with speculation (1.00 without)."
+        "tokens again; plain: 240 tokens of running text. tok/s: each configuration's best "
+        "round; `ngram / plain`: the median of the rounds' ratios (each round runs the two back "
+        "to back, which goes first alternating) and their range. `accepted` is the share of "
+        "proposed tokens the model accepted; `tokens per step` what a sequence gained per "
+        "engine step with speculation (1.00 without)."
     )
 
 
@@ -280,16 +306,14 @@ def note() -> str:
     )
 
 
-def verdicts(ratios: dict[tuple[str, str, int], float]) -> str:
+def verdicts(ratios: dict[tuple[str, str, int], Ratio]) -> str:
     lines = []
     for (label, workload, concurrency), ratio in ratios.items():
         if workload != "quoting":
             continue
         target = TARGET_AT_1 if concurrency == 1 else TARGET_AT_32
-        met = "met" if ratio >= target else "not met"
-        lines.append(
-            f"- {label}, concurrency {concurrency}: {ratio:.2f}x (target >= {target}x: {met})"
-        )
+        met = "met" if ratio.median >= target else "not met"
+        lines.append(f"- {label}, concurrency {concurrency}: {ratio} (target >= {target}x: {met})")
     return "Targets (quoting workload):\n" + "\n".join(lines)
 
 
