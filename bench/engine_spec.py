@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +45,7 @@ from bench.engine_common import (
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.spec_governor import SMALL_BATCH
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 CONCURRENCIES = (1, 32)
@@ -71,11 +72,20 @@ class Run:
     tok_s: float
     acceptance: float  # accepted / proposed tokens (0 without speculation)
     tokens_per_step: float  # output tokens per engine step, per sequence
+    # What the steps with proposals cost net, as a share of the run's time (Counts.net_cost);
+    # None without both kinds of step
+    net_cost: float | None = None
 
+
+Case = tuple[str, str, int]  # model, workload, concurrency
 
 # A timed run repeats its batch until it has run this long (CPU time): tiny-llama's 32 requests
 # take ~0.4 s, in which one pause of the process moves the rate by a few percent.
 MIN_RUN_SECONDS = 2.0
+
+
+# Steps without proposals a run needs before their rate prices the others (Counts.net_cost).
+MIN_STEPS_WITHOUT = 20
 
 
 @dataclass(frozen=True)
@@ -85,16 +95,43 @@ class Counts:
     steps: int
     proposed: int
     accepted: int
+    # Steps of at least SMALL_BATCH sequences (the governor's), by whether any proposed: their
+    # number, output tokens and seconds.
+    steps_with: int = 0
+    tokens_with: int = 0
+    seconds_with: float = 0.0
+    steps_without: int = 0
+    tokens_without: int = 0
+    seconds_without: float = 0.0
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @staticmethod
+    def of_step(tokens: int, seconds: float, proposed: bool) -> Counts:
+        """One step of SMALL_BATCH sequences or more, by whether any proposed in it."""
+        kind = (1, tokens, seconds, 0, 0, 0.0) if proposed else (0, 0, 0.0, 1, tokens, seconds)
+        return Counts(0, 0.0, 0, 0, 0, *kind)
 
     def run(self, num_seqs: int) -> Run:
         return Run(
             self.tokens / self.seconds,
             self.accepted / self.proposed if self.proposed else 0.0,
             self.tokens / self.steps / num_seqs,
+            self.net_cost(),
         )
+
+    def net_cost(self) -> float | None:
+        """How much longer the steps with proposals took than steps without them take for as
+        many tokens (at the rate of those in the same run), as a share of the run's time: above
+        0 speculation cost time, below 0 it saved some. Both rates come from one run, so unlike
+        the ratio of two runs this does not move with the machine's speed between them. Only
+        steps of SMALL_BATCH sequences or more count, as for the governor (fewer always
+        propose). None without a step of each kind, or with too few without to give a rate."""
+        if not self.steps_with or self.steps_without < MIN_STEPS_WITHOUT:
+            return None
+        seconds_per_token = self.seconds_without / self.tokens_without
+        return (self.seconds_with - self.tokens_with * seconds_per_token) / self.seconds
 
 
 def timed_run(engine: Engine, batch: list[list[int]], num_tokens: int) -> Run:
@@ -118,15 +155,22 @@ def counted_run(engine: Engine, batch: list[list[int]], num_tokens: int, name: s
     for index, prompt in enumerate(batch):
         engine.add_request(prompt, greedy(num_tokens), f"{name}-{index}")
     steps, produced = 0, 0
+    tally = Counts(0, 0.0, 0, 0, 0)  # the steps of SMALL_BATCH sequences or more, by kind
     start = clock()
     while engine.has_unfinished_requests():
-        produced += sum(len(out.new_token_ids) for out in engine.step())
-        steps += 1
+        drafts, step_start = engine.spec_decode.drafts, clock()
+        outputs = engine.step()
+        seconds = clock() - step_start
+        tokens = sum(len(out.new_token_ids) for out in outputs)
+        produced, steps = produced + tokens, steps + 1
+        if len(outputs) >= SMALL_BATCH:  # a sequence is behind each output of a decode step
+            tally += Counts.of_step(tokens, seconds, engine.spec_decode.drafts != drafts)
     elapsed = clock() - start
     after = engine.stats()
     proposed = after.spec_decode_draft_tokens - before.spec_decode_draft_tokens
     accepted = after.spec_decode_accepted_tokens - before.spec_decode_accepted_tokens
-    return Counts(produced, elapsed, steps, proposed, accepted)
+    return replace(tally, tokens=produced, seconds=elapsed, steps=steps, proposed=proposed,
+                   accepted=accepted)  # fmt: skip
 
 
 def measure(
@@ -209,38 +253,46 @@ def main(argv: list[str] | None = None) -> int:
         ("tiny-llama (4 M)", MODEL),
         ("compute-bound (~245 M, random)", compute_bound_llama()),
     )
-    rows, ratios = [], {}
+    rows: list[tuple[object, ...]] = []
+    ratios: dict[Case, Ratio] = {}
+    costs: dict[Case, str] = {}
     for label, path in models:
         for workload in ("quoting", "plain"):
             for concurrency in CONCURRENCIES:
                 runs = measure(path, workload, concurrency, args.rounds, args.output_tokens)
                 plain, spec = best(runs["plain"]), best(runs["ngram"])
-                ratio = ratios[(label, workload, concurrency)] = Ratio.of(
-                    runs["ngram"], runs["plain"]
-                )
+                case = (label, workload, concurrency)
+                ratio = ratios[case] = Ratio.of(runs["ngram"], runs["plain"])
+                cost = costs[case] = net_cost(runs["ngram"])
                 rows.append(
                     (
-                        label,
-                        workload,
-                        concurrency,
+                        *case,
                         f"{plain.tok_s:.1f}",
                         f"{spec.tok_s:.1f}",
                         str(ratio),
                         f"{100 * spec.acceptance:.0f}%",
                         f"{spec.tokens_per_step:.2f}",
+                        cost,
                     )
                 )
                 print(rows[-1], flush=True)
     header = ("model", "workload", "concurrency", "plain tok/s", "ngram tok/s",
-              "ngram / plain (range)", "accepted", "tokens per step")  # fmt: skip
+              "ngram / plain (range)", "accepted", "tokens per step",
+              "net cost of proposing steps")  # fmt: skip
     table = markdown_table(header, rows)
     control = noise_floor(args)
-    body = "\n\n".join([intro(args.output_tokens), table, verdicts(ratios), control, note()])
+    body = "\n\n".join([intro(args.output_tokens), table, verdicts(ratios, costs), control, note()])
     print(body)
     if not args.no_write:
         command = command_line("bench.engine_spec", argv)
         write_section("engine_spec", "Engine: speculative decoding (prompt lookup)", command, body)
     return 0
+
+
+def net_cost(runs: list[Run]) -> str:
+    """The rounds' median Counts.net_cost, e.g. '+0.6%' (a loss) or '-41.0%' (time saved)."""
+    costs = [run.net_cost for run in runs if run.net_cost is not None]
+    return f"{100 * statistics.median(costs):+.1f}%" if costs else "-"
 
 
 def noise_floor(args: argparse.Namespace) -> str:
@@ -268,7 +320,12 @@ def intro(num_tokens: int) -> str:
         "round; `ngram / plain`: the median of the rounds' ratios (each round runs the two back "
         "to back, which goes first alternating) and their range. `accepted` is the share of "
         "proposed tokens the model accepted; `tokens per step` what a sequence gained per "
-        "engine step with speculation (1.00 without)."
+        "engine step with speculation (1.00 without). `net cost of proposing steps`: how much "
+        "longer the steps with proposals took than steps without them take for as many tokens "
+        "(at the rate of those in the same run), as a share of the run's time, median of the "
+        f"rounds; above 0 a loss, below 0 a gain; steps of {SMALL_BATCH} sequences or more "
+        "(fewer always propose: `-`). Both rates come from one run, so it does not move with "
+        "the machine's speed between runs as the ratio does."
     )
 
 
@@ -306,14 +363,18 @@ def note() -> str:
     )
 
 
-def verdicts(ratios: dict[tuple[str, str, int], Ratio]) -> str:
+def verdicts(ratios: dict[Case, Ratio], costs: dict[Case, str]) -> str:
     lines = []
-    for (label, workload, concurrency), ratio in ratios.items():
+    for case, ratio in ratios.items():
+        label, workload, concurrency = case
         if workload != "quoting":
             continue
         target = TARGET_AT_1 if concurrency == 1 else TARGET_AT_32
         met = "met" if ratio.median >= target else "not met"
-        lines.append(f"- {label}, concurrency {concurrency}: {ratio} (target >= {target}x: {met})")
+        lines.append(
+            f"- {label}, concurrency {concurrency}: {ratio}, net cost of proposing steps "
+            f"{costs[case]} (target >= {target}x: {met})"
+        )
     return "Targets (quoting workload):\n" + "\n".join(lines)
 
 
