@@ -3,8 +3,11 @@
 The apiserver's own metrics cannot say which client wrote (the controller-manager and the bench
 write the same resources), so the count is taken in the operator's process: every request that
 is not a GET, through the Kubernetes client (the passes, the Lease) and through aiohttp (kopf's
-own annotations and events), keyed by "METHOD resource[/subresource]". The counts are written as
-JSON to $KVPILOT_WRITES_FILE when the process exits (kopf stops cleanly on SIGTERM).
+own annotations and events), keyed by "METHOD resource[/subresource]". Each Deployment's first
+PATCH (the pass's apply that creates it) is also timed, from the request's start to its answer,
+on the machine's monotonic clock, which bench.operator_scale shares: where a create's latency
+goes. Both are written as JSON to $KVPILOT_WRITES_FILE when the process exits (kopf stops cleanly
+on SIGTERM): {"writes": {...}, "deployment_applies": {name: [start, end]}}.
 
 Works on any version of the operator, so a baseline checkout is counted the same way:
     KVPILOT_WRITES_FILE=w.json python -m bench.operator_writes run
@@ -17,6 +20,7 @@ import json
 import os
 import re
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 WRITES: Counter[str] = Counter()
+APPLIES: dict[str, tuple[float, float]] = {}  # Deployment name -> its first PATCH's start, end
 # /api/v1/namespaces/ns/pods/name/status -> pods/status; /apis/g/v/namespaces/ns/x/name -> x
 _PATH = re.compile(
     r"^/(?:api/v1|apis/[^/]+/[^/]+)(?:/namespaces/[^/]+)?/(?P<resource>[^/?]+)"
@@ -46,10 +51,26 @@ def count(method: str, url: str) -> None:
         WRITES[f"{method.upper()} {resource_of(url)}"] += 1
 
 
+def deployment_of(method: str, url: str) -> str | None:
+    """The Deployment a PATCH names, e.g. 'md-001-pool'; None for any other request (pure)."""
+    path = urlsplit(url).path
+    found = _PATH.match(path)
+    if method.upper() != "PATCH" or found is None:
+        return None
+    if found.group("resource") != "deployments" or found.group("sub"):
+        return None
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:
     def request(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         count(method, url)
-        return original(self, method, url, *args, **kwargs)
+        deployment, start = deployment_of(method, url), time.monotonic()
+        try:
+            return original(self, method, url, *args, **kwargs)
+        finally:
+            if deployment is not None:
+                APPLIES.setdefault(deployment, (start, time.monotonic()))
 
     return request
 
@@ -62,6 +83,10 @@ def _wrap_async(original: Callable[..., Any]) -> Callable[..., Any]:
     return request
 
 
+def recorded() -> dict[str, Any]:
+    return {"writes": dict(WRITES), "deployment_applies": APPLIES}
+
+
 def install() -> None:
     import aiohttp
     from kubernetes.client import rest
@@ -70,7 +95,7 @@ def install() -> None:
     aiohttp.ClientSession._request = _wrap_async(aiohttp.ClientSession._request)  # type: ignore[method-assign]
     target = os.environ.get("KVPILOT_WRITES_FILE")
     if target:
-        atexit.register(lambda: Path(target).write_text(json.dumps(dict(WRITES))))
+        atexit.register(lambda: Path(target).write_text(json.dumps(recorded())))
 
 
 def main() -> int:
