@@ -358,8 +358,9 @@ def note() -> str:
         "rejected proposal costs as much as a real token. So the engine's governor "
         "(spec_governor.py) measures output tokens per second with proposals and without and "
         "runs the faster, checking the other one epoch in a cycle that grows with the lead "
-        "(so the checks cost under 0.5% of the throughput): where proposals lose, the `ngram` "
-        "column is mostly steps without them (tokens per step near 1.00)."
+        "(sized so that the check epochs take 0.5% of the time): where proposals lose, the "
+        "`ngram` column is mostly steps without them (tokens per step near 1.00), and the net "
+        "cost of its proposing steps is what the checks cost, their steps' Python included."
     )
 
 
