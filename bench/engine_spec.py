@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain, spec = best(runs["plain"]), best(runs["ngram"])
                 case = (label, workload, concurrency)
                 ratio = ratios[case] = Ratio.of(runs["ngram"], runs["plain"])
-                cost = costs[case] = net_cost(runs["ngram"])
+                cost = costs[case] = median_net_cost(runs["ngram"])
                 rows.append(
                     (
                         *case,
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def net_cost(runs: list[Run]) -> str:
+def median_net_cost(runs: list[Run]) -> str:
     """The rounds' median Counts.net_cost, e.g. '+0.6%' (a loss) or '-41.0%' (time saved)."""
     costs = [run.net_cost for run in runs if run.net_cost is not None]
     return f"{100 * statistics.median(costs):+.1f}%" if costs else "-"

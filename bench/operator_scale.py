@@ -223,15 +223,16 @@ def run(cluster: Any, operator: Operator, count: int, tmp: Path, burst: int) -> 
     counted = json.loads(writes_file.read_text()) if writes_file.exists() else {}
     writes = counted.get("writes", {})
     applies = counted.get("deployment_applies", {})
+    (p50, p95), (idle_p50, idle_p95) = p50_p95(latencies), p50_p95(idle)
     return {
         "ready_s": ready_s,
-        "p50_s": latencies[len(latencies) // 2],
-        "p95_s": latencies[int(len(latencies) * 0.95) - 1],
+        "p50_s": p50,
+        "p95_s": p95,
         "max_s": latencies[-1],
         "rss_mb": rss,
         "peak_mb": peak,
-        "idle_p50_s": idle[len(idle) // 2],
-        "idle_p95_s": idle[int(len(idle) * 0.95) - 1],
+        "idle_p50_s": idle_p50,
+        "idle_p95_s": idle_p95,
         "writes": writes,
         "writes_per_create": sum(writes.values()) / (count + 1 + IDLE_CREATES),
         "parts": latency_parts(
@@ -264,12 +265,16 @@ def latency_parts(
         for name in created
         if name in applies and name in seen
     ]  # fmt: skip
-    parts = {}
-    for label, start, end in PARTS:
-        spans = sorted(m[end] - m[start] for m in moments)
-        if spans:
-            parts[label] = (spans[len(spans) // 2], spans[max(0, int(len(spans) * 0.95) - 1)])
-    return parts
+    if not moments:
+        return {}
+    return {
+        label: p50_p95(sorted(m[end] - m[start] for m in moments)) for label, start, end in PARTS
+    }
+
+
+def p50_p95(ordered: Sequence[float]) -> tuple[float, float]:
+    """The median and the 95th percentile (nearest rank) of sorted values (pure)."""
+    return ordered[len(ordered) // 2], ordered[max(0, int(len(ordered) * 0.95) - 1)]
 
 
 def median_burst(bursts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -53,13 +53,9 @@ def count(method: str, url: str) -> None:
 
 def deployment_of(method: str, url: str) -> str | None:
     """The Deployment a PATCH names, e.g. 'md-001-pool'; None for any other request (pure)."""
-    path = urlsplit(url).path
-    found = _PATH.match(path)
-    if method.upper() != "PATCH" or found is None:
+    if method.upper() != "PATCH" or resource_of(url) != "deployments":
         return None
-    if found.group("resource") != "deployments" or found.group("sub"):
-        return None
-    return path.rstrip("/").rsplit("/", 1)[-1]
+    return urlsplit(url).path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _wrap_sync(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.operator_scale import PARTS, latency_parts, median_burst
+from bench.operator_scale import PARTS, latency_parts, median_burst, p50_p95
 from bench.operator_writes import deployment_of
 
 SENT, ROUND_TRIP, SEEN = (label for label, _, _ in PARTS)
@@ -49,3 +49,15 @@ def test_the_median_burst_is_reported_whole_with_every_bursts_p95() -> None:
     bursts = [{"p95_s": 1.4, "ready_s": 9.0}, {"p95_s": 0.9, "ready_s": 12.0},
               {"p95_s": 1.1, "ready_s": 8.0}]  # fmt: skip
     assert median_burst(bursts) == {"p95_s": 1.1, "ready_s": 8.0, "burst_p95s": [1.4, 0.9, 1.1]}
+
+
+@pytest.mark.parametrize(
+    ("values", "p50", "p95"),
+    [
+        ([0.5], 0.5, 0.5),  # one value is both
+        ([float(i) for i in range(1, 21)], 11.0, 19.0),  # nearest rank: the 19th of 20
+        ([float(i) for i in range(1, 201)], 101.0, 190.0),  # the 190th of 200
+    ],
+)
+def test_p50_p95_of_sorted_values(values: list[float], p50: float, p95: float) -> None:
+    assert p50_p95(values) == (p50, p95)
