@@ -10,6 +10,7 @@ continuous batching `generate_batch`, where it is available, on the same request
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from typing import Any
 
@@ -103,7 +104,7 @@ def run_hf_continuous(model: Any, requests: list[Request]) -> float | str:
         max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1, pad_token_id=0
     )
     # A bounded paged cache (64k tokens); its CPU default sizes the cache from host memory.
-    paging = ContinuousBatchingConfig(num_blocks=4096, page_size=16, max_batch_tokens=2048)
+    paging = ContinuousBatchingConfig(num_blocks=4096, max_batch_tokens=2048, **page_of(16))
     model.generate_batch(
         [r.prompt for r in requests],
         generation_config=config,
@@ -111,6 +112,15 @@ def run_hf_continuous(model: Any, requests: list[Request]) -> float | str:
         warmup=False,
     )
     return clock() - start
+
+
+def page_of(tokens: int) -> dict[str, int]:
+    """The paged cache's page size under the name this transformers takes: `page_size` since
+    5.2x, `block_size` before (5.17, on the lent GPU machine, refused `page_size`)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = inspect.signature(ContinuousBatchingConfig).parameters
+    return {"page_size" if "page_size" in names else "block_size": tokens}
 
 
 def main(argv: list[str] | None = None) -> int:

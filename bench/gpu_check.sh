@@ -42,7 +42,8 @@ if ! "$python" -c 'import torch, transformers, safetensors, tokenizers' 2>/dev/n
   echo "  PYTHON=/path/to/python that has them. Nothing is installed here (no network)." >&2
   exit 2
 fi
-export PYTHONPATH=$PWD/runtime:$PWD/operator:$PWD
+# Appended, not replaced: on a lent machine PYTHONPATH holds the wheels carried there (llguidance).
+export PYTHONPATH=$PWD/runtime:$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "$device" = cuda ] && ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "bench/gpu_check.sh: torch sees no CUDA device here; use --device cpu for the dry run" >&2
   exit 2

@@ -32,6 +32,7 @@ import torch
 
 from bench.engine_common import MODEL
 from bench.engine_kv_dtype import eval_prompts, perplexity
+from bench.report import command_line, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import read_dataset, relative_loss, window_logits, windows
@@ -39,6 +40,12 @@ from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.tokenizer import Tokenizer
 
 MAX_NEW_TOKENS = 24
+TITLE = "GPU check: the engine against transformers on the same GPU"
+DOC_TEXT = (
+    "bench/gpu_check.sh on a lent GPU machine (no network; llguidance carried as a wheel). "
+    "Teacher-forced logits and greedy tokens against transformers per quantisation and compute "
+    "dtype, fp8 KV against the model-dtype cache; each bound is in bench/gpu/check.py.\n\n"
+)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # (quantisation, compute dtype) -> (max |logit diff|, min top-1 agreement, min greedy positions).
 # Measured in the CPU dry run: none 3.8e-6 / 100% / 100%; bf16 the same (the checkpoint is stored
@@ -231,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     (args.out / "gpu_check.md").write_text(markdown(results, args.device))
+    if args.device == "cuda":  # the CPU dry run checks the script, not the GPU path
+        write_section("gpu_check", TITLE, command_line("bench.gpu.check", argv), DOC_TEXT
+                      + markdown(results, args.device))  # fmt: skip
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
 
