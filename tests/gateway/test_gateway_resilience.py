@@ -42,7 +42,11 @@ REPLICA_ARGS = [
 ]
 FALLBACK_AFTER_S = 30
 STREAMS_PER_GATEWAY = 3
-SURVIVOR_TOKENS = 256  # long enough to still be running when the other gateway dies
+# Long enough to still be running when the other gateway dies: the survivors start last, after
+# the victims, so only their own openings pass before the kill. At 256 tokens, started first, one
+# CI run saw them finish while the victims' streams were still being opened; here 512 tokens ran
+# 2.4-3.0 s with the kill at 0.6-1.4 s, so 1024 leaves a margin of several times.
+SURVIVOR_TOKENS = 1024
 VICTIM_TOKENS = 1500  # far from done when its gateway dies: its end is an abort
 ABORTED = "vllm:request_success_total[('finished_reason', 'abort')]"
 RUNNING = "vllm:num_requests_running"
@@ -128,12 +132,13 @@ async def kill_mid_stream(
     survivor_url: str, victim: GatewayProcess, serving: list[RuntimeServer]
 ) -> tuple[list[str], list[BaseException]]:
     """Streams through both gateways, all past their first token; the victim SIGKILLed; the
-    survivor's texts and the errors the victim's clients got."""
+    survivor's texts and the errors the victim's clients got. The victims' long streams open
+    first, so the survivors' shorter ones have run only since their own first token."""
     async with AsyncExitStack() as stack:
-        survivors = [await stack.enter_async_context(await open_stream(survivor_url, 0, i,
-                     SURVIVOR_TOKENS)) for i in range(STREAMS_PER_GATEWAY)]  # fmt: skip
         victims = [await stack.enter_async_context(await open_stream(victim.url, 1, i,
                    VICTIM_TOKENS)) for i in range(STREAMS_PER_GATEWAY)]  # fmt: skip
+        survivors = [await stack.enter_async_context(await open_stream(survivor_url, 0, i,
+                     SURVIVOR_TOKENS)) for i in range(STREAMS_PER_GATEWAY)]  # fmt: skip
         firsts = [await s.__anext__() for s in (*survivors, *victims)]
         # Polled, not read once: one run in a few read 5 right after the sixth first chunk.
         await asyncio.to_thread(
