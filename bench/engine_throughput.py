@@ -114,7 +114,7 @@ def run_hf_continuous(model: Any, requests: list[Request]) -> float | str:
     return clock() - start
 
 
-def page_of(tokens: int) -> dict[str, int]:
+def page_of(tokens: int) -> dict[str, Any]:
     """The paged cache's page size under the name this transformers takes: `page_size` since
     5.2x, `block_size` before (5.17, on the lent GPU machine, refused `page_size`)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig

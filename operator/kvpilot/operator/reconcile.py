@@ -56,6 +56,9 @@ class Desired:
     missing_fallbacks: tuple[str, ...] = ()
     # spec.quantization.evaluation's verdict and the eval Jobs and records it asks for
     quality: quality.Assessment | None = None
+    # Set by the controller on a new object's first pass, which applied only these Deployments
+    # (by (kind, name), as sent): a finishing pass is due.
+    applied_first: Mapping[tuple[str, str], Obj] | None = None
 
 
 def desire(

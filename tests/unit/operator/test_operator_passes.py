@@ -24,22 +24,43 @@ def node(name: str) -> dict[str, Any]:
 
 
 class FakeController:
-    def __init__(self, missing: frozenset[str] = frozenset(), failing: int = 0) -> None:
+    def __init__(
+        self,
+        missing: frozenset[str] = frozenset(),
+        failing: int = 0,
+        new: frozenset[str] = frozenset(),
+    ) -> None:
         self.passes: list[tuple[str, bool, int]] = []
         self.missing = missing
         self.failing = failing  # passes that fail with an API error before one succeeds
+        self.new = set(new)  # objects whose next pass is a first one (applies Deployments only)
+        self.handed: list[tuple[str, Any]] = []  # each pass's applied_first argument
 
     def run_pass(
-        self, namespace: str, name: str, nodes: Any, pods: Any, full: bool, body: Any
+        self,
+        namespace: str,
+        name: str,
+        nodes: Any,
+        pods: Any,
+        full: bool,
+        body: Any,
+        applied_first: Any = None,
     ) -> object:
         self.passes.append((name, full, len(nodes)))
+        self.handed.append((name, applied_first))
         if name in self.missing:
             raise ApiException(status=404, reason="Not Found")
         if self.failing:
             self.failing -= 1
             raise ApiException(status=500, reason="Internal Server Error")
+        first: dict[tuple[str, str], Any] | None = (
+            {("Deployment", f"{name}-t4"): {}} if name in self.new else None
+        )
+        self.new.discard(name)
         # what a pass's Desired says of itself
-        return SimpleNamespace(is_invalid_spec=False, needs_retry=False, error=None)
+        return SimpleNamespace(
+            is_invalid_spec=False, needs_retry=False, error=None, applied_first=first
+        )
 
 
 def reconciler(fake: FakeController, nodes: dict[str, list[Any]]) -> Reconciler:
@@ -179,3 +200,93 @@ def test_replanner_acts_on_changes_after_the_baseline() -> None:
         assert fake.passes == [("b", True, 2), ("a", True, 2)]
 
     asyncio.run(main())
+
+
+def test_a_first_pass_is_finished_shortly_after_with_what_it_applied(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(passes, "FINISH_QUIET_SECONDS", 0.3)
+
+    async def settled(r: Reconciler, fake: FakeController, passes_made: int) -> None:
+        async with asyncio.timeout(10):
+            while len(fake.passes) < passes_made or not r.queue.is_idle():
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        fake = FakeController(new=frozenset({"a", "b"}))
+        r = reconciler(fake, {"n0": [node("n0")]})
+        r.queue.status_delay = 0.0  # b's status requests below are ready at once
+        task = asyncio.create_task(r.run())
+        try:
+            r.queue.put(("ns", "a"), True)  # its finishing pass comes by itself
+            await settled(r, fake, 2)
+            assert not r.needs_replan(("ns", "a"), [node("n0")])  # planned once finished
+            r.queue.put(("ns", "b"), True)
+            await settled(r, fake, 3)
+            r.queue.put(("ns", "b"), False)  # a child's event before the finishing pass: left
+            await asyncio.sleep(0.1)  # to the finishing pass, which reports the child as it is
+            assert len(fake.passes) == 3
+            await settled(r, fake, 4)
+            r.queue.put(("ns", "b"), False)  # finished: a child's event is a status pass again
+            await settled(r, fake, 5)
+        finally:
+            task.cancel()
+        applied: dict[tuple[str, str], Any] = {("Deployment", "a-t4"): {}}
+        assert fake.handed[:2] == [("a", None), ("a", applied)]
+        assert [p[:2] for p in fake.passes] == [
+            ("a", True), ("a", True), ("b", True), ("b", True), ("b", False)
+        ]  # fmt: skip
+        assert fake.handed[3] == ("b", {("Deployment", "b-t4"): {}})
+        assert r.unfinished == {}
+
+    asyncio.run(main())
+
+
+async def finish_waves(names: list[str], gap: float) -> tuple[list[tuple[float, set[str]]], float]:
+    """New objects created `gap` seconds apart: each finish() that asked for finishing passes
+    (when, whose), and when the last create came."""
+    fake = FakeController(new=frozenset(names))
+    r = reconciler(fake, {})
+    task = asyncio.create_task(r.run())
+    loop = asyncio.get_running_loop()
+    waves: list[tuple[float, set[str]]] = []
+    real_finish = r.finish
+
+    def recorded_finish() -> None:
+        waves.append((loop.time(), {name for _, name in r.unfinished.keys() - r.finish_asked}))
+        real_finish()
+
+    r.finish = recorded_finish  # type: ignore[method-assign]
+    last_put = loop.time()
+    try:
+        for name in names:
+            r.queue.put(("ns", name), True)
+            last_put = loop.time()
+            await asyncio.sleep(gap)
+        async with asyncio.timeout(10):
+            while r.unfinished or not r.queue.is_idle():
+                await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+    assert sorted(p[0] for p in fake.passes) == sorted(names * 2)  # first, then finishing
+    assert sorted(n for _, wave in waves for n in wave) == sorted(names)  # each finished once
+    return waves, last_put
+
+
+def test_finishing_passes_wait_for_first_passes_to_stop_coming(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(passes, "FINISH_QUIET_SECONDS", 0.3)
+    waves, last_put = asyncio.run(finish_waves(["m0", "m1", "m2"], gap=0.1))
+    assert len(waves) == 1 and waves[0][0] >= last_put + 0.3
+
+
+def test_a_long_burst_is_finished_as_it_goes_at_the_latest_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(passes, "FINISH_QUIET_SECONDS", 0.3)
+    monkeypatch.setattr(passes, "FINISH_LATEST_SECONDS", 0.4)
+    names = [f"m{i}" for i in range(10)]
+    # Creates 0.1 s apart are never 0.3 s quiet: the first finishing passes come mid-burst.
+    waves, last_put = asyncio.run(finish_waves(names, gap=0.1))
+    assert waves[0][0] < last_put and "m0" in waves[0][1]
