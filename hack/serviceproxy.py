@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 
 REFRESH_S = 0.5
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
@@ -80,9 +81,13 @@ class ServiceProxy:
             await asyncio.sleep(REFRESH_S)
 
     def list_endpoints(self) -> list[str]:
-        service = self.core.api_client.sanitize_for_serialization(
-            self.core.read_namespaced_service(self.service, self.namespace)
-        )
+        try:
+            found = self.core.read_namespaced_service(self.service, self.namespace)
+        except ApiException as error:
+            if error.status == 404:  # not made yet (the operator makes a new model's Service
+                return []  # after its Deployment) or deleted: no endpoints, as kube-proxy has
+            raise
+        service = self.core.api_client.sanitize_for_serialization(found)
         selector = ",".join(f"{k}={v}" for k, v in service["spec"].get("selector", {}).items())
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
         documents = [self.core.api_client.sanitize_for_serialization(p) for p in pods]

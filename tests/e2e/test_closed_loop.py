@@ -52,10 +52,10 @@ def loop(cluster: Any) -> Iterator[str]:
     cluster.start_process(
         "e2e-operator", [str(BIN / "kvpilot-operator"), "run", "--standalone"], env=env
     )
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest()))
-    url = closedloop.start_proxy(cluster, "e2e-proxy", NAME)
-    wait_until(lambda: procs.http_ok(f"{url}/v1/models"), 240, "tiny-llama to serve")
-    try:
+    try:  # a set-up that fails stops its operator too: left running, it acts in later tests
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest()))
+        url = closedloop.start_proxy(cluster, "e2e-proxy", NAME)
+        wait_until(lambda: procs.http_ok(f"{url}/v1/models"), 240, "tiny-llama to serve")
         yield url
     finally:
         cluster.kubectl("delete", "modeldeployment", NAME, "--wait=false", check=False)
