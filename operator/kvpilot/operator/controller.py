@@ -94,7 +94,9 @@ class Controller:
             first = self._apply_first(md, desired)
             if first:
                 return dataclasses.replace(desired, applied_first=first)
-        deployments = self._converge(md, status, desired, apply_children, applied_first or {})
+        deployments = self._converge(
+            md, status, desired, apply_children, is_new and not applied_first, applied_first or {}
+        )
         self._write_status(md, status, desired, deployments)
         return desired
 
@@ -196,14 +198,14 @@ class Controller:
         status: api.ModelDeploymentStatus,
         desired: reconcile.Desired,
         apply_children: bool,
+        is_first: bool,
         applied_first: Applied,
     ) -> list[dict[str, Any]]:
         meta = md["metadata"]
         selector = f"{manifests.LABEL_MODEL}={meta['name']}"
-        # A ModelDeployment never planned has no children yet: its first pass skips the LIST.
-        # (Had a crash cut that pass short, what it applied is what this pass wants again.) The
-        # finishing pass lists them: the status reports them as they are now.
-        is_first = apply_children and not status.observed_generation and not applied_first
+        # `is_first`: a ModelDeployment never planned has no children yet, so the LIST is
+        # skipped. (Had a crash cut that pass short, what it applied is what this pass wants
+        # again.) The finishing pass lists them: the status reports them as they are now.
         existing = [
             d
             for d in (
