@@ -13,7 +13,9 @@ import argparse
 import asyncio
 import logging
 import math
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import kopf
@@ -74,41 +76,76 @@ def main(argv: list[str] | None = None) -> int:
         if args.metrics_port
         else None
     )
-    # Set by the Lease keeper on kopf's loop: kopf stops, and so does this process. An asyncio
-    # Event, not a threading one: kopf waits for a threading.Event in an executor thread that
-    # nothing wakes on SIGTERM, so a clean stop hung until SIGKILL and never let the Lease go.
-    lost = asyncio.Event()
+    stopping = Stopping()
+    signal.signal(signal.SIGTERM, stopping.on_signal)  # kopf's own handlers replace these
+    signal.signal(signal.SIGINT, stopping.on_signal)
     try:
-        if lease is not None:
-            wait_for_lease(lease, readiness)
-        kopf.run(
-            clusterwide=not namespace,
-            namespaces=[namespace] if namespace else (),
-            standalone=True,  # the Lease decides who acts; kopf's peering would be a second say
-            liveness_endpoint=args.liveness or None,
-            stop_flag=lost,
-            memo=kopf.Memo(
-                controller=Controller(client=client, config=cfg),
-                readiness=readiness,
-                lease=lease,
-                lease_lost=lost,
-            ),
-        )
+        if lease is not None and not wait_for_lease(lease, readiness, stopping.asked):
+            return 0  # a standby told to stop: it holds nothing to let go
+        if not stopping.asked.is_set():
+            kopf.run(
+                clusterwide=not namespace,
+                namespaces=[namespace] if namespace else (),
+                standalone=True,  # the Lease decides who acts; kopf's peering would be a second say
+                liveness_endpoint=args.liveness or None,
+                stop_flag=stopping.flag,
+                memo=kopf.Memo(
+                    controller=Controller(client=client, config=cfg),
+                    readiness=readiness,
+                    lease=lease,
+                    lease_lost=stopping.lease_lost,
+                ),
+            )
     finally:
+        if lease is not None:  # kopf's cleanup let it go, unless it stopped before its startup ran
+            lease.release()
         if stop_metrics is not None:
             stop_metrics()
-    return EXIT_LEASE_LOST if lost.is_set() else 0
+    return EXIT_LEASE_LOST if stopping.lost else 0
 
 
-def wait_for_lease(lease: LeaderLease, readiness: observability.Readiness) -> None:
-    """Wait as a standby (ready: it knows who acts) until this instance holds the Lease."""
+class Stopping:
+    """kopf's stop flag, and why it was raised.
+
+    SIGTERM (a pod's deletion) must let the Lease go whenever it comes. kopf handles it once its
+    loop runs; before that -- a standby waiting, or the instant between taking the Lease and kopf's
+    start -- Python's default action killed the process holding the Lease, and a standby then
+    waited out leaseDurationSeconds. These handlers set the same flag kopf stops on.
+    The flag is an asyncio Event, not a threading one: kopf waits for a threading.Event in an
+    executor thread that nothing wakes on SIGTERM, so a clean stop hung until SIGKILL.
+    """
+
+    def __init__(self) -> None:
+        self.flag = asyncio.Event()
+        self.asked = threading.Event()  # a signal came before kopf's handlers took over
+        self.lost = False
+
+    def lease_lost(self) -> None:
+        """Called on kopf's loop by the Lease keeper: stop, and exit 1 to come back as a standby."""
+        self.lost = True
+        self.flag.set()
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        log.info("%s: stopping", signal.Signals(signum).name)
+        self.asked.set()  # wakes a standby's wait at once
+        try:  # kopf's loop may be running already, its handlers not yet added
+            asyncio.get_running_loop().call_soon_threadsafe(self.flag.set)
+        except RuntimeError:  # no loop yet: kopf finds the flag set when it starts
+            self.flag.set()
+
+
+def wait_for_lease(
+    lease: LeaderLease, readiness: observability.Readiness, stop: threading.Event
+) -> bool:
+    """Wait as a standby (ready: it knows who acts) until this instance holds the Lease (True)
+    or `stop` is set (False)."""
 
     def follow() -> None:
         readiness.lease_known = lease.state_known
         readiness.standby = lease.holder != lease.identity
 
     log.info("waiting for Lease %s/%s as %s", lease.namespace, lease.name, lease.identity)
-    lease.wait_until_held(follow)
+    return lease.wait_until_held(follow, stop)
 
 
 def leader_lease(

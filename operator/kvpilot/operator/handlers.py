@@ -90,7 +90,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     loops = [reconciler.run(), memo["replanner"].run(), memo["autoscaler"].run()]
     lease: LeaderLease | None = memo.get("lease")
     if lease is not None:  # losing it stops kopf (the stop flag cli.py gave it)
-        loops.append(lease.keep(memo["lease_lost"].set))
+        loops.append(lease.keep(memo["lease_lost"]))
     memo["tasks"] = [
         asyncio.create_task(loop, name=f"kvpilot-{name}")
         for name, loop in zip(("passes", "replanner", "autoscaler", "lease"), loops, strict=False)

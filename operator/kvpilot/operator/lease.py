@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -129,19 +130,25 @@ class LeaderLease:
         self._renewed_at = now if holds else None
         return holds
 
-    def wait_until_held(self, on_check: Callable[[], None] = lambda: None) -> None:
-        """Block until this instance holds the Lease (a standby waits here), calling `on_check`
-        after each try so readiness can follow `state_known`."""
+    def wait_until_held(
+        self, on_check: Callable[[], None] = lambda: None, stop: threading.Event | None = None
+    ) -> bool:
+        """Block until this instance holds the Lease (True; a standby waits here) or `stop` is set
+        (False), calling `on_check` after each try so readiness can follow `state_known`."""
+        stop = stop or threading.Event()
         waiting_for = None  # log each new holder once, not on every try
-        while not self.hold():
+        while not stop.is_set():
+            if self.hold():
+                on_check()
+                return True
             on_check()
             if self.holder and self.holder != waiting_for:
                 waiting_for = self.holder
                 log.info(
                     "standby: Lease %s/%s is held by %s", self.namespace, self.name, self.holder
                 )
-            time.sleep(self.retry_s)
-        on_check()
+            stop.wait(self.retry_s)  # a signal handler setting it wakes this at once
+        return False
 
     async def keep(self, on_lost: Callable[[], None]) -> None:
         """Renew the Lease until cancelled; call `on_lost` once and return when it is lost."""

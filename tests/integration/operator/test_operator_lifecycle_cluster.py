@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -277,4 +278,35 @@ def test_the_lease_holder_acts_alone_and_a_standby_takes_over(
     finally:
         second.stop()
         first.stop()
+        cluster.kubectl("delete", "lease", LEASE_NAME, "-n", "default", check=False)
+
+
+def test_sigterm_the_moment_the_lease_is_taken_or_while_standing_by_exits_0(
+    cluster: Any, crds: None, tmp_path: Path
+) -> None:
+    """A pod deleted as it starts: SIGTERM can come before kopf has added its own handlers. CI
+    once saw an instance killed there (-15), still holding the Lease, so a standby waited 15 s."""
+    holder = Operator(cluster, tmp_path / "holder.log", f"--metrics-port={free_port()}")
+    standby = Operator(cluster, tmp_path / "standby.log", f"--metrics-port={free_port()}")
+    cluster.kubectl("delete", "lease", LEASE_NAME, "-n", "default", check=False)
+    try:
+        holder.start()
+        # Signal as soon as the log says the Lease is held: kopf starts its loop a few ms later.
+        deadline = time.monotonic() + 60
+        while "holding Lease" not in holder.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert holder.stop() == 0, holder.tail()
+        assert lease_holder(cluster) == "", "the Lease is let go, not left to expire"
+
+        holder.start()
+        wait_for(
+            lambda: lease_holder(cluster) == identity(holder), "holder takes the Lease", holder
+        )
+        standby.start()
+        wait_for(lambda: "standby: Lease" in standby.log.read_text(), "standby waits", standby)
+        assert standby.stop() == 0, standby.tail()  # not -15: it stops as it was asked
+        assert holder.stop() == 0, holder.tail()
+    finally:
+        standby.stop()
+        holder.stop()
         cluster.kubectl("delete", "lease", LEASE_NAME, "-n", "default", check=False)
