@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
-# GPU checks for a lent device machine (no network), about 3-5 minutes on one H200, 8 at most:
+# GPU checks for a lent device machine (no network), about 3-5 minutes on one H200, 8 at most
+# (and up to 7 more for step 4 where FlashInfer is carried: its first kernel compile):
 #   1. python -m bench.gpu.check: logits and greedy tokens against transformers on the same GPU
 #      for quantisation none/bf16/int8/int4 (float32) and none (bfloat16); fp8 KV (pool blocks,
 #      greedy against the model-dtype cache, perplexity); tensor parallel 2 when 2+ GPUs.
 #   2. python -m bench.engine_throughput: kvpilot against transformers generate() on this GPU.
 #   3. python -m bench.engine_kv_dtype: KV blocks, concurrency and quality auto vs fp8.
+#   4. python -m bench.gpu.check --flashinfer: FlashInfer's paged kernels against the SDPA path
+#      (one step's attention, greedy tokens) and output tok/s with and without them; SKIP where
+#      flashinfer-python does not import. The machines have no FlashInfer and the current wheel
+#      (0.7, ~100 MB, many dependencies) does not fit a call's 64 MiB carry; 0.3.1 does: built
+#      here with `python3 -m pip wheel --no-deps -w .whl flashinfer-python==0.3.1` (5.7 MB, pure
+#      Python; it compiles its kernels with nvcc on first use, a few minutes, hence the limit).
 # Results go to the output folder (--out DIR, else $OUT, else /tmp/kvpilot-gpu-check): gpu_check.md /
 # .json, gpu_check.log, nvidia-smi.txt, and benchmarks.md (a copy of docs/benchmarks.md with the
 # two bench sections rewritten; paste those sections into docs/benchmarks.md). The tree itself is
@@ -76,9 +83,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a deadline, remember a failur
 step "checks" 200 "$python" -m bench.gpu.check --device "$device" --out "$out"
 step "throughput vs transformers" 180 "$python" -m bench.engine_throughput "${throughput_args[@]}"
 step "KV dtype" 90 "$python" -m bench.engine_kv_dtype
+step "FlashInfer" 420 "$python" -m bench.gpu.check --flashinfer --device "$device" --out "$out"
 
 echo "==> summary ($out)"
 [ -f "$out/gpu_check.md" ] && cat "$out/gpu_check.md"
+[ -f "$out/gpu_flashinfer.md" ] && cat "$out/gpu_flashinfer.md"
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1

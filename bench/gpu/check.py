@@ -14,6 +14,11 @@ everything lands in DIR/gpu_check.json and DIR/gpu_check.md. Exit 1 when a check
 - fp8 KV: pool blocks against bf16 KV at one budget, greedy against the model-dtype cache,
   perplexity on 4 eval windows (bounds of tests/runtime/test_rt_kv_dtype.py).
 - tensor parallel 2 (two or more GPUs): greedy tokens equal to one GPU's.
+- FlashInfer (`--flashinfer`, a step of its own; where flashinfer-python imports, carried as a
+  wheel, see bench/gpu_check.sh), on
+  the compute-bound random Llama (head size 64; tiny-llama's 32 has no FlashInfer kernel) in
+  bfloat16: one planned step's attention against the SDPA path's (decodes, proposals, chunks over
+  cached KV), greedy tokens against the SDPA engine's, and output tok/s with and without it.
 """
 
 from __future__ import annotations
@@ -30,13 +35,18 @@ from typing import Any
 
 import torch
 
-from bench.engine_common import MODEL
+from bench.engine_common import COMPUTE_BOUND_SHAPE, MODEL, compute_bound_llama
 from bench.engine_kv_dtype import eval_prompts, perplexity
 from bench.report import command_line, write_section
 from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import read_dataset, relative_loss, window_logits, windows
+from kvpilot.runtime.layers import flashinfer_attention
+from kvpilot.runtime.layers.attention import paged_attention
+from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.scheduler import ScheduledSequence
+from kvpilot.runtime.sequence import Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
 
 MAX_NEW_TOKENS = 24
@@ -68,10 +78,10 @@ class Result:
     figures: dict[str, Any]
 
 
-def engine(device: str, **kwargs: Any) -> Engine:
+def engine(device: str, model: Path = MODEL, **kwargs: Any) -> Engine:
     kwargs.setdefault("max_model_len", 512)
     kwargs.setdefault("kv_cache_memory", 16 * 2**20)
-    return Engine(EngineConfig(model=str(MODEL), device=device, **kwargs))
+    return Engine(EngineConfig(model=str(model), device=device, **kwargs))
 
 
 @cache
@@ -192,6 +202,108 @@ def check_tensor_parallel(device: str) -> Result:
     return Result("tensor parallel 2", status, detail, figures)
 
 
+FLASHINFER_TITLE = "GPU check: FlashInfer's paged kernels against the SDPA path"
+FLASHINFER_TEXT = (
+    "bench/gpu_check.sh's FlashInfer step on a lent GPU machine (flashinfer-python carried as a "
+    "wheel), on the compute-bound random Llama in bfloat16: one planned step's attention and "
+    "greedy tokens against the SDPA path, and output tok/s with and without FlashInfer "
+    "(alternating, best of 2).\n\n"
+)
+# FlashInfer against the SDPA path, both bfloat16: one step's attention output (bf16 rounding of
+# two different kernels: ~1e-2 on outputs of magnitude ~1), greedy positions on random weights
+# (near-ties are common there, and one differing token changes the rest of a prompt).
+FLASHINFER_MAX_DIFF = 5e-2
+FLASHINFER_MIN_GREEDY = 0.5
+# Throughput workload: as bench.engine_throughput's GPU run, 64 requests at once.
+FLASHINFER_REQUESTS, FLASHINFER_PROMPT, FLASHINFER_OUTPUT = 64, 128, 128
+
+
+def check_flashinfer(device: str) -> Result:
+    dtype, head_dim = torch.bfloat16, COMPUTE_BOUND_SHAPE["head_dim"]
+    reason = flashinfer_attention.unavailable_reason(torch.device(device), dtype, head_dim)
+    if reason is not None:
+        return Result("flashinfer", "SKIP", reason, {})
+    model = compute_bound_llama()
+    engines = {
+        backend: engine(
+            device, model, dtype="bfloat16", attention_backend=backend, max_num_seqs=64,
+            max_model_len=1024, kv_cache_memory=2 * 2**30,
+        )
+        for backend in ("sdpa", "flashinfer")
+    }  # fmt: skip
+    diff = step_attention_diff(engines["sdpa"], engines["flashinfer"])
+    same, whole = agreement(run_greedy(engines["flashinfer"]), run_greedy(engines["sdpa"]))
+    rates = {backend: 0.0 for backend in engines}
+    for _ in range(2):  # alternating, best of 2
+        for backend, eng in engines.items():
+            rates[backend] = max(rates[backend], output_rate(eng))
+    ratio = rates["flashinfer"] / rates["sdpa"]
+    is_ok = diff <= FLASHINFER_MAX_DIFF and same >= FLASHINFER_MIN_GREEDY
+    detail = (
+        f"flashinfer-python {flashinfer_attention.version()}; one step's attention vs SDPA max abs "
+        f"diff {diff:.2e} (<= {FLASHINFER_MAX_DIFF:g}); greedy as the SDPA engine {same:.1%} of "
+        f"positions (>= {FLASHINFER_MIN_GREEDY:.0%}), {whole}/32 whole; output tok/s at "
+        f"{FLASHINFER_REQUESTS} x {FLASHINFER_PROMPT}+{FLASHINFER_OUTPUT} tokens: FlashInfer "
+        f"{rates['flashinfer']:.0f}, SDPA {rates['sdpa']:.0f} ({ratio:.2f}x)"
+    )
+    figures = {"max_attention_diff": diff, "greedy_positions": same, "whole": whole}
+    figures |= {"flashinfer_tok_s": rates["flashinfer"], "sdpa_tok_s": rates["sdpa"]}
+    return Result("flashinfer/bfloat16", "PASS" if is_ok else "FAIL", detail, figures)
+
+
+def step_attention_diff(sdpa: Engine, flashinfer: Engine) -> float:
+    """Max |FlashInfer - SDPA| over one layer's attention for a step with decodes of several
+    lengths, a decode with 3 proposals, a fresh chunk and chunks over cached KV."""
+    torch.manual_seed(0)
+    runner = sdpa.runner
+    cfg, device = runner.model.cfg, runner.device
+    k_cache, v_cache = runner.kv_caches[0]
+    k_cache.data.normal_(), v_cache.data.normal_()
+    free = torch.randperm(k_cache.data.shape[0]).tolist()
+    batch = []
+    contexts = [
+        (40, 1, 0),
+        (0, 12, 0),
+        (300, 1, 0),
+        (20, 4, 3),
+        (33, 1, 0),
+        (20, 7, 0),
+        (150, 9, 0),
+    ]
+    for index, (computed, new, drafts) in enumerate(contexts):
+        seq = Sequence(str(index), list(range(computed + new - drafts)))
+        seq.num_computed_tokens, seq.draft_token_ids = computed, [5] * drafts
+        blocks = -(-(computed + new) // BLOCK_SIZE)
+        seq.block_table, free = free[:blocks], free[blocks:]
+        batch.append(ScheduledSequence(seq, new, drafts))
+    rows = sum(item.num_new_tokens for item in batch)
+    q = torch.randn(rows, cfg.num_heads, cfg.head_dim, device=device, dtype=runner.model.dtype)
+    k, v = torch.randn(2, rows, cfg.num_kv_heads, cfg.head_dim, device=device).to(q.dtype)
+    scale = cfg.head_dim**-0.5
+    outputs = []
+    for eng in (sdpa, flashinfer):
+        _, _, meta, _ = eng.runner.prepare(batch)
+        outputs.append(paged_attention(q, k, v, k_cache, v_cache, meta, scale).float())
+    return float((outputs[0] - outputs[1]).abs().max())
+
+
+def output_rate(eng: Engine) -> float:
+    """Output tokens per second of FLASHINFER_REQUESTS random prompts run together."""
+    vocab = eng.model_config.vocab_size
+    params = SamplingParams(max_tokens=FLASHINFER_OUTPUT, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(1)
+    for index in range(FLASHINFER_REQUESTS):
+        prompt = torch.randint(3, vocab, (FLASHINFER_PROMPT,), generator=generator).tolist()
+        eng.add_request(prompt, params, f"rate-{index}")
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else lambda: None
+    sync()
+    start, tokens = time.perf_counter(), 0
+    while eng.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in eng.step())
+    sync()
+    return tokens / (time.perf_counter() - start)
+
+
 def gpu_used_bytes(index: int) -> int:
     """Memory in use on one GPU by every process (this one's context included)."""
     free, total = torch.cuda.mem_get_info(index)
@@ -225,21 +337,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--flashinfer",
+        action="store_true",
+        help="only the FlashInfer check (its own step: FlashInfer compiles its kernels first)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench.gpu.check: CUDA is not available (use --device cpu for the dry run)")
         return 2
     torch.manual_seed(0)
-    results = [timed(check_parity, args.device, q, d) for q, d in PARITY_BOUNDS]
-    results += [timed(check_fp8, args.device, "float32")]
-    if args.device == "cuda":
-        results += [timed(check_fp8, args.device, "bfloat16")]
-    results += [timed(check_tensor_parallel, args.device)]
+    if args.flashinfer:
+        results = [timed(check_flashinfer, args.device)]
+        name, title, text = "gpu_flashinfer", FLASHINFER_TITLE, FLASHINFER_TEXT
+    else:
+        results = [timed(check_parity, args.device, q, d) for q, d in PARITY_BOUNDS]
+        results += [timed(check_fp8, args.device, "float32")]
+        if args.device == "cuda":
+            results += [timed(check_fp8, args.device, "bfloat16")]
+        results += [timed(check_tensor_parallel, args.device)]
+        name, title, text = "gpu_check", TITLE, DOC_TEXT
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
-    (args.out / "gpu_check.md").write_text(markdown(results, args.device))
-    if args.device == "cuda":  # the CPU dry run checks the script, not the GPU path
-        write_section("gpu_check", TITLE, command_line("bench.gpu.check", argv), DOC_TEXT
+    (args.out / f"{name}.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    (args.out / f"{name}.md").write_text(markdown(results, args.device))
+    ran = any(r.status != "SKIP" for r in results)
+    if args.device == "cuda" and ran:  # the CPU dry run checks the script, not the GPU path
+        write_section(name, title, command_line("bench.gpu.check", argv), text
                       + markdown(results, args.device))  # fmt: skip
     return 1 if any(r.status == "FAIL" for r in results) else 0
 

@@ -384,13 +384,17 @@ def kernel_missing() -> str:
     return "no C++ compiler"
 
 
+def flashinfer_missing() -> str:
+    return "flashinfer-python does not import"  # test_rt_flashinfer.py: where it is there
+
+
 @pytest.mark.parametrize(
     ("choice", "device", "kv_in_model_dtype", "kernel_error", "expected"),
     [
         ("auto", "cpu", True, kernel_ok, "paged"),
         ("auto", "cpu", True, kernel_missing, "sdpa"),
         ("auto", "cpu", False, kernel_ok, "sdpa"),  # fp8 KV: the kernel reads the model dtype
-        ("auto", "cuda", True, kernel_ok, "sdpa"),
+        ("auto", "cuda", True, kernel_ok, "sdpa"),  # without FlashInfer
         ("paged", "cpu", True, kernel_ok, "paged"),
         ("sdpa", "cpu", True, kernel_ok, "sdpa"),
         ("sdpa", "cuda", True, kernel_missing, "sdpa"),
@@ -400,7 +404,7 @@ def test_resolve_attention_backend(
     choice: str, device: str, kv_in_model_dtype: bool, kernel_error: Any, expected: str
 ) -> None:
     backend, why = resolve_attention_backend(
-        choice, torch.device(device), kv_in_model_dtype, kernel_error
+        choice, torch.device(device), kv_in_model_dtype, kernel_error, flashinfer_missing
     )
     assert backend == expected and why
     if kernel_error is kernel_missing and choice == "auto" and device == "cpu":
@@ -419,7 +423,9 @@ def test_paged_backend_asked_for_where_it_cannot_run(
     device: str, kv_in_model_dtype: bool, kernel_error: Any, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        resolve_attention_backend("paged", torch.device(device), kv_in_model_dtype, kernel_error)
+        resolve_attention_backend(
+            "paged", torch.device(device), kv_in_model_dtype, kernel_error, flashinfer_missing
+        )
 
 
 def test_a_machine_without_a_compiler_gets_the_reason_and_the_fallback(

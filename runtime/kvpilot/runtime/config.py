@@ -17,7 +17,12 @@ INT8_KERNEL_CHOICES = ("auto", "w8a16", "w8a8")  # layers/quant.py says what eac
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
-ATTENTION_BACKEND_CHOICES = ("auto", "paged", "sdpa")  # layers/attention.py says what each runs
+ATTENTION_BACKEND_CHOICES = (
+    "auto",
+    "paged",
+    "flashinfer",
+    "sdpa",
+)  # layers/attention.py says what each runs
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, **extra: Any) -> Any:
@@ -68,10 +73,11 @@ class EngineConfig:
     )
     attention_backend: str = option(
         "auto",
-        "decode attention: paged reads each sequence's blocks in place from the KV cache (a C++ "
-        "kernel built once per machine, CPU only); sdpa copies them out, then runs torch SDPA; "
-        "auto: paged on CPU where the kernel builds and the KV cache is in the model dtype, sdpa "
-        "elsewhere",
+        "attention: paged reads each sequence's blocks in place from the KV cache (a C++ "
+        "kernel built once per machine, CPU, decodes); flashinfer reads them in place through "
+        "FlashInfer's kernels (CUDA, flashinfer-python installed); sdpa copies them out, then "
+        "runs torch SDPA; auto: paged on CPU, flashinfer on CUDA, where it can run and the KV "
+        "cache is in the model dtype, sdpa elsewhere",
         ATTENTION_BACKEND_CHOICES,
     )
     speculative_config: str | None = option(

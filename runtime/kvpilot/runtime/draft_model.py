@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.loader import ModelConfig, load_model_config
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.sampling import SamplingParams
@@ -171,4 +172,8 @@ def load_draft(
     draft = check_draft_files(draft_dir, target_dir)
     check_draft_positions(draft_dir, draft, max_model_len)
     model = load_model(draft_dir, draft, "none", dtype, device)
+    if attention_backend == "flashinfer" and flashinfer_attention.unavailable_reason(
+        device, dtype, draft.head_dim
+    ):  # the draft's heads may be a size FlashInfer has no kernel for
+        attention_backend = "sdpa"
     return DraftModelProposer(ModelRunner(model, device, seed, None, (), attention_backend))

@@ -28,7 +28,7 @@ from kvpilot.runtime.draft_model import DraftModelProposer, load_draft
 from kvpilot.runtime.engine_sizing import model_facts, resolve_device, resolve_max_model_len
 from kvpilot.runtime.engine_stats import EngineStats, SpecDecodeCounts
 from kvpilot.runtime.grammar import GrammarCompiler, make_tokenizer, new_matcher
-from kvpilot.runtime.layers import paged_kernel
+from kvpilot.runtime.layers import flashinfer_attention, paged_kernel
 from kvpilot.runtime.layers.attention import resolve_attention_backend
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.layers.quant import resolve_int8_kernel
@@ -99,7 +99,12 @@ class Engine:
         self.attention_backend, self.attention_source = resolve_attention_backend(
             config.attention_backend, self.device, self.kv_dtype == dtype,
             paged_kernel.unavailable_reason,
+            lambda: flashinfer_attention.unavailable_reason(
+                self.device, dtype, self.model_config.head_dim
+            ),
         )  # fmt: skip
+        if self.attention_backend == "flashinfer":  # /version and the log name the release
+            self.attention_source += f" (flashinfer-python {flashinfer_attention.version()})"
         # Each rank, this one included, computes with its share of the threads torch was given.
         # Process-wide: this process is rank 0 of the group from here on.
         self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)

@@ -19,6 +19,7 @@ from kvpilot.runtime.layers.attention import (
     chunk_mask,
     decode_mask,
 )
+from kvpilot.runtime.layers.flashinfer_attention import FlashInferAttention
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker
 from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
 from kvpilot.runtime.loader import ModelConfig, open_weights
@@ -248,9 +249,17 @@ class ModelRunner:
         attention_backend: str = "sdpa",
     ) -> None:
         """`attention_backend`: resolved (attention.resolve_attention_backend); with `paged` the
-        kernel must be loaded in this process."""
+        kernel must be loaded in this process, with `flashinfer` FlashInfer must import."""
         self.model, self.device, self.workers = model, device, workers
         self.attention_backend = attention_backend
+        cfg = model.cfg  # this rank's heads under tensor parallelism
+        self.flashinfer = (
+            FlashInferAttention(
+                device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK_SIZE
+            )
+            if attention_backend == "flashinfer"
+            else None
+        )
         self.eos_token_ids = eos_token_ids  # masked with stop ids until a row's min_tokens
         self.kv_caches: KVCache = []
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
@@ -308,16 +317,26 @@ class ModelRunner:
         """A step's plan as tensors on this rank's device: input_ids [T], positions [T],
         attention metadata, and the rows whose output is needed [S + P]: those to sample, then
         those scoring prompt tokens."""
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(plan.slot_mapping),
-            prefills=[self._prefill_span(prefill) for prefill in plan.prefills],
-        )
+        ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
+        rows = self._tensor(plan.sample_rows + plan.prompt_rows)
+        return ids, positions, self._attention(plan), rows
+
+    def _attention(self, plan: StepPlan) -> AttentionMetadata:
+        """What every layer's attention reads this step, as the backend wants it."""
+        meta = AttentionMetadata(slot_mapping=self._tensor(plan.slot_mapping))
+        if self.flashinfer is not None:  # every row, decodes and prefill chunks, in one plan
+            meta.flashinfer = self.flashinfer.plan(
+                plan.decode_block_tables,
+                plan.decode_context_lens,
+                [(p.num_tokens, p.num_computed, p.block_table) for p in plan.prefills],
+            )
+            return meta
+        meta.prefills = [self._prefill_span(prefill) for prefill in plan.prefills]
         if self.attention_backend == "paged":
             meta.paged_decodes = self._paged_decodes(plan)
         else:
             meta.decodes = self._decode_groups(plan.decode_block_tables, plan.decode_context_lens)
-        ids, positions = self._tensor(plan.input_ids), self._tensor(plan.positions)
-        return ids, positions, meta, self._tensor(plan.sample_rows + plan.prompt_rows)
+        return meta
 
     def _prefill_span(self, prefill: PrefillPlan) -> PrefillSpan:
         num_computed, num_tokens = prefill.num_computed, prefill.num_tokens

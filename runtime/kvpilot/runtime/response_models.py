@@ -200,7 +200,7 @@ class EngineChoices(BaseModel):
     quantization: str = "none"
     int8_kernel: str = "w8a16"  # what the int8 level runs (w8a8 or w8a16), whatever the level
     cpu_has_int8_dot: bool = False
-    attention_backend: str = "sdpa"  # decode attention: paged (the CPU kernel) or sdpa
+    attention_backend: str = "sdpa"  # paged (the CPU kernel), flashinfer (CUDA) or sdpa
     attention_source: str = ""  # why that one
     kv_cache_dtype: str
     kv_cache_bytes: int

@@ -2,13 +2,16 @@
 
 The KV cache of a layer is [num_blocks, BLOCK_SIZE, num_kv_heads, head_dim] for keys and for
 values, stored in the `--kv-cache-dtype` and read back in the query's dtype (kv_cache.py). New
-keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset). Decodes attend by
-one of two backends (`--attention-backend`):
-- `paged`: one call of the CPU kernel (paged_kernel.py) for all decode rows, which walks each
+keys/values are written at `slot_mapping` (block_id * BLOCK_SIZE + offset). Attention runs on one
+of three backends (`--attention-backend`):
+- `paged` (CPU): one call of our kernel (paged_kernel.py) for all decode rows, which walks each
   block table and reads the blocks where they lie, with an online softmax;
+- `flashinfer` (CUDA): FlashInfer's paged decode and prefill kernels for every row, reading the
+  blocks in place (flashinfer_attention.py);
 - `sdpa`: decodes batched into gathers of similar context length (a copy of their blocks), then
   torch's SDPA over the copy.
-Prefill chunks run one sequence at a time through SDPA, so no query padding is wasted.
+Except on `flashinfer`, prefill chunks run one sequence at a time through SDPA, so no query
+padding is wasted.
 
 Everything that is the same in every layer (which rows a group owns, the block tables, the
 masks) is built once per step by the model runner, so a layer only reads the cache and attends.
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.runtime.layers import paged_kernel
+from kvpilot.runtime.layers.flashinfer_attention import FlashInferStep
 from kvpilot.runtime.layers.kv_cache import PagedCache
 
 # SDPA shares K/V heads itself from torch 2.5 on (twice as fast as copying them on CPU).
@@ -74,6 +78,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)  # sdpa backend
     prefills: list[PrefillSpan] = field(default_factory=list)
     paged_decodes: PagedDecodes | None = None  # paged backend
+    flashinfer: FlashInferStep | None = None  # flashinfer backend: every row, planned
 
 
 def resolve_attention_backend(
@@ -81,28 +86,47 @@ def resolve_attention_backend(
     device: torch.device,
     kv_in_model_dtype: bool,
     kernel_error: Callable[[], str | None],
+    flashinfer_error: Callable[[], str | None],
 ) -> tuple[str, str]:
-    """`--attention-backend` -> (paged or sdpa, why). `kernel_error` builds or loads the kernel
-    and says why it cannot (None: loaded); it is called only where the kernel could run."""
+    """`--attention-backend` -> (paged, flashinfer or sdpa; why). `kernel_error` builds or loads
+    the CPU kernel, `flashinfer_error` imports FlashInfer; each says why it cannot (None: it can)
+    and is called only where its backend could run."""
     if choice == "sdpa":
         return "sdpa", "--attention-backend sdpa"
-    if device.type != "cpu":
-        if choice == "paged":
+    if device.type == "cpu":
+        if choice == "flashinfer":
             raise ValueError(
-                f"--attention-backend paged is a CPU kernel; on {device} use auto or sdpa"
+                "--attention-backend flashinfer runs FlashInfer's CUDA kernels; on cpu use auto, "
+                "paged or sdpa"
             )
-        return "sdpa", f"auto on {device.type}"
+        return _in_place_or_sdpa(choice, "paged", "the CPU kernel", kv_in_model_dtype, kernel_error)
+    if choice == "paged":
+        raise ValueError(f"--attention-backend paged is a CPU kernel; on {device} use auto or sdpa")
+    return _in_place_or_sdpa(
+        choice, "flashinfer", "FlashInfer", kv_in_model_dtype, flashinfer_error
+    )
+
+
+def _in_place_or_sdpa(
+    choice: str,
+    backend: str,
+    what: str,
+    kv_in_model_dtype: bool,
+    error_of: Callable[[], str | None],
+) -> tuple[str, str]:
+    """`backend` (which reads the cache in place) where it can run, else sdpa under `auto`; a
+    ValueError saying why when it was asked for by name."""
     if not kv_in_model_dtype:
-        if choice == "paged":
+        if choice == backend:
             raise ValueError(
-                "--attention-backend paged reads the KV cache in the model dtype; with "
+                f"--attention-backend {backend} reads the KV cache in the model dtype; with "
                 "--kv-cache-dtype fp8 (or another dtype than the model's) use auto or sdpa"
             )
         return "sdpa", "auto: the KV cache is stored in another dtype than the model's"
-    error = kernel_error()
+    error = error_of()
     if error is None:
-        return "paged", f"{choice}: the CPU kernel is built"
-    if choice == "paged":
+        return backend, f"{choice}: {what} is ready"
+    if choice == backend:
         raise ValueError(error)
     return "sdpa", f"auto: {error}"
 
@@ -146,6 +170,8 @@ def paged_attention(
     k_cache.write(k, meta.slot_mapping)
     v_cache.write(v, meta.slot_mapping)
     out = torch.empty_like(q)
+    if meta.flashinfer is not None:
+        return meta.flashinfer.attend(q, k_cache.data, v_cache.data, out)
     if meta.paged_decodes is not None:
         paged = meta.paged_decodes
         rows = slice(0, paged.num_seqs)

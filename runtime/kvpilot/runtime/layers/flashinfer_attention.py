@@ -1,0 +1,191 @@
+"""Attention on CUDA through FlashInfer's paged kernels (`flashinfer-python`), read in place.
+
+FlashInfer takes the KV cache as the pool already stores it: per layer a (keys, values) pair of
+[num_pages, page_size, H_kv, D] ("NHD"), a page being one of our blocks, so nothing is copied
+out. A step is planned once (`FlashInferAttention.plan`: which pages each row reads, scheduled
+by FlashInfer on the host) and run by every layer, as vLLM and SGLang drive it:
+- the decode rows (rows 0..B-1; a proposal row is a row of its own, with its own length) through
+  `BatchDecodeWithPagedKVCacheWrapper`;
+- the prefill chunks (the rows after them, chunk after chunk) through
+  `BatchPrefillWithPagedKVCacheWrapper`, causal with the query aligned to the end of its context
+  (query i of a chunk over c cached tokens sees keys <= c + i), as `attention.chunk_mask` is.
+
+A bench/GPU dependency, never a requirement: `--attention-backend auto` picks it on CUDA where it
+imports (`unavailable_reason` says why not), torch's SDPA otherwise. It runs where the KV cache is
+in the model dtype (float16 or bfloat16); fp8 KV stays on the SDPA path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# The float workspace FlashInfer's kernels split long contexts into; vLLM allocates the same
+# 128 MiB once per process. Decode and prefill share it: a step runs them one after the other.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# Head sizes FlashInfer compiles its decode and prefill kernels for.
+HEAD_DIMS = (64, 128, 256)
+# Query heads per KV head from which decode runs on the prefill (tensor-core) kernel: FlashInfer's
+# own advice, and vLLM's choice, for grouped-query attention with groups of 4 and more.
+TENSOR_CORE_GROUP = 4
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None where FlashInfer can run this model's attention; otherwise why not, and what to do."""
+    if device.type != "cuda":
+        return f"FlashInfer's kernels run on CUDA, not {device.type}"
+    if dtype not in KERNEL_DTYPES:
+        return f"FlashInfer's kernels take float16 or bfloat16 (the model computes in {dtype})"
+    if head_dim not in HEAD_DIMS:
+        return (
+            f"FlashInfer has kernels for head sizes {HEAD_DIMS}, the model's heads are {head_dim}"
+        )
+    try:
+        import flashinfer  # noqa: F401 - only whether it imports
+    except ImportError as error:
+        return f"flashinfer-python does not import ({error}); pip install flashinfer-python"
+    return None
+
+
+def version() -> str:
+    import flashinfer
+
+    return str(getattr(flashinfer, "__version__", "unknown"))
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Rows' pages in FlashInfer's CSR form: row r reads pages indices[indptr[r]:indptr[r + 1]],
+    the last of them up to last_page_len[r] tokens."""
+
+    indptr: list[int]
+    indices: list[int]
+    last_page_len: list[int]
+
+
+def paged_layout(block_tables: list[list[int]], kv_lens: list[int], block_size: int) -> PagedLayout:
+    """Per row, the blocks holding its first kv_lens[r] tokens (a table may list more, as a
+    sequence's blocks for its proposals do)."""
+    indptr, indices, last_page_len = [0], [], []
+    for table, kv_len in zip(block_tables, kv_lens, strict=True):
+        if kv_len < 1:
+            raise ValueError(f"a row attends to at least its own token, got kv_len {kv_len}")
+        num_pages = math.ceil(kv_len / block_size)
+        if num_pages > len(table):
+            raise ValueError(f"{kv_len} tokens need {num_pages} blocks, the table has {len(table)}")
+        indices += table[:num_pages]
+        indptr.append(len(indices))
+        last_page_len.append(kv_len - (num_pages - 1) * block_size)
+    return PagedLayout(indptr, indices, last_page_len)
+
+
+def query_indptr(num_tokens: list[int]) -> list[int]:
+    """Prefill chunks' rows, one after the other: chunk c is rows [indptr[c], indptr[c + 1])."""
+    indptr = [0]
+    for count in num_tokens:
+        indptr.append(indptr[-1] + count)
+    return indptr
+
+
+@dataclass
+class FlashInferStep:
+    """One step, planned: every layer calls `attend` with its own q and cache."""
+
+    num_decode_rows: int
+    decode: Any  # BatchDecodeWithPagedKVCacheWrapper, planned; None without decode rows
+    prefill: Any  # BatchPrefillWithPagedKVCacheWrapper, planned; None without prefill chunks
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [T, H, D], caches: [num_blocks, BS, H_kv, D] (this step's keys already written)."""
+        rows = self.num_decode_rows
+        if self.decode is not None:
+            self.decode.run(q[:rows], (k_cache, v_cache), out=out[:rows])
+        if self.prefill is not None:
+            self.prefill.run(q[rows:], (k_cache, v_cache), out=out[rows:])
+        return out
+
+
+class FlashInferAttention:
+    """A model runner's FlashInfer state: one workspace and two wrappers, re-planned each step."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int,
+    ) -> None:
+        import flashinfer
+
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_tensor_cores=num_heads // num_kv_heads >= TENSOR_CORE_GROUP,
+        )
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+
+    def plan(
+        self,
+        decode_tables: list[list[int]],
+        decode_lens: list[int],
+        prefills: list[tuple[int, int, list[int]]],
+    ) -> FlashInferStep:
+        """decode rows' (table, context length incl. their own token); prefill chunks'
+        (num_tokens, num_computed, table), in row order."""
+        decode = prefill = None
+        if decode_tables:
+            layout = paged_layout(decode_tables, decode_lens, self.block_size)
+            self.decode.plan(
+                *self._tensors(layout),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                pos_encoding_mode="NONE",  # the model applies rotary embeddings itself
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                sm_scale=self.scale,
+            )
+            decode = self.decode
+        if prefills:
+            num_tokens = [count for count, _, _ in prefills]
+            kv_lens = [count + computed for count, computed, _ in prefills]
+            layout = paged_layout([table for _, _, table in prefills], kv_lens, self.block_size)
+            self.prefill.plan(
+                self._int32(query_indptr(num_tokens)),
+                *self._tensors(layout),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.block_size,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+            prefill = self.prefill
+        return FlashInferStep(len(decode_tables), decode, prefill)
+
+    def _tensors(self, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            self._int32(layout.indptr),
+            self._int32(layout.indices),
+            self._int32(layout.last_page_len),
+        )
+
+    def _int32(self, values: list[int]) -> torch.Tensor:
+        # On the host: plan() reads the index pointers there (scheduling is host-side) and
+        # copies what the kernels read to the GPU itself, so a GPU tensor costs a sync.
+        return torch.tensor(values, dtype=torch.int32)
