@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.runtime.draft_model import DraftModelProposer
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.spec_governor import Governor
@@ -199,6 +200,7 @@ def draft_config(draft: Path, num_speculative_tokens: int) -> str:
         ("itself", 0, 4),
         ("two of its layers", 0, 3),
         ("two of its layers", 40, 4),  # through the prefix cache
+        ("itself", 40, 4),  # the draft's KV too: hits start its runs after them
         ("a random qwen3", 0, 2),
     ],
 )
@@ -219,6 +221,9 @@ def test_draft_model_greedy_matches_transformers(
     assert stats.spec_decode_draft_tokens <= stats.spec_decode_drafts * num_speculative_tokens
     if draft == "itself":  # the same weights: only a near-tie in another batch can differ
         assert stats.spec_decode_accepted_tokens >= 0.99 * stats.spec_decode_draft_tokens, stats
+    if shared_prefix:
+        assert isinstance(engine.proposer, DraftModelProposer)
+        assert engine.proposer.num_reused_tokens > 0
     if draft == "two of its layers":
         assert 0 < stats.spec_decode_accepted_tokens < stats.spec_decode_draft_tokens
 

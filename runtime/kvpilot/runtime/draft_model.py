@@ -19,8 +19,16 @@ A sequence that does not propose in a step (its pace, the governor) costs the dr
 
 Only the known tokens count as computed afterwards; proposals the served model keeps are run
 again next time (a few rows of a small model). A preempted sequence is forgotten (`release`:
-its blocks went back to the pool), so the draft recomputes it from the start when it next
-proposes, prefix-cache hits included (same tokens, same KV).
+its blocks went back to the pool).
+
+Prefix-cache hits carry the draft's KV too. A full block the served model has hashed is named by
+its content (the hash chains every token before it), so the draft remembers, per block, the hash
+of the content it wrote there (`_written`). A sequence the draft has not seen (new, a prefix hit,
+or back after preemption) starts after its leading blocks whose current hash is the one
+remembered: same tokens, same KV. An evicted block loses its hash when it is reused, and gets
+another when its new content is hashed, so a block of other content never matches; a block the
+draft writes into for content not hashed yet (a sequence's last block, its proposals' blocks)
+is forgotten until that content is hashed, so slots written since can never pass for it.
 
 Greedy proposals are a one-hot q, so the served model's keep-while-the-draw-agrees rule is
 speculative sampling's rejection rule for sampled requests as well (speculative.py).
@@ -32,8 +40,10 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.runtime.block_manager import NO_HASH, BlockManager
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.loader import ModelConfig, load_model_config
+from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
@@ -102,6 +112,11 @@ class DraftModelProposer:
         self.runner = runner
         self.model_config = runner.model.cfg
         self._computed: dict[str, int] = {}  # request id -> positions with valid draft KV
+        # The served model's blocks (the engine sets it): their hashes say what a block holds.
+        self.blocks: BlockManager | None = None
+        self._written: dict[int, int] = {}  # block id -> hash of the content of its draft KV
+        self._recorded: dict[str, int] = {}  # request id -> its leading blocks in `_written`
+        self.num_reused_tokens = 0  # positions a sequence's first run took from cached blocks
 
     def reserve(self, seq: Sequence, budget: int) -> list[int]:
         """Before scheduling: `budget` placeholders, so the scheduler gives the proposals slots."""
@@ -125,14 +140,46 @@ class DraftModelProposer:
         """The draft's first run of a proposing sequence this step: from as far as its own KV
         goes up to the last known token (its proposals follow in the slots after it)."""
         seq = item.seq
-        start = min(self._computed.get(seq.request_id, 0), seq.num_computed_tokens)
+        known = self._computed.get(seq.request_id)
+        if known is None:
+            known = self._cached_tokens(seq.block_table)
+            self.num_reused_tokens += min(known, seq.num_computed_tokens)
+        start = min(known, seq.num_computed_tokens)
         self._computed[seq.request_id] = seq.num_tokens
+        for block_id in seq.block_table[start // BLOCK_SIZE :]:  # this step writes there
+            self._written.pop(block_id, None)
+        self._record(seq.request_id, seq.block_table, seq.num_tokens)
         token_ids = list(seq.token_ids)  # the proposals are appended to the draft's view
         view = Sequence(
             seq.request_id, token_ids, GREEDY, num_prompt_tokens=seq.num_prompt_tokens,
             num_computed_tokens=start, block_table=seq.block_table,
         )  # fmt: skip
         return ScheduledSequence(view, seq.num_tokens - start)
+
+    def _cached_tokens(self, block_table: list[int]) -> int:
+        """Positions at the start of `block_table` whose draft KV is in place (whole blocks)."""
+        count = 0
+        for block_id in block_table:
+            content = self._hash(block_id)
+            if content == NO_HASH or self._written.get(block_id) != content:
+                break
+            count += 1
+        return count * BLOCK_SIZE
+
+    def _record(self, request_id: str, block_table: list[int], num_tokens: int) -> None:
+        """Remember the blocks this run leaves full of draft KV for hashed content. Once per
+        block: a sequence's next runs go on from the first block not hashed yet."""
+        index = self._recorded.get(request_id, 0)
+        while index < min(num_tokens // BLOCK_SIZE, len(block_table)):
+            content = self._hash(block_table[index])
+            if content == NO_HASH:
+                break
+            self._written[block_table[index]] = content
+            index += 1
+        self._recorded[request_id] = index
+
+    def _hash(self, block_id: int) -> int:
+        return NO_HASH if self.blocks is None else self.blocks.blocks[block_id].hash
 
     @staticmethod
     def _next_round(
@@ -155,8 +202,10 @@ class DraftModelProposer:
         return following
 
     def release(self, request_id: str) -> None:
-        """The sequence finished or lost its blocks (preempted): its draft KV is gone too."""
+        """The sequence finished or lost its blocks (preempted): what its blocks hold stays
+        in `_written` for the next sequence (or this one, back) that hits them."""
         self._computed.pop(request_id, None)
+        self._recorded.pop(request_id, None)
 
 
 def load_draft(

@@ -122,6 +122,8 @@ class Engine:
             self.shutdown()
             raise
         self.block_manager = BlockManager(self.num_kv_blocks, config.enable_prefix_caching)
+        if isinstance(self.proposer, DraftModelProposer):  # its KV follows the blocks' hashes
+            self.proposer.blocks = self.block_manager
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
