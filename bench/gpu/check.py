@@ -43,11 +43,9 @@ from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import read_dataset, relative_loss, window_logits, windows
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.layers.attention import paged_attention
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
 from kvpilot.runtime.tokenizer import Tokenizer
+from tests.support.attention_batches import MIXED_STEP, mixed_batch
 
 MAX_NEW_TOKENS = 24
 TITLE = "GPU check: the engine against transformers on the same GPU"
@@ -259,23 +257,9 @@ def step_attention_diff(sdpa: Engine, flashinfer: Engine) -> float:
     cfg, device = runner.model.cfg, runner.device
     k_cache, v_cache = runner.kv_caches[0]
     k_cache.data.normal_(), v_cache.data.normal_()
-    free = torch.randperm(k_cache.data.shape[0]).tolist()
-    batch = []
-    contexts = [
-        (40, 1, 0),
-        (0, 12, 0),
-        (300, 1, 0),
-        (20, 4, 3),
-        (33, 1, 0),
-        (20, 7, 0),
-        (150, 9, 0),
-    ]
-    for index, (computed, new, drafts) in enumerate(contexts):
-        seq = Sequence(str(index), list(range(computed + new - drafts)))
-        seq.num_computed_tokens, seq.draft_token_ids = computed, [5] * drafts
-        blocks = -(-(computed + new) // BLOCK_SIZE)
-        seq.block_table, free = free[:blocks], free[blocks:]
-        batch.append(ScheduledSequence(seq, new, drafts))
+    # MIXED_STEP's longest contexts made longer: several of FlashInfer's pages per row
+    contexts = [(computed * 5, new, drafts) for computed, new, drafts in MIXED_STEP]
+    batch = mixed_batch(k_cache.data.shape[0], contexts)
     rows = sum(item.num_new_tokens for item in batch)
     q = torch.randn(rows, cfg.num_heads, cfg.head_dim, device=device, dtype=runner.model.dtype)
     k, v = torch.randn(2, rows, cfg.num_kv_heads, cfg.head_dim, device=device).to(q.dtype)

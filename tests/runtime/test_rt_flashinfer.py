@@ -32,8 +32,7 @@ from kvpilot.runtime.layers.flashinfer_attention import (
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import ModelRunner, load_model
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from tests.support.attention_batches import MIXED_STEP, mixed_batch
 from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
 
 
@@ -234,16 +233,7 @@ def test_a_planned_step_attends_as_sdpa_does(
     torch.manual_seed(0)
     for k_cache, v_cache in runner.kv_caches:
         k_cache.data.normal_(), v_cache.data.normal_()
-    free = torch.randperm(64).tolist()
-    batch = []
-    for index, (computed, new, drafts) in enumerate(
-        [(40, 1, 0), (0, 12, 0), (16, 1, 0), (20, 4, 3), (33, 1, 0), (20, 7, 0), (15, 9, 0)]
-    ):
-        seq = Sequence(str(index), list(range(computed + new - drafts)))
-        seq.num_computed_tokens, seq.draft_token_ids = computed, [5] * drafts
-        blocks = -(-(computed + new) // BLOCK_SIZE)
-        seq.block_table, free = free[:blocks], free[blocks:]
-        batch.append(ScheduledSequence(seq, new, drafts))
+    batch = mixed_batch(64, MIXED_STEP)
     q_rows = sum(item.num_new_tokens for item in batch)
     q = torch.randn(q_rows, cfg.num_heads, cfg.head_dim)
     k, v = torch.randn(2, q_rows, cfg.num_kv_heads, cfg.head_dim).unbind(0)
