@@ -10,6 +10,7 @@ so each test starts and shuts down its own.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvpilot.runtime.draft_model import DraftModelProposer
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.layers.quant import (
     DenseWeight,
@@ -119,6 +121,29 @@ def test_tp2_logits_and_greedy_tokens_match_one_process(
     assert tokens == greedy_tokens(tp1)
 
 
+def test_tp2_with_a_draft_model_on_rank_0_matches_tp1(
+    tp1: Engine, make_engine: Callable[..., Engine], tiny_llama_dir: Path
+) -> None:
+    """The draft runs whole on rank 0 beside its shard of the served model (vLLM's draft with
+    draft_tensor_parallel_size 1): the same greedy tokens, its proposals accepted, and rank 0's
+    pool sized for half the served model's KV and all the draft's per block."""
+    config = json.dumps(
+        {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    )
+    with tp_engine(make_engine, speculative_config=config) as tp2:
+        tokens = greedy_tokens(tp2)
+        stats = tp2.stats()
+        draft = tp2.proposer
+        assert isinstance(draft, DraftModelProposer)
+        assert draft.runner.kv_caches[0][0].data.shape[2] == 2  # both of the draft's KV heads
+        assert tp2.runner.kv_caches[0][0].data.shape[2] == 1  # one of the served model's
+        # per block: half the served model's bytes and the whole draft's, 1.5x of one process's
+        assert abs(tp2.num_kv_blocks - tp1.num_kv_blocks / 1.5) <= 1
+    assert tokens == greedy_tokens(tp1)
+    assert stats.spec_decode_draft_tokens > 0
+    assert stats.spec_decode_accepted_tokens >= 0.99 * stats.spec_decode_draft_tokens, stats
+
+
 @pytest.mark.parametrize(
     ("kwargs", "weight_type"),
     [
@@ -211,6 +236,7 @@ def test_a_dead_worker_fails_the_step_with_its_rank(make_engine: Callable[..., E
 RANK0_SCRIPT = """
 import sys, time
 from kvpilot.runtime.config import EngineConfig
+from kvpilot.runtime.draft_model import DraftModelProposer
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", max_model_len=256,

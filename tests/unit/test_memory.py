@@ -62,6 +62,29 @@ def test_max_concurrency_rounds_to_whole_blocks() -> None:
     assert memory.max_concurrency(M7B, 2, 4000, 1 * GIB, tensor_parallel=2) == 4
 
 
+# A draft with an eighth of M7B's KV per token (8 layers x 4 KV heads x 128) and 1 B parameters.
+DRAFT = ModelFacts(parameters=1_000_000_000, layers=8, kv_heads=4, head_dim=128)
+
+
+@pytest.mark.parametrize(
+    ("tensor_parallel", "kv_per_served_token"),
+    [(1, 1 + 1 / 8), (2, 1 / 2 + 1 / 8), (4, 1 / 4 + 1 / 8)],
+)
+def test_a_draft_is_whole_on_gpu_0_beside_its_share_of_the_served_model(
+    tensor_parallel: int, kv_per_served_token: float
+) -> None:
+    """GPU 0 (rank 0 runs the draft) holds 1/tp of the served model and all of the draft, the
+    runtime's own sizing (engine._num_kv_blocks: the draft's share of a rank's block)."""
+    alone = memory.estimate(M7B, "bf16", 2, 4096, 8, 1, 80 * GIB, 0.9)
+    drafted = memory.estimate(M7B, "bf16", 2, 4096, 8, tensor_parallel, 80 * GIB, 0.9, DRAFT)
+    assert drafted.kv_cache_bytes == pytest.approx(alone.kv_cache_bytes * kv_per_served_token)
+    assert drafted.weights_bytes == pytest.approx(14 * GB / tensor_parallel + 2 * GB)
+    # 1 GiB on GPU 0: blocks of (1/tp + 1/8) x 2 MiB, 250 blocks per 4000-token sequence
+    blocks = int(GIB / (kv_per_served_token * memory.kv_bytes_per_token(M7B, 2) * 16))
+    expected = blocks // 250
+    assert memory.max_concurrency(M7B, 2, 4000, 1 * GIB, tensor_parallel, DRAFT) == expected
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

@@ -48,7 +48,7 @@ class PlanRequest:
     node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
     # (node type, $ per 1,000 requests) measured on real traffic (status.cost.nodeTypes)
     measured_cost: tuple[tuple[str, float], ...] = ()
-    # speculative draft_model: the draft's facts; it shares each replica's one GPU
+    # speculative draft_model: the draft's facts; it runs on each replica's GPU 0
     draft: ModelFacts | None = None
 
     def __post_init__(self) -> None:
@@ -141,10 +141,8 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
 def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
-    on one GPU, and so does its replica (the runtime refuses a draft with tensor parallelism)."""
+    whole on GPU 0 beside its shard (memory.estimate counts it there)."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
-    if request.draft is not None:
-        max_tp = min(max_tp, 1)
     return [
         tp
         for tp in TP_DEGREES
@@ -160,11 +158,6 @@ def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
         )
     if node_type.gpus_per_node < 1:
         return f"{node_type.name}: no GPUs per node"
-    if request.draft is not None:
-        return (
-            f"{node_type.name}: a draft model runs on one GPU, minGpusPerReplica is"
-            f" {request.min_gpus_per_replica}"
-        )
     return (
         f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
         f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "

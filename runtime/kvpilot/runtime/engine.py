@@ -109,12 +109,9 @@ class Engine:
         # Process-wide: this process is rank 0 of the group from here on.
         self.num_threads = machine.threads_per_rank(torch.get_num_threads(), tp)
         torch.set_num_threads(self.num_threads)
+        # A draft model runs whole on rank 0, beside its shard of the served model (vLLM's
+        # draft_tensor_parallel_size 1): a draft is small, and its steps need no all-reduce.
         self.speculative = config.speculative()
-        if self.speculative is not None and self.speculative.model is not None and tp > 1:
-            raise ValueError(
-                "speculative method draft_model is not supported with --tensor-parallel-size > 1"
-                ' yet: use {"method": "ngram"} or one rank'
-            )
         self.workers = self._start_workers(dtype) if tp > 1 else None
         try:
             self._load(model_dir, dtype)
@@ -217,7 +214,8 @@ class Engine:
         """Pool size from the shared memory arithmetic (DESIGN.md §3.3), at the bytes of the
         KV storage dtype: fp8 holds twice the blocks of bf16 in the same budget. The budget is
         per rank (per GPU), and so is the pool: each rank caches only its own KV heads. Rank 0
-        sizes it for every rank, so the ranks' GPUs are taken to be alike (one per replica type)."""
+        sizes it for every rank, so the ranks' GPUs are taken to be alike (one per replica type);
+        rank 0 is the fullest, with the draft model's weights and whole KV cache if there is one."""
         kv_bytes = torch.tensor([], dtype=kv_dtype).element_size()
         rank_facts = model_facts(self.runner.model.cfg)  # this rank's share of the KV heads
         # A draft model's KV cache has as many blocks as the served model's: the budget holds

@@ -141,7 +141,8 @@ def estimate(
     draft: ModelFacts | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of one replica holding `sequences` sequences of `tokens` tokens each;
-    with a draft model (speculative decoding), its weights unquantised and its KV cache too."""
+    with a draft model (speculative decoding), its weights unquantised and its KV cache too, all
+    on GPU 0 (rank 0 runs the draft whole), which this estimates: the fullest GPU."""
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if not 0 < gpu_memory_utilization <= 1:
@@ -150,7 +151,7 @@ def estimate(
     kv = kv_cache_bytes(model, kv_bytes, tokens, sequences) / tensor_parallel
     if draft is not None:
         weights += weight_bytes(draft.parameters, DRAFT_QUANTIZATION)
-        kv *= 1 + draft_kv_share(model, draft, kv_bytes)
+        kv *= 1 + tensor_parallel * draft_kv_share(model, draft, kv_bytes)
     return MemoryEstimate(
         weights_bytes=weights,
         kv_cache_bytes=kv,
@@ -168,9 +169,10 @@ def max_concurrency(
     draft: ModelFacts | None = None,
 ) -> int:
     """How many sequences of `tokens` tokens fit in a per-GPU KV budget (block-rounded), a
-    draft model's KV cache beside the served model's."""
+    draft model's whole KV cache beside GPU 0's share of the served model's."""
     blocks_per_seq = math.ceil(tokens / BLOCK_SIZE)
-    budget = kv_budget_bytes * tensor_parallel / (1 + draft_kv_share(model, draft, kv_bytes))
+    share = tensor_parallel * draft_kv_share(model, draft, kv_bytes)
+    budget = kv_budget_bytes * tensor_parallel / (1 + share)
     return num_kv_blocks(model, kv_bytes, budget) // blocks_per_seq
 
 

@@ -303,11 +303,16 @@ def test_a_draft_model_holds_fewer_sequences_in_the_same_budget() -> None:
     assert (alone.max_concurrency, drafted.max_concurrency) == (56, int(budget_gib / (17 / 16)))
 
 
-def test_a_draft_model_keeps_each_replica_on_one_gpu() -> None:
-    # bf16 on L4x4 needs tp 2 alone; with a draft only one GPU is tried, where int8 fits
-    assert planner.tp_degrees(request(draft=DRAFT), L4X4) == [1]
+def test_a_draft_model_runs_on_gpu_0_beside_its_shard_of_the_served_model() -> None:
+    """With tensor parallelism the draft is whole on rank 0 (the runtime's), so GPU 0, the
+    fullest, is what the estimate holds: half the served model's weights and KV, all the
+    draft's."""
+    assert planner.tp_degrees(request(draft=DRAFT), L4X4) == planner.tp_degrees(request(), L4X4)
+    alone = planner.plan_node_type(request(), L4X4)
     drafted = planner.plan_node_type(request(draft=DRAFT), L4X4)
-    assert (drafted.quantization, drafted.tensor_parallel) == ("int8", 1)
-    refused = planner.plan_node_type(request(draft=DRAFT, min_gpus_per_replica=2), L4X4)
-    assert not refused.fits
-    assert refused.reason == "l4x4-24gb: a draft model runs on one GPU, minGpusPerReplica is 2"
+    assert (drafted.quantization, drafted.tensor_parallel) == ("bf16", 2)
+    assert (alone.quantization, alone.tensor_parallel) == ("bf16", 2)
+    assert alone.estimate and drafted.estimate
+    assert drafted.estimate.weights_bytes - alone.estimate.weights_bytes == 500_000_000 * 2
+    # per token on GPU 0: half the 7B's KV and all the draft's (1/16 of the 7B's, 1/8 of half)
+    assert drafted.estimate.kv_cache_bytes == alone.estimate.kv_cache_bytes * (1 + 2 / 16)
