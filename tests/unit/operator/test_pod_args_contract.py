@@ -127,7 +127,10 @@ def test_speculative_decoding_in_the_spec_is_the_runtimes_speculative_config(
     assert got == expected
 
 
-def test_a_draft_model_is_fetched_into_its_volume_and_named_in_the_speculative_config() -> None:
+@pytest.mark.parametrize("tp", [1, 2])  # with tensor parallelism the draft runs on rank 0
+def test_a_draft_model_is_fetched_into_its_volume_and_named_in_the_speculative_config(
+    tp: int,
+) -> None:
     for served in URIS:
         speculative = {
             "method": "draft_model",
@@ -136,9 +139,11 @@ def test_a_draft_model_is_fetched_into_its_volume_and_named_in_the_speculative_c
         }
         serving = {"speculative": speculative}
         spec = api.parse_spec({"model": {"uri": served}, "serving": serving})
-        pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+        pod = manifests.build_deployment(MD, spec, plan(tp, "bf16"), 1, CONFIG)["spec"]["template"]
         container = pod["spec"]["containers"][0]
-        runtime = parsed_serve(container).speculative()
+        config = parsed_serve(container)
+        assert config.tensor_parallel_size == tp
+        runtime = config.speculative()
         assert runtime is not None
         assert (runtime.method, runtime.num_speculative_tokens) == ("draft_model", 3)
         *_, draft_fetch = pod["spec"]["initContainers"]
