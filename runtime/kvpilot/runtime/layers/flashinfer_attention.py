@@ -103,6 +103,7 @@ class FlashInferStep:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
         """q: [T, H, D], caches: [num_blocks, BS, H_kv, D] (this step's keys already written)."""
+        q = q.contiguous()  # the layer's q is a view into its fused qkv projection
         rows = self.num_decode_rows
         if self.decode is not None:
             self.decode.run(q[:rows], (k_cache, v_cache), out=out[:rows])
