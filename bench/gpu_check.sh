@@ -7,7 +7,8 @@
 #   2. python -m bench.engine_throughput: kvpilot against transformers generate() on this GPU.
 #   3. python -m bench.engine_kv_dtype: KV blocks, concurrency and quality auto vs fp8.
 #   4. python -m bench.gpu.check --flashinfer: FlashInfer's paged kernels against the SDPA path
-#      (one step's attention, greedy tokens) and output tok/s with and without them; SKIP where
+#      (one step's attention, bf16 and fp8 KV; greedy tokens) and output tok/s with and without
+#      them; SKIP where
 #      flashinfer-python does not import. The machines have no FlashInfer and the current wheel
 #      (0.7, ~100 MB, many dependencies) does not fit a call's 64 MiB carry; 0.3.1 does: built
 #      here with `python3 -m pip wheel --no-deps -w .whl flashinfer-python==0.3.1` (5.7 MB, pure

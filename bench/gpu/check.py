@@ -18,7 +18,8 @@ everything lands in DIR/gpu_check.json and DIR/gpu_check.md. Exit 1 when a check
   wheel, see bench/gpu_check.sh), on
   the compute-bound random Llama (head size 64; tiny-llama's 32 has no FlashInfer kernel) in
   bfloat16: one planned step's attention against the SDPA path's (decodes, proposals, chunks over
-  cached KV), greedy tokens against the SDPA engine's, and output tok/s with and without it.
+  cached KV; bf16 and fp8 KV), greedy tokens against the SDPA engine's, and output tok/s with
+  and without it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.layers.attention import paged_attention
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.support.attention_batches import MIXED_STEP, mixed_batch
+from tests.support.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 
 MAX_NEW_TOKENS = 24
 TITLE = "GPU check: the engine against transformers on the same GPU"
@@ -218,17 +219,22 @@ FLASHINFER_REQUESTS, FLASHINFER_PROMPT, FLASHINFER_OUTPUT = 64, 128, 128
 
 def check_flashinfer(device: str) -> Result:
     dtype, head_dim = torch.bfloat16, COMPUTE_BOUND_SHAPE["head_dim"]
-    reason = flashinfer_attention.unavailable_reason(torch.device(device), dtype, head_dim)
+    reason = flashinfer_attention.unavailable_reason(torch.device(device), dtype, head_dim, dtype)
     if reason is not None:
         return Result("flashinfer", "SKIP", reason, {})
     model = compute_bound_llama()
-    engines = {
-        backend: engine(
-            device, model, dtype="bfloat16", attention_backend=backend, max_num_seqs=64,
-            max_model_len=1024, kv_cache_memory=2 * 2**30,
-        )
-        for backend in ("sdpa", "flashinfer")
-    }  # fmt: skip
+
+    def pair(**kwargs: Any) -> dict[str, Engine]:
+        return {
+            backend: engine(device, model, dtype="bfloat16", attention_backend=backend,
+                            max_model_len=1024, **kwargs)
+            for backend in ("sdpa", "flashinfer")
+        }  # fmt: skip
+
+    fp8 = pair(kv_cache_dtype="fp8", kv_cache_memory=256 * 2**20)
+    fp8_diff = step_attention_diff(fp8["sdpa"], fp8["flashinfer"])
+    del fp8
+    engines = pair(max_num_seqs=64, kv_cache_memory=2 * 2**30)
     diff = step_attention_diff(engines["sdpa"], engines["flashinfer"])
     same, whole = agreement(run_greedy(engines["flashinfer"]), run_greedy(engines["sdpa"]))
     rates = {backend: 0.0 for backend in engines}
@@ -236,33 +242,37 @@ def check_flashinfer(device: str) -> Result:
         for backend, eng in engines.items():
             rates[backend] = max(rates[backend], output_rate(eng))
     ratio = rates["flashinfer"] / rates["sdpa"]
-    is_ok = diff <= FLASHINFER_MAX_DIFF and same >= FLASHINFER_MIN_GREEDY
+    is_ok = max(diff, fp8_diff) <= FLASHINFER_MAX_DIFF and same >= FLASHINFER_MIN_GREEDY
     detail = (
         f"flashinfer-python {flashinfer_attention.version()}; one step's attention vs SDPA max abs "
-        f"diff {diff:.2e} (<= {FLASHINFER_MAX_DIFF:g}); greedy as the SDPA engine {same:.1%} of "
+        f"diff {diff:.2e}, with fp8 KV {fp8_diff:.2e} (<= {FLASHINFER_MAX_DIFF:g}); greedy as the "
+        f"SDPA engine {same:.1%} of "
         f"positions (>= {FLASHINFER_MIN_GREEDY:.0%}), {whole}/32 whole; output tok/s at "
         f"{FLASHINFER_REQUESTS} x {FLASHINFER_PROMPT}+{FLASHINFER_OUTPUT} tokens: FlashInfer "
         f"{rates['flashinfer']:.0f}, SDPA {rates['sdpa']:.0f} ({ratio:.2f}x)"
     )
-    figures = {"max_attention_diff": diff, "greedy_positions": same, "whole": whole}
+    figures = {"max_attention_diff": diff, "fp8_max_attention_diff": fp8_diff}
+    figures |= {"greedy_positions": same, "whole": whole}
     figures |= {"flashinfer_tok_s": rates["flashinfer"], "sdpa_tok_s": rates["sdpa"]}
     return Result("flashinfer/bfloat16", "PASS" if is_ok else "FAIL", detail, figures)
 
 
 def step_attention_diff(sdpa: Engine, flashinfer: Engine) -> float:
     """Max |FlashInfer - SDPA| over one layer's attention for a step with decodes of several
-    lengths, a decode with 3 proposals, a fresh chunk and chunks over cached KV."""
+    lengths, a decode with 3 proposals, a fresh chunk and chunks over cached KV. Keys and values
+    are exact in fp8 (fp8_exact), so with an fp8 cache too both read the same numbers."""
     torch.manual_seed(0)
     runner = sdpa.runner
     cfg, device = runner.model.cfg, runner.device
     k_cache, v_cache = runner.kv_caches[0]
-    k_cache.data.normal_(), v_cache.data.normal_()
+    for pool in (k_cache, v_cache):
+        pool.data.copy_(fp8_exact(*pool.data.shape, device=device).div_(pool.scale))
     # MIXED_STEP's longest contexts made longer: several of FlashInfer's pages per row
     contexts = [(computed * 5, new, drafts) for computed, new, drafts in MIXED_STEP]
     batch = mixed_batch(k_cache.data.shape[0], contexts)
     rows = sum(item.num_new_tokens for item in batch)
     q = torch.randn(rows, cfg.num_heads, cfg.head_dim, device=device, dtype=runner.model.dtype)
-    k, v = torch.randn(2, rows, cfg.num_kv_heads, cfg.head_dim, device=device).to(q.dtype)
+    k, v = fp8_exact(2, rows, cfg.num_kv_heads, cfg.head_dim, device=device).to(q.dtype).unbind(0)
     scale = cfg.head_dim**-0.5
     outputs = []
     for eng in (sdpa, flashinfer):

@@ -32,7 +32,7 @@ from kvpilot.runtime.layers.flashinfer_attention import (
 from kvpilot.runtime.loader import load_model_config
 from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import ModelRunner, load_model
-from tests.support.attention_batches import MIXED_STEP, mixed_batch
+from tests.support.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
 
 
@@ -67,22 +67,33 @@ def test_query_indptr() -> None:
     assert query_indptr([12, 1, 7]) == [0, 12, 13, 20]
 
 
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
 @pytest.mark.parametrize(
-    ("device", "dtype", "head_dim", "message"),
+    ("device", "dtype", "head_dim", "kv_dtype", "message"),
     [
-        ("cpu", torch.bfloat16, 128, "run on CUDA, not cpu"),
-        ("cuda", torch.float32, 128, "float16 or bfloat16"),
-        ("cuda", torch.bfloat16, 96, "head sizes"),
+        ("cpu", BF16, 128, BF16, "run on CUDA, not cpu"),
+        ("cuda", torch.float32, 128, torch.float32, "float16 or bfloat16"),
+        ("cuda", BF16, 96, BF16, "head sizes"),
+        ("cuda", BF16, 128, torch.float16, "in the model dtype or fp8"),
     ],
 )
-def test_unavailable_reason(device: str, dtype: torch.dtype, head_dim: int, message: str) -> None:
-    reason = flashinfer_attention.unavailable_reason(torch.device(device), dtype, head_dim)
+def test_unavailable_reason(
+    device: str, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype, message: str
+) -> None:
+    reason = flashinfer_attention.unavailable_reason(
+        torch.device(device), dtype, head_dim, kv_dtype
+    )
     assert reason is not None and message in reason
 
 
-def test_a_missing_flashinfer_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_dtype", [BF16, FP8])
+def test_fp8_kv_is_no_reason_and_a_missing_flashinfer_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, kv_dtype: torch.dtype
+) -> None:
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
-    reason = flashinfer_attention.unavailable_reason(torch.device("cuda"), torch.bfloat16, 128)
+    reason = flashinfer_attention.unavailable_reason(torch.device("cuda"), BF16, 128, kv_dtype)
     assert reason is not None and "pip install flashinfer-python" in reason
 
 
@@ -99,7 +110,7 @@ def missing() -> str:
     [
         ("auto", "cuda", True, kernel_ok, "flashinfer"),
         ("auto", "cuda", True, missing, "sdpa"),
-        ("auto", "cuda", False, kernel_ok, "sdpa"),  # fp8 KV stays on SDPA
+        ("auto", "cuda", False, kernel_ok, "flashinfer"),  # fp8 KV: FlashInfer reads it
         ("flashinfer", "cuda", True, kernel_ok, "flashinfer"),
         ("sdpa", "cuda", True, kernel_ok, "sdpa"),
         ("auto", "cpu", True, kernel_ok, "paged"),  # FlashInfer is not asked on a CPU
@@ -120,7 +131,6 @@ def test_resolve_picks_flashinfer_on_cuda_where_it_runs(
     ("device", "kv_in_model_dtype", "flashinfer_error", "message"),
     [
         ("cpu", True, kernel_ok, "runs FlashInfer's CUDA kernels"),
-        ("cuda", False, kernel_ok, "--kv-cache-dtype fp8"),
         ("cuda", True, missing, "does not import"),
     ],
 )
@@ -169,13 +179,19 @@ class ReferenceWrapper:
             self.rows.append((first, end - first, pages, kv_len))
 
     def run(
-        self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+        out: torch.Tensor,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = paged_kv_cache
+        assert (k_scale is not None) == (k_cache.dtype == FP8), "fp8 KV comes with its scales"
         scale = self.scale or q.shape[-1] ** -0.5
         for first, count, pages, kv_len in self.rows:
-            keys = k_cache[pages].flatten(0, 1)[:kv_len]
-            values = v_cache[pages].flatten(0, 1)[:kv_len]
+            keys = k_cache[pages].flatten(0, 1)[:kv_len].to(q.dtype) * (k_scale or 1.0)
+            values = v_cache[pages].flatten(0, 1)[:kv_len].to(q.dtype) * (v_scale or 1.0)
             # causal, aligned to the context's end: query i sees keys <= kv_len - count + i
             visible = torch.ones(count, kv_len, dtype=torch.bool).tril(kv_len - count)
             out[first : first + count] = attend(
@@ -215,28 +231,34 @@ def reference_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def flashinfer_for(runner: ModelRunner) -> FlashInferAttention:
-    cfg = runner.model.cfg
+    cfg, kv_dtype = runner.model.cfg, runner.kv_caches[0][0].data.dtype
     return FlashInferAttention(
-        runner.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.model.dtype, BLOCK_SIZE
-    )
+        runner.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.model.dtype,
+        kv_dtype, BLOCK_SIZE,
+    )  # fmt: skip
 
 
+@pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["model-dtype", "fp8"])
 def test_a_planned_step_attends_as_sdpa_does(
-    tiny_llama_dir: Path, reference_flashinfer: None
+    tiny_llama_dir: Path, reference_flashinfer: None, kv_dtype: torch.dtype | None
 ) -> None:
     """One step with plain decodes, a decode with three proposals (rows of their own lengths),
-    a fresh prompt and two chunks over cached KV, all on shuffled blocks."""
+    a fresh prompt and two chunks over cached KV, all on shuffled blocks. fp8 at scales other
+    than 1, which FlashInfer must be given; keys and values are multiples of 1/4 within +-4,
+    exact in e4m3 at those scales, so reading a fresh chunk back from the cache (FlashInfer) or
+    not (SDPA) gives the same numbers."""
     cfg = load_model_config(tiny_llama_dir)
     model = load_model(tiny_llama_dir, cfg, "none", torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, torch.device("cpu"), seed=0, attention_backend="sdpa")
-    runner.allocate_kv_cache(64)
+    runner.allocate_kv_cache(64, kv_dtype, [(0.5, 0.25)] * cfg.num_layers)
     torch.manual_seed(0)
     for k_cache, v_cache in runner.kv_caches:
-        k_cache.data.normal_(), v_cache.data.normal_()
+        for cache in (k_cache, v_cache):
+            cache.write(fp8_exact(64 * BLOCK_SIZE, *cache.data.shape[2:]), torch.arange(64 * 16))
     batch = mixed_batch(64, MIXED_STEP)
     q_rows = sum(item.num_new_tokens for item in batch)
     q = torch.randn(q_rows, cfg.num_heads, cfg.head_dim)
-    k, v = torch.randn(2, q_rows, cfg.num_kv_heads, cfg.head_dim).unbind(0)
+    k, v = fp8_exact(2, q_rows, cfg.num_kv_heads, cfg.head_dim).unbind(0)
     k_cache, v_cache = runner.kv_caches[0]
 
     _, _, sdpa_meta, _ = runner.prepare(batch)

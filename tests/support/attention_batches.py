@@ -1,5 +1,6 @@
 """One step's mixed batch for checking an attention backend against another: decodes, a decode
-with proposals, fresh prompts and chunks over cached KV, on shuffled blocks of the pool."""
+with proposals, fresh prompts and chunks over cached KV, on shuffled blocks of the pool; and
+keys and values that an fp8 cache holds exactly."""
 
 from __future__ import annotations
 
@@ -25,3 +26,10 @@ def mixed_batch(num_blocks: int, contexts: list[tuple[int, int, int]]) -> list[S
         seq.block_table, free = free[:blocks], free[blocks:]
         batch.append(ScheduledSequence(seq, new, drafts))
     return batch
+
+
+def fp8_exact(*shape: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Random multiples of 1/4 within +-4: exact in float8_e4m3fn divided by a scale of 1, 1/2
+    or 1/4 (and in bf16), so a backend that reads a fresh chunk back from an fp8 cache and one
+    that does not see the same numbers."""
+    return (torch.randn(shape, device=device) * 4).round().clamp(-16, 16) / 4

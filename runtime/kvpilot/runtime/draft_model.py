@@ -216,13 +216,15 @@ def load_draft(
     device: torch.device,
     seed: int,
     attention_backend: str,
+    kv_dtype: torch.dtype,
 ) -> DraftModelProposer:
-    """The draft model loaded beside the served one (its KV cache comes with the pool's size)."""
+    """The draft model loaded beside the served one (its KV cache, in `kv_dtype`, comes with the
+    pool's size)."""
     draft = check_draft_files(draft_dir, target_dir)
     check_draft_positions(draft_dir, draft, max_model_len)
     model = load_model(draft_dir, draft, "none", dtype, device)
     if attention_backend == "flashinfer" and flashinfer_attention.unavailable_reason(
-        device, dtype, draft.head_dim
+        device, dtype, draft.head_dim, kv_dtype
     ):  # the draft's heads may be a size FlashInfer has no kernel for
         attention_backend = "sdpa"
     return DraftModelProposer(ModelRunner(model, device, seed, None, (), attention_backend))

@@ -100,7 +100,7 @@ class Engine:
             config.attention_backend, self.device, self.kv_dtype == dtype,
             paged_kernel.unavailable_reason,
             lambda: flashinfer_attention.unavailable_reason(
-                self.device, dtype, self.model_config.head_dim
+                self.device, dtype, self.model_config.head_dim, self.kv_dtype
             ),
         )  # fmt: skip
         if self.attention_backend == "flashinfer":  # /version and the log name the release
@@ -197,7 +197,7 @@ class Engine:
             return speculative.NgramProposer(config)
         draft = load_draft(
             Path(config.model), model_dir, self.max_model_len, dtype,
-            self.device, self.config.seed, self.attention_backend,
+            self.device, self.config.seed, self.attention_backend, self.kv_dtype,
         )  # fmt: skip
         self.weight_bytes += draft.runner.model.weight_bytes()
         return draft

@@ -252,14 +252,7 @@ class ModelRunner:
         kernel must be loaded in this process, with `flashinfer` FlashInfer must import."""
         self.model, self.device, self.workers = model, device, workers
         self.attention_backend = attention_backend
-        cfg = model.cfg  # this rank's heads under tensor parallelism
-        self.flashinfer = (
-            FlashInferAttention(
-                device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype, BLOCK_SIZE
-            )
-            if attention_backend == "flashinfer"
-            else None
-        )
+        self.flashinfer: FlashInferAttention | None = None  # with its pool (allocate_kv_cache)
         self.eos_token_ids = eos_token_ids  # masked with stop ids until a row's min_tokens
         self.kv_caches: KVCache = []
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
@@ -290,6 +283,11 @@ class ModelRunner:
         shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or self.model.dtype
         self.kv_caches = kv_cache.allocate(cfg.num_layers, shape, dtype, self.device, scales)
+        if self.attention_backend == "flashinfer":  # this rank's heads under tensor parallelism
+            self.flashinfer = FlashInferAttention(
+                self.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.model.dtype,
+                dtype, BLOCK_SIZE,
+            )  # fmt: skip
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

@@ -102,9 +102,8 @@ def resolve_attention_backend(
         return _in_place_or_sdpa(choice, "paged", "the CPU kernel", kv_in_model_dtype, kernel_error)
     if choice == "paged":
         raise ValueError(f"--attention-backend paged is a CPU kernel; on {device} use auto or sdpa")
-    return _in_place_or_sdpa(
-        choice, "flashinfer", "FlashInfer", kv_in_model_dtype, flashinfer_error
-    )
+    # FlashInfer reads fp8 KV itself: which KV dtypes it takes is flashinfer_error's to say.
+    return _in_place_or_sdpa(choice, "flashinfer", "FlashInfer", True, flashinfer_error)
 
 
 def _in_place_or_sdpa(
@@ -171,7 +170,7 @@ def paged_attention(
     v_cache.write(v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.flashinfer is not None:
-        return meta.flashinfer.attend(q, k_cache.data, v_cache.data, out)
+        return meta.flashinfer.attend(q, k_cache, v_cache, out)
     if meta.paged_decodes is not None:
         paged = meta.paged_decodes
         rows = slice(0, paged.num_seqs)

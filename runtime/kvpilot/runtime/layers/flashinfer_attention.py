@@ -11,8 +11,9 @@ by FlashInfer on the host) and run by every layer, as vLLM and SGLang drive it:
   (query i of a chunk over c cached tokens sees keys <= c + i), as `attention.chunk_mask` is.
 
 A bench/GPU dependency, never a requirement: `--attention-backend auto` picks it on CUDA where it
-imports (`unavailable_reason` says why not), torch's SDPA otherwise. It runs where the KV cache is
-in the model dtype (float16 or bfloat16); fp8 KV stays on the SDPA path.
+imports (`unavailable_reason` says why not), torch's SDPA otherwise. The model computes in float16
+or bfloat16; the KV cache is in that dtype or fp8 (e4m3, stored value / scale, kv_cache.py), which
+FlashInfer's kernels read as they are, given the per-layer scales.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvpilot.runtime.layers.kv_cache import PagedCache, is_fp8
 
 # The float workspace FlashInfer's kernels split long contexts into; vLLM allocates the same
 # 128 MiB once per process. Decode and prefill share it: a step runs them one after the other.
@@ -34,12 +37,20 @@ HEAD_DIMS = (64, 128, 256)
 TENSOR_CORE_GROUP = 4
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None where FlashInfer can run this model's attention; otherwise why not, and what to do."""
+def unavailable_reason(
+    device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype
+) -> str | None:
+    """None where FlashInfer can run this model's attention over a KV cache in `kv_dtype`;
+    otherwise why not, and what to do."""
     if device.type != "cuda":
         return f"FlashInfer's kernels run on CUDA, not {device.type}"
     if dtype not in KERNEL_DTYPES:
         return f"FlashInfer's kernels take float16 or bfloat16 (the model computes in {dtype})"
+    if kv_dtype != dtype and not is_fp8(kv_dtype):
+        return (
+            f"FlashInfer reads the KV cache in the model dtype or fp8, not {kv_dtype} beside a "
+            f"{dtype} model: use --kv-cache-dtype auto or fp8"
+        )
     if head_dim not in HEAD_DIMS:
         return (
             f"FlashInfer has kernels for head sizes {HEAD_DIMS}, the model's heads are {head_dim}"
@@ -100,15 +111,20 @@ class FlashInferStep:
     prefill: Any  # BatchPrefillWithPagedKVCacheWrapper, planned; None without prefill chunks
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+        self, q: torch.Tensor, k_cache: PagedCache, v_cache: PagedCache, out: torch.Tensor
     ) -> torch.Tensor:
-        """q: [T, H, D], caches: [num_blocks, BS, H_kv, D] (this step's keys already written)."""
+        """q: [T, H, D] -> out; the caches' data [num_blocks, BS, H_kv, D] hold this step's keys
+        and values already. fp8 data is value / scale: the kernels multiply the scales back."""
         q = q.contiguous()  # the layer's q is a view into its fused qkv projection
+        pages = (k_cache.data, v_cache.data)
+        scales: dict[str, float] = {}
+        if is_fp8(k_cache.data.dtype):
+            scales = {"k_scale": k_cache.scale, "v_scale": v_cache.scale}
         rows = self.num_decode_rows
         if self.decode is not None:
-            self.decode.run(q[:rows], (k_cache, v_cache), out=out[:rows])
+            self.decode.run(q[:rows], pages, out=out[:rows], **scales)
         if self.prefill is not None:
-            self.prefill.run(q[rows:], (k_cache, v_cache), out=out[rows:])
+            self.prefill.run(q[rows:], pages, out=out[rows:], **scales)
         return out
 
 
@@ -122,11 +138,13 @@ class FlashInferAttention:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         block_size: int,
     ) -> None:
         import flashinfer
 
-        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype
+        self.block_size = block_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -156,7 +174,7 @@ class FlashInferAttention:
                 self.block_size,
                 pos_encoding_mode="NONE",  # the model applies rotary embeddings itself
                 q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
                 sm_scale=self.scale,
             )
             decode = self.decode
@@ -174,7 +192,7 @@ class FlashInferAttention:
                 causal=True,
                 sm_scale=self.scale,
                 q_data_type=self.dtype,
-                kv_data_type=self.dtype,
+                kv_data_type=self.kv_dtype,
             )
             prefill = self.prefill
         return FlashInferStep(len(decode_tables), decode, prefill)
