@@ -18,7 +18,10 @@
 # two bench sections rewritten; paste those sections into docs/benchmarks.md). The tree itself is
 # not modified.
 #
-#   bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR]
+#   bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR] [--steps checks,throughput,kv-dtype,flashinfer]
+#
+# --steps runs only the steps named (default: all four), e.g. `--steps flashinfer` where the
+# checks have already run on this kind of GPU: a device call may run at most 600 s.
 #
 # --device cpu is the dry run of every step on CPU (smaller throughput workload), for checking
 # the script on a machine without a GPU. Needs a Python with torch and transformers: the project
@@ -28,13 +31,20 @@ cd "$(dirname "$0")/.."
 
 device=cuda
 out=${OUT:-}
+steps=checks,throughput,kv-dtype,flashinfer
+usage="usage: bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR] [--steps checks,throughput,kv-dtype,flashinfer]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    *) echo "usage: bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR]" >&2; exit 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
 done
+for name in ${steps//,/ }; do
+  case "$name" in checks|throughput|kv-dtype|flashinfer) ;; *) echo "unknown step $name; $usage" >&2; exit 2 ;; esac
+done
+wanted() { [[ ",$steps," == *",$1,"* ]]; }
 case "$device" in cuda|cpu) ;; *) echo "--device must be cuda or cpu, got $device" >&2; exit 2 ;; esac
 out=${out:-${TMPDIR:-/tmp}/kvpilot-gpu-check}
 mkdir -p "$out"
@@ -81,10 +91,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a deadline, remember a failur
   [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
 }
 
-step "checks" 200 "$python" -m bench.gpu.check --device "$device" --out "$out"
-step "throughput vs transformers" 180 "$python" -m bench.engine_throughput "${throughput_args[@]}"
-step "KV dtype" 90 "$python" -m bench.engine_kv_dtype
-step "FlashInfer" 420 "$python" -m bench.gpu.check --flashinfer --device "$device" --out "$out"
+wanted checks && step "checks" 200 "$python" -m bench.gpu.check --device "$device" --out "$out"
+wanted throughput && step "throughput vs transformers" 180 "$python" -m bench.engine_throughput "${throughput_args[@]}"
+wanted kv-dtype && step "KV dtype" 90 "$python" -m bench.engine_kv_dtype
+wanted flashinfer && step "FlashInfer" 420 "$python" -m bench.gpu.check --flashinfer --device "$device" --out "$out"
 
 echo "==> summary ($out)"
 [ -f "$out/gpu_check.md" ] && cat "$out/gpu_check.md"
