@@ -89,39 +89,38 @@ def resolve_attention_backend(
     flashinfer_error: Callable[[], str | None],
 ) -> tuple[str, str]:
     """`--attention-backend` -> (paged, flashinfer or sdpa; why). `kernel_error` builds or loads
-    the CPU kernel, `flashinfer_error` imports FlashInfer; each says why it cannot (None: it can)
-    and is called only where its backend could run."""
+    the CPU kernel, `flashinfer_error` imports FlashInfer (and judges the KV dtype: it reads fp8
+    itself); each says why it cannot (None: it can) and is called only where it could run."""
     if choice == "sdpa":
         return "sdpa", "--attention-backend sdpa"
-    if device.type == "cpu":
-        if choice == "flashinfer":
+    if device.type != "cpu":
+        if choice == "paged":
             raise ValueError(
-                "--attention-backend flashinfer runs FlashInfer's CUDA kernels; on cpu use auto, "
-                "paged or sdpa"
+                f"--attention-backend paged is a CPU kernel; on {device} use auto or sdpa"
             )
-        return _in_place_or_sdpa(choice, "paged", "the CPU kernel", kv_in_model_dtype, kernel_error)
-    if choice == "paged":
-        raise ValueError(f"--attention-backend paged is a CPU kernel; on {device} use auto or sdpa")
-    # FlashInfer reads fp8 KV itself: which KV dtypes it takes is flashinfer_error's to say.
-    return _in_place_or_sdpa(choice, "flashinfer", "FlashInfer", True, flashinfer_error)
+        return _in_place_or_sdpa(choice, "flashinfer", "FlashInfer", flashinfer_error)
+    if choice == "flashinfer":
+        raise ValueError(
+            "--attention-backend flashinfer runs FlashInfer's CUDA kernels; on cpu use auto, "
+            "paged or sdpa"
+        )
+
+    def paged_error() -> str | None:
+        if not kv_in_model_dtype:
+            return (
+                "the paged kernel reads the KV cache in the model dtype; with --kv-cache-dtype "
+                "fp8 (or another dtype than the model's) use --attention-backend auto or sdpa"
+            )
+        return kernel_error()
+
+    return _in_place_or_sdpa(choice, "paged", "the CPU kernel", paged_error)
 
 
 def _in_place_or_sdpa(
-    choice: str,
-    backend: str,
-    what: str,
-    kv_in_model_dtype: bool,
-    error_of: Callable[[], str | None],
+    choice: str, backend: str, what: str, error_of: Callable[[], str | None]
 ) -> tuple[str, str]:
     """`backend` (which reads the cache in place) where it can run, else sdpa under `auto`; a
     ValueError saying why when it was asked for by name."""
-    if not kv_in_model_dtype:
-        if choice == backend:
-            raise ValueError(
-                f"--attention-backend {backend} reads the KV cache in the model dtype; with "
-                "--kv-cache-dtype fp8 (or another dtype than the model's) use auto or sdpa"
-            )
-        return "sdpa", "auto: the KV cache is stored in another dtype than the model's"
     error = error_of()
     if error is None:
         return backend, f"{choice}: {what} is ready"
