@@ -10,9 +10,11 @@
 #      (one step's attention, bf16 and fp8 KV; greedy tokens) and output tok/s with and without
 #      them; SKIP where
 #      flashinfer-python does not import. The machines have no FlashInfer and the current wheel
-#      (0.7, ~100 MB, many dependencies) does not fit a call's 64 MiB carry; 0.3.1 does: built
-#      here with `python3 -m pip wheel --no-deps -w .whl flashinfer-python==0.3.1` (5.7 MB, pure
-#      Python; it compiles its kernels with nvcc on first use, a few minutes, hence the limit).
+#      (0.7, ~100 MB) does not fit a call's 64 MiB carry; 0.6.0 does (7.5 MB, pure Python, with
+#      apache-tvm-ffi's cp312 wheel, 3.3 MB; its other imports are in the device image): fetched
+#      into .whl with README's `pip download` line. It compiles its kernels with nvcc on first use
+#      (a few minutes, hence the limit). 0.3.1 (built with `pip wheel --no-deps`, no tvm-ffi) is
+#      the older fallback.
 # Results go to the output folder (--out DIR, else $OUT, else /tmp/kvpilot-gpu-check): gpu_check.md /
 # .json, gpu_check.log, nvidia-smi.txt, and benchmarks.md (a copy of docs/benchmarks.md with the
 # two bench sections rewritten; paste those sections into docs/benchmarks.md). The tree itself is
