@@ -37,10 +37,15 @@ class NeverHeld(lease.LeaderLease):
 def test_sigterm_wakes_a_waiting_standby_at_once(stopping: Stopping) -> None:
     standby = NeverHeld(client=None, namespace="default", identity="me", duration_s=15)  # type: ignore[arg-type]
     standby.retry_s = 600.0  # without the wake-up, the wait would outlast the test's timeout
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
-    started = time.monotonic()
-    assert standby.wait_until_held(stop=stopping.asked) is False
-    assert time.monotonic() - started < 60
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        started = time.monotonic()
+        assert standby.wait_until_held(stop=stopping.asked) is False
+        assert time.monotonic() - started < 60
+    finally:  # never a SIGTERM after the fixture has put the default action back
+        timer.cancel()
+        timer.join()
     assert stopping.flag.is_set() and not stopping.lost
 
 
