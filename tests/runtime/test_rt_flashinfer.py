@@ -97,6 +97,22 @@ def test_fp8_kv_is_no_reason_and_a_missing_flashinfer_says_how_to_install_it(
     assert reason is not None and "pip install flashinfer-python" in reason
 
 
+def test_a_broken_flashinfer_install_is_a_reason_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An install built for another CUDA or torch raises more than ImportError as it imports;
+    `auto` must still start, on SDPA, with the reason."""
+    package = tmp_path / "flashinfer"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('CUDA 12.8 build, found CUDA 13.0')\n")
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reason = flashinfer_attention.unavailable_reason(torch.device("cuda"), BF16, 128, BF16)
+    assert reason is not None
+    assert "RuntimeError: CUDA 12.8 build, found CUDA 13.0" in reason
+    assert "--attention-backend sdpa" in reason
+
+
 def kernel_ok() -> str | None:
     return None
 

@@ -59,6 +59,12 @@ def unavailable_reason(
         import flashinfer  # noqa: F401 - only whether it imports
     except ImportError as error:
         return f"flashinfer-python does not import ({error}); pip install flashinfer-python"
+    except Exception as error:  # a broken install (CUDA or torch mismatch) must not stop `auto`
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return (
+            f"flashinfer-python fails to import ({type(error).__name__}: {first_line}); "
+            "reinstall it for this torch and CUDA, or pass --attention-backend sdpa"
+        )
     return None
 
 
