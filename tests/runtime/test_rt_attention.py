@@ -1,7 +1,7 @@
 """Paged attention against a plain per-sequence reference (both decode backends: the gather and
 SDPA, and the CPU kernel that reads the pool in place), the kernel's own checks, the backend
-choice, and the runner's batch layout: decode groups cut by padded size, slot ids a block at a
-time, rotary halves swapped exactly."""
+choice (FlashInfer's too), and the runner's batch layout: decode groups cut by padded size, slot
+ids a block at a time, rotary halves swapped exactly."""
 
 from __future__ import annotations
 
@@ -376,55 +376,71 @@ def test_kernel_refuses_bad_input(kernel: None, change: Any, message: str) -> No
         )
 
 
-def kernel_ok() -> str | None:
+def ready() -> str | None:
     return None
 
 
-def kernel_missing() -> str:
+def no_compiler() -> str:
     return "no C++ compiler"
 
 
-def flashinfer_missing() -> str:
-    return "flashinfer-python does not import"  # test_rt_flashinfer.py: where it is there
+def no_flashinfer() -> str:
+    return "flashinfer-python does not import"
 
 
 @pytest.mark.parametrize(
-    ("choice", "device", "kv_in_model_dtype", "kernel_error", "expected"),
+    ("choice", "device", "kv_in_model_dtype", "kernel_error", "flashinfer_error", "expected"),
     [
-        ("auto", "cpu", True, kernel_ok, "paged"),
-        ("auto", "cpu", True, kernel_missing, "sdpa"),
-        ("auto", "cpu", False, kernel_ok, "sdpa"),  # fp8 KV: the kernel reads the model dtype
-        ("auto", "cuda", True, kernel_ok, "sdpa"),  # without FlashInfer
-        ("paged", "cpu", True, kernel_ok, "paged"),
-        ("sdpa", "cpu", True, kernel_ok, "sdpa"),
-        ("sdpa", "cuda", True, kernel_missing, "sdpa"),
+        ("auto", "cpu", True, ready, ready, "paged"),  # FlashInfer is not asked on a CPU
+        ("auto", "cpu", True, no_compiler, ready, "sdpa"),
+        ("auto", "cpu", False, ready, ready, "sdpa"),  # fp8 KV: the kernel reads the model dtype
+        ("paged", "cpu", True, ready, ready, "paged"),
+        ("sdpa", "cpu", True, ready, ready, "sdpa"),
+        ("auto", "cuda", True, ready, ready, "flashinfer"),
+        ("auto", "cuda", True, ready, no_flashinfer, "sdpa"),
+        ("auto", "cuda", False, ready, ready, "flashinfer"),  # fp8 KV: FlashInfer reads it
+        ("flashinfer", "cuda", True, ready, ready, "flashinfer"),
+        ("sdpa", "cuda", True, no_compiler, ready, "sdpa"),
     ],
 )
 def test_resolve_attention_backend(
-    choice: str, device: str, kv_in_model_dtype: bool, kernel_error: Any, expected: str
+    choice: str,
+    device: str,
+    kv_in_model_dtype: bool,
+    kernel_error: Any,
+    flashinfer_error: Any,
+    expected: str,
 ) -> None:
     backend, why = resolve_attention_backend(
-        choice, torch.device(device), kv_in_model_dtype, kernel_error, flashinfer_missing
+        choice, torch.device(device), kv_in_model_dtype, kernel_error, flashinfer_error
     )
     assert backend == expected and why
-    if kernel_error is kernel_missing and choice == "auto" and device == "cpu":
-        assert "no C++ compiler" in why  # the start-up log says why it fell back
+    if choice == "auto" and expected == "sdpa" and kv_in_model_dtype:  # the log says why
+        reason = (kernel_error if device == "cpu" else flashinfer_error)()
+        assert reason in why
 
 
 @pytest.mark.parametrize(
-    ("device", "kv_in_model_dtype", "kernel_error", "message"),
+    ("choice", "device", "kv_in_model_dtype", "kernel_error", "flashinfer_error", "message"),
     [
-        ("cuda", True, kernel_ok, "is a CPU kernel"),
-        ("cpu", False, kernel_ok, "--kv-cache-dtype fp8"),
-        ("cpu", True, kernel_missing, "no C\\+\\+ compiler"),
+        ("paged", "cuda", True, ready, ready, "is a CPU kernel"),
+        ("paged", "cpu", False, ready, ready, "--kv-cache-dtype fp8"),
+        ("paged", "cpu", True, no_compiler, ready, "no C\\+\\+ compiler"),
+        ("flashinfer", "cpu", True, ready, ready, "runs FlashInfer's CUDA kernels"),
+        ("flashinfer", "cuda", True, ready, no_flashinfer, "does not import"),
     ],
 )
-def test_paged_backend_asked_for_where_it_cannot_run(
-    device: str, kv_in_model_dtype: bool, kernel_error: Any, message: str
+def test_a_backend_asked_for_where_it_cannot_run(
+    choice: str,
+    device: str,
+    kv_in_model_dtype: bool,
+    kernel_error: Any,
+    flashinfer_error: Any,
+    message: str,
 ) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_attention_backend(
-            "paged", torch.device(device), kv_in_model_dtype, kernel_error, flashinfer_missing
+            choice, torch.device(device), kv_in_model_dtype, kernel_error, flashinfer_error
         )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.layers import flashinfer_attention
-from kvpilot.runtime.layers.attention import paged_attention, resolve_attention_backend
+from kvpilot.runtime.layers.attention import paged_attention
 from kvpilot.runtime.layers.flashinfer_attention import (
     FlashInferAttention,
     PagedLayout,
@@ -111,52 +111,6 @@ def test_a_broken_flashinfer_install_is_a_reason_not_a_crash(
     assert reason is not None
     assert "RuntimeError: CUDA 12.8 build, found CUDA 13.0" in reason
     assert "--attention-backend sdpa" in reason
-
-
-def kernel_ok() -> str | None:
-    return None
-
-
-def missing() -> str:
-    return "flashinfer-python does not import"
-
-
-@pytest.mark.parametrize(
-    ("choice", "device", "kv_in_model_dtype", "flashinfer_error", "expected"),
-    [
-        ("auto", "cuda", True, kernel_ok, "flashinfer"),
-        ("auto", "cuda", True, missing, "sdpa"),
-        ("auto", "cuda", False, kernel_ok, "flashinfer"),  # fp8 KV: FlashInfer reads it
-        ("flashinfer", "cuda", True, kernel_ok, "flashinfer"),
-        ("sdpa", "cuda", True, kernel_ok, "sdpa"),
-        ("auto", "cpu", True, kernel_ok, "paged"),  # FlashInfer is not asked on a CPU
-    ],
-)
-def test_resolve_picks_flashinfer_on_cuda_where_it_runs(
-    choice: str, device: str, kv_in_model_dtype: bool, flashinfer_error: Any, expected: str
-) -> None:
-    backend, why = resolve_attention_backend(
-        choice, torch.device(device), kv_in_model_dtype, kernel_ok, flashinfer_error
-    )
-    assert backend == expected and why
-    if flashinfer_error is missing and choice == "auto":
-        assert "does not import" in why  # the start-up log and /version say why it fell back
-
-
-@pytest.mark.parametrize(
-    ("device", "kv_in_model_dtype", "flashinfer_error", "message"),
-    [
-        ("cpu", True, kernel_ok, "runs FlashInfer's CUDA kernels"),
-        ("cuda", True, missing, "does not import"),
-    ],
-)
-def test_flashinfer_asked_for_where_it_cannot_run(
-    device: str, kv_in_model_dtype: bool, flashinfer_error: Any, message: str
-) -> None:
-    with pytest.raises(ValueError, match=message):
-        resolve_attention_backend(
-            "flashinfer", torch.device(device), kv_in_model_dtype, kernel_ok, flashinfer_error
-        )
 
 
 def attend(
