@@ -11,7 +11,9 @@ from typing import Any
 import yaml
 
 from hack.devcluster import DevCluster, chart, procs
+from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import REPO_ROOT
+from kvpilot.operator.manifests import SCRATCH_MOUNT
 
 BIN = Path(sys.executable).parent
 
@@ -23,11 +25,25 @@ def tiny_llama(name: str, max_num_seqs: int, autoscaling: dict[str, Any]) -> dic
     """
     doc = yaml.safe_load((REPO_ROOT / "examples" / "tiny-llama.yaml").read_text())
     doc["metadata"]["name"] = name
-    doc["spec"]["model"]["uri"] = f"file://{REPO_ROOT / 'models' / 'tiny-llama'}"
+    doc["spec"]["model"]["uri"] = local_model_uri(REPO_ROOT / "models" / "tiny-llama")
     doc["spec"]["model"]["servedName"] = name
     doc["spec"]["serving"]["maxNumSeqs"] = max_num_seqs
     doc["spec"]["autoscaling"] = autoscaling
     return dict(doc)
+
+
+def local_model_uri(path: Path) -> str:
+    """The file:// URI of `path` for runtime pods of the `local` pool: real processes that read
+    this machine's files, except under their volumes' mount paths, as a container sees its
+    volume there and not the image. Their scratch emptyDir hides this machine's /tmp, so a
+    checkout there could never load: said up front, not as a crash-looping pod."""
+    scratch = Path(SCRATCH_MOUNT)
+    if path.is_relative_to(scratch):
+        raise DevClusterError(
+            f"{path} is under {scratch}, where kvpilot's runtime pods mount an emptyDir that hides "
+            f"it from them: clone the repository outside {scratch} and run this from there"
+        )
+    return f"file://{path}"
 
 
 def apply_crds(cluster: DevCluster) -> None:

@@ -161,9 +161,7 @@ class Demo:
     def serve_tiny_llama(self) -> None:
         say("applying tiny-llama on the local pool: its pods are real kvpilot-runtime processes")
         self.kubectl("apply", "-f", "-", input=json.dumps(tiny_llama_manifest()))
-        self.wait_for(
-            lambda: self.status(TINY).get("readyReplicas", 0) >= 1, 300, "tiny-llama to be Ready"
-        )
+        self.wait_for(lambda: self.is_ready(TINY), 300, "tiny-llama to be Ready")
         print(self.kubectl("get", "modeldeployments"))
 
     def load_burst(self) -> dict[str, Any]:
@@ -252,6 +250,16 @@ class Demo:
     def status(self, name: str) -> dict[str, Any]:
         found = self.cluster.kubectl("get", "modeldeployment", name, "-o", "json", check=False)
         return dict(json.loads(found.stdout).get("status", {})) if found.returncode == 0 else {}
+
+    def is_ready(self, name: str) -> bool:
+        """Whether `name` has a Ready replica. Its pods failing (a runtime that cannot start
+        crash-loops) is an error with the operator's reason: the rest of the wait could only
+        hide it."""
+        status = self.status(name)
+        failing = pods_failing(status)
+        if failing is not None:
+            raise DevClusterError(f"{name}'s pods fail: {failing}")
+        return int(status.get("readyReplicas", 0)) >= 1
 
     def endpoint(self) -> str:
         """The gateway Service's base URL: one OpenAI endpoint for every model."""
@@ -353,6 +361,16 @@ class Demo:
         if not procs.wait_for(predicate, timeout_s, 1.0):
             raise DevClusterError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         return predicate()
+
+
+def pods_failing(status: dict[str, Any]) -> str | None:
+    """The operator's account of failing pods (its Degraded condition, reason PodsFailing: a
+    container in CrashLoopBackOff or an image that cannot be pulled), None while there is none."""
+    conditions = {c.get("type"): c for c in status.get("conditions", [])}
+    degraded = conditions.get("Degraded", {})
+    if degraded.get("status") == "True" and degraded.get("reason") == "PodsFailing":
+        return str(degraded.get("message", ""))
+    return None
 
 
 def per_replica(texts: dict[str, str], family: str) -> dict[str, float]:

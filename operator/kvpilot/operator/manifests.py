@@ -37,6 +37,9 @@ MODEL_MOUNT = "/mnt/models"
 DRAFT_MOUNT = "/mnt/draft-model"  # speculative draft_model: fetched by its own init container
 DRAFT_VOLUME = "draft-model"
 CACHE_MOUNT = "/var/cache/kvpilot"
+# An emptyDir: the one writable scratch under readOnlyRootFilesystem (it hides what the image, or a
+# local-pool node, has at that path).
+SCRATCH_MOUNT = "/tmp"
 MAX_NAME = 63
 MAX_NUM_SEQS_CAP = (
     256  # the batch the runtime schedules; more KV room serves longer prompts instead
@@ -195,7 +198,7 @@ def fetch_container(
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_MOUNT},
-            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "tmp", "mountPath": SCRATCH_MOUNT},
             {"name": volume, "mountPath": mount},
         ],
     }
@@ -249,7 +252,7 @@ def _container(
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [
             {"name": "cache", "mountPath": CACHE_MOUNT},
-            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "tmp", "mountPath": SCRATCH_MOUNT},
             *model_mounts,
         ],
     }
