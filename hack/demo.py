@@ -158,9 +158,9 @@ class Demo:
         rows = plan_rows(status)
         print(table(rows))
 
-    def serve_tiny_llama(self) -> None:
+    def serve_tiny_llama(self, manifest: dict[str, Any]) -> None:
         say("applying tiny-llama on the local pool: its pods are real kvpilot-runtime processes")
-        self.kubectl("apply", "-f", "-", input=json.dumps(tiny_llama_manifest()))
+        self.kubectl("apply", "-f", "-", input=json.dumps(manifest))
         self.wait_for(lambda: self.is_ready(TINY), 300, "tiny-llama to be Ready")
         print(self.kubectl("get", "modeldeployments"))
 
@@ -431,6 +431,7 @@ def main() -> int:
     if not own_cluster:  # apply and watch only, with the user's kubeconfig
         cluster.kubeconfig = Path(os.environ["KUBECONFIG"])
     try:
+        tiny_llama = tiny_llama_manifest()  # a checkout its pods cannot read fails here, first
         if own_cluster and not cluster.is_up():
             cluster.up()
         demo = Demo(cluster, own_cluster)
@@ -454,7 +455,7 @@ def main() -> int:
             "llama-3.1-70b-instruct.yaml",
             "and a 70B model: tensor parallelism, and where it cannot fit",
         )
-        demo.serve_tiny_llama()
+        demo.serve_tiny_llama(tiny_llama)
         report = demo.load_burst()
         demo.scale_down()
         demo.summary(report)
