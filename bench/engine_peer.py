@@ -38,7 +38,7 @@ import httpx
 from bench import llama_cpp_common, server_common
 from bench.engine_common import MODEL, compute_bound_llama, corpus_ids
 from bench.report import markdown_table, write_section
-from bench.server_throughput import free_port, process_cpu_s, run_http
+from bench.server_throughput import process_cpu_s, run_http
 
 CONCURRENCIES = (1, 8, 32, 64)
 INT8_CONCURRENCIES = (1, 8, 32)
@@ -148,13 +148,13 @@ def kvpilot(model: Path, name: str, *args: str) -> Iterator[Server]:
     flags = ["--max-model-len", str(CONTEXT), *args]
     env = {**os.environ}
     env.pop("OMP_NUM_THREADS", None)  # the defaults under test decide the threads
-    with server_common.runtime_server(model, free_port(), *flags, env=env) as (url, pid):
+    with server_common.runtime_server(model, *flags, env=env) as (url, pid):
         yield Server(name, url, pid)
 
 
 @contextmanager
 def llama(gguf: Path, threads: int, label: str) -> Iterator[Server]:
-    with llama_cpp_common.llama_server(gguf, free_port(), MAX_NUM_SEQS, CONTEXT, threads) as (
+    with llama_cpp_common.llama_server(gguf, MAX_NUM_SEQS, CONTEXT, threads) as (
         url,
         pid,
     ):

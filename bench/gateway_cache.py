@@ -20,9 +20,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,11 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import redis
-import yaml
 
 from bench import server_common
-from bench.gateway_routing import MODEL, free_port, is_healthy
+from bench.gateway_routing import MODEL
 from bench.report import markdown_table, write_section
 
 REPEAT_SHARE = 0.5
@@ -94,57 +89,17 @@ async def run(url: str, prompts: list[str], concurrency: int) -> list[Result]:
 
 
 @contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed: run hack/system-deps.sh")
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                                str(workdir), "--save", ""], stdout=subprocess.DEVNULL)  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.monotonic() + 30
-        while not answers(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-
-
-def answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
-@contextmanager
-def cached_gateway(backend: str, workdir: Path, *flags: str) -> Iterator[tuple[str, Path]]:
-    """The gateway's URL and its log (access lines at info: one JSON line per request)."""
-    config = workdir / "gateway.yaml"
-    config.write_text(yaml.safe_dump({"models": [{"name": "tiny", "backends": [backend]}],
-                                      "cache": {"enabled": True, "ttlSeconds": 3600}}))  # fmt: skip
-    port = free_port()
-    command = [sys.executable, "-m", "kvpilot.gateway.cli", "--config", str(config), "--host",
-               "127.0.0.1", "--port", str(port), "--log-level", "info", *flags]  # fmt: skip
-    log_path = workdir / f"gateway-{port}.log"
-    log = log_path.open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while not is_healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.1)
-        yield url, log_path
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
+def cached_gateway(
+    backend: str, workdir: Path, store: str, redis_url: str
+) -> Iterator[tuple[str, Path]]:
+    """The URL of a gateway caching in `store` (memory or redis) and its log (access lines at
+    info: one JSON line per request)."""
+    config = {"models": [{"name": "tiny", "backends": [backend]}],
+              "cache": {"enabled": True, "ttlSeconds": 3600}}  # fmt: skip
+    flags = ("--cache-store", store, "--redis-url", redis_url, "--log-level", "info")
+    log = workdir / f"gateway-{store}.log"
+    with server_common.gateway_server(config, workdir, *flags, log=log) as url:
+        yield url, log
 
 
 def access_lines(log_path: Path) -> list[dict[str, object]]:
@@ -193,19 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores.replica))}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         workdir = Path(tmp)
-        replica, pid = stack.enter_context(
-            server_common.runtime_server(MODEL, free_port(), *limits, env=env)
-        )
+        replica, pid = stack.enter_context(server_common.runtime_server(MODEL, *limits, env=env))
         stack.enter_context(server_common.pinned(pid, cores.replica))
         stack.enter_context(server_common.pinned(os.getpid(), cores.replica))  # the client
         for store in ("memory", "redis"):
             prompts = workload(args.requests, args.concurrency, args.seed + len(rows))
             with ExitStack() as gateway_stack:
                 with server_common.pinned(os.getpid(), cores.gateway):  # they start there
-                    redis_url = gateway_stack.enter_context(redis_server(workdir))
-                    flags = ("--cache-store", store, "--redis-url", redis_url)
+                    redis_url = gateway_stack.enter_context(server_common.redis_server(workdir))
                     url, log_path = gateway_stack.enter_context(
-                        cached_gateway(replica, workdir, *flags)
+                        cached_gateway(replica, workdir, store, redis_url)
                     )
                 mixed = asyncio.run(run(url, prompts, args.concurrency))
                 in_gateway = hit_ms_in_gateway(access_lines(log_path))  # the mixed run's

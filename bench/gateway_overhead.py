@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from bench import server_common
-from bench.gateway_routing import MODEL, free_port, gateway, p50, run_bench, text_pool
+from bench.gateway_routing import MODEL, gateway, p50, run_bench, text_pool
 from bench.report import markdown_table, write_section
 from kvpilot.runtime.bench.stats import Summary
 
@@ -148,9 +148,7 @@ def measure(workdir: Path, num_requests: int, rounds: int, pairs: int) -> Overhe
     cores = server_common.split_cores()
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores.replica))}
     with contextlib.ExitStack() as stack:
-        replica, pid = stack.enter_context(
-            server_common.runtime_server(MODEL, free_port(), *LIMITS, env=env)
-        )
+        replica, pid = stack.enter_context(server_common.runtime_server(MODEL, *LIMITS, env=env))
         stack.enter_context(server_common.pinned(pid, cores.replica))
         with server_common.pinned(os.getpid(), cores.gateway):  # the gateway starts there
             url = stack.enter_context(gateway([replica], "prefix", workdir))

@@ -16,22 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from bench import server_common
-from bench.gateway_routing import MAX_MODEL_LEN, MODEL, free_port, is_healthy, run_bench
+from bench.gateway_routing import MAX_MODEL_LEN, MODEL, run_bench
 from bench.report import markdown_table, write_section
 from kvpilot.runtime.bench.stats import Summary
 
@@ -43,46 +35,6 @@ BUDGET_KEYS = {
     "teams": [{"name": "bench", "limits": [{"unit": "total_tokens", "limit": 10**12,
                                             "window": "1d"}]}],
 }  # fmt: skip
-
-
-@contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed: run hack/system-deps.sh")
-    port = free_port()
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir",
-                                str(workdir), "--save", "", "--appendonly", "yes",
-                                "--logfile", str(workdir / "redis.log")])  # fmt: skip
-    try:
-        time.sleep(0.5)
-        if process.poll() is not None:
-            raise RuntimeError(f"redis-server exited (log: {workdir / 'redis.log'})")
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-
-
-@contextmanager
-def gateway(config: dict[str, Any], workdir: Path, *flags: str) -> Iterator[str]:
-    path = workdir / f"gateway-{len(list(workdir.iterdir()))}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kvpilot.gateway.cli", "--config", str(path),
-                                "--host", "127.0.0.1", "--port", str(port), "--log-level",
-                                "warning", *flags])  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while not is_healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.1)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
 
 
 def closed_loop(url: str, requests: int, seed: int, *extra: str) -> Summary:
@@ -97,10 +49,15 @@ def measure(
     models = {"models": [{"name": "tiny", "backends": [replica]}]}
     with ExitStack() as stack:
         with server_common.pinned(os.getpid(), cores.gateway):  # Redis and the gateways
-            redis_url = stack.enter_context(redis_server(workdir))
-            plain = stack.enter_context(gateway(models, workdir))
+            # appendonly, as README.md says to run the budget store (spend survives a restart).
+            redis_url = stack.enter_context(
+                server_common.redis_server(workdir, "--appendonly", "yes")
+            )
+            plain = stack.enter_context(server_common.gateway_server(models, workdir))
             budgeted = stack.enter_context(
-                gateway({**models, **BUDGET_KEYS}, workdir, "--redis-url", redis_url)
+                server_common.gateway_server(
+                    {**models, **BUDGET_KEYS}, workdir, "--redis-url", redis_url
+                )
             )
         stack.enter_context(server_common.pinned(os.getpid(), cores.replica))  # the client
         arms = {"plain gateway": (plain,), "keys + budgets in Redis": (budgeted, "--api-key", KEY)}
@@ -155,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores.replica))}
     with (
         tempfile.TemporaryDirectory() as tmp,
-        server_common.runtime_server(MODEL, free_port(), *limits, env=env) as (replica, pid),
+        server_common.runtime_server(MODEL, *limits, env=env) as (replica, pid),
         server_common.pinned(pid, cores.replica),
     ):
         runs = measure(replica, cores, Path(tmp), args.requests, args.rounds)

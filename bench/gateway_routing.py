@@ -30,19 +30,14 @@ import argparse
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import server_common
@@ -66,53 +61,24 @@ KV_BYTES_PER_TOKEN = 2048  # tiny-llama, fp32
 STRATEGIES = ("prefix", "least-load", "random")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def runtime_replicas(count: int, limits: list[str]) -> Iterator[list[str]]:
     """`count` `kvpilot-runtime serve` processes of tiny-llama (bench.server_common's); their base
     URLs once all are ready."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # steadier on a shared CPU (server_throughput)
     with ExitStack() as stack:
-        urls = [stack.enter_context(server_common.runtime_server(MODEL, free_port(), *limits,
-                                                                 env=env))[0]
+        urls = [stack.enter_context(server_common.runtime_server(MODEL, *limits, env=env))[0]
                 for _ in range(count)]  # fmt: skip
         yield urls
 
 
 @contextmanager
 def gateway(backends: list[str], strategy: str, workdir: Path, *flags: str) -> Iterator[str]:
-    """A `kvpilot-gateway` process routing model `tiny` to `backends` (more CLI `flags` if
-    given); its base URL."""
-    config = workdir / f"gateway-{strategy}-{len(backends)}.yaml"
-    config.write_text(yaml.safe_dump({"models": [{"name": "tiny", "backends": backends}]}))
-    port = free_port()
-    command = [sys.executable, "-m", "kvpilot.gateway.cli", "--config", str(config), "--host",
-               "127.0.0.1", "--port", str(port), "--strategy", strategy, "--log-level",
-               "warning", *flags]  # fmt: skip
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while not is_healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.1)
+    """A `kvpilot-gateway` process routing model `tiny` to `backends` with `strategy` (more CLI
+    `flags` if given); its base URL."""
+    config = {"models": [{"name": "tiny", "backends": backends}]}
+    with server_common.gateway_server(config, workdir, "--strategy", strategy, *flags) as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-
-
-def is_healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def run_bench(url: str, *args: str) -> Summary:

@@ -16,18 +16,18 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import IO
 
-import httpx
-
+from bench.server_common import serving
+from hack.devcluster.procs import free_port, http_ok
 from hack.devcluster.versions import cache_dir
 
 # llama-cpp-python 0.3.36 vendors llama.cpp with ggml 0.25.3.
@@ -200,36 +200,25 @@ def ensure_gguf(model_dir: Path, outtype: str) -> Path:
 
 @contextmanager
 def llama_server(
-    gguf: Path, port: int, parallel: int, ctx_per_slot: int, threads: int
+    gguf: Path, parallel: int, ctx_per_slot: int, threads: int
 ) -> Iterator[tuple[str, int]]:
-    """(base URL, pid) of `llama-server` serving `gguf` as `tiny`: `parallel` slots of
-    `ctx_per_slot` tokens (continuous batching), `threads` for generation and prompts alike.
-    Each slot has its own KV stream (--no-kv-unified): in one unified buffer the prompts every
-    slot keeps cached (cache_prompt) widen the cells each decode attends over, and a server
-    that had served a few rounds ran 8x slower at concurrency 8-64 than a fresh one."""
+    """(base URL, pid) of `llama-server` serving `gguf` as `tiny` on a free port of 127.0.0.1:
+    `parallel` slots of `ctx_per_slot` tokens (continuous batching), `threads` for generation
+    and prompts alike. Each slot has its own KV stream (--no-kv-unified): in one unified buffer
+    the prompts every slot keeps cached (cache_prompt) widen the cells each decode attends over,
+    and a server that had served a few rounds ran 8x slower at concurrency 8-64 than a fresh
+    one."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     argv = [str(ensure_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--alias", "tiny", "--parallel", str(parallel), "--ctx-size",
             str(parallel * ctx_per_slot), "--threads", str(threads), "--threads-batch",
             str(threads), "--batch-size", "2048", "--no-kv-unified", "--log-disable"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not is_healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start: {' '.join(argv)}")
-            time.sleep(0.2)  # polling a starting process, with a deadline
+    health = f"{url}/health"
+    quiet = subprocess.DEVNULL
+    with serving(argv, partial(http_ok, health), "llama-server", start_s=300, stop_s=60,
+                 stdout=quiet, stderr=quiet) as process:  # fmt: skip
         yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
-
-
-def is_healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def main() -> int:

@@ -232,12 +232,6 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _ms(values: list[float], q: float) -> str:
     if not values:
         return "-"
@@ -285,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     limits = ("--max-model-len", "512", "--max-num-seqs", "8")
-    with runtime_server(TINY, _free_port(), *limits) as served:
+    with runtime_server(TINY, *limits) as served:
         url, pid = served
         rss_ready = peak_rss_mib(pid)
         rows = measure(url, args.rounds)

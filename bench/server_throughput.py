@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -83,17 +82,11 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def runtime_server() -> Iterator[tuple[str, int]]:
     env = {**os.environ, "OMP_NUM_THREADS": str(TORCH_THREADS)}
     limits = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN)]
-    with server_common.runtime_server(MODEL, free_port(), *limits, env=env) as served:
+    with server_common.runtime_server(MODEL, *limits, env=env) as served:
         yield served
 
 
