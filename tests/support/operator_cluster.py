@@ -22,15 +22,21 @@ T = TypeVar("T")
 
 
 class Operator:
-    def __init__(self, cluster: Any, log: Path, *args: str) -> None:
+    """`kvpilot-operator run ARGS` against `cluster`, logging to `log`; `env`: variables set over
+    the cluster's environment (the operator's KVPILOT_* settings)."""
+
+    def __init__(
+        self, cluster: Any, log: Path, *args: str, env: dict[str, str] | None = None
+    ) -> None:
         self.cluster, self.log, self.args = cluster, log, args
+        self.env = {**cluster.env, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [str(OPERATOR), "run", *self.args],
-                env=self.cluster.env,
+                env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -75,6 +81,13 @@ def get(cluster: Any, *args: str) -> Any:
 
 def apply_doc(cluster: Any, namespace: str, doc: dict[str, Any]) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(doc))
+
+
+def events(cluster: Any, namespace: str, name: str, reason: str) -> list[str]:
+    """The messages of the Events with `reason` about the object `name`."""
+    selector = f"involvedObject.name={name}"
+    found = get(cluster, "events", "-n", namespace, "--field-selector", selector)["items"]
+    return [e["message"] for e in found if e.get("reason") == reason]
 
 
 def model_deployment(name: str, uri: str, **spec: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from tests.support.operator_cluster import (
     Operator,
     apply_doc,
     condition,
+    events,
     get,
     model_deployment,
     pods,
@@ -68,13 +69,6 @@ class Exporter:
         self.server.server_close()
 
 
-class WithEnv:
-    """What Operator needs of a cluster: the environment to start the process in."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-
-
 @pytest.fixture
 def crds(cluster: Any) -> None:
     apply_crds(cluster)
@@ -83,21 +77,14 @@ def crds(cluster: Any) -> None:
 @pytest.fixture
 def autoscaling_operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
     env = {
-        **cluster.env,
         "KVPILOT_AUTOSCALER_INTERVAL": "1",
         "KVPILOT_SPILL_AFTER": str(SPILL_AFTER_S),
         "KVPILOT_PROMETHEUS_URL": "",
     }
-    op = Operator(WithEnv(env), tmp_path / "operator.log", "--standalone")
+    op = Operator(cluster, tmp_path / "operator.log", "--standalone", env=env)
     op.start()
     yield op
     op.stop()
-
-
-def events(cluster: Any, namespace: str, name: str, reason: str) -> list[str]:
-    selector = f"involvedObject.name={name}"
-    found = get(cluster, "events", "-n", namespace, "--field-selector", selector)["items"]
-    return [e["message"] for e in found if e.get("reason") == reason]
 
 
 def test_queue_scales_up_then_down_and_state_survives_a_restart(

@@ -25,6 +25,7 @@ from tests.support.operator_cluster import (
     Operator,
     apply_doc,
     condition,
+    events,
     get,
     is_ready,
     model_deployment,
@@ -40,27 +41,14 @@ ON_KWOK = {"placement": {"nodeTypes": ["l4-24gb"]}, "serving": {"maxContextLengt
 POOL_CRD = "inferencepools.inference.networking.k8s.io"
 
 
-class WithEnv:
-    """What Operator needs of a cluster: the environment to start the process in."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
-
-
 @pytest.fixture
 def slow_loop_operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
     """An operator whose autoscaler loop never ticks during a test: only handlers act."""
-    env = {**cluster.env, "KVPILOT_AUTOSCALER_INTERVAL": "3600", "KVPILOT_PROMETHEUS_URL": ""}
-    op = Operator(WithEnv(env), tmp_path / "operator.log", "--standalone")
+    env = {"KVPILOT_AUTOSCALER_INTERVAL": "3600", "KVPILOT_PROMETHEUS_URL": ""}
+    op = Operator(cluster, tmp_path / "operator.log", "--standalone", env=env)
     op.start()
     yield op
     op.stop()
-
-
-def events(cluster: Any, namespace: str, name: str, reason: str) -> list[str]:
-    selector = f"involvedObject.name={name}"
-    found = get(cluster, "events", "-n", namespace, "--field-selector", selector)["items"]
-    return [e["message"] for e in found if e.get("reason") == reason]
 
 
 def test_a_wake_scales_from_zero_at_once(
