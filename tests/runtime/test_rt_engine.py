@@ -226,3 +226,19 @@ def test_async_engine_concurrent_streams_equal_sync_results(engine: Engine) -> N
 
     got = asyncio.run(scenario())
     assert got == [expected[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_memory", "message"),
+    [
+        # More than the machine has: refused before any allocation, naming the flag.
+        (2**50, r"--kv-cache-memory 1048576\.00 GiB cannot fit: the memory this process may use"),
+        # Room for less than one sequence of max_model_len: the pool's own check.
+        (2**12, r"holds 0 blocks; one sequence of max_model_len 512 needs 32"),
+    ],
+)
+def test_a_kv_cache_memory_the_engine_cannot_use_is_refused_at_start(
+    make_engine: Callable[..., Engine], kv_cache_memory: int, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_engine(kv_cache_memory=kv_cache_memory)

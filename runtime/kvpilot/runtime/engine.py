@@ -239,11 +239,14 @@ class Engine:
         """Bytes for the pool, with where they come from in `kv_budget_source` (logged);
         `kv_scale`: bytes per token as a multiple of `facts`' (a draft model's cache too)."""
         utilization = self.config.gpu_memory_utilization
-        if self.config.kv_cache_memory is not None:
-            self.kv_budget_source = "--kv-cache-memory"
-            return self.config.kv_cache_memory
+        total = None
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
+        if self.config.kv_cache_memory is not None:
+            self._check_kv_cache_memory(self.config.kv_cache_memory, total)
+            self.kv_budget_source = "--kv-cache-memory"
+            return self.config.kv_cache_memory
+        if total is not None:
             self.kv_budget_source = f"{utilization:g} of {memory.gib(total):.1f} GiB GPU memory"
             return memory.kv_budget_bytes(total, utilization, self.weight_bytes)
         if self.usable_memory is None:
@@ -264,6 +267,20 @@ class Engine:
             else f"{usable}, less weights and overhead"
         )
         return budget
+
+    def _check_kv_cache_memory(self, requested: int, gpu_total: int | None) -> None:
+        """A --kv-cache-memory larger than the device can hold beside the weights fails here,
+        saying so, not as an allocator error naming no flag (CPU) or a CUDA OOM."""
+        if gpu_total is not None:
+            where = f"GPU {self.device} memory"
+            capacity: float | None = gpu_total
+        else:
+            where, capacity = "the memory this process may use", self.usable_memory
+        if capacity is None:
+            return  # nothing to check against (no cgroup limit, no MemAvailable)
+        error = memory.kv_cache_memory_error(requested, capacity, self.weight_bytes, where)
+        if error is not None:
+            raise ValueError(error)
 
     # -- requests (any thread) --------------------------------------------------------------------
 

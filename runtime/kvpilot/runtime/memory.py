@@ -191,6 +191,24 @@ def kv_budget_bytes(
     return max(0.0, usable - weights_per_gpu - overhead_bytes(weights_per_gpu))
 
 
+def kv_cache_memory_error(
+    requested: float, capacity: float, weights: float, where: str
+) -> str | None:
+    """Why a --kv-cache-memory of `requested` bytes can never be allocated beside `weights` in
+    `capacity` bytes (`where`: a GPU's memory, or what a host process may use), or None. Only
+    what cannot fit is refused: the overhead the automatic budget reserves (activations, the
+    CUDA context) is the user's call once they size the pool themselves."""
+    room = capacity - weights
+    if requested <= room:
+        return None
+    return (
+        f"--kv-cache-memory {gib(requested):.2f} GiB cannot fit: {where} is "
+        f"{gib(capacity):.2f} GiB, {gib(weights):.2f} GiB of it the weights; pass at most "
+        f"{gib(max(room, 0.0)):.2f} GiB ({int(max(room, 0.0))} bytes), or leave it out to size "
+        "the pool from --gpu-memory-utilization"
+    )
+
+
 def host_kv_budget_bytes(
     usable_memory_bytes: float, memory_utilization: float, weights_bytes: float, demand_bytes: float
 ) -> float:

@@ -188,3 +188,28 @@ def test_host_kv_budget(
 ) -> None:
     budget = memory.host_kv_budget_bytes(usable_gib * GIB, 0.9, weights_gib * GIB, demand_gib * GIB)
     assert budget == pytest.approx(expected_gib * GIB)
+
+
+@pytest.mark.parametrize(
+    ("requested_gib", "capacity_gib", "weights_gib", "refused"),
+    [
+        (4, 20, 2, False),
+        (18, 20, 2, False),  # exactly what is left beside the weights: the user's call
+        (18.5, 20, 2, True),
+        (1, 2, 2, True),  # the weights alone fill it
+        (850_000, 22.4, 0.01, True),  # a petabyte typed as bytes
+    ],
+)
+def test_a_kv_cache_memory_that_cannot_fit_beside_the_weights_is_refused(
+    requested_gib: float, capacity_gib: float, weights_gib: float, refused: bool
+) -> None:
+    error = memory.kv_cache_memory_error(
+        requested_gib * GIB, capacity_gib * GIB, weights_gib * GIB, "GPU cuda:0 memory"
+    )
+    if not refused:
+        assert error is None
+        return
+    assert error is not None
+    room = max(capacity_gib - weights_gib, 0)
+    assert error.startswith(f"--kv-cache-memory {requested_gib:.2f} GiB cannot fit: GPU cuda:0")
+    assert f"pass at most {room:.2f} GiB ({int(room * GIB)} bytes)" in error
