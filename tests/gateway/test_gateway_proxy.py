@@ -251,3 +251,22 @@ async def burst(url: str, victim: RuntimeServer, num_requests: int) -> list[obje
     tasks = [asyncio.ensure_future(one(i)) for i in range(num_requests)]
     await kill_when_some_are_done()
     return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_an_api_the_gateway_does_not_proxy_is_a_404_naming_the_endpoints_it_has(
+    gateway: GatewayProcess,
+) -> None:
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.embeddings.create(model="tiny", input="hi")
+    assert info.value.message.endswith(
+        "POST /v1/embeddings is not an endpoint of this gateway; its OpenAI endpoints: "
+        "POST /v1/chat/completions, POST /v1/completions, GET /v1/models"
+    )
+    wrong_method = httpx.get(f"{gateway.url}/v1/chat/completions", timeout=10)
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["Allow"] == "POST"
+    assert wrong_method.json()["error"]["message"] == (
+        "GET /v1/chat/completions is not served; use POST /v1/chat/completions"
+    )
+    assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200  # routes still work

@@ -1,4 +1,5 @@
-"""/tokenize, /detokenize, /version and unknown models (404 model_not_found) on a real server."""
+"""/tokenize, /detokenize, /version, unknown models (404 model_not_found) and endpoints the server
+does not have, on a real server."""
 
 from __future__ import annotations
 
@@ -155,3 +156,25 @@ def test_unknown_model_is_404_model_not_found(client: OpenAI, server: RuntimeSer
         response = post(server, path, {**body, "model": "gpt-4"})
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_api_the_server_lacks_is_a_404_naming_the_endpoints_it_has(
+    client: OpenAI, server: RuntimeServer
+) -> None:
+    calls = [
+        lambda: client.embeddings.create(model=MODEL, input="hi"),
+        lambda: client.responses.create(model=MODEL, input="hi", max_output_tokens=1),
+    ]
+    for call in calls:
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert "is not an endpoint of this server; its OpenAI endpoints: " in info.value.message
+        assert "POST /v1/chat/completions, POST /v1/completions, GET /v1/models" in (
+            info.value.message
+        )
+    wrong_method = httpx.get(f"{server.url}/v1/completions", timeout=10)
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["message"] == (
+        "GET /v1/completions is not served; use POST /v1/completions"
+    )

@@ -32,6 +32,7 @@ from kvpilot.gateway.load import LoadBook, scrape_forever
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.picking import PickPolicy, home, pick
 from kvpilot.gateway.routes import Backend, Provider, Route, RouteTable
+from kvpilot.gateway.unknown_routes import explain_unknown_routes
 from kvpilot.gateway.upstream import Hop, Refusal, error_response, forward
 from kvpilot.gateway.wake import Waker
 
@@ -85,7 +86,9 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.options.max_body_bytes)
+        app = web.Application(
+            client_max_size=self.options.max_body_bytes, middlewares=[explain_unknown_routes]
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)

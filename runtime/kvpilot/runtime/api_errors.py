@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+
 from fastapi.responses import JSONResponse
 
 from kvpilot.runtime.response_models import error_body
@@ -44,3 +46,16 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JS
         extra.setdefault("Retry-After", str(RETRY_AFTER_S))
     body = error_body(error.message, error.kind, error.param, error.code or error.status)
     return JSONResponse(body, status_code=error.status, headers=extra)
+
+
+def unknown_route(method: str, path: str, routes: Mapping[str, Collection[str]]) -> str:
+    """What a request that matches no endpoint is told (`routes`: path -> its methods): the
+    method to use where the path exists, else the endpoints this server has, so a client aimed
+    at an API it lacks (/v1/embeddings, /v1/responses) learns what it can call instead."""
+    methods = routes.get(path)
+    if methods:
+        return f"{method} {path} is not served; use {' or '.join(sorted(methods))} {path}"
+    endpoints = ", ".join(
+        f"{m} {p}" for p, ms in sorted(routes.items()) if p.startswith("/v1/") for m in sorted(ms)
+    )
+    return f"{method} {path} is not an endpoint of this server; its OpenAI endpoints: {endpoints}"

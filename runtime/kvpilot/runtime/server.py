@@ -25,11 +25,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.runtime import machine_probe, serving, tokenization
-from kvpilot.runtime.api_errors import ApiError, error_response
+from kvpilot.runtime.api_errors import ApiError, error_response, unknown_route
 from kvpilot.runtime.draft_model import check_before_start
 from kvpilot.runtime.input_limits import BodySizeLimit
 from kvpilot.runtime.job import Job
@@ -87,8 +88,11 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(ApiError(exc.status_code, str(exc.detail)), dict(exc.headers or {}))
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            message = unknown_route(request.method, request.url.path, endpoints(app))
+        return error_response(ApiError(exc.status_code, message), dict(exc.headers or {}))
 
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -98,6 +102,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def on_bug(_: Request, exc: Exception) -> JSONResponse:  # a bug, or the engine failed
         log.exception("internal error", exc_info=exc)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def endpoints(app: FastAPI) -> dict[str, set[str]]:
+    """Each path this server answers, with its methods (HEAD left out: it follows GET)."""
+    return {r.path: set(r.methods or ()) - {"HEAD"} for r in app.routes if isinstance(r, APIRoute)}
 
 
 def check_request(request: Request, state: ServerState, model: str | None) -> None:
