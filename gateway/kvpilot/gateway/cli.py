@@ -64,7 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-store", choices=STORES,
                         help="turn the response cache on with this store (else the config "
                         "file's `cache:`; redis needs --redis-url)")  # fmt: skip
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical"])  # fmt: skip
     return parser.parse_args(argv)
 
 

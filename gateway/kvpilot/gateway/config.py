@@ -25,7 +25,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
 from kvpilot.gateway.cache_config import CacheSpec
@@ -77,6 +84,15 @@ class ModelSpec(_Strict):
     @classmethod
     def _http_urls(cls, values: list[str]) -> list[str]:
         return [http_url(value) for value in values]
+
+    @model_validator(mode="after")
+    def _answerable(self) -> ModelSpec:
+        if not self.backends and not self.fallbacks:
+            raise ValueError(
+                f"model {self.name!r} has no backends and no fallbacks, so no request for it "
+                "could be answered: list its replicas' URLs under backends"
+            )
+        return self
 
 
 class GatewayConfig(_Strict):

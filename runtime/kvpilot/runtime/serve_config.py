@@ -20,6 +20,8 @@ from kvpilot.runtime.config import EngineConfig, option
 from kvpilot.runtime.model_source import ModelSource, parse_model_uri
 from kvpilot.runtime.tool_calls import PARSER_CHOICES
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's, and uvicorn's
+
 
 @dataclass(frozen=True)
 class ServeConfig(EngineConfig):
@@ -37,7 +39,7 @@ class ServeConfig(EngineConfig):
         None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize"
     )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
-    log_level: str = option("info", "debug, info, warning, error")
+    log_level: str = option("info", "logging threshold", LOG_LEVELS)
     threads: int | None = option(
         None,
         "torch intra-op threads (default: OMP_NUM_THREADS if set, else the cores this process "

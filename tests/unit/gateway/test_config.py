@@ -25,14 +25,14 @@ def test_fallbacks_to_a_model_and_a_provider() -> None:
              "fallbacks": ["small", {"provider": {"baseURL": "https://api.example.com/v1",
                                                   "model": "gpt-4o-mini",
                                                   "apiKeyEnv": "EXAMPLE_KEY"}}]},
-            {"name": "small", "backends": []},
+            {"name": "small", "backends": ["http://b:1"]},
         ]
     }  # fmt: skip
     big, small = routes_from(data, {"EXAMPLE_KEY": "sk-1"})
     provider = Provider("big/1", "https://api.example.com/v1", "gpt-4o-mini", "sk-1")
     assert big.fallbacks == ("small", provider)
     assert big.fallback_after_s == 5
-    assert small == Route("small")
+    assert small == Route("small", (Backend("http://b:1", "http://b:1"),))
 
 
 UNSET_KEY = {"provider": {"baseURL": "https://x/v1", "model": "g", "apiKeyEnv": "UNSET"}}
@@ -46,11 +46,12 @@ UNSET_KEY = {"provider": {"baseURL": "https://x/v1", "model": "g", "apiKeyEnv": 
         ({"models": [{"backends": []}]}, "models.0.name: Field required"),
         ({"models": [{"name": "m", "backends": ["10.0.0.5:8000"]}]}, "is not an http"),
         ({"models": [{"name": "m", "backend": []}]}, "models.0.backend: Extra inputs"),
-        ({"models": [{"name": "m"}, {"name": "m"}]}, "repeated: \\['m'\\]"),
+        ({"models": [{"name": "m", "backends": ["http://a:1"]}] * 2}, "repeated: \\['m'\\]"),
         ({"models": [{"name": "m", "fallbacks": ["other"]}]}, "'other' is not another model"),
         ({"models": [{"name": "m", "fallbacks": ["m"]}]}, "'m' is not another model"),
         ({"models": [{"name": "m", "fallbacks": [UNSET_KEY]}]}, "apiKeyEnv 'UNSET' is not set"),
         ({"models": [{"name": "m", "fallbackAfterSeconds": 0}]}, "greater than 0"),
+        ({"models": [{"name": "m"}]}, "'m' has no backends and no fallbacks, so no request"),
     ],
 )
 def test_bad_config_says_where(data: Any, message: str) -> None:
