@@ -16,7 +16,7 @@ import pytest
 from kvpilot.runtime.bench import main as bench_main
 from kvpilot.runtime.bench.cli import benchmark, parse_args
 from kvpilot.runtime.bench.tokens import LocalTokenCounter
-from tests.support.server_process import MODEL, TINY, RuntimeServer
+from tests.support.server_process import MODEL, TINY, RuntimeServer, free_port
 
 FIRST_TOKEN_S = 0.08  # the scripted server's timings, what the bench must measure
 TOKEN_GAP_S = 0.02
@@ -127,6 +127,15 @@ def test_bench_cli_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None
     assert bench_main(["--goodput", "latency:5"]) == 2
     assert "goodput SLO" in capsys.readouterr().err
     assert bench_main(["--num-prompts", "0"]) == 2
+
+
+def test_bench_says_which_url_it_cannot_reach(capsys: pytest.CaptureFixture[str]) -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert bench_main(["--base-url", nowhere, "--num-prompts", "1", "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"kvpilot bench: cannot reach {nowhere}/v1/models: [Errno 111] Connection refused (is "
+        "the server up? --base-url says where it is)"
+    )
 
 
 def test_bench_against_the_runtime_agrees_with_its_histogram(

@@ -234,12 +234,25 @@ def benchmark(config: BenchConfig) -> tuple[Summary, dict]:
     return summary, document
 
 
+def describe(error: Exception) -> str:
+    """The error, with the URL it happened at where httpx has one: a refused connection says
+    only "[Errno 111] Connection refused"."""
+    if not isinstance(error, httpx.TransportError):
+        return str(error)
+    try:
+        url = error.request.url
+    except RuntimeError:  # raised before any request was made
+        return str(error)
+    reason = str(error) or type(error).__name__
+    return f"cannot reach {url}: {reason} (is the server up? --base-url says where it is)"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
         summary, _ = benchmark(config)
     except (ValueError, OSError, httpx.HTTPError) as exc:
-        print(f"kvpilot bench: {exc}", file=sys.stderr)
+        print(f"kvpilot bench: {describe(exc)}", file=sys.stderr)
         return 2
     print(format_summary(summary))
     return 0 if summary.completed else 1
