@@ -109,7 +109,7 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     """(message, param) for the first pydantic/FastAPI error, naming the field as OpenAI does."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first = most_specific(errors)
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg', '')}".strip(), None
     named = (first.get("ctx") or {}).get("param")
@@ -121,6 +121,31 @@ def describe_validation_error(errors: Sequence[Mapping[str, Any]]) -> tuple[str,
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value"))
     return (f"{param}: {message}" if param else message), param
+
+
+def most_specific(errors: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The first error; where that is one member of a union failing (its loc names the member)
+    and one member got deeper into the input than the others, that member's first error: the
+    member the input was shaped like tells more ("content.1.type: Input should be 'text'" for
+    an image part) than the first one tried ("content: Input should be a valid string"). Where
+    members tie (a prompt mixing text and ids) none is the one meant: the first error stays."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    member_at = next((i for i, part in enumerate(loc) if _is_type_name(part)), None)
+    if member_at is None:
+        return first
+
+    def is_member_error(error: Mapping[str, Any]) -> bool:
+        other = [str(part) for part in error.get("loc", ())]
+        same_union = other[:member_at] == loc[:member_at] and len(other) > member_at
+        return same_union and _is_type_name(other[member_at])
+
+    members = [e for e in errors if is_member_error(e)]
+    deepest = max(len(e.get("loc", ())) for e in members)
+    at_depth = [e for e in members if len(e.get("loc", ())) == deepest]
+    if len({str(e["loc"][member_at]) for e in at_depth}) > 1:
+        return first
+    return at_depth[0]
 
 
 def _is_type_name(part: str) -> bool:

@@ -84,7 +84,8 @@ BAD_CHATS: list[tuple[dict[str, Any], str]] = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
+    # A list of parts: the part at fault is named, not the string the content could have been.
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0.type"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
@@ -99,6 +100,15 @@ def test_bad_chat_fields_name_the_field(patch: dict[str, Any], param: str) -> No
         ChatCompletionRequest.model_validate({**CHAT, **patch})
     message, named = describe_validation_error(info.value.errors())
     assert named == param, message
+
+
+def test_an_image_part_is_refused_saying_what_the_part_should_be() -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({**CHAT, "messages": messages})
+    message, _ = describe_validation_error(info.value.errors())
+    assert message == "messages.0.content.1.type: Input should be 'text'"
 
 
 def test_top_logprobs_without_logprobs_is_rejected() -> None:
