@@ -9,9 +9,10 @@ rejects a bad object at `kubectl apply`; `model_validator`s repeat them so unit 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.policy import Bounds
@@ -81,6 +82,47 @@ def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": rule, "message": msg} for rule, msg in rules]}
 
 
+def _uri_check(pattern: str, forms: str) -> AfterValidator:
+    """pydantic's half of a URI field's check (`_uri_rule` is the apiserver's), in its words."""
+
+    def matches(value: str) -> str:
+        if re.fullmatch(pattern, value) is None:
+            raise ValueError(f"must be {forms}")
+        return value
+
+    return AfterValidator(matches)
+
+
+def _uri_rule(pattern: str, forms: str) -> Any:
+    """A CEL rule whose message lists the `forms` a URI may take: with an OpenAPI `pattern`
+    instead, `kubectl apply` would print the regular expression."""
+    return Field(json_schema_extra=_cel((f"self.matches(r'{pattern}')", f"must be {forms}")))
+
+
+MODEL_URI_FORMS = (
+    "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH (a Hugging"
+    " Face id such as Qwen/Qwen2.5-7B-Instruct is hf://Qwen/Qwen2.5-7B-Instruct)"
+)
+DRAFT_URI_FORMS = "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+EVAL_DATASET_URI_FORMS = (
+    "one file: hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
+    " s3://BUCKET/KEY or pvc://CLAIM/PATH"
+)
+ModelUri = Annotated[
+    str, _uri_check(URI_PATTERN, MODEL_URI_FORMS), _uri_rule(URI_PATTERN, MODEL_URI_FORMS)
+]
+DraftUri = Annotated[
+    str,
+    _uri_check(DRAFT_URI_PATTERN, DRAFT_URI_FORMS),
+    _uri_rule(DRAFT_URI_PATTERN, DRAFT_URI_FORMS),
+]
+EvalDatasetUri = Annotated[
+    str,
+    _uri_check(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS),
+    _uri_rule(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS),
+]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
@@ -127,8 +169,7 @@ class ModelSource(_Model):
         )
     )
 
-    uri: str = Field(
-        pattern=URI_PATTERN,
+    uri: ModelUri = Field(
         max_length=1024,
         description="hf://org/name, pvc://claim/path, s3://bucket/path or file:///path",
     )
@@ -189,9 +230,8 @@ class Speculative(_Model):
     )
 
     method: Literal["ngram", "draft_model"] = "ngram"
-    model: str | None = Field(
+    model: DraftUri | None = Field(
         default=None,
-        pattern=DRAFT_URI_PATTERN,
         max_length=1024,
         description="draft_model: the draft's hf://org/name or s3://bucket/path, with the served"
         " model's tokenizer (fetched with spec.model.secretRef's credentials)",
@@ -298,9 +338,8 @@ class EvalDataset(_Model):
         max_length=253,
         description="the key is the file name the eval reads; end it in .jsonl for JSON lines",
     )
-    uri: str | None = Field(
+    uri: EvalDatasetUri | None = Field(
         default=None,
-        pattern=EVAL_DATASET_URI_PATTERN,
         max_length=1024,
         description="hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
         " s3://BUCKET/KEY or pvc://CLAIM/PATH: one file; its name's suffix selects the format",

@@ -270,3 +270,42 @@ def test_endpoint_picker_ref_matches_the_inference_pool_field() -> None:
         "port": {"number": 9002},
         "failureMode": "FailClose",
     }
+
+
+def _schema_at(path: tuple[str, ...]) -> dict[str, Any]:
+    node = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for name in path:
+        node = node["properties"][name]
+    return dict(node)
+
+
+@pytest.mark.parametrize(
+    ("spec", "loc", "forms", "crd_path"),
+    [
+        ({"model": {"uri": "Qwen/Qwen2.5-7B-Instruct"}}, "model.uri", api.MODEL_URI_FORMS,
+         ("spec", "model", "uri")),
+        ({"model": {"uri": "https://huggingface.co/Qwen/Qwen2.5-7B-Instruct"}}, "model.uri",
+         api.MODEL_URI_FORMS, ("spec", "model", "uri")),
+        ({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},
+          "serving": {"speculative": {"method": "draft_model", "model": "pvc://drafts/small"}}},
+         "serving.speculative.model", api.DRAFT_URI_FORMS,
+         ("spec", "serving", "speculative", "model")),
+        ({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},
+          "quantization": {"evaluation": {"maxQualityLoss": 1, "dataset": {"uri": "s3://b/"}}}},
+         "quantization.evaluation.dataset.uri", api.EVAL_DATASET_URI_FORMS,
+         ("spec", "quantization", "evaluation", "dataset", "uri")),
+    ],
+)  # fmt: skip
+def test_a_uri_in_no_accepted_form_is_refused_listing_the_forms_on_both_sides(
+    spec: dict[str, Any], loc: str, forms: str, crd_path: tuple[str, ...]
+) -> None:
+    """pydantic's message and the CRD rule's (what `kubectl apply` prints) are the same words,
+    and neither is a regular expression."""
+    with pytest.raises(ValidationError) as info:
+        api.parse_spec(spec)
+    (error,) = info.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == loc
+    assert error["msg"] == f"Value error, must be {forms}"
+    (rule,) = _schema_at(crd_path)["x-kubernetes-validations"]
+    assert rule["message"] == f"must be {forms}"
+    assert "pattern" not in _schema_at(crd_path)

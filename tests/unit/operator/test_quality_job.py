@@ -57,10 +57,13 @@ def test_each_dataset_form_is_valid(dataset: dict[str, Any]) -> None:
         ({"uri": "s3://evals/eval.txt", "key": "e.txt"}, "either uri"),
         ({"configMap": "x"}, "either uri"),
         ({}, "either uri"),
-        ({"uri": "file:///data/eval.txt"}, "pattern"),  # the Job cannot see the user's disk
-        ({"uri": "s3://evals/folder/"}, "pattern"),  # a prefix, not one file
-        ({"uri": "hf://kvpilot/tiny-llama"}, "pattern"),  # a repo, not one file
-        ({"uri": "pvc://Bad_Claim/eval.txt"}, "pattern"),
+        (
+            {"uri": "file:///data/eval.txt"},
+            "must be one file: hf:",
+        ),  # the Job cannot see the user's disk
+        ({"uri": "s3://evals/folder/"}, "must be one file: hf:"),  # a prefix, not one file
+        ({"uri": "hf://kvpilot/tiny-llama"}, "must be one file: hf:"),  # a repo, not one file
+        ({"uri": "pvc://Bad_Claim/eval.txt"}, "must be one file: hf:"),
     ],
 )
 def test_a_dataset_in_no_form_or_two_is_refused_with_the_reason(
