@@ -11,9 +11,10 @@ import pytest
 from hack.closedloop import local_model_uri
 from hack.demo import pods_failing
 from hack.devcluster import DevClusterError
-from kvpilot.operator import conditions
+from kvpilot.operator import api, catalog, conditions, manifests, planner
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.inventory import NodeType
 from kvpilot.operator.manifests import SCRATCH_MOUNT
-from tests.unit.operator.test_operator_manifests import deployment
 
 CRASH = "runtime: CrashLoopBackOff: kvpilot-runtime serve: --model 'file:///m': not a checkpoint"
 
@@ -65,6 +66,13 @@ def test_a_checkout_under_the_runtime_pods_scratch_mount_is_refused(
 
 def test_the_runtime_pods_mount_their_scratch_emptydir_where_the_check_looks() -> None:
     """The other side of local_model_uri's check: the operator's runtime container."""
-    (container,) = deployment()["spec"]["template"]["spec"]["containers"]
+    spec = api.parse_spec({"model": {"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct"}})
+    local = NodeType("local", "NVIDIA-L4", 23034, 1, 0.0, {}, ("local-0",), (1,))
+    plan = planner.plan_node_type(
+        planner.PlanRequest.from_spec(spec, catalog.resolve(spec.model)), local
+    )
+    md = {"metadata": {"name": "tiny", "namespace": "default", "uid": "u1", "generation": 1}}
+    built = manifests.build_deployment(md, spec, plan, 1, OperatorConfig())
+    (container,) = built["spec"]["template"]["spec"]["containers"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["tmp"] == SCRATCH_MOUNT
