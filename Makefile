@@ -18,7 +18,7 @@ help:
 	@echo "                 LOCK_ARGS=--upgrade moves every package to its newest allowed version)"
 	@echo "make lock-check  fail when uv.lock does not match pyproject.toml (offline, ~0.1 s)"
 	@echo "make bench       run the benchmarks and rewrite docs/benchmarks.md (the first run builds"
-	@echo "                 llama.cpp's llama-server for bench.engine_peer, ~75 min on 2 cores;"
+	@echo "                 llama.cpp's llama-server for bench.engine_peer, ~5 min on 2 cores;"
 	@echo "                 BENCH_SKIP=engine_peer leaves that benchmark out)"
 	@echo "make llama-server  build (or find) the cached llama-server the peer benchmark runs"
 	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
@@ -58,7 +58,7 @@ test: lint cluster-build
 
 # BENCH_SKIP: benchmarks to leave out, by module name (spaces or commas), e.g.
 # `make bench BENCH_SKIP=engine_peer`: that one builds llama.cpp's llama-server the first time
-# (~75 min on 2 cores, cached under ~/.cache/kvpilot keyed by version; `make llama-server` builds
+# (~5 min on 2 cores, cached under ~/.cache/kvpilot keyed by version; `make llama-server` builds
 # it alone). `make test` never builds it.
 BENCH_SKIP ?=
 bench: setup

@@ -4,8 +4,9 @@
 
 Both servers run side by side on the same cores (llama.cpp gets the thread count kvpilot chose
 by default, read from its /version) and one client, `kvpilot bench`, drives them in turn:
-token-id prompts of 128 tokens cut from one text, 128 output tokens (ignore_eos), greedy,
-closed loop at concurrency 1, 8, 32 and 64. The servers alternate within each round (the order
+token-id prompts of 128 tokens cut from one text (new ones each round, the same for every server
+in it, so no TTFT is a cache hit), 128 output tokens (ignore_eos), greedy, closed loop at
+concurrency 1, 8, 32 and 64. The servers alternate within each round (the order
 flips every round) and the best of the rounds counts. Reported per server: output tok/s, TTFT
 p50/p95, TPOT, and the server's CPU-seconds per 1,000 output tokens (utime + stime from
 /proc/PID/stat, so what else runs on this shared machine is not counted).
@@ -118,9 +119,13 @@ def sweep(
     best: dict[tuple[str, int], Run] = {}
     for concurrency in concurrencies:
         num_requests = max(4, concurrency)
-        prompts = token_prompts(num_requests, PROMPT_LEN, seed=concurrency)
-        dataset = write_dataset(prompts, OUTPUT_LEN, tmp / f"c{concurrency}.jsonl")
         for round_ in range(rounds):
+            # Prompts of their own each round, the same for every server in it: no server has
+            # seen them, so every TTFT is a prefill (the warm case is shared_prefix_ttft_ms's).
+            # Reused across rounds, the second round's prompts were cached by both servers, and
+            # which round was best decided whether a TTFT was a prefill or a cache hit.
+            prompts = token_prompts(num_requests, PROMPT_LEN, seed=1000 * concurrency + round_)
+            dataset = write_dataset(prompts, OUTPUT_LEN, tmp / f"c{concurrency}-r{round_}.jsonl")
             order = servers if round_ % 2 == 0 else servers[::-1]
             for server in order:
                 run = measure(server, dataset, num_requests, concurrency)
@@ -259,7 +264,8 @@ def report(results: list[ModelResult], args: argparse.Namespace) -> str:
     intro = (
         f"Workload: token-id prompts of {PROMPT_LEN} tokens, {OUTPUT_LEN} output tokens "
         "(ignore_eos), greedy, `kvpilot bench` closed loop with max(4, concurrency) requests per "
-        f"run; the servers up side by side with {CONTEXT} tokens per sequence and "
+        "run, new prompts each round (the same for both servers), so TTFT is a prefill that no "
+        f"cache holds; the servers up side by side with {CONTEXT} tokens per sequence and "
         f"{MAX_NUM_SEQS} sequences (`--max-model-len {CONTEXT}` for kvpilot, otherwise its "
         f"defaults; {peer}); {args.rounds} rounds, the servers' order flipping each round, best "
         "round per server. Other processes share this machine's cores: compare within a table, "
