@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 from kvpilot.operator.policy import Bounds
 from kvpilot.runtime.dataset_source import parse_dataset_uri
@@ -82,21 +92,30 @@ def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": rule, "message": msg} for rule, msg in rules]}
 
 
-def _uri_check(pattern: str, forms: str) -> AfterValidator:
-    """pydantic's half of a URI field's check (`_uri_rule` is the apiserver's), in its words."""
+@dataclass(frozen=True)
+class _UriForms:
+    """A URI that must match `pattern`: pydantic refuses any other saying which `forms` are
+    accepted, and the CRD says the same words in a CEL rule (with an OpenAPI `pattern` instead,
+    `kubectl apply` would print the regular expression)."""
 
-    def matches(value: str) -> str:
-        if re.fullmatch(pattern, value) is None:
-            raise ValueError(f"must be {forms}")
+    pattern: str
+    forms: str
+
+    def __get_pydantic_core_schema__(
+        self, source: Any, handler: GetCoreSchemaHandler
+    ) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._matches, handler(source))
+
+    def __get_pydantic_json_schema__(
+        self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        rule = (f"self.matches(r'{self.pattern}')", f"must be {self.forms}")
+        return {**handler(schema), **_cel(rule)}
+
+    def _matches(self, value: str) -> str:
+        if re.fullmatch(self.pattern, value) is None:
+            raise ValueError(f"must be {self.forms}")
         return value
-
-    return AfterValidator(matches)
-
-
-def _uri_rule(pattern: str, forms: str) -> Any:
-    """A CEL rule whose message lists the `forms` a URI may take: with an OpenAPI `pattern`
-    instead, `kubectl apply` would print the regular expression."""
-    return Field(json_schema_extra=_cel((f"self.matches(r'{pattern}')", f"must be {forms}")))
 
 
 MODEL_URI_FORMS = (
@@ -108,19 +127,9 @@ EVAL_DATASET_URI_FORMS = (
     "one file: hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
     " s3://BUCKET/KEY or pvc://CLAIM/PATH"
 )
-ModelUri = Annotated[
-    str, _uri_check(URI_PATTERN, MODEL_URI_FORMS), _uri_rule(URI_PATTERN, MODEL_URI_FORMS)
-]
-DraftUri = Annotated[
-    str,
-    _uri_check(DRAFT_URI_PATTERN, DRAFT_URI_FORMS),
-    _uri_rule(DRAFT_URI_PATTERN, DRAFT_URI_FORMS),
-]
-EvalDatasetUri = Annotated[
-    str,
-    _uri_check(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS),
-    _uri_rule(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS),
-]
+ModelUri = Annotated[str, _UriForms(URI_PATTERN, MODEL_URI_FORMS)]
+DraftUri = Annotated[str, _UriForms(DRAFT_URI_PATTERN, DRAFT_URI_FORMS)]
+EvalDatasetUri = Annotated[str, _UriForms(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS)]
 
 
 class _Model(BaseModel):
