@@ -32,11 +32,11 @@ import torch
 
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads, threads_note
 from bench.report import command_line, markdown_table, write_section
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import ModelRunner, load_model, plan_step
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence

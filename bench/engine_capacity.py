@@ -22,8 +22,8 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
-from kvpilot.runtime import memory
-from kvpilot.runtime.engine import model_facts
+from kvpilot.contract import memory
+from kvpilot.runtime.engine_sizing import model_facts
 
 MAX_MODEL_LEN = 2048
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine import Engine, RequestOutput
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.tokenizer import Tokenizer

@@ -33,11 +33,11 @@ from bench.engine_spec import (
     prompts,
     run_to_the_end,
 )
+from bench.reference.models import truncated_llama
 from bench.report import command_line, markdown_table, write_section
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.draft_model import DraftModelProposer
 from kvpilot.runtime.engine import Engine
-from tests.support.reference_models import truncated_llama
 
 CONCURRENCIES = (1, 8)
 NUM_SPECULATIVE_TOKENS = 4

@@ -33,8 +33,9 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
-from kvpilot.runtime import memory
-from kvpilot.runtime.engine import Engine, model_facts
+from kvpilot.contract import memory
+from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine_sizing import model_facts
 from kvpilot.runtime.evaluate import (
     cached_context_meta,
     read_dataset,

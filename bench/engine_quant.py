@@ -29,8 +29,8 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime import machine_probe
-from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import parse_args, run
 from kvpilot.runtime.layers.quant import resolve_int8_kernel

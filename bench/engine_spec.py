@@ -43,7 +43,7 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import command_line, markdown_table, write_section
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.spec_governor import SMALL_BATCH
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.report import markdown_table, write_section
 from hack.devcluster import modelsources, procs
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from bench.report import markdown_table, write_section
-from kvpilot.operator import catalog, inventory, planner
+from kvpilot.contract import catalog
+from kvpilot.operator import inventory, planner
 
 TARGET_MS = 100.0
 PRODUCTS = [

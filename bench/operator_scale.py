@@ -37,7 +37,7 @@ from kubernetes import client as k8s_client
 from bench.report import command_line, markdown_table, write_section
 from hack.closedloop import apply_crds
 from hack.devcluster import DevCluster, nodepools
-from kvpilot.operator import api, k8s
+from kvpilot.contract import k8s, resource
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench-operator"
@@ -184,7 +184,7 @@ def run(cluster: Any, operator: Operator, count: int, tmp: Path, burst: int) -> 
         (k8s_client.AppsV1Api(client).list_namespaced_deployment, (namespace,), is_any, seen),
         (
             k8s_client.CustomObjectsApi(client).list_namespaced_custom_object,
-            (api.GROUP, api.VERSION, namespace, api.PLURAL),
+            (resource.GROUP, resource.VERSION, namespace, resource.PLURAL),
             is_ready,
             ready,
         ),
@@ -440,7 +440,7 @@ def on_cluster(
 ) -> tuple[int, dict[str, dict[str, Any]]]:
     """Each operator's run, in turn, on one cluster ($KUBECONFIG's, else a dev cluster)."""
     if os.environ.get("KUBECONFIG"):
-        from tests.conftest import ExistingCluster
+        from hack.devcluster.existing import ExistingCluster
 
         cluster: Any = ExistingCluster(Path(os.environ["KUBECONFIG"]))
         return runs_on(cluster, tmp, operators, count, total_nodes, bursts)

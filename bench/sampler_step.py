@@ -9,7 +9,7 @@ max, one sync); the options the old sampler had (a quarter each greedy, temperat
 top-p, seeded top-p), against the old sampler's per-row loop (`old_sample` below, as it was
 before the batched sampler replaced it); and every option (adding min-p, logit bias, min_tokens
 and presence / frequency / repetition penalties), which the old loop cannot do, against the
-row-at-a-time reference the sampler is tested against (tests/support/sampler_reference.py).
+row-at-a-time reference the sampler is tested against (bench/reference/sampler.py).
 Median of --repeats steps, after one warm-up.
 """
 
@@ -25,10 +25,10 @@ from collections.abc import Callable
 import torch
 
 from bench.engine_common import setup_threads, threads_note
+from bench.reference.sampler import sample_rows
 from bench.report import markdown_table, write_section
 from kvpilot.runtime.layers.sampler import SamplingRow, sample
 from kvpilot.runtime.sampling import SamplingParams
-from tests.support.sampler_reference import sample_rows
 
 EOS = (2,)
 NUM_PROMPT = 64

@@ -9,56 +9,23 @@ S3Endpoint whose bucket holds `tiny-llama/`) are the dev cluster's model servers
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from hack.devcluster import DevCluster
-from hack.devcluster.versions import HELM, KUBERNETES, kube_env
+from hack.devcluster import DevCluster, existing
+from hack.devcluster.versions import HELM
 from tests.support import model_sources
 from tests.support.model_sources import S3Endpoint
 
 
-class ExistingCluster:
-    """A cluster someone else runs (KUBECONFIG); the same interface as DevCluster."""
-
-    def __init__(self, kubeconfig: Path) -> None:
-        self.kubeconfig = kubeconfig
-
-    @property
-    def env(self) -> dict[str, str]:
-        return kube_env(self.kubeconfig)
-
+class ExistingCluster(existing.ExistingCluster):
     @property
     def prometheus_url(self) -> str:
-        """The Prometheus that scrapes this cluster's pods (PROMETHEUS_URL)."""
         if not os.environ.get("PROMETHEUS_URL"):
             pytest.skip("set PROMETHEUS_URL to run Prometheus tests against an existing cluster")
-        return os.environ["PROMETHEUS_URL"]
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
-    ) -> subprocess.CompletedProcess[str]:
-        kubectl = KUBERNETES.path("kubectl")
-        binary = str(kubectl) if kubectl.exists() else (shutil.which("kubectl") or "kubectl")
-        return subprocess.run(
-            [binary, *args],
-            input=input,
-            capture_output=True,
-            text=True,
-            env=self.env,
-            timeout=timeout,
-            check=check,
-        )
-
-    def api_client(self) -> Any:
-        from kubernetes import config
-
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        return super().prometheus_url
 
 
 @pytest.fixture(scope="session")

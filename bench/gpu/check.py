@@ -38,15 +38,15 @@ import torch
 
 from bench.engine_common import COMPUTE_BOUND_SHAPE, MODEL, compute_bound_llama
 from bench.engine_kv_dtype import eval_prompts, perplexity
+from bench.reference.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 from bench.report import command_line, write_section
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.evaluate import read_dataset, relative_loss, window_logits, windows
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.layers.attention import paged_attention
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.support.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 
 MAX_NEW_TOKENS = 24
 TITLE = "GPU check: the engine against transformers on the same GPU"

@@ -21,7 +21,7 @@ import pytest
 
 from hack import closedloop
 from hack.devcluster import procs
-from kvpilot.operator import timestamps
+from kvpilot.contract import timestamps
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

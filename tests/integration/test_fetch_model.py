@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot.runtime.fetch import FetchError
-from kvpilot.runtime.model_source import HF_ALLOW_PATTERNS, parse_model_uri
-from kvpilot.runtime.remote_config import count_parameters, read_config_json
+from kvpilot.contract.fetch import FetchError
+from kvpilot.contract.model_source import HF_ALLOW_PATTERNS, parse_model_uri
+from kvpilot.contract.remote_config import count_parameters, read_config_json
 from tests.support.model_sources import (
     HF_REPO_ID,
     MODEL_DIR,

@@ -25,7 +25,7 @@ SCRIPT = """
 import json, sys
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from kvpilot.operator import k8s
+from kvpilot.contract import k8s
 
 api = k8s.api_client()
 core = client.CoreV1Api(api)

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.config import EngineConfig
+from bench.reference.models import TINY_LLAMA
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine import Engine
-from tests.support.reference_models import TINY_LLAMA
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.attention import (
     AttentionMetadata,
@@ -21,7 +22,6 @@ from kvpilot.runtime.layers.attention import (
 from kvpilot.runtime.layers.kv_cache import dequantize, quantize
 from kvpilot.runtime.layers.rotary import apply_rotary, signed_sin
 from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import (
     ModelRunner,
     batch_layout,

@@ -20,6 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+from bench.reference.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
+from bench.reference.models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.layers.attention import paged_attention
@@ -30,10 +33,7 @@ from kvpilot.runtime.layers.flashinfer_attention import (
     query_indptr,
 )
 from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import ModelRunner, load_model
-from tests.support.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
-from tests.support.reference_models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
 
 
 @pytest.mark.parametrize(

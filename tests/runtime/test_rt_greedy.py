@@ -12,11 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.draft_model import DraftModelProposer
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.memory import BLOCK_SIZE
-from kvpilot.runtime.spec_governor import Governor
-from tests.support.reference_models import (
+from bench.reference.models import (
     GREEDY_NEW_TOKENS,
     TINY_LLAMA,
     make_prompts,
@@ -25,6 +21,10 @@ from tests.support.reference_models import (
     run_all,
     truncated_llama,
 )
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.runtime.draft_model import DraftModelProposer
+from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.spec_governor import Governor
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_speculative_greedy_matches_transformers_as_proposals_start_and_stop(
         max_num_batched_tokens=48,
         enable_prefix_caching=True,
     )
-    governor = engine.governor = Alternating()
+    governor = engine.spec_step.governor = Alternating()
     execute = engine.runner.execute
     steps_without = []
 

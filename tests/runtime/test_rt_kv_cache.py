@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvpilot.runtime import memory
+from kvpilot.contract import memory
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.kv_cache import FP8_MAX, PagedCache, fp8_scale, resolve_kv_cache_dtype
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.reference_models import hf_logits, our_logits
+from bench.reference.models import hf_logits, our_logits
 
 TOLERANCE = 1e-4
 

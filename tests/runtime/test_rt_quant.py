@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.runtime import memory
-from kvpilot.runtime.engine import Engine, model_facts
+from kvpilot.contract import memory
+from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine_sizing import model_facts
 from kvpilot.runtime.evaluate import window_logits
 from kvpilot.runtime.layers.quant import (
     DenseWeight,

@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.config import EngineConfig
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.layers.quant import make_weight
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import load_model
-from kvpilot.runtime.sampling import SamplingParams
-from tests.support.reference_models import (
+from bench.reference.models import (
     QWEN3_PROMPTS,
     hf_greedy,
     hf_logits,
     our_logits,
     qwen3_checkpoint,
 )
+from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.layers.quant import make_weight
+from kvpilot.runtime.loader import load_model_config
+from kvpilot.runtime.model_runner import load_model
+from kvpilot.runtime.sampling import SamplingParams
 
 CHUNKINGS = [[], [11, 1, 1]]  # whole prefills; a chunk, cached-KV chunks, then decodes
 MAX_NEW_TOKENS = 16
@@ -172,7 +172,7 @@ def test_catalog_entries_equal_transformers_parameter_count(tmp_path: Path, key:
     device: no memory), and our loader's count of the same config."""
     import transformers
 
-    from kvpilot.operator import catalog
+    from kvpilot.contract import catalog
 
     hidden, layers, heads, kv_heads, intermediate, tied = QWEN3_CONFIGS[key]
     config = transformers.Qwen3Config(

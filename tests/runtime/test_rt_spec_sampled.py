@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.reference.models import make_prompts, quoting, run_all
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.sampling import SamplingParams
-from tests.support.reference_models import make_prompts, quoting, run_all
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 

@@ -235,7 +235,7 @@ def test_a_dead_worker_fails_the_step_with_its_rank(make_engine: Callable[..., E
 
 RANK0_SCRIPT = """
 import sys, time
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.draft_model import DraftModelProposer
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight

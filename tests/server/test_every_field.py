@@ -22,8 +22,9 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
+from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.contract.serve_config import ServeConfig
 from kvpilot.runtime import server_state, serving
-from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.job import Job
 from kvpilot.runtime.protocol import (
@@ -33,7 +34,6 @@ from kvpilot.runtime.protocol import (
     TokenizeRequest,
 )
 from kvpilot.runtime.request_checks import NOT_HONOURED
-from kvpilot.runtime.serve_config import ServeConfig
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 

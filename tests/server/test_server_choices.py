@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 from openai import OpenAI
 
-from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 

@@ -11,10 +11,10 @@ import openai
 import pytest
 from openai import OpenAI
 
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime import machine_probe
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.tokenizer import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.sampling import PromptLogprob, SamplingParams
 from tests.support.server_process import MODEL, TINY, RuntimeServer

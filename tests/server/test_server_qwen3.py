@@ -11,8 +11,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from bench.reference.models import QWEN3_PROMPTS, hf_greedy, qwen3_checkpoint
 from kvpilot.runtime.tokenizer import Tokenizer
-from tests.support.reference_models import QWEN3_PROMPTS, hf_greedy, qwen3_checkpoint
 from tests.support.server_process import MODEL, RuntimeServer
 
 MAX_TOKENS = 16

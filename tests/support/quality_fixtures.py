@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, planner, quality_job
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
-from kvpilot.runtime.memory import ModelFacts
 
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
 

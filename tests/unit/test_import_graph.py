@@ -1,8 +1,11 @@
-"""No import circles between kvpilot's own modules.
+"""No import circles between kvpilot's own modules, and imports only in the allowed directions.
 
 A circle (a imports b, b imports a, even under TYPE_CHECKING or inside a function) means two
 modules are one module in two files: neither can be read, tested or changed without the other.
-The graph is read from the source with `ast`, so lazy and type-only imports count too.
+The directions (docs/architecture.md's map): the operator, the gateway and the runtime are three
+processes that share only kvpilot.contract; the contract is torch-free (the operator and gateway
+images carry no torch); benchmarks do not import tests. The graph is read from the source with
+`ast`, so lazy and type-only imports count too.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
+    "kvpilot.contract": ROOT / "contract/kvpilot/contract",
     "kvpilot.gateway": ROOT / "gateway/kvpilot/gateway",
     "kvpilot.runtime": ROOT / "runtime/kvpilot/runtime",
     "kvpilot.operator": ROOT / "operator/kvpilot/operator",
@@ -50,6 +54,27 @@ def graph(package: str, folder: Path) -> dict[str, set[str]]:
         name: imported(ast.parse(path.read_text()), known) - {name, package}
         for name, path in modules.items()
     }
+
+
+# What each room may not import, by module-name prefix.
+FORBIDDEN = {
+    "kvpilot.contract": ("kvpilot.runtime", "kvpilot.operator", "kvpilot.gateway", "torch"),
+    "kvpilot.runtime": ("kvpilot.operator", "kvpilot.gateway"),
+    "kvpilot.gateway": ("kvpilot.operator", "kvpilot.runtime", "torch"),
+    "kvpilot.operator": ("kvpilot.runtime", "kvpilot.gateway", "torch"),
+    "bench": ("tests",),
+}
+FOLDERS = {**PACKAGES, "bench": ROOT / "bench"}
+
+
+def forbidden_edges(package: str, modules: dict[str, Path]) -> list[str]:
+    """`a imports b` for every import of a module in `package` that its room may not make."""
+    edges = []
+    for name, path in sorted(modules.items()):
+        for target in sorted(names_imported(path)):
+            if any(target == f or target.startswith(f + ".") for f in FORBIDDEN[package]):
+                edges.append(f"{name} imports {target}")
+    return edges
 
 
 def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -105,6 +130,35 @@ def test_every_import_counts_wherever_it_is(source: str, modules: set[str]) -> N
 @pytest.mark.parametrize("package", sorted(PACKAGES))
 def test_no_import_circle(package: str) -> None:
     assert find_circle(graph(package, PACKAGES[package])) is None
+
+
+@pytest.mark.parametrize(
+    ("package", "source", "edges"),
+    [
+        ("kvpilot.operator", "from kvpilot.runtime import memory\n", ["m imports kvpilot.runtime"]),
+        (
+            "kvpilot.gateway",
+            "def f():\n    import kvpilot.operator.api\n",
+            ["m imports kvpilot.operator.api"],
+        ),
+        ("kvpilot.contract", "import torch.nn\n", ["m imports torch.nn"]),
+        ("kvpilot.contract", "import torchvision\n", []),
+        ("bench", "from tests.support import kube\n", ["m imports tests.support"]),
+        ("kvpilot.runtime", "from kvpilot.contract import memory\n", []),
+    ],
+)
+def test_forbidden_edges_are_named(
+    tmp_path: Path, package: str, source: str, edges: list[str]
+) -> None:
+    (tmp_path / "m.py").write_text(source)
+    assert forbidden_edges(package, {"m": tmp_path / "m.py"}) == edges
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_go_only_in_the_allowed_directions(package: str) -> None:
+    folder = FOLDERS[package]
+    modules = module_names(package, folder)
+    assert forbidden_edges(package, modules) == []
 
 
 def test_tests_share_helpers_only_through_tests_support() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime import memory
-from kvpilot.runtime.memory import GIB, ModelFacts
+from kvpilot.contract import memory
+from kvpilot.contract.memory import GIB, ModelFacts
 
 GB = 1e9
 # Llama-3.1-8B-like and Llama-3.1-70B-like facts (GQA with 8 KV heads of dim 128).
@@ -74,7 +74,7 @@ def test_a_draft_is_whole_on_gpu_0_beside_its_share_of_the_served_model(
     tensor_parallel: int, kv_per_served_token: float
 ) -> None:
     """GPU 0 (rank 0 runs the draft) holds 1/tp of the served model and all of the draft, the
-    runtime's own sizing (engine._num_kv_blocks: the draft's share of a rank's block)."""
+    runtime's own sizing (engine_sizing.size_kv_pool: the draft's share of a rank's block)."""
     alone = memory.estimate(M7B, "bf16", 2, 4096, 8, 1, 80 * GIB, 0.9)
     drafted = memory.estimate(M7B, "bf16", 2, 4096, 8, tensor_parallel, 80 * GIB, 0.9, DRAFT)
     assert drafted.kv_cache_bytes == pytest.approx(alone.kv_cache_bytes * kv_per_served_token)

@@ -26,10 +26,11 @@ from kubernetes import client as k8s_client
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
+from kvpilot.contract import k8s
+from kvpilot.contract.resource import API_VERSION, KIND, LABEL_MODEL
 from kvpilot.gateway import kube_routes
 from kvpilot.gateway.kube_wake import KubernetesWaker
 from kvpilot.gateway.routes import Route, RouteTable
-from kvpilot.operator import api, k8s
 
 log = logging.getLogger("kvpilot.gateway.discovery")
 
@@ -47,9 +48,9 @@ class Resource:
     keep: Callable[[dict[str, Any]], dict[str, Any]] = dict  # the part of an object we hold
 
 
-MODEL_DEPLOYMENTS = Resource(k8s.MD_API_VERSION, api.KIND)
+MODEL_DEPLOYMENTS = Resource(API_VERSION, KIND)
 # Only the operator's runtime pods (label kvpilot.dev/model), and only what routing reads of them.
-PODS = Resource("v1", "Pod", kube_routes.MODEL_LABEL, kube_routes.slim_pod)
+PODS = Resource("v1", "Pod", LABEL_MODEL, kube_routes.slim_pod)
 
 
 class GoneError(Exception):

@@ -1,7 +1,7 @@
 """ModelDeployments and their runtime pods (as the API returns them, plain dicts) -> the gateway's
 routes. Pure: the watch in discovery.py keeps the objects and calls `build_routes` on a change.
 
-- A ModelDeployment's served name is `api.served_name(spec.model)`, the name the runtime serves.
+- A ModelDeployment's served name is `resource.served_name(spec.model)`, what the runtime serves.
 - Its ready replicas are its pods (label `kvpilot.dev/model=<name>`, the operator's selector) that
   run, have an IP and the condition Ready, and are not terminating (no deletionTimestamp), on
   their container port named `http`: a pod that turns not-Ready or is being deleted leaves the
@@ -23,15 +23,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
+from kvpilot.contract import resource
 from kvpilot.gateway.budgets import Price
 from kvpilot.gateway.cascade_rules import CascadeRule, find_cycle
 from kvpilot.gateway.routes import Backend, Fallback, Provider, Route, ScaleTarget
-from kvpilot.operator import api
 
 Obj = Mapping[str, Any]
-MODEL_LABEL = "kvpilot.dev/model"  # manifests.LABEL_MODEL: the pods of one ModelDeployment
 PORT_NAME = "http"  # the runtime container's port, as manifests.build_deployment names it
 
 # (namespace, Secret name, key) -> the value, or None when it cannot be read
@@ -61,11 +58,10 @@ def key_of(obj: Obj) -> str:
 def served_name(md: Obj) -> str:
     """The name the runtime serves; ValueError naming the object when spec.model is invalid."""
     try:
-        source = api.ModelSource.model_validate(dict(md["spec"]["model"]))
-    except (KeyError, TypeError, ValidationError) as error:
+        return resource.served_name(md["spec"]["model"])
+    except (KeyError, TypeError, ValueError) as error:
         first = str(error).splitlines()[0]
         raise ValueError(f"ModelDeployment {key_of(md)}: spec.model is invalid ({first})") from None
-    return api.served_name(source)
 
 
 def fallback_specs(md: Obj) -> list[Obj]:
@@ -166,7 +162,7 @@ def _pods_by_model(pods: Iterable[Obj]) -> dict[tuple[str, str], list[Obj]]:
     grouped: dict[tuple[str, str], list[Obj]] = {}
     for pod in pods:
         meta = pod["metadata"]
-        model = (meta.get("labels") or {}).get(MODEL_LABEL)
+        model = (meta.get("labels") or {}).get(resource.LABEL_MODEL)
         if model:
             grouped.setdefault((meta["namespace"], model), []).append(pod)
     return grouped

@@ -17,12 +17,11 @@ from collections.abc import Callable
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
 
+from kvpilot.contract import k8s, resource, timestamps
 from kvpilot.gateway.routes import ScaleTarget
-from kvpilot.operator import api, k8s, timestamps
 
 log = logging.getLogger("kvpilot.gateway.wake")
 
-WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 MIN_INTERVAL_S = 5.0
 
 
@@ -69,12 +68,12 @@ class KubernetesWaker:
 
     def _annotate(self, target: ScaleTarget, now: str) -> None:
         self._objects.patch_namespaced_custom_object(
-            api.GROUP,
-            api.VERSION,
+            resource.GROUP,
+            resource.VERSION,
             target.namespace,
-            api.PLURAL,
+            resource.PLURAL,
             target.name,
-            {"metadata": {"annotations": {WAKE_ANNOTATION: now}}},
+            {"metadata": {"annotations": {resource.WAKE_ANNOTATION: now}}},
             _content_type="application/merge-patch+json",
             _request_timeout=k8s.TIMEOUT_SECONDS,
         )

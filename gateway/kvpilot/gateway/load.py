@@ -13,15 +13,20 @@ from collections.abc import Callable, Iterable
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.contract import metric_names as names
 from kvpilot.gateway.picking import ReplicaLoad
 from kvpilot.gateway.routes import Backend
 
 log = logging.getLogger(__name__)
 
 # Names the kvpilot runtime and vLLM export; the first one a replica reports wins.
-WAITING = ("vllm:num_requests_waiting", "kvpilot_requests_waiting")
-RUNNING = ("vllm:num_requests_running", "kvpilot_requests_running")
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "kvpilot_kv_cache_usage_ratio")
+WAITING = (names.REQUESTS_WAITING.vllm, names.REQUESTS_WAITING.kvpilot)
+RUNNING = (names.REQUESTS_RUNNING.vllm, names.REQUESTS_RUNNING.kvpilot)
+KV_USAGE = (
+    names.KV_CACHE_USAGE.vllm,
+    names.KV_CACHE_USAGE_BEFORE_VLLM_09,
+    names.KV_CACHE_USAGE.kvpilot,
+)
 
 
 WANTED = frozenset((*WAITING, *RUNNING, *KV_USAGE))

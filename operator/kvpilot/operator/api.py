@@ -25,20 +25,10 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
+from kvpilot.contract import resource
+from kvpilot.contract.dataset_source import parse_dataset_uri
+from kvpilot.contract.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kvpilot.operator.policy import Bounds
-from kvpilot.runtime.dataset_source import parse_dataset_uri
-from kvpilot.runtime.model_source import parse_model_uri
-from kvpilot.runtime.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-
-GROUP = "kvpilot.dev"
-VERSION = "v1alpha1"
-KIND = "ModelDeployment"
-PLURAL = "modeldeployments"
-SINGULAR = "modeldeployment"
-SHORT_NAMES = ("md", "mdeploy")
-# kvpilot-gateway stamps this (RFC 3339, UTC) on a ModelDeployment whose requests it holds while
-# nothing runs; the operator then asks for a replica at once (policy.wake, handlers.md_wake).
-WAKE_ANNOTATION = "kvpilot.dev/wake-requested-at"
 
 Quantization = Literal["bf16", "int8", "int4"]
 KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]
@@ -865,9 +855,7 @@ def draft_source(spec: ModelDeploymentSpec) -> ModelSource | None:
 
 def served_name(source: ModelSource) -> str:
     """The spec's servedName, else the URI's last path element (without an hf:// @revision)."""
-    if source.served_name:
-        return source.served_name
-    return parse_model_uri(source.uri).name
+    return resource.served_name({"servedName": source.served_name, "uri": source.uri})
 
 
 def fallback_key(fallback: Fallback) -> str:

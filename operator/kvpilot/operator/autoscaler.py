@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvpilot.operator import api, timestamps
-from kvpilot.operator.inventory import LABEL_NODE_TYPE
+from kvpilot.contract import resource, timestamps
+from kvpilot.contract.resource import LABEL_NODE_TYPE
+from kvpilot.operator import api
 from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState
 from kvpilot.operator.spread import is_given_up, spread_replicas
 
@@ -112,7 +113,7 @@ def unschedulable_since(pod: Mapping[str, Any]) -> float | None:
 def wake_time(md: Mapping[str, Any]) -> float | None:
     """When a gateway last asked to wake this ModelDeployment (its wake annotation), as unix
     seconds; None without one or when it is not an RFC 3339 time (then it is ignored)."""
-    stamp = (((md.get("metadata") or {}).get("annotations")) or {}).get(api.WAKE_ANNOTATION)
+    stamp = (((md.get("metadata") or {}).get("annotations")) or {}).get(resource.WAKE_ANNOTATION)
     if not stamp:
         return None
     try:

@@ -30,17 +30,16 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvpilot.contract import k8s, resource, timestamps
 from kvpilot.operator import (
     api,
     autoscaler,
     conditions,
     cost,
     inventory,
-    k8s,
     manifests,
     observability,
     runtime_metrics,
-    timestamps,
     typed_status,
 )
 from kvpilot.operator.config import DeclaredNodeType
@@ -312,7 +311,7 @@ class AutoscalerLoop:
             fresh = k8s.get(
                 self.controller.client,
                 k8s.MD_API_VERSION,
-                api.KIND,
+                resource.KIND,
                 meta["namespace"],
                 meta["name"],
             )

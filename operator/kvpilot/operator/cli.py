@@ -21,8 +21,9 @@ from pathlib import Path
 import kopf
 from kubernetes import client as k8s_client
 
+from kvpilot.contract import k8s
 from kvpilot.operator import config as operator_config
-from kvpilot.operator import handlers, k8s, observability
+from kvpilot.operator import handlers, observability
 from kvpilot.operator.controller import Controller
 from kvpilot.operator.lease import LeaderLease, default_identity, operator_namespace
 

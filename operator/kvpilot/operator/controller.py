@@ -25,21 +25,20 @@ from typing import Any
 from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
+from kvpilot.contract import k8s, resource, timestamps
+from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import (
     api,
     inventory,
-    k8s,
     manifests,
     model_cache,
     model_facts,
     observability,
     quality_io,
     reconcile,
-    timestamps,
     typed_status,
 )
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.runtime.memory import ModelFacts
 
 POD_MONITOR_CRD = "podmonitors.monitoring.coreos.com"
 INFERENCE_POOL_CRD = "inferencepools.inference.networking.k8s.io"
@@ -119,19 +118,20 @@ class Controller:
         wants_pool = spec is not None and spec.routing.endpoint_picker_ref is not None
         has_pool_crd = wants_pool and k8s.has_crd(self.client, INFERENCE_POOL_CRD)
         cache, job = self._read_cache(md, spec, status.cache)
-        desired = reconcile.desire(
-            md,
-            node_types,
-            self.config,
-            has_crd,
-            self._source_facts(md, spec, None if spec is None else spec.model),
-            cache,
-            has_pool_crd,
-            quality_io.observe(self.client, md, spec),
-            timestamps.rfc3339(),
-            status,
-            self._source_facts(md, spec, None if spec is None else api.draft_source(spec)),
+        observed = reconcile.Observed(  # read in this order: the API calls keep theirs
+            node_types=tuple(node_types),
+            has_pod_monitor_crd=has_crd,
+            has_inference_pool_crd=has_pool_crd,
+            source_facts=self._source_facts(md, spec, None if spec is None else spec.model),
+            cache=cache,
+            quality=quality_io.observe(self.client, md, spec),
+            now=timestamps.rfc3339(),
+            status=status,
+            draft_facts=self._source_facts(
+                md, spec, None if spec is None else api.draft_source(spec)
+            ),
         )
+        desired = reconcile.desire(md, self.config, observed)
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
         owners = {
@@ -152,7 +152,7 @@ class Controller:
         return tuple(
             name
             for name in names
-            if k8s.get(self.client, k8s.MD_API_VERSION, api.KIND, namespace, name) is None
+            if k8s.get(self.client, k8s.MD_API_VERSION, resource.KIND, namespace, name) is None
         )
 
     def _read_cache(

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
+from kvpilot.contract import resource
 from kvpilot.operator import api
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -141,15 +142,15 @@ def crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "metadata": {"name": f"{resource.PLURAL}.{resource.GROUP}"},
         "spec": {
-            "group": api.GROUP,
+            "group": resource.GROUP,
             "names": {
-                "kind": api.KIND,
-                "listKind": f"{api.KIND}List",
-                "plural": api.PLURAL,
-                "singular": api.SINGULAR,
-                "shortNames": list(api.SHORT_NAMES),
+                "kind": resource.KIND,
+                "listKind": f"{resource.KIND}List",
+                "plural": resource.PLURAL,
+                "singular": resource.SINGULAR,
+                "shortNames": list(resource.SHORT_NAMES),
                 "categories": ["kvpilot"],
             },
             "scope": "Namespaced",
@@ -160,7 +161,7 @@ def crd() -> dict[str, Any]:
 
 def _version(schema: dict[str, Any]) -> dict[str, Any]:
     return {
-        "name": api.VERSION,
+        "name": resource.VERSION,
         "served": True,
         "storage": True,
         "schema": {"openAPIV3Schema": schema},

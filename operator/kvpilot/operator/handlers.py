@@ -24,8 +24,8 @@ from typing import Any
 
 import kopf
 
+from kvpilot.contract import resource
 from kvpilot.operator import (
-    api,
     conditions,
     dependents,
     inventory,
@@ -41,7 +41,7 @@ from kvpilot.operator.lease import LeaderLease
 from kvpilot.operator.passes import Reconciler, Replanner
 from kvpilot.operator.workqueue import WorkQueue
 
-MD = (api.GROUP, api.VERSION, api.PLURAL)
+MD = (resource.GROUP, resource.VERSION, resource.PLURAL)
 CHILD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ async def md_event(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -
         reconciler.queue.put(key, True, dict(body))
 
 
-@kopf.on.event(*MD, id="md-wake", annotations={api.WAKE_ANNOTATION: kopf.PRESENT})
+@kopf.on.event(*MD, id="md-wake", annotations={resource.WAKE_ANNOTATION: kopf.PRESENT})
 async def md_wake(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
     """A gateway holds requests for a ModelDeployment at zero replicas and stamped the wake
     annotation: the autoscaler task decides now, not on its next tick. Like the tick, that

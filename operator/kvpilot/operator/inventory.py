@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from kvpilot.contract.resource import LABEL_NODE_TYPE
 from kvpilot.operator.conditions import pod_problem
 from kvpilot.operator.config import DeclaredNodeType
 
@@ -23,7 +24,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 LABEL_PRODUCT = "nvidia.com/gpu.product"
 LABEL_MEMORY = "nvidia.com/gpu.memory"
 LABEL_COUNT = "nvidia.com/gpu.count"
-LABEL_NODE_TYPE = "kvpilot.dev/node-type"
 ANNOTATION_PRICE = "kvpilot.dev/price-per-hour"
 _TERMINAL_PHASES = ("Succeeded", "Failed")
 

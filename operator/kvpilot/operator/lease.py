@@ -28,7 +28,7 @@ from typing import Any
 import urllib3
 from kubernetes import client as k8s_client
 
-from kvpilot.operator import k8s, timestamps
+from kvpilot.contract import k8s, timestamps
 
 LEASE_NAME = "kvpilot-operator"
 LEASE_API_VERSION = "coordination.k8s.io/v1"

@@ -16,14 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.contract import resource, serve_config
+from kvpilot.contract.model_source import parse_model_uri
+from kvpilot.contract.resource import LABEL_MODEL, LABEL_NODE_TYPE
 from kvpilot.operator import api, runtime_metrics
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import GPU_RESOURCE, LABEL_NODE_TYPE
+from kvpilot.operator.inventory import GPU_RESOURCE
 from kvpilot.operator.planner import NodePlan
-from kvpilot.runtime import serve_config
-from kvpilot.runtime.model_source import parse_model_uri
 
-LABEL_MODEL = "kvpilot.dev/model"
 # The Gateway API Inference Extension's endpoint pickers read the engine's metrics by its names;
 # the runtime exports vLLM's (DESIGN.md §3.4), so its pods say they are vLLM-compatible.
 LABEL_ENGINE_TYPE = "inference.networking.k8s.io/engine-type"
@@ -84,8 +84,8 @@ def labels(md_name: str, node_type: str | None = None) -> dict[str, str]:
 def owner_reference(md: Obj) -> dict[str, Any]:
     meta = md["metadata"]
     return {
-        "apiVersion": f"{api.GROUP}/{api.VERSION}",
-        "kind": api.KIND,
+        "apiVersion": f"{resource.GROUP}/{resource.VERSION}",
+        "kind": resource.KIND,
         "name": meta["name"],
         "uid": meta["uid"],
         "controller": True,

@@ -17,7 +17,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvpilot.operator import api, manifests, timestamps
+from kvpilot.contract import timestamps
+from kvpilot.operator import api, manifests
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planner import NodePlan
 

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from kubernetes import client as k8s_client
 from kubernetes.client.rest import ApiException
 
-from kvpilot.operator import api, catalog
-from kvpilot.runtime.fetch import FetchError
-from kvpilot.runtime.memory import ModelFacts
-from kvpilot.runtime.model_source import parse_model_uri
-from kvpilot.runtime.remote_config import count_parameters, read_config_json
+from kvpilot.contract import catalog
+from kvpilot.contract.fetch import FetchError
+from kvpilot.contract.memory import ModelFacts
+from kvpilot.contract.model_source import parse_model_uri
+from kvpilot.contract.remote_config import count_parameters, read_config_json
+from kvpilot.operator import api
 
 
 @dataclass

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvpilot.operator import inventory, k8s, observability, reconcile
+from kvpilot.contract import k8s
+from kvpilot.operator import inventory, observability, reconcile
 from kvpilot.operator.controller import Applied, Controller
 from kvpilot.operator.workqueue import Body, Key, WorkQueue
 

@@ -3,7 +3,7 @@
 For each node type: the first level in the user's preference order, and for it the smallest
 tensor-parallel degree (1, 2, 4, 8, within the GPUs of one node), such that weights + KV cache for
 `maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU. The
-numbers come from `kvpilot.runtime.memory`, the module the runtime sizes its KV pool with, so what
+numbers come from `kvpilot.contract.memory`, the module the runtime sizes its KV pool with, so what
 the operator promises is what the pod will allocate. When nothing fits, the cheapest option tried is
 reported with its numbers.
 """
@@ -17,11 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.contract import memory
+from kvpilot.contract.memory import MemoryEstimate, ModelFacts
 from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
 from kvpilot.operator.inventory import NodeType
 from kvpilot.operator.spread import spread_replicas
-from kvpilot.runtime import memory
-from kvpilot.runtime.memory import MemoryEstimate, ModelFacts
 
 TP_DEGREES = (1, 2, 4, 8)
 # Largest first: an eval's reference is the first of these some node type fits (reference_plan).

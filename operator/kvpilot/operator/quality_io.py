@@ -16,7 +16,8 @@ from typing import Any
 
 from kubernetes import client as k8s_client
 
-from kvpilot.operator import api, k8s, manifests, quality, quality_job
+from kvpilot.contract import k8s
+from kvpilot.operator import api, manifests, quality, quality_job
 
 Obj = Mapping[str, Any]
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.contract.dataset_source import parse_dataset_uri
 from kvpilot.operator import api, manifests
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planner import NodePlan
-from kvpilot.runtime.dataset_source import parse_dataset_uri
 
 Obj = Mapping[str, Any]
 

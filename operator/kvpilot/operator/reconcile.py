@@ -14,9 +14,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvpilot.contract import catalog
+from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import (
     api,
-    catalog,
     conditions,
     manifests,
     model_cache,
@@ -27,7 +28,6 @@ from kvpilot.operator import (
 )
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
-from kvpilot.runtime.memory import ModelFacts
 
 Obj = Mapping[str, Any]
 FALLBACKS_RESOLVED = "FallbacksResolved"
@@ -61,58 +61,84 @@ class Desired:
     applied_first: Mapping[tuple[str, str], Obj] | None = None
 
 
-def desire(
-    md: Obj,
-    node_types: Sequence[NodeType],
-    config: OperatorConfig,
-    has_pod_monitor_crd: bool,
-    source_facts: ModelFacts | str | None = None,
-    cache: api.CacheStatus | None = None,
-    has_inference_pool_crd: bool = False,
-    observed_quality: quality.Observed | None = None,
-    now: str = "",
-    status: api.ModelDeploymentStatus = typed_status.EMPTY,
-    draft_facts: ModelFacts | str | None = None,
-) -> Desired:
-    """`source_facts`: what the operator read from the model's config.json, or why it could
-    not (then the plan fails for now and the pass is retried). `cache`: the model cache as its
-    fill Job reports it; replicas wait at zero until it is Cached. `observed_quality`: the eval
-    set's digest, cached measurements and eval Jobs (spec.quantization.evaluation). `status`:
-    the object's status as parsed where it came in (the autoscaler's decision, measured cost);
-    EMPTY for one never reconciled. `draft_facts`: as `source_facts`, for the speculative
-    draft model the spec may name."""
+@dataclass(frozen=True, kw_only=True)
+class Observed:
+    """What one pass read before deciding anything: all `desire` needs besides the
+    ModelDeployment and the operator's config. The controller reads it from the cluster and the
+    model's sources; tests write it. Its `quality` field holds a `quality.Observed`, the eval
+    side's own (smaller) part of it."""
+
+    # The cluster's GPU node types, with the GPUs free on each node for this ModelDeployment
+    # (inventory.discover: its own pods' GPUs count as free).
+    node_types: tuple[NodeType, ...]
+    # Whether the cluster has the PodMonitor CRD (spec.monitoring.podMonitor makes one only
+    # then) and the InferencePool CRD (spec.routing.endpointPickerRef makes a pool only then);
+    # the controller asks only when the spec wants one.
+    has_pod_monitor_crd: bool = False
+    has_inference_pool_crd: bool = False
+    # What the operator read from the model's config.json, or why it could not (then the plan
+    # fails for now and the pass is retried); None when there was nothing to read (the spec or
+    # the catalog has the facts).
+    source_facts: ModelFacts | str | None = None
+    # As `source_facts`, for the speculative draft model the spec may name.
+    draft_facts: ModelFacts | str | None = None
+    # The model cache as its fill Job reports it; replicas wait at zero until it is Cached.
+    cache: api.CacheStatus | None = None
+    # The eval set's digest, cached measurements and eval Jobs (spec.quantization.evaluation);
+    # None before anything was read (the category decides the levels).
+    quality: quality.Observed | None = None
+    # The pass's time (RFC 3339): a measurement whose eval Job gives no completion time has it.
+    now: str = ""
+    # The object's status as parsed where it came in (the autoscaler's decision, measured
+    # cost); EMPTY for one never reconciled.
+    status: api.ModelDeploymentStatus = typed_status.EMPTY
+
+
+def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
+    """Everything one pass decides for `md` (plan, replicas per node type, children, quality
+    verdict) from what it `observed`; touches no API."""
     try:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
-        facts = catalog.resolve(spec.model, _read(source_facts))
-        draft = _draft(spec, draft_facts)
+        facts = catalog.resolve(spec.model, _read(observed.source_facts))
+        draft = _draft(spec, observed.draft_facts)
         request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
     except (ValidationError, ValueError) as error:
-        unread = [why for why in (source_facts, draft_facts) if isinstance(why, str)]
+        read = (observed.source_facts, observed.draft_facts)
+        unread = [why for why in read if isinstance(why, str)]
         if unread:  # the source may answer later: try again
             return Desired(error="; ".join([_one_line(error), *unread]), needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
-    verdict = _assess_quality(md, spec, request, node_types, observed_quality, config, now)
+    verdict = _assess_quality(md, spec, request, config, observed)
     if not verdict.admission.levels:
         excluded = "; ".join(verdict.admission.excluded)
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
     request = dataclasses.replace(
-        request, quantizations=verdict.admission.levels, measured_cost=measured_cost(status)
+        request,
+        quantizations=verdict.admission.levels,
+        measured_cost=measured_cost(observed.status),
     )
     losses = {m.level: m.relative_loss for m in verdict.measurements}
-    plans = planner.plan(request, node_types)
+    plans = planner.plan(request, observed.node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
     if not any(p.fits for p in plans):
         reasons = "; ".join(p.reason for p in plans) or "the cluster has no GPU node types"
         return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}", quality=verdict)
-    replicas = _replicas(spec, plans, status.autoscaling)
+    replicas = _replicas(spec, plans, observed.status.autoscaling)
     first_fitting = next(p for p in plans if p.fits)
     cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
+    cache = observed.cache
     if cache_children and (cache is None or cache.phase != "Cached"):
         replicas = [0] * len(plans)  # nothing to load yet: the cache is still being filled
     children = manifests.build_all(
-        md, spec, plans, replicas, config, has_pod_monitor_crd, has_inference_pool_crd
+        md,
+        spec,
+        plans,
+        replicas,
+        config,
+        observed.has_pod_monitor_crd,
+        observed.has_inference_pool_crd,
     )
     return Desired(
         fallback_names=fallback_deployments(spec),
@@ -162,17 +188,17 @@ def _assess_quality(
     md: Obj,
     spec: api.ModelDeploymentSpec,
     request: planner.PlanRequest,
-    node_types: Sequence[NodeType],
-    observed: quality.Observed | None,
     config: OperatorConfig,
-    now: str,
+    observed: Observed,
 ) -> quality.Assessment:
     """The levels quality admits; without an eval set (or before anything was read), the
     category's."""
-    if spec.quantization.evaluation is None or observed is None:
+    evaluation = observed.quality
+    if spec.quantization.evaluation is None or evaluation is None:
         return quality.Assessment(quality.admit(spec.quantization, {}))
-    reference = planner.reference_plan(request, node_types, quality_job.EVAL_WINDOW_TOKENS)
-    return quality.assess(md, spec, observed, reference, config, now)
+    windows = quality_job.EVAL_WINDOW_TOKENS
+    reference = planner.reference_plan(request, observed.node_types, windows)
+    return quality.assess(md, spec, evaluation, reference, config, observed.now)
 
 
 def _replicas(

@@ -27,6 +27,7 @@ import requests
 from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.contract import metric_names
 from kvpilot.operator.cost import Traffic
 from kvpilot.operator.policy import Observations
 
@@ -39,29 +40,14 @@ PROM_LABEL_POD = "pod"
 PROM_LABEL_MODEL = "kvpilot_model"
 PROM_LABEL_NODE_TYPE = "kvpilot_node_type"
 
-# kvpilot's name first, then vLLM's alias as exported and as stored: prometheus_client (>= 0.22)
-# answers a scrape that negotiates OpenMetrics, as Prometheus 2.x does, with `escaping=underscores`,
-# so `vllm:num_requests_waiting` reaches the TSDB as `vllm_num_requests_waiting`.
-WAITING = ("kvpilot_requests_waiting", "vllm:num_requests_waiting", "vllm_num_requests_waiting")
-RUNNING = ("kvpilot_requests_running", "vllm:num_requests_running", "vllm_num_requests_running")
-KV_USAGE = ("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm_kv_cache_usage_perc")
-TTFT = (
-    "kvpilot_time_to_first_token_seconds",
-    "vllm:time_to_first_token_seconds",
-    "vllm_time_to_first_token_seconds",
-)
-
+# kvpilot's name first, then vLLM's alias as exported and as stored (metric_names.RuntimeMetric).
+WAITING = metric_names.REQUESTS_WAITING.in_prometheus
+RUNNING = metric_names.REQUESTS_RUNNING.in_prometheus
+KV_USAGE = metric_names.KV_CACHE_USAGE.in_prometheus
+TTFT = metric_names.TIME_TO_FIRST_TOKEN.in_prometheus
 # Completed requests and generated tokens (counters, as Prometheus stores them): status.cost.
-REQUEST_SUCCESS = (
-    "kvpilot_request_success_total",
-    "vllm:request_success_total",
-    "vllm_request_success_total",
-)
-GENERATION_TOKENS = (
-    "kvpilot_generation_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm_generation_tokens_total",
-)
+REQUEST_SUCCESS = metric_names.REQUEST_SUCCESS.in_prometheus
+GENERATION_TOKENS = metric_names.GENERATION_TOKENS.in_prometheus
 # Requests kvpilot-gateway holds for a ModelDeployment that has no replica to take them (scale
 # from zero, saturation). The gateway labels them with the ModelDeployment it wakes, not with
 # `namespace`: the scrape's relabelling sets `namespace`/`pod` to the gateway pod's own.

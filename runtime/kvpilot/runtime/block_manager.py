@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.sequence import Sequence
 
 NO_HASH = -1

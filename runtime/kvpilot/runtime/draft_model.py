@@ -40,15 +40,15 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.contract.speculative_config import SpeculativeConfig
 from kvpilot.runtime.block_manager import NO_HASH, BlockManager
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.loader import ModelConfig, load_model_config
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import ModelRunner, load_model
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
-from kvpilot.runtime.speculative import SpeculativeConfig
 from kvpilot.runtime.tokenizer import Tokenizer
 
 PLACEHOLDER = 0  # a reserved proposal slot between scheduling and the draft's run

@@ -38,21 +38,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
-from kvpilot.runtime import machine_probe
-from kvpilot.runtime.config import (
+from kvpilot.contract.dataset_source import parse_dataset_uri
+from kvpilot.contract.engine_config import (
     INT8_KERNEL_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
 )
-from kvpilot.runtime.dataset_source import parse_dataset_uri
-from kvpilot.runtime.engine import resolve_device
-from kvpilot.runtime.fetch import FetchError, fetch_dataset
+from kvpilot.contract.fetch import FetchError, fetch_dataset
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.runtime import machine_probe
+from kvpilot.runtime.engine_sizing import resolve_device
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import AttentionMetadata, PrefillSpan, chunk_mask
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.layers.quant import resolve_int8_kernel
 from kvpilot.runtime.loader import load_model_config, resolve_dtype
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.model_runner import load_model
 from kvpilot.runtime.models.llama import LlamaModel
 from kvpilot.runtime.tokenizer import Tokenizer

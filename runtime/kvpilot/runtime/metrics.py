@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpilot.contract import metric_names
 from kvpilot.runtime.engine_stats import EngineStats
 from kvpilot.runtime.sequence import Timestamps
 
@@ -76,20 +77,20 @@ class CacheInfo:
 # (kvpilot name, vLLM alias, help, EngineStats field)
 GAUGES = [
     (
-        "kvpilot_requests_waiting",
-        "vllm:num_requests_waiting",
+        metric_names.REQUESTS_WAITING.kvpilot,
+        metric_names.REQUESTS_WAITING.vllm,
         "Requests queued, not yet scheduled.",
         "num_waiting",
     ),
     (
-        "kvpilot_requests_running",
-        "vllm:num_requests_running",
+        metric_names.REQUESTS_RUNNING.kvpilot,
+        metric_names.REQUESTS_RUNNING.vllm,
         "Requests in the running batch.",
         "num_running",
     ),
     (
-        "kvpilot_kv_cache_usage_ratio",
-        "vllm:kv_cache_usage_perc",
+        metric_names.KV_CACHE_USAGE.kvpilot,
+        metric_names.KV_CACHE_USAGE.vllm,
         "Used KV-cache blocks / total blocks (0-1).",
         "kv_cache_usage",
     ),
@@ -138,7 +139,7 @@ SINGLE_GAUGES = [  # (name, help, EngineStats field), under one name only
     ("kvpilot_kv_cache_free_blocks", "KV-cache blocks free.", "num_free_blocks"),
     # vLLM's name before 0.9 for the KV usage, which its example Grafana dashboard still charts
     (
-        "vllm:gpu_cache_usage_perc",
+        metric_names.KV_CACHE_USAGE_BEFORE_VLLM_09,
         "KV-cache usage (0-1). DEPRECATED: use vllm:kv_cache_usage_perc.",
         "kv_cache_usage",
     ),

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime import speculative
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import (
@@ -23,7 +24,6 @@ from kvpilot.runtime.layers.flashinfer_attention import FlashInferAttention
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker
 from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
 from kvpilot.runtime.loader import ModelConfig, open_weights
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.parallel import TPGroup
 from kvpilot.runtime.sampling import PromptLogprob

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sequence import Sequence, SequenceStatus
 
 

@@ -29,6 +29,7 @@ from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpilot.contract.serve_config import ServeConfig, parse_args
 from kvpilot.runtime import machine_probe, serving, tokenization
 from kvpilot.runtime.api_errors import ApiError, error_response, unknown_route
 from kvpilot.runtime.draft_model import check_before_start
@@ -51,7 +52,6 @@ from kvpilot.runtime.response_models import (
     TokenizeResponse,
     VersionResponse,
 )
-from kvpilot.runtime.serve_config import ServeConfig, parse_args
 from kvpilot.runtime.server_state import ServerState
 
 log = logging.getLogger("kvpilot.server")

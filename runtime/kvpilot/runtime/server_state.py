@@ -13,18 +13,18 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.contract.fetch import fetch
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.contract.serve_config import ServeConfig
+from kvpilot.contract.speculative_config import SpeculativeConfig
 from kvpilot.runtime.api_errors import ApiError
 from kvpilot.runtime.async_engine import AsyncEngine
-from kvpilot.runtime.config import EngineConfig
 from kvpilot.runtime.engine import Engine
 from kvpilot.runtime.engine_stats import EngineStats
-from kvpilot.runtime.fetch import fetch
 from kvpilot.runtime.machine import ThreadChoice, rank_share
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.metrics import CacheInfo, ServerMetrics
 from kvpilot.runtime.response_models import EngineChoices
-from kvpilot.runtime.serve_config import ServeConfig
-from kvpilot.runtime.speculative import SpeculativeConfig
 
 log = logging.getLogger("kvpilot.server")
 T = TypeVar("T")

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from kvpilot.runtime.structured import GrammarSpec
 
-PARSER_CHOICES = ("auto", "hermes", "llama3_json")
 # The format each architecture's instruction-tuned checkpoints were trained on.
 PARSER_BY_ARCHITECTURE = {
     "LlamaForCausalLM": "llama3_json",

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract import timestamps
+from kvpilot.contract.resource import WAKE_ANNOTATION
 from kvpilot.gateway.discovery import MODEL_DEPLOYMENTS, GoneError, KubernetesDiscovery, api_client
 from kvpilot.gateway.kube_routes import SecretKey
-from kvpilot.gateway.kube_wake import WAKE_ANNOTATION, KubernetesWaker
+from kvpilot.gateway.kube_wake import KubernetesWaker
 from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
-from kvpilot.operator import timestamps
 from tests.integration.gateway.conftest import LoopTable
 from tests.support.helm_chart import require
 from tests.support.helm_release import Release

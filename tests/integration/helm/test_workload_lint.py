@@ -55,7 +55,8 @@ def runtime_objects() -> list[dict[str, Any]]:
     config = OperatorConfig(node_types=(l4,))
     md = yaml.safe_load((ROOT / "examples" / "qwen2.5-7b-instruct.yaml").read_text())
     md["metadata"].update(namespace="ml", uid="0000-uid", generation=1)
-    desired = reconcile.desire(md, inventory.discover([], [], config.node_types), config, False)
+    node_types = tuple(inventory.discover([], [], config.node_types))
+    desired = reconcile.desire(md, config, reconcile.Observed(node_types=node_types))
     assert desired.error is None, desired.error
     return desired.children
 

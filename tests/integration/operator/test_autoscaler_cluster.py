@@ -20,7 +20,8 @@ import pytest
 
 from hack.closedloop import apply_crds
 from hack.devcluster import nodepools
-from kvpilot.operator import autoscaler, manifests, timestamps
+from kvpilot.contract import timestamps
+from kvpilot.operator import autoscaler, manifests
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,

@@ -20,7 +20,7 @@ import pytest
 
 from hack.devcluster.build import ensure_module_file
 from hack.devcluster.versions import INFERENCE_POOL_CRD
-from kvpilot.operator import k8s
+from kvpilot.contract import k8s
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import k8s
+from kvpilot.contract import k8s
 from kvpilot.operator.lease import LEASE_API_VERSION, LeaderLease
 
 pytestmark = [pytest.mark.cluster]

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import inventory, k8s
+from kvpilot.contract import k8s
+from kvpilot.operator import inventory
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.controller import Controller
 from tests.support.operator_cluster import apply_doc, condition, get, model_deployment, wait_for

@@ -260,7 +260,8 @@ def test_reconcile_applies_the_spread_only_while_it_adds_up(
 ) -> None:
     md = md_with(per_type, desired, max_replicas)
     status = typed_status.of(md)
-    desired_state = reconcile.desire(md, l4_types(), config.OperatorConfig(), False, status=status)
+    seen = reconcile.Observed(node_types=tuple(l4_types()), status=status)
+    desired_state = reconcile.desire(md, config.OperatorConfig(), seen)
     assert desired_state.error is None, desired_state.error
     assert [e.node_type for e in desired_state.plan] == ["cheap", "dear"]
     assert [e.replicas for e in desired_state.plan] == expected

@@ -11,7 +11,8 @@ import pytest
 from hack.closedloop import local_model_uri
 from hack.demo import pods_failing
 from hack.devcluster import DevClusterError
-from kvpilot.operator import api, catalog, conditions, manifests, planner
+from kvpilot.contract import catalog
+from kvpilot.operator import api, conditions, manifests, planner
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
 from kvpilot.operator.manifests import SCRATCH_MOUNT

@@ -164,7 +164,7 @@ def test_replicas_wait_at_zero_until_the_cache_is_filled(
     cache_phase: str, replicas: int, ready_reason: str
 ) -> None:
     cache = api.CacheStatus(claim_name="c", phase=cache_phase)  # type: ignore[arg-type]
-    desired = reconcile.desire(md({}), [L4], CONFIG, False, cache=cache)
+    desired = reconcile.desire(md({}), CONFIG, reconcile.Observed(node_types=(L4,), cache=cache))
     deployment = next(c for c in desired.children if c["kind"] == "Deployment")
     assert deployment["spec"]["replicas"] == replicas
     assert [c["kind"] for c in desired.cache_children] == ["PersistentVolumeClaim", "Job"]
@@ -177,7 +177,7 @@ def test_replicas_wait_at_zero_until_the_cache_is_filled(
 
 
 def test_without_a_cache_nothing_changes() -> None:
-    desired = reconcile.desire(md(None), [L4], CONFIG, False)
+    desired = reconcile.desire(md(None), CONFIG, reconcile.Observed(node_types=(L4,)))
     assert desired.cache_children == [] and desired.cache is None
     status = reconcile.build_status(md(None), typed_status.EMPTY, desired, [], CONFIG, "now")
     assert "cache" not in status

@@ -10,7 +10,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from kvpilot.operator import api, catalog, crdgen
+from kvpilot.contract import catalog
+from kvpilot.operator import api, crdgen
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -8,10 +8,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, manifests, planner, runtime_metrics
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
-from kvpilot.runtime.memory import ModelFacts
 
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
 MD = {

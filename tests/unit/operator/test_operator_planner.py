@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import catalog, planner
+from kvpilot.contract import catalog
+from kvpilot.contract.memory import GIB, ModelFacts
+from kvpilot.operator import planner
 from kvpilot.operator.inventory import NodeType
-from kvpilot.runtime.memory import GIB, ModelFacts
 
 GB = 1e9
 SEVEN_B = ModelFacts(parameters=7_000_000_000, layers=32, kv_heads=8, head_dim=128)

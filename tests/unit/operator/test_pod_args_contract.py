@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpilot.contract import fetch, serve_config
+from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, manifests, model_cache, planner
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.inventory import NodeType
-from kvpilot.runtime import fetch, serve_config
-from kvpilot.runtime.memory import ModelFacts
 
 EXAMPLES = sorted((Path(__file__).parents[3] / "examples").glob("*.yaml"))
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")

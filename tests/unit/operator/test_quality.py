@@ -272,7 +272,8 @@ def test_the_pass_plans_with_the_admitted_levels_and_shows_the_loss() -> None:
     spec = md_spec(evaluation=evaluation(0.5), maxQualityLoss="medium")
     spec["quantization"]["allowed"] = ["int4", "int8", "bf16"]  # int4 preferred if good enough
     observed = quality.Observed(DIGEST, records=records(bf16=0.0, int8=0.3, int4=2.5))
-    desired = reconcile.desire(md(spec), [L4], CONFIG, False, observed_quality=observed, now=NOW)
+    seen = reconcile.Observed(node_types=(L4,), quality=observed, now=NOW)
+    desired = reconcile.desire(md(spec), CONFIG, seen)
     assert desired.error is None and desired.quantization == "int8"
     (entry,) = desired.plan
     assert (entry.quantization, entry.quality_loss) == ("int8", 0.3)
@@ -283,20 +284,22 @@ def test_the_pass_plans_with_the_admitted_levels_and_shows_the_loss() -> None:
 
     # With a budget int4 meets, int4 runs.
     spec["quantization"]["evaluation"]["maxQualityLoss"] = 3
-    desired = reconcile.desire(md(spec), [L4], CONFIG, False, observed_quality=observed, now=NOW)
+    desired = reconcile.desire(md(spec), CONFIG, seen)
     assert desired.quantization == "int4" and desired.plan[0].quality_loss == 2.5
 
 
 def test_a_budget_no_level_meets_fails_the_plan_with_the_losses() -> None:
     spec = md_spec(evaluation=evaluation(0.1))
     observed = quality.Observed(DIGEST, records=records(bf16=0.2, int8=0.3, int4=2.5))
-    desired = reconcile.desire(md(spec), [L4], CONFIG, False, observed_quality=observed, now=NOW)
+    seen = reconcile.Observed(node_types=(L4,), quality=observed, now=NOW)
+    desired = reconcile.desire(md(spec), CONFIG, seen)
     assert desired.is_invalid_spec and desired.error is not None
     assert "bf16: +0.20% > 0.1%" in desired.error and "int4: +2.50% > 0.1%" in desired.error
 
 
 def test_without_an_eval_set_nothing_changes() -> None:
-    desired = reconcile.desire(md(md_spec(maxQualityLoss="low")), [L4], CONFIG, False)
+    seen = reconcile.Observed(node_types=(L4,))
+    desired = reconcile.desire(md(md_spec(maxQualityLoss="low")), CONFIG, seen)
     assert desired.quantization == "bf16" and desired.plan[0].quality_loss is None
     status = reconcile.build_status(md(md_spec()), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert "quality" not in status

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, planner, quality, quality_job, reconcile, typed_status
 from kvpilot.operator.inventory import NodeType
-from kvpilot.runtime.memory import ModelFacts
 from tests.support.quality_fixtures import CONFIG, DIGEST, NOW, job, md, summary_pod
 
 T4 = NodeType("t4", "Tesla-T4", 15360, 1, 0.53, {"kvpilot.dev/node-type": "t4"}, ("t0",), (1,))
@@ -140,9 +140,8 @@ def test_the_pass_uses_the_reference_of_the_inventory_and_status_names_it() -> N
         for q, loss in (("int8", 0.0), ("int4", 0.4))
     }
     observed = quality.Observed(DIGEST, records=records)
-    desired = reconcile.desire(
-        md(spec_7b()), [T4], CONFIG, False, observed_quality=observed, now=NOW
-    )
+    seen = reconcile.Observed(node_types=(T4,), quality=observed, now=NOW)
+    desired = reconcile.desire(md(spec_7b()), CONFIG, seen)
     assert desired.error is None and desired.quantization == "int8"
     status = reconcile.build_status(md(spec_7b()), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert [(q["level"], q["reference"]) for q in status["quality"]] == [

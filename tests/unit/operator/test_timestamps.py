@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import pytest
 from kubernetes.client import ApiClient, EventsV1Event
 
-from kvpilot.operator import timestamps
+from kvpilot.contract import timestamps
 
 MOMENT = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
 

@@ -4,7 +4,10 @@ stage without build tools, running as a numeric non-root user."""
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILE = ROOT / "operator" / "Dockerfile"
@@ -68,3 +71,13 @@ def test_the_image_carries_the_gateway_the_chart_runs_from_it() -> None:
     assert "[operator,gateway]" in build
     chart = (ROOT / "charts" / "kvpilot" / "templates" / "gateway-deployment.yaml").read_text()
     assert "command: [kvpilot-gateway]" in chart
+
+
+@pytest.mark.parametrize("dockerfile", ["operator/Dockerfile", "runtime/Dockerfile"])
+def test_the_build_stage_copies_every_package_the_wheel_holds(dockerfile: str) -> None:
+    # hatchling refuses to build a wheel whose `packages` folder is missing: a package added to
+    # pyproject.toml and not to a Dockerfile breaks that image's build, which no CI here runs.
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    copied = (ROOT / dockerfile).read_text()
+    for folder in wheel["targets"]["wheel"]["packages"]:
+        assert f"COPY {folder} {folder}" in copied, f"{dockerfile} does not copy {folder}"

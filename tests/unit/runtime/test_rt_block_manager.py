@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.block_manager import NO_HASH, BlockManager
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sequence import Sequence
 
 

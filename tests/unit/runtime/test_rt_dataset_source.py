@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.dataset_source import DatasetSource, parse_dataset_uri
+from kvpilot.contract.dataset_source import DatasetSource, parse_dataset_uri
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.reference.models import TINY_LLAMA
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.block_manager import NO_HASH, BlockManager, block_hash
 from kvpilot.runtime.draft_model import DraftModelProposer, check_draft, check_draft_positions
 from kvpilot.runtime.loader import ModelConfig, load_model_config
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
-from tests.support.reference_models import TINY_LLAMA
 
 SERVED = load_model_config(TINY_LLAMA)  # 4096 output rows, 2048 positions
 VOCAB = {"<s>": 0, "the": 1, "and": 2}

@@ -1,12 +1,15 @@
-"""The machine-derived defaults (machine.py, loader.resolve_dtype, memory.host_kv_budget_bytes)
-decided from the text of fake /proc and cgroup files: one row per kind of machine."""
+"""The machine-derived defaults (machine.py, loader.resolve_dtype, memory.host_kv_budget_bytes,
+engine_sizing's KV budget and pool) decided from the text of fake /proc and cgroup files and
+the memory a machine reports: one row per kind of machine."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvpilot.runtime import machine, memory
+from kvpilot.contract import memory
+from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.runtime import engine_sizing, machine
 from kvpilot.runtime.loader import resolve_dtype
 
 GIB = 2**30
@@ -213,3 +216,93 @@ def test_a_kv_cache_memory_that_cannot_fit_beside_the_weights_is_refused(
     room = max(capacity_gib - weights_gib, 0)
     assert error.startswith(f"--kv-cache-memory {requested_gib:.2f} GiB cannot fit: GPU cuda:0")
     assert f"pass at most {room:.2f} GiB ({int(room * GIB)} bytes)" in error
+
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda:0")
+# 2 layers x 2 KV heads x 64 x 2 (K and V) x 2 bytes: 1 KiB per token, 16 KiB per block.
+SMALL = memory.ModelFacts(parameters=1_000_000, layers=2, kv_heads=2, head_dim=64)
+HALF_DRAFT = memory.ModelFacts(parameters=1_000_000, layers=1, kv_heads=2, head_dim=64)
+MIB = 2**20
+
+
+def room(
+    device: torch.device, gpu_gib: float | None, usable_gib: float | None, weights_gib: float
+) -> engine_sizing.MemoryRoom:
+    def to_bytes(gib: float | None) -> int | None:
+        return None if gib is None else int(gib * GIB)
+
+    return engine_sizing.MemoryRoom(
+        device, to_bytes(gpu_gib), to_bytes(usable_gib), int(weights_gib * GIB)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_memory_gib", "memory_room", "demand_gib", "expected_gib", "source"),
+    [
+        (4, room(CPU, None, 20, 2), 1, 4, "--kv-cache-memory"),
+        (4, room(CPU, None, None, 2), 1, 4, "--kv-cache-memory"),  # nothing to check it against
+        # 0.9 x 80 - 14 weights - (1 + 0.05 x 14) overhead
+        (None, room(GPU, 80, None, 14), 1, 0.9 * 80 - 14 - 1.7, "0.9 of 80.0 GiB GPU memory"),
+        (None, room(CPU, None, 20, 2), 4, 4, "max_num_seqs x max_model_len, under 0.9 of 20.0"),
+        (None, room(CPU, None, 8, 2), 16, 0.9 * 8 - 2 - 1.1, "of 8.0 GiB usable memory, less"),
+    ],
+)
+def test_kv_budget(
+    kv_cache_memory_gib: float | None,
+    memory_room: engine_sizing.MemoryRoom,
+    demand_gib: float,
+    expected_gib: float,
+    source: str,
+) -> None:
+    kv_cache_memory = None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * GIB)
+    config = EngineConfig(model="m", kv_cache_memory=kv_cache_memory)
+    budget = engine_sizing.kv_budget(config, memory_room, int(demand_gib * GIB))
+    assert budget.bytes == pytest.approx(expected_gib * GIB)
+    assert source in budget.source
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_memory_gib", "memory_room", "message"),
+    [
+        (None, room(CPU, None, None, 2), "cannot tell how much memory this process may use"),
+        (30, room(GPU, 24, None, 2), "--kv-cache-memory 30.00 GiB cannot fit: GPU cuda:0 memory"),
+        (30, room(CPU, None, 16, 2), "cannot fit: the memory this process may use is 16.00 GiB"),
+    ],
+)
+def test_a_kv_budget_that_cannot_be_had_is_refused(
+    kv_cache_memory_gib: float | None, memory_room: engine_sizing.MemoryRoom, message: str
+) -> None:
+    kv_cache_memory = None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * GIB)
+    config = EngineConfig(model="m", kv_cache_memory=kv_cache_memory)
+    with pytest.raises(ValueError, match=message):
+        engine_sizing.kv_budget(config, memory_room, GIB)
+
+
+@pytest.mark.parametrize(
+    ("kv_cache_memory", "draft", "expected_blocks", "source"),
+    [
+        (MIB, None, 64, "--kv-cache-memory"),  # 1 MiB of 16 KiB blocks
+        (MIB, HALF_DRAFT, 42, "--kv-cache-memory"),  # each block costs 1.5 times as much
+        # On a host: what 4 sequences of 256 tokens fill (4 x 16 blocks), a draft's share too.
+        (None, None, 64, "max_num_seqs x max_model_len"),
+        (None, HALF_DRAFT, 64, "max_num_seqs x max_model_len"),
+    ],
+)
+def test_size_kv_pool(
+    kv_cache_memory: int | None,
+    draft: memory.ModelFacts | None,
+    expected_blocks: int,
+    source: str,
+) -> None:
+    config = EngineConfig(model="m", kv_cache_memory=kv_cache_memory, max_num_seqs=4)
+    pool = engine_sizing.size_kv_pool(config, room(CPU, None, 20, 1), 256, SMALL, draft, 2)
+    assert pool.num_blocks == expected_blocks
+    assert pool.budget.source.startswith(source)
+
+
+def test_a_pool_that_cannot_hold_one_sequence_is_refused() -> None:
+    config = EngineConfig(model="m", kv_cache_memory=128 * 1024)  # 8 blocks of 16 KiB
+    with pytest.raises(
+        ValueError, match="holds 8 blocks; one sequence of max_model_len 256 needs 16"
+    ):
+        engine_sizing.size_kv_pool(config, room(CPU, None, 20, 1), 256, SMALL, None, 2)

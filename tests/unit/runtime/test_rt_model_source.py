@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.model_source import ModelSource, parse_model_uri
+from kvpilot.contract.model_source import ModelSource, parse_model_uri
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from kvpilot.runtime.remote_config import safetensors_parameters
+from kvpilot.contract.remote_config import safetensors_parameters
 
 TINY = Path(__file__).parents[3] / "models" / "tiny-llama" / "model.safetensors"
 

@@ -1,4 +1,4 @@
-"""The batched sampler against the row-at-a-time reference (tests/support/sampler_reference.py).
+"""The batched sampler against the row-at-a-time reference (bench/reference/sampler.py).
 
 Every case below sits in one mixed batch, as sequences do in a step; each drawn row has its own
 seeded generator, so the reference can replay the same noise row by row.
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.reference import sampler as reference
 from kvpilot.runtime.layers import sampler
 from kvpilot.runtime.layers.sampler import (
     SamplingRow,
@@ -22,7 +23,6 @@ from kvpilot.runtime.layers.sampler import (
     sample,
 )
 from kvpilot.runtime.sampling import SamplingParams
-from tests.support import sampler_reference as reference
 
 VOCAB = 64
 EOS = (2,)

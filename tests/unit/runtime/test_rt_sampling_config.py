@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.runtime.config import EngineConfig
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.sampling import (
     SamplingParams,
     find_stop,

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import pytest
 
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.contract.speculative_config import SpeculativeConfig, parse_config
 from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.memory import BLOCK_SIZE
 from kvpilot.runtime.sampling import SamplingParams
 from kvpilot.runtime.scheduler import Scheduler
 from kvpilot.runtime.sequence import DraftPace, Sequence, SequenceStatus
 from kvpilot.runtime.speculative import (
-    SpeculativeConfig,
     can_speculate,
     draft_budget,
     draft_limit,
     num_accepted,
     pace,
-    parse_config,
     propose,
 )
 from kvpilot.runtime.structured import GrammarSpec

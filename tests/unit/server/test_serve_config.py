@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.runtime.serve_config import ServeConfig, build_parser, parse_args, to_args
+from kvpilot.contract.serve_config import ServeConfig, build_parser, parse_args, to_args
 
 
 @pytest.fixture

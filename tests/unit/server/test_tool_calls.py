@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from kvpilot.contract.serve_config import TOOL_CALL_PARSERS
 from kvpilot.runtime.chat import render_chat
 from kvpilot.runtime.grammar import to_llguidance
 from kvpilot.runtime.protocol import ChatMessage
@@ -295,3 +296,9 @@ def hf_tokenizer(tmp_path: Path) -> PreTrainedTokenizerFast:
     config = {"unk_token": "<unk>", "chat_template": TOOL_TEMPLATE}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     return PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
+
+
+def test_the_flag_offers_exactly_the_parsers_there_are() -> None:
+    # --tool-call-parser's choices live in the contract (the operator writes the flag); the
+    # parsers live here: a parser added on one side only is a flag that fails or a parser unused.
+    assert set(TOOL_CALL_PARSERS) == {"auto", *PARSERS}

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
-from kvpilot.runtime.config import INT8_KERNEL_CHOICES
-from kvpilot.runtime.memory import INT4_GROUP_SIZE
+from kvpilot.contract.engine_config import INT8_KERNEL_CHOICES
+from kvpilot.contract.memory import INT4_GROUP_SIZE
 
 INT8_MAX = 127
 INT8_K_MULTIPLE = 16

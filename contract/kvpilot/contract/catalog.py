@@ -7,10 +7,27 @@ base variants share an architecture, so both names point at one entry.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from kvpilot.operator.api import ModelSource
-from kvpilot.runtime.memory import ModelFacts
+from kvpilot.contract.memory import ModelFacts
+
+
+class GivenFacts(Protocol):
+    """What a spec may state of its model (the ModelDeployment's `spec.model`)."""
+
+    @property
+    def uri(self) -> str: ...
+    @property
+    def parameters(self) -> int | None: ...
+    @property
+    def layers(self) -> int | None: ...
+    @property
+    def kv_heads(self) -> int | None: ...
+    @property
+    def head_dim(self) -> int | None: ...
+    @property
+    def vocab_size(self) -> int | None: ...
+
 
 _LLAMA_31_8B = ModelFacts(
     parameters=8_030_261_248, layers=32, kv_heads=8, head_dim=128, vocab_size=128_256
@@ -164,7 +181,7 @@ def facts_from_config(config: dict[str, Any], parameters: int) -> ModelFacts:
     )
 
 
-def resolve(source: ModelSource, read_from_source: ModelFacts | None = None) -> ModelFacts:
+def resolve(source: GivenFacts, read_from_source: ModelFacts | None = None) -> ModelFacts:
     """Facts from the spec (all four given), else the catalog, else what the operator read from
     the source's config.json; ValueError names what is missing."""
     given = {name: getattr(source, name) for name in _SPEC_FACTS}

@@ -31,10 +31,10 @@ from kubernetes.dynamic.discovery import LazyDiscoverer
 from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
 from kubernetes.dynamic.resource import Resource
 
-from kvpilot.operator import api, timestamps
+from kvpilot.contract import resource, timestamps
 
 Obj = Mapping[str, Any]
-MD_API_VERSION = f"{api.GROUP}/{api.VERSION}"
+MD_API_VERSION = resource.API_VERSION
 TIMEOUT_SECONDS = 30
 CONNECTION_POOL_SIZE = 256
 MERGE_PATCH = "application/merge-patch+json"
@@ -294,7 +294,7 @@ def patch_status(
         client,
         "patch",
         MD_API_VERSION,
-        api.KIND,
+        resource.KIND,
         subresource="status",
         body=body,
         name=name,
@@ -331,7 +331,7 @@ def emit_event(
         ),
         regarding=k8s_client.V1ObjectReference(
             api_version=involved.get("apiVersion", MD_API_VERSION),
-            kind=involved.get("kind", api.KIND),
+            kind=involved.get("kind", resource.KIND),
             name=meta["name"],
             namespace=meta["namespace"],
             uid=meta.get("uid") or None,

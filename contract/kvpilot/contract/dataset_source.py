@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote, urlparse
 
-from kvpilot.runtime.model_source import parse_model_uri
+from kvpilot.contract.model_source import parse_model_uri
 
 SCHEMES = ("hf", "s3", "pvc", "file")
 FETCHED_SCHEMES = ("hf", "s3")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.runtime.memory import BLOCK_SIZE
+from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.scheduler import ScheduledSequence
 from kvpilot.runtime.sequence import Sequence
 

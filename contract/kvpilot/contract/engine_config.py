@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.runtime.speculative import SpeculativeConfig
-from kvpilot.runtime.speculative import parse_config as parse_speculative_config
+from kvpilot.contract.speculative_config import SpeculativeConfig
+from kvpilot.contract.speculative_config import parse_config as parse_speculative_config
 
 QUANTIZATION_CHOICES = ("none", "bf16", "int8", "int4")
 INT8_KERNEL_CHOICES = ("auto", "w8a16", "w8a8")  # layers/quant.py says what each runs

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvpilot.runtime.fetch import FetchError, explained
-from kvpilot.runtime.model_source import ModelSource
+from kvpilot.contract.fetch import FetchError, explained
+from kvpilot.contract.model_source import ModelSource
 
 # A safetensors file starts with its header's length (u64, little-endian), then the header.
 _HEADER_LEN = struct.Struct("<Q")

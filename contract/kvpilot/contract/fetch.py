@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpilot.runtime.dataset_source import DatasetSource
-from kvpilot.runtime.model_source import HF_ALLOW_PATTERNS, ModelSource, parse_model_uri
+from kvpilot.contract.dataset_source import DatasetSource
+from kvpilot.contract.model_source import HF_ALLOW_PATTERNS, ModelSource, parse_model_uri
 
 Log = Callable[[str], None]
 CHUNK = 1 << 20

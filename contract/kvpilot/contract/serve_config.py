@@ -16,10 +16,11 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvpilot.runtime.config import EngineConfig, option
-from kvpilot.runtime.model_source import ModelSource, parse_model_uri
-from kvpilot.runtime.tool_calls import PARSER_CHOICES
+from kvpilot.contract.engine_config import EngineConfig, option
+from kvpilot.contract.model_source import ModelSource, parse_model_uri
 
+# tool_calls.PARSERS' names, and auto (the architecture's own format)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's, and uvicorn's
 
 
@@ -49,7 +50,7 @@ class ServeConfig(EngineConfig):
         "auto",
         "format of the model's tool calls (auto: from the architecture: Llama llama3_json, "
         "Qwen/Mistral hermes)",
-        PARSER_CHOICES,
+        TOOL_CALL_PARSERS,
     )
     # 16 MiB: a prompt that fills a 128k-token context is ~0.5-1 MB of text (or ~1 MB of token
     # ids as JSON), so 16x that leaves room for long chats and 128k+ contexts, while one request
@@ -71,8 +72,8 @@ class ServeConfig(EngineConfig):
                 f"threads must be >= 1, got {self.threads}",
             ),
             (
-                self.tool_call_parser in PARSER_CHOICES,
-                f"tool_call_parser must be one of {', '.join(PARSER_CHOICES)}",
+                self.tool_call_parser in TOOL_CALL_PARSERS,
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
             ),
             (
                 self.max_request_body_bytes >= 1024,

@@ -1,0 +1,39 @@
+"""The runtime's metric names that other processes read: the operator's autoscaler (through
+Prometheus) and the gateway's load-aware routing (scraping /metrics) query exactly these.
+
+The runtime exports each under kvpilot's name and vLLM's (so vLLM's dashboards, the Inference
+Extension and KEDA recipes work unchanged); counters get prometheus_client's `_total` suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeMetric:
+    kvpilot: str
+    vllm: str
+
+    @property
+    def vllm_stored(self) -> str:
+        # prometheus_client (>= 0.22) answers a scrape that negotiates OpenMetrics, as Prometheus
+        # 2.x does, with `escaping=underscores`: `vllm:x` reaches the TSDB as `vllm_x`.
+        return self.vllm.replace(":", "_")
+
+    @property
+    def in_prometheus(self) -> tuple[str, str, str]:
+        """Every name a Prometheus query may find it under, kvpilot's first."""
+        return (self.kvpilot, self.vllm, self.vllm_stored)
+
+
+REQUESTS_WAITING = RuntimeMetric("kvpilot_requests_waiting", "vllm:num_requests_waiting")
+REQUESTS_RUNNING = RuntimeMetric("kvpilot_requests_running", "vllm:num_requests_running")
+KV_CACHE_USAGE = RuntimeMetric("kvpilot_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc")
+# vLLM's name before 0.9 for the KV usage; the runtime exports it too, a vLLM < 0.9 only it.
+KV_CACHE_USAGE_BEFORE_VLLM_09 = "vllm:gpu_cache_usage_perc"
+TIME_TO_FIRST_TOKEN = RuntimeMetric(
+    "kvpilot_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"
+)
+REQUEST_SUCCESS = RuntimeMetric("kvpilot_request_success_total", "vllm:request_success_total")
+GENERATION_TOKENS = RuntimeMetric("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")

@@ -1,0 +1,51 @@
+"""The metric names the operator and the gateway read (kvpilot.contract.metric_names) are the
+names the runtime's /metrics exposes: the contract read from the runtime's side."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.contract import metric_names
+from kvpilot.runtime.engine_stats import EngineStats
+from kvpilot.runtime.metrics import ServerMetrics
+
+READ_BY_OTHERS = [
+    metric_names.REQUESTS_WAITING,
+    metric_names.REQUESTS_RUNNING,
+    metric_names.KV_CACHE_USAGE,
+    metric_names.TIME_TO_FIRST_TOKEN,
+    metric_names.REQUEST_SUCCESS,
+    metric_names.GENERATION_TOKENS,
+]
+
+
+def exposed_sample_names() -> set[str]:
+    idle = EngineStats(
+        num_waiting=0,
+        num_running=0,
+        num_total_blocks=8,
+        num_free_blocks=8,
+        kv_cache_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+    )
+    metrics = ServerMetrics("tiny", lambda: idle)
+    metrics.success[0].labels("tiny", "stop").inc()  # a labelled counter shows once it counts
+    metrics.success[1].labels("tiny", "stop").inc()
+    text = generate_latest(metrics.registry).decode()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.mark.parametrize("metric", READ_BY_OTHERS, ids=lambda m: m.kvpilot)
+def test_the_runtime_exposes_every_name_others_read(metric: metric_names.RuntimeMetric) -> None:
+    exposed = exposed_sample_names()
+    for name in (metric.kvpilot, metric.vllm):
+        # a histogram is read through its _bucket/_count samples
+        assert {name, f"{name}_count"} & exposed, f"/metrics lacks {name}"
+
+
+def test_the_pre_09_kv_usage_name_is_exposed_too() -> None:
+    assert metric_names.KV_CACHE_USAGE_BEFORE_VLLM_09 in exposed_sample_names()
