@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import markdown_table, write_section
-from kvpilot.operator.simulator import policies, traces
-from kvpilot.operator.simulator.capacity import CapacityModel
-from kvpilot.operator.simulator.cluster import RunResult, Settings, simulate
-from kvpilot.operator.simulator.report import (
+from kvpilot.operator.autoscaling.simulator import policies, traces
+from kvpilot.operator.autoscaling.simulator.capacity import CapacityModel
+from kvpilot.operator.autoscaling.simulator.cluster import RunResult, Settings, simulate
+from kvpilot.operator.autoscaling.simulator.report import (
     TABLE_HEADER,
     initial_replicas,
     plot,
@@ -27,7 +27,7 @@ from kvpilot.operator.simulator.report import (
     summarise_all,
     table_rows,
 )
-from kvpilot.operator.simulator.traces import Trace
+from kvpilot.operator.autoscaling.simulator.traces import Trace
 
 TRACES = ("burst", "diurnal", "spikes", "steady")
 BASELINES = ("hpa", "kubeai", "keda")
@@ -98,9 +98,9 @@ queue {bounds.target_queue_length:g} per replica, tolerance {bounds.tolerance}, 
 waits {bounds.scale_down_settle_s:.0f} s after any change), at most \
 x{bounds.max_scale_up_factor:g} or \
 +{bounds.max_scale_up_step} per 10 s step. The baselines are described in \
-`operator/kvpilot/operator/simulator/policies.py` (their targets: 80% of a replica's batch; \
-KEDA 5 waiting per replica); fixed_max is the cost reference, the oracle (clairvoyant, 90% of \
-each replica's capacity, one cold start ahead) the floor.
+`operator/kvpilot/operator/autoscaling/simulator/policies.py` (their targets: 80% of a \
+replica's batch; KEDA 5 waiting per replica); fixed_max is the cost reference, the oracle \
+(clairvoyant, 90% of each replica's capacity, one cold start ahead) the floor.
 
 {markdown_table(TABLE_HEADER, table_rows(summary))}
 

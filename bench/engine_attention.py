@@ -33,13 +33,13 @@ import torch
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads, threads_note
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.runtime.engine.model_runner import ModelRunner, load_model, plan_step
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import ModelRunner, load_model, plan_step
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.models.loader import load_model_config
 
 CALLS_PER_ROUND = 20
 DTYPE = torch.bfloat16

@@ -23,7 +23,7 @@ from bench.engine_common import (
 )
 from bench.report import markdown_table, write_section
 from kvpilot.contract import memory
-from kvpilot.runtime.engine_sizing import model_facts
+from kvpilot.runtime.engine.sizing import model_facts
 
 MAX_MODEL_LEN = 2048
 

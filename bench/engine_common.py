@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine, RequestOutput
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.engine.engine import Engine, RequestOutput
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-llama"
 

@@ -36,8 +36,8 @@ from bench.engine_spec import (
 from bench.reference.models import truncated_llama
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.draft_model import DraftModelProposer
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.draft_model import DraftModelProposer
+from kvpilot.runtime.engine.engine import Engine
 
 CONCURRENCIES = (1, 8)
 NUM_SPECULATIVE_TOKENS = 4

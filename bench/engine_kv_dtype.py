@@ -34,8 +34,8 @@ from bench.engine_common import (
 )
 from bench.report import markdown_table, write_section
 from kvpilot.contract import memory
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.engine_sizing import model_facts
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sizing import model_facts
 from kvpilot.runtime.evaluate import (
     cached_context_meta,
     read_dataset,
@@ -45,7 +45,7 @@ from kvpilot.runtime.evaluate import (
 )
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.models.llama import LlamaModel
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 MAX_MODEL_LEN = 2048
 CAPACITY_CASES = [("auto", "auto"), ("auto", "bf16"), ("auto", "fp8"), ("bfloat16", "auto")]

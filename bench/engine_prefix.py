@@ -22,7 +22,7 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
 
 SUFFIX_TOKENS = 32
 

@@ -30,8 +30,8 @@ from bench.engine_common import (
 )
 from bench.report import markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime import machine_probe
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine import machine_files
+from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.evaluate import parse_args, run
 from kvpilot.runtime.layers.quant import resolve_int8_kernel
 
@@ -75,7 +75,7 @@ class SpeedCase:
 
 def auto_int8_kernel() -> str:
     """What `--int8-kernel auto` runs on this CPU."""
-    return resolve_int8_kernel("auto", torch.device("cpu"), machine_probe.cpu_supports_int8_dot())
+    return resolve_int8_kernel("auto", torch.device("cpu"), machine_files.cpu_supports_int8_dot())
 
 
 def verdict(is_met: bool) -> str:

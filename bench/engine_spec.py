@@ -44,8 +44,8 @@ from bench.engine_common import (
 )
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.spec_governor import SMALL_BATCH
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.spec_governor import SMALL_BATCH
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 CONCURRENCIES = (1, 32)

@@ -34,8 +34,8 @@ from typing import Any
 from bench.engine_common import MODEL, compute_bound_llama, greedy, setup_threads, threads_note
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime import model_runner
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine import model_runner
+from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.models import llama
 

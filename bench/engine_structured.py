@@ -27,10 +27,10 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.grammar import new_matcher
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.structured import GrammarSpec, json_schema_spec
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.grammar import new_matcher
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.structured import GrammarSpec, json_schema_spec
 
 COMPILE_POLL_S = 0.0005
 TARGET_COST = 0.15  # the bound on the throughput lost to structured outputs

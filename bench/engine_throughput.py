@@ -29,8 +29,8 @@ from bench.engine_common import (
     threads_note,
 )
 from bench.report import markdown_table, write_section
-from kvpilot.runtime import machine_probe
-from kvpilot.runtime.loader import load_model_config, resolve_dtype
+from kvpilot.runtime.engine import machine_files
+from kvpilot.runtime.models.loader import load_model_config, resolve_dtype
 
 
 def run_kvpilot(requests: list[Request]) -> float:
@@ -45,7 +45,7 @@ def run_kvpilot(requests: list[Request]) -> float:
 def compute_dtype() -> torch.dtype:
     checkpoint = load_model_config(MODEL).torch_dtype
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return resolve_dtype("auto", checkpoint, device, machine_probe.cpu_supports_bf16())
+    return resolve_dtype("auto", checkpoint, device, machine_files.cpu_supports_bf16())
 
 
 def hf_model() -> Any:

@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.report import markdown_table, write_section
 from hack.devcluster import modelsources, procs
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models" / "tiny-llama"

@@ -17,7 +17,7 @@ from typing import Any
 
 from bench.report import markdown_table, write_section
 from kvpilot.contract import catalog
-from kvpilot.operator import inventory, planner
+from kvpilot.operator.planning import inventory, planner
 
 TARGET_MS = 100.0
 PRODUCTS = [

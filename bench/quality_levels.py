@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from bench.report import markdown_table, write_section
+from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.evaluate import window_logits
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import load_model
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "tiny-llama"

@@ -27,8 +27,8 @@ import torch
 from bench.engine_common import setup_threads, threads_note
 from bench.reference.sampler import sample_rows
 from bench.report import markdown_table, write_section
+from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.layers.sampler import SamplingRow, sample
-from kvpilot.runtime.sampling import SamplingParams
 
 EOS = (2,)
 NUM_PROMPT = 64

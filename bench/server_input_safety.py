@@ -30,7 +30,7 @@ import httpx
 
 from bench.report import markdown_table, write_section
 from bench.server_common import runtime_server
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models" / "tiny-llama"

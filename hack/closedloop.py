@@ -13,7 +13,7 @@ import yaml
 from hack.devcluster import DevCluster, chart, procs
 from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import REPO_ROOT
-from kvpilot.operator.manifests import SCRATCH_MOUNT
+from kvpilot.operator.reconcile.manifests import SCRATCH_MOUNT
 
 BIN = Path(sys.executable).parent
 

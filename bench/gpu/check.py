@@ -41,12 +41,12 @@ from bench.engine_kv_dtype import eval_prompts, perplexity
 from bench.reference.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 from bench.report import command_line, write_section
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import read_dataset, relative_loss, window_logits, windows
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.layers.attention import paged_attention
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 MAX_NEW_TOKENS = 24
 TITLE = "GPU check: the engine against transformers on the same GPU"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
 
 # (tokens computed before, tokens this step, of which proposals) per sequence
 MIXED_STEP = [(40, 1, 0), (0, 12, 0), (16, 1, 0), (20, 4, 3), (33, 1, 0), (20, 7, 0), (15, 9, 0)]

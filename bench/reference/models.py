@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import ModelRunner, batch_layout, load_model
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.model_runner import ModelRunner, batch_layout, load_model
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
+from kvpilot.runtime.models.loader import load_model_config
 
 TINY_LLAMA = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
 QWEN3_VOCAB = 4096  # tiny-llama's tokenizer, so the engine can load the checkpoint as a model dir
@@ -140,7 +140,7 @@ def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int
 def make_prompts(tiny_llama_dir: Path, shared_prefix: int) -> list[list[int]]:
     """32 prompts of 4 to ~200 tokens cut from the held-out text; with `shared_prefix`, groups
     of 8 prompts begin with the same `shared_prefix` tokens."""
-    from kvpilot.runtime.tokenizer import Tokenizer
+    from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
     ids = Tokenizer(tiny_llama_dir).encode((tiny_llama_dir / "eval.txt").read_text())
     rng = random.Random(7)

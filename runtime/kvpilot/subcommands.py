@@ -15,10 +15,13 @@ Subcommands = dict[str, tuple[str, str]]
 
 KVPILOT: Subcommands = {
     "bench": ("kvpilot.runtime.bench", "load-test any OpenAI-compatible endpoint"),
-    "simulate": ("kvpilot.operator.simulator", "compare autoscaling policies on request traces"),
+    "simulate": (
+        "kvpilot.operator.autoscaling.simulator",
+        "compare autoscaling policies on request traces",
+    ),
 }
 KVPILOT_RUNTIME: Subcommands = {
-    "serve": ("kvpilot.runtime.server", "serve the OpenAI-compatible API over the engine"),
+    "serve": ("kvpilot.runtime.server.app", "serve the OpenAI-compatible API over the engine"),
     "eval": ("kvpilot.runtime.evaluate", "perplexity per quantisation level and relative loss"),
     "fetch": ("kvpilot.contract.fetch", "copy a model (hf://, s3://, file://) into a directory"),
 }

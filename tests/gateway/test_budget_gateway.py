@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from kvpilot.gateway.budget_config import KEY_ID_CHARS, hash_key
-from kvpilot.gateway.budgets import Limit, parse_window
+from kvpilot.gateway.budget.arithmetic import Limit, parse_window
+from kvpilot.gateway.budget.config import KEY_ID_CHARS, hash_key
 from tests.support.gateway_process import GatewayProcess, start_replicas
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.support.server_process import MODEL, RuntimeServer, wait_for

@@ -15,7 +15,7 @@ import pytest
 
 from hack import closedloop
 from hack.devcluster import procs
-from kvpilot.gateway.budget_config import hash_key
+from kvpilot.gateway.budget.config import hash_key
 from tests.support.kube import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from kvpilot.gateway.proxy import Gateway
-from kvpilot.gateway.routes import Backend, Route, RouteTable, ScaleTarget
+from kvpilot.gateway.routing.routes import Backend, Route, RouteTable, ScaleTarget
 from tests.support.gateway_process import STARTUP_TIMEOUT_S
 from tests.support.server_process import RuntimeServer, free_port
 

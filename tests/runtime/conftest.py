@@ -11,7 +11,7 @@ import torch
 
 from bench.reference.models import TINY_LLAMA
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,16 @@ import pytest
 import torch
 
 from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.runtime.engine.model_runner import (
+    ModelRunner,
+    batch_layout,
+    decode_group_bounds,
+    load_model,
+    plan_step,
+    slot_ids,
+)
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.attention import (
     AttentionMetadata,
@@ -21,17 +31,7 @@ from kvpilot.runtime.layers.attention import (
 )
 from kvpilot.runtime.layers.kv_cache import dequantize, quantize
 from kvpilot.runtime.layers.rotary import apply_rotary, signed_sin
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import (
-    ModelRunner,
-    batch_layout,
-    decode_group_bounds,
-    load_model,
-    plan_step,
-    slot_ids,
-)
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.models.loader import load_model_config
 
 NUM_BLOCKS = 64
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvpilot.runtime.async_engine import AsyncEngine
-from kvpilot.runtime.engine import Engine, RequestOutput
-from kvpilot.runtime.engine_stats import EngineStats
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.engine.async_engine import AsyncEngine
+from kvpilot.runtime.engine.engine import Engine, RequestOutput
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.stats import EngineStats
 
 PROMPT = "The for statement is used to iterate over"
 

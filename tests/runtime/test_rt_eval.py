@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kvpilot.runtime.cli import main as cli_main
+from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.evaluate import read_pairs, relative_loss, window_logits, windows
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import load_model
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 
 def test_eval_cli_reports_perplexity_and_relative_loss(

@@ -23,7 +23,8 @@ import torch
 from bench.reference.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 from bench.reference.models import GREEDY_NEW_TOKENS, make_prompts, quoting, run_all
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.model_runner import ModelRunner, load_model
 from kvpilot.runtime.layers import flashinfer_attention
 from kvpilot.runtime.layers.attention import paged_attention
 from kvpilot.runtime.layers.flashinfer_attention import (
@@ -32,8 +33,7 @@ from kvpilot.runtime.layers.flashinfer_attention import (
     paged_layout,
     query_indptr,
 )
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import ModelRunner, load_model
+from kvpilot.runtime.models.loader import load_model_config
 
 
 @pytest.mark.parametrize(

@@ -22,9 +22,9 @@ from bench.reference.models import (
     truncated_llama,
 )
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.draft_model import DraftModelProposer
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.spec_governor import Governor
+from kvpilot.runtime.engine.draft_model import DraftModelProposer
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.spec_governor import Governor
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 
 from bench.reference.models import make_prompts, run_all
 from kvpilot.runtime.cli import main as cli_main
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.evaluate import (
     Sample,
     evaluate_level,
@@ -28,7 +28,7 @@ from kvpilot.runtime.evaluate import (
     relative_loss,
     windows,
 )
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 BUDGET = 16 * 2**20  # KV bytes per token: 2 x 4 layers x 2 KV heads x 32 dims x dtype bytes
 
@@ -122,6 +122,6 @@ def test_fp8_without_torch_support_fails_before_loading(
         raise AssertionError("the weights loaded before the KV dtype was checked")
 
     monkeypatch.delattr(torch, "float8_e4m3fn")
-    monkeypatch.setattr("kvpilot.runtime.engine_loading.load_model", must_not_load)
+    monkeypatch.setattr("kvpilot.runtime.engine.loading.load_model", must_not_load)
     with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 needs torch\.float8_e4m3fn"):
         make_engine(kv_cache_dtype="fp8")

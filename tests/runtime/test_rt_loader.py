@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

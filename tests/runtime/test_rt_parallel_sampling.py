@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime import model_runner
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.engine import model_runner
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
 
 PROMPT = list(range(5, 105))  # 100 tokens: 6 full blocks before the last token's block
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvpilot.contract import memory
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.engine_sizing import model_facts
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.model_runner import load_model
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.sizing import model_facts
 from kvpilot.runtime.evaluate import window_logits
 from kvpilot.runtime.layers.quant import (
     DenseWeight,
@@ -23,11 +25,9 @@ from kvpilot.runtime.layers.quant import (
     make_weight,
     resolve_int8_kernel,
 )
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import load_model
 from kvpilot.runtime.models.llama import LlamaModel
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 

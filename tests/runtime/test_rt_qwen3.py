@@ -20,11 +20,11 @@ from bench.reference.models import (
     qwen3_checkpoint,
 )
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.model_runner import load_model
+from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.layers.quant import make_weight
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.model_runner import load_model
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.models.loader import load_model_config
 
 CHUNKINGS = [[], [11, 1, 1]]  # whole prefills; a chunk, cached-KV chunks, then decodes
 MAX_NEW_TOKENS = 16
@@ -142,7 +142,7 @@ def test_tensor_parallel_greedy_tokens_equal_transformers(qwen3: tuple[Path, Any
 
 def test_tensor_parallel_ranks_hold_their_heads_norms(qwen3: tuple[Path, Any]) -> None:
     """Each rank normalises its own share of heads with the same (replicated) q/k norm rows."""
-    from kvpilot.runtime.parallel import TPGroup
+    from kvpilot.runtime.engine.parallel import TPGroup
 
     path, hf_model = qwen3
     cfg = load_model_config(path)

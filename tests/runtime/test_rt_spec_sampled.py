@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench.reference.models import make_prompts, quoting, run_all
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 

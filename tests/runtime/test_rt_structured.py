@@ -15,11 +15,11 @@ import llguidance
 import pytest
 import torch
 
-from kvpilot.runtime.engine import Engine, RequestOutput
-from kvpilot.runtime.grammar import GrammarCompiler, GrammarError, new_matcher
+from kvpilot.runtime.engine.engine import Engine, RequestOutput
+from kvpilot.runtime.engine.grammar import GrammarCompiler, GrammarError, new_matcher
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.structured import choice_spec, json_schema_spec, regex_spec
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker, unpack_bitmask
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.structured import choice_spec, json_schema_spec, regex_spec
 
 SCHEMA = {
     "type": "object",

@@ -23,8 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpilot.runtime.draft_model import DraftModelProposer
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.draft_model import DraftModelProposer
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.layers.quant import (
     DenseWeight,
     Int4Weight,
@@ -32,9 +35,6 @@ from kvpilot.runtime.layers.quant import (
     Int8Weight,
     Weight,
 )
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
 from tests.support.processes import is_gone
 
 # A rank's o_proj/down_proj product is a partial sum over half the features; the all-reduce adds
@@ -236,8 +236,8 @@ def test_a_dead_worker_fails_the_step_with_its_rank(make_engine: Callable[..., E
 RANK0_SCRIPT = """
 import sys, time
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.draft_model import DraftModelProposer
-from kvpilot.runtime.engine import Engine
+from kvpilot.runtime.engine.draft_model import DraftModelProposer
+from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8Weight, Weight
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", max_model_len=256,
                              kv_cache_memory=4 * 2**20, tensor_parallel_size=2))

@@ -24,17 +24,17 @@ from pydantic import BaseModel
 
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.contract.serve_config import ServeConfig
-from kvpilot.runtime import server_state, serving
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.job import Job
-from kvpilot.runtime.protocol import (
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from kvpilot.runtime.server import handling, lifecycle
+from kvpilot.runtime.server.job import Job
+from kvpilot.runtime.server.request_checks import NOT_HONOURED
+from kvpilot.runtime.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvpilot.runtime.request_checks import NOT_HONOURED
-from kvpilot.runtime.tokenizer import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
@@ -52,13 +52,13 @@ HOT = {"temperature": 1.5, "seed": 7}  # sampling that differs from greedy on th
 class Ctx:
     client: OpenAI
     url: str
-    state: server_state.ServerState  # the server's request code over an in-process engine
+    state: lifecycle.ServerState  # the server's request code over an in-process engine
 
     def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", json=body, timeout=60)
 
     def tokenizer(self) -> Tokenizer:
-        return serving.tokenizer_of(self.state)
+        return handling.tokenizer_of(self.state)
 
     def count(self, **body: Any) -> list[int]:
         return list(self.post("/tokenize", body).json()["tokens"])
@@ -244,9 +244,9 @@ def prepare(ctx: Ctx, chat: bool, **fields: Any) -> Job:
         body = ChatCompletionRequest.model_validate(
             {"model": MODEL, "messages": MESSAGES, **fields}
         )
-        return serving.prepare_chat(ctx.state, body)
+        return handling.prepare_chat(ctx.state, body)
     request = CompletionRequest.model_validate({"model": MODEL, "prompt": PROMPT, **fields})
-    return serving.prepare_completion(ctx.state, request)
+    return handling.prepare_completion(ctx.state, request)
 
 
 SHARED: dict[str, Callable[[Ctx, bool], None]] = {
@@ -628,7 +628,7 @@ def test_no_honoured_field_is_in_the_not_honoured_table() -> None:
 
 @pytest.fixture(scope="module")
 def ctx(server: RuntimeServer) -> Ctx:
-    state = server_state.ServerState(
+    state = lifecycle.ServerState(
         ServeConfig(model=str(TINY), served_name=MODEL, max_model_len=512)
     )
     state.engine_core = Engine(EngineConfig(model=str(TINY), max_model_len=512, max_num_seqs=8))

@@ -8,9 +8,9 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.chat import render_chat
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.server.chat_template import render_chat
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 PROMPTS = ["The list", "def main():\n    return", "Return a new"]

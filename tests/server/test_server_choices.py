@@ -8,7 +8,7 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 TOKENIZER = Tokenizer(TINY)

@@ -12,10 +12,10 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime import machine_probe
+from kvpilot.runtime.engine import machine_files
 from kvpilot.runtime.layers import paged_kernel
-from kvpilot.runtime.loader import load_model_config
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 MESSAGES = [
@@ -108,12 +108,12 @@ def test_version_is_the_package_version_and_the_choices_for_this_machine(
     answer = httpx.get(f"{server.url}/version").json()
     assert answer["version"] == importlib.metadata.version("kvpilot")
     engine = answer["engine"]
-    threads = machine_probe.thread_choice(None)
+    threads = machine_files.thread_choice(None)
     assert (engine["threads"], engine["threads_source"]) == (threads.num_threads, threads.source)
-    has_bf16 = machine_probe.cpu_supports_bf16()
+    has_bf16 = machine_files.cpu_supports_bf16()
     assert engine["cpu_has_bf16"] is has_bf16
     # --int8-kernel auto: w8a8 where the CPU has int8 dot products (reported whatever the level)
-    has_int8_dot = machine_probe.cpu_supports_int8_dot()
+    has_int8_dot = machine_files.cpu_supports_int8_dot()
     assert engine["cpu_has_int8_dot"] is has_int8_dot
     assert engine["int8_kernel"] == ("w8a8" if has_int8_dot else "w8a16")
     assert engine["quantization"] == "none"

@@ -21,8 +21,8 @@ from bench.server_input_safety import (
     token_id_flood,
     upload,
 )
-from kvpilot.runtime.request_body import OFF_LOOP_MIN_BYTES
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from kvpilot.runtime.server.body_parsing import OFF_LOOP_MIN_BYTES
 from tests.support.server_process import MODEL, TINY, RuntimeServer, wait_for
 
 MAX_MODEL_LEN = 512

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.operator import runtime_metrics as operator_metrics
+from kvpilot.operator.autoscaling import metrics_reader as operator_metrics
 from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
 # (kvpilot sample, vLLM alias sample) as they appear in the exposition

@@ -10,8 +10,8 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.sampling import PromptLogprob, SamplingParams
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import PromptLogprob, SamplingParams
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 TEXTS = ["The sort method orders a list in place.", "def main():\n    return 0"]

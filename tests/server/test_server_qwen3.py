@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from bench.reference.models import QWEN3_PROMPTS, hf_greedy, qwen3_checkpoint
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import MODEL, RuntimeServer
 
 MAX_TOKENS = 16

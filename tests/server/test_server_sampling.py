@@ -9,8 +9,8 @@ import pytest
 from openai import OpenAI
 
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import Engine
-from kvpilot.runtime.sampling import SamplingParams
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 PROMPT = "def main():\n    return"

@@ -7,9 +7,11 @@ import json
 from typing import Any
 
 from kvpilot.contract.memory import ModelFacts
-from kvpilot.operator import api, planner, quality_job
+from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.quality import job as quality_job
 
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
 

@@ -22,17 +22,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from kvpilot.gateway import budget_setup
-from kvpilot.gateway.cache_config import STORES, CacheSettings, CacheSpec, settings_from
-from kvpilot.gateway.cache_policy import CachePolicy, build_store
-from kvpilot.gateway.cascade import CascadePolicy
+from kvpilot.gateway.budget import setup as budget_setup
+from kvpilot.gateway.cache.config import STORES, CacheSettings, CacheSpec, settings_from
+from kvpilot.gateway.cache.policy import CachePolicy, build_store
 from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.picking import STRATEGIES, PickPolicy
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
-from kvpilot.gateway.routes import RouteTable
-from kvpilot.gateway.wake import Waker
+from kvpilot.gateway.routing.cascade_policy import CascadePolicy
+from kvpilot.gateway.routing.picking import STRATEGIES, PickPolicy
+from kvpilot.gateway.routing.routes import RouteTable
+from kvpilot.gateway.routing.wake import Waker
 
 log = logging.getLogger("kvpilot.gateway")
 
@@ -110,7 +110,7 @@ def start_discovery(
         if args.config is not None:
             raise ValueError("--config is for --discovery static; give one or the other")
         # Imported here: the Kubernetes client is most of the start-up of a static gateway.
-        from kvpilot.gateway import discovery
+        from kvpilot.gateway.kube import discovery
 
         loop = asyncio.get_running_loop()
         stop, waker = discovery.start_kubernetes_discovery(

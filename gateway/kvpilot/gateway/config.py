@@ -34,10 +34,10 @@ from pydantic import (
     model_validator,
 )
 
-from kvpilot.gateway.budget_config import KeySpec, PriceSpec, RedisSpec, TeamSpec
-from kvpilot.gateway.cache_config import CacheSpec
-from kvpilot.gateway.cascade_rules import CascadeRule, find_cycle
-from kvpilot.gateway.routes import Backend, Fallback, Provider, Route
+from kvpilot.gateway.budget.config import KeySpec, PriceSpec, RedisSpec, TeamSpec
+from kvpilot.gateway.cache.config import CacheSpec
+from kvpilot.gateway.routing.cascade_rules import CascadeRule, find_cycle
+from kvpilot.gateway.routing.routes import Backend, Fallback, Provider, Route
 
 
 class ConfigError(ValueError):

@@ -22,19 +22,19 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.affinity import Affinity
 from kvpilot.gateway.bodies import BadRequestError, Inbound
-from kvpilot.gateway.cache_policy import HEADER as CACHE
+from kvpilot.gateway.budget.keys import CALLER
+from kvpilot.gateway.cache.policy import HEADER as CACHE
 from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
-from kvpilot.gateway.holding import Holding
-from kvpilot.gateway.keys import CALLER
-from kvpilot.gateway.load import LoadBook, scrape_forever
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.picking import PickPolicy, home, pick
-from kvpilot.gateway.routes import Backend, Provider, Route, RouteTable
+from kvpilot.gateway.routing.affinity import Affinity
+from kvpilot.gateway.routing.holding import Holding
+from kvpilot.gateway.routing.load import LoadBook, scrape_forever
+from kvpilot.gateway.routing.picking import PickPolicy, home, pick
+from kvpilot.gateway.routing.routes import Backend, Provider, Route, RouteTable
+from kvpilot.gateway.routing.wake import Waker
 from kvpilot.gateway.unknown_routes import explain_unknown_routes
 from kvpilot.gateway.upstream import Hop, Refusal, error_response, forward
-from kvpilot.gateway.wake import Waker
 
 access_log = logging.getLogger("kvpilot.gateway.access")
 

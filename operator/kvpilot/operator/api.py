@@ -28,7 +28,7 @@ from pydantic_core import core_schema
 from kvpilot.contract import resource
 from kvpilot.contract.dataset_source import parse_dataset_uri
 from kvpilot.contract.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from kvpilot.operator.policy import Bounds
+from kvpilot.operator.autoscaling.policy import Bounds
 
 Quantization = Literal["bf16", "int8", "int4"]
 KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]

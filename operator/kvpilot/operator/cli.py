@@ -24,8 +24,8 @@ from kubernetes import client as k8s_client
 from kvpilot.contract import k8s
 from kvpilot.operator import config as operator_config
 from kvpilot.operator import handlers, observability
-from kvpilot.operator.controller import Controller
 from kvpilot.operator.lease import LeaderLease, default_identity, operator_namespace
+from kvpilot.operator.reconcile.controller import Controller
 
 EXIT_LEASE_LOST = 1
 REGISTERED = handlers  # imported for its decorators, which register the handlers with kopf

@@ -25,21 +25,15 @@ from typing import Any
 import kopf
 
 from kvpilot.contract import resource
-from kvpilot.operator import (
-    conditions,
-    dependents,
-    inventory,
-    manifests,
-    model_cache,
-    observability,
-    quality_job,
-    reconcile,
-)
-from kvpilot.operator.autoscaler_loop import AutoscalerLoop
-from kvpilot.operator.controller import INFERENCE_POOL_CRD, Controller, controller_owner
+from kvpilot.operator import observability
+from kvpilot.operator.autoscaling.loop import AutoscalerLoop
 from kvpilot.operator.lease import LeaderLease
-from kvpilot.operator.passes import Reconciler, Replanner
-from kvpilot.operator.workqueue import WorkQueue
+from kvpilot.operator.planning import inventory
+from kvpilot.operator.quality import job as quality_job
+from kvpilot.operator.reconcile import conditions, dependents, desired_state, manifests, model_cache
+from kvpilot.operator.reconcile.controller import INFERENCE_POOL_CRD, Controller, controller_owner
+from kvpilot.operator.reconcile.passes import Reconciler, Replanner
+from kvpilot.operator.reconcile.workqueue import WorkQueue
 
 MD = (resource.GROUP, resource.VERSION, resource.PLURAL)
 CHILD_LABELS = {manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY}
@@ -136,7 +130,7 @@ def _queue(memo: Any) -> WorkQueue:
 
 @kopf.on.event(*MD, id="md")
 async def md_event(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
-    """A full pass when the object needs one (reconcile.needs_full_pass): first seen since the
+    """A full pass when the object needs one (desired_state.needs_full_pass): first seen since the
     start, its spec not applied yet (generation vs status.observedGeneration), or an autoscaler
     decision the children do not show (the autoscaler writes status only; this is its one way
     to pods). A watch event, not kopf's create/update handlers: those keep kopf's bookkeeping
@@ -150,7 +144,7 @@ async def md_event(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -
         # No finalizer: owner references let the garbage collector remove the children.
         log.info("ModelDeployment %s/%s deleted; children follow by owner reference", *key)
         reconciler.forget(key)
-    elif reconcile.needs_full_pass(body, first_sight=reconciler.first_sight(key)):
+    elif desired_state.needs_full_pass(body, first_sight=reconciler.first_sight(key)):
         reconciler.queue.put(key, True, dict(body))
 
 

@@ -46,16 +46,16 @@ from kvpilot.contract.engine_config import (
 )
 from kvpilot.contract.fetch import FetchError, fetch_dataset
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime import machine_probe
-from kvpilot.runtime.engine_sizing import resolve_device
+from kvpilot.runtime.engine import machine_files
+from kvpilot.runtime.engine.model_runner import load_model
+from kvpilot.runtime.engine.sizing import resolve_device
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import AttentionMetadata, PrefillSpan, chunk_mask
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.layers.quant import resolve_int8_kernel
-from kvpilot.runtime.loader import load_model_config, resolve_dtype
-from kvpilot.runtime.model_runner import load_model
 from kvpilot.runtime.models.llama import LlamaModel
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.loader import load_model_config, resolve_dtype
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 METRICS = ("perplexity", "agreement", "exact-match")
 
@@ -220,7 +220,7 @@ def evaluate_level(
     device = resolve_device(device_name)
     dtype = resolve_dtype(dtype_name, cfg.torch_dtype, device)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
-    kernel = resolve_int8_kernel(int8_kernel, device, machine_probe.cpu_supports_int8_dot())
+    kernel = resolve_int8_kernel(int8_kernel, device, machine_files.cpu_supports_int8_dot())
     model = load_model(model_dir, cfg, quantization, dtype, device, int8_kernel=kernel)
     scores = score(model, samples, device, kv_dtype)
     scores.weight_bytes = model.weight_bytes()

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
-from kvpilot.operator import runtime_metrics as metrics
-from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
-from kvpilot.operator.runtime_metrics import PrometheusMetrics, observe_pods
+from kvpilot.operator.autoscaling import metrics_reader as metrics
+from kvpilot.operator.autoscaling.metrics_reader import PrometheusMetrics, observe_pods
+from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
 from tests.support.kube import wait_until
 
 pytestmark = pytest.mark.skipif(

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import pytest
 
 from hack.closedloop import apply_crds
-from kvpilot.gateway.routes import Route, RouteTable
+from kvpilot.gateway.routing.routes import Route, RouteTable
 from tests.support.kube import fresh_namespace
 from tests.support.operator_cluster import Operator
 

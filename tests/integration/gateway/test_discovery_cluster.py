@@ -18,10 +18,15 @@ import pytest
 
 from kvpilot.contract import timestamps
 from kvpilot.contract.resource import WAKE_ANNOTATION
-from kvpilot.gateway.discovery import MODEL_DEPLOYMENTS, GoneError, KubernetesDiscovery, api_client
-from kvpilot.gateway.kube_routes import SecretKey
-from kvpilot.gateway.kube_wake import KubernetesWaker
-from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
+from kvpilot.gateway.kube.discovery import (
+    MODEL_DEPLOYMENTS,
+    GoneError,
+    KubernetesDiscovery,
+    api_client,
+)
+from kvpilot.gateway.kube.routes import SecretKey
+from kvpilot.gateway.kube.wake import KubernetesWaker
+from kvpilot.gateway.routing.routes import Backend, Provider, Route, ScaleTarget
 from tests.integration.gateway.conftest import LoopTable
 from tests.support.helm_chart import require
 from tests.support.helm_release import Release

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.gateway import budget_setup, cli
+from kvpilot.gateway import cli
+from kvpilot.gateway.budget import setup as budget_setup
 from tests.support.helm_chart import container, find, render, require
 
 

@@ -14,9 +14,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.operator import cli, config, lease, observability
-from kvpilot.operator import runtime_metrics as operator_metrics
-from kvpilot.runtime import metrics as runtime_metrics
-from kvpilot.runtime.engine_stats import EngineStats
+from kvpilot.operator.autoscaling import metrics_reader as operator_metrics
+from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server import metrics as runtime_metrics
 from tests.support.helm_chart import (
     CHART,
     ROOT,

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator import inventory, reconcile
 from kvpilot.operator.config import DeclaredNodeType, OperatorConfig
+from kvpilot.operator.planning import inventory
+from kvpilot.operator.reconcile import desired_state
 from tests.support.helm_chart import ROOT, component, kube_score_binary, render, require
 
 ALLOWLIST = Path(__file__).with_name("kube-score-allowlist.yaml")
@@ -56,7 +57,7 @@ def runtime_objects() -> list[dict[str, Any]]:
     md = yaml.safe_load((ROOT / "examples" / "qwen2.5-7b-instruct.yaml").read_text())
     md["metadata"].update(namespace="ml", uid="0000-uid", generation=1)
     node_types = tuple(inventory.discover([], [], config.node_types))
-    desired = reconcile.desire(md, config, reconcile.Observed(node_types=node_types))
+    desired = desired_state.desire(md, config, desired_state.Observed(node_types=node_types))
     assert desired.error is None, desired.error
     return desired.children
 

@@ -21,7 +21,8 @@ import pytest
 from hack.closedloop import apply_crds
 from hack.devcluster import nodepools
 from kvpilot.contract import timestamps
-from kvpilot.operator import autoscaler, manifests
+from kvpilot.operator.autoscaling import recording
+from kvpilot.operator.reconcile import manifests
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,
@@ -216,7 +217,7 @@ def test_pods_stuck_unschedulable_spill_over_to_the_next_node_type(
                 p
                 for p in found
                 if p["metadata"]["labels"][manifests.LABEL_NODE_TYPE] == stuck.name
-                and autoscaler.unschedulable_since(p) is not None
+                and recording.unschedulable_since(p) is not None
             ]
             return stuck_there if len(found) == len(stuck_there) == 2 else []
 
@@ -231,7 +232,7 @@ def test_pods_stuck_unschedulable_spill_over_to_the_next_node_type(
             return moved if len(found) == len(moved) == 2 else []
 
         stuck_pods = wait_for(all_stuck, "two pods Unschedulable on the tainted pool", op)
-        stuck_at = min(autoscaler.unschedulable_since(p) or 0 for p in stuck_pods)
+        stuck_at = min(recording.unschedulable_since(p) or 0 for p in stuck_pods)
         wait_for(all_running_on_spare, "both replicas running on the next node type", op, 60)
         md = get(cluster, "md", name, "-n", namespace)
         assert md["status"]["autoscaling"]["replicasPerNodeType"] == {stuck.name: 0, spare.name: 2}

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from kvpilot.contract import k8s
-from kvpilot.operator import inventory
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.controller import Controller
+from kvpilot.operator.planning import inventory
+from kvpilot.operator.reconcile.controller import Controller
 from tests.support.operator_cluster import apply_doc, condition, get, model_deployment, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""Table tests for kvpilot.operator.autoscaler (spread, status) and the pure parts of metrics."""
+"""Table tests for kvpilot.operator.autoscaling.recording (spread, status) and metrics parsing."""
 
 from __future__ import annotations
 
@@ -8,18 +8,19 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, typed_status
-from kvpilot.operator import runtime_metrics as metrics
-from kvpilot.operator.autoscaler import (
+from kvpilot.operator import api
+from kvpilot.operator.autoscaling import metrics_reader as metrics
+from kvpilot.operator.autoscaling.metrics_reader import PodSample, aggregate, aggregate_by_node_type
+from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.operator.autoscaling.recording import (
     bounds_from_spec,
     event_message,
     metrics_condition,
     state_from_status,
     status_patch,
 )
-from kvpilot.operator.policy import Bounds, Observations, PolicyState, decide
-from kvpilot.operator.runtime_metrics import PodSample, aggregate, aggregate_by_node_type
-from kvpilot.operator.spread import spread_replicas
+from kvpilot.operator.autoscaling.spread import spread_replicas
+from kvpilot.operator.reconcile import typed_status
 
 NOW = 1_700_000_000.0
 ORDER = ["h100", "a100", "l40s"]

@@ -8,9 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, autoscaler, autoscaler_loop, typed_status
+from kvpilot.operator import api
+from kvpilot.operator.autoscaling import loop as autoscaling_loop
+from kvpilot.operator.autoscaling import recording
+from kvpilot.operator.autoscaling.policy import Decision, PolicyState
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.policy import Decision, PolicyState
+from kvpilot.operator.reconcile import typed_status
 
 
 def pod(name: str, ready: bool, ip: str | None = "127.64.0.2", **meta: Any) -> dict[str, Any]:
@@ -29,7 +32,7 @@ def test_only_ready_running_pods_are_scraped_at_their_annotated_port() -> None:
         pod("d", True, None),
         pod("e", True, deletionTimestamp="2026-01-01T00:00:00Z"),
     ]
-    urls, types = autoscaler_loop.ready_pod_urls(pods, 8000)
+    urls, types = autoscaling_loop.ready_pod_urls(pods, 8000)
     assert urls == {"a": "http://127.64.0.2:9000/metrics", "b": "http://127.64.0.3:8000/metrics"}
     assert types == {"a": "l4", "b": "l4"}
 
@@ -44,7 +47,7 @@ def test_only_ready_running_pods_are_scraped_at_their_annotated_port() -> None:
     ],
 )
 def test_only_builtin_mode_is_autoscaled(spec: dict[str, Any], builtin: bool) -> None:
-    assert autoscaler_loop.is_builtin({"spec": spec}) is builtin
+    assert autoscaling_loop.is_builtin({"spec": spec}) is builtin
 
 
 def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> None:
@@ -54,11 +57,11 @@ def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> N
     ]
     state = PolicyState()
     fresh = Decision(replicas=1, reason="hold", state=state, metrics_available=True)
-    merged = {c["type"]: c for c in autoscaler_loop.metrics_condition_patch(old, fresh, "t2")}
+    merged = {c["type"]: c for c in autoscaling_loop.metrics_condition_patch(old, fresh, "t2")}
     assert merged["Ready"]["lastTransitionTime"] == "t0"
     assert merged["MetricsAvailable"]["lastTransitionTime"] == "t1"
     lost = Decision(replicas=1, reason="prometheus down", state=state, metrics_available=False)
-    merged = {c["type"]: c for c in autoscaler_loop.metrics_condition_patch(old, lost, "t2")}
+    merged = {c["type"]: c for c in autoscaling_loop.metrics_condition_patch(old, lost, "t2")}
     assert merged["MetricsAvailable"]["status"] == "False"
     assert merged["MetricsAvailable"]["lastTransitionTime"] == "t2"
     assert merged["MetricsAvailable"]["message"] == "prometheus down"
@@ -76,7 +79,7 @@ def test_metrics_available_keeps_other_conditions_and_its_transition_time() -> N
 def test_only_planned_deployments_are_scaled(
     plan: list[dict[str, Any]] | None, planned: bool
 ) -> None:
-    assert autoscaler_loop.is_planned(typed_status.parse({"plan": plan})) is planned
+    assert autoscaling_loop.is_planned(typed_status.parse({"plan": plan})) is planned
 
 
 @pytest.mark.parametrize(
@@ -104,7 +107,7 @@ def test_status_is_written_only_when_the_decision_changes(new: dict[str, Any], n
         "metrics": {"requestsWaiting": 1},
         "metricsAvailable": True,
     }
-    assert autoscaler_loop.is_news(api.AutoscalingStatus.model_validate(old), new) is news
+    assert autoscaling_loop.is_news(api.AutoscalingStatus.model_validate(old), new) is news
 
 
 @pytest.mark.parametrize(
@@ -122,10 +125,10 @@ def test_wake_time_reads_the_gateways_annotation(
     annotations: dict[str, str], expected: float | None
 ) -> None:
     md = {"metadata": {"name": "m", "annotations": annotations}}
-    assert autoscaler.wake_time(md) == expected
+    assert recording.wake_time(md) == expected
 
 
-class FailingOnce(autoscaler_loop.AutoscalerLoop):
+class FailingOnce(autoscaling_loop.AutoscalerLoop):
     """A loop whose first tick meets an error nothing expects (the API unreachable)."""
 
     def __init__(self) -> None:

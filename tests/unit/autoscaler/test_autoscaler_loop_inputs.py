@@ -8,9 +8,11 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, autoscaler, config, reconcile, typed_status
-from kvpilot.operator.autoscaler_loop import free_gpus, pods_by_model
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator import api, config
+from kvpilot.operator.autoscaling import recording
+from kvpilot.operator.autoscaling.loop import free_gpus, pods_by_model
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import desired_state, typed_status
 
 T0 = "2026-12-02T10:00:00Z"
 T0_UNIX = 1796205600.0
@@ -59,7 +61,7 @@ UNSCHEDULABLE_SINCE = [
     ids=[row[0] for row in UNSCHEDULABLE_SINCE],
 )
 def test_unschedulable_since(pod_obj: dict[str, Any], expected: float | None) -> None:
-    assert autoscaler.unschedulable_since(pod_obj) == expected
+    assert recording.unschedulable_since(pod_obj) == expected
 
 
 def test_placement_reads_the_plan_and_counts_stuck_pods_per_type() -> None:
@@ -77,7 +79,7 @@ def test_placement_reads_the_plan_and_counts_stuck_pods_per_type() -> None:
         pod("b", True),
         pod("big", False),  # not a fitting type: ignored
     ]
-    where = autoscaler.placement(typed_status.parse(status), pods)
+    where = recording.placement(typed_status.parse(status), pods)
     assert where.order == ("a", "b")
     assert where.gpus_per_replica == {"a": 2, "b": 1}
     assert where.current == {"a": 2, "b": 1}
@@ -90,7 +92,7 @@ def test_placement_prefers_the_autoscalers_last_spread_over_the_plan() -> None:
         "plan": [plan_entry("a", 2), plan_entry("b", 0)],
         "autoscaling": {"replicasPerNodeType": {"a": 0, "b": 3}},
     }
-    assert autoscaler.placement(typed_status.parse(status), []).current == {"a": 0, "b": 3}
+    assert recording.placement(typed_status.parse(status), []).current == {"a": 0, "b": 3}
 
 
 SPILLING = [
@@ -109,12 +111,12 @@ SPILLING = [
 def test_spilling_after_the_threshold(
     pending: dict[str, int], since: dict[str, float], now: float, expected: list[str]
 ) -> None:
-    where = autoscaler.Placement(("a", "b"), {"a": 1, "b": 1}, {"a": 2, "b": 2}, pending, since)
+    where = recording.Placement(("a", "b"), {"a": 1, "b": 1}, {"a": 2, "b": 2}, pending, since)
     assert where.spilling(now, spill_after_s=180) == expected
 
 
 def test_spread_moves_stuck_replicas_to_the_next_type_with_room() -> None:
-    where = autoscaler.Placement(
+    where = recording.Placement(
         ("a", "b"), {"a": 1, "b": 2}, {"a": 2, "b": 0}, {"a": 2}, {"a": 0.0}
     )
     assert where.spread(2, {"a": 2, "b": 4}, now=200.0, spill_after_s=180) == {"a": 0, "b": 2}
@@ -145,12 +147,12 @@ def test_free_gpus_count_whole_replicas_per_node() -> None:
             free_gpus_per_node=(4,),
         ),
     ]
-    where = autoscaler.Placement(("a",), {"a": 2}, {"a": 0}, {}, {})
+    where = recording.Placement(("a",), {"a": 2}, {"a": 0}, {}, {})
     # 3 + 1 free GPUs on two nodes hold one 2-GPU replica, not two
     assert free_gpus_from(node_types, where) == {"a": 2}
 
 
-def free_gpus_from(node_types: list[NodeType], where: autoscaler.Placement) -> dict[str, int]:
+def free_gpus_from(node_types: list[NodeType], where: recording.Placement) -> dict[str, int]:
     nodes = [
         {
             "metadata": {
@@ -199,11 +201,11 @@ PER_TYPE_PATCH = [
 def test_per_type_patch(
     old: dict[str, int], new: dict[str, int], expected: dict[str, int | None]
 ) -> None:
-    assert autoscaler.per_type_patch(old, new) == expected
+    assert recording.per_type_patch(old, new) == expected
 
 
 def test_spill_message_names_what_moved() -> None:
-    message = autoscaler.spill_message({"a": 2, "b": 0}, {"a": 0, "b": 2}, ["a"])
+    message = recording.spill_message({"a": 2, "b": 0}, {"a": 0, "b": 2}, ["a"])
     assert message == ("Pods Unschedulable on a past the spill-over threshold: a 2->0, b 0->2")
 
 
@@ -260,11 +262,11 @@ def test_reconcile_applies_the_spread_only_while_it_adds_up(
 ) -> None:
     md = md_with(per_type, desired, max_replicas)
     status = typed_status.of(md)
-    seen = reconcile.Observed(node_types=tuple(l4_types()), status=status)
-    desired_state = reconcile.desire(md, config.OperatorConfig(), seen)
-    assert desired_state.error is None, desired_state.error
-    assert [e.node_type for e in desired_state.plan] == ["cheap", "dear"]
-    assert [e.replicas for e in desired_state.plan] == expected
+    seen = desired_state.Observed(node_types=tuple(l4_types()), status=status)
+    outcome = desired_state.desire(md, config.OperatorConfig(), seen)
+    assert outcome.error is None, outcome.error
+    assert [e.node_type for e in outcome.plan] == ["cheap", "dear"]
+    assert [e.replicas for e in outcome.plan] == expected
 
 
 OPERATOR_CONFIG_ERRORS = [
@@ -302,12 +304,12 @@ def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
     # The spec as the apiserver stores it (CRD defaults applied), one setting changed at a time:
     # each change must show in the policy's Bounds, or a field of the CRD does nothing.
     stored = api.Autoscaling.model_validate({"minReplicas": 0}).model_dump(by_alias=True)
-    before = autoscaler.bounds_from_spec(api.Autoscaling.model_validate(stored))
+    before = recording.bounds_from_spec(api.Autoscaling.model_validate(stored))
     settings = set(stored) - {"mode", "replicas"}  # those two are for mode off/external
     for setting in settings:
         changed = 0.5 if setting == "targetKVCacheUtilization" else stored[setting] + 1
         spec = api.Autoscaling.model_validate({**stored, setting: changed})
-        after = autoscaler.bounds_from_spec(spec)
+        after = recording.bounds_from_spec(spec)
         moved = [k for k, v in asdict(after).items() if v != asdict(before)[k]]
         assert len(moved) == 1, (setting, moved)
         assert getattr(after, moved[0]) == changed, setting

@@ -1,4 +1,4 @@
-"""Table tests for kvpilot.operator.policy: one table row per rule of DESIGN.md §3.5."""
+"""Table tests for kvpilot.operator.autoscaling.policy: one table row per rule of DESIGN.md §3.5."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from kvpilot.operator.policy import Bounds, Decision, Observations, PolicyState, decide, wake
+from kvpilot.operator.autoscaling.policy import (
+    Bounds,
+    Decision,
+    Observations,
+    PolicyState,
+    decide,
+    wake,
+)
 
 NOW = 1_000_000.0
 # Explicit targets and windows, so the tables do not move when the tuned defaults do.

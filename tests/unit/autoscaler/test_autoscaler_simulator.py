@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpilot.operator import policy as policy_module
-from kvpilot.operator.policy import Bounds
-from kvpilot.operator.simulator import main, policies, report, traces
-from kvpilot.operator.simulator.capacity import CapacityModel
-from kvpilot.operator.simulator.cluster import RunResult, Settings, simulate
-from kvpilot.operator.simulator.traces import Trace
+from kvpilot.operator.autoscaling import policy as policy_module
+from kvpilot.operator.autoscaling.policy import Bounds
+from kvpilot.operator.autoscaling.simulator import main, policies, report, traces
+from kvpilot.operator.autoscaling.simulator.capacity import CapacityModel
+from kvpilot.operator.autoscaling.simulator.cluster import RunResult, Settings, simulate
+from kvpilot.operator.autoscaling.simulator.traces import Trace
 
 CAPACITY = CapacityModel()
 SETTINGS = Settings(min_replicas=1, max_replicas=16, initial_replicas=1)

@@ -11,14 +11,14 @@ import contextlib
 import aiohttp
 from aiohttp import web
 
-from kvpilot.gateway.budget_config import KeysDocument, key_book
-from kvpilot.gateway.budget_policy import BudgetPolicy
-from kvpilot.gateway.budget_store import MemoryStore
-from kvpilot.gateway.budgets import Price
-from kvpilot.gateway.keys import KeyRing, KeysPolicy
+from kvpilot.gateway.budget.arithmetic import Price
+from kvpilot.gateway.budget.config import KeysDocument, key_book
+from kvpilot.gateway.budget.keys import KeyRing, KeysPolicy
+from kvpilot.gateway.budget.policy import BudgetPolicy
+from kvpilot.gateway.budget.store import MemoryStore
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.proxy import Gateway
-from kvpilot.gateway.routes import Route, RouteTable, ScaleTarget
+from kvpilot.gateway.routing.routes import Route, RouteTable, ScaleTarget
 from tests.support.server_process import free_port
 
 KEYS = KeysDocument.model_validate(

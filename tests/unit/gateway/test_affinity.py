@@ -3,7 +3,7 @@ and forgotten when idle or when the book is full."""
 
 from __future__ import annotations
 
-from kvpilot.gateway.affinity import Affinity, Placement
+from kvpilot.gateway.routing.affinity import Affinity, Placement
 
 
 class Clock:

@@ -17,12 +17,12 @@ from aiohttp.test_utils import make_mocked_request
 from redis.crc import key_slot
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.budget_config import KEY_ID_CHARS, KeysDocument, hash_key, key_book
-from kvpilot.gateway.budget_policy import BudgetPolicy
-from kvpilot.gateway.budget_store import RedisStore
-from kvpilot.gateway.budgets import Price
+from kvpilot.gateway.budget.arithmetic import Price
+from kvpilot.gateway.budget.config import KEY_ID_CHARS, KeysDocument, hash_key, key_book
+from kvpilot.gateway.budget.keys import KeyRing, KeysPolicy
+from kvpilot.gateway.budget.policy import BudgetPolicy
+from kvpilot.gateway.budget.store import RedisStore
 from kvpilot.gateway.exchange import Exchange
-from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
 from tests.support.redis_server import RedisServer
 from tests.support.server_process import free_port, wait_for

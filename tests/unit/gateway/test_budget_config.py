@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from kvpilot.gateway import kube_routes
-from kvpilot.gateway.budget_config import KeysDocument, hash_key, key_book
-from kvpilot.gateway.budgets import Price
+from kvpilot.gateway.budget.arithmetic import Price
+from kvpilot.gateway.budget.config import KeysDocument, hash_key, key_book
+from kvpilot.gateway.budget.keys import KeyRing
 from kvpilot.gateway.config import ConfigError, GatewayConfig, routes_from
-from kvpilot.gateway.keys import KeyRing
-from kvpilot.gateway.keys_secret import apply_keys, parse_keys_document
+from kvpilot.gateway.kube import routes as kube_routes
+from kvpilot.gateway.kube.keys_secret import apply_keys, parse_keys_document
 
 MODELS = [{"name": "tiny", "backends": ["http://10.0.0.5:8000"]}]
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from kvpilot.gateway.budgets import (
+from kvpilot.gateway.budget.arithmetic import (
     Limit,
     Price,
     amounts,

@@ -13,12 +13,12 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.budget_config import KeysDocument, key_book
-from kvpilot.gateway.budget_policy import BudgetOptions, BudgetPolicy
-from kvpilot.gateway.budget_store import Denied, MemoryStore, RedisStore
-from kvpilot.gateway.budgets import Charge, Price
+from kvpilot.gateway.budget.arithmetic import Charge, Price
+from kvpilot.gateway.budget.config import KeysDocument, key_book
+from kvpilot.gateway.budget.keys import KeyRing, KeysPolicy
+from kvpilot.gateway.budget.policy import BudgetOptions, BudgetPolicy
+from kvpilot.gateway.budget.store import Denied, MemoryStore, RedisStore
 from kvpilot.gateway.exchange import Exchange, run_afters
-from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.metrics import GatewayMetrics
 from tests.support.server_process import free_port
 

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvpilot.gateway.budget_store import BudgetStore, Denied, MemoryStore, RedisStore, StoreError
-from kvpilot.gateway.budgets import Charge
+from kvpilot.gateway.budget.arithmetic import Charge
+from kvpilot.gateway.budget.store import BudgetStore, Denied, MemoryStore, RedisStore, StoreError
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 
 Scenario = Callable[[BudgetStore], Awaitable[None]]

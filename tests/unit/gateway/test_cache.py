@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.cache import (
+from kvpilot.gateway.cache.config import CacheSpec, settings_from
+from kvpilot.gateway.cache.policy import Recorder, cache_control
+from kvpilot.gateway.cache.rules import (
     Entry,
     events_of,
     is_whole_answer,
@@ -18,9 +20,7 @@ from kvpilot.gateway.cache import (
     stream_entry,
     verdict,
 )
-from kvpilot.gateway.cache_config import CacheSpec, settings_from
-from kvpilot.gateway.cache_policy import Recorder, cache_control
-from kvpilot.gateway.cache_store import MemoryStore
+from kvpilot.gateway.cache.store import MemoryStore
 
 BASE: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "temperature": 0}
 

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
-from kvpilot.gateway.cache import Entry
-from kvpilot.gateway.cache_store import ENTRY_PREFIX, TOTAL, RedisStore
+from kvpilot.gateway.cache.rules import Entry
+from kvpilot.gateway.cache.store import ENTRY_PREFIX, TOTAL, RedisStore
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 
 Scenario = Callable[[RedisStore, RedisStore], Awaitable[None]]

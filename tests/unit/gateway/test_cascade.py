@@ -9,9 +9,15 @@ import pytest
 from pydantic import ValidationError
 
 from kvpilot.gateway import bodies
-from kvpilot.gateway.cascade_rules import CascadeRule, PromptFacts, choose, find_cycle, prompt_facts
 from kvpilot.gateway.config import ConfigError, routes_from
-from kvpilot.gateway.kube_routes import build_routes
+from kvpilot.gateway.kube.routes import build_routes
+from kvpilot.gateway.routing.cascade_rules import (
+    CascadeRule,
+    PromptFacts,
+    choose,
+    find_cycle,
+    prompt_facts,
+)
 from kvpilot.operator import api
 
 TOOL = {"type": "function", "function": {"name": "lookup"}}

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvpilot.gateway.config import ConfigError, load_routes, routes_from
-from kvpilot.gateway.routes import Backend, Provider, Route
+from kvpilot.gateway.routing.routes import Backend, Provider, Route
 
 
 def test_minimal_form(tmp_path: Path) -> None:

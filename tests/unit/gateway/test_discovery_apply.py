@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from kubernetes import client as k8s_client
 
-from kvpilot.gateway.discovery import apply_routes
-from kvpilot.gateway.kube_wake import KubernetesWaker
-from kvpilot.gateway.routes import Backend, Route, RouteTable, ScaleTarget
+from kvpilot.gateway.kube.discovery import apply_routes
+from kvpilot.gateway.kube.wake import KubernetesWaker
+from kvpilot.gateway.routing.routes import Backend, Route, RouteTable, ScaleTarget
 
 A = Route("a", (Backend("ml/a-0", "http://10.0.0.1:8000"),), (), ScaleTarget("ml", "a"))
 B = Route("b", (), ("a",), ScaleTarget("ml", "b"))

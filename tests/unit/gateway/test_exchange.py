@@ -6,9 +6,9 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from kvpilot.gateway.bodies import COMPLETIONS, Inbound
-from kvpilot.gateway.budget_config import KeyEntry
+from kvpilot.gateway.budget.config import KeyEntry
+from kvpilot.gateway.budget.keys import CALLER, Caller
 from kvpilot.gateway.exchange import Exchange, Tap, end_taps, through_taps
-from kvpilot.gateway.keys import CALLER, Caller
 from kvpilot.gateway.proxy import forwards_client_key
 
 

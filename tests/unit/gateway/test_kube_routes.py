@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.gateway.kube_routes import (
+from kvpilot.gateway.kube.routes import (
     Resolution,
     SecretKey,
     build_routes,
@@ -15,7 +15,7 @@ from kvpilot.gateway.kube_routes import (
     secrets_needed,
     slim_pod,
 )
-from kvpilot.gateway.routes import Backend, Provider, Route, ScaleTarget
+from kvpilot.gateway.routing.routes import Backend, Provider, Route, ScaleTarget
 
 
 def md(

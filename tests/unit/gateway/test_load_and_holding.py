@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from kvpilot.gateway.holding import Holding
-from kvpilot.gateway.load import LoadBook, parse_replica_metrics
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.picking import ReplicaLoad
-from kvpilot.gateway.routes import Backend, Route, RouteTable, ScaleTarget
+from kvpilot.gateway.routing.holding import Holding
+from kvpilot.gateway.routing.load import LoadBook, parse_replica_metrics
+from kvpilot.gateway.routing.picking import ReplicaLoad
+from kvpilot.gateway.routing.routes import Backend, Route, RouteTable, ScaleTarget
 from kvpilot.gateway.upstream import sse_error_event
 
 VLLM_TEXT = """# TYPE vllm:num_requests_waiting gauge

@@ -12,11 +12,11 @@ import openai
 import pytest
 from aiohttp import web
 
-from kvpilot.gateway.budget_config import KeysDocument, key_book
+from kvpilot.gateway.budget.config import KeysDocument, key_book
+from kvpilot.gateway.budget.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.exchange import Policy
-from kvpilot.gateway.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.proxy import Gateway
-from kvpilot.gateway.routes import Backend, Route, RouteTable
+from kvpilot.gateway.routing.routes import Backend, Route, RouteTable
 from tests.support.server_process import free_port
 
 KEYS = KeysDocument.model_validate(

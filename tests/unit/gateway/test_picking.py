@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from kvpilot.gateway.affinity import Affinity, Placement
-from kvpilot.gateway.picking import (
+from kvpilot.gateway.routing.affinity import Affinity, Placement
+from kvpilot.gateway.routing.picking import (
     PickPolicy,
     ReplicaLoad,
     affinity_order,
@@ -18,7 +18,7 @@ from kvpilot.gateway.picking import (
     pick,
     ring_order,
 )
-from kvpilot.gateway.routes import Backend
+from kvpilot.gateway.routing.routes import Backend
 
 REPLICAS = [Backend(f"ns/pod-{i}", f"http://10.0.0.{i}:8000") for i in range(4)]
 PREFIX = PickPolicy("prefix")

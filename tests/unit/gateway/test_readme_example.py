@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvpilot.gateway.budget_config import key_book
-from kvpilot.gateway.budget_setup import read_settings
-from kvpilot.gateway.cache_config import settings_from
-from kvpilot.gateway.cascade_rules import CascadeRule
+from kvpilot.gateway.budget.config import key_book
+from kvpilot.gateway.budget.setup import read_settings
+from kvpilot.gateway.cache.config import settings_from
 from kvpilot.gateway.config import load_cache_spec, load_routes
+from kvpilot.gateway.routing.cascade_rules import CascadeRule
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 HEREDOC = re.compile(r"^cat > gateway\.yaml <<'YAML'\n(.*?)^YAML$", re.DOTALL | re.MULTILINE)

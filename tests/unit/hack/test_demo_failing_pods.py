@@ -12,10 +12,12 @@ from hack.closedloop import local_model_uri
 from hack.demo import pods_failing
 from hack.devcluster import DevClusterError
 from kvpilot.contract import catalog
-from kvpilot.operator import api, conditions, manifests, planner
+from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import NodeType
-from kvpilot.operator.manifests import SCRATCH_MOUNT
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import conditions, manifests
+from kvpilot.operator.reconcile.manifests import SCRATCH_MOUNT
 
 CRASH = "runtime: CrashLoopBackOff: kvpilot-runtime serve: --model 'file:///m': not a checkpoint"
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.operator import api, autoscaler_loop
-from kvpilot.operator.cost import Traffic, cost_status, merge_patch, per_unit
+from kvpilot.operator import api
+from kvpilot.operator.autoscaling import loop as autoscaling_loop
+from kvpilot.operator.planning.cost import Traffic, cost_status, merge_patch, per_unit
 from kvpilot.runtime.bench.stats import cost_per_1k_requests
 
 
@@ -110,7 +111,7 @@ def pod(node_type: str, deleting: bool = False) -> dict[str, object]:
 
 def test_replicas_billed_are_the_pods_not_being_deleted() -> None:
     pods = [pod("l4"), pod("l4"), pod("a100"), pod("l4", deleting=True)]
-    assert autoscaler_loop.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
+    assert autoscaling_loop.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
 
 
 def test_replica_prices_come_from_the_plan() -> None:
@@ -118,7 +119,7 @@ def test_replica_prices_come_from_the_plan() -> None:
         api.PlanEntry(node_type="l4", fits=True, price_per_hour=0.98),
         api.PlanEntry(node_type="h100", fits=False),
     ]
-    assert autoscaler_loop.replica_prices(plan) == {"l4": 0.98, "h100": 0.0}
+    assert autoscaling_loop.replica_prices(plan) == {"l4": 0.98, "h100": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -144,4 +145,4 @@ def test_cost_is_refreshed_five_times_per_window(
         if measured_at
         else None
     )
-    assert autoscaler_loop.cost_is_due(old, now, 300) is due
+    assert autoscaling_loop.cost_is_due(old, now, 300) is due

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import dependents, manifests, quality_job
+from kvpilot.operator.quality import job as quality_job
+from kvpilot.operator.reconcile import dependents, manifests
 
 URI = "hf://Qwen/Qwen2.5-0.5B-Instruct"
 

@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import (
-    api,
+from kvpilot.operator import api
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import (
     conditions,
+    desired_state,
     manifests,
     model_cache,
-    planner,
-    reconcile,
     typed_status,
 )
-from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import NodeType
 
 CONFIG = OperatorConfig()
 L4 = NodeType(
@@ -164,11 +164,13 @@ def test_replicas_wait_at_zero_until_the_cache_is_filled(
     cache_phase: str, replicas: int, ready_reason: str
 ) -> None:
     cache = api.CacheStatus(claim_name="c", phase=cache_phase)  # type: ignore[arg-type]
-    desired = reconcile.desire(md({}), CONFIG, reconcile.Observed(node_types=(L4,), cache=cache))
+    desired = desired_state.desire(
+        md({}), CONFIG, desired_state.Observed(node_types=(L4,), cache=cache)
+    )
     deployment = next(c for c in desired.children if c["kind"] == "Deployment")
     assert deployment["spec"]["replicas"] == replicas
     assert [c["kind"] for c in desired.cache_children] == ["PersistentVolumeClaim", "Job"]
-    status = reconcile.build_status(
+    status = desired_state.build_status(
         md({}), typed_status.EMPTY, desired, [deployment], CONFIG, "now"
     )
     assert status["cache"]["phase"] == cache_phase
@@ -177,9 +179,9 @@ def test_replicas_wait_at_zero_until_the_cache_is_filled(
 
 
 def test_without_a_cache_nothing_changes() -> None:
-    desired = reconcile.desire(md(None), CONFIG, reconcile.Observed(node_types=(L4,)))
+    desired = desired_state.desire(md(None), CONFIG, desired_state.Observed(node_types=(L4,)))
     assert desired.cache_children == [] and desired.cache is None
-    status = reconcile.build_status(md(None), typed_status.EMPTY, desired, [], CONFIG, "now")
+    status = desired_state.build_status(md(None), typed_status.EMPTY, desired, [], CONFIG, "now")
     assert "cache" not in status
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import inventory
 from kvpilot.operator.config import DeclaredNodeType
+from kvpilot.operator.planning import inventory
 
 
 def node(

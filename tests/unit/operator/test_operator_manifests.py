@@ -9,9 +9,12 @@ import kubernetes_validate
 import pytest
 
 from kvpilot.contract.memory import ModelFacts
-from kvpilot.operator import api, manifests, planner, runtime_metrics
+from kvpilot.operator import api
+from kvpilot.operator.autoscaling import metrics_reader
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import manifests
 
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
 MD = {
@@ -242,15 +245,15 @@ def test_pod_monitor_gives_series_the_labels_the_autoscaler_queries() -> None:
     assert monitor["kind"] == "PodMonitor"
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    # what kubernetes_sd offers for each pod label, and what runtime_metrics.py's PromQL groups by
+    # what kubernetes_sd offers for each pod label, and what metrics_reader.py's PromQL groups by
     offered = {
         "__meta_kubernetes_pod_label_" + k.replace(".", "_").replace("/", "_").replace("-", "_"): k
         for k in pod_labels
     }
     made = {r["targetLabel"]: offered[r["sourceLabels"][0]] for r in endpoint["relabelings"]}
     assert made == {
-        runtime_metrics.PROM_LABEL_MODEL: "kvpilot.dev/model",
-        runtime_metrics.PROM_LABEL_NODE_TYPE: "kvpilot.dev/node-type",
+        metrics_reader.PROM_LABEL_MODEL: "kvpilot.dev/model",
+        metrics_reader.PROM_LABEL_NODE_TYPE: "kvpilot.dev/node-type",
     }
 
 

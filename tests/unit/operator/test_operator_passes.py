@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kvpilot.operator import inventory, passes
-from kvpilot.operator.controller import controller_owner
-from kvpilot.operator.passes import Reconciler, Replanner
+from kvpilot.operator.planning import inventory
+from kvpilot.operator.reconcile import passes
+from kvpilot.operator.reconcile.controller import controller_owner
+from kvpilot.operator.reconcile.passes import Reconciler, Replanner
 
 
 def node(name: str) -> dict[str, Any]:

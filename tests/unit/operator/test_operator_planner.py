@@ -14,8 +14,8 @@ import pytest
 
 from kvpilot.contract import catalog
 from kvpilot.contract.memory import GIB, ModelFacts
-from kvpilot.operator import planner
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
 
 GB = 1e9
 SEVEN_B = ModelFacts(parameters=7_000_000_000, layers=32, kv_heads=8, head_dim=128)

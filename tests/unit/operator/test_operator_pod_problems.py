@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import conditions, inventory
+from kvpilot.operator.planning import inventory
+from kvpilot.operator.reconcile import conditions
 
 FETCH_ERROR = "kvpilot-runtime fetch: hf://org/m: 404 repository not found, or private"
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from kvpilot.contract.memory import ModelFacts
-from kvpilot.operator import conditions, reconcile, typed_status
 from kvpilot.operator.api import Condition
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import conditions, desired_state, typed_status
 
 CONFIG = OperatorConfig()
 T4 = NodeType(
@@ -36,9 +36,9 @@ H100 = NodeType(
 )
 
 
-def seen(*node_types: NodeType, **observed: Any) -> reconcile.Observed:
-    """What a pass observed: these node types, and the other `reconcile.Observed` fields given."""
-    return reconcile.Observed(node_types=node_types, **observed)
+def seen(*node_types: NodeType, **observed: Any) -> desired_state.Observed:
+    """What a pass observed: these node types, and the other Observed fields given."""
+    return desired_state.Observed(node_types=node_types, **observed)
 
 
 def md(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -59,7 +59,7 @@ LLAMA_70B = {
 
 def test_spread_over_node_types_honours_free_gpus() -> None:
     spec = {**LLAMA_70B, "autoscaling": {"mode": "off", "replicas": 3}}
-    desired = reconcile.desire(md(spec), CONFIG, seen(T4, H100))
+    desired = desired_state.desire(md(spec), CONFIG, seen(T4, H100))
     assert desired.error is None
     # H100 holds two tp-4 replicas on its 8 free GPUs; T4 does not fit, so the third waits there.
     assert [(e.node_type, e.replicas, e.fits) for e in desired.plan] == [
@@ -71,7 +71,7 @@ def test_spread_over_node_types_honours_free_gpus() -> None:
 
 
 def test_nothing_fits_reports_every_node_type_with_numbers() -> None:
-    desired = reconcile.desire(md(LLAMA_70B), CONFIG, seen(T4))
+    desired = desired_state.desire(md(LLAMA_70B), CONFIG, seen(T4))
     assert desired.children == [] and not desired.is_invalid_spec
     assert desired.error == (
         "no node type fits: t4-16gb: int4 needs 57.7 GiB per GPU (weights 34.9 + KV 20.0"
@@ -93,7 +93,7 @@ def test_nothing_fits_reports_every_node_type_with_numbers() -> None:
     ],
 )
 def test_invalid_spec_is_permanent(spec: dict[str, Any], message: str) -> None:
-    desired = reconcile.desire(md(spec), CONFIG, seen(H100))
+    desired = desired_state.desire(md(spec), CONFIG, seen(H100))
     assert desired.is_invalid_spec
     assert desired.error is not None and message in desired.error
 
@@ -101,7 +101,7 @@ def test_invalid_spec_is_permanent(spec: dict[str, Any], message: str) -> None:
 def test_status_of_a_pass() -> None:
     spec = {**LLAMA_70B, "autoscaling": {"mode": "external", "replicas": 1}}
     obj = md(spec)
-    desired = reconcile.desire(obj, CONFIG, seen(H100))
+    desired = desired_state.desire(obj, CONFIG, seen(H100))
     deployment = {
         "metadata": {"generation": 1},
         "spec": {"replicas": 1},
@@ -112,7 +112,7 @@ def test_status_of_a_pass() -> None:
             "readyReplicas": 1,
         },
     }
-    status = reconcile.build_status(
+    status = desired_state.build_status(
         obj, typed_status.EMPTY, desired, [deployment], CONFIG, "2026-01-01T00:00:00Z"
     )
     assert status["observedGeneration"] == 2
@@ -184,10 +184,10 @@ def test_summarize(deployments: list[dict[str, Any]], expected: conditions.Rollo
 
 def test_plan_changed() -> None:
     obj = md(LLAMA_70B)
-    desired = reconcile.desire(obj, CONFIG, seen(H100))
-    assert reconcile.plan_changed(typed_status.of(obj), desired)
+    desired = desired_state.desire(obj, CONFIG, seen(H100))
+    assert desired_state.plan_changed(typed_status.of(obj), desired)
     obj["status"]["plan"] = [e.model_dump(by_alias=True) for e in desired.plan]
-    assert not reconcile.plan_changed(typed_status.of(obj), desired)
+    assert not desired_state.plan_changed(typed_status.of(obj), desired)
 
 
 @pytest.mark.parametrize(
@@ -218,7 +218,7 @@ def test_replicas_follow_the_autoscaler_or_the_scale_subresource(
 ) -> None:
     spec = {**LLAMA_70B, "autoscaling": {"mode": mode, "replicas": 2, "maxReplicas": 4}}
     obj = md(spec, {"autoscaling": autoscaling_status})
-    desired = reconcile.desire(obj, CONFIG, seen(H100, T4, status=typed_status.of(obj)))
+    desired = desired_state.desire(obj, CONFIG, seen(H100, T4, status=typed_status.of(obj)))
     assert [e.replicas for e in desired.plan] == expected
 
 
@@ -232,18 +232,18 @@ def test_status_written_by_the_autoscaler_is_carried_not_parsed() -> None:
     }
     obj = md(LLAMA_70B, autoscaler_status)
     old = typed_status.of(obj)
-    desired = reconcile.desire(obj, CONFIG, seen(H100, status=old))
-    status = reconcile.build_status(obj, old, desired, [], CONFIG, "t")
+    desired = desired_state.desire(obj, CONFIG, seen(H100, status=old))
+    status = desired_state.build_status(obj, old, desired, [], CONFIG, "t")
     assert "autoscaling" not in status  # the autoscaler's to write; a merge patch leaves it
     assert {c["type"] for c in status["conditions"]} >= {"Ready", "MetricsAvailable"}
 
 
 def test_a_new_failure_is_news_once() -> None:
     obj = md({"model": {"uri": "pvc://weights/mine"}})
-    desired = reconcile.desire(obj, CONFIG, seen(H100))
-    assert reconcile.plan_changed(typed_status.of(obj), desired)
-    obj["status"] = reconcile.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
-    assert not reconcile.plan_changed(typed_status.of(obj), desired)
+    desired = desired_state.desire(obj, CONFIG, seen(H100))
+    assert desired_state.plan_changed(typed_status.of(obj), desired)
+    obj["status"] = desired_state.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
+    assert not desired_state.plan_changed(typed_status.of(obj), desired)
 
 
 @pytest.mark.parametrize(
@@ -262,8 +262,10 @@ def test_may_have_dropped_pod_monitor(
         {**LLAMA_70B, "monitoring": {"podMonitor": monitoring}}, {"observedGeneration": observed}
     )
     obj["metadata"]["generation"] = generation
-    desired = reconcile.desire(obj, CONFIG, seen(H100, has_pod_monitor_crd=True))
-    assert reconcile.may_have_dropped_pod_monitor(obj, typed_status.of(obj), desired) is expected
+    desired = desired_state.desire(obj, CONFIG, seen(H100, has_pod_monitor_crd=True))
+    assert (
+        desired_state.may_have_dropped_pod_monitor(obj, typed_status.of(obj), desired) is expected
+    )
 
 
 UNCATALOGUED = {"model": {"uri": "hf://acme/in-house-8b"}, "serving": {"maxContextLength": 4096}}
@@ -271,14 +273,14 @@ UNCATALOGUED = {"model": {"uri": "hf://acme/in-house-8b"}, "serving": {"maxConte
 
 def test_an_uncatalogued_model_is_planned_from_facts_read_at_the_source() -> None:
     read = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
-    desired = reconcile.desire(md(UNCATALOGUED), CONFIG, seen(H100, source_facts=read))
+    desired = desired_state.desire(md(UNCATALOGUED), CONFIG, seen(H100, source_facts=read))
     assert desired.error is None and desired.plan[0].fits
     assert desired.plan[0].weights_gi_b == pytest.approx(8e9 * 2 / 2**30, rel=0.01)
 
 
 def test_a_source_that_cannot_be_read_fails_the_plan_for_now_not_for_good() -> None:
     why = "cannot read the model's config.json: hf://acme/in-house-8b: 404 repository not found"
-    desired = reconcile.desire(md(UNCATALOGUED), CONFIG, seen(H100, source_facts=why))
+    desired = desired_state.desire(md(UNCATALOGUED), CONFIG, seen(H100, source_facts=why))
     assert desired.needs_retry and not desired.is_invalid_spec
     assert desired.error is not None and why in desired.error and "spec.model" in desired.error
 
@@ -295,8 +297,8 @@ IN_HOUSE_8B = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_d
 
 def test_a_draft_model_is_planned_from_its_facts_read_at_the_source() -> None:
     draft = ModelFacts(parameters=500_000_000, layers=16, kv_heads=2, head_dim=64)
-    alone = reconcile.desire(md(UNCATALOGUED), CONFIG, seen(H100, source_facts=IN_HOUSE_8B))
-    desired = reconcile.desire(
+    alone = desired_state.desire(md(UNCATALOGUED), CONFIG, seen(H100, source_facts=IN_HOUSE_8B))
+    desired = desired_state.desire(
         md(DRAFTED), CONFIG, seen(H100, source_facts=IN_HOUSE_8B, draft_facts=draft)
     )
     assert desired.error is None and desired.plan[0].fits
@@ -314,7 +316,7 @@ def test_a_draft_model_is_planned_from_its_facts_read_at_the_source() -> None:
 def test_a_draft_without_facts_fails_the_plan_saying_which_model(
     draft_facts: str | None, retried: bool
 ) -> None:
-    desired = reconcile.desire(
+    desired = desired_state.desire(
         md(DRAFTED), CONFIG, seen(H100, source_facts=IN_HOUSE_8B, draft_facts=draft_facts)
     )
     assert desired.error is not None and "draft model hf://acme/in-house-draft" in desired.error
@@ -327,7 +329,7 @@ def test_facts_in_the_spec_win_over_the_source() -> None:
     facts = {"parameters": 1_000_000, "layers": 2, "kvHeads": 1, "headDim": 8}
     spec = {**UNCATALOGUED, "model": {"uri": "hf://acme/in-house-8b", **facts}}
     read = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
-    desired = reconcile.desire(md(spec), CONFIG, seen(H100, source_facts=read))
+    desired = desired_state.desire(md(spec), CONFIG, seen(H100, source_facts=read))
     assert desired.plan[0].weights_gi_b < 0.01
 
 
@@ -359,7 +361,7 @@ def _scaled(
 def test_scale_pending_compares_the_decision_with_what_was_applied(
     obj: dict[str, Any], pending: bool
 ) -> None:
-    assert reconcile.scale_pending(obj) is pending
+    assert desired_state.scale_pending(obj) is pending
 
 
 def _generations(generation: int, observed: int | None, **status: Any) -> dict[str, Any]:
@@ -401,7 +403,7 @@ NEEDS_FULL_PASS = [
     ids=[row[0] for row in NEEDS_FULL_PASS],
 )
 def test_needs_full_pass(obj: dict[str, Any], first_sight: bool, expected: bool) -> None:
-    assert reconcile.needs_full_pass(obj, first_sight) is expected
+    assert desired_state.needs_full_pass(obj, first_sight) is expected
 
 
 def _routing(*fallbacks: dict[str, Any]) -> dict[str, Any]:
@@ -410,9 +412,9 @@ def _routing(*fallbacks: dict[str, Any]) -> dict[str, Any]:
 
 def _fallbacks_status(obj: dict[str, Any], missing: tuple[str, ...]) -> dict[str, Any] | None:
     desired = dataclasses.replace(
-        reconcile.desire(obj, CONFIG, seen(H100)), missing_fallbacks=missing
+        desired_state.desire(obj, CONFIG, seen(H100)), missing_fallbacks=missing
     )
-    status = reconcile.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
+    status = desired_state.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
     return next((c for c in status["conditions"] if c["type"] == "FallbacksResolved"), None)
 
 
@@ -452,22 +454,22 @@ def test_the_condition_goes_with_the_fallbacks() -> None:
 def test_missing_fallbacks_are_news_once() -> None:
     obj = md(_routing({"modelDeployment": "small"}))
     desired = dataclasses.replace(
-        reconcile.desire(obj, CONFIG, seen(H100)), missing_fallbacks=("small",)
+        desired_state.desire(obj, CONFIG, seen(H100)), missing_fallbacks=("small",)
     )
-    assert reconcile.fallbacks_news(typed_status.of(obj), desired) == (
+    assert desired_state.fallbacks_news(typed_status.of(obj), desired) == (
         "spec.routing.fallbacks name missing ModelDeployments: small"
     )
-    obj["status"] = reconcile.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
-    assert reconcile.fallbacks_news(typed_status.of(obj), desired) is None
+    obj["status"] = desired_state.build_status(obj, typed_status.of(obj), desired, [], CONFIG, "t")
+    assert desired_state.fallbacks_news(typed_status.of(obj), desired) is None
     found = dataclasses.replace(desired, missing_fallbacks=())
-    assert reconcile.fallbacks_news(typed_status.of(obj), found) is None
+    assert desired_state.fallbacks_news(typed_status.of(obj), found) is None
 
 
 def test_a_fallback_to_itself_is_an_invalid_spec() -> None:
-    desired = reconcile.desire(md(_routing({"modelDeployment": "m"})), CONFIG, seen(H100))
+    desired = desired_state.desire(md(_routing({"modelDeployment": "m"})), CONFIG, seen(H100))
     assert desired.is_invalid_spec
     assert desired.error == "spec.routing.fallbacks: m cannot fall back to itself"
-    fine = reconcile.desire(md(_routing({"modelDeployment": "small"})), CONFIG, seen(H100))
+    fine = desired_state.desire(md(_routing({"modelDeployment": "small"})), CONFIG, seen(H100))
     assert fine.error is None and fine.fallback_names == ("small",)
 
 
@@ -484,9 +486,10 @@ def test_a_dropped_inference_pool_is_looked_for_after_a_spec_change(
 ) -> None:
     obj = md({**LLAMA_70B, "routing": routing}, {"observedGeneration": observed})
     obj["metadata"]["generation"] = generation
-    desired = reconcile.desire(obj, CONFIG, seen(H100, has_inference_pool_crd=True))
+    desired = desired_state.desire(obj, CONFIG, seen(H100, has_inference_pool_crd=True))
     assert (
-        reconcile.may_have_dropped(obj, typed_status.of(obj), desired, "InferencePool") is expected
+        desired_state.may_have_dropped(obj, typed_status.of(obj), desired, "InferencePool")
+        is expected
     )
 
 
@@ -499,7 +502,7 @@ def test_prefer_cost_plans_by_the_cost_status_measured_on_real_traffic() -> None
         "placement": {"prefer": "cost"},
         "autoscaling": {"mode": "off", "replicas": 1},
     }
-    estimated = reconcile.desire(md(spec), CONFIG, seen(T4, H100))
+    estimated = desired_state.desire(md(spec), CONFIG, seen(T4, H100))
     assert [e.node_type for e in estimated.plan] == ["t4-16gb", "h100-80gb"]
     cost = {
         **_figures(None),
@@ -511,10 +514,10 @@ def test_prefer_cost_plans_by_the_cost_status_measured_on_real_traffic() -> None
         },
     }
     status = typed_status.parse({"cost": cost})
-    assert reconcile.measured_cost(status) == (("h100-80gb", 0.4), ("t4-16gb", 0.9))
-    measured = reconcile.desire(md(spec), CONFIG, seen(T4, H100, status=status))
+    assert desired_state.measured_cost(status) == (("h100-80gb", 0.4), ("t4-16gb", 0.9))
+    measured = desired_state.desire(md(spec), CONFIG, seen(T4, H100, status=status))
     assert [e.node_type for e in measured.plan] == ["h100-80gb", "t4-16gb"]
-    assert reconcile.measured_cost(typed_status.EMPTY) == ()
+    assert desired_state.measured_cost(typed_status.EMPTY) == ()
 
 
 def _figures(per_thousand_requests: float | None) -> dict[str, Any]:

@@ -14,9 +14,11 @@ import yaml
 
 from kvpilot.contract import fetch, serve_config
 from kvpilot.contract.memory import ModelFacts
-from kvpilot.operator import api, manifests, model_cache, planner
+from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import manifests, model_cache
 
 EXAMPLES = sorted((Path(__file__).parents[3] / "examples").glob("*.yaml"))
 CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")

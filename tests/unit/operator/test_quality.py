@@ -1,5 +1,5 @@
-"""Quantisation admitted by measured quality (quality.py): admission tables, the eval Job, reading
-its outcome, and one pass's verdict through reconcile.desire."""
+"""Quantisation admitted by measured quality (admission.py): admission tables, the eval Job, reading
+its outcome, and one pass's verdict through desired_state.desire."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.operator import api, quality, quality_job, reconcile, typed_status
+from kvpilot.operator import api
+from kvpilot.operator.quality import admission
+from kvpilot.operator.quality import job as quality_job
+from kvpilot.operator.reconcile import desired_state, typed_status
 from tests.support.quality_fixtures import (
     CONFIG,
     DIGEST,
@@ -89,8 +92,8 @@ def test_admission(
     pending: tuple[str, ...],
     excluded: tuple[str, ...],
 ) -> None:
-    admission = quality.admit(policy(**fields), losses)
-    assert (admission.levels, admission.pending, admission.excluded) == (levels, pending, excluded)
+    admitted = admission.admit(policy(**fields), losses)
+    assert (admitted.levels, admitted.pending, admitted.excluded) == (levels, pending, excluded)
 
 
 def test_int4_alone_cannot_wait_for_its_measurement() -> None:
@@ -118,8 +121,8 @@ def test_the_digest_is_the_evals(tmp_path: Path) -> None:
     text = "Once upon a time, naïve tokens.\n"
     path = tmp_path / "eval.txt"
     path.write_text(text)
-    assert quality.dataset_digest(text.encode()) == dataset_digest(path)
-    assert quality.dataset_digest(b"other") != dataset_digest(path)
+    assert admission.dataset_digest(text.encode()) == dataset_digest(path)
+    assert admission.dataset_digest(b"other") != dataset_digest(path)
 
 
 def test_the_eval_job_runs_like_a_runtime_pod() -> None:
@@ -159,8 +162,8 @@ def test_the_eval_job_runs_like_a_runtime_pod() -> None:
 def test_job_outcomes() -> None:
     complete = {**job("Complete")}
     complete["status"] = {**complete["status"], "completionTime": "2026-12-03T19:59:00Z"}
-    done = quality.job_outcome(
-        quality.EvalRun(complete, [summary_pod("int8", 141.2, 0.0042)]), "int8", URI, NOW
+    done = admission.job_outcome(
+        admission.EvalRun(complete, [summary_pod("int8", 141.2, 0.0042)]), "int8", URI, NOW
     )
     assert isinstance(done, api.QualityMeasurement)
     assert (done.level, done.value, done.relative_loss, done.node_type) == (
@@ -174,12 +177,14 @@ def test_job_outcomes() -> None:
 
     older = failed_pod("2026-12-03T19:00:00Z", "old")
     newer = failed_pod("2026-12-03T19:05:00Z", "Traceback\nkvpilot-runtime eval: dataset empty")
-    failed = quality.job_outcome(quality.EvalRun(job("Failed"), [newer, older]), "int8", URI, NOW)
+    failed = admission.job_outcome(
+        admission.EvalRun(job("Failed"), [newer, older]), "int8", URI, NOW
+    )
     assert failed == "BackoffLimitExceeded: Traceback | kvpilot-runtime eval: dataset empty"
 
-    assert quality.job_outcome(quality.EvalRun(job(None), [older]), "int8", URI, NOW) is None
+    assert admission.job_outcome(admission.EvalRun(job(None), [older]), "int8", URI, NOW) is None
     # Complete, but the summary is not there (a runtime that wrote none): say so, do not guess.
-    odd = quality.job_outcome(quality.EvalRun(job("Complete"), []), "int8", URI, NOW)
+    odd = admission.job_outcome(admission.EvalRun(job("Complete"), []), "int8", URI, NOW)
     assert odd == "the eval Job finished without a summary"
 
 
@@ -196,15 +201,15 @@ def record(level: str, loss: float) -> str:
 
 def records(**losses: float) -> dict[str, str]:
     return {
-        quality.record_key(level, "perplexity", DIGEST): record(level, loss)
+        admission.record_key(level, "perplexity", DIGEST): record(level, loss)
         for level, loss in losses.items()
     }
 
 
 def test_nothing_measured_asks_for_a_job_per_level_and_serves_the_fallback() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
-    observed = quality.Observed(dataset_key=DIGEST)
-    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
+    observed = admission.Observed(dataset_key=DIGEST)
+    verdict = admission.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     assert verdict.admission.levels == ("bf16", "int8")
     assert [
         j["metadata"]["annotations"]["kvpilot.dev/quantization"] for j in verdict.jobs_to_create
@@ -216,34 +221,34 @@ def test_nothing_measured_asks_for_a_job_per_level_and_serves_the_fallback() -> 
 
 def test_cached_measurements_need_no_job() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation(0.5)))
-    observed = quality.Observed(DIGEST, records=records(bf16=0.0, int8=0.3, int4=2.5))
-    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
+    observed = admission.Observed(DIGEST, records=records(bf16=0.0, int8=0.3, int4=2.5))
+    verdict = admission.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     assert verdict.jobs_to_create == () and verdict.new_records == {}
     assert verdict.admission.levels == ("bf16", "int8")
     assert verdict.condition is not None and verdict.condition.status == "True"
     assert "excluded int4: +2.50% > 0.5%" in verdict.condition.message
     assert [m.level for m in verdict.measurements] == ["bf16", "int8", "int4"]
     # A record of another dataset (another digest) does not count.
-    other = quality.Observed("sha256:" + "cd" * 32, records=records(bf16=0.0, int8=0.3, int4=2.5))
+    other = admission.Observed("sha256:" + "cd" * 32, records=records(bf16=0.0, int8=0.3, int4=2.5))
     assert (
-        len(quality.assess(md(md_spec()), s, other, reference(), CONFIG, NOW).jobs_to_create) == 3
+        len(admission.assess(md(md_spec()), s, other, reference(), CONFIG, NOW).jobs_to_create) == 3
     )
 
 
 def test_a_finished_job_is_recorded_then_deleted_and_a_failed_one_is_not_retried_at_once() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation(0.5)))
     runs = {
-        named("int8"): quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.003)]),
-        named("int4"): quality.EvalRun(job("Failed"), [failed_pod(NOW, "CUDA out of memory")]),
+        named("int8"): admission.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.003)]),
+        named("int4"): admission.EvalRun(job("Failed"), [failed_pod(NOW, "CUDA out of memory")]),
     }
-    observed = quality.Observed(DIGEST, records=records(bf16=0.0), runs=runs)
-    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
+    observed = admission.Observed(DIGEST, records=records(bf16=0.0), runs=runs)
+    verdict = admission.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     # int8's measurement, and that int4's first attempt failed (its retry waits longer each time)
     assert verdict.new_records.keys() == {
-        quality.record_key("int8", "perplexity", DIGEST),
-        quality.failure_key("int4", "perplexity", DIGEST),
+        admission.record_key("int8", "perplexity", DIGEST),
+        admission.failure_key("int4", "perplexity", DIGEST),
     }
-    assert verdict.new_records[quality.failure_key("int4", "perplexity", DIGEST)] == "1"
+    assert verdict.new_records[admission.failure_key("int4", "perplexity", DIGEST)] == "1"
     assert verdict.jobs_to_delete == (runs[named("int8")].job,)
     assert verdict.jobs_to_create == ()  # int4's failed Job stays until its TTL: no tight loop
     assert verdict.admission.levels == ("bf16", "int8")
@@ -253,17 +258,17 @@ def test_a_finished_job_is_recorded_then_deleted_and_a_failed_one_is_not_retried
 
 def test_an_unreadable_dataset_falls_back_to_the_category_and_is_retried() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
-    observed = quality.Observed(dataset_error="ConfigMap ns/tiny-eval not found")
-    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
+    observed = admission.Observed(dataset_error="ConfigMap ns/tiny-eval not found")
+    verdict = admission.assess(md(md_spec()), s, observed, reference(), CONFIG, NOW)
     assert verdict.admission.levels == ("bf16", "int8") and verdict.jobs_to_create == ()
     assert verdict.condition is not None and verdict.condition.reason == "DatasetUnreadable"
     assert verdict.condition.message.startswith("ConfigMap ns/tiny-eval not found; until")
-    assert quality.needs_retry(verdict)
+    assert admission.needs_retry(verdict)
 
 
 def test_no_reference_node_makes_no_job() -> None:
     s = api.parse_spec(md_spec(evaluation=evaluation()))
-    verdict = quality.assess(md(md_spec()), s, quality.Observed(DIGEST), None, CONFIG, NOW)
+    verdict = admission.assess(md(md_spec()), s, admission.Observed(DIGEST), None, CONFIG, NOW)
     assert verdict.jobs_to_create == ()
     assert verdict.condition is not None and verdict.condition.reason == "NoReferenceNode"
 
@@ -271,36 +276,36 @@ def test_no_reference_node_makes_no_job() -> None:
 def test_the_pass_plans_with_the_admitted_levels_and_shows_the_loss() -> None:
     spec = md_spec(evaluation=evaluation(0.5), maxQualityLoss="medium")
     spec["quantization"]["allowed"] = ["int4", "int8", "bf16"]  # int4 preferred if good enough
-    observed = quality.Observed(DIGEST, records=records(bf16=0.0, int8=0.3, int4=2.5))
-    seen = reconcile.Observed(node_types=(L4,), quality=observed, now=NOW)
-    desired = reconcile.desire(md(spec), CONFIG, seen)
+    observed = admission.Observed(DIGEST, records=records(bf16=0.0, int8=0.3, int4=2.5))
+    seen = desired_state.Observed(node_types=(L4,), quality=observed, now=NOW)
+    desired = desired_state.desire(md(spec), CONFIG, seen)
     assert desired.error is None and desired.quantization == "int8"
     (entry,) = desired.plan
     assert (entry.quantization, entry.quality_loss) == ("int8", 0.3)
-    status = reconcile.build_status(md(spec), typed_status.EMPTY, desired, [], CONFIG, NOW)
+    status = desired_state.build_status(md(spec), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert [q["level"] for q in status["quality"]] == ["int4", "int8", "bf16"]
     measured = next(c for c in status["conditions"] if c["type"] == "QualityMeasured")
     assert measured["status"] == "True" and measured["observedGeneration"] == 1
 
     # With a budget int4 meets, int4 runs.
     spec["quantization"]["evaluation"]["maxQualityLoss"] = 3
-    desired = reconcile.desire(md(spec), CONFIG, seen)
+    desired = desired_state.desire(md(spec), CONFIG, seen)
     assert desired.quantization == "int4" and desired.plan[0].quality_loss == 2.5
 
 
 def test_a_budget_no_level_meets_fails_the_plan_with_the_losses() -> None:
     spec = md_spec(evaluation=evaluation(0.1))
-    observed = quality.Observed(DIGEST, records=records(bf16=0.2, int8=0.3, int4=2.5))
-    seen = reconcile.Observed(node_types=(L4,), quality=observed, now=NOW)
-    desired = reconcile.desire(md(spec), CONFIG, seen)
+    observed = admission.Observed(DIGEST, records=records(bf16=0.2, int8=0.3, int4=2.5))
+    seen = desired_state.Observed(node_types=(L4,), quality=observed, now=NOW)
+    desired = desired_state.desire(md(spec), CONFIG, seen)
     assert desired.is_invalid_spec and desired.error is not None
     assert "bf16: +0.20% > 0.1%" in desired.error and "int4: +2.50% > 0.1%" in desired.error
 
 
 def test_without_an_eval_set_nothing_changes() -> None:
-    seen = reconcile.Observed(node_types=(L4,))
-    desired = reconcile.desire(md(md_spec(maxQualityLoss="low")), CONFIG, seen)
+    seen = desired_state.Observed(node_types=(L4,))
+    desired = desired_state.desire(md(md_spec(maxQualityLoss="low")), CONFIG, seen)
     assert desired.quantization == "bf16" and desired.plan[0].quality_loss is None
-    status = reconcile.build_status(md(md_spec()), typed_status.EMPTY, desired, [], CONFIG, NOW)
+    status = desired_state.build_status(md(md_spec()), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert "quality" not in status
     assert all(c["type"] != "QualityMeasured" for c in status["conditions"])

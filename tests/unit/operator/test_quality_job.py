@@ -10,7 +10,9 @@ import kubernetes_validate
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.operator import api, crdgen, quality, quality_job
+from kvpilot.operator import api, crdgen
+from kvpilot.operator.quality import admission
+from kvpilot.operator.quality import job as quality_job
 from tests.support.quality_fixtures import CONFIG, DIGEST, md, md_spec, reference
 
 
@@ -131,16 +133,18 @@ def test_the_eval_pod_is_the_runtime_pod_with_its_pod_template() -> None:
 
 def test_measurements_are_keyed_by_content_for_a_config_map_and_by_uri_otherwise() -> None:
     config_map = api.EvalDataset.model_validate({"configMap": "tiny-eval", "key": "eval.txt"})
-    assert quality.dataset_key(config_map, DIGEST) == DIGEST
+    assert admission.dataset_key(config_map, DIGEST) == DIGEST
     s3 = api.EvalDataset.model_validate({"uri": "s3://evals/tiny/eval.txt"})
     other = api.EvalDataset.model_validate({"uri": "s3://evals/tiny/eval-v2.txt"})
-    key = quality.dataset_key(s3)
-    assert key == quality.dataset_key(s3, "ignored: only the Job reads it")
-    assert key.startswith("uri-") and key != quality.dataset_key(other)
-    record = quality.record_key("int8", "perplexity", key)
+    key = admission.dataset_key(s3)
+    assert key == admission.dataset_key(s3, "ignored: only the Job reads it")
+    assert key.startswith("uri-") and key != admission.dataset_key(other)
+    record = admission.record_key("int8", "perplexity", key)
     assert record == f"int8.perplexity.{key}"
     first = eval_job(spec_with({"uri": "s3://evals/tiny/eval.txt"}), key)
-    second = eval_job(spec_with({"uri": "s3://evals/tiny/eval-v2.txt"}), quality.dataset_key(other))
+    second = eval_job(
+        spec_with({"uri": "s3://evals/tiny/eval-v2.txt"}), admission.dataset_key(other)
+    )
     assert first["metadata"]["name"] != second["metadata"]["name"]
 
 
@@ -148,14 +152,14 @@ def test_a_uri_datasets_measurement_records_the_content_digest_the_job_reported(
     from tests.support.quality_fixtures import job, summary_pod
 
     s = spec_with({"uri": "s3://evals/tiny/eval.txt"})
-    key = quality.dataset_key(s.quantization.evaluation.dataset)  # type: ignore[union-attr]
-    run = quality.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.004)])
+    key = admission.dataset_key(s.quantization.evaluation.dataset)  # type: ignore[union-attr]
+    run = admission.EvalRun(job("Complete"), [summary_pod("int8", 141.0, 0.004)])
     name = quality_job.job_name(s.model.uri, "int8", "perplexity", key)
-    observed = quality.Observed(key, runs={name: run})
-    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, "now")
+    observed = admission.Observed(key, runs={name: run})
+    verdict = admission.assess(md(md_spec()), s, observed, reference(), CONFIG, "now")
     (measured,) = [m for m in verdict.measurements if m.level == "int8"]
     assert measured.dataset_digest == DIGEST  # the summary's content digest, not the URI key
-    assert list(verdict.new_records) == [quality.record_key("int8", "perplexity", key)]
+    assert list(verdict.new_records) == [admission.record_key("int8", "perplexity", key)]
 
 
 @pytest.mark.parametrize(
@@ -170,19 +174,21 @@ def test_a_failed_measurement_is_retried_later_each_time_never_in_a_tight_loop()
     from tests.support.quality_fixtures import failed_pod, job
 
     s = spec_with({"configMap": "tiny-eval", "key": "eval.txt"}, allowed=("int8",))
-    failures = quality.failure_key("int8", "perplexity", DIGEST)
+    failures = admission.failure_key("int8", "perplexity", DIGEST)
     # Two Jobs failed and expired: the third is made, and stays 40 min if it fails too.
-    observed = quality.Observed(DIGEST, records={failures: "2"})
-    (third,) = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, "now").jobs_to_create
+    observed = admission.Observed(DIGEST, records={failures: "2"})
+    (third,) = admission.assess(
+        md(md_spec()), s, observed, reference(), CONFIG, "now"
+    ).jobs_to_create
     assert third["metadata"]["annotations"][quality_job.ANNOTATION_ATTEMPT] == "3"
     assert third["spec"]["ttlSecondsAfterFinished"] == 2400
     # It failed: counted, no new Job while it stays, its log tail and the wait in the condition.
     failed = job("Failed")
     failed["metadata"]["annotations"][quality_job.ANNOTATION_ATTEMPT] = "3"
     name = third["metadata"]["name"]
-    runs = {name: quality.EvalRun(failed, [failed_pod("t", "Traceback\nCUDA error: no device")])}
-    observed = quality.Observed(DIGEST, records={failures: "2"}, runs=runs)
-    verdict = quality.assess(md(md_spec()), s, observed, reference(), CONFIG, "now")
+    runs = {name: admission.EvalRun(failed, [failed_pod("t", "Traceback\nCUDA error: no device")])}
+    observed = admission.Observed(DIGEST, records={failures: "2"}, runs=runs)
+    verdict = admission.assess(md(md_spec()), s, observed, reference(), CONFIG, "now")
     assert verdict.jobs_to_create == () and verdict.new_records == {failures: "3"}
     assert verdict.condition is not None and verdict.condition.reason == "EvalFailed"
     message = verdict.condition.message

@@ -13,8 +13,12 @@ from typing import Any
 import pytest
 
 from kvpilot.contract.memory import ModelFacts
-from kvpilot.operator import api, planner, quality, quality_job, reconcile, typed_status
-from kvpilot.operator.inventory import NodeType
+from kvpilot.operator import api
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.quality import admission
+from kvpilot.operator.quality import job as quality_job
+from kvpilot.operator.reconcile import desired_state, typed_status
 from tests.support.quality_fixtures import CONFIG, DIGEST, NOW, job, md, summary_pod
 
 T4 = NodeType("t4", "Tesla-T4", 15360, 1, 0.53, {"kvpilot.dev/node-type": "t4"}, ("t0",), (1,))
@@ -71,8 +75,8 @@ def int8_reference() -> planner.NodePlan:
 
 def test_with_an_int8_reference_bf16_is_excluded_and_the_rest_measured_against_int8() -> None:
     s = api.parse_spec(spec_7b())
-    verdict = quality.assess(
-        md(spec_7b()), s, quality.Observed(DIGEST), int8_reference(), CONFIG, NOW
+    verdict = admission.assess(
+        md(spec_7b()), s, admission.Observed(DIGEST), int8_reference(), CONFIG, NOW
     )
     assert verdict.admission.excluded == ("bf16: fits no node type",)
     assert verdict.admission.pending == ("int8", "int4")
@@ -102,17 +106,17 @@ def test_a_measurement_against_int8_says_so_and_is_cached_apart() -> None:
     done = job("Complete")
     done["metadata"]["annotations"][quality_job.ANNOTATION_REFERENCE] = "int8"
     runs = {
-        names["int8"]: quality.EvalRun(done, [summary_pod("int8", 150.0, 0.0)]),
-        names["int4"]: quality.EvalRun(done, [summary_pod("int4", 154.5, 0.03)]),
+        names["int8"]: admission.EvalRun(done, [summary_pod("int8", 150.0, 0.0)]),
+        names["int4"]: admission.EvalRun(done, [summary_pod("int4", 154.5, 0.03)]),
     }
-    observed = quality.Observed(DIGEST, runs=runs)
-    verdict = quality.assess(md(spec_7b()), s, observed, int8_reference(), CONFIG, NOW)
+    observed = admission.Observed(DIGEST, runs=runs)
+    verdict = admission.assess(md(spec_7b()), s, observed, int8_reference(), CONFIG, NOW)
     assert [(m.level, m.reference, m.relative_loss) for m in verdict.measurements] == [
         ("int8", "int8", 0.0),
         ("int4", "int8", 3.0),
     ]
     assert sorted(verdict.new_records) == sorted(
-        quality.record_key(q, "perplexity", DIGEST, "int8") for q in ("int8", "int4")
+        admission.record_key(q, "perplexity", DIGEST, "int8") for q in ("int8", "int4")
     )
     assert all(".vs-int8." in key for key in verdict.new_records)
     assert verdict.admission.levels == ("int8",)  # int4 is 3% worse than int8: over budget
@@ -120,16 +124,16 @@ def test_a_measurement_against_int8_says_so_and_is_cached_apart() -> None:
     assert "bf16: fits no node type" in verdict.condition.message
     # A bf16-referenced record of the same level does not stand in for it, nor it for one.
     bf16_records = {
-        quality.record_key("int8", "perplexity", DIGEST): verdict.new_records[
-            quality.record_key("int8", "perplexity", DIGEST, "int8")
+        admission.record_key("int8", "perplexity", DIGEST): verdict.new_records[
+            admission.record_key("int8", "perplexity", DIGEST, "int8")
         ]
     }
-    assert quality.cached(bf16_records, ["int8"], "perplexity", DIGEST, "int8") == {}
+    assert admission.cached(bf16_records, ["int8"], "perplexity", DIGEST, "int8") == {}
 
 
 def test_the_pass_uses_the_reference_of_the_inventory_and_status_names_it() -> None:
     records = {
-        quality.record_key(q, "perplexity", DIGEST, "int8"): api.QualityMeasurement(
+        admission.record_key(q, "perplexity", DIGEST, "int8"): api.QualityMeasurement(
             level=q,
             metric="perplexity",
             value=150.0,
@@ -139,11 +143,11 @@ def test_the_pass_uses_the_reference_of_the_inventory_and_status_names_it() -> N
         ).model_dump_json(by_alias=True)
         for q, loss in (("int8", 0.0), ("int4", 0.4))
     }
-    observed = quality.Observed(DIGEST, records=records)
-    seen = reconcile.Observed(node_types=(T4,), quality=observed, now=NOW)
-    desired = reconcile.desire(md(spec_7b()), CONFIG, seen)
+    observed = admission.Observed(DIGEST, records=records)
+    seen = desired_state.Observed(node_types=(T4,), quality=observed, now=NOW)
+    desired = desired_state.desire(md(spec_7b()), CONFIG, seen)
     assert desired.error is None and desired.quantization == "int8"
-    status = reconcile.build_status(md(spec_7b()), typed_status.EMPTY, desired, [], CONFIG, NOW)
+    status = desired_state.build_status(md(spec_7b()), typed_status.EMPTY, desired, [], CONFIG, NOW)
     assert [(q["level"], q["reference"]) for q in status["quality"]] == [
         ("int8", "int8"),
         ("int4", "int8"),

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator import api, typed_status
+from kvpilot.operator import api
+from kvpilot.operator.reconcile import typed_status
 
 READY = {"type": "Ready", "status": "True", "reason": "Ready", "lastTransitionTime": "t0"}
 PLAN_ENTRY = {"nodeType": "l4", "fits": True, "quantization": "bf16", "replicas": 2}

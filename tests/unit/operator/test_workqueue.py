@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.operator.workqueue import Body, Key, WorkQueue
+from kvpilot.operator.reconcile.workqueue import Body, Key, WorkQueue
 
 
 class Recorder:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpilot.operator import conditions
+from kvpilot.operator.reconcile import conditions
 
 lupa = pytest.importorskip("lupa", reason="lupa (PyPI) runs the Lua health check")
 

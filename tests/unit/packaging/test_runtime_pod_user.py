@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvpilot.operator import manifests
+from kvpilot.operator.reconcile import manifests
 
 DOCKERFILE = Path(__file__).resolve().parents[3] / "runtime" / "Dockerfile"
 

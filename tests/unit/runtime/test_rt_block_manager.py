@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.block_manager import NO_HASH, BlockManager
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.block_manager import NO_HASH, BlockManager
+from kvpilot.runtime.engine.sequence import Sequence
 
 
 def make_seq(tokens: list[int], request_id: str = "r") -> Sequence:

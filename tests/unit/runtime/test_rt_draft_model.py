@@ -11,11 +11,15 @@ import pytest
 
 from bench.reference.models import TINY_LLAMA
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.block_manager import NO_HASH, BlockManager, block_hash
-from kvpilot.runtime.draft_model import DraftModelProposer, check_draft, check_draft_positions
-from kvpilot.runtime.loader import ModelConfig, load_model_config
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.block_manager import NO_HASH, BlockManager, block_hash
+from kvpilot.runtime.engine.draft_model import (
+    DraftModelProposer,
+    check_draft,
+    check_draft_positions,
+)
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
+from kvpilot.runtime.models.loader import ModelConfig, load_model_config
 
 SERVED = load_model_config(TINY_LLAMA)  # 4096 output rows, 2048 positions
 VOCAB = {"<s>": 0, "the": 1, "and": 2}

@@ -10,7 +10,7 @@ import sys
 
 def test_the_server_does_not_import_torch_dynamo() -> None:
     probe = (
-        "import sys, kvpilot.runtime.server, kvpilot.runtime.engine; "
+        "import sys, kvpilot.runtime.server.app, kvpilot.runtime.engine.engine; "
         "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
     )
     result = subprocess.run(

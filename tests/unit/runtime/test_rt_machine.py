@@ -9,8 +9,8 @@ import torch
 
 from kvpilot.contract import memory
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime import engine_sizing, machine
-from kvpilot.runtime.loader import resolve_dtype
+from kvpilot.runtime.engine import machine, sizing
+from kvpilot.runtime.models.loader import resolve_dtype
 
 GIB = 2**30
 ZEN4_CPUINFO = """processor\t: 0
@@ -227,11 +227,11 @@ MIB = 2**20
 
 def room(
     device: torch.device, gpu_gib: float | None, usable_gib: float | None, weights_gib: float
-) -> engine_sizing.MemoryRoom:
+) -> sizing.MemoryRoom:
     def to_bytes(gib: float | None) -> int | None:
         return None if gib is None else int(gib * GIB)
 
-    return engine_sizing.MemoryRoom(
+    return sizing.MemoryRoom(
         device, to_bytes(gpu_gib), to_bytes(usable_gib), int(weights_gib * GIB)
     )
 
@@ -249,14 +249,14 @@ def room(
 )
 def test_kv_budget(
     kv_cache_memory_gib: float | None,
-    memory_room: engine_sizing.MemoryRoom,
+    memory_room: sizing.MemoryRoom,
     demand_gib: float,
     expected_gib: float,
     source: str,
 ) -> None:
     kv_cache_memory = None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * GIB)
     config = EngineConfig(model="m", kv_cache_memory=kv_cache_memory)
-    budget = engine_sizing.kv_budget(config, memory_room, int(demand_gib * GIB))
+    budget = sizing.kv_budget(config, memory_room, int(demand_gib * GIB))
     assert budget.bytes == pytest.approx(expected_gib * GIB)
     assert source in budget.source
 
@@ -270,12 +270,12 @@ def test_kv_budget(
     ],
 )
 def test_a_kv_budget_that_cannot_be_had_is_refused(
-    kv_cache_memory_gib: float | None, memory_room: engine_sizing.MemoryRoom, message: str
+    kv_cache_memory_gib: float | None, memory_room: sizing.MemoryRoom, message: str
 ) -> None:
     kv_cache_memory = None if kv_cache_memory_gib is None else int(kv_cache_memory_gib * GIB)
     config = EngineConfig(model="m", kv_cache_memory=kv_cache_memory)
     with pytest.raises(ValueError, match=message):
-        engine_sizing.kv_budget(config, memory_room, GIB)
+        sizing.kv_budget(config, memory_room, GIB)
 
 
 @pytest.mark.parametrize(
@@ -295,7 +295,7 @@ def test_size_kv_pool(
     source: str,
 ) -> None:
     config = EngineConfig(model="m", kv_cache_memory=kv_cache_memory, max_num_seqs=4)
-    pool = engine_sizing.size_kv_pool(config, room(CPU, None, 20, 1), 256, SMALL, draft, 2)
+    pool = sizing.size_kv_pool(config, room(CPU, None, 20, 1), 256, SMALL, draft, 2)
     assert pool.num_blocks == expected_blocks
     assert pool.budget.source.startswith(source)
 
@@ -305,4 +305,4 @@ def test_a_pool_that_cannot_hold_one_sequence_is_refused() -> None:
     with pytest.raises(
         ValueError, match="holds 8 blocks; one sequence of max_model_len 256 needs 16"
     ):
-        engine_sizing.size_kv_pool(config, room(CPU, None, 20, 1), 256, SMALL, None, 2)
+        sizing.size_kv_pool(config, room(CPU, None, 20, 1), 256, SMALL, None, 2)

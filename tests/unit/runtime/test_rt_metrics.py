@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.runtime.engine_stats import EngineStats
-from kvpilot.runtime.metrics import ServerMetrics, buckets_1_2_5
-from kvpilot.runtime.sequence import Timestamps
+from kvpilot.runtime.engine.sequence import Timestamps
+from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server.metrics import ServerMetrics, buckets_1_2_5
 
 
 @pytest.mark.parametrize(

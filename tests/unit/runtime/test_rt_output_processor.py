@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvpilot.runtime.output_processor import (
+from kvpilot.runtime.engine.output_processor import (
     RequestOutput,
     RequestState,
     finish_reason_for_token,
@@ -14,8 +14,8 @@ from kvpilot.runtime.output_processor import (
     stop_reason_for_token,
     update_text,
 )
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.sequence import Sequence
 
 EOS = 0
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvpilot.runtime.loader import ModelConfig
-from kvpilot.runtime.model_runner import PrefillPlan, plan_step
-from kvpilot.runtime.parallel import TPGroup, check_tensor_parallel, shard_config, shard_dim
-from kvpilot.runtime.scheduler import ScheduledSequence
-from kvpilot.runtime.sequence import Sequence
+from kvpilot.runtime.engine.model_runner import PrefillPlan, plan_step
+from kvpilot.runtime.engine.parallel import TPGroup, check_tensor_parallel, shard_config, shard_dim
+from kvpilot.runtime.engine.scheduler import ScheduledSequence
+from kvpilot.runtime.engine.sequence import Sequence
+from kvpilot.runtime.models.loader import ModelConfig
 
 LLAMA = ModelConfig(
     architecture="LlamaForCausalLM",

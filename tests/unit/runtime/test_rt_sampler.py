@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.reference import sampler as reference
+from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.layers import sampler
 from kvpilot.runtime.layers.sampler import (
     SamplingRow,
@@ -22,7 +23,6 @@ from kvpilot.runtime.layers.sampler import (
     filter_logits,
     sample,
 )
-from kvpilot.runtime.sampling import SamplingParams
 
 VOCAB = 64
 EOS = (2,)

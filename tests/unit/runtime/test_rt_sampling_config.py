@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.sampling import (
+from kvpilot.runtime.engine.sampling import (
     SamplingParams,
     find_stop,
     num_emittable_chars,

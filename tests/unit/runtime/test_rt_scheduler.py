@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.scheduler import Scheduler, SchedulerOutput
-from kvpilot.runtime.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
+from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks: int, max_seqs: int = 8, budget: int = 64, caching: bool = True) -> Scheduler:

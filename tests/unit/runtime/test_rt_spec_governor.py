@@ -1,11 +1,11 @@
 """The speculative-decoding governor: proposals where they have measured faster, the other mode
-checked one epoch in a cycle (kvpilot.runtime.spec_governor)."""
+checked one epoch in a cycle (kvpilot.runtime.engine.spec_governor)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.spec_governor import (
+from kvpilot.runtime.engine.spec_governor import (
     CHECK_COST,
     CYCLE,
     EPOCH,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpilot.runtime import speculative
+from kvpilot.runtime.engine import speculative
+from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.layers.sampler import SamplingRow, filter_logits, sample
-from kvpilot.runtime.sampling import SamplingParams
 
 TRIALS = 30_000
 # Logits at three positions over a vocabulary of 5: the next token, then after proposal 2, then

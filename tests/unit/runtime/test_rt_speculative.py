@@ -8,11 +8,11 @@ import pytest
 
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.contract.speculative_config import SpeculativeConfig, parse_config
-from kvpilot.runtime.block_manager import BlockManager
-from kvpilot.runtime.sampling import SamplingParams
-from kvpilot.runtime.scheduler import Scheduler
-from kvpilot.runtime.sequence import DraftPace, Sequence, SequenceStatus
-from kvpilot.runtime.speculative import (
+from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.engine.scheduler import Scheduler
+from kvpilot.runtime.engine.sequence import DraftPace, Sequence, SequenceStatus
+from kvpilot.runtime.engine.speculative import (
     can_speculate,
     draft_budget,
     draft_limit,
@@ -20,7 +20,7 @@ from kvpilot.runtime.speculative import (
     pace,
     propose,
 )
-from kvpilot.runtime.structured import GrammarSpec
+from kvpilot.runtime.engine.structured import GrammarSpec
 
 NGRAM4 = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
 

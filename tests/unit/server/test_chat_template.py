@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from kvpilot.runtime.chat import ChatTemplateError, render_chat
+from kvpilot.runtime.server.chat_template import ChatTemplateError, render_chat
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "models" / "tiny-llama"
@@ -117,7 +117,7 @@ def test_render_matches_transformers(
 
 @pytest.mark.skipif(not (TINY / "tokenizer_config.json").exists(), reason="tiny model not built")
 def test_tiny_llama_template_matches_transformers() -> None:
-    from kvpilot.runtime.tokenizer import Tokenizer as KvTokenizer
+    from kvpilot.runtime.models.tokenizer_files import Tokenizer as KvTokenizer
 
     ours = KvTokenizer(TINY)
     theirs = PreTrainedTokenizerFast.from_pretrained(str(TINY))

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import TINY
 
 TEXT = (TINY / "eval.txt").read_text()[:4000] + " héllo wörld, 日本語のテキスト 🎉🚀 done.\n\n  x"

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from kvpilot.runtime.api_errors import ApiError
-from kvpilot.runtime.input_limits import check_num_chars, declared_length
-from kvpilot.runtime.request_checks import find_unencodable
-from kvpilot.runtime.tokenizer import Tokenizer
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from kvpilot.runtime.server.errors import ApiError
+from kvpilot.runtime.server.input_limits import check_num_chars, declared_length
+from kvpilot.runtime.server.request_checks import find_unencodable
 from tests.support.server_process import TINY
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvpilot.runtime.json_text import load_object
+from kvpilot.runtime.server.json_text import load_object
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract import metric_names
-from kvpilot.runtime.engine_stats import EngineStats
-from kvpilot.runtime.metrics import ServerMetrics
+from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server.metrics import ServerMetrics
 
 READ_BY_OTHERS = [
     metric_names.REQUESTS_WAITING,

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.runtime.protocol import ChatCompletionRequest, CompletionRequest
-from kvpilot.runtime.request_checks import describe_validation_error
-from kvpilot.runtime.response_models import error_body
+from kvpilot.runtime.server.request_checks import describe_validation_error
+from kvpilot.runtime.server.request_models import ChatCompletionRequest, CompletionRequest
+from kvpilot.runtime.server.response_models import error_body
 
 COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

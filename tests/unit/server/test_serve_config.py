@@ -136,7 +136,7 @@ def test_memory_flags_are_exclusive(model_dir: Path) -> None:
 
 
 def test_serve_main_reports_a_bad_model_uri(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpilot.runtime.server import main
+    from kvpilot.runtime.server.app import main
 
     assert main(["--model", "pvc://claim/path"]) == 2
     assert "operator mounts pvc:// models into the pod at a path" in capsys.readouterr().err
@@ -145,10 +145,10 @@ def test_serve_main_reports_a_bad_model_uri(capsys: pytest.CaptureFixture[str]) 
 def test_serve_main_refuses_more_threads_than_cores(
     model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvpilot.runtime import machine, machine_probe
-    from kvpilot.runtime.server import main
+    from kvpilot.runtime.engine import machine, machine_files
+    from kvpilot.runtime.server.app import main
 
-    cores = machine.available_cores(machine_probe.cpu_quota(), machine_probe.affinity_cores())
+    cores = machine.available_cores(machine_files.cpu_quota(), machine_files.affinity_cores())
     assert main(["--model", str(model_dir), "--threads", str(cores + 1)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvpilot-runtime serve: --threads {cores + 1}: this process may use")

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.runtime.protocol import ChatCompletionRequest, CompletionRequest
-from kvpilot.runtime.request_checks import describe_validation_error
-from kvpilot.runtime.structured import GrammarSpec
+from kvpilot.runtime.engine.structured import GrammarSpec
+from kvpilot.runtime.server.request_checks import describe_validation_error
+from kvpilot.runtime.server.request_models import ChatCompletionRequest, CompletionRequest
 
 COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

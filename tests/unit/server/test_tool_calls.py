@@ -14,12 +14,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from kvpilot.contract.serve_config import TOOL_CALL_PARSERS
-from kvpilot.runtime.chat import render_chat
-from kvpilot.runtime.grammar import to_llguidance
-from kvpilot.runtime.protocol import ChatMessage
-from kvpilot.runtime.responses import ToolCallStream
-from kvpilot.runtime.tokenization import message_dicts
-from kvpilot.runtime.tool_calls import PARSERS, ToolCall, call_head, parse, parser_name
+from kvpilot.runtime.engine.grammar import to_llguidance
+from kvpilot.runtime.server.chat_template import render_chat
+from kvpilot.runtime.server.rendering import ToolCallStream
+from kvpilot.runtime.server.request_models import ChatMessage
+from kvpilot.runtime.server.tokenizing import message_dicts
+from kvpilot.runtime.server.tool_calls import PARSERS, ToolCall, call_head, parse, parser_name
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
 TIME = ToolCall("get_time", '{"tz": "UTC"}')

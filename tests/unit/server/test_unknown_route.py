@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.runtime.api_errors import unknown_route
+from kvpilot.runtime.server.errors import unknown_route
 
 ROUTES = {
     "/v1/completions": {"POST"},

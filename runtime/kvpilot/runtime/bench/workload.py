@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpilot.runtime.json_text import load_object
+from kvpilot.runtime.server.json_text import load_object
 
 from .tokens import TokenCounter, exact_prompt
 

@@ -14,7 +14,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher
 
 # The numpy helpers, not llguidance.torch's: that module compiles a function with torch.compile
-# at import, which imports torch._dynamo (5.4 s of a 7.8 s `import kvpilot.runtime.engine` on
+# at import, which imports torch._dynamo (5.4 s of a 7.8 s `import kvpilot.runtime.engine.engine` on
 # 2 cores, at every runtime start). The bitmask is a host tensor, so its numpy view is the
 # same memory.
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par

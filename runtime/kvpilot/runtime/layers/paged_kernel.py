@@ -40,10 +40,12 @@ def cache_root() -> Path:
 def build_key() -> str:
     """What the compiled library depends on: its source, torch, Python and (for -march=native)
     the CPU it was built for."""
-    from kvpilot.runtime import machine_probe  # /proc reads stay out of import time
+    from kvpilot.runtime.engine import (
+        machine_files,  # /proc reads stay out of import time
+    )
 
     digest = hashlib.sha256(SOURCE.read_bytes())
-    flags = sorted(machine_probe.cpu_flags())
+    flags = sorted(machine_files.cpu_flags())
     for part in (torch.__version__, sys.version, platform.machine(), *flags):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

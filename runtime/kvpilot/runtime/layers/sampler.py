@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.runtime.sampling import PromptLogprob, SamplingParams
+from kvpilot.runtime.engine.sampling import PromptLogprob, SamplingParams
 
 # Top-p first looks at this many of a row's most likely tokens (see apply_top_k_top_p).
 TOP_P_CANDIDATES = 1024

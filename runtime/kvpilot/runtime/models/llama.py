@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
+from kvpilot.runtime.engine.parallel import TPGroup, shard_config
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.layers.quant import Weight, make_weight
@@ -23,8 +24,7 @@ from kvpilot.runtime.layers.rotary import (
     inv_frequencies,
     signed_sin,
 )
-from kvpilot.runtime.loader import ModelConfig
-from kvpilot.runtime.parallel import TPGroup, shard_config
+from kvpilot.runtime.models.loader import ModelConfig
 
 GetTensor = Callable[[str], torch.Tensor]
 KVCache = list[tuple[PagedCache, PagedCache]]  # per layer: k, v [num_blocks, BS, H_kv, D]

@@ -1,0 +1,368 @@
+"""Metrics adapter: the autoscaling policy's observations, from Prometheus or from the pods.
+
+With a Prometheus URL the adapter runs a few PromQL queries per ModelDeployment (grouped by pod
+and node type) and checks how old the newest samples are; without one it scrapes the ready pods'
+/metrics directly, concurrently, each with a timeout. Either way the result goes through the
+same pure `aggregate`, so not-ready pods and stale samples are treated alike.
+
+Engine-agnostic: every signal is looked up under kvpilot's name first and vLLM's alias second
+(DESIGN.md §3.4), so vLLM pods are scaled the same way. The runtime exports both names; taking
+the first one found per pod never counts a pod twice.
+
+KV-cache usage is averaged over the last minute (PromQL avg_over_time) because one sample is
+noisy (a few long requests move it by 10%); queue length is taken as is, so bursts act fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import requests
+from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.contract import metric_names
+from kvpilot.operator.autoscaling.policy import Observations
+from kvpilot.operator.planning.cost import Traffic
+
+# The Prometheus labels kubernetes_sd relabelling makes of the pod labels the operator sets
+# (manifests.LABEL_MODEL, inventory.LABEL_NODE_TYPE: labelmap of
+# __meta_kubernetes_pod_label_kvpilot_dev_*, plus namespace and pod). The Prometheus config and
+# the PodMonitor must produce exactly these.
+PROM_LABEL_NAMESPACE = "namespace"
+PROM_LABEL_POD = "pod"
+PROM_LABEL_MODEL = "kvpilot_model"
+PROM_LABEL_NODE_TYPE = "kvpilot_node_type"
+
+# kvpilot's name first, then vLLM's alias as exported and as stored (metric_names.RuntimeMetric).
+WAITING = metric_names.REQUESTS_WAITING.in_prometheus
+RUNNING = metric_names.REQUESTS_RUNNING.in_prometheus
+KV_USAGE = metric_names.KV_CACHE_USAGE.in_prometheus
+TTFT = metric_names.TIME_TO_FIRST_TOKEN.in_prometheus
+# Completed requests and generated tokens (counters, as Prometheus stores them): status.cost.
+REQUEST_SUCCESS = metric_names.REQUEST_SUCCESS.in_prometheus
+GENERATION_TOKENS = metric_names.GENERATION_TOKENS.in_prometheus
+# Requests kvpilot-gateway holds for a ModelDeployment that has no replica to take them (scale
+# from zero, saturation). The gateway labels them with the ModelDeployment it wakes, not with
+# `namespace`: the scrape's relabelling sets `namespace`/`pod` to the gateway pod's own.
+HELD = "kvpilot_gateway_requests_held"
+PROM_LABEL_MD_NAMESPACE = "md_namespace"
+PROM_LABEL_MD_NAME = "md_name"
+
+KV_AVERAGE = "1m"
+# What a failed or unreachable Prometheus query raises through prometheus_api_client.
+QUERY_ERRORS = (requests.RequestException, PrometheusApiClientException, ValueError)
+TTFT_RATE = "2m"
+DEFAULT_MAX_AGE_S = 60.0
+
+
+@dataclass(frozen=True)
+class PodSample:
+    pod: str
+    node_type: str
+    waiting: float
+    running: float
+    kv_cache_usage: float
+    sampled_at: float  # unix seconds of the sample
+
+
+# ---- pure: aggregation -----------------------------------------------------------------------
+
+
+def aggregate(
+    samples: Iterable[PodSample],
+    current_replicas: int,
+    now: float,
+    ready_pods: Collection[str] | None = None,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    ttft_p95_s: float | None = None,
+    requests_held: float = 0.0,
+) -> Observations:
+    """Observations from per-pod samples: only ready pods (when `ready_pods` is given) with
+    samples at most `max_age_s` old count as capacity. `requests_held` (held at gateways) join
+    the queue: they are demand no replica has seen yet, the only demand at zero replicas."""
+    usable = [s for s in samples if ready_pods is None or s.pod in ready_pods]
+    fresh = [s for s in usable if now - s.sampled_at <= max_age_s]
+    if not fresh:
+        if current_replicas == 0:
+            # Nothing runs, so there is nothing to measure: an honest zero, not missing data.
+            return Observations(
+                current_replicas=0,
+                requests_waiting=requests_held,
+                requests_held=requests_held,
+                sampled_at=now,
+                ttft_p95_s=ttft_p95_s,
+            )
+        if usable:  # only old samples: the policy reports them as stale
+            newest = max(s.sampled_at for s in usable)
+            return Observations(current_replicas=current_replicas, sampled_at=newest)
+        return Observations.unavailable(current_replicas, "no samples from ready pods")
+    return Observations(
+        current_replicas=current_replicas,
+        ready_replicas=len(fresh),
+        requests_waiting=sum(s.waiting for s in fresh) + requests_held,
+        requests_held=requests_held,
+        requests_running=sum(s.running for s in fresh),
+        kv_cache_usage=sum(s.kv_cache_usage for s in fresh) / len(fresh),
+        sampled_at=min(s.sampled_at for s in fresh),
+        ttft_p95_s=ttft_p95_s,
+    )
+
+
+def aggregate_by_node_type(
+    samples: Iterable[PodSample],
+    current_per_type: Mapping[str, int],
+    now: float,
+    ready_pods: Collection[str] | None = None,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+) -> dict[str, Observations]:
+    listed = list(samples)
+    return {
+        node_type: aggregate(
+            [s for s in listed if s.node_type == node_type], current, now, ready_pods, max_age_s
+        )
+        for node_type, current in current_per_type.items()
+    }
+
+
+# ---- pure: PromQL ----------------------------------------------------------------------------
+
+
+def selector(namespace: str, model: str, metric: str) -> str:
+    labels = {"__name__": metric, PROM_LABEL_NAMESPACE: namespace, PROM_LABEL_MODEL: model}
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _per_pod(inner: str) -> str:
+    return f"max by ({PROM_LABEL_POD}, {PROM_LABEL_NODE_TYPE}) ({inner})"
+
+
+def gauge_query(names: tuple[str, ...], namespace: str, model: str, average: str = "") -> str:
+    """One value per pod, from the first of `names` the pod exports."""
+    parts = []
+    for name in names:
+        series = selector(namespace, model, name)
+        parts.append(_per_pod(f"avg_over_time({series}[{average}])" if average else series))
+    return " or ".join(parts)
+
+
+def timestamp_query(namespace: str, model: str) -> str:
+    """When each pod's queue gauge was last scraped (the age check)."""
+    return " or ".join(
+        _per_pod(f"timestamp({selector(namespace, model, name)})") for name in WAITING
+    )
+
+
+def ttft_p95_query(namespace: str, model: str) -> str:
+    parts = [
+        f"histogram_quantile(0.95, sum by (le) "
+        f"(rate({selector(namespace, model, name + '_bucket')}[{TTFT_RATE}])))"
+        for name in TTFT
+    ]
+    return " or ".join(parts)
+
+
+def rate_query(names: tuple[str, ...], namespace: str, model: str, window: str) -> str:
+    """Per node type, the per-second rate of the first of `names` the pods export, summed."""
+    return " or ".join(
+        f"sum by ({PROM_LABEL_NODE_TYPE}) (rate({selector(namespace, model, name)}[{window}]))"
+        for name in names
+    )
+
+
+def prom_duration(seconds: int) -> str:
+    """A PromQL range: 300 -> "5m", 90 -> "90s"."""
+    return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
+
+
+def held_query(namespace: str, model: str) -> str:
+    """Requests every gateway replica holds for this ModelDeployment, summed (no series: none)."""
+    labels = {"__name__": HELD, PROM_LABEL_MD_NAMESPACE: namespace, PROM_LABEL_MD_NAME: model}
+    matchers = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    return f"sum({{{matchers}}})"
+
+
+def samples_from_vectors(
+    waiting: list[dict[str, Any]],
+    running: list[dict[str, Any]],
+    kv: list[dict[str, Any]],
+    stamps: list[dict[str, Any]],
+) -> list[PodSample]:
+    """Join Prometheus instant vectors (one element per pod) into per-pod samples."""
+
+    def by_pod(vector: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+        return {_key(item["metric"]): float(item["value"][1]) for item in vector}
+
+    waiting_by, running_by, kv_by = by_pod(waiting), by_pod(running), by_pod(kv)
+    samples = []
+    for key, stamp in by_pod(stamps).items():
+        if key not in waiting_by:
+            continue
+        samples.append(
+            PodSample(
+                pod=key[0],
+                node_type=key[1],
+                waiting=waiting_by[key],
+                running=running_by.get(key, 0.0),
+                kv_cache_usage=kv_by.get(key, 0.0),
+                sampled_at=stamp,
+            )
+        )
+    return samples
+
+
+def _key(labels: Mapping[str, str]) -> tuple[str, str]:
+    return labels.get(PROM_LABEL_POD, ""), labels.get(PROM_LABEL_NODE_TYPE, "")
+
+
+# ---- adapter: Prometheus ---------------------------------------------------------------------
+
+
+class PrometheusMetrics:
+    """Reads per-pod samples for a ModelDeployment from Prometheus."""
+
+    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+        self.client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+
+    def _query(self, promql: str) -> list[dict[str, Any]]:
+        result = self.client.custom_query(query=promql)
+        return list(result or [])
+
+    def pod_samples(self, namespace: str, model: str) -> list[PodSample]:
+        return samples_from_vectors(
+            self._query(gauge_query(WAITING, namespace, model)),
+            self._query(gauge_query(RUNNING, namespace, model)),
+            self._query(gauge_query(KV_USAGE, namespace, model, average=KV_AVERAGE)),
+            self._query(timestamp_query(namespace, model)),
+        )
+
+    def requests_held(self, namespace: str, model: str) -> float:
+        vector = self._query(held_query(namespace, model))
+        return sum(float(item["value"][1]) for item in vector)
+
+    def ttft_p95(self, namespace: str, model: str) -> float | None:
+        vector = self._query(ttft_p95_query(namespace, model))
+        values = [float(item["value"][1]) for item in vector]
+        finite = [v for v in values if math.isfinite(v)]
+        return finite[0] if finite else None
+
+    def traffic(self, namespace: str, model: str, window: str) -> dict[str, Traffic]:
+        """Completed requests and output tokens per second per node type over `window`."""
+        requests_by = self._by_node_type(rate_query(REQUEST_SUCCESS, namespace, model, window))
+        tokens_by = self._by_node_type(rate_query(GENERATION_TOKENS, namespace, model, window))
+        return {
+            node_type: Traffic(requests_by.get(node_type, 0.0), tokens_by.get(node_type, 0.0))
+            for node_type in requests_by.keys() | tokens_by.keys()
+        }
+
+    def _by_node_type(self, promql: str) -> dict[str, float]:
+        vector = self._query(promql)
+        return {
+            item["metric"].get(PROM_LABEL_NODE_TYPE, ""): float(item["value"][1]) for item in vector
+        }
+
+    def observe(
+        self,
+        namespace: str,
+        model: str,
+        current_replicas: int,
+        ready_pods: Collection[str] | None = None,
+        now: float | None = None,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+    ) -> Observations:
+        """Observations for the policy; an unreachable or failing Prometheus yields
+        unavailable observations (the policy then holds), never an exception."""
+        try:
+            samples = self.pod_samples(namespace, model)
+            ttft = self.ttft_p95(namespace, model)
+            held = self.requests_held(namespace, model)
+        except QUERY_ERRORS as exc:
+            return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
+        now = time.time() if now is None else now
+        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held)
+
+
+def _brief(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
+# ---- adapter: scraping the pods directly -----------------------------------------------------
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    """The three gauges from one pod's /metrics text, under kvpilot's names."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for signal in (WAITING, RUNNING, KV_USAGE):
+            if family.name not in signal or not family.samples:
+                continue
+            found = [sample.value for sample in family.samples]
+            value = max(found) if signal is KV_USAGE else sum(found)
+            # kvpilot's own name wins over the alias when a pod exports both
+            if signal[0] not in values or family.name == signal[0]:
+                values[signal[0]] = value
+    return values
+
+
+async def scrape_pods(
+    urls: Mapping[str, str],
+    node_types: Mapping[str, str],
+    timeout_s: float = 2.0,
+) -> list[PodSample]:
+    """Scrape every pod's /metrics URL at once; pods that fail or time out are left out."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        pods = list(urls)
+        texts = await asyncio.gather(
+            *(_fetch(client, urls[pod]) for pod in pods), return_exceptions=True
+        )
+    samples = []
+    for pod, text in zip(pods, texts, strict=True):
+        if not isinstance(text, str):
+            continue
+        try:
+            values = parse_exposition(text)
+        except ValueError:
+            continue
+        if WAITING[0] not in values:
+            continue
+        samples.append(
+            PodSample(
+                pod=pod,
+                node_type=node_types.get(pod, ""),
+                waiting=values[WAITING[0]],
+                running=values.get(RUNNING[0], 0.0),
+                kv_cache_usage=values.get(KV_USAGE[0], 0.0),
+                sampled_at=time.time(),
+            )
+        )
+    return samples
+
+
+async def _fetch(client: httpx.AsyncClient, url: str) -> str:
+    response = await client.get(url)
+    response.raise_for_status()
+    return response.text
+
+
+async def observe_pods(
+    urls: Mapping[str, str],
+    node_types: Mapping[str, str],
+    current_replicas: int,
+    timeout_s: float = 2.0,
+) -> Observations:
+    """Observations from the ready pods' own /metrics (no Prometheus configured): `urls` maps
+    each ready pod's name to its metrics URL."""
+    samples = await scrape_pods(urls, node_types, timeout_s)
+    if urls and not samples:
+        return Observations.unavailable(current_replicas, f"none of {len(urls)} pods answered")
+    return aggregate(samples, current_replicas, time.time())

@@ -1,0 +1,333 @@
+"""Which quantisation and tensor-parallel degree fits each node type (DESIGN.md §3.3). Pure.
+
+For each node type: the first level in the user's preference order, and for it the smallest
+tensor-parallel degree (1, 2, 4, 8, within the GPUs of one node), such that weights + KV cache for
+`maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU. The
+numbers come from `kvpilot.contract.memory`, the module the runtime sizes its KV pool with, so what
+the operator promises is what the pod will allocate. When nothing fits, the cheapest option tried is
+reported with its numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.contract import memory
+from kvpilot.contract.memory import MemoryEstimate, ModelFacts
+from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
+from kvpilot.operator.autoscaling.spread import spread_replicas
+from kvpilot.operator.planning.inventory import NodeType
+
+TP_DEGREES = (1, 2, 4, 8)
+# Largest first: an eval's reference is the first of these some node type fits (reference_plan).
+REFERENCE_LEVELS = ("bf16", "int8", "int4")
+_GIB_FIELDS = (
+    ("weightsGiB", "weights_bytes"),
+    ("kvCacheGiB", "kv_cache_bytes"),
+    ("overheadGiB", "overhead_bytes"),
+    ("usableGiB", "usable_bytes"),
+)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    facts: ModelFacts
+    quantizations: tuple[str, ...]
+    max_context_length: int
+    target_concurrency: int
+    kv_bytes: int = 2
+    gpu_memory_utilization: float = 0.9
+    max_gpus_per_replica: int = 8
+    min_gpus_per_replica: int = 1
+    prefer: str = "quality"
+    node_types: tuple[str, ...] = ()  # empty: every node type in the cluster
+    # (node type, $ per 1,000 requests) measured on real traffic (status.cost.nodeTypes)
+    measured_cost: tuple[tuple[str, float], ...] = ()
+    # speculative draft_model: the draft's facts; it runs on each replica's GPU 0
+    draft: ModelFacts | None = None
+
+    def __post_init__(self) -> None:
+        if not self.quantizations:
+            raise ValueError("no quantisation level allowed: quantization.allowed is empty")
+        if self.prefer not in ("quality", "cost"):
+            raise ValueError(f"prefer must be quality or cost, got {self.prefer!r}")
+        if self.max_context_length < 1 or self.target_concurrency < 1:
+            raise ValueError("maxContextLength and targetConcurrency must be positive")
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: ModelDeploymentSpec,
+        facts: ModelFacts,
+        quantizations: tuple[str, ...] | None = None,
+        draft: ModelFacts | None = None,
+    ) -> PlanRequest:
+        """`quantizations`: the levels quality admits (quality.admit); default: the category's.
+        `draft`: the facts of spec.serving.speculative's draft model, if it names one."""
+        names = tuple(spec.placement.node_types)
+        return cls(
+            facts=facts,
+            quantizations=allowed_quantizations(spec.quantization)
+            if quantizations is None
+            else quantizations,
+            max_context_length=spec.serving.max_context_length,
+            target_concurrency=spec.serving.target_concurrency,
+            kv_bytes=memory.kv_dtype_bytes(spec.serving.kv_cache_dtype),
+            gpu_memory_utilization=spec.serving.gpu_memory_utilization,
+            max_gpus_per_replica=spec.placement.max_gpus_per_replica,
+            min_gpus_per_replica=spec.placement.min_gpus_per_replica,
+            prefer=spec.placement.prefer,
+            node_types=() if names == ("auto",) else names,
+            draft=draft,
+        )
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node_type: NodeType
+    fits: bool
+    quantization: str = ""
+    tensor_parallel: int = 0
+    estimate: MemoryEstimate | None = None
+    max_concurrency: int = 0
+    reason: str = ""
+
+    @property
+    def price_per_replica_hour(self) -> float:
+        return self.node_type.price_per_gpu_hour() * self.tensor_parallel
+
+    def num_free_slots(self) -> int:
+        return self.node_type.num_free_slots(self.tensor_parallel) if self.fits else 0
+
+
+def plan(request: PlanRequest, node_types: Iterable[NodeType]) -> list[NodePlan]:
+    """A verdict per node type, fitting ones first in the order `prefer` asks for."""
+    by_name = {nt.name: nt for nt in node_types}
+    names = request.node_types or tuple(by_name)
+    plans = [
+        plan_node_type(request, by_name[name]) if name in by_name else _unknown(name)
+        for name in names
+    ]
+    return order(plans, request)
+
+
+def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
+    degrees = tp_degrees(request, node_type)
+    if not degrees:
+        return NodePlan(node_type, fits=False, reason=_no_degree_reason(request, node_type))
+    options = [(q, tp) for q in request.quantizations for tp in degrees]
+    for quantization, tp in options:
+        estimate = _estimate(request, node_type, quantization, tp)
+        if estimate.fits:
+            return _fitting(request, node_type, quantization, tp, estimate)
+    # The last option is the smallest footprint tried: the closest miss, worth reporting.
+    quantization, tp = options[-1]
+    estimate = _estimate(request, node_type, quantization, tp)
+    return NodePlan(
+        node_type,
+        fits=False,
+        quantization=quantization,
+        tensor_parallel=tp,
+        estimate=estimate,
+        reason=f"{node_type.name}: {quantization}{_tp_text(tp)} needs {estimate.describe()}",
+    )
+
+
+def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
+    """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
+    those that split the KV heads evenly (the runtime refuses any other). A draft model runs
+    whole on GPU 0 beside its shard (memory.estimate counts it there)."""
+    max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
+    return [
+        tp
+        for tp in TP_DEGREES
+        if request.min_gpus_per_replica <= tp <= max_tp and request.facts.kv_heads % tp == 0
+    ]
+
+
+def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
+    if node_type.gpus_per_node < request.min_gpus_per_replica:
+        return (
+            f"{node_type.name}: {node_type.gpus_per_node} GPUs per node, minGpusPerReplica is "
+            f"{request.min_gpus_per_replica}"
+        )
+    if node_type.gpus_per_node < 1:
+        return f"{node_type.name}: no GPUs per node"
+    return (
+        f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
+        f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "
+        f"{request.facts.kv_heads} KV heads"
+    )
+
+
+def _tp_text(tp: int) -> str:
+    return f" on {tp} GPUs" if tp > 1 else ""
+
+
+def _estimate(
+    request: PlanRequest, node_type: NodeType, quantization: str, tp: int
+) -> MemoryEstimate:
+    return memory.estimate(
+        request.facts,
+        quantization,
+        request.kv_bytes,
+        tokens=request.max_context_length,
+        sequences=request.target_concurrency,
+        tensor_parallel=tp,
+        gpu_memory_bytes=node_type.gpu_memory_bytes,
+        gpu_memory_utilization=request.gpu_memory_utilization,
+        draft=request.draft,
+    )
+
+
+def _fitting(
+    request: PlanRequest, node_type: NodeType, quantization: str, tp: int, estimate: MemoryEstimate
+) -> NodePlan:
+    budget = memory.kv_budget_bytes(
+        node_type.gpu_memory_bytes, request.gpu_memory_utilization, estimate.weights_bytes
+    )
+    concurrency = memory.max_concurrency(
+        request.facts, request.kv_bytes, request.max_context_length, budget, tp, request.draft
+    )
+    return NodePlan(
+        node_type,
+        fits=True,
+        quantization=quantization,
+        tensor_parallel=tp,
+        estimate=estimate,
+        max_concurrency=max(concurrency, request.target_concurrency),
+        reason=f"{node_type.name}: {quantization}{_tp_text(tp)}, {estimate.describe()}",
+    )
+
+
+def _unknown(name: str) -> NodePlan:
+    placeholder = NodeType(name, "", 0, 0, 0.0, {})
+    return NodePlan(placeholder, fits=False, reason=f"{name}: no such node type in the cluster")
+
+
+def order(plans: Sequence[NodePlan], request: PlanRequest) -> list[NodePlan]:
+    """quality: best level first, then cheaper; cost: lowest cost per request first (cost_rank).
+
+    Unknown prices sort after known ones so a priced node type is never displaced by a guess.
+    """
+    rank = {q: i for i, q in enumerate(request.quantizations)}
+    costs = cost_rank(plans, dict(request.measured_cost))
+
+    def key(p: NodePlan) -> tuple[Any, ...]:
+        if not p.fits:
+            return (1, 0, 0.0, p.node_type.name)
+        if request.prefer == "cost":
+            return (0, costs[p.node_type.name], rank[p.quantization], p.node_type.name)
+        price = p.price_per_replica_hour or math.inf
+        return (0, rank[p.quantization], price, p.node_type.name)
+
+    return sorted(plans, key=key)
+
+
+def estimated_cost(p: NodePlan) -> float:
+    """The plan's estimate: $ per hour per sequence held at full context (inf: no price)."""
+    return (p.price_per_replica_hour or math.inf) / max(1, p.max_concurrency)
+
+
+def cost_rank(plans: Sequence[NodePlan], measured: Mapping[str, float]) -> dict[str, float]:
+    """Cost per 1,000 requests per fitting node type: measured on real traffic where it was
+    (status.cost), else the plan's estimate in the same unit, scaled by the median ratio of
+    measured cost to estimate over the node types that have both. Without any measurement,
+    the estimate itself (the order is the same)."""
+    fitting = [p for p in plans if p.fits]
+    ratios = [
+        measured[p.node_type.name] / estimated_cost(p)
+        for p in fitting
+        if measured.get(p.node_type.name, 0) > 0 and math.isfinite(estimated_cost(p))
+    ]
+    scale = statistics.median(ratios) if ratios else 1.0
+    return {
+        p.node_type.name: measured.get(p.node_type.name, estimated_cost(p) * scale) for p in fitting
+    }
+
+
+def assign_replicas(total: int, plans: Sequence[NodePlan]) -> list[int]:
+    """Spread `total` replicas over fitting node types in plan order, honouring free GPUs: the
+    autoscaler's spread (spread.py) with nothing running yet.
+
+    What no node type has room for goes to the first fitting type, where it waits Pending in plain
+    sight (the autoscaler's spill-over moves it) rather than silently vanishing.
+    """
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        return [0] * len(plans)
+    per_type = spread_replicas(
+        max(0, total),
+        [p.node_type.name for p in fitting],
+        {p.node_type.name: p.num_free_slots() * p.tensor_parallel for p in fitting},
+        {p.node_type.name: p.tensor_parallel for p in fitting},
+        current_per_type={},
+        unschedulable_since={},
+        now=0.0,
+        spill_after_s=math.inf,  # nothing has been Unschedulable yet
+    )
+    return [per_type.get(p.node_type.name, 0) if p.fits else 0 for p in plans]
+
+
+def desired_total(spec: ModelDeploymentSpec, autoscaler_desired: int | None) -> int:
+    """Replicas wanted in all: the scale subresource's figure, or the autoscaler's within bounds."""
+    scaling = spec.autoscaling
+    if scaling.mode in ("off", "external"):
+        return scaling.replicas
+    wanted = scaling.min_replicas if autoscaler_desired is None else autoscaler_desired
+    return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+
+
+def reference_plan(
+    request: PlanRequest, node_types: Iterable[NodeType], tokens: int
+) -> NodePlan | None:
+    """Where an eval Job runs its reference (one window of `tokens`): the first node type, in
+    quality order, that fits bf16 (the unquantised weights); where none does, the largest level
+    that fits one (REFERENCE_LEVELS), which losses are then relative to; None if nothing fits."""
+    for level in REFERENCE_LEVELS:
+        reference = dataclasses.replace(
+            request,
+            quantizations=(level,),
+            max_context_length=tokens,
+            target_concurrency=1,
+            prefer="quality",
+        )
+        found = next((p for p in plan(reference, node_types) if p.fits), None)
+        if found is not None:
+            return found
+    return None
+
+
+def status_entries(
+    plans: Sequence[NodePlan],
+    replicas: Sequence[int],
+    losses: Mapping[str, float] | None = None,
+) -> list[PlanEntry]:
+    """`losses`: measured quality loss (percent) per level, shown next to each entry's level."""
+    return [_entry(p, n, losses or {}) for p, n in zip(plans, replicas, strict=True)]
+
+
+def _entry(p: NodePlan, replicas: int, losses: Mapping[str, float]) -> PlanEntry:
+    est = p.estimate
+    gib = {
+        key: round(memory.gib(getattr(est, attr)), 2) if est else 0.0 for key, attr in _GIB_FIELDS
+    }
+    return PlanEntry.model_validate(
+        {
+            "nodeType": p.node_type.name,
+            "fits": p.fits,
+            "quantization": p.quantization if p.fits else "",
+            "tensorParallel": p.tensor_parallel if p.fits else 0,
+            **gib,
+            "maxConcurrency": p.max_concurrency,
+            "pricePerHour": round(p.price_per_replica_hour, 4) if p.fits else 0.0,
+            "replicas": replicas,
+            "qualityLoss": losses.get(p.quantization) if p.fits else None,
+            "reason": "" if p.fits else p.reason,
+        }
+    )

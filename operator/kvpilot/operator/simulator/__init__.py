@@ -1,5 +1,0 @@
-"""`kvpilot simulate`: a discrete-event simulator to compare autoscaling policies on traces."""
-
-from kvpilot.operator.simulator.cli import main
-
-__all__ = ["main"]

@@ -1,0 +1,177 @@
+"""Paged KV-cache bookkeeping with prefix caching (pure Python; nano-vllm / vLLM v1 style).
+
+A block holds BLOCK_SIZE tokens. A block whose tokens are all computed gets a hash chained from its
+parent's, so equal hashes mean equal prefixes. Blocks are ref-counted and shared between sequences
+with a common prefix. A freed hashed block keeps its hash in the free queue and is reused on a hit
+until it is evicted: the free queue is LRU, and blocks without a hash are handed out first.
+
+Check/act pairs: `can_allocate_slots` / `allocate_slots`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.runtime.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of a full block; tuples of ints hash deterministically in CPython."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.is_prefix_caching = enable_prefix_caching
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks in eviction order (front first); values unused.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.num_queried_tokens = 0  # prefix-cache lookups, in tokens, cumulative
+        self.num_hit_tokens = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+    # -- prefix cache lookup --------------------------------------------------------------------
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Block ids holding a prefix of `seq`. At least one token is left to compute, because
+        the model must run on the last token to produce the next one."""
+        if not self.is_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // BLOCK_SIZE
+        found: list[int] = []
+        parent = NO_HASH
+        for index in range(max_blocks):
+            tokens = tuple(seq.token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+            parent = block_hash(parent, tokens)
+            block_id = self.hash_to_block.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            found.append(block_id)
+        return found
+
+    def record_lookup(self, seq: Sequence, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, cached: list[int]) -> int:
+        """Free-queue blocks that admitting `num_new_tokens` more tokens would take, counting
+        cached hits that sit in the free queue (taking them removes them from it)."""
+        num_computed = max(seq.num_computed_tokens, len(cached) * BLOCK_SIZE)
+        num_blocks_after = -(-(num_computed + num_new_tokens) // BLOCK_SIZE)
+        num_fresh = max(0, num_blocks_after - len(seq.block_table) - len(cached))
+        num_revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return num_fresh + num_revived
+
+    def can_allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None
+    ) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, cached or []) <= self.num_free_blocks
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None
+    ) -> None:
+        """Attach cached prefix blocks (first admission) and grow the block table to hold
+        num_computed_tokens + num_new_tokens tokens."""
+        if not self.can_allocate_slots(seq, num_new_tokens, cached):
+            raise ValueError(f"not enough free KV blocks for {num_new_tokens} tokens")
+        for block_id in cached or []:
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        if cached:
+            seq.num_computed_tokens = len(cached) * BLOCK_SIZE
+        num_blocks_after = -(-(seq.num_computed_tokens + num_new_tokens) // BLOCK_SIZE)
+        while len(seq.block_table) < num_blocks_after:
+            seq.block_table.append(self._take_fresh())
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # evicted: its prefix is no longer cached
+        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
+        return block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release a sequence's blocks (finish, abort, preemption). Tail blocks are queued for
+        eviction before the prefix blocks they extend, and unhashed blocks before any."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.hash == NO_HASH:
+                    self.free_queue.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past those that hold `num_tokens` tokens (rejected speculative
+        proposals' slots). They are fresh, unhashed blocks: first in line to be reused."""
+        keep = -(-num_tokens // BLOCK_SIZE)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+                self.free_queue.move_to_end(block.block_id, last=False)
+
+    # -- hashing computed blocks ------------------------------------------------------------------
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Give every block whose tokens are all computed its chained hash, so later requests
+        with the same prefix can share it."""
+        if not self.is_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // BLOCK_SIZE, len(seq.block_table))
+        # Blocks are hashed in order from the first, so a hashed last full block means there is
+        # nothing new: the common decode step returns here instead of walking the whole table.
+        if num_full == 0 or self.blocks[seq.block_table[num_full - 1]].hash != NO_HASH:
+            return
+        parent = NO_HASH
+        for index in range(num_full):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash != NO_HASH:
+                parent = block.hash
+                continue
+            tokens = tuple(seq.token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
+            parent = block_hash(parent, tokens)
+            block.hash, block.token_ids = parent, tokens
+            # Another sequence may have computed the same block meanwhile; keep the first.
+            self.hash_to_block.setdefault(parent, block.block_id)

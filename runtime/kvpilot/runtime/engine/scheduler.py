@@ -1,0 +1,174 @@
+"""Continuous batching without prefill/decode phases (vLLM v1 style, pure Python).
+
+Each step every running sequence asks for `num_tokens - num_computed_tokens` more tokens (a decode
+asks for 1, a prefill for its whole remaining prompt), capped by the per-step token budget, which
+gives chunked prefill for free: a long prompt takes what is left of the budget after the running
+decodes and finishes over several steps. Waiting sequences are admitted strictly first-come
+first-served (no skipping, so nothing starves) while the budget, `max_num_seqs` and free blocks
+allow. When blocks run out the newest running sequence is preempted by recompute: its blocks are
+freed and it goes back to the front of the queue, keeping its generated tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpilot.contract.memory import BLOCK_SIZE
+from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # the proposals (speculative decoding) included
+    num_draft_tokens: int = 0  # seq.draft_token_ids[:num_draft_tokens] run after the last token
+
+    @property
+    def is_sampling(self) -> bool:
+        """The chunk reaches the last known token, so the model's output there is the next one
+        (and, with proposals, its output at each proposal checks it)."""
+        num_known = self.num_new_tokens - self.num_draft_tokens
+        return self.seq.num_computed_tokens + num_known == self.seq.num_tokens
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.seq.draft_token_ids[: self.num_draft_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence, at_front: bool = False) -> None:
+        """Queue `seq` last, or first (`at_front`) when it arrived before those waiting."""
+        num_blocks = -(-seq.num_tokens // BLOCK_SIZE)
+        if num_blocks > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"prompt needs {num_blocks} KV blocks, the pool has "
+                f"{self.block_manager.num_total_blocks}"
+            )
+        if at_front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        budget = self.max_num_batched_tokens
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            # A decode with proposals asks for them too, as far as the budget goes.
+            num_wanted = seq.num_uncomputed_tokens + _num_drafts(seq)
+            num_new = min(num_wanted, budget)
+            if not self._make_room(seq, num_new, out):
+                continue
+            self.block_manager.allocate_slots(seq, num_new)
+            num_drafts = max(0, num_new - seq.num_uncomputed_tokens)
+            out.scheduled.append(ScheduledSequence(seq, num_new, num_drafts))
+            budget -= num_new
+        return budget
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until `seq` fits; False if `seq` itself went."""
+        while not self.block_manager.can_allocate_slots(seq, num_new):
+            victim = max(
+                (s for s in self.running if s.status is SequenceStatus.RUNNING),
+                key=lambda s: s.arrival,
+            )
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        # A victim scheduled earlier in this step loses its slot too.
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        out.preempted.append(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # Prompt logprobs need every prompt position's logits: nothing from the cache.
+            cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
+            num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
+            if not self.block_manager.can_allocate_slots(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            if not seq.is_admitted_once:
+                seq.num_cached_tokens = len(cached) * BLOCK_SIZE
+                seq.is_admitted_once = True
+            self.block_manager.record_lookup(seq, len(cached) * BLOCK_SIZE)
+            self.block_manager.allocate_slots(seq, num_new, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Mark the scheduled known tokens computed and hash the blocks they completed; the
+        proposals count once the model has accepted them (`accept_drafts`)."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_draft_tokens
+            self.block_manager.cache_full_blocks(item.seq)
+
+    def accept_drafts(self, item: ScheduledSequence, num_accepted: int) -> None:
+        """After the step's tokens are appended: the accepted proposals' KV (written by the
+        step) counts as computed; the slots of the rejected ones are given back, so a rejected
+        proposal leaves nothing behind."""
+        seq = item.seq
+        seq.draft_token_ids = []
+        if seq.is_finished or item.num_draft_tokens == 0:
+            return
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.free_tail(seq, seq.num_computed_tokens)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish (stop, length) or abort a sequence wherever it is, freeing its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
+
+
+def _num_drafts(seq: Sequence) -> int:
+    """Proposals a running sequence brings: only a decode (one token behind) has any."""
+    return len(seq.draft_token_ids) if seq.num_uncomputed_tokens == 1 else 0

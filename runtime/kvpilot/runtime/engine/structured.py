@@ -1,0 +1,64 @@
+"""What a request constrains its output to (pure Python): one `GrammarSpec` per request.
+
+The OpenAI and vLLM request fields (`response_format`, `structured_outputs`, `guided_*`) and the
+enforced tool choices (`required`, a named function) all end up as one spec; grammar.py compiles
+it with llguidance. A spec is hashable: it is the key of the compiled-grammar cache, so fifty
+requests with the same schema compile it once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvpilot.runtime.server.json_text import load_object
+
+GrammarKind = Literal["json_schema", "regex", "choice", "grammar", "lark"]
+
+# The schema `{"type": "json_object"}` stands for: any JSON object.
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: json_schema (text = the schema as canonical JSON), regex, choice (text = a JSON
+    list of the allowed strings), grammar (Lark or GBNF, as vLLM's `grammar` field takes),
+    lark (a Lark grammar kvpilot builds itself, e.g. for tool calls)."""
+
+    kind: GrammarKind
+    text: str
+    # The request field it came from, for a 400 that names it; not part of the cache key.
+    source: str = field(default="", compare=False)
+
+
+def json_schema_spec(schema: dict[str, Any] | str, source: str) -> GrammarSpec:
+    """A JSON-schema spec; the schema as a JSON object or its text (vLLM accepts both)."""
+    if isinstance(schema, str):
+        schema = load_object(schema, source, "a JSON schema (a JSON object)")
+    if not isinstance(schema, dict):
+        raise ValueError(f"{source}: a JSON schema must be a JSON object")
+    return GrammarSpec("json_schema", canonical_json(schema), source)
+
+
+def regex_spec(pattern: str, source: str) -> GrammarSpec:
+    if not pattern:
+        raise ValueError(f"{source}: the regular expression is empty")
+    return GrammarSpec("regex", pattern, source)
+
+
+def choice_spec(choices: list[str], source: str) -> GrammarSpec:
+    if not choices or any(not c for c in choices):
+        raise ValueError(f"{source}: give at least one choice, none of them empty")
+    return GrammarSpec("choice", json.dumps(choices, ensure_ascii=False), source)
+
+
+def grammar_spec(text: str, source: str) -> GrammarSpec:
+    if not text.strip():
+        raise ValueError(f"{source}: the grammar is empty")
+    return GrammarSpec("grammar", text, source)
+
+
+def canonical_json(value: Any) -> str:
+    """Spacing does not change the cache key; key order does, as it orders the output."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
