@@ -50,7 +50,7 @@ cluster-build: setup
 	@$(PY) -m hack.devcluster build
 
 unit: setup
-	$(PY) -m pytest tests/unit -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not cluster and not e2e and not kind" $(PYTEST_ARGS)
 
 test: lint cluster-build
 	@echo "==> pytest (the tests start their own control plane, runtime processes and Prometheus)"

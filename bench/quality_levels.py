@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {args.answer_tokens} tokens, written by this script).",
             markdown_table(["metric", "level", "value", "relative loss"], table),
             "A budget between int8's and int4's loss admits bf16 and int8 only; on the dev"
-            " cluster, tests/integration/operator/test_quality_cluster.py sets such a budget on"
+            " cluster, tests/operator/test_quality_cluster.py sets such a budget on"
             " agreement measured by eval Jobs over eval.txt's first 6000 characters.",
         ]
     )

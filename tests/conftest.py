@@ -20,6 +20,17 @@ from tests.support import model_sources
 from tests.support.model_sources import S3Endpoint
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests sit in one folder per component; their cost is a marker. A test that uses the control
+    plane is `cluster` whether or not its file says so, and tests/e2e is `e2e`, so
+    `-m "not cluster"` runs everything that needs no control plane."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+        if "e2e" in item.path.relative_to(item.config.rootpath).parts[:2]:
+            item.add_marker(pytest.mark.e2e)
+
+
 class ExistingCluster(existing.ExistingCluster):
     @property
     def prometheus_url(self) -> str:

@@ -23,7 +23,7 @@ HELM_VERSION = "v3.22.0"
 # Kubernetes service discovery the dev cluster needs, so we build it, with only that discovery.
 PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
-# kube-score: the workload security linter the chart tests run (tests/integration/helm).
+# kube-score: the workload security linter the chart tests run (tests/helm).
 KUBE_SCORE_VERSION = "v1.20.0"
 # SeaweedFS (`weed`): the dev cluster's S3-compatible model store. Its module is untagged on the
 # proxy; this pseudo-version is pinned in hack/gotools/seaweedfs/go.mod too.

@@ -33,6 +33,8 @@ from kvpilot.runtime.layers.kv_cache import dequantize, quantize
 from kvpilot.runtime.layers.rotary import apply_rotary, signed_sin
 from kvpilot.runtime.models.loader import load_model_config
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 NUM_BLOCKS = 64
 
 

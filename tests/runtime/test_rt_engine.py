@@ -14,6 +14,8 @@ from kvpilot.runtime.engine.engine import Engine, RequestOutput
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.stats import EngineStats
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 PROMPT = "The for statement is used to iterate over"
 
 
@@ -166,7 +168,7 @@ def test_async_engine_builds_the_engine_on_the_thread_that_steps_it(
     make_engine: Callable[..., Engine],
 ) -> None:
     """One OS thread runs every torch op of the engine, its load included: a second thread
-    with an OpenMP team of its own halves CPU decode speed (async_engine.py says why)."""
+    with an OpenMP team of its own halves CPU decode speed (engine/async_engine.py says why)."""
     threads: dict[str, int] = {}
 
     def build() -> Engine:

@@ -14,6 +14,8 @@ from kvpilot.runtime.evaluate import read_pairs, relative_loss, window_logits, w
 from kvpilot.runtime.models.loader import load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 
 def test_eval_cli_reports_perplexity_and_relative_loss(
     tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]

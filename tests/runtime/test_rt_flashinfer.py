@@ -35,6 +35,8 @@ from kvpilot.runtime.layers.flashinfer_attention import (
 )
 from kvpilot.runtime.models.loader import load_model_config
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 
 @pytest.mark.parametrize(
     ("tables", "kv_lens", "expected"),

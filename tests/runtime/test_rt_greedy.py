@@ -26,6 +26,8 @@ from kvpilot.runtime.engine.draft_model import DraftModelProposer
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.spec_governor import Governor
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 
 @pytest.fixture(scope="module")
 def reference(hf_tiny_llama: Any) -> Callable[[list[int]], list[int]]:

@@ -12,6 +12,8 @@ from kvpilot.contract import memory
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.kv_cache import FP8_MAX, PagedCache, fp8_scale, resolve_kv_cache_dtype
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 CPU = torch.device("cpu")
 FP8 = torch.float8_e4m3fn
 SHAPE = (6, 16, 2, 8)  # [num_blocks, BLOCK_SIZE, H_kv, D]

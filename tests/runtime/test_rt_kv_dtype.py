@@ -30,6 +30,8 @@ from kvpilot.runtime.evaluate import (
 )
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 BUDGET = 16 * 2**20  # KV bytes per token: 2 x 4 layers x 2 KV heads x 32 dims x dtype bytes
 
 

@@ -14,6 +14,8 @@ import torch
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 

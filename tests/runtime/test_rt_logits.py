@@ -11,6 +11,8 @@ import torch
 
 from bench.reference.models import hf_logits, our_logits
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 TOLERANCE = 1e-4
 
 

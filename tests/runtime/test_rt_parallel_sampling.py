@@ -14,6 +14,8 @@ from kvpilot.runtime.engine import model_runner
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.sampling import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 PROMPT = list(range(5, 105))  # 100 tokens: 6 full blocks before the last token's block
 
 

@@ -29,6 +29,8 @@ from kvpilot.runtime.models.llama import LlamaModel
 from kvpilot.runtime.models.loader import load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 

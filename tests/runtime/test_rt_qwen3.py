@@ -26,6 +26,8 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.layers.quant import make_weight
 from kvpilot.runtime.models.loader import load_model_config
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 CHUNKINGS = [[], [11, 1, 1]]  # whole prefills; a chunk, cached-KV chunks, then decodes
 MAX_NEW_TOKENS = 16
 

@@ -1,5 +1,5 @@
 """Speculative decoding of sampled requests in the engine (the rule itself, that every emitted
-token keeps its distribution, is tests/unit/runtime/test_rt_spec_sampling.py): unseeded sampled
+token keeps its distribution, is tests/runtime/test_rt_spec_sampling.py): unseeded sampled
 requests propose and have proposals accepted, from prompt lookup and from a draft model; a
 seeded request does not propose, so its text is the same with and without speculation."""
 
@@ -14,6 +14,8 @@ import pytest
 from bench.reference.models import make_prompts, quoting, run_all
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 

@@ -21,6 +21,8 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.structured import choice_spec, json_schema_spec, regex_spec
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker, unpack_bitmask
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 SCHEMA = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -37,6 +37,8 @@ from kvpilot.runtime.layers.quant import (
 )
 from tests.support.processes import is_gone
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 # A rank's o_proj/down_proj product is a partial sum over half the features; the all-reduce adds
 # the halves, so float32 rounds in a different order than one full matmul. Measured: at most
 # 2e-6 on logits up to ~8 here. 1e-4 is the bound test_rt_logits holds us to against

@@ -18,6 +18,8 @@ from kvpilot.runtime.bench.cli import benchmark, parse_args
 from kvpilot.runtime.bench.tokens import LocalTokenCounter
 from tests.support.server_process import MODEL, TINY, RuntimeServer, free_port
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 FIRST_TOKEN_S = 0.08  # the scripted server's timings, what the bench must measure
 TOKEN_GAP_S = 0.02
 NUM_TOKENS = 5

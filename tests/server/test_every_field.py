@@ -37,6 +37,8 @@ from kvpilot.runtime.server.request_models import (
 )
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,

@@ -13,6 +13,8 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.server.chat_template import render_chat
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 PROMPTS = ["The list", "def main():\n    return", "Return a new"]
 MESSAGES = [
     {"role": "system", "content": "You answer briefly."},

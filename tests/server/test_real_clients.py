@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 # The tiny model was trained on Python's documentation (models/tiny-llama).
 MULTIPLE_CHOICE: list[dict[str, Any]] = [
     {"question": "When a name is not bound, an attempt to evaluate it raises a",

@@ -11,6 +11,8 @@ from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 TOKENIZER = Tokenizer(TINY)
 HITS = "kvpilot_prefix_cache_hits_total"
 

@@ -18,6 +18,8 @@ from kvpilot.runtime.models.loader import load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 MESSAGES = [
     {"role": "system", "content": "You answer briefly."},
     {"role": "user", "content": "What does the sort method do?"},

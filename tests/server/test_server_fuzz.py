@@ -16,6 +16,8 @@ from schemathesis.core.result import Ok
 
 from tests.support.server_process import MODEL, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 MAX_EXAMPLES = 60  # per operation and mode; each valid request runs the real engine on 2 cores
 
 

@@ -25,6 +25,8 @@ from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from kvpilot.runtime.server.body_parsing import OFF_LOOP_MIN_BYTES
 from tests.support.server_process import MODEL, TINY, RuntimeServer, wait_for
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 MAX_MODEL_LEN = 512
 WINDOW_S = 2.0  # the oversized requests keep coming at least this long
 GENEROUS_S = 1.0  # far above a healthy probe (~ms); a blocked event loop takes seconds

@@ -16,6 +16,8 @@ import pytest
 
 from tests.support.server_process import MODEL, RuntimeServer, free_port, wait_for
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 KEY = "s3cret"
 
 

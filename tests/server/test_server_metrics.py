@@ -18,6 +18,8 @@ from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.operator.autoscaling import metrics_reader as operator_metrics
 from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 # (kvpilot sample, vLLM alias sample) as they appear in the exposition
 PAIRS = [
     ("kvpilot_requests_waiting", "vllm:num_requests_waiting"),

@@ -14,6 +14,8 @@ from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.sampling import PromptLogprob, SamplingParams
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 TEXTS = ["The sort method orders a list in place.", "def main():\n    return 0"]
 
 

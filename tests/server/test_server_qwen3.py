@@ -15,6 +15,8 @@ from bench.reference.models import QWEN3_PROMPTS, hf_greedy, qwen3_checkpoint
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.server_process import MODEL, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 MAX_TOKENS = 16
 
 

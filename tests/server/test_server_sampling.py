@@ -13,6 +13,8 @@ from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.sampling import SamplingParams
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 PROMPT = "def main():\n    return"
 VOCAB_SIZE = 4096  # models/tiny-llama
 

@@ -17,6 +17,8 @@ from openai import OpenAI
 
 from tests.support.server_process import MODEL, TINY, RuntimeServer, free_port
 
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
+
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 # float32: a step checking proposals runs more rows than one without, and in bf16 another batch
 # shape can flip a near-tied greedy token of tiny-llama (the texts are compared).

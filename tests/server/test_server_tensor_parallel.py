@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.processes import child_pids, cmdline, is_gone
 from tests.support.server_process import MODEL, RuntimeServer, wait_for
+
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
 
 
 def test_tp2_server_completes_and_sigterm_leaves_no_worker(tmp_path: Path) -> None:

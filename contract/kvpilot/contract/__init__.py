@@ -18,5 +18,5 @@ both sides of each of these must agree on lives here and nowhere else:
 
 Imports: the standard library and itself; `k8s` the kubernetes client (the operator's and the
 gateway's extras), `fetch` huggingface_hub and boto3 where a function needs them. Never torch,
-never kvpilot.runtime, .operator or .gateway (tests/unit/test_import_graph.py).
+never kvpilot.runtime, .operator or .gateway (tests/test_import_graph.py).
 """

@@ -5,5 +5,5 @@
 quantisation and tensor-parallel fit, cost), reconcile/ (one pass: desired state, children,
 status, the queue of passes), autoscaling/ (the policy, its loop, metrics, the simulator),
 quality/ (quantisation admitted by measured quality). Imports kvpilot.contract and itself, never
-the runtime or the gateway (tests/unit/test_import_graph.py).
+the runtime or the gateway (tests/test_import_graph.py).
 """

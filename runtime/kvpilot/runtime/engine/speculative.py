@@ -13,7 +13,7 @@ and a proposal d is kept when the draw equals it. A lookup proposes d with certa
 on d), so speculative sampling's rule (keep d with probability min(1, p(d) / q(d)) = p(d); on a
 rejection draw from the residual (p - q)+, which is p without d, renormalised) is exactly this:
 the draw equals d with probability p(d), and a draw that differs is distributed as p given "not
-d". Every emitted token keeps its distribution (tests/unit/runtime/test_rt_spec_sampling.py).
+d". Every emitted token keeps its distribution (tests/runtime/test_rt_spec_sampling.py).
 
 Not proposing: requests with a grammar (the matcher would have to advance over the proposals)
 and seeded requests, whose draws follow their own generator one token at a time so that a seed

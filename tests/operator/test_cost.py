@@ -1,0 +1,149 @@
+"""planning/cost.py: cost per 1,000 requests and per 1M output tokens from replicas, prices and
+traffic."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.operator import api
+from kvpilot.operator.autoscaling import loop as autoscaling_loop
+from kvpilot.operator.planning.cost import Traffic, cost_status, merge_patch, per_unit
+from kvpilot.runtime.bench.stats import cost_per_1k_requests
+
+
+@pytest.mark.parametrize(
+    ("price", "rate", "scale", "expected"),
+    [
+        (3.6, 1.0, 1e3, 1.0),  # $3.60/h = $0.001/s; 1 req/s -> $0.001 a request -> $1 per 1k
+        (3.6, 10.0, 1e3, 0.1),
+        (3.6, 1000.0, 1e6, 1.0),
+        (0.0, 5.0, 1e3, 0.0),
+        (3.6, 0.0, 1e3, None),
+    ],
+)
+def test_per_unit(price: float, rate: float, scale: float, expected: float | None) -> None:
+    assert per_unit(price, rate, scale) == (None if expected is None else pytest.approx(expected))
+
+
+def test_the_same_arithmetic_as_kvpilot_bench() -> None:
+    """What status says and what `kvpilot bench --price-per-gpu-hour` says agree on one load."""
+    completed, duration_s, gpus, price_per_gpu = 600, 120.0, 2, 2.5
+    bench = cost_per_1k_requests(price_per_gpu, gpus, duration_s, completed)
+    status = cost_status({"a": 1}, {"a": gpus * price_per_gpu}, {"a": Traffic(5.0, 0.0)}, "2m")
+    assert status["perThousandRequests"] == pytest.approx(bench)
+
+
+CASES = [
+    # (replicas, prices, traffic, per 1k requests, per 1M tokens, reason contains)
+    ({"l4": 2}, {"l4": 1.8}, {"l4": Traffic(2.0, 200.0)}, 0.5, 5.0, ""),
+    (
+        {"l4": 1, "a100": 1},
+        {"l4": 1.8, "a100": 5.4},
+        {"l4": Traffic(1.0, 100.0), "a100": Traffic(3.0, 300.0)},
+        0.5,
+        5.0,
+        "",
+    ),
+    ({"l4": 2}, {"l4": 1.8}, {}, None, None, "no requests completed in the last 5m"),
+    ({"l4": 1}, {"l4": 0.0}, {"l4": Traffic(1.0, 1.0)}, None, None, "no price for node type(s) l4"),
+    ({"l4": 0}, {"l4": 1.8}, {"l4": Traffic(1.0, 1.0)}, None, None, "no replicas running"),
+    ({}, {}, {}, None, None, "no replicas running"),
+]
+
+
+@pytest.mark.parametrize(("replicas", "prices", "traffic", "per_1k", "per_1m", "reason"), CASES)
+def test_cost_status(
+    replicas: dict[str, int],
+    prices: dict[str, float],
+    traffic: dict[str, Traffic],
+    per_1k: float | None,
+    per_1m: float | None,
+    reason: str,
+) -> None:
+    status = cost_status(replicas, prices, traffic, "5m")
+    assert status["perThousandRequests"] == (None if per_1k is None else pytest.approx(per_1k))
+    assert status["perMillionOutputTokens"] == (None if per_1m is None else pytest.approx(per_1m))
+    assert reason in status.get("reason", "") and bool(reason) == ("reason" in status)
+    assert status["window"] == "5m" and status["currency"] == "USD"
+    assert set(status["nodeTypes"]) == {nt for nt, n in replicas.items() if n > 0}
+
+
+def test_each_node_type_has_its_own_figures() -> None:
+    status = cost_status(
+        {"l4": 1, "a100": 1},
+        {"l4": 1.8, "a100": 5.4},
+        {"l4": Traffic(1.0, 100.0), "a100": Traffic(1.0, 100.0)},
+        "5m",
+    )
+    l4, a100 = status["nodeTypes"]["l4"], status["nodeTypes"]["a100"]
+    assert l4["perThousandRequests"] == pytest.approx(0.5)
+    assert a100["perThousandRequests"] == pytest.approx(1.5)  # three times the price, same load
+    assert l4["replicas"] == 1 and a100["pricePerHour"] == pytest.approx(5.4)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "patch"),
+    [
+        (None, {"window": "5m", "nodeTypes": {}}, {"window": "5m", "nodeTypes": {}}),
+        (
+            {"reason": "no requests", "nodeTypes": {"l4": {"replicas": 1}}},
+            {"nodeTypes": {"l4": {"replicas": 2}}},
+            {"reason": None, "nodeTypes": {"l4": {"replicas": 2}}},
+        ),
+        (
+            {"nodeTypes": {"l4": {"replicas": 1}, "a100": {"replicas": 1}}},
+            {"nodeTypes": {"a100": {"replicas": 1}}},
+            {"nodeTypes": {"l4": None, "a100": {"replicas": 1}}},
+        ),
+    ],
+)
+def test_merge_patch_removes_what_no_longer_holds(
+    old: dict[str, object] | None, new: dict[str, object], patch: dict[str, object]
+) -> None:
+    assert merge_patch(old, new) == patch
+
+
+def pod(node_type: str, deleting: bool = False) -> dict[str, object]:
+    meta: dict[str, object] = {"labels": {"kvpilot.dev/node-type": node_type}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-03T00:00:00Z"
+    return {"metadata": meta}
+
+
+def test_replicas_billed_are_the_pods_not_being_deleted() -> None:
+    pods = [pod("l4"), pod("l4"), pod("a100"), pod("l4", deleting=True)]
+    assert autoscaling_loop.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
+
+
+def test_replica_prices_come_from_the_plan() -> None:
+    plan = [
+        api.PlanEntry(node_type="l4", fits=True, price_per_hour=0.98),
+        api.PlanEntry(node_type="h100", fits=False),
+    ]
+    assert autoscaling_loop.replica_prices(plan) == {"l4": 0.98, "h100": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("measured_at", "now", "due"),
+    [
+        (None, 1000.0, True),
+        ("1970-01-01T00:16:40Z", 1000.0 + 59, False),  # window 300 s: every 60 s
+        ("1970-01-01T00:16:40Z", 1000.0 + 60, True),
+    ],
+)
+def test_cost_is_refreshed_five_times_per_window(
+    measured_at: str | None, now: float, due: bool
+) -> None:
+    old = (
+        api.CostStatus(
+            price_per_hour=0.0,
+            requests_per_second=0.0,
+            output_tokens_per_second=0.0,
+            per_thousand_requests=None,
+            window="5m",
+            measured_at=measured_at,
+        )
+        if measured_at
+        else None
+    )
+    assert autoscaling_loop.cost_is_due(old, now, 300) is due

@@ -1,0 +1,179 @@
+"""The contract across the pod boundary, from both sides: every pod spec the operator can write
+(each example in examples/, each plan shape) is parsed by the runtime's own parsers
+(`kvpilot-runtime serve` and `fetch`), so a flag the runtime does not know fails here, not in a
+crash-looping pod on a GPU node."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpilot.contract import fetch, serve_config
+from kvpilot.contract.memory import ModelFacts
+from kvpilot.operator import api
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.inventory import NodeType
+from kvpilot.operator.reconcile import manifests, model_cache
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.yaml"))
+CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
+MD = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
+H100 = NodeType(
+    name="h100",
+    product="NVIDIA-H100",
+    gpu_memory_mib=81559,
+    gpus_per_node=8,
+    price_per_hour=98.0,
+    node_selector={"t": "h100"},
+    nodes=("n",),
+    free_gpus_per_node=(8,),
+)
+QUANTIZATIONS = ("bf16", "int8", "int4")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp8")
+URIS = ("hf://org/model@rev", "s3://models/org/model", "pvc://weights/model", "file:///srv/model")
+
+
+def parsed_serve(container: dict[str, Any]) -> serve_config.ServeConfig:
+    """What the runtime makes of the container's args (file:// checked by the parser only: the
+    path exists in the pod, not here)."""
+    command, *args = container["args"]
+    assert (container["command"], command) == (["kvpilot-runtime"], "serve")
+    values = vars(serve_config.build_parser().parse_args(args))
+    return serve_config.ServeConfig(**values)
+
+
+def parsed_fetch(container: dict[str, Any]) -> None:
+    command, *args = container["args"]
+    assert command == "fetch"
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in args)
+    assert set(flags) <= {"model", "to", "summary-file"} and {"model", "to"} <= set(flags)
+    with pytest.raises(SystemExit) as exit_:  # the real parser accepts them (then --help exits)
+        fetch.main([*args, "--help"])
+    assert exit_.value.code == 0
+
+
+def plan(tp: int, quantization: str) -> planner.NodePlan:
+    return planner.NodePlan(H100, True, quantization, tp, max_concurrency=8)
+
+
+@pytest.mark.parametrize(
+    ("tp", "quantization", "kv_dtype", "uri"),
+    list(itertools.product((1, 2, 4, 8), QUANTIZATIONS, KV_DTYPES, URIS)),
+)
+def test_every_plan_shape_parses_in_the_runtime(
+    tp: int, quantization: str, kv_dtype: str, uri: str
+) -> None:
+    spec = api.parse_spec({"model": {"uri": uri}, "serving": {"kvCacheDtype": kv_dtype}})
+    pod = manifests.build_deployment(MD, spec, plan(tp, quantization), 1, CONFIG)
+    pod_spec = pod["spec"]["template"]["spec"]
+    config = parsed_serve(pod_spec["containers"][0])
+    assert config.tensor_parallel_size == tp
+    assert config.quantization == quantization
+    assert config.kv_cache_dtype == kv_dtype
+    assert config.served_name == "model"
+    for init in pod_spec.get("initContainers", []):
+        parsed_fetch(init)
+
+
+@pytest.mark.parametrize("uri", [u for u in URIS if u.startswith(("hf://", "s3://"))])
+def test_a_cached_model_is_fetched_by_the_fill_job_and_served_from_the_claim(uri: str) -> None:
+    spec = api.parse_spec({"model": {"uri": uri, "cache": {}}})
+    job = model_cache.build_fill_job(MD, spec, plan(1, "bf16"), CONFIG)
+    parsed_fetch(job["spec"]["template"]["spec"]["containers"][0])
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    assert "initContainers" not in pod["spec"]  # nothing to fetch: the claim holds the model
+    assert parsed_serve(pod["spec"]["containers"][0]).model == f"file://{manifests.MODEL_MOUNT}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses_in_the_runtime(path: Path) -> None:
+    md = yaml.safe_load(path.read_text())
+    spec = api.parse_spec(md["spec"])
+    facts = ModelFacts(parameters=8_000_000_000, layers=32, kv_heads=8, head_dim=128)
+    node_plan = planner.plan_node_type(planner.PlanRequest.from_spec(spec, facts), H100)
+    md = {**md, "metadata": {**md["metadata"], "namespace": "ns", "uid": "u"}}
+    pod = manifests.build_deployment(md, spec, node_plan, 1, CONFIG)["spec"]["template"]["spec"]
+    config = parsed_serve(pod["containers"][0])
+    assert config.served_name == api.served_name(spec.model)
+    for init in pod.get("initContainers", []):
+        parsed_fetch(init)
+
+
+@pytest.mark.parametrize(
+    ("speculative", "expected"),
+    [
+        (None, None),
+        ({}, ("ngram", 4, 4, 2)),
+        (
+            {"numSpeculativeTokens": 8, "promptLookupMax": 6, "promptLookupMin": 3},
+            ("ngram", 8, 6, 3),
+        ),
+    ],
+)
+def test_speculative_decoding_in_the_spec_is_the_runtimes_speculative_config(
+    speculative: dict[str, Any] | None, expected: tuple[str, int, int, int] | None
+) -> None:
+    serving = {} if speculative is None else {"speculative": speculative}
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "serving": serving})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)
+    runtime = parsed_serve(pod["spec"]["template"]["spec"]["containers"][0]).speculative()
+    got = None if runtime is None else (
+        runtime.method, runtime.num_speculative_tokens, runtime.prompt_lookup_max,
+        runtime.prompt_lookup_min,
+    )  # fmt: skip
+    assert got == expected
+
+
+@pytest.mark.parametrize("tp", [1, 2])  # with tensor parallelism the draft runs on rank 0
+def test_a_draft_model_is_fetched_into_its_volume_and_named_in_the_speculative_config(
+    tp: int,
+) -> None:
+    for served in URIS:
+        speculative = {
+            "method": "draft_model",
+            "model": "hf://org/draft",
+            "numSpeculativeTokens": 3,
+        }
+        serving = {"speculative": speculative}
+        spec = api.parse_spec({"model": {"uri": served}, "serving": serving})
+        pod = manifests.build_deployment(MD, spec, plan(tp, "bf16"), 1, CONFIG)["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        config = parsed_serve(container)
+        assert config.tensor_parallel_size == tp
+        runtime = config.speculative()
+        assert runtime is not None
+        assert (runtime.method, runtime.num_speculative_tokens) == ("draft_model", 3)
+        *_, draft_fetch = pod["spec"]["initContainers"]
+        parsed_fetch(draft_fetch)
+        assert f"--model={speculative['model']}" in draft_fetch["args"]
+        # what the init container writes is what the runtime reads, from a volume of the pod
+        (written,) = [m for m in draft_fetch["volumeMounts"] if m["mountPath"] == runtime.model]
+        (read,) = [m for m in container["volumeMounts"] if m["mountPath"] == runtime.model]
+        assert written["name"] == read["name"] and read["readOnly"]
+        assert {"name": read["name"], "emptyDir": {}} in pod["spec"]["volumes"]
+
+
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        {"method": "eagle"},
+        {"numSpeculativeTokens": 0},
+        {"numSpeculativeTokens": 17},
+        {"promptLookupMin": 5, "promptLookupMax": 4},
+        {"promptLookupMin": 5},  # above the default max (4)
+        {"model": "hf://org/draft"},
+        {"method": "draft_model"},
+        {"method": "draft_model", "model": "hf://org/draft", "promptLookupMax": 4},
+        {"method": "draft_model", "model": "pvc://claim/draft"},
+    ],
+)
+def test_a_speculative_spec_the_runtime_would_refuse_is_refused_at_parse(
+    speculative: dict[str, Any],
+) -> None:
+    with pytest.raises(ValueError):
+        api.parse_spec({"model": {"uri": URIS[0]}, "serving": {"speculative": speculative}})
