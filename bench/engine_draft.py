@@ -14,7 +14,8 @@ ratio the median of the rounds' ratios (bench.engine_spec.Ratio) with their rang
 
 A second table: requests behind a long common prefix that is warm in the prefix cache, the
 model as its own draft, with the draft's KV taken from the cached blocks as the served model's
-is (draft_model.py) against the draft recomputing each prompt (its block hashes hidden from it).
+is (engine/draft_model.py) against the draft recomputing each prompt (its block hashes hidden from
+it).
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def prefix_intro(num_tokens: int) -> str:
         f"{SHARED_PREFIX}-token prefix every request shares (in the prefix cache from a warm-up "
         f"run) and {SUFFIX} tokens of its own, {num_tokens} output tokens; tiny-llama as its own "
         "draft. `KV from the cache`: the draft starts after the blocks whose KV it wrote before "
-        "(draft_model.py); `recomputed`: the same engine with that bookkeeping hidden, so the "
-        "draft runs each whole prompt when its sequence first proposes. Ratios as above, "
+        "(engine/draft_model.py); `recomputed`: the same engine with that bookkeeping hidden, so "
+        "the draft runs each whole prompt when its sequence first proposes. Ratios as above, "
         "against `recomputed`."
     )
 

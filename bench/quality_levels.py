@@ -1,5 +1,5 @@
 """Quality loss per quantisation level for tiny-llama with each eval metric: the figures the
-operator admits levels by (spec.quantization.evaluation, quality.py).
+operator admits levels by (spec.quantization.evaluation, quality/admission.py).
 
 Runs the real `kvpilot-runtime eval` (a subprocess, as an eval Job does) once per metric on
 models/tiny-llama: perplexity and agreement on its held-out eval.txt; exact-match on prompt/answer

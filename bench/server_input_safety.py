@@ -213,7 +213,8 @@ def oversized_requests(url: str, max_model_len_chars: int) -> dict[str, Callable
 
 def token_id_flood(url: str) -> Callable[[], int]:
     """The costliest body to parse under the limit: ~16 MB of token ids (JSON integers parse
-    ~10x slower per byte than text; the server parses it off the event loop, request_body.py)."""
+    ~10x slower per byte than text; the server parses it off the event loop,
+    server/body_parsing.py)."""
     ids = [1234] * (16 * 2**20 // 6 - 10)
     content = json.dumps({"model": "tiny", "prompt": ids}).encode()
     return functools.partial(_post, f"{url}/v1/completions", content)
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         + f"\n\nServer peak RSS (VmHWM): {rss_ready:.0f} MiB once ready, {rss_after:.0f} MiB "
         "after all of the above. The token-id row is the worst case the body limit allows: "
         "its JSON is decoded and validated off the event loop in pieces that let /health run "
-        "(request_body.py, token_ids.py); before that change this row's /health max was "
-        "~590 ms. A deployment with short contexts can lower `--max-request-body-bytes` too."
+        "(server/body_parsing.py, server/token_ids.py); before that change this row's /health max "
+        "was ~590 ms. A deployment with short contexts can lower `--max-request-body-bytes` too."
     )
     print(body)
     command = f"python -m bench.server_input_safety --rounds {args.rounds}"

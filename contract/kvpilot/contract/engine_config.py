@@ -1,7 +1,8 @@
 """The engine's one frozen configuration, built at the edge (CLI flags or a test).
 
 Each field's metadata carries its command-line help (and choices), so `kvpilot-runtime serve`'s
-parser is derived from these fields (serve_config.py) and a field cannot exist without a flag.
+parser is derived from these fields (contract/serve_config.py) and a field cannot exist without a
+flag.
 """
 
 from __future__ import annotations

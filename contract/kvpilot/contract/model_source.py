@@ -1,7 +1,8 @@
 """Model URIs (`hf://`, `s3://`, `pvc://`, `file://`, plain paths) parsed into one value.
 
 Pure: the operator uses it to decide how a pod gets its model (mounted or fetched by an init
-container), the runtime to decide how `--model` becomes a local directory (fetch.py does I/O).
+container), the runtime to decide how `--model` becomes a local directory (contract/fetch.py does
+I/O).
 """
 
 from __future__ import annotations

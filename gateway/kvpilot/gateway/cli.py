@@ -5,8 +5,8 @@
 
 The CLI builds a RouteTable, fills it from the discovery source its flags name (`--config`: the
 static file, loaded once; `--discovery kubernetes`: a watch on ModelDeployments and their
-runtime pods, discovery.py), and serves the proxy until SIGTERM/SIGINT. A discovery source runs on
-the gateway's loop (or hands changes over with `loop.call_soon_threadsafe`) and may supply the
+runtime pods, kube/discovery.py), and serves the proxy until SIGTERM/SIGINT. A discovery source runs
+on the gateway's loop (or hands changes over with `loop.call_soon_threadsafe`) and may supply the
 Waker that wakes models from zero; the static file has nothing to wake.
 """
 

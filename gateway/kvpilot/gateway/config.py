@@ -10,10 +10,10 @@ file and what to write instead.
           - provider: {baseURL: https://api.example.com/v1, model: gpt-4o-mini,
                        apiKeyEnv: EXAMPLE_API_KEY}
         fallbackAfterSeconds: 30           # optional
-        cascade:                           # optional, tried in order before picking (cascade.py)
+        cascade:              # optional, tried in order before picking (routing/cascade_policy.py)
           - when: {maxPromptTokens: 512, noTools: true}
             model: small                   # another model in this file
-    cache: {enabled: true, ttlSeconds: 600}  # optional (cache_config.py)
+    cache: {enabled: true, ttlSeconds: 600}  # optional (cache/config.py)
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class GatewayConfig(_Strict):
     cache: CacheSpec = Field(default_factory=CacheSpec)
     keys: list[KeySpec] = Field(
         default_factory=list
-    )  # budget_config.py: keys, teams, redis, prices
+    )  # budget/config.py: keys, teams, redis, prices
     teams: list[TeamSpec] = Field(default_factory=list)
     redis: RedisSpec | None = None
     prices: dict[str, PriceSpec] = Field(default_factory=dict)

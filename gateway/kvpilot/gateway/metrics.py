@@ -39,7 +39,7 @@ class GatewayMetrics:
             "From sending a request upstream to its first response byte.",
             ["model", "target"], buckets=TTFT_BUCKETS, registry=r,
         )  # fmt: skip
-        # The response cache (cache_policy.py).
+        # The response cache (cache/policy.py).
         self.cache_hits = Counter(
             "kvpilot_gateway_cache_hits", "Requests answered from the response cache.",
             ["model"], registry=r,
@@ -63,12 +63,12 @@ class GatewayMetrics:
             "Entries that left the response cache (either store), by reason (expired, size).",
             ["reason"], registry=r,
         )  # fmt: skip
-        # Cascade rules (cascade.py).
+        # Cascade rules (routing/cascade_policy.py).
         self.cascade = Counter(
             "kvpilot_gateway_cascade", "Requests a cascade rule sent to another model.",
             ["model", "target", "rule"], registry=r,
         )  # fmt: skip
-        # Keys and budgets (budget_policy.py): spend and tokens as settled from the usage.
+        # Keys and budgets (budget/policy.py): spend and tokens as settled from the usage.
         self.spend = Counter(
             "kvpilot_gateway_spend", "Spend settled from usage and the model's price per 1M "
             "tokens, by API key (its hash prefix), team and model.",

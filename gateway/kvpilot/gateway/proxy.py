@@ -1,9 +1,10 @@
 """The gateway's HTTP side (aiohttp): OpenAI endpoints in, replicas and fallbacks out.
 
 A request for model M: its route (404 listing the served models when there is none), a replica
-picked by the policy (picking.py), retried on another replica while nothing reached the client
-(bounded, with jitter), held while M has no replica and can be woken (holding.py), then M's
-fallbacks in order; the response says who served it (`x-kvpilot-backend`, `x-kvpilot-target`).
+picked by the policy (routing/picking.py), retried on another replica while nothing reached the
+client (bounded, with jitter), held while M has no replica and can be woken (routing/holding.py),
+then M's fallbacks in order; the response says who served it (`x-kvpilot-backend`,
+`x-kvpilot-target`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Gateway:
         self.policies = list(policies)  # run in order around each request (exchange.py)
         self.metrics = metrics or GatewayMetrics()
         self.book = LoadBook(eject_s=self.options.eject_s)
-        self.affinity = Affinity()  # prompt prefix -> the replica it went to (picking.py)
+        self.affinity = Affinity()  # prompt prefix -> the replica it went to (routing/picking.py)
         self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
         self.session: aiohttp.ClientSession | None = None
 

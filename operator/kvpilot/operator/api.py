@@ -746,7 +746,7 @@ class PlanEntry(_Model):
 
 
 class QualityMeasurement(_Model):
-    """One level measured on the eval set by `kvpilot-runtime eval` (quality.py)."""
+    """One level measured on the eval set by `kvpilot-runtime eval` (quality/admission.py)."""
 
     level: str
     metric: str
@@ -807,7 +807,7 @@ class NodeTypeCost(CostFigures):
 
 
 class CostStatus(CostFigures):
-    """Cost per 1,000 requests and per 1M output tokens on measured traffic (cost.py)."""
+    """Cost per 1,000 requests and per 1M output tokens on measured traffic (planning/cost.py)."""
 
     currency: str = "USD"
     window: str = Field(description="the PromQL range the rates were taken over, e.g. 5m")

@@ -183,7 +183,7 @@ def _version(schema: dict[str, Any]) -> dict[str, Any]:
             {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
             {"name": "Quantization", "type": "string", "jsonPath": ".status.quantization"},
             {
-                # -o wide: the measured loss of the first node type's level (quality.py)
+                # -o wide: the measured loss of the first node type's level (quality/admission.py)
                 "name": "Loss %",
                 "type": "number",
                 "priority": 1,

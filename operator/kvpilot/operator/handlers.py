@@ -1,5 +1,5 @@
 """kopf wiring only: which events ask for which pass. The logic is in reconcile/controller, the
-queue that runs passes in passes.py.
+queue that runs passes in reconcile/passes.py.
 
 Every handler is async and runs on kopf's event loop; it only names a ModelDeployment and a kind
 of pass (passes.Reconciler's work queue runs them, one at a time per object, in threads).

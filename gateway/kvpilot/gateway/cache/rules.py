@@ -1,6 +1,6 @@
 """The exact-match response cache's pure logic: which requests may be answered from it, the key of
-one, what is stored, and what a hit sends. The stores are in cache_store.py, the policy that runs
-it around a request in cache_policy.py.
+one, what is stored, and what a hit sends. The stores are in cache/store.py, the policy that runs
+it around a request in cache/policy.py.
 
 - Key: the routed model (after a cascade rule), the endpoint, and the request's fields that shape
   its answer, normalised (nulls and runtime defaults dropped, float fields as floats, JSON with

@@ -1,5 +1,5 @@
 """ModelDeployments and their runtime pods (as the API returns them, plain dicts) -> the gateway's
-routes. Pure: the watch in discovery.py keeps the objects and calls `build_routes` on a change.
+routes. Pure: the watch in kube/discovery.py keeps the objects and calls `build_routes` on a change.
 
 - A ModelDeployment's served name is `resource.served_name(spec.model)`, what the runtime serves.
 - Its ready replicas are its pods (label `kvpilot.dev/model=<name>`, the operator's selector) that

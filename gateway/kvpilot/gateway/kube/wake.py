@@ -26,7 +26,8 @@ MIN_INTERVAL_S = 5.0
 
 
 class KubernetesWaker:
-    """`Waker` (wake.py) that annotates the ModelDeployment, at most once per model per interval."""
+    """`Waker` (routing/wake.py) that annotates the ModelDeployment, at most once per model per
+    interval."""
 
     def __init__(
         self,

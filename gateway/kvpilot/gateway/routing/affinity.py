@@ -5,7 +5,7 @@ split 13/3 in bench.gateway_routing, and the replica with 13 could not keep thei
 KV pool (prefix-cache hit rate 75% where one replica with both pools reached 95%). A replica's
 prefix cache holds whole prefixes, so what must be spread is the number of distinct prefixes each
 replica serves, not only the requests in flight. This book remembers each key's replica while
-the key is in use and counts the live keys per replica; picking.py sends a key back to its
+the key is in use and counts the live keys per replica; routing/picking.py sends a key back to its
 replica while that replica's count is within the bound, and otherwise (a new key, a replica gone
 or over the bound after a scale-up) to the first replica on its ring walk within the bound.
 

@@ -1,6 +1,6 @@
 """The cascade policy: before a replica is picked, the first of the route's cascade rules
-(cascade_rules.py) that holds sends the request to its target model instead. The decision is the
-response header `x-kvpilot-cascade: <rule index>-><target>` and
+(routing/cascade_rules.py) that holds sends the request to its target model instead. The decision
+is the response header `x-kvpilot-cascade: <rule index>-><target>` and
 `kvpilot_gateway_cascade_total{model,target,rule}`."""
 
 from __future__ import annotations

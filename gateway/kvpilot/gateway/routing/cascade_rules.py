@@ -1,6 +1,6 @@
-"""Cascade rules, the pure part (cascade.py's policy applies them): declarative, per served
-name, tried in order before a replica is picked; the first rule whose conditions all hold sends
-the request to its target model instead (e.g. short prompts without tools to a small model).
+"""Cascade rules, the pure part (routing/cascade_policy.py's policy applies them): declarative, per
+served name, tried in order before a replica is picked; the first rule whose conditions all hold
+sends the request to its target model instead (e.g. short prompts without tools to a small model).
 
 Prompt tokens: the gateway has no tokenizer, so it counts the prompt's UTF-8 bytes (chat: every
 string in the messages; token-id prompts: the ids). That is an upper bound on the tokens of the

@@ -5,8 +5,8 @@ each replica owns points on a hash ring built from its name alone, so every gate
 prompt prefix to the same replica without shared state, and a replica's prefix cache sees all of a
 tenant's traffic. Two bounds refine the walk from the key's point:
 - live keys: a replica serving more than `key_factor` x the mean count of live prefixes is passed
-  over for a key it does not hold (affinity.py: a few hot prefixes land unevenly by chance, and a
-  prefix cache holds whole prefixes), and a key this gateway placed goes back to its replica;
+  over for a key it does not hold (routing/affinity.py: a few hot prefixes land unevenly by chance,
+  and a prefix cache holds whole prefixes), and a key this gateway placed goes back to its replica;
 - load: a replica is taken only while its load is under `load_factor` x the mean (counting the new
   request). A replica's load is the gateway's own in-flight requests to it (exact, current) plus
   the other gateway replicas' (the running and waiting requests it last reported on /metrics, less

@@ -57,7 +57,8 @@ class Route:
     # How long a request may wait for a replica (held at zero, or retried) before the fallbacks;
     # None: the gateway's --fallback-after default. spec.routing.fallbackAfterSeconds.
     fallback_after_s: float | None = None
-    # Tried in order before picking: the first that applies re-routes the request (cascade.py).
+    # Tried in order before picking: the first that applies re-routes the request
+    # (routing/cascade_policy.py).
     cascade: tuple[CascadeRule, ...] = ()
     # Per 1M tokens, for cost budgets and spend: the ModelDeployment's status.cost (None: unpriced).
     price: Price | None = None

@@ -1,9 +1,9 @@
 """Pure helpers for the autoscaler loop: what to write where after `policy.decide`.
 
-The loop (autoscaler_loop.py) gathers observations (runtime_metrics.py), reads the policy state
-back from `status.autoscaling` (`state_from_status`), calls `policy.decide`, spreads the replica
-count over the plan's node types (`Placement` + `spread_replicas`, which also spills replicas
-stuck Unschedulable to the next node type), writes the status patch (`status_patch`) that
+The loop (autoscaling/loop.py) gathers observations (autoscaling/metrics_reader.py), reads the
+policy state back from `status.autoscaling` (`state_from_status`), calls `policy.decide`, spreads
+the replica count over the plan's node types (`Placement` + `spread_replicas`, which also spills
+replicas stuck Unschedulable to the next node type), writes the status patch (`status_patch`) that
 reconcile applies, and emits an Event when the count changed (`event_message`). Everything here
 is pure so it can be tested with tables.
 """

@@ -253,7 +253,7 @@ def cost_rank(plans: Sequence[NodePlan], measured: Mapping[str, float]) -> dict[
 
 def assign_replicas(total: int, plans: Sequence[NodePlan]) -> list[int]:
     """Spread `total` replicas over fitting node types in plan order, honouring free GPUs: the
-    autoscaler's spread (spread.py) with nothing running yet.
+    autoscaler's spread (autoscaling/spread.py) with nothing running yet.
 
     What no node type has room for goes to the first fitting type, where it waits Pending in plain
     sight (the autoscaler's spill-over moves it) rather than silently vanishing.

@@ -9,7 +9,7 @@ says False and why.
 Measurements are cached in a ConfigMap per model URI in the namespace (quality_job.cache_name),
 keyed by level, metric and dataset (its digest, or its URI: dataset_key), not in the operator's
 memory: they survive a restart, a re-plan or a second ModelDeployment of the same model reads
-them instead of measuring again, and `kubectl get cm` shows them. The eval Jobs (quality_job.py)
+them instead of measuring again, and `kubectl get cm` shows them. The eval Jobs (quality/job.py)
 are named by what they measure, so two ModelDeployments waiting for the same level share one Job.
 """
 

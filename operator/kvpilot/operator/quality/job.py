@@ -1,7 +1,8 @@
-"""The eval Job of quality.py: one level of `kvpilot-runtime eval` in the runtime pod's own
-spec (pod template, security context, model volume or fetch init container, GPUs, node
+"""The eval Job of quality/admission.py: one level of `kvpilot-runtime eval` in the runtime pod's
+own spec (pod template, security context, model volume or fetch init container, GPUs, node
 selector), its dataset mounted (a ConfigMap key, a pvc:// file) or fetched by the eval itself
-(hf://, s3://, with spec.model.secretRef's credentials). Pure: built as data, like manifests.py.
+(hf://, s3://, with spec.model.secretRef's credentials). Pure: built as data, like
+reconcile/manifests.py.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ DATASET_MOUNT = "/mnt/eval"
 ANNOTATION_ATTEMPT = "kvpilot.dev/eval-attempt"
 # A failing eval is retried by the Job controller with its exponential back-off (10 s, 20 s)
 # up to EVAL_BACKOFF_LIMIT times; a Job that failed for good stays until its TTL, so the operator
-# makes no new one before. The TTL doubles with each failed Job of the same measurement (quality.py
-# counts them in the cache ConfigMap), from FIRST_RETRY_SECONDS up to MAX_RETRY_SECONDS.
+# makes no new one before. The TTL doubles with each failed Job of the same measurement
+# (quality/admission.py counts them in the cache ConfigMap), from FIRST_RETRY_SECONDS up to
+# MAX_RETRY_SECONDS.
 EVAL_BACKOFF_LIMIT = 2
 FIRST_RETRY_SECONDS = 600
 MAX_RETRY_SECONDS = 6 * 3600

@@ -39,7 +39,8 @@ class Desired:
     num_unplaceable: int = 0
     quantization: str = ""
     pod_problems: tuple[str, ...] = ()  # conditions.pod_problem of this ModelDeployment's pods
-    # The model cache's claim and fill Job, created if absent and never patched (model_cache.py)
+    # The model cache's claim and fill Job, created if absent and never patched
+    # (reconcile/model_cache.py)
     cache_children: list[manifests.Manifest] = field(default_factory=list)
     cache: api.CacheStatus | None = None
     # Set by the controller from what it read: the fill Job is absent (create the cache), or
@@ -173,7 +174,7 @@ def _read(facts: ModelFacts | str | None) -> ModelFacts | None:
 
 def measured_cost(status: api.ModelDeploymentStatus) -> tuple[tuple[str, float], ...]:
     """$ per 1,000 requests per node type on real traffic, as the autoscaler loop wrote it
-    (status.cost.nodeTypes; cost.py); node types without traffic or price have none."""
+    (status.cost.nodeTypes; planning/cost.py); node types without traffic or price have none."""
     per_type = status.cost.node_types if status.cost is not None else {}
     found = {name: figures.per_thousand_requests for name, figures in per_type.items()}
     return tuple(sorted((n, c) for n, c in found.items() if c is not None))

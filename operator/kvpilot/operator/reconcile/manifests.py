@@ -118,7 +118,7 @@ def cache_claim_name(uri: str) -> str:
 def model_location(model: api.ModelSource) -> ModelMount:
     source = parse_model_uri(model.uri)
     read_only_mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-    if model.cache is not None:  # filled once by the cache Job (model_cache.py)
+    if model.cache is not None:  # filled once by the cache Job (reconcile/model_cache.py)
         claim = {"claimName": cache_claim_name(model.uri), "readOnly": True}
         volume = {"name": "model", "persistentVolumeClaim": claim}
         return ModelMount(f"file://{MODEL_MOUNT}", [volume], [read_only_mount], needs_fetch=False)

@@ -1,7 +1,7 @@
 """The operator's work on kopf's event loop: handlers ask for passes, one queue runs them.
 
 Handlers (all async, on kopf's loop) only say which ModelDeployment needs which pass; the work
-queue (workqueue.py) keeps one pass per object at a time and merges bursts, and a pool of
+queue (reconcile/workqueue.py) keeps one pass per object at a time and merges bursts, and a pool of
 threads runs the pass itself (`Controller.run_pass`), since the Kubernetes client blocks. The
 node and pod indexes are read here, on the loop kopf updates them on, and handed to the thread
 as lists. The re-planner and the autoscaler loop are tasks on the same loop.
@@ -41,8 +41,8 @@ WORKERS = 256
 # not one per event; in a burst of creates those refreshes were most of the operator's API calls
 # and competed with the creates' full passes. Ready shows up to this much later.
 STATUS_DELAY_SECONDS = 1.0
-# A new object's finishing pass (its Service, status and Planned event; controller.py says why
-# its Deployments go first) waits until no other new object's first pass has come for
+# A new object's finishing pass (its Service, status and Planned event; reconcile/controller.py says
+# why its Deployments go first) waits until no other new object's first pass has come for
 # FINISH_QUIET_SECONDS, so that in a burst of creates the apiserver serves the Deployments of the
 # creates still coming before the rest; and at most FINISH_LATEST_SECONDS, for a burst that goes
 # on. A fixed 1 s after each first pass left the burst's p95 at 0.86 s: the finishing passes of

@@ -1,7 +1,7 @@
 """AsyncEngine: the engine's asyncio driver for the server.
 
 `Engine.step()` runs in one worker thread; each request's outputs reach its asyncio queue on the
-event loop. `add_request`, `abort` and `stats` are safe from any thread (engine.py).
+event loop. `add_request`, `abort` and `stats` are safe from any thread (engine/engine.py).
 
 The engine is built on the thread that steps it (`AsyncEngine.create`). On CPU every OS thread
 that runs a parallel torch op keeps an OpenMP team of its own; once the process has more such

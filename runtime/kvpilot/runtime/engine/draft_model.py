@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model (vLLM's `draft_model` method): a small model with the
 served model's tokenizer proposes k tokens a step, greedily, and the served model checks them in
-its one forward pass, as it checks prompt-lookup proposals (speculative.py).
+its one forward pass, as it checks prompt-lookup proposals (engine/speculative.py).
 
 The draft keeps its own KV cache with the same number of blocks as the served model's and reads
 it through the same block tables, so no block bookkeeping of its own: a sequence's slots hold
@@ -31,7 +31,7 @@ draft writes into for content not hashed yet (a sequence's last block, its propo
 is forgotten until that content is hashed, so slots written since can never pass for it.
 
 Greedy proposals are a one-hot q, so the served model's keep-while-the-draw-agrees rule is
-speculative sampling's rejection rule for sampled requests as well (speculative.py).
+speculative sampling's rejection rule for sampled requests as well (engine/speculative.py).
 """
 
 from __future__ import annotations

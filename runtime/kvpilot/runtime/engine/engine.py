@@ -1,8 +1,9 @@
-"""The engine: add requests, step the batch, stream outputs (asyncio driver: async_engine.py).
+"""The engine: add requests, step the batch, stream outputs (asyncio driver:
+engine/async_engine.py).
 
 Thread model: `step()` runs in one thread (AsyncEngine's worker). `add_request`, `abort` and
 `stats` may be called from any thread: they only touch a lock-protected inbox and snapshot.
-With tensor_parallel_size > 1 the engine also owns worker processes (worker.py), which
+With tensor_parallel_size > 1 the engine also owns worker processes (engine/worker.py), which
 `shutdown()` stops and reaps.
 """
 
@@ -135,7 +136,7 @@ class Engine:
         self.on_work()
 
     def _load(self) -> None:
-        """Rank 0's models and KV pools (engine_loading.py); the workers load theirs alongside."""
+        """Rank 0's models and KV pools (engine/loading.py); the workers load theirs alongside."""
         eos = tuple(self.tokenizer.eos_token_ids)
         loaded = load_models(
             self.config, self.model_config, self.hardware, self.max_model_len, self.speculative,

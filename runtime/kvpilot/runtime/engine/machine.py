@@ -2,7 +2,7 @@
 
 Pure functions: each takes the text of a /proc or /sys file (or None when it is absent) and
 returns a number or a choice, so every case (cgroup v1 or v2, no limit, a fractional quota, a CPU
-without bf16 units) is a row in a table-driven test. The reads live in machine_probe.py.
+without bf16 units) is a row in a table-driven test. The reads live in engine/machine_files.py.
 
 Why these sources: a pod's CPU limit is a CFS quota, not a smaller CPU count (os.cpu_count()
 still says the node's cores), and its memory limit is the cgroup's, not the node's MemTotal. A

@@ -1,4 +1,4 @@
-"""The reads behind machine.py: the /proc and /sys files it decides from (None where absent,
+"""The reads behind engine/machine.py: the /proc and /sys files it decides from (None where absent,
 as off Linux or outside a cgroup), nothing decided here."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class Sequence:
     is_admitted_once: bool = False
     # The output grammar's matcher (params.grammar compiled), advanced with each output token.
     grammar: LLMatcher | None = None
-    # Tokens proposed for this step by speculative decoding (speculative.py); the step checks
+    # Tokens proposed for this step by speculative decoding (engine/speculative.py); the step checks
     # them after the last known token, and they are cleared once it has.
     draft_token_ids: list[int] = field(default_factory=list)
     # How this sequence's proposals have fared (speculative.pace), which bounds the next ones.

@@ -1,5 +1,5 @@
 """Speculative decoding's part in an engine step: the proposals before it, and after it the
-accepted ones counted and the step measured for the governor (spec_governor.py)."""
+accepted ones counted and the step measured for the governor (engine/spec_governor.py)."""
 
 from __future__ import annotations
 

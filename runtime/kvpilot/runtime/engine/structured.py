@@ -1,9 +1,9 @@
 """What a request constrains its output to (pure Python): one `GrammarSpec` per request.
 
 The OpenAI and vLLM request fields (`response_format`, `structured_outputs`, `guided_*`) and the
-enforced tool choices (`required`, a named function) all end up as one spec; grammar.py compiles
-it with llguidance. A spec is hashable: it is the key of the compiled-grammar cache, so fifty
-requests with the same schema compile it once.
+enforced tool choices (`required`, a named function) all end up as one spec; engine/grammar.py
+compiles it with llguidance. A spec is hashable: it is the key of the compiled-grammar cache, so
+fifty requests with the same schema compile it once.
 """
 
 from __future__ import annotations

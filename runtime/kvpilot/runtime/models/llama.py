@@ -3,8 +3,8 @@ rotary, paged KV. Qwen3 differs only by RMS-normalising each q and k head before
 
 Weights are taken from the checkpoint's tensor names; q/k/v and gate/up are fused into one matrix
 each so a layer does three matmuls fewer, then stored in the requested weight format. Under tensor
-parallelism (parallel.py) each rank builds the same model from its shard of every tensor, with
-`cfg` holding its share of the heads, and sums o_proj's and down_proj's partial outputs.
+parallelism (engine/parallel.py) each rank builds the same model from its shard of every tensor,
+with `cfg` holding its share of the heads, and sums o_proj's and down_proj's partial outputs.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class LlamaModel:
         group: TPGroup | None = None,
         int8_kernel: str = "w8a16",
     ) -> None:
-        """`cfg` is the whole model's; the model keeps this rank's share of it (parallel.py).
+        """`cfg` is the whole model's; the model keeps this rank's share of it (engine/parallel.py).
         `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel)."""
         group = group or TPGroup()
 

@@ -1,10 +1,10 @@
 """`kvpilot-runtime serve`: the OpenAI-compatible HTTP API over the engine (DESIGN.md §3.4).
 
-This module only translates HTTP to engine calls: validation is in protocol.py, chat rendering in
-chat.py, metrics in metrics.py, request handling in handling.py and responses.py. The lifecycle is
-what Kubernetes expects: the port opens at once (/health answers while the model loads), /ready
-turns 200 when the engine runs; SIGTERM drains (/ready and new requests 503, in-flight requests
-finish, exit 0).
+This module only translates HTTP to engine calls: validation is in server/request_models.py, chat
+rendering in server/chat_template.py, metrics in metrics.py, request handling in handling.py and
+server/rendering.py. The lifecycle is what Kubernetes expects: the port opens at once (/health
+answers while the model loads), /ready turns 200 when the engine runs; SIGTERM drains (/ready and
+new requests 503, in-flight requests finish, exit 0).
 """
 
 from __future__ import annotations

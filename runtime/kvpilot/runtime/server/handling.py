@@ -1,9 +1,9 @@
-"""Request handling between HTTP (server.py) and the engine.
+"""Request handling between HTTP (server/app.py) and the engine.
 
 `prepare_*` turn a validated request into token ids and SamplingParams, checking everything the
 engine would reject so that it becomes a 400 rather than a failure mid-stream; `collect` and
 `stream_events` turn engine outputs into OpenAI responses and SSE chunks. The server's state
-(engine lifecycle, admission) is server_state.py.
+(engine lifecycle, admission) is server/lifecycle.py.
 """
 
 from __future__ import annotations

@@ -69,8 +69,9 @@ def check_num_chars(
 ) -> None:
     """400 for text that cannot fit in the context whatever it tokenises to, before tokenising.
 
-    No token stands for more than `max_chars_per_token` characters (tokenizer.py), so a text of
-    more than max_model_len × that many characters needs more tokens than the model can take.
+    No token stands for more than `max_chars_per_token` characters (models/tokenizer_files.py), so a
+    text of more than max_model_len × that many characters needs more tokens than the model can
+    take.
     """
     max_chars = max_model_len * max_chars_per_token
     if num_chars > max_chars:

@@ -1,6 +1,6 @@
 """A request as the server holds it between parsing and the last byte of its response: its
-choices (one sequence each) and how it is answered. serving.py builds Jobs; responses.py renders
-them; neither needs the other to name them."""
+choices (one sequence each) and how it is answered. server/handling.py builds Jobs;
+server/rendering.py renders them; neither needs the other to name them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The server's state: the engine's lifecycle (load in the background, drain on SIGTERM) and
-admission (`--max-waiting`), between HTTP (server.py) and request handling (serving.py).
+admission (`--max-waiting`), between HTTP (server/app.py) and request handling (server/handling.py).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ class ServerState:
         self.metrics = ServerMetrics(config.served_name, self.engine_stats)
         # Tokenising and rendering chat templates run here, off the event loop, so /health and
         # running streams are not held up by a long prompt. Two threads: the work is bounded by
-        # the character check and mostly GIL-free (tokenizer.py), and more threads would only
-        # compete with the engine's step thread for the GIL.
+        # the character check and mostly GIL-free (models/tokenizer_files.py), and more threads
+        # would only compete with the engine's step thread for the GIL.
         self.prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpilot-prompt")
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
@@ -161,7 +161,7 @@ class ServerState:
         try:
             model_dir = await asyncio.to_thread(local_model_dir, self.config)
             config = engine_config(self.config, model_dir)
-            engine = await AsyncEngine.create(lambda: Engine(config))  # see async_engine.py
+            engine = await AsyncEngine.create(lambda: Engine(config))  # see engine/async_engine.py
         except Exception as exc:  # any load failure ends the process with its message
             self.load_error = f"cannot load model {self.config.model}: {exc}"
             log.error(self.load_error)

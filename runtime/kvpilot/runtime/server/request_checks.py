@@ -1,6 +1,7 @@
 """Checks every request body gets: the table of OpenAI/vLLM fields this runtime does not honour
 (a 400 naming the field when one asks for something), text that is not valid Unicode, and the
-400 message and param of a pydantic/FastAPI validation error (protocol.py's models use them).
+400 message and param of a pydantic/FastAPI validation error (server/request_models.py's models use
+them).
 """
 
 from __future__ import annotations

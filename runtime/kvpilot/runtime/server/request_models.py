@@ -1,4 +1,5 @@
-"""OpenAI-compatible request models (the subset kvpilot serves; responses: response_models.py).
+"""OpenAI-compatible request models (the subset kvpilot serves; responses:
+server/response_models.py).
 
 Validation lives here so every bad input becomes a 400 naming its field before the engine sees it.
 Unknown request fields are ignored, as OpenAI's and vLLM's servers do, so newer clients still work.

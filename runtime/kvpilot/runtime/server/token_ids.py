@@ -2,8 +2,8 @@
 
 pydantic validates a list in one Rust call that holds the GIL: 2.8 M ids (a 16 MiB body) stop
 every other thread, the event loop's included, for 0.2-0.5 s even when the body is parsed off
-the loop (request_body.py). A list that holds only ints is accepted here a slice at a time, with
-the interpreter free to switch threads between slices; anything else goes to pydantic's own
+the loop (server/body_parsing.py). A list that holds only ints is accepted here a slice at a time,
+with the interpreter free to switch threads between slices; anything else goes to pydantic's own
 list[int] validation, so its coercions and error messages are unchanged.
 """
 
