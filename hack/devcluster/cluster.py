@@ -201,7 +201,7 @@ class DevCluster:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC",
             "--allow-privileged=true",
-            # The advertise address is loopback, which the endpoint reconciler refuses.
+            # The advertise address is loopback, which the endpoint pass_scheduler refuses.
             "--endpoint-reconciler-type=none",
             "--enable-priority-and-fairness=false",
             "--profiling=false",

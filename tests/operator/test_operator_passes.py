@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from kvpilot.operator.planning import inventory
 from kvpilot.operator.reconcile import passes
 from kvpilot.operator.reconcile.controller import controller_owner
-from kvpilot.operator.reconcile.passes import Reconciler, Replanner
+from kvpilot.operator.reconcile.passes import PassScheduler, Replanner
 
 
 def node(name: str) -> dict[str, Any]:
@@ -64,12 +64,12 @@ class FakeController:
         )
 
 
-def reconciler(fake: FakeController, nodes: dict[str, list[Any]]) -> Reconciler:
+def pass_scheduler(fake: FakeController, nodes: dict[str, list[Any]]) -> PassScheduler:
     mds = {"ns": [{"metadata": {"namespace": "ns", "name": n}, "spec": {}} for n in ("a", "b")]}
-    return Reconciler(fake, nodes, {}, mds, workers=2)  # type: ignore[arg-type]
+    return PassScheduler(fake, nodes, {}, mds, workers=2)  # type: ignore[arg-type]
 
 
-async def passed(r: Reconciler, key: tuple[str, str], full: bool) -> None:
+async def passed(r: PassScheduler, key: tuple[str, str], full: bool) -> None:
     """Ask for a pass and return once the queue is idle again."""
     r.queue.put(key, full)
     async with asyncio.timeout(10):
@@ -97,7 +97,7 @@ def deployment(ready: int, generation: int = 1, extra: str = "") -> dict[str, An
 
 
 def test_only_child_events_that_change_the_status_are_news() -> None:
-    r = reconciler(FakeController(), {})
+    r = pass_scheduler(FakeController(), {})
     assert r.is_news(deployment(ready=1))
     assert not r.is_news(deployment(ready=1, extra="condition text changed"))
     assert r.is_news(deployment(ready=2))
@@ -110,7 +110,7 @@ def test_a_full_pass_records_the_inventory_it_planned_with_and_a_gone_object_for
     async def main() -> None:
         fake = FakeController(missing=frozenset({"gone"}))
         nodes = {"n0": [node("n0")]}
-        r = reconciler(fake, nodes)
+        r = pass_scheduler(fake, nodes)
         task = asyncio.create_task(r.run())
         try:
             await passed(r, ("ns", "a"), False)
@@ -143,7 +143,7 @@ def test_a_failed_pass_is_tried_again_with_backoff_until_it_succeeds(
 
     async def main() -> None:
         fake = FakeController(failing=3)
-        r = reconciler(fake, {})
+        r = pass_scheduler(fake, {})
         task = asyncio.create_task(r.run())
         try:
             r.queue.put(("ns", "a"), True)  # no watch event will ask again: the retry must
@@ -167,7 +167,7 @@ def test_backoff_doubles_up_to_a_minute(failures: int, seconds: float) -> None:
 
 
 def test_each_object_is_seen_first_once_until_it_is_gone() -> None:
-    r = reconciler(FakeController(), {})
+    r = pass_scheduler(FakeController(), {})
     assert r.first_sight(("ns", "a"))
     assert not r.first_sight(("ns", "a"))
     assert r.first_sight(("ns", "b"))
@@ -179,7 +179,7 @@ def test_replanner_acts_on_changes_after_the_baseline() -> None:
     async def main() -> None:
         fake = FakeController()
         nodes = {"n0": [node("n0")]}
-        r = reconciler(fake, nodes)
+        r = pass_scheduler(fake, nodes)
         task = asyncio.create_task(r.run())
         try:
             replanner = Replanner(r)
@@ -208,14 +208,14 @@ def test_a_first_pass_is_finished_shortly_after_with_what_it_applied(
 ) -> None:
     monkeypatch.setattr(passes, "FINISH_QUIET_SECONDS", 0.3)
 
-    async def settled(r: Reconciler, fake: FakeController, passes_made: int) -> None:
+    async def settled(r: PassScheduler, fake: FakeController, passes_made: int) -> None:
         async with asyncio.timeout(10):
             while len(fake.passes) < passes_made or not r.queue.is_idle():
                 await asyncio.sleep(0.01)
 
     async def main() -> None:
         fake = FakeController(new=frozenset({"a", "b"}))
-        r = reconciler(fake, {"n0": [node("n0")]})
+        r = pass_scheduler(fake, {"n0": [node("n0")]})
         r.queue.status_delay = 0.0  # b's status requests below are ready at once
         task = asyncio.create_task(r.run())
         try:
@@ -247,7 +247,7 @@ async def finish_waves(names: list[str], gap: float) -> tuple[list[tuple[float, 
     """New objects created `gap` seconds apart: each finish() that asked for finishing passes
     (when, whose), and when the last create came."""
     fake = FakeController(new=frozenset(names))
-    r = reconciler(fake, {})
+    r = pass_scheduler(fake, {})
     task = asyncio.create_task(r.run())
     loop = asyncio.get_running_loop()
     waves: list[tuple[float, set[str]]] = []

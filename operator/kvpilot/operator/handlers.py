@@ -2,10 +2,10 @@
 queue that runs passes in reconcile/passes.py.
 
 Every handler is async and runs on kopf's event loop; it only names a ModelDeployment and a kind
-of pass (passes.Reconciler's work queue runs them, one at a time per object, in threads).
+of pass (passes.PassScheduler's work queue runs them, one at a time per object, in threads).
 - A ModelDeployment event -> full pass when it needs one: first seen since the start, a spec not
   applied yet (generation vs status.observedGeneration), or an autoscaler decision to apply.
-  A failed pass is retried with backoff by passes.Reconciler; an invalid spec is not.
+  A failed pass is retried with backoff by passes.PassScheduler; an invalid spec is not.
 - A child Deployment deleted or its spec changed by someone -> full pass (drift is put back);
   its status changed -> status-only pass (readyReplicas, Ready).
 - Nodes and GPU pods are kept in kopf indexes; when the nodes' GPU facts change (a node pool
@@ -32,7 +32,7 @@ from kvpilot.operator.planning import inventory
 from kvpilot.operator.quality import job as quality_job
 from kvpilot.operator.reconcile import conditions, dependents, desired_state, manifests, model_cache
 from kvpilot.operator.reconcile.controller import INFERENCE_POOL_CRD, Controller, controller_owner
-from kvpilot.operator.reconcile.passes import Reconciler, Replanner
+from kvpilot.operator.reconcile.passes import PassScheduler, Replanner
 from kvpilot.operator.reconcile.workqueue import WorkQueue
 
 MD = (resource.GROUP, resource.VERSION, resource.PLURAL)
@@ -73,15 +73,15 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     controller: Controller = memo["controller"]
     memo.setdefault("readiness", observability.Readiness())
     # kopf hands the indexes to startup handlers too; they are read on this loop only.
-    reconciler = Reconciler(
+    pass_scheduler = PassScheduler(
         controller, kwargs["gpu_nodes"], kwargs["gpu_pods"], kwargs["model_deployments"]
     )
-    memo["reconciler"] = reconciler
-    memo["replanner"] = Replanner(reconciler)
+    memo["pass_scheduler"] = pass_scheduler
+    memo["replanner"] = Replanner(pass_scheduler)
     memo["autoscaler"] = AutoscalerLoop(
-        controller, controller.config.autoscaler_interval_seconds, reconciler.known_inventory
+        controller, controller.config.autoscaler_interval_seconds, pass_scheduler.known_inventory
     )
-    loops = [reconciler.run(), memo["replanner"].run(), memo["autoscaler"].run()]
+    loops = [pass_scheduler.run(), memo["replanner"].run(), memo["autoscaler"].run()]
     lease: LeaderLease | None = memo.get("lease")
     if lease is not None:  # losing it stops kopf (the stop flag cli.py gave it)
         loops.append(lease.keep(memo["lease_lost"]))
@@ -124,8 +124,8 @@ async def gpu_pods(body: kopf.Body, **_: Any) -> dict[str, Any] | None:
 
 
 def _queue(memo: Any) -> WorkQueue:
-    reconciler: Reconciler = memo["reconciler"]
-    return reconciler.queue
+    pass_scheduler: PassScheduler = memo["pass_scheduler"]
+    return pass_scheduler.queue
 
 
 @kopf.on.event(*MD, id="md")
@@ -138,14 +138,14 @@ async def md_event(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -
     namespace, name = body["metadata"].get("namespace"), body["metadata"]["name"]
     if namespace is None:
         return
-    reconciler: Reconciler = memo["reconciler"]
+    pass_scheduler: PassScheduler = memo["pass_scheduler"]
     key = (namespace, name)
     if event["type"] == "DELETED":
         # No finalizer: owner references let the garbage collector remove the children.
         log.info("ModelDeployment %s/%s deleted; children follow by owner reference", *key)
-        reconciler.forget(key)
-    elif desired_state.needs_full_pass(body, first_sight=reconciler.first_sight(key)):
-        reconciler.queue.put(key, True, dict(body))
+        pass_scheduler.forget(key)
+    elif desired_state.needs_full_pass(body, first_sight=pass_scheduler.first_sight(key)):
+        pass_scheduler.queue.put(key, True, dict(body))
 
 
 @kopf.on.event(*MD, id="md-wake", annotations={resource.WAKE_ANNOTATION: kopf.PRESENT})
@@ -167,8 +167,8 @@ def _pass_each(memo: Any, keys: Iterable[tuple[str, str]]) -> None:
 
 
 def _indexed(memo: Any) -> list[Any]:
-    reconciler: Reconciler = memo["reconciler"]
-    return reconciler.model_deployments()
+    pass_scheduler: PassScheduler = memo["pass_scheduler"]
+    return pass_scheduler.model_deployments()
 
 
 @kopf.on.event(*MD, id="md-fallback-target")
@@ -198,20 +198,20 @@ async def child_deployment(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_
     owner = controller_owner(body)
     if owner is None:
         return
-    reconciler: Reconciler = memo["reconciler"]
+    pass_scheduler: PassScheduler = memo["pass_scheduler"]
     if event["type"] == "ADDED":
         # Our own create, whose pass reported it: remember its facts, so the next event (the
         # Deployment controller's revision annotation) is news only if it changes one of them.
-        reconciler.is_news(body)
+        pass_scheduler.is_news(body)
         return
     # Someone changed the spec after the Deployment controller saw ours. Before it has seen any
     # (no observedGeneration yet) the Deployment is our fresh one: its first events are no drift.
     observed = (body.get("status") or {}).get("observedGeneration")
     drifted = observed is not None and body["metadata"].get("generation", 0) != observed
     deleted = event["type"] == "DELETED"
-    if reconciler.is_news(body, deleted):
+    if pass_scheduler.is_news(body, deleted):
         # Deleted or edited by someone: put it back. Else only its status moved: report it.
-        reconciler.queue.put((body["metadata"]["namespace"], owner), deleted or drifted)
+        pass_scheduler.queue.put((body["metadata"]["namespace"], owner), deleted or drifted)
 
 
 @kopf.on.event("", "v1", "pods", labels=CHILD_LABELS, id="child-pod")

@@ -1,13 +1,13 @@
 """Executes reconcile passes: reads the ModelDeployment, applies what `desired_state.desire`
 decided, writes the status once, and posts Events when the plan changes.
 
-A pass runs in a worker thread (the Kubernetes client blocks); passes.Reconciler's work queue
+A pass runs in a worker thread (the Kubernetes client blocks); passes.PassScheduler's work queue
 runs one at a time per ModelDeployment. Everything the pass decides comes from the API and the
 node/pod lists it is handed, so nothing here needs to survive a restart.
 
 A new ModelDeployment's first pass applies only its Deployments (and the model cache its pods
 mount) and leaves the rest, the Service, the status and the Planned event, to a finishing pass
-that the Reconciler asks for shortly after, handing back what the first one applied so the
+that the PassScheduler asks for shortly after, handing back what the first one applied so the
 Deployments are not sent twice. In a burst of creates those other writes were more than half of
 the operator's, and the apiserver served them while later creates waited for their Deployments
 (`python -m bench.operator_scale`, 200 creates on 2 cores: create -> Deployment p95 1.18 s with
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Controller:
-    """One pass at a time per ModelDeployment is the caller's promise (passes.Reconciler's work
+    """One pass at a time per ModelDeployment is the caller's promise (passes.PassScheduler's work
     queue); nothing here is shared between passes but the read-only config and the facts cache."""
 
     client: k8s_client.ApiClient

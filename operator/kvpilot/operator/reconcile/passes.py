@@ -63,7 +63,7 @@ def index_values(index: Mapping[Any, Iterable[Any]]) -> list[Any]:
     return [value for store in index.values() for value in store]
 
 
-class Reconciler:
+class PassScheduler:
     """Passes of ModelDeployments, asked for by handlers and run by the work queue."""
 
     def __init__(
@@ -254,15 +254,15 @@ class Replanner:
 
     DEBOUNCE_SECONDS = 1.0
 
-    def __init__(self, reconciler: Reconciler) -> None:
-        self.reconciler = reconciler
+    def __init__(self, pass_scheduler: PassScheduler) -> None:
+        self.pass_scheduler = pass_scheduler
         self.fingerprint: Any = None
         self.changed = asyncio.Event()
 
     def notice(self) -> None:
         """A node event came; called on kopf's loop after the index has taken it."""
-        self.reconciler.inventory_known = True
-        fingerprint = inventory.fingerprint(index_values(self.reconciler.nodes))
+        self.pass_scheduler.inventory_known = True
+        fingerprint = inventory.fingerprint(index_values(self.pass_scheduler.nodes))
         if fingerprint != self.fingerprint:
             # The first fingerprint after a start is the baseline: first sights plan with it.
             if self.fingerprint is not None:
@@ -286,10 +286,10 @@ class Replanner:
                 return
 
     def replan_all(self) -> None:
-        reconciler = self.reconciler
-        nodes = index_values(reconciler.nodes)
-        for md in reconciler.model_deployments():
+        pass_scheduler = self.pass_scheduler
+        nodes = index_values(pass_scheduler.nodes)
+        for md in pass_scheduler.model_deployments():
             key = (md["metadata"]["namespace"], md["metadata"]["name"])
-            if reconciler.needs_replan(key, nodes):
+            if pass_scheduler.needs_replan(key, nodes):
                 log.info("node inventory changed: re-planning %s/%s", *key)
-                reconciler.queue.put(key, full=True)
+                pass_scheduler.queue.put(key, full=True)

@@ -17,7 +17,7 @@ What controller-runtime's workqueue gives a Go controller, in a few lines of asy
 
 Everything here runs on one event loop, so the dictionaries need no lock. `process` is awaited
 by a fixed number of workers; the caller decides where its blocking part runs (a thread pool) and
-what a failure means (passes.Reconciler retries with backoff); an error it lets through is
+what a failure means (passes.PassScheduler retries with backoff); an error it lets through is
 logged here, and the key is free for the next request.
 """
 
