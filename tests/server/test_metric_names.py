@@ -22,16 +22,7 @@ READ_BY_OTHERS = [
 
 
 def exposed_sample_names() -> set[str]:
-    idle = EngineStats(
-        num_waiting=0,
-        num_running=0,
-        num_total_blocks=8,
-        num_free_blocks=8,
-        kv_cache_usage=0.0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        num_preemptions=0,
-    )
+    idle = EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0)  # nothing queued or running, 8 free blocks
     metrics = ServerMetrics("tiny", lambda: idle)
     metrics.success[0].labels("tiny", "stop").inc()  # a labelled counter shows once it counts
     metrics.success[1].labels("tiny", "stop").inc()
