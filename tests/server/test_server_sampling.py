@@ -172,3 +172,17 @@ def test_chat_choices_carry_the_stop_reason(client: OpenAI) -> None:
     assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
     kept = chat(stop=[stop], include_stop_str_in_output=True)
     assert kept.message.content == plain.message.content[: plain.message.content.index(stop) + 3]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_token_pushed_below_float_range_is_stated_at_the_logprob_floor(
+    client: OpenAI, stream: bool
+) -> None:
+    # repetition_penalty 5e-324 divides the logits of seen tokens by ~0, and a grammar masks the
+    # rest: logprobs of -inf, which JSON cannot carry (the 500 test_server_fuzz found).
+    extra = {"repetition_penalty": 5e-324, "guided_json": {}}
+    fields: dict[str, Any] = {"logprobs": 0, "max_tokens": 4, "temperature": 0, "stream": stream}
+    answer = client.completions.create(model=MODEL, prompt="", extra_body=extra, **fields)
+    chunks = list(answer) if stream else [answer]
+    stated = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert stated and all(-9999.0 <= lp <= 0 for lp in stated), stated

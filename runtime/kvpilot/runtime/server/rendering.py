@@ -87,11 +87,25 @@ def usage_of(job: Job, lasts: list[RequestOutput | None]) -> Usage:
     return Usage.build(num_prompt, num_output, num_cached)
 
 
+# The least logprob a response states (vLLM's floor): a token the sampler could not pick (masked
+# by a grammar, or pushed below float range by a penalty) has -inf, which JSON cannot carry;
+# NaN (logits that overflowed) is stated the same way rather than failing the whole response.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN >= x is False
+
+
+def json_logprobs(top: dict[int, float]) -> dict[int, float]:
+    return {token_id: json_logprob(lp) for token_id, lp in top.items()}
+
+
 def completion_logprobs(
     decoder: Decoder, ids: list[int], lps: list[dict[int, float]], offset: int
 ) -> CompletionLogprobs:
     result = CompletionLogprobs()
-    for token_id, top in zip(ids, lps, strict=False):
+    for token_id, top in zip(ids, map(json_logprobs, lps), strict=False):
         text = decoder.decode([token_id])
         result.tokens.append(text)
         result.token_logprobs.append(top.get(token_id))
@@ -107,7 +121,10 @@ def echo_logprobs(
     """The prompt's tokens as OpenAI's legacy echo shows them: the first has nothing before it
     to be scored by, so its logprob and top logprobs are null."""
     tops: list[dict[int, float] | None] = [None]
-    tops += [{s.token_id: s.logprob, **dict(list(s.top.items())[:num_top])} for s in scored]
+    tops += [
+        json_logprobs({s.token_id: s.logprob, **dict(list(s.top.items())[:num_top])})
+        for s in scored
+    ]
     result, offset = CompletionLogprobs(), 0
     for token_id, top in zip(prompt_ids, tops, strict=False):
         text = decoder.decode([token_id])
@@ -143,7 +160,7 @@ def vllm_prompt_logprobs(
         for token_id, logprob, rank in ranked:
             decoded = decoder.decode([token_id])
             entry.setdefault(str(token_id), PromptLogprobEntry(
-                logprob=logprob, rank=rank, decoded_token=decoded))  # fmt: skip
+                logprob=json_logprob(logprob), rank=rank, decoded_token=decoded))  # fmt: skip
         result.append(entry)
     return result
 
@@ -152,18 +169,17 @@ def chat_logprobs(
     decoder: Decoder, ids: list[int], lps: list[dict[int, float]], num_top: int
 ) -> ChatLogprobs:
     content = []
-    for token_id, top in zip(ids, lps, strict=False):
+    for token_id, top in zip(ids, map(json_logprobs, lps), strict=False):
         text = decoder.decode([token_id])
         ranked = sorted(top.items(), key=lambda item: -item[1])[:num_top]
         tops = [
             TopLogprob(token=(s := decoder.decode([t])), logprob=lp, bytes=list(s.encode()))
             for t, lp in ranked
         ]
-        logprob = top.get(token_id, float("-inf"))
         content.append(
             TokenLogprob(
                 token=text,
-                logprob=max(logprob, -9999.0),
+                logprob=top.get(token_id, LOGPROB_FLOOR),
                 bytes=list(text.encode()),
                 top_logprobs=tops,
             )
