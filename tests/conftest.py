@@ -1,4 +1,4 @@
-"""Session fixtures shared by every test suite.
+"""Fixtures shared by every test suite.
 
 `cluster` is a real control plane (hack/devcluster): started once per test run in a temporary
 state dir and stopped at the end — or an existing cluster when KUBECONFIG points at one.
@@ -11,13 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from hack.closedloop import apply_crds
 from hack.devcluster import DevCluster, existing
 from hack.devcluster.versions import HELM
 from tests.support import model_sources
 from tests.support.model_sources import S3Endpoint
+from tests.support.operator_cluster import Operator
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -50,6 +53,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster | E
         yield dev
     finally:
         dev.down()
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Any) -> None:
+    apply_crds(cluster)
+
+
+@pytest.fixture
+def operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
+    """The real operator (`kvpilot-operator run`) against the cluster, one per test."""
+    op = Operator(cluster, tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 
 Process tests: two real `kvpilot-runtime serve` replicas of tiny-llama (checking an API key, so
 the provider fallback's `Authorization: Bearer` is proven) and a real `kvpilot-gateway` process in
-front. Cluster tests: the CRDs, a namespace, the real operator, and a RouteTable whose event loop
-runs in a thread of its own, as the gateway's does (discovery hands routes over to it).
+front. Cluster tests: a namespace (the CRDs and the operator are tests/conftest.py's), and a
+RouteTable whose event loop runs in a thread of its own, as the gateway's does (discovery hands
+routes over to it).
 """
 
 from __future__ import annotations
@@ -11,16 +12,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from hack.closedloop import apply_crds
 from kvpilot.gateway.routing.routes import Route, RouteTable
 from tests.support.gateway_process import GatewayProcess, start_replicas
 from tests.support.kube import fresh_namespace
-from tests.support.operator_cluster import Operator
 from tests.support.server_process import RuntimeServer, free_port
 
 API_KEY = "sk-gateway-test"
@@ -85,11 +83,6 @@ class LoopTable:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def crds(cluster: Any) -> None:
-    apply_crds(cluster)
-
-
 @pytest.fixture
 def namespace(cluster: Any) -> Iterator[str]:
     with fresh_namespace(cluster, "gw") as name:
@@ -101,12 +94,3 @@ def loop_table() -> Iterator[LoopTable]:
     table = LoopTable()
     yield table
     table.close()
-
-
-@pytest.fixture
-def operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Operator]:
-    """The real operator (`kvpilot-operator run`), as tests/operator runs it."""
-    op = Operator(cluster, tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()

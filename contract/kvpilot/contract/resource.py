@@ -7,9 +7,6 @@ objects and the pods they make, so the names both sides use live here, once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from kvpilot.contract.model_source import parse_model_uri
 
 GROUP = "kvpilot.dev"
@@ -31,7 +28,7 @@ LABEL_MODEL = "kvpilot.dev/model"
 LABEL_NODE_TYPE = "kvpilot.dev/node-type"
 
 
-def served_name(model: Mapping[str, Any]) -> str:
-    """The model id clients send, from a ModelDeployment's `spec.model` as stored (camelCase):
-    its servedName, else the URI's last path element (without an hf:// @revision)."""
-    return model.get("servedName") or parse_model_uri(model["uri"]).name
+def served_name(uri: str, given: str | None = None) -> str:
+    """The model id clients send: `spec.model.servedName` when given, else the last path
+    element of `spec.model.uri` (without an hf:// @revision)."""
+    return given or parse_model_uri(uri).name

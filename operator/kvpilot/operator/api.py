@@ -855,7 +855,7 @@ def draft_source(spec: ModelDeploymentSpec) -> ModelSource | None:
 
 def served_name(source: ModelSource) -> str:
     """The spec's servedName, else the URI's last path element (without an hf:// @revision)."""
-    return resource.served_name({"servedName": source.served_name, "uri": source.uri})
+    return resource.served_name(source.uri, source.served_name)
 
 
 def fallback_key(fallback: Fallback) -> str:

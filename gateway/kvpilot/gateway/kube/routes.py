@@ -1,7 +1,7 @@
 """ModelDeployments and their runtime pods (as the API returns them, plain dicts) -> the gateway's
 routes. Pure: the watch in kube/discovery.py keeps the objects and calls `build_routes` on a change.
 
-- A ModelDeployment's served name is `resource.served_name(spec.model)`, what the runtime serves.
+- A ModelDeployment's served name is `resource.served_name` of spec.model, what the runtime serves.
 - Its ready replicas are its pods (label `kvpilot.dev/model=<name>`, the operator's selector) that
   run, have an IP and the condition Ready, and are not terminating (no deletionTimestamp), on
   their container port named `http`: a pod that turns not-Ready or is being deleted leaves the
@@ -58,7 +58,8 @@ def key_of(obj: Obj) -> str:
 def served_name(md: Obj) -> str:
     """The name the runtime serves; ValueError naming the object when spec.model is invalid."""
     try:
-        return resource.served_name(md["spec"]["model"])
+        model = md["spec"]["model"]
+        return resource.served_name(model["uri"], model.get("servedName"))
     except (KeyError, TypeError, ValueError) as error:
         first = str(error).splitlines()[0]
         raise ValueError(f"ModelDeployment {key_of(md)}: spec.model is invalid ({first})") from None
