@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.operator import api
+from kvpilot.operator.autoscaling import cost_recording
 from kvpilot.operator.autoscaling import loop as autoscaling_loop
 from kvpilot.operator.planning.cost import Traffic, cost_status, merge_patch, per_unit
 from kvpilot.runtime.bench.stats import cost_per_1k_requests
@@ -112,7 +113,7 @@ def pod(node_type: str, deleting: bool = False) -> dict[str, object]:
 
 def test_replicas_billed_are_the_pods_not_being_deleted() -> None:
     pods = [pod("l4"), pod("l4"), pod("a100"), pod("l4", deleting=True)]
-    assert autoscaling_loop.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
+    assert cost_recording.replicas_by_node_type(pods) == {"l4": 2, "a100": 1}
 
 
 def test_replica_prices_come_from_the_plan() -> None:
@@ -120,7 +121,7 @@ def test_replica_prices_come_from_the_plan() -> None:
         api.PlanEntry(node_type="l4", fits=True, price_per_hour=0.98),
         api.PlanEntry(node_type="h100", fits=False),
     ]
-    assert autoscaling_loop.replica_prices(plan) == {"l4": 0.98, "h100": 0.0}
+    assert cost_recording.replica_prices(plan) == {"l4": 0.98, "h100": 0.0}
 
 
 @pytest.mark.parametrize(
@@ -146,4 +147,60 @@ def test_cost_is_refreshed_five_times_per_window(
         if measured_at
         else None
     )
-    assert autoscaling_loop.cost_is_due(old, now, 300) is due
+    assert cost_recording.cost_is_due(old, now, 300) is due
+
+
+NO_TRAFFIC = {
+    "pricePerHour": 0.98,
+    "requestsPerSecond": 0.0,
+    "outputTokensPerSecond": 0.0,
+    "perThousandRequests": None,
+}
+
+
+def listed(name: str, mode: str, fits: bool = True, measured_at: str = "") -> dict[str, object]:
+    """A ModelDeployment as the tick LISTs it: its mode, its plan, when its cost was measured."""
+    status: dict[str, object] = {"plan": [{"nodeType": "l4", "fits": fits, "pricePerHour": 0.98}]}
+    if measured_at:
+        status["cost"] = {**NO_TRAFFIC, "window": "5m", "measuredAt": measured_at}
+    return {
+        "metadata": {"namespace": "ns", "name": name},
+        "spec": {"autoscaling": {"mode": mode}},
+        "status": status,
+    }
+
+
+NOW = 1000.0
+RECENT = "1970-01-01T00:16:30Z"  # 10 s before NOW: a 300 s window refreshes every 60 s
+
+
+@pytest.mark.parametrize(
+    ("md", "scaled", "costed"),
+    [
+        (listed("a", "builtin"), True, True),
+        (listed("a", "off"), False, True),  # fixed replicas: traffic all the same
+        (listed("a", "external"), False, True),  # an HPA or KEDA scales it
+        (listed("a", "off", measured_at=RECENT), False, False),  # measured 10 s ago
+        (listed("a", "external", fits=False), False, False),  # no plan, no pods to bill
+    ],
+)
+def test_cost_is_recorded_whatever_scales(
+    md: dict[str, object], scaled: bool, costed: bool
+) -> None:
+    looked_at = autoscaling_loop.planned([md])
+    assert bool(autoscaling_loop.to_scale(looked_at)) is scaled
+    assert bool(cost_recording.to_cost(looked_at, NOW, 300)) is costed
+
+
+def test_the_cost_patch_holds_the_cost_alone() -> None:
+    """The recorder's patch writes status.cost and nothing else: no replica count, no
+    status.autoscaling, whatever the mode."""
+    old = api.CostStatus.model_validate({**NO_TRAFFIC, "window": "5m", "reason": "no requests"})
+    plan = [api.PlanEntry(node_type="l4", fits=True, price_per_hour=1.8)]
+    traffic = {"l4": Traffic(2.0, 200.0)}
+    patch = cost_recording.cost_patch(old, [pod("l4"), pod("l4")], plan, traffic, "5m", "t")
+    assert set(patch) == {"cost"}
+    assert patch["cost"]["reason"] is None  # held no longer: removed
+    assert patch["cost"]["perThousandRequests"] == pytest.approx(0.5)
+    assert patch["cost"]["nodeTypes"]["l4"]["replicas"] == 2
+    assert patch["cost"]["measuredAt"] == "t"

@@ -1,4 +1,5 @@
-"""The builtin autoscaler's loop (issue 6 item 3): observe, decide, record, and let reconcile act.
+"""The builtin autoscaler's loop (issue 6 item 3): observe, decide, record, and let reconcile act;
+and, on the same tick, status.cost for every ModelDeployment (issue 40 item 17).
 
 Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: builtin`:
   metrics (Prometheus, or the ready pods' /metrics) -> policy.decide -> status.autoscaling
@@ -9,6 +10,11 @@ Every `interval` seconds, for each ModelDeployment with `autoscaling.mode: built
   `spillAfterSeconds` move to the next node type with room (a SpilledOver Event). Reconcile
   applies the spread; nothing here writes a Deployment, so server-side apply keeps a single owner
   of spec.replicas.
+
+Every planned ModelDeployment, whatever its mode (`off`: spec's replicas; `external`: an HPA or
+KEDA through the scale subresource), has its status.cost recorded about five times per cost
+window when Prometheus is configured (cost_recording.py): cost is a fact of the traffic, not of
+who scales. That writes status.cost alone, never a replica count.
 
 Each tick LISTs the ModelDeployments and their runtime pods once (not per object). With more than
 one operator instance, only the one holding the leader-election Lease runs kopf and so this loop
@@ -32,10 +38,10 @@ from typing import Any
 
 from kvpilot.contract import k8s, resource, timestamps
 from kvpilot.operator import api, observability
-from kvpilot.operator.autoscaling import metrics_reader, recording
+from kvpilot.operator.autoscaling import cost_recording, metrics_reader, recording
 from kvpilot.operator.autoscaling.policy import Decision, Observations, decide, wake
 from kvpilot.operator.config import DeclaredNodeType
-from kvpilot.operator.planning import cost, inventory
+from kvpilot.operator.planning import inventory
 from kvpilot.operator.reconcile import conditions, manifests, typed_status
 from kvpilot.operator.reconcile.controller import COMPONENT, Controller
 
@@ -76,10 +82,18 @@ def is_planned(status: api.ModelDeploymentStatus) -> bool:
     return any(entry.fits for entry in status.plan)
 
 
-def to_scale(listed: Sequence[Obj]) -> list[tuple[Obj, api.ModelDeploymentStatus]]:
-    """The builtin ModelDeployments with a plan, each with its status parsed (once per tick)."""
-    builtin = [(md, typed_status.of(md)) for md in listed if is_builtin(md)]
-    return [(md, status) for md, status in builtin if is_planned(status)]
+def planned(listed: Sequence[Obj]) -> list[tuple[Obj, api.ModelDeploymentStatus]]:
+    """The ModelDeployments with a plan, whatever their mode, each with its status parsed
+    (once per tick)."""
+    parsed = [(md, typed_status.of(md)) for md in listed]
+    return [(md, status) for md, status in parsed if is_planned(status)]
+
+
+def to_scale(
+    looked_at: Sequence[tuple[Obj, api.ModelDeploymentStatus]],
+) -> list[tuple[Obj, api.ModelDeploymentStatus]]:
+    """Of the planned ModelDeployments, those the builtin autoscaler sizes."""
+    return [(md, status) for md, status in looked_at if is_builtin(md)]
 
 
 # Keys of status.autoscaling that change on every look; a write only for them would churn the
@@ -91,30 +105,6 @@ def is_news(old: api.AutoscalingStatus, new: Obj) -> bool:
     """True when the decision, its reason, the policy state or metric availability changed."""
     written = typed_status.wire(old)
     return any(written.get(k) != v for k, v in new.items() if k not in VOLATILE_KEYS)
-
-
-def replicas_by_node_type(pods: Sequence[Obj]) -> dict[str, int]:
-    """Pods that exist and are not being deleted, per node type: what is billed (pure)."""
-    counts: dict[str, int] = {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
-            continue
-        node_type = (meta.get("labels") or {}).get(manifests.LABEL_NODE_TYPE, "")
-        counts[node_type] = counts.get(node_type, 0) + 1
-    return counts
-
-
-def replica_prices(plan: Sequence[api.PlanEntry]) -> dict[str, float]:
-    """Price of one replica-hour per node type, as the plan worked it out (pure)."""
-    return {entry.node_type: entry.price_per_hour for entry in plan}
-
-
-def cost_is_due(old: api.CostStatus | None, now: float, window_s: int) -> bool:
-    """status.cost is refreshed about five times per window: often enough to follow the
-    traffic, rarely enough not to churn the object (pure)."""
-    measured = old.measured_at if old is not None else ""
-    return not measured or now - timestamps.unix(measured) >= window_s / 5
 
 
 def ready_pod_urls(pods: Sequence[Obj], port: int) -> tuple[dict[str, str], dict[str, str]]:
@@ -179,6 +169,12 @@ class AutoscalerLoop:
         self.wake_bodies: dict[tuple[str, str], Obj] = {}  # the latest body per queued wake
         url = controller.config.prometheus_url
         self.prometheus = metrics_reader.PrometheusMetrics(url) if url else None
+        window_s = controller.config.cost_window_seconds
+        self.cost = (
+            cost_recording.CostRecorder(controller.client, self.prometheus, window_s)
+            if self.prometheus is not None
+            else None
+        )
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -202,17 +198,40 @@ class AutoscalerLoop:
             log.exception("autoscaler: a tick or wake failed; the next tick tries again")
 
     async def tick(self) -> None:
-        """One look at every builtin ModelDeployment: two LISTs in all, not one per object."""
-        listed = await asyncio.to_thread(self.safe_list)
-        scaled = to_scale(listed)
+        """One look at every planned ModelDeployment, two LISTs in all (not one per object):
+        the builtin ones are scaled, and every one whose cost is due has it recorded, whatever
+        its mode (cost is a fact of the traffic, not of who scales)."""
+        looked_at = planned(await asyncio.to_thread(self.safe_list))
+        scaled = to_scale(looked_at)
+        costed = self.costed(looked_at)
         try:
-            pods = await asyncio.to_thread(self.model_pods) if scaled else {}
+            pods = await asyncio.to_thread(self.model_pods) if scaled or costed else {}
         except k8s.ApiException as error:
             log.warning("autoscaler: cannot list runtime pods: %s", error.reason)
             return
         for md, status in scaled:
+            await self.scale_one(md, status, pods.get(key_of(md), []))
+        for md, status in costed:
+            await asyncio.to_thread(self.record_cost, md, status, pods.get(key_of(md), []))
+
+    def costed(
+        self, looked_at: Sequence[tuple[Obj, api.ModelDeploymentStatus]]
+    ) -> list[tuple[Obj, api.ModelDeploymentStatus]]:
+        """The ModelDeployments whose status.cost is due now (none without Prometheus)."""
+        if self.cost is None:
+            return []
+        return cost_recording.to_cost(looked_at, time.time(), self.cost.window_s)
+
+    def record_cost(self, md: Obj, status: api.ModelDeploymentStatus, pods: Sequence[Obj]) -> None:
+        """status.cost of one ModelDeployment (in a thread); one bad object never stops the
+        loop, and writes nothing else: its replicas stay its owner's."""
+        if self.cost is None:  # without Prometheus `costed` selects none
+            return
+        try:
+            self.cost.record(md, status, pods)
+        except (k8s.ApiException, ValueError) as error:
             meta = md["metadata"]
-            await self.scale_one(md, status, pods.get((meta["namespace"], meta["name"]), []))
+            log.warning("cost: %s/%s: %s", meta["namespace"], meta["name"], error)
 
     def safe_list(self) -> list[dict[str, Any]]:
         try:
@@ -233,7 +252,6 @@ class AutoscalerLoop:
                 Seen(md, status, pods, observations),
                 lambda fresh, fresh_status: self.decide(fresh, fresh_status, observations),
             )
-            await asyncio.to_thread(self.record_cost, md, status, pods)
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
             log.warning("autoscaler: %s/%s: %s", meta["namespace"], meta["name"], error)
 
@@ -396,27 +414,6 @@ class AutoscalerLoop:
         version = meta.get("resourceVersion")
         k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch, version)
 
-    def record_cost(self, md: Obj, status: api.ModelDeploymentStatus, pods: Sequence[Obj]) -> None:
-        """status.cost from the traffic Prometheus measured over the window (none without it:
-        the rates need its counters' history)."""
-        window_s = self.controller.config.cost_window_seconds
-        if self.prometheus is None or not cost_is_due(status.cost, time.time(), window_s):
-            return
-        meta, window = md["metadata"], metrics_reader.prom_duration(window_s)
-        try:
-            traffic = self.prometheus.traffic(meta["namespace"], meta["name"], window)
-        except metrics_reader.QUERY_ERRORS as error:
-            log.warning("autoscaler: cost of %s/%s: %s", meta["namespace"], meta["name"], error)
-            return
-        figures = cost.cost_status(
-            replicas_by_node_type(pods), replica_prices(status.plan), traffic, window
-        )
-        figures["measuredAt"] = timestamps.rfc3339()
-        # The keys the old cost has (defaults were never written): those `figures` lacks go.
-        old = None if status.cost is None else typed_status.wire(status.cost, exclude_defaults=True)
-        patch = {"cost": cost.merge_patch(old, figures)}
-        k8s.patch_status(self.controller.client, meta["namespace"], meta["name"], patch)
-
     def announce_scale(self, md: Obj, current: int, decision: Decision) -> None:
         direction = "up" if decision.replicas > current else "down"
         observability.record_scale(direction)
@@ -432,6 +429,12 @@ class AutoscalerLoop:
         nodes = [inventory.trim_node(n) for n in k8s.list_objects(client, "v1", "Node")]
         pods = [p for p in map(inventory.trim_pod, k8s.list_objects(client, "v1", "Pod")) if p]
         return nodes, pods
+
+
+def key_of(md: Obj) -> tuple[str, str]:
+    """(namespace, name): how `pods_by_model` groups a ModelDeployment's pods."""
+    meta = md["metadata"]
+    return meta["namespace"], meta["name"]
 
 
 def pods_by_model(pods: Sequence[Obj]) -> dict[tuple[str, str], list[dict[str, Any]]]:
