@@ -12,6 +12,8 @@ from kvpilot.runtime.server.request_models import ChatCompletionRequest, Complet
 from kvpilot.runtime.server.response_models import error_body
 
 COMPLETION = {"model": "m", "prompt": "hello"}
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
@@ -41,6 +43,8 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"logit_bias": {"1": 101.0}}, "logit_bias"),
     ({"stream": "sometimes"}, "stream"),
     ({"stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ({"stream": False, "stream_options": {}}, "stream_options"),
     ({"prompt": ""}, None),  # empty text is a tokenisation question, decided by the server
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
@@ -133,7 +137,12 @@ def test_prompt_shapes_are_batches_of_prompts(patch: dict[str, Any], prompts: ob
 
 def test_defaults_and_helpers() -> None:
     req = CompletionRequest.model_validate(
-        {**COMPLETION, "stop": ["", "\n"], "stream_options": {"include_usage": True}}
+        {
+            **COMPLETION,
+            "stop": ["", "\n"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
     )
     assert req.max_tokens == 16
     assert req.stop_strings() == ("\n",)
@@ -162,13 +171,13 @@ def test_malformed_json_has_no_param() -> None:
 
 
 def test_error_body_is_openai_shaped() -> None:
-    body = error_body("max_tokens: too small", "invalid_request_error", "max_tokens", 400)
+    body = error_body("max_tokens: too small", "invalid_request_error", "max_tokens", "bad")
     assert body == {
         "error": {
             "message": "max_tokens: too small",
             "type": "invalid_request_error",
             "param": "max_tokens",
-            "code": 400,
+            "code": "bad",
         }
     }
 

@@ -106,8 +106,13 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def endpoints(app: FastAPI) -> dict[str, set[str]]:
-    """Each path this server answers, with its methods (HEAD left out: it follows GET)."""
-    return {r.path: set(r.methods or ()) - {"HEAD"} for r in app.routes if isinstance(r, APIRoute)}
+    """Each path this server answers ("/v1/models/{model_id}"), with its methods (HEAD left out:
+    it follows GET)."""
+    return {
+        r.path_format: set(r.methods or ()) - {"HEAD"}
+        for r in app.routes
+        if isinstance(r, APIRoute)
+    }
 
 
 def check_request(request: Request, state: ServerState, model: str | None) -> None:
@@ -131,11 +136,12 @@ def check_request(request: Request, state: ServerState, model: str | None) -> No
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    # HEAD too: load balancers and uptime checks probe with it
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    @app.api_route("/ready", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})
     async def ready() -> JSONResponse:
         if state.engine is None or state.is_draining:
             reason = "draining" if state.is_draining else "loading"
@@ -151,6 +157,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         check_request(request, state, None)
         card = ModelCard(id=state.served_name, max_model_len=state.max_model_len)
         return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", responses=ERRORS)  # ids may hold a "/"
+    async def model(model_id: str, request: Request) -> ModelCard:
+        check_request(request, state, model_id)  # 404 model_not_found for another id
+        return ModelCard(id=state.served_name, max_model_len=state.max_model_len)
 
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:

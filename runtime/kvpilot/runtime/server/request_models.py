@@ -176,6 +176,18 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> _SamplingFields:
+        """As OpenAI and vLLM: options for a stream that is not asked for are a mistake."""
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "stream_options: only allowed with stream: true; set stream to true or leave "
+                "stream_options out",
+                {"param": "stream_options"},
+            )
+        return self
+
     def output_grammar(self) -> GrammarSpec | None:
         """The one output constraint asked for, or None; ValueError (message starting with the
         field) for two at once or an unusable one."""
