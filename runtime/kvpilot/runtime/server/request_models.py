@@ -32,7 +32,12 @@ from kvpilot.runtime.engine.structured import (
     json_schema_spec,
     regex_spec,
 )
-from kvpilot.runtime.server.request_checks import find_unencodable, refuse_not_honoured
+from kvpilot.runtime.server.request_checks import (
+    MAX_JSON_DEPTH,
+    find_too_deep,
+    find_unencodable,
+    refuse_not_honoured,
+)
 from kvpilot.runtime.server.token_ids import TokenIds, has_negative
 
 MAX_LOGPROBS = 20
@@ -55,6 +60,13 @@ class _Request(BaseModel):
         null means unset: clients send `"temperature": null` for "not set", as OpenAI accepts."""
         if not isinstance(data, dict):
             return data
+        if (path := find_too_deep(data)) is not None:
+            raise PydanticCustomError(
+                "too_deep",
+                "{param}: JSON nested more than {max_depth} levels deep; send arrays and "
+                "objects nested at most {max_depth} levels",
+                {"param": path, "max_depth": MAX_JSON_DEPTH},
+            )
         if (path := find_unencodable(data, "")) is not None:
             raise PydanticCustomError(
                 "invalid_unicode",
