@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvpilot.contract.serve_config import ServeConfig, parse_args
 from kvpilot.runtime.engine import machine_files
@@ -36,7 +37,7 @@ from kvpilot.runtime.engine.machine import ThreadChoice
 from kvpilot.runtime.server import handling, tokenizing
 from kvpilot.runtime.server.body_parsing import off_loop_body_route
 from kvpilot.runtime.server.errors import ApiError, error_response, unknown_route
-from kvpilot.runtime.server.input_limits import BodySizeLimit
+from kvpilot.runtime.server.input_limits import BodyReadTimeout, BodySizeLimit
 from kvpilot.runtime.server.job import Job
 from kvpilot.runtime.server.lifecycle import ServerState
 from kvpilot.runtime.server.request_checks import describe_validation_error
@@ -76,6 +77,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvpilot runtime", version=VERSION, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
+    app.add_middleware(BodyReadTimeout, timeout_s=state.config.request_body_timeout)
     app.router.route_class = off_loop_body_route(state.off_loop)  # before the routes are added
     add_error_handlers(app)
     add_routes(app, state)
@@ -98,6 +100,12 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_gone(request: Request, _: ClientDisconnect) -> Response:
+        # a client may hang up at any time: one line, not a traceback; nobody reads the answer
+        log.info("client went away during the upload of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_bug(_: Request, exc: Exception) -> JSONResponse:  # a bug, or the engine failed
@@ -196,6 +204,7 @@ async def generate(
     """A completion or a chat: the request's checks, its job prepared off the event loop (the
     tokenizer is slow on long text) and its grammar compiled, all before it is admitted."""
     check_request(request, state, body.model)
+    state.check_request_size(body.num_prompts(), body.n)  # before its prompts are tokenised
     job = await state.off_loop(prepare, state, body)
     await handling.check_grammar(state, job)
     return await respond(request, state, job)

@@ -10,7 +10,8 @@ either way; the body size limit (input_limits.BodySizeLimit) applies before any 
 
 Small JSON bodies are decoded by `parse_body` too, on the loop: json.loads raises RecursionError,
 not JSONDecodeError, for JSON nested deeper than Python's stack (`"[" * 262144`), which FastAPI
-would answer with a vague 400 and an off-loop parse with a 500; one parser gives one clear 400.
+would answer with a vague 400 and an off-loop parse with a 500; one parser gives one clear 400. A
+client that goes away mid-upload ends the request here (`ClientDisconnect`, see server/app.py).
 """
 
 from __future__ import annotations

@@ -188,6 +188,9 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_prompts(self) -> int:
+        return 1
+
     @model_validator(mode="after")
     def _stream_options_with_stream(self) -> _SamplingFields:
         """As OpenAI and vLLM: options for a stream that is not asked for are a mistake."""
@@ -261,6 +264,9 @@ class CompletionRequest(_SamplingFields):
             if isinstance(item, list) and (not item or has_negative(item)):
                 raise ValueError("a token-id prompt must be non-empty, with ids >= 0")
         return prompt
+
+    def num_prompts(self) -> int:
+        return len(self.prompts())
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, a single one as a batch of one."""
