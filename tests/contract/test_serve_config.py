@@ -32,12 +32,14 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         "--port", "9000", "--host", "127.0.0.1", "--max-num-batched-tokens", "64",
         "--max-waiting", "5", "--api-key", "k", "--shutdown-timeout", "7", "--dtype", "bfloat16",
         "--device", "cpu", "--no-prefix-caching", "--max-request-body-bytes", "4096",
+        "--max-seqs-per-request", "6", "--request-body-timeout", "2.5",
     ])  # fmt: skip
     assert config == ServeConfig(
         model=str(model_dir), served_name="m", host="127.0.0.1", port=9000,
         quantization="int4", dtype="bfloat16", device="cpu", max_model_len=128, max_num_seqs=3,
         max_num_batched_tokens=64, kv_cache_memory=1048576, enable_prefix_caching=False,
         max_waiting=5, api_key="k", shutdown_timeout=7.0, max_request_body_bytes=4096,
+        max_seqs_per_request=6, request_body_timeout=2.5,
     )  # fmt: skip
 
 
@@ -87,7 +89,8 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "host": "127.0.0.2", "port": 9001,
         "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
         "tool_call_parser": "hermes",
-        "max_request_body_bytes": 2048, "threads": 1,
+        "max_request_body_bytes": 2048, "threads": 1, "max_seqs_per_request": 9,
+        "request_body_timeout": 4.5,
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
     }  # fmt: skip
     fields_of_config = {
@@ -122,11 +125,30 @@ def test_every_flag_has_help() -> None:
         ("api_key", "", "api_key"),
         ("max_model_len", 0, "max_model_len"),
         ("max_request_body_bytes", 100, "max_request_body_bytes"),
+        ("max_seqs_per_request", 0, "max_seqs_per_request"),
+        ("request_body_timeout", 0.0, "request_body_timeout"),
     ],
 )
 def test_bad_values_raise_value_error(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ServeConfig(model="m", served_name="m", **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("max_seqs_per_request", "max_num_seqs", "max_waiting", "limit"),
+    [
+        (256, 64, 256, 256),  # the defaults: the flag
+        (256, 1, 1, 2),  # a small server: what it can hold at once
+        (256, 8, 0, 8),  # no queue: the batch
+        (4, 8, 100, 4),
+    ],
+)
+def test_one_request_holds_at_most_the_flag_and_what_the_server_holds(
+    max_seqs_per_request: int, max_num_seqs: int, max_waiting: int, limit: int
+) -> None:
+    config = ServeConfig(model="m", served_name="m", max_seqs_per_request=max_seqs_per_request,
+                         max_num_seqs=max_num_seqs, max_waiting=max_waiting)  # fmt: skip
+    assert config.request_seq_limit == limit
 
 
 def test_memory_flags_are_exclusive(model_dir: Path) -> None:

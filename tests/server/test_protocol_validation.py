@@ -7,11 +7,25 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.runtime.server.request_checks import describe_validation_error
+from kvpilot.runtime.server.request_checks import (
+    describe_validation_error,
+    find_too_deep,
+    find_unencodable,
+)
 from kvpilot.runtime.server.request_models import ChatCompletionRequest, CompletionRequest
 from kvpilot.runtime.server.response_models import error_body
 
 COMPLETION = {"model": "m", "prompt": "hello"}
+
+
+def nested(depth: int) -> Any:
+    """An array holding an object holding an array ... `depth` levels in all."""
+    value: Any = 1
+    for level in range(depth):
+        value = [value] if level % 2 else {"a": value}
+    return value
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
@@ -41,6 +55,10 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str | None]] = [
     ({"logit_bias": {"1": 101.0}}, "logit_bias"),
     ({"stream": "sometimes"}, "stream"),
     ({"stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ({"stream": False, "stream_options": {}}, "stream_options"),
+    ({"zz": nested(101)}, "zz"),  # an ignored field is still parsed: its depth counts
+    ({"logit_bias": {"1": nested(100)}}, "logit_bias"),
     ({"prompt": ""}, None),  # empty text is a tokenisation question, decided by the server
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
@@ -133,7 +151,12 @@ def test_prompt_shapes_are_batches_of_prompts(patch: dict[str, Any], prompts: ob
 
 def test_defaults_and_helpers() -> None:
     req = CompletionRequest.model_validate(
-        {**COMPLETION, "stop": ["", "\n"], "stream_options": {"include_usage": True}}
+        {
+            **COMPLETION,
+            "stop": ["", "\n"],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
     )
     assert req.max_tokens == 16
     assert req.stop_strings() == ("\n",)
@@ -153,6 +176,26 @@ def test_defaults_and_helpers() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"a": nested(99)}, None),  # 100 levels with the body itself
+        ({"a": nested(100)}, "a"),
+        ({"a": 1, "b": [nested(98), {"c": nested(99)}]}, "b"),
+        ({"a": [1, [[[[1]]]]]}, None),  # a list of token ids is not walked
+        ({"a": "text"}, None),
+    ],
+)
+def test_too_deep_names_the_field_holding_it(body: Any, field: str | None) -> None:
+    assert find_too_deep(body) == field
+
+
+def test_find_unencodable_walks_deep_bodies_without_recursion() -> None:
+    body = {"a": nested(5000)}
+    assert find_unencodable(body, "") is None
+    assert find_unencodable({"a": [{"b": "ok"}, {"c\ud800": 1}]}, "") == "a.1.c\ud800"
+
+
 def test_malformed_json_has_no_param() -> None:
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate_json("{not json")
@@ -162,13 +205,13 @@ def test_malformed_json_has_no_param() -> None:
 
 
 def test_error_body_is_openai_shaped() -> None:
-    body = error_body("max_tokens: too small", "invalid_request_error", "max_tokens", 400)
+    body = error_body("max_tokens: too small", "invalid_request_error", "max_tokens", "bad")
     assert body == {
         "error": {
             "message": "max_tokens: too small",
             "type": "invalid_request_error",
             "param": "max_tokens",
-            "code": 400,
+            "code": "bad",
         }
     }
 

@@ -22,10 +22,9 @@ KEY = "s3cret"
 
 
 def body(max_tokens: int, stream: bool = True) -> dict:
-    return {
-        "model": MODEL, "prompt": "The", "max_tokens": max_tokens, "ignore_eos": True,
-        "temperature": 0, "stream": stream, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+    fields = {"model": MODEL, "prompt": "The", "max_tokens": max_tokens, "ignore_eos": True,
+              "temperature": 0, "stream": stream}  # fmt: skip
+    return {**fields, "stream_options": {"include_usage": True}} if stream else fields
 
 
 @pytest.fixture(scope="module")

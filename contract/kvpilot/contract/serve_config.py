@@ -35,11 +35,24 @@ class ServeConfig(EngineConfig):
     served_name: str = option("", "model id clients send (default: the model's name)")
     host: str = option("0.0.0.0", "address to listen on")
     port: int = option(8000, "port to listen on")
-    max_waiting: int = option(256, "queued requests before 429")
+    max_waiting: int = option(256, "queued sequences (prompts x n of each request) before 429")
+    # A request's sequences are admitted together; one larger than this would hold the queue
+    # alone (everyone else 429) for as long as it runs, so it is refused (400) instead.
+    max_seqs_per_request: int = option(
+        256,
+        "most sequences (prompts x n) one request may ask for; larger requests are refused with "
+        "400 (also capped at --max-num-seqs + --max-waiting, what the server can hold)",
+    )
     api_key: str | None = option(
         None, "require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize"
     )
     shutdown_timeout: float = option(30.0, "drain time on SIGTERM, seconds")
+    # uvicorn has no body timeout: a stalled upload would hold its connection for ever.
+    request_body_timeout: float = option(
+        60.0,
+        "seconds a request body may take to arrive, from its headers to its last byte; slower "
+        "uploads are answered 408 and their connection closed",
+    )
     log_level: str = option("info", "logging threshold", LOG_LEVELS)
     threads: int | None = option(
         None,
@@ -64,7 +77,15 @@ class ServeConfig(EngineConfig):
         checks = [
             (1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}"),
             (self.max_waiting >= 0, f"max_waiting must be >= 0, got {self.max_waiting}"),
+            (
+                self.max_seqs_per_request >= 1,
+                f"max_seqs_per_request must be >= 1, got {self.max_seqs_per_request}",
+            ),
             (self.shutdown_timeout >= 0, "shutdown_timeout must be >= 0"),
+            (
+                self.request_body_timeout > 0,
+                f"request_body_timeout must be > 0, got {self.request_body_timeout}",
+            ),
             (self.api_key is None or self.api_key != "", "api_key must not be empty"),
             (self.served_name != "", "served_name must not be empty"),
             (
@@ -83,6 +104,12 @@ class ServeConfig(EngineConfig):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def request_seq_limit(self) -> int:
+        """The most sequences one request may hold: the flag, and never more than the server
+        admits at once (every batch slot and the whole queue)."""
+        return min(self.max_seqs_per_request, self.max_num_seqs + self.max_waiting)
 
     @property
     def source(self) -> ModelSource:

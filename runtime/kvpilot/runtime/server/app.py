@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kvpilot.contract.serve_config import ServeConfig, parse_args
 from kvpilot.runtime.engine import machine_files
@@ -36,7 +37,7 @@ from kvpilot.runtime.engine.machine import ThreadChoice
 from kvpilot.runtime.server import handling, tokenizing
 from kvpilot.runtime.server.body_parsing import off_loop_body_route
 from kvpilot.runtime.server.errors import ApiError, error_response, unknown_route
-from kvpilot.runtime.server.input_limits import BodySizeLimit
+from kvpilot.runtime.server.input_limits import BodyReadTimeout, BodySizeLimit
 from kvpilot.runtime.server.job import Job
 from kvpilot.runtime.server.lifecycle import ServerState
 from kvpilot.runtime.server.request_checks import describe_validation_error
@@ -76,6 +77,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvpilot runtime", version=VERSION, lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=state.config.max_request_body_bytes)
+    app.add_middleware(BodyReadTimeout, timeout_s=state.config.request_body_timeout)
     app.router.route_class = off_loop_body_route(state.off_loop)  # before the routes are added
     add_error_handlers(app)
     add_routes(app, state)
@@ -99,6 +101,12 @@ def add_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(ClientDisconnect)
+    async def on_gone(request: Request, _: ClientDisconnect) -> Response:
+        # a client may hang up at any time: one line, not a traceback; nobody reads the answer
+        log.info("client went away during the upload of %s %s", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def on_bug(_: Request, exc: Exception) -> JSONResponse:  # a bug, or the engine failed
         log.exception("internal error", exc_info=exc)
@@ -106,8 +114,13 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def endpoints(app: FastAPI) -> dict[str, set[str]]:
-    """Each path this server answers, with its methods (HEAD left out: it follows GET)."""
-    return {r.path: set(r.methods or ()) - {"HEAD"} for r in app.routes if isinstance(r, APIRoute)}
+    """Each path this server answers ("/v1/models/{model_id}"), with its methods (HEAD left out:
+    it follows GET)."""
+    return {
+        r.path_format: set(r.methods or ()) - {"HEAD"}
+        for r in app.routes
+        if isinstance(r, APIRoute)
+    }
 
 
 def check_request(request: Request, state: ServerState, model: str | None) -> None:
@@ -131,11 +144,12 @@ def check_request(request: Request, state: ServerState, model: str | None) -> No
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    # HEAD too: load balancers and uptime checks probe with it
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", responses={503: {"model": ErrorResponse}})
+    @app.api_route("/ready", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})
     async def ready() -> JSONResponse:
         if state.engine is None or state.is_draining:
             reason = "draining" if state.is_draining else "loading"
@@ -151,6 +165,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         check_request(request, state, None)
         card = ModelCard(id=state.served_name, max_model_len=state.max_model_len)
         return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", responses=ERRORS)  # ids may hold a "/"
+    async def model(model_id: str, request: Request) -> ModelCard:
+        check_request(request, state, model_id)  # 404 model_not_found for another id
+        return ModelCard(id=state.served_name, max_model_len=state.max_model_len)
 
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -185,6 +204,7 @@ async def generate(
     """A completion or a chat: the request's checks, its job prepared off the event loop (the
     tokenizer is slow on long text) and its grammar compiled, all before it is admitted."""
     check_request(request, state, body.model)
+    state.check_request_size(body.num_prompts(), body.n)  # before its prompts are tokenised
     job = await state.off_loop(prepare, state, body)
     await handling.check_grammar(state, job)
     return await respond(request, state, job)

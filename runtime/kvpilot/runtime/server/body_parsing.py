@@ -7,6 +7,11 @@ FastAPI the validated model, which it takes as it is (pydantic does not revalida
 the model). Small bodies take FastAPI's own path: a thread hop would cost more than it saves.
 Errors keep FastAPI's shapes (RequestValidationError, loc under "body"), so the 400s are the same
 either way; the body size limit (input_limits.BodySizeLimit) applies before any of this.
+
+Small JSON bodies are decoded by `parse_body` too, on the loop: json.loads raises RecursionError,
+not JSONDecodeError, for JSON nested deeper than Python's stack (`"[" * 262144`), which FastAPI
+would answer with a vague 400 and an off-loop parse with a 500; one parser gives one clear 400. A
+client that goes away mid-upload ends the request here (`ClientDisconnect`, see server/app.py).
 """
 
 from __future__ import annotations
@@ -21,6 +26,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from kvpilot.runtime.server.request_checks import MAX_JSON_DEPTH
+
+TOO_DEEP = (
+    f"JSON nested more than {MAX_JSON_DEPTH} levels deep; send a body whose arrays and objects "
+    f"nest at most {MAX_JSON_DEPTH} levels"
+)
 # ~10 ms of decoding and validation on a slow CPU: below this the event loop barely notices.
 OFF_LOOP_MIN_BYTES = 256 * 1024
 
@@ -44,6 +55,11 @@ def parse_int(digits: str) -> int:
     return int(digits)
 
 
+def json_invalid(pos: int, message: str) -> dict[str, Any]:
+    """A JSON decoding error as FastAPI reports one."""
+    return {"type": "json_invalid", "loc": ("body", pos), "msg": message, "input": {}}
+
+
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     """`raw` decoded and validated as `model`; RequestValidationError as FastAPI raises it.
 
@@ -55,9 +71,9 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     try:
         data = json.loads(raw, parse_int=parse_int)
     except json.JSONDecodeError as exc:
-        error = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
-                 "input": {}, "ctx": {"error": exc.msg}}  # fmt: skip
-        raise RequestValidationError([error]) from exc
+        raise RequestValidationError([json_invalid(exc.pos, "JSON decode error")]) from exc
+    except RecursionError as exc:  # deeper than the stack; MAX_JSON_DEPTH refuses the rest
+        raise RequestValidationError([json_invalid(0, TOO_DEEP)]) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -88,14 +104,17 @@ def off_loop_body_route(run_off_loop: RunOffLoop) -> type[APIRoute]:
             if model is None:
                 return handle
 
-            async def handle_large_body_off_loop(request: Request) -> Response:
+            async def handle_parsed_body(request: Request) -> Response:
                 raw = await request.body()  # kept by the request: FastAPI reads it from there
-                if len(raw) >= OFF_LOOP_MIN_BYTES and is_json(request.headers.get("content-type")):
+                if raw and is_json(request.headers.get("content-type")):
                     # Starlette's Request.json() returns what it finds in _json; FastAPI then
                     # validates our model instance, which pydantic passes through unchanged.
-                    request._json = await run_off_loop(parse_body, model, raw)
+                    if len(raw) >= OFF_LOOP_MIN_BYTES:
+                        request._json = await run_off_loop(parse_body, model, raw)
+                    else:
+                        request._json = parse_body(model, raw)
                 return await handle(request)
 
-            return handle_large_body_off_loop
+            return handle_parsed_body
 
     return OffLoopBodyRoute

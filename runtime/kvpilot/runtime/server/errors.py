@@ -12,18 +12,37 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     499: "ClientClosedRequest",
     503: "ServiceUnavailableError",
 }
+# OpenAI's `code` is a string (e.g. "model_not_found"): every error here has one, by status where
+# nothing more specific applies, so a client can rely on its type.
+ERROR_CODES = {
+    400: "bad_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    499: "client_closed_request",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 RETRY_AFTER_S = 1
+
+
+def error_code(status: int) -> str:
+    return ERROR_CODES.get(status, f"http_{status}")
 
 
 class ApiError(Exception):
     """An answer other than 200: status, a message saying what to do, the field at fault.
 
-    `code` is OpenAI's machine-readable code (e.g. "model_not_found"); the status when unset.
+    `code` is OpenAI's machine-readable code (e.g. "model_not_found"); the status's when unset.
     """
 
     def __init__(
@@ -35,7 +54,8 @@ class ApiError(Exception):
         code: str | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or error_code(status)
         default = "BadRequestError" if status < 500 else "InternalServerError"
         self.kind = kind or ERROR_TYPES.get(status, default)
 
@@ -44,7 +64,7 @@ def error_response(error: ApiError, headers: dict[str, str] | None = None) -> JS
     extra = dict(headers or {})
     if error.status in (429, 503):
         extra.setdefault("Retry-After", str(RETRY_AFTER_S))
-    body = error_body(error.message, error.kind, error.param, error.code or error.status)
+    body = error_body(error.message, error.kind, error.param, error.code)
     return JSONResponse(body, status_code=error.status, headers=extra)
 
 

@@ -266,7 +266,10 @@ async def stream_events(state: ServerState, job: Job, ticket: Ticket) -> AsyncIt
         yield "data: [DONE]\n\n"
     except Exception as exc:  # the engine failed mid-stream: headers are out, tell the client
         log.exception("stream %s failed", job.request_id)
-        yield rendering.sse(error_body(f"generation failed: {exc}", "InternalServerError"))
+        failed = error_body(
+            f"generation failed: {exc}", "InternalServerError", None, "internal_error"
+        )
+        yield rendering.sse(failed)
         yield "data: [DONE]\n\n"
     finally:
         ticket.release()

@@ -185,19 +185,35 @@ class ServerState:
     def engine_stats(self) -> EngineStats:
         return self.engine.stats() if self.engine is not None else EngineStats.idle()
 
+    def check_request_size(self, num_prompts: int, n: int) -> None:
+        """400 for a request of more sequences (prompts x n) than one may hold
+        (ServeConfig.request_seq_limit): admitted, it would fill the queue alone, and every
+        other request would get 429 for as long as it ran."""
+        limit, num_seqs = self.config.request_seq_limit, num_prompts * n
+        if num_seqs > limit:
+            raise ApiError(
+                400,
+                f"n: this request asks for {num_seqs} sequences ({num_prompts} prompt(s) x n "
+                f"{n}), more than the {limit} one request may hold on this server "
+                "(--max-seqs-per-request, at most --max-num-seqs + --max-waiting); "
+                "send fewer prompts or a smaller n per request",
+                "n",
+                code="too_many_sequences",
+            )
+
     def admit(self, num_seqs: int = 1) -> Ticket:
         """A place for one request of `num_seqs` sequences (n choices x prompts), or 429 when
         they would queue past --max-waiting.
 
         Counted in sequences from the server's own in-flight number, not the engine's last-step
         snapshot, so a burst between two steps cannot overshoot: at most max_num_seqs +
-        max_waiting sequences (and their prompts) are ever held, or one request's when it
-        arrives at an idle server.
+        max_waiting sequences (and their prompts) are ever held. A request larger than one may
+        hold was refused before (check_request_size), so none takes the whole queue alone.
         """
         if self.engine is None:
             raise ApiError(503, "model is still loading")
         num_queued = self.num_in_flight - self.config.max_num_seqs
-        if self.num_in_flight and num_queued + num_seqs > self.config.max_waiting:
+        if num_queued + num_seqs > self.config.max_waiting:
             raise ApiError(429, f"server overloaded: {num_queued} sequences already waiting")
         self.num_in_flight += num_seqs
         self.idle.clear()

@@ -7,10 +7,15 @@ them).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pydantic_core import PydanticCustomError
+
+# Arrays and objects a body may nest: far more than any request needs (a JSON schema of 30
+# nested objects, chat content parts), far less than the recursion of the code that walks them
+# (schema compilation, chat templates), which would fail with RecursionError, a 500.
+MAX_JSON_DEPTH = 100
 
 # Known OpenAI / vLLM request fields this runtime does not honour, each with the values that ask
 # for nothing (null is always fine). Any other value is a 400 naming the field. A name is checked
@@ -79,21 +84,41 @@ def refuse_not_honoured(data: dict[str, Any], declared: set[str]) -> None:
 def find_unencodable(value: Any, path: str) -> str | None:
     """The path (e.g. 'messages.0.content') of the first string in a JSON value that cannot be
     encoded as UTF-8, or None. JSON's "\\ud800" escape decodes to such a string in Python."""
-    if isinstance(value, str):
-        return None if _is_encodable(value) else path
-    if isinstance(value, dict):
-        items: Iterable[tuple[Any, Any]] = value.items()
-    elif isinstance(value, list) and value and not isinstance(value[0], int):
-        items = enumerate(value)  # a list of token ids is skipped whole: it has no text
-    else:
-        return None
-    for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
+    for where, key, item in walk(value, path):
         if isinstance(key, str) and not _is_encodable(key):
             return where
-        if (found := find_unencodable(item, where)) is not None:
-            return found
+        if isinstance(item, str) and not _is_encodable(item):
+            return where
     return None
+
+
+def find_too_deep(value: Any, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """The top-level field holding an array or object nested deeper than `max_depth` levels (its
+    whole path would be as long as the nesting), or None."""
+    deep = next((where for where, _, _, depth in _walk(value, "") if depth > max_depth), None)
+    return None if deep is None else deep.split(".", 1)[0]
+
+
+def walk(value: Any, path: str) -> Iterator[tuple[str, object, Any]]:
+    """(path, key, value) of `value` and of everything in it, depth first, in document order."""
+    return ((where, key, item) for where, key, item, _ in _walk(value, path))
+
+
+def _walk(value: Any, path: str) -> Iterator[tuple[str, object, Any, int]]:
+    """`walk` with each value's depth (arrays and objects holding it), without recursion: a body
+    may nest as deep as json.loads allows, deeper than Python's stack."""
+    stack: list[tuple[str, object, Any, int]] = [(path, None, value, 0)]
+    while stack:
+        where, key, item, depth = stack.pop()
+        yield where, key, item, depth
+        if isinstance(item, dict):
+            children: Iterable[tuple[Any, Any]] = item.items()
+        elif isinstance(item, list) and item and not isinstance(item[0], int):
+            children = enumerate(item)  # a list of token ids is skipped whole: it has no text
+        else:
+            continue
+        below = [(f"{where}.{k}" if where else str(k), k, v, depth + 1) for k, v in children]
+        stack.extend(reversed(below))
 
 
 def _is_encodable(text: str) -> bool:

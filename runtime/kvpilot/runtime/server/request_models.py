@@ -32,7 +32,12 @@ from kvpilot.runtime.engine.structured import (
     json_schema_spec,
     regex_spec,
 )
-from kvpilot.runtime.server.request_checks import find_unencodable, refuse_not_honoured
+from kvpilot.runtime.server.request_checks import (
+    MAX_JSON_DEPTH,
+    find_too_deep,
+    find_unencodable,
+    refuse_not_honoured,
+)
 from kvpilot.runtime.server.token_ids import TokenIds, has_negative
 
 MAX_LOGPROBS = 20
@@ -55,6 +60,13 @@ class _Request(BaseModel):
         null means unset: clients send `"temperature": null` for "not set", as OpenAI accepts."""
         if not isinstance(data, dict):
             return data
+        if (path := find_too_deep(data)) is not None:
+            raise PydanticCustomError(
+                "too_deep",
+                "{param}: JSON nested more than {max_depth} levels deep; send arrays and "
+                "objects nested at most {max_depth} levels",
+                {"param": path, "max_depth": MAX_JSON_DEPTH},
+            )
         if (path := find_unencodable(data, "")) is not None:
             raise PydanticCustomError(
                 "invalid_unicode",
@@ -176,6 +188,21 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def num_prompts(self) -> int:
+        return 1
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> _SamplingFields:
+        """As OpenAI and vLLM: options for a stream that is not asked for are a mistake."""
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "stream_options: only allowed with stream: true; set stream to true or leave "
+                "stream_options out",
+                {"param": "stream_options"},
+            )
+        return self
+
     def output_grammar(self) -> GrammarSpec | None:
         """The one output constraint asked for, or None; ValueError (message starting with the
         field) for two at once or an unusable one."""
@@ -237,6 +264,9 @@ class CompletionRequest(_SamplingFields):
             if isinstance(item, list) and (not item or has_negative(item)):
                 raise ValueError("a token-id prompt must be non-empty, with ids >= 0")
         return prompt
+
+    def num_prompts(self) -> int:
+        return len(self.prompts())
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, a single one as a batch of one."""

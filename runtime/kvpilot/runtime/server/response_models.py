@@ -219,15 +219,13 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str  # always a string, as OpenAI's (server/errors.py ERROR_CODES)
 
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(
-    message: str, kind: str, param: str | None = None, code: str | int | None = None
-) -> dict:
+def error_body(message: str, kind: str, param: str | None, code: str) -> dict:
     info = ErrorInfo(message=message, type=kind, param=param, code=code)
     return ErrorResponse(error=info).model_dump()
