@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpilot.runtime.engine.structured import GrammarSpec
+from kvpilot.runtime.engine.structured import GrammarSpec, strict_schema
 
 # The format each architecture's instruction-tuned checkpoints were trained on.
 PARSER_BY_ARCHITECTURE = {
@@ -75,13 +75,15 @@ def parser_name(configured: str, architecture: str) -> str:
 
 
 def call_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
-    """A JSON schema for one call of any of `functions`: the name, then its arguments."""
+    """A JSON schema for one call of any of `functions`: the name, then its arguments, under
+    the function's parameters read strictly (structured.strict_schema): OpenAI's strict function
+    calling, and what lets a weak model close the object."""
     options = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": f["name"]},
-                arguments_key: f.get("parameters") or ANY_OBJECT,
+                arguments_key: strict_schema(f.get("parameters") or ANY_OBJECT),
             },
             "required": ["name", arguments_key],
             "additionalProperties": False,
