@@ -205,3 +205,64 @@ def test_openai_strict_function_tool(client: OpenAI) -> None:
     arguments = "".join(p.function.arguments or "" for p in pieces if p.function)
     GetWeather.model_validate_json(arguments)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.fixture(scope="module", params=["auto", "hermes"])
+def parser_client(
+    request: pytest.FixtureRequest, start_server: Callable[..., RuntimeServer]
+) -> OpenAI:
+    """tiny-llama is a Llama: `auto` writes llama3_json calls; `hermes` is forced by the flag."""
+    server = start_server("--max-model-len", "512", "--tool-call-parser", request.param)
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+CALLS = ('{"city":"Paris"}', '{"city":"Rome"}')  # what a whole call's arguments can be
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_forced_call_cut_by_max_tokens_is_length_with_the_partial_call(
+    parser_client: OpenAI, tool_choice: Any
+) -> None:
+    """Issue 40 item 15, as vLLM answers it: finish_reason `length`, and the call as far as it
+    was written (once its name is), streamed and not alike; never the raw JSON as content.
+    Before: content '{"name":"get_weather","parameters":{"ci' and no tool_calls."""
+    tools = [city_tool(CITY)]
+    seen_calls = 0
+    # A whole call is 23 tokens (llama3_json) or 38 (hermes) as tiny-llama writes them greedily.
+    for max_tokens in (3, 9, 15, 19):
+        request: Any = dict(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        choice = parser_client.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "length", choice
+        assert choice.message.content is None, choice
+        calls = [
+            (c.function.name, c.function.arguments)
+            for c in choice.message.tool_calls or []
+            if c.type == "function"
+        ]
+        assert len(calls) <= 1, calls
+        for name, arguments in calls:
+            assert name == "get_weather" and any(c.startswith(arguments) for c in CALLS)
+        seen_calls += len(calls)
+        chunks = [
+            c for c in parser_client.chat.completions.create(**request, stream=True) if c.choices
+        ]
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        merged: dict[int, tuple[str, str]] = {}
+        for piece in (d for c in chunks for d in c.choices[0].delta.tool_calls or []):
+            function = piece.function
+            assert function is not None
+            name, arguments = merged.get(piece.index, (function.name or "", ""))
+            merged[piece.index] = (name, arguments + (function.arguments or ""))
+        assert list(merged.values()) == calls
+    assert seen_calls  # some cut fell after the name
