@@ -240,10 +240,13 @@ def test_required_tool_choice_always_calls_a_tool(tool_client: OpenAI, parallel:
         )
         choice = response.choices[0]
         calls = choice.message.tool_calls or []
-        # Parallel calls may go on until max_tokens: the complete ones are still returned.
+        # Parallel calls may go on until max_tokens: the complete ones are returned, then the
+        # one cut off as far as it was written.
         assert choice.finish_reason == "tool_calls" or parallel, choice
         assert calls and choice.finish_reason in ("tool_calls", "length"), choice
         assert parallel or len(calls) == 1
+        if choice.finish_reason == "length":
+            calls = calls[:-1]
         for call in calls:
             assert call.type == "function" and call.id.startswith("call_")
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])

@@ -16,6 +16,8 @@ COMPLETION = {"model": "m", "prompt": "hello"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
 SCHEMA_TEXT = '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}}}'
+# The spec holds the schema read strictly: no properties but those it names (issue 40 item 16).
+STRICT = GrammarSpec("json_schema", SCHEMA_TEXT[:-1] + ',"additionalProperties":false}')
 ANY_OBJECT = GrammarSpec("json_schema", '{"type":"object"}')
 
 GRAMMARS: list[tuple[dict[str, Any], GrammarSpec | None, str]] = [
@@ -29,18 +31,18 @@ GRAMMARS: list[tuple[dict[str, Any], GrammarSpec | None, str]] = [
                 "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
             }
         },
-        GrammarSpec("json_schema", SCHEMA_TEXT),
+        STRICT,
         "response_format.json_schema.schema",
     ),
     (
         {"structured_outputs": {"json": SCHEMA}},
-        GrammarSpec("json_schema", SCHEMA_TEXT),
+        STRICT,
         "structured_outputs.json",
     ),
     # a schema given as text is the same spec (and cache entry) as the object
     (
         {"structured_outputs": {"json": SCHEMA_TEXT}},
-        GrammarSpec("json_schema", SCHEMA_TEXT),
+        STRICT,
         "structured_outputs.json",
     ),
     (
@@ -59,7 +61,7 @@ GRAMMARS: list[tuple[dict[str, Any], GrammarSpec | None, str]] = [
         "structured_outputs.grammar",
     ),
     ({"structured_outputs": {"json_object": True}}, ANY_OBJECT, "structured_outputs.json_object"),
-    ({"guided_json": SCHEMA}, GrammarSpec("json_schema", SCHEMA_TEXT), "guided_json"),
+    ({"guided_json": SCHEMA}, STRICT, "guided_json"),
     ({"guided_regex": "[a-z]"}, GrammarSpec("regex", "[a-z]"), "guided_regex"),
     ({"guided_choice": ["yes", "no"]}, GrammarSpec("choice", '["yes", "no"]'), "guided_choice"),
     ({"guided_grammar": "start: /x/"}, GrammarSpec("grammar", "start: /x/"), "guided_grammar"),

@@ -19,7 +19,14 @@ from kvpilot.runtime.server.chat_template import render_chat
 from kvpilot.runtime.server.rendering import ToolCallStream
 from kvpilot.runtime.server.request_models import ChatMessage
 from kvpilot.runtime.server.tokenizing import message_dicts
-from kvpilot.runtime.server.tool_calls import PARSERS, ToolCall, call_head, parse, parser_name
+from kvpilot.runtime.server.tool_calls import (
+    PARSERS,
+    ToolCall,
+    call_head,
+    forced_calls,
+    parse,
+    parser_name,
+)
 
 WEATHER = ToolCall("get_weather", '{"city": "Paris"}')
 TIME = ToolCall("get_time", '{"tz": "UTC"}')
@@ -133,6 +140,61 @@ def test_streamed_output_equals_finished(
     if calls and step == 1 and re.search(r'"(arguments|parameters)": \{', text):
         # arguments written as an object stream as they come, not only at the end
         assert num_argument_pieces > 0
+
+
+# A forced call's output (tool_choice required or named; compact, as its grammar writes it), cut
+# off by max_tokens at any point: (parser, output text, expected calls). Never content.
+HERMES_CALL = '<tool_call>\n{"name":"get_time","arguments":{"tz":"UTC"}}\n</tool_call>'
+LLAMA_CALL = '{"name":"get_time","parameters":{"tz":"UTC"}}'
+FORCED: list[tuple[str, str, list[ToolCall]]] = [
+    ("hermes", HERMES_CALL, [ToolCall("get_time", '{"tz":"UTC"}')]),
+    ("hermes", HERMES_CALL[:51], [ToolCall("get_time", '{"tz":"U')]),
+    ("hermes", '<tool_call>\n{"name":"get_time","arguments":', [ToolCall("get_time", "")]),
+    ("hermes", '<tool_call>\n{"name":"get_ti', []),
+    ("hermes", "<tool_ca", []),
+    (
+        "hermes",
+        HERMES_CALL + "\n" + HERMES_CALL[:51],
+        [ToolCall("get_time", '{"tz":"UTC"}'), ToolCall("get_time", '{"tz":"U')],
+    ),
+    ("llama3_json", LLAMA_CALL, [ToolCall("get_time", '{"tz":"UTC"}')]),
+    ("llama3_json", LLAMA_CALL[:-3], [ToolCall("get_time", '{"tz":"UTC')]),
+    ("llama3_json", LLAMA_CALL[:-1], [ToolCall("get_time", '{"tz":"UTC"}')]),
+    ("llama3_json", '{"name":"get_time","parameters":', [ToolCall("get_time", "")]),
+    ("llama3_json", '{"na', []),
+    (
+        "llama3_json",
+        LLAMA_CALL + "; " + LLAMA_CALL[:-3],
+        [ToolCall("get_time", '{"tz":"UTC"}'), ToolCall("get_time", '{"tz":"UTC')],
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "calls"), FORCED)
+def test_forced_output_cut_off_is_the_calls_so_far(
+    name: str, text: str, calls: list[ToolCall]
+) -> None:
+    """vLLM's `length` with the partial call: the complete calls, then the cut one as far as
+    it was written once its name is; the raw text is never content (issue 40 item 15)."""
+    assert forced_calls(PARSERS[name], text) == calls
+
+
+@pytest.mark.parametrize(("name", "text", "calls"), FORCED)
+@pytest.mark.parametrize("step", [1, 4])
+def test_forced_stream_sends_what_the_response_gives(
+    name: str, text: str, calls: list[ToolCall], step: int
+) -> None:
+    stream = ToolCallStream(PARSERS[name], is_forced=True)
+    merged: dict[int, ToolCall] = {}
+    for start in range(0, len(text), step):
+        content, deltas = stream.add(text[start : start + step], start + step >= len(text))
+        assert not content
+        for piece in deltas:
+            call = merged.get(piece.index, ToolCall(piece.function.name or "", ""))
+            merged[piece.index] = ToolCall(
+                call.name, call.arguments + (piece.function.arguments or "")
+            )
+    assert [merged[i] for i in sorted(merged)] == calls
 
 
 def is_json(text: str) -> bool:

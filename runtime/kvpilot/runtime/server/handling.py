@@ -122,6 +122,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     choices = choices_of(ids, params, body.n, 0)
     job = Job(True, body.model, choices, body.stream, body.include_usage(), body.n)
     job.tool_parser = parser if functions else None
+    job.is_call_forced = body.is_call_forced()
     return job
 
 

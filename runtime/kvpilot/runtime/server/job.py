@@ -34,6 +34,7 @@ class Job:
     include_usage: bool
     n: int = 1
     tool_parser: ToolCallParser | None = None  # chat with tools: calls are parsed out
+    is_call_forced: bool = False  # tool_choice required or named: the output is only calls
     request_id: str = ""
     created: int = 0
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here

@@ -32,7 +32,13 @@ from kvpilot.runtime.server.response_models import (
     TopLogprob,
     Usage,
 )
-from kvpilot.runtime.server.tool_calls import ToolCall, ToolCallParser, call_head, parse
+from kvpilot.runtime.server.tool_calls import (
+    ToolCall,
+    ToolCallParser,
+    call_head,
+    forced_calls,
+    parse,
+)
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -231,7 +237,9 @@ class Accumulator:
             logprobs = chat_logprobs(self.decoder, self.ids, self.lps, num_top)
         content: str | None = self.text
         calls: list[ToolCall] = []
-        if self.job.tool_parser is not None:
+        if self.job.tool_parser is not None and self.job.is_call_forced:
+            content, calls = None, forced_calls(self.job.tool_parser, self.text)
+        elif self.job.tool_parser is not None:
             content, calls = parse(self.job.tool_parser, self.text)
         tool_calls = [tool_call_out(call) for call in calls]
         return ChatChoice(
@@ -287,10 +295,13 @@ class ToolCallStream:
     arguments so far, and the rest of the arguments as the model writes them. A call whose
     arguments cannot be followed as they come (not an object, or the name not first) is sent
     whole once complete. A call cut off by max_tokens stays as far as it was sent (the
-    non-streamed response drops it, or returns the text as content if it was the only one)."""
+    non-streamed response drops it, or returns the text as content if it was the only one);
+    a forced call (`is_forced`: the output is only calls) is sent to where it was cut and
+    never as content, as the non-streamed response gives it (tool_calls.forced_calls)."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    def __init__(self, parser: ToolCallParser, is_forced: bool = False) -> None:
         self.parser = parser
+        self.is_forced = is_forced
         self.text = ""
         self.num_sent_chars = 0
         self.num_sent_calls = 0  # calls sent to their end
@@ -299,6 +310,9 @@ class ToolCallStream:
 
     def add(self, new_text: str, is_finished: bool) -> tuple[str, list[ToolCallDelta]]:
         self.text += new_text
+        if self.is_forced and is_finished:  # the rest of the calls, the last maybe cut off
+            written = forced_calls(self.parser, self.text)
+            return "", [self._complete(call) for call in written[self.num_sent_calls :]]
         end = self.parser.content_end(self.text)
         tail = self.text[end:]
         calls = self.parser.calls(tail, is_finished) if tail else []
@@ -344,7 +358,9 @@ class ChunkBuilder:
 
     def __init__(self, job: Job, choice: Choice, decoder: Decoder):
         self.job, self.choice, self.decoder = job, choice, decoder
-        self.tools = ToolCallStream(job.tool_parser) if job.tool_parser else None
+        self.tools = (
+            ToolCallStream(job.tool_parser, job.is_call_forced) if job.tool_parser else None
+        )
         self.offset = 0
         self.last: RequestOutput | None = None
         self.is_echo_pending = bool(choice.echo)

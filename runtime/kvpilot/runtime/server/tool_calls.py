@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpilot.runtime.engine.structured import GrammarSpec
+from kvpilot.runtime.engine.structured import GrammarSpec, strict_schema
 
 # The format each architecture's instruction-tuned checkpoints were trained on.
 PARSER_BY_ARCHITECTURE = {
@@ -67,6 +67,18 @@ def parse(parser: ToolCallParser, text: str) -> tuple[str | None, list[ToolCall]
     return (text[:end].strip() or None), calls
 
 
+def forced_calls(parser: ToolCallParser, text: str) -> list[ToolCall]:
+    """The calls of an output whose grammar admits only calls (tool_choice `required` or a
+    named function), the last one as far as it was written when the output was cut off
+    (max_tokens): its name and its arguments so far, not valid JSON. None is cut off before its
+    name is complete. Never content: the text is calls or the start of one."""
+    tail = text[parser.content_end(text) :]
+    calls = parser.calls(tail, is_finished=False) or []
+    pending = parser.pending(tail)
+    cut = cut_call(pending) if pending else None
+    return [*calls, cut] if cut else calls
+
+
 def parser_name(configured: str, architecture: str) -> str:
     """The `--tool-call-parser` flag, `auto` resolved from the checkpoint's architecture."""
     if configured != "auto":
@@ -75,13 +87,15 @@ def parser_name(configured: str, architecture: str) -> str:
 
 
 def call_schema(functions: list[dict[str, Any]], arguments_key: str) -> dict[str, Any]:
-    """A JSON schema for one call of any of `functions`: the name, then its arguments."""
+    """A JSON schema for one call of any of `functions`: the name, then its arguments, under
+    the function's parameters read strictly (structured.strict_schema): OpenAI's strict function
+    calling, and what lets a weak model close the object."""
     options = [
         {
             "type": "object",
             "properties": {
                 "name": {"const": f["name"]},
-                arguments_key: f.get("parameters") or ANY_OBJECT,
+                arguments_key: strict_schema(f.get("parameters") or ANY_OBJECT),
             },
             "required": ["name", arguments_key],
             "additionalProperties": False,
@@ -130,6 +144,21 @@ def call_head(body: str) -> tuple[str, str] | None:
         return None
     end = json_value_end(body, match.end())
     return name, body[match.end() : end]
+
+
+def cut_call(body: str) -> ToolCall | None:
+    """The call being written in `body` as far as it goes: its name and the arguments written
+    so far ("" before they begin); None before the name is complete."""
+    head = call_head(body)
+    if head is not None:
+        return ToolCall(*head)
+    match = CALL_HEAD.match(body)
+    if match is None or body[match.end() :]:
+        return None  # no name yet, or arguments that are not an object (not a forced call)
+    try:
+        return ToolCall(json.loads(f'"{match.group(1)}"'), "")
+    except json.JSONDecodeError:
+        return None
 
 
 def _call_from_text(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
