@@ -3,7 +3,9 @@
 Keys come from the static config's `keys:`/`teams:`, or with `--keys-secret NS/NAME` from the
 `keys.yaml` of a Kubernetes Secret (re-read every `--keys-refresh` seconds). The store is Redis
 when `--redis-url` (or the config's `redis.url`) is given, else this process's memory. Prices per
-model come from the config's `prices:`, else from the route (a ModelDeployment's measured cost).
+model come from the config's `prices:`, else from the route (a ModelDeployment's measured cost);
+a provider fallback's from `prices:` under its name (`<model>/<index>`, as `x-kvpilot-target`
+says).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvpilot.gateway.budget.store import BudgetStore, MemoryStore, RedisStore
 from kvpilot.gateway.config import ConfigError, GatewayConfig, describe
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.routing.routes import RouteTable
+from kvpilot.gateway.routing.routes import Fallback, RouteTable
 
 log = logging.getLogger("kvpilot.gateway.keys")
 
@@ -81,6 +83,14 @@ def price_lookup(static: dict[str, Price], table: RouteTable) -> Callable[[str],
     return price_of
 
 
+def fallbacks_lookup(table: RouteTable) -> Callable[[str], tuple[Fallback, ...]]:
+    def fallbacks_of(model: str) -> tuple[Fallback, ...]:
+        route = table.get(model)
+        return route.fallbacks if route is not None else ()
+
+    return fallbacks_of
+
+
 @dataclass
 class Budgets:
     """The two policies and what runs alongside them (the Secret refresh, the store)."""
@@ -117,7 +127,8 @@ def build(args: argparse.Namespace, table: RouteTable, metrics: GatewayMetrics) 
     url = args.redis_url or settings.redis_url
     store: BudgetStore = RedisStore(url) if url else MemoryStore()
     options = BudgetOptions(args.budget_default_max_tokens, args.budget_on_store_error == "open")
-    budget = BudgetPolicy(store, metrics, price_lookup(settings.prices, table), options)
+    budget = BudgetPolicy(store, metrics, price_lookup(settings.prices, table), options,
+                          fallbacks_lookup(table))  # fmt: skip
     refresh = None
     if args.keys_secret is not None:
         # Imported here: the Kubernetes client only for keys from a Secret.
