@@ -1,11 +1,13 @@
-"""Budgets at the edge (issue 40 items 3, 4, 7), with a real `kvpilot-gateway` process, a real
+"""Budgets at the edge (issue 40 items 3, 4, 7, 8), with a real `kvpilot-gateway` process, a real
 redis-server and a real `kvpilot-runtime serve` replica of tiny-llama:
 
 - a fallback's use is charged at the price of the model that served it and counted under its name
   (`pricey`, $100/M, has a dead backend and falls back to `tiny`, $1/M);
 - a fallback to a model outside the key's allow-list is skipped, and the answer says why;
 - a 429 caused only by reservations in flight says so, with a short Retry-After; one caused by
-  spend keeps the window's.
+  spend keeps the window's;
+- readiness (`/ready`) fails, naming the budget store, while Redis is down; liveness (`/health`)
+  does not.
 
 The requests in flight of the third are held by a scripted real upstream
 (tests/support/fake_upstream.py): a replica cannot be told to keep a request open.
@@ -27,7 +29,7 @@ from kvpilot.gateway.budget.config import KEY_ID_CHARS, hash_key
 from tests.support.fake_upstream import FakeUpstream, completion, json_answer
 from tests.support.gateway_process import GatewayProcess, start_replicas
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
-from tests.support.server_process import MODEL, RuntimeServer, free_port
+from tests.support.server_process import MODEL, RuntimeServer, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -174,3 +176,33 @@ def test_a_429_caused_by_requests_in_flight_asks_for_a_short_retry(
     assert retry_after > 60 and retry_after <= parse_window(WINDOW).seconds
     assert f"{SETTLED_TOKENS} used and 0 reserved by requests in flight" in str(spent.value)
     assert "the window resets in" in str(spent.value)
+
+
+def test_readiness_fails_while_the_budget_store_is_down_and_liveness_does_not(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    store = RedisServer(tmp_path_factory.mktemp("redis-down"))
+    store.start()
+    routes = config({MODEL: f"http://127.0.0.1:{free_port()}"})  # no replica needed
+    process = GatewayProcess(routes, tmp_path_factory.mktemp("gateway-ready"), "--redis-url",
+                             store.url)  # fmt: skip
+    try:
+        assert httpx.get(f"{process.url}/ready", timeout=10).status_code == 200
+        store.stop()
+        ready = httpx.get(f"{process.url}/ready", timeout=10)
+        assert ready.status_code == 503
+        assert "budget store" in ready.json()["error"]["message"]
+        assert httpx.get(f"{process.url}/health", timeout=10).status_code == 200  # no restart
+        keyed = httpx.post(f"{process.url}/v1/completions", timeout=10,
+                           headers={"Authorization": "Bearer sk-spend"},
+                           json={"model": "pricey", "prompt": "x", "max_tokens": 1})  # fmt: skip
+        assert keyed.status_code == 503  # what readiness foretold
+        store.start()
+
+        def ready_again() -> bool:
+            return httpx.get(f"{process.url}/ready", timeout=10).status_code == 200
+
+        wait_for(ready_again, 30, "readiness once Redis answers again")
+    finally:
+        assert process.stop() == 0, process.log_path.read_text()[-3000:]
+        store.stop()

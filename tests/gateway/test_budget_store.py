@@ -120,11 +120,15 @@ def test_redis_down_is_a_store_error_and_it_recovers(
 async def outage(redis_server: RedisServer) -> None:  # noqa: F811
     store = RedisStore(redis_server.url)
     assert await store.reserve([charge("x", 10, 1)]) is None
+    await store.ping()
     redis_server.stop()
     try:
         with pytest.raises(StoreError, match="redis"):
             await store.reserve([charge("x", 10, 1)])
+        with pytest.raises(StoreError, match="redis"):
+            await store.ping()  # readiness: /ready answers 503
     finally:
         redis_server.start()
+    await store.ping()
     assert await store.reserve([charge("x", 10, 1)]) is None  # the Lua script is loaded again
     await store.close()

@@ -5,7 +5,7 @@ picked by the policy (routing/picking.py), retried on another replica while noth
 client (bounded, with jitter), held while M has no replica and can be woken (routing/holding.py),
 then M's fallbacks in order (those the request may use, `Exchange.gates`); the response says who
 served it (`x-kvpilot-backend`, `x-kvpilot-target`), and so does `Exchange.target`, for its
-charge.
+charge. `/health` is liveness (the process answers), `/ready` readiness (its checks pass).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -87,6 +87,8 @@ class Gateway:
         self.affinity = Affinity()  # prompt prefix -> the replica it went to (routing/picking.py)
         self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
         self.session: aiohttp.ClientSession | None = None
+        # `/ready` asks each: why the gateway cannot serve now (None: it can)
+        self.readiness: list[Callable[[], Awaitable[str | None]]] = []
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -96,6 +98,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.prometheus)
         app.cleanup_ctx.append(self._client_session)
         return app
@@ -121,6 +124,16 @@ class Gateway:
         return [b for route in routes if route is not None for b in route.backends]
 
     async def health(self, _: web.Request) -> web.Response:
+        """Liveness: the process answers. Never what it depends on (a Redis that is down must
+        not get the gateway restarted)."""
+        return web.Response(text="ok")
+
+    async def ready(self, _: web.Request) -> web.Response:
+        """Readiness: 503 naming what keeps the gateway from serving (the budget store)."""
+        for check in self.readiness:
+            why = await check()
+            if why is not None:
+                return error_response(503, f"not ready: {why}", None, "not_ready")
         return web.Response(text="ok")
 
     async def prometheus(self, _: web.Request) -> web.Response:

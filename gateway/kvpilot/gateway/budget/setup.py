@@ -5,7 +5,7 @@ Keys come from the static config's `keys:`/`teams:`, or with `--keys-secret NS/N
 when `--redis-url` (or the config's `redis.url`) is given, else this process's memory. Prices per
 model come from the config's `prices:`, else from the route (a ModelDeployment's measured cost);
 a provider fallback's from `prices:` under its name (`<model>/<index>`, as `x-kvpilot-target`
-says).
+says). The gateway is ready (`/ready`) only while the store answers, unless it fails open.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvpilot.gateway.budget.arithmetic import Price
 from kvpilot.gateway.budget.config import KeysDocument, key_book, prices
 from kvpilot.gateway.budget.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.budget.policy import BudgetOptions, BudgetPolicy
-from kvpilot.gateway.budget.store import BudgetStore, MemoryStore, RedisStore
+from kvpilot.gateway.budget.store import BudgetStore, MemoryStore, RedisStore, StoreError
 from kvpilot.gateway.config import ConfigError, GatewayConfig, describe
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
@@ -112,6 +112,18 @@ class Budgets:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.store.close()
+
+    async def unready(self) -> str | None:
+        """Why the gateway cannot serve keyed requests now (None: it can): a budget store that
+        does not answer, while requests are refused for it (failing closed)."""
+        if self.budget.options.fail_open:
+            return None
+        try:
+            await self.store.ping()
+        except StoreError as error:
+            return (f"the budget store does not answer ({error}), so every request with a key "
+                    "is refused with 503 until it does")  # fmt: skip
+        return None
 
 
 def build(args: argparse.Namespace, table: RouteTable, metrics: GatewayMetrics) -> Budgets | None:

@@ -43,6 +43,10 @@ class BudgetStore(Protocol):
 
     async def read(self, counter: str) -> float: ...
 
+    async def ping(self) -> None:
+        """Return when the store answers; StoreError when it does not (readiness)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -82,6 +86,9 @@ class MemoryStore:
 
     async def read(self, counter: str) -> float:
         return self._value(counter, time.time())
+
+    async def ping(self) -> None:
+        pass
 
     async def close(self) -> None:
         pass
@@ -172,6 +179,12 @@ class RedisStore:
         except aioredis.RedisError as error:
             raise StoreError(f"redis: {error}") from error
         return float(value or 0)
+
+    async def ping(self) -> None:
+        try:
+            await self.client.ping()
+        except aioredis.RedisError as error:
+            raise StoreError(f"redis: {error}") from error
 
     async def close(self) -> None:
         await self.client.aclose()
