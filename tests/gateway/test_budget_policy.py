@@ -315,3 +315,14 @@ def test_use_is_charged_at_the_price_of_what_served_and_reserved_at_the_dearest(
     key_id = KEYS.keys[1].digest()[:12]
     assert harness.metrics.spend.labels(key_id, "", "small")._value.get() == pytest.approx(2e-4)
     assert harness.metrics.spend.labels(key_id, "", "tiny")._value.get() == 0
+
+
+@pytest.mark.parametrize("options", ["x", [1], 3, True])
+def test_stream_options_that_are_not_an_object_are_a_400_naming_them(options: object) -> None:
+    """Found by tests/gateway/test_gateway_fuzz.py: a 500 (TypeError) before."""
+    harness = Harness()
+    payload = {"model": "tiny", "prompt": "hi", "stream": True, "stream_options": options}
+    refusal = asyncio.run(harness.run(exchange(payload), None))
+    assert refusal is not None and refusal.status == 400
+    assert error_of(refusal)["param"] == "stream_options"
+    assert counters_of(harness) == {}  # refused before anything was reserved

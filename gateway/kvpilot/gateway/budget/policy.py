@@ -109,7 +109,7 @@ class BudgetPolicy:
             exchange.gates.append(lambda fallback: self.unpriced(caller, fallback))
         price = upper_price([price, *self.fallback_prices(exchange)])
         reserved = self.reservation(exchange, limits, price)
-        too_big = first_too_big(limits, reserved)
+        too_big = first_too_big(limits, reserved) or unusable_stream_options(exchange.payload)
         if too_big is not None:
             return too_big
         tap = UsageTap(exchange.inbound.stream, strip=not asks_usage(exchange.payload))
@@ -274,6 +274,16 @@ def first_too_big(limits: list[Limit], reserved: Amounts) -> web.Response | None
                        f"{limit.describe()}, more than the whole limit: lower {param}")  # fmt: skip
             return error_response(400, message, param, "over_limit")
     return None
+
+
+def unusable_stream_options(payload: dict[str, Any]) -> web.Response | None:
+    """`stream_options` the policy cannot add `include_usage` to: the 400 the runtime would
+    answer (found by the gateway's schemathesis run: it was a 500)."""
+    options = payload.get("stream_options")
+    if options is None or isinstance(options, dict):
+        return None
+    message = '`stream_options` must be an object, like {"include_usage": true}, or null'
+    return error_response(400, message, "stream_options", "invalid_type")
 
 
 def max_tokens_of(payload: dict[str, Any], kind: str) -> int | None:
