@@ -109,9 +109,9 @@ class BudgetPolicy:
             exchange.gates.append(lambda fallback: self.unpriced(caller, fallback))
         price = upper_price([price, *self.fallback_prices(exchange)])
         reserved = self.reservation(exchange, limits, price)
-        too_big = first_too_big(limits, reserved) or unusable_stream_options(exchange.payload)
-        if too_big is not None:
-            return too_big
+        refused = unusable_stream_options(exchange.payload) or first_too_big(limits, reserved)
+        if refused is not None:
+            return refused
         tap = UsageTap(exchange.inbound.stream, strip=not asks_usage(exchange.payload))
         exchange.taps.append(tap)
         if exchange.inbound.stream and tap.strip:
@@ -238,14 +238,14 @@ class BudgetPolicy:
 
 
 def used(reservation: Reservation, exchange: Exchange, price: Price | None) -> Amounts:
-    """What the request used, at `price` (what served it): the upstream's usage when it
-    reported one. Else, when part of an
-    answer reached the client (a stream cut off, or abandoned by the client): the prompt bound and
-    the content chunks relayed (a JSON answer without usage: its whole reservation). An error
-    answer, or a request never sent upstream (refused, or abandoned while it waited), used
-    nothing. A request abandoned after it was sent, before any of its answer came back: a stream
-    used its prompt (each decoded token is sent as it is made, and none came); a JSON answer keeps
-    its reservation, as the upstream may have generated up to max_tokens before it noticed."""
+    """What the request used, priced at `price` (what served it): the upstream's usage when it
+    reported one. Else, when part of an answer reached the client (a stream cut off, or abandoned
+    by the client): the prompt bound and the content chunks relayed (a JSON answer without usage:
+    its whole reservation). An error answer, or a request never sent upstream (refused, or
+    abandoned while it waited), used nothing. A request abandoned after it was sent, before any of
+    its answer came back: a stream used its prompt (each decoded token is sent as it is made, and
+    none came); a JSON answer keeps its reservation, as the upstream may have generated up to
+    max_tokens before it noticed."""
     tap, reserved = reservation.tap, reservation.reserved
     if tap.usage is not None:
         return amounts(1, tap.usage.prompt_tokens, tap.usage.completion_tokens, price)
