@@ -95,11 +95,13 @@ def test_a_teams_counters_share_one_slot_on_redis_cluster(cluster_node: RedisSer
     research = [n for n in names if tag_of(n) == "research"]
     loner = [n for n in names if n not in research]
     # research-1: tpm, rpm; research-2: output_tokens; the team's total_tokens: one counter
-    # each, all tagged {research}, so one slot; the teamless key's under its own tag.
-    assert len(research) == 4 and {tag_of(n) for n in research} == {"research"}
+    # each and its in-flight part, all tagged {research}, so one slot; the teamless key's under
+    # its own tag.
+    assert len(research) == 2 * 4 and {tag_of(n) for n in research} == {"research"}
+    assert len([n for n in research if n.endswith(":in_flight")]) == 4
     assert len({key_slot(n.encode()) for n in research}) == 1
     loner_id = hash_key("sk-loner-key")[:KEY_ID_CHARS]
-    assert [tag_of(n) for n in loner] == [f"key:{loner_id}"]
+    assert [tag_of(n) for n in loner] == [f"key:{loner_id}"] * 2
 
 
 def test_keys_of_two_slots_are_refused_by_the_cluster_node(cluster_node: RedisServer) -> None:

@@ -13,7 +13,9 @@ from kvpilot.gateway.budget.arithmetic import (
     charges,
     parse_window,
     retry_after_s,
+    settled_of,
     settlement,
+    upper_price,
 )
 
 
@@ -78,9 +80,59 @@ def test_settlement_turns_the_reservation_into_the_use(
     charged = charges([limit], amounts(1, 40, 100, price), now)
     assert charged[0].amount == pytest.approx(reserved)
     deltas = settlement(charged, [limit], amounts(1, 12, 37, price))
-    if delta is None:
-        assert deltas == []
-    else:
-        assert [d.amount for d in deltas] == [pytest.approx(delta)]
-        assert deltas[0].counter == charged[0].counter
-        assert deltas[0].amount + charged[0].amount == pytest.approx(actual)
+    assert [d.amount for d in deltas] == [pytest.approx(delta or 0.0)]
+    assert deltas[0].counter == charged[0].counter
+    assert deltas[0].amount + charged[0].amount == pytest.approx(actual)
+    assert deltas[0].release == charged[0].amount  # no longer in flight
+
+
+HOUR = Limit("key:abc", "output_tokens", 100, parse_window("1h"))
+HALF_PAST = at("2026-12-03T19:30:00")
+
+
+@pytest.mark.parametrize(
+    ("used", "in_flight", "amount", "retry"),
+    [
+        (80, 80, 40, 1),  # only requests in flight keep it out: they settle soon
+        (80, 60, 80, 1),  # 20 settled + 80 fits once they settle
+        (80, 0, 40, 1800),  # real spend: the window's end
+        (80, 30, 80, 1800),  # 50 settled + 80 does not fit even then
+        (100, 100, 101, 1800),  # more than the whole limit (first_too_big answers 400 first)
+        (80, 80.0000001, 40, 1),  # float drift: in flight never above the counter
+        (80, -0.0000001, 40, 1800),  # nor below zero
+    ],
+)  # fmt: skip
+def test_retry_after_is_short_when_only_requests_in_flight_hold_the_room(
+    used: float, in_flight: float, amount: float, retry: int
+) -> None:
+    assert retry_after_s(HOUR, HALF_PAST, used, in_flight, amount) == retry
+
+
+def test_retry_after_in_flight_never_passes_the_window_end() -> None:
+    assert retry_after_s(HOUR, HALF_PAST + 1799.5, 80, 80, 40) == 1
+
+
+@pytest.mark.parametrize(
+    ("used", "in_flight", "settled"),
+    [(80, 80, 0), (80, 30, 50), (80, 0, 80), (80, 90, 0), (80, -1, 80), (0, 0, 0)],
+)
+def test_settled_is_the_counter_less_what_is_in_flight(
+    used: float, in_flight: float, settled: float
+) -> None:
+    assert settled_of(used, in_flight) == settled
+
+
+@pytest.mark.parametrize(
+    ("prices", "upper"),
+    [
+        ([], None),
+        ([None, None], None),
+        ([Price(100, 100), Price(1, 1)], Price(100, 100)),  # a cheap fallback: the model's
+        ([Price(1, 1), Price(100, 100)], Price(100, 100)),  # a dear fallback bounds it
+        ([Price(5, 1), None, Price(1, 9)], Price(5, 9)),  # input and output apart
+    ],
+)
+def test_a_reservation_is_priced_at_the_dearest_model_that_may_serve(
+    prices: list[Price | None], upper: Price | None
+) -> None:
+    assert upper_price(prices) == upper

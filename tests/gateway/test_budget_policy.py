@@ -20,6 +20,7 @@ from kvpilot.gateway.budget.policy import BudgetOptions, BudgetPolicy
 from kvpilot.gateway.budget.store import Denied, MemoryStore, RedisStore
 from kvpilot.gateway.exchange import Exchange, run_afters
 from kvpilot.gateway.metrics import GatewayMetrics
+from kvpilot.gateway.routing.routes import Fallback, Provider
 from tests.support.server_process import free_port
 
 KEYS = KeysDocument.model_validate({
@@ -120,7 +121,8 @@ def test_reserve_settle_and_429_naming_the_limit_with_retry_after() -> None:
 
 
 def counters_of(harness: Harness) -> dict[str, float]:
-    return {k.split(":")[-3]: v for k, (v, _) in harness.store.counters.items()}
+    return {k.split(":")[-3]: v for k, (v, _) in harness.store.counters.items()
+            if not k.endswith(":in_flight")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -248,3 +250,79 @@ def test_a_store_that_is_down_fails_closed_or_open(fail_open: bool, status: int 
     else:
         assert refusal is not None and refusal.status == status
         assert error_of(refusal)["code"] == "budget_store_unavailable"
+
+
+FALLBACKS: dict[str, tuple[Fallback, ...]] = {
+    "tiny": ("small", "dear", "unpriced", Provider("tiny/0", "http://p/v1", "m"),
+             Provider("tiny/1", "http://p/v1", "m")),
+}  # fmt: skip
+PRICES = {"tiny": Price(0, 1000.0), "small": Price(0, 10.0), "dear": Price(0, 5000.0),
+          "tiny/1": Price(0, 5.0)}  # fmt: skip
+
+
+def served_harness() -> Harness:
+    harness = Harness()
+    harness.budget = BudgetPolicy(harness.store, harness.metrics, PRICES.get,
+                                  fallbacks_of=lambda model: FALLBACKS.get(model, ()))  # fmt: skip
+    return harness
+
+
+@pytest.mark.parametrize(
+    ("key", "fallback", "refusal"),
+    [
+        ("sk-research", "small", "may not use model 'small'"),  # outside its allow-list
+        ("sk-research", "tiny", None),
+        ("sk-research", Provider("tiny/0", "http://p/v1", "m"), None),  # stands in for tiny
+        ("sk-priced", "small", None),  # no allow-list, priced
+        ("sk-priced", "unpriced", "'unpriced' has no price"),  # a cost limit cannot price it
+        ("sk-priced", Provider("tiny/0", "http://p/v1", "m"), "'tiny/0' has no price"),
+        ("sk-priced", Provider("tiny/1", "http://p/v1", "m"), None),  # priced by its name
+    ],
+)
+def test_fallbacks_a_request_may_not_use(key: str, fallback: Fallback, refusal: str | None) -> None:
+    """Issue 40 item 4 (and fallback pricing): the gates the keys and budget policies put on an
+    exchange, which the proxy asks before each fallback."""
+    harness = served_harness()
+    ex = exchange({"model": "tiny", "prompt": "hello", "max_tokens": 10}, key)
+
+    async def scenario() -> None:
+        assert await harness.keys.before(ex) is None
+        assert await harness.budget.before(ex) is None
+
+    asyncio.run(scenario())
+    why = ex.refusal_of(fallback)
+    assert why is None if refusal is None else (why is not None and refusal in why)
+
+
+def test_use_is_charged_at_the_price_of_what_served_and_reserved_at_the_dearest() -> None:
+    """Issue 40 item 3: reserved at the dearest model that may serve (`dear`: 5000/M output),
+    settled at the one that did (`small`: 10/M) and counted under its name."""
+    harness = served_harness()
+    ex = exchange({"model": "tiny", "prompt": "hello", "max_tokens": 100}, "sk-priced")
+
+    async def scenario() -> None:
+        assert await harness.keys.before(ex) is None
+        assert await harness.budget.before(ex) is None
+        assert counters_of(harness)["cost"] == pytest.approx(100 * 5000.0 / 1e6)
+        ex.sent, ex.served, ex.status, ex.target = True, True, 200, "small"
+        for tap in ex.taps:
+            tap.chunk(usage(6, 20))
+            tap.end(True)
+        await harness.budget.after(ex)
+
+    asyncio.run(scenario())
+    assert counters_of(harness)["cost"] == pytest.approx(20 * 10.0 / 1e6)
+    key_id = KEYS.keys[1].digest()[:12]
+    assert harness.metrics.spend.labels(key_id, "", "small")._value.get() == pytest.approx(2e-4)
+    assert harness.metrics.spend.labels(key_id, "", "tiny")._value.get() == 0
+
+
+@pytest.mark.parametrize("options", ["x", [1], 3, True])
+def test_stream_options_that_are_not_an_object_are_a_400_naming_them(options: object) -> None:
+    """Found by tests/gateway/test_gateway_fuzz.py: a 500 (TypeError) before."""
+    harness = Harness()
+    payload = {"model": "tiny", "prompt": "hi", "stream": True, "stream_options": options}
+    refusal = asyncio.run(harness.run(exchange(payload), None))
+    assert refusal is not None and refusal.status == 400
+    assert error_of(refusal)["param"] == "stream_options"
+    assert counters_of(harness) == {}  # refused before anything was reserved

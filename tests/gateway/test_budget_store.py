@@ -42,7 +42,7 @@ def charge(counter: str, limit: float, amount: float, ttl_s: float = 60) -> Char
 def test_reserve_takes_room_until_none_is_left(run: Callable[[Scenario], None]) -> None:
     async def scenario(store: BudgetStore) -> None:
         assert await store.reserve([charge("a", 100, 60)]) is None
-        assert await store.reserve([charge("a", 100, 41)]) == Denied(0, 60.0)
+        assert await store.reserve([charge("a", 100, 41)]) == Denied(0, 60.0, 60.0)
         assert await store.reserve([charge("a", 100, 40)]) is None  # exactly full is allowed
         assert await store.read("a") == 100
 
@@ -55,7 +55,7 @@ def test_reserve_is_all_or_nothing_and_names_the_full_counter(
     async def scenario(store: BudgetStore) -> None:
         await store.reserve([charge("team", 100, 90)])
         assert await store.reserve([charge("key", 1000, 5), charge("team", 100, 20)]) == Denied(
-            1, 90
+            1, 90, 90
         )
         assert await store.read("key") == 0  # the key's counter was not charged either
 
@@ -81,6 +81,27 @@ def test_adjust_settles_and_a_counter_expires_with_its_window(
     run(scenario)
 
 
+def test_a_refusal_tells_settled_use_from_reservations_in_flight(
+    run: Callable[[Scenario], None],
+) -> None:
+    """Issue 40 item 7: a reservation is in flight until its settlement releases it."""
+
+    async def scenario(store: BudgetStore) -> None:
+        first, second = charge("a", 100, 80), charge("a", 100, 10)
+        assert await store.reserve([first]) is None
+        assert await store.reserve([second]) is None
+        assert await store.reserve([charge("a", 100, 40)]) == Denied(0, 90, 90)  # all in flight
+        await store.adjust([Charge("a", 100, 70 - 80, first.expires_at, release=80)])
+        assert await store.reserve([charge("a", 100, 40)]) == Denied(0, 80, 10)  # 70 settled
+        await store.adjust([Charge("a", 100, 0, second.expires_at, release=10)])
+        assert await store.reserve([charge("a", 100, 40)]) == Denied(0, 80, 0)
+        assert await store.read("a") == 80
+        await store.adjust([charge("b", 100, 7)])  # admitted unreserved: nothing in flight
+        assert await store.reserve([charge("b", 100, 99)]) == Denied(0, 7, 0)
+
+    run(scenario)
+
+
 def test_concurrent_reservations_never_overfill(run: Callable[[Scenario], None]) -> None:
     async def scenario(store: BudgetStore) -> None:
         results = await asyncio.gather(*(store.reserve([charge("a", 1000, 90)]) for _ in range(40)))
@@ -99,11 +120,15 @@ def test_redis_down_is_a_store_error_and_it_recovers(
 async def outage(redis_server: RedisServer) -> None:  # noqa: F811
     store = RedisStore(redis_server.url)
     assert await store.reserve([charge("x", 10, 1)]) is None
+    await store.ping()
     redis_server.stop()
     try:
         with pytest.raises(StoreError, match="redis"):
             await store.reserve([charge("x", 10, 1)])
+        with pytest.raises(StoreError, match="redis"):
+            await store.ping()  # readiness: /ready answers 503
     finally:
         redis_server.start()
+    await store.ping()
     assert await store.reserve([charge("x", 10, 1)]) is None  # the Lua script is loaded again
     await store.close()

@@ -12,7 +12,7 @@ from kvpilot.gateway.routing.holding import Holding
 from kvpilot.gateway.routing.load import LoadBook, parse_replica_metrics
 from kvpilot.gateway.routing.picking import ReplicaLoad
 from kvpilot.gateway.routing.routes import Backend, Route, RouteTable, ScaleTarget
-from kvpilot.gateway.upstream import sse_error_event
+from kvpilot.gateway.upstream import split_events, sse_error_event
 
 VLLM_TEXT = """# TYPE vllm:num_requests_waiting gauge
 vllm:num_requests_waiting{model_name="tiny"} 3.0
@@ -82,10 +82,27 @@ def test_a_stale_report_does_not_pin_a_replica_at_its_old_load() -> None:
     assert book.load("b") == ReplicaLoad(9, 0.0, 0.4)
 
 
-def test_sse_error_event_lands_on_an_event_boundary() -> None:
-    assert sse_error_event("x", b"data: {}\n\n").startswith(b"data: {")
-    assert sse_error_event("x", b'data: {"partial').startswith(b"\n\ndata: {")
-    assert sse_error_event("x", b"").endswith(b"data: [DONE]\n\n")
+def test_sse_error_event_is_one_event_then_done() -> None:
+    assert sse_error_event("x").startswith(b'data: {"error"')
+    assert sse_error_event("x").endswith(b"\n\ndata: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("data", "events", "rest"),
+    [
+        (b"", b"", b""),
+        (b'data: {"id":"x","choi', b"", b'data: {"id":"x","choi'),  # issue 40 item 5
+        (b"data: {}\n\n", b"data: {}\n\n", b""),
+        (b'data: {}\n\ndata: {"a', b"data: {}\n\n", b'data: {"a'),
+        (b"data: {}\n\ndata: {}\n\ndata: [DO", b"data: {}\n\ndata: {}\n\n", b"data: [DO"),
+        (b"data: {}\r\n\r\ndata: {", b"data: {}\r\n\r\n", b"data: {"),  # CRLF lines
+        (b"data: {}\n", b"", b"data: {}\n"),  # one newline ends a line, not the event
+    ],
+)  # fmt: skip
+def test_split_events_holds_back_an_event_still_arriving(
+    data: bytes, events: bytes, rest: bytes
+) -> None:
+    assert split_events(data) == (events, rest)
 
 
 class RecordingWaker:

@@ -139,10 +139,14 @@ def test_hpa_ready_and_optional(helm_bin: Path, defaults: list[dict[str, Any]]) 
     assert "replicas" not in find(objects, "Deployment", part="gateway")["spec"]
 
 
-def test_probes_ask_health_on_the_http_port(defaults: list[dict[str, Any]]) -> None:
+def test_readiness_asks_ready_and_liveness_asks_health_on_the_http_port(
+    defaults: list[dict[str, Any]],
+) -> None:
+    """/ready fails while the budget store is down (out of the Service); /health only when the
+    process does not answer (a restart would not bring Redis back). Issue 40 item 8."""
     gateway = container(defaults, "gateway")
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert gateway[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
 
 def test_pods_carry_what_the_dev_clusters_prometheus_scrapes(

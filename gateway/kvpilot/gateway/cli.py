@@ -152,6 +152,7 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     app = gateway.app()
     if budgets is not None:
         app.cleanup_ctx.append(budgets.running)
+        gateway.readiness.append(budgets.unready)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

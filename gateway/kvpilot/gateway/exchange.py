@@ -2,24 +2,28 @@
 
 The proxy turns each request into an `Exchange` and runs the gateway's policies around it, in
 order: each policy's `before` may answer the request itself (401, a 429 over budget, a cache hit),
-change where it goes (`model`: a cascade rule) or what is sent upstream (`replace_payload`), and
-add `taps` that see the response's bytes as they reach the client. Every policy whose `before` ran
-gets `after` once, in reverse order, whatever happened next, so a reservation is always settled or
-released: also when the client goes away (aiohttp cancels the handler), because the `after`s run
-to their end in a task of their own (`run_to_end`) that the cancellation does not reach.
+change where it goes (`model`: a cascade rule) or what is sent upstream (`replace_payload`), add
+`taps` that see the response's bytes as they reach the client, and add `gates` that keep a
+fallback from serving it (a model outside the key's allow-list, a target a cost limit cannot
+price). The proxy records in `target` what it was sent to, so it is charged to what served.
+Every policy whose `before` ran gets `after` once, in reverse order, whatever happened next, so a
+reservation is always settled or released: also when the client goes away (aiohttp cancels the
+handler), because the `after`s run to their end in a task of their own (`run_to_end`) that the
+cancellation does not reach.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from aiohttp import web
 
 from kvpilot.gateway.bodies import Inbound
+from kvpilot.gateway.routing.routes import Fallback
 
 
 class Tap(Protocol):
@@ -33,6 +37,10 @@ class Tap(Protocol):
         """The response ended (`complete`: it reached its end, e.g. `data: [DONE]`); returns
         anything held back, written before the end."""
         ...
+
+
+# Why a fallback may not serve the exchange (None: it may).
+Gate = Callable[[Fallback], str | None]
 
 
 @dataclass
@@ -49,6 +57,18 @@ class Exchange:
     status: int = 0  # the status the client got, set before `after` runs
     served: bool = False  # an upstream (replica or provider) answered it
     sent: bool = False  # it was sent to an upstream (which may have generated for it)
+    # The model or provider it was last sent to: once answered, the one that served it (a
+    # fallback's name, not `model`), whose price its use is charged at.
+    target: str = ""
+    gates: list[Gate] = field(default_factory=list)
+
+    def refusal_of(self, fallback: Fallback) -> str | None:
+        """Why `fallback` may not serve this exchange, or None when every gate lets it."""
+        for gate in self.gates:
+            why = gate(fallback)
+            if why is not None:
+                return why
+        return None
 
     @property
     def payload(self) -> dict[str, Any]:

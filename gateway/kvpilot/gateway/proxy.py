@@ -3,8 +3,9 @@
 A request for model M: its route (404 listing the served models when there is none), a replica
 picked by the policy (routing/picking.py), retried on another replica while nothing reached the
 client (bounded, with jitter), held while M has no replica and can be woken (routing/holding.py),
-then M's fallbacks in order; the response says who served it (`x-kvpilot-backend`,
-`x-kvpilot-target`).
+then M's fallbacks in order (those the request may use, `Exchange.gates`); the response says who
+served it (`x-kvpilot-backend`, `x-kvpilot-target`), and so does `Exchange.target`, for its
+charge. `/health` is liveness (the process answers), `/ready` readiness (its checks pass).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -67,6 +68,7 @@ class Outcome:
     attempts: int = 0
     reason: str = ""
     refusal: Refusal | None = None
+    skipped: list[str] = field(default_factory=list)  # why fallbacks were not tried
 
 
 class Gateway:
@@ -85,6 +87,8 @@ class Gateway:
         self.affinity = Affinity()  # prompt prefix -> the replica it went to (routing/picking.py)
         self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
         self.session: aiohttp.ClientSession | None = None
+        # `/ready` asks each: why the gateway cannot serve now (None: it can)
+        self.readiness: list[Callable[[], Awaitable[str | None]]] = []
 
     def app(self) -> web.Application:
         app = web.Application(
@@ -94,6 +98,7 @@ class Gateway:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.prometheus)
         app.cleanup_ctx.append(self._client_session)
         return app
@@ -119,6 +124,16 @@ class Gateway:
         return [b for route in routes if route is not None for b in route.backends]
 
     async def health(self, _: web.Request) -> web.Response:
+        """Liveness: the process answers. Never what it depends on (a Redis that is down must
+        not get the gateway restarted)."""
+        return web.Response(text="ok")
+
+    async def ready(self, _: web.Request) -> web.Response:
+        """Readiness: 503 naming what keeps the gateway from serving (the budget store)."""
+        for check in self.readiness:
+            why = await check()
+            if why is not None:
+                return error_response(503, f"not ready: {why}", None, "not_ready")
         return web.Response(text="ok")
 
     async def prometheus(self, _: web.Request) -> web.Response:
@@ -196,9 +211,13 @@ class Gateway:
         first = await self.to_replicas(exchange, body, route, deadline)
         if first.response is not None:
             return first
-        last = first
+        last, skipped = first, list[str]()
         for fallback in route.fallbacks:
             name = fallback if isinstance(fallback, str) else fallback.name
+            why_not = exchange.refusal_of(fallback)  # the key's allow-list, an unpriced target
+            if why_not is not None:
+                skipped.append(why_not)
+                continue
             self.metrics.fallbacks.labels(exchange.model, name, first.reason).inc()
             if isinstance(fallback, Provider):
                 outcome = await self.to_provider(exchange, fallback)
@@ -208,7 +227,8 @@ class Gateway:
                 outcome.reason = first.reason  # why it fell back, for the log line
                 return outcome
             last = outcome if outcome.refusal else last
-        return Outcome(reason=first.reason, refusal=last.refusal, attempts=first.attempts)
+        return Outcome(reason=first.reason, refusal=last.refusal, attempts=first.attempts,
+                       skipped=skipped)  # fmt: skip
 
     async def to_fallback_model(self, exchange: Exchange, model: str) -> Outcome:
         route = self.table.get(model)
@@ -307,6 +327,7 @@ class Gateway:
 
         stream = exchange.inbound.stream
         exchange.sent = True  # from here the upstream may generate for it
+        exchange.target = hop.target  # charged at its price if it serves (or is abandoned)
         return await forward(
             self.session, exchange.request, hop, body, stream, first_byte, exchange.taps
         )
@@ -336,7 +357,8 @@ def forwards_client_key(exchange: Exchange) -> bool:
 
 def refused_response(outcome: Outcome, model: str) -> web.Response:
     """No replica or fallback answered: the last upstream refusal as it was (a 429 stays a 429
-    with its Retry-After), else 429 for a full hold queue, else 503."""
+    with its Retry-After), else 429 for a full hold queue, else 503 (naming the fallbacks this
+    request may not use)."""
     refusal = outcome.refusal
     if refusal is not None and refusal.status is not None:
         headers = {**refusal.headers, "x-kvpilot-target": "none"}
@@ -344,5 +366,7 @@ def refused_response(outcome: Outcome, model: str) -> web.Response:
     if outcome.reason == "hold_queue_full":
         message = f"too many requests are waiting for {model!r} to start; retry shortly"
         return error_response(429, message)
-    message = f"no replica of {model!r} could take the request ({outcome.reason}); retry shortly"
-    return error_response(503, message)
+    message = f"no replica of {model!r} could take the request ({outcome.reason})"
+    if outcome.skipped:
+        message += f", and its fallbacks could not be used ({'; '.join(outcome.skipped)})"
+    return error_response(503, message + "; retry shortly")

@@ -3,8 +3,10 @@
 An answer is either relayed (`web.StreamResponse`, the client has it) or refused (`Refusal`: nothing
 reached the client, so the proxy may try elsewhere). A non-streamed answer is read whole before the
 client sees a byte, so a replica that dies mid-generation is retried; a stream is relayed byte for
-byte (never re-encoded) once its first chunk arrived, and a failure after that ends it with an SSE
-error event. A client that goes away ends the handler (aiohttp cancels it), which closes the
+byte (never re-encoded) once its first chunk arrived, an event at a time: an event is passed on
+only once it is complete (its blank line arrived), so a failure after the first chunk ends the
+stream with the complete events, then an SSE error event, never half an event the client could
+not parse. A client that goes away ends the handler (aiohttp cancels it), which closes the
 upstream connection, so the replica aborts the request and frees its KV cache.
 """
 
@@ -69,12 +71,20 @@ def error_response(
     return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
-def sse_error_event(message: str, after: bytes) -> bytes:
+def sse_error_event(message: str) -> bytes:
     """A clean end for a stream broken after its first byte: the error as one SSE event, then
-    [DONE], on an event boundary even if the last relayed chunk ended mid-event."""
-    start = b"" if after.endswith(b"\n\n") else b"\n\n"
+    [DONE] (written after whole events only, so on an event boundary)."""
     error = json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}})
-    return start + f"data: {error}\n\ndata: [DONE]\n\n".encode()
+    return f"data: {error}\n\ndata: [DONE]\n\n".encode()
+
+
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n")  # a blank line ends an SSE event
+
+
+def split_events(data: bytes) -> tuple[bytes, bytes]:
+    """`data` cut after its last complete event, and the rest (an event still arriving)."""
+    cut = max((data.rfind(end) + len(end) for end in EVENT_ENDS if end in data), default=0)
+    return data[:cut], data[cut:]
 
 
 def response_headers(upstream: aiohttp.ClientResponse, hop: Hop) -> dict[str, str]:
@@ -139,20 +149,25 @@ async def relay(
     first: bytes,
     taps: Sequence[Tap],
 ) -> web.StreamResponse:
-    """Relay the stream's bytes as they come; a stream that breaks, or ends without its
-    `data: [DONE]`, gets an SSE error event and [DONE] so the client sees a clean end."""
+    """Relay the stream's events as they come; a stream that breaks, or ends without its
+    `data: [DONE]`, gets an SSE error event and [DONE] so the client sees a clean end (an event
+    it broke off in the middle of is dropped)."""
     response = web.StreamResponse(status=upstream.status, headers=response_headers(upstream, hop))
     await response.prepare(request)
     ended = False
     try:
-        broken, tail = await copy_events(upstream, response, first, taps)
+        broken, tail, rest = await copy_events(upstream, response, first, taps)
         if not broken and b"data: [DONE]" not in tail:
             broken = "ended the stream early"
+        if rest and not broken:  # an upstream that ended its last event without a blank line
+            await response.write(through_taps(taps, rest))
+        elif rest:
+            log.warning("upstream %s broke off mid-event; dropped its %d bytes", hop.backend,
+                        len(rest))  # fmt: skip
         ended = True
         await response.write(end_taps(taps, complete=not broken))
         if broken:
-            message = f"the replica {hop.backend} {broken}; retry"
-            await response.write(sse_error_event(message, tail))
+            await response.write(sse_error_event(f"the replica {hop.backend} {broken}; retry"))
         await response.write_eof()
     except ConnectionResetError:
         pass  # the client went away; closing the upstream connection aborts the request there
@@ -167,15 +182,17 @@ async def copy_events(
     response: web.StreamResponse,
     first: bytes,
     taps: Sequence[Tap],
-) -> tuple[str, bytes]:
-    """Copy chunks until the upstream ends; why it broke ("" when it did not) and the last
-    bytes seen (to find `data: [DONE]` and an event boundary)."""
-    chunk, tail = first, b""
+) -> tuple[str, bytes, bytes]:
+    """Copy whole events until the upstream ends; why it broke ("" when it did not), the last
+    bytes seen (to find `data: [DONE]`) and what came after the last whole event."""
+    chunk, tail, rest = first, b"", b""
     while chunk:
         tail = (tail + chunk)[-32:]
-        await response.write(through_taps(taps, chunk))
+        events, rest = split_events(rest + chunk)
+        if events:
+            await response.write(through_taps(taps, events))
         try:
             chunk = await upstream.content.readany()
         except (TimeoutError, aiohttp.ClientError) as error:
-            return f"failed mid-stream ({type(error).__name__})", tail
-    return "", tail
+            return f"failed mid-stream ({type(error).__name__})", tail, rest
+    return "", tail, rest

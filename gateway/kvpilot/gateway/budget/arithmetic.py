@@ -5,13 +5,19 @@ month in UTC (`month`): a counter per window, reset when the next window starts,
 is exact (the window's end) and one Redis key per counter holds the whole state (LiteLLM's
 `budget_duration` resets the same way). A request is admitted only when every limit it counts
 against still has room for its whole reservation (prompt tokens as counted + `max_tokens` x `n`),
-so settled use never exceeds a limit as long as the reservation bounds the real use.
+so settled use never exceeds a limit as long as the reservation bounds the real use (its cost at
+the highest price of the models that may serve it: a fallback is charged at its own price).
+
+A counter holds the settled use and the reservations of requests still in flight; the store keeps
+the in-flight part beside it, so a refusal caused only by requests in flight says so and asks for
+a retry when they finish, not at the window's end.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -105,6 +111,15 @@ class Amounts:
         return float(getattr(self, unit))
 
 
+def upper_price(prices: Iterable[Price | None]) -> Price | None:
+    """A price at least each given one's, for input and output alike (None: none is priced)."""
+    known = [p for p in prices if p is not None]
+    if not known:
+        return None
+    return Price(max(p.input_per_million for p in known),
+                 max(p.output_per_million for p in known))  # fmt: skip
+
+
 def amounts(
     requests: float, input_tokens: float, output_tokens: float, price: Price | None
 ) -> Amounts:
@@ -123,6 +138,13 @@ class Charge:
     limit: float
     amount: float
     expires_at: float  # the window's end: the counter is dropped then
+    release: float = 0.0  # a settlement: the reservation no longer in flight
+
+
+def in_flight_counter(counter: str) -> str:
+    """The store key holding the part of `counter` reserved by requests still in flight (the
+    same hash tag: one Redis Cluster slot)."""
+    return f"{counter}:in_flight"
 
 
 def charges(limits: list[Limit], use: Amounts, now: float) -> list[Charge]:
@@ -131,13 +153,28 @@ def charges(limits: list[Limit], use: Amounts, now: float) -> list[Charge]:
 
 
 def settlement(reserved: list[Charge], limits: list[Limit], actual: Amounts) -> list[Charge]:
-    """The adjustments (amount: actual - reserved) that turn each reservation into the use."""
+    """The adjustments (amount: actual - reserved) that turn each reservation into the use, each
+    releasing its reservation from the in-flight part."""
     return [Charge(charge.counter, charge.limit, actual.of(lim.unit) - charge.amount,
-                   charge.expires_at)
-            for charge, lim in zip(reserved, limits, strict=True)
-            if actual.of(lim.unit) != charge.amount]  # fmt: skip
+                   charge.expires_at, release=charge.amount)
+            for charge, lim in zip(reserved, limits, strict=True)]  # fmt: skip
 
 
-def retry_after_s(limit: Limit, now: float) -> int:
-    """Seconds until the window resets (a fixed window frees everything at its end)."""
-    return max(1, math.ceil(limit.window.end(now) - now))
+IN_FLIGHT_RETRY_S = 1  # a request in flight settles within seconds; a client waits that long
+
+
+def retry_after_s(limit: Limit, now: float, used: float = 0.0, in_flight: float = 0.0,
+                  amount: float = 0.0) -> int:  # fmt: skip
+    """Seconds until a request reserving `amount` may fit, its counter holding `used` of which
+    `in_flight` is reserved by requests not yet settled: shortly, when the settled use leaves it
+    room (only reservations in flight keep it out, and they settle to their use when those
+    requests end), else when the window resets (a fixed window frees everything at its end)."""
+    window_rest = max(1, math.ceil(limit.window.end(now) - now))
+    if in_flight > 0 and settled_of(used, in_flight) + amount <= limit.limit:
+        return min(IN_FLIGHT_RETRY_S, window_rest)
+    return window_rest
+
+
+def settled_of(used: float, in_flight: float) -> float:
+    """A counter's settled part (in-flight reservations are part of it; float sums may drift)."""
+    return max(0.0, used - min(max(in_flight, 0.0), used))

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvpilot.gateway.budget.config import KeyEntry, hash_key
 from kvpilot.gateway.exchange import Exchange
+from kvpilot.gateway.routing.routes import Fallback
 from kvpilot.gateway.upstream import error_response
 
 
@@ -57,6 +58,7 @@ class KeysPolicy:
                        f"{allowed}")  # fmt: skip
             return error_response(403, message, "model", "model_not_allowed")
         exchange.request[CALLER] = Caller(entry.key_id, entry.team, entry)
+        exchange.gates.append(lambda fallback: fallback_not_allowed(entry, fallback))
         return None
 
     async def after(self, exchange: Exchange) -> None:
@@ -75,3 +77,11 @@ def unauthorized(authorization: str | None) -> web.Response:
     given = "no API key was given" if not authorization else "the API key is not valid"
     message = f"{given}: send `Authorization: Bearer <key>` with a key of this gateway"
     return error_response(401, message, None, "invalid_api_key")
+
+
+def fallback_not_allowed(entry: KeyEntry, fallback: Fallback) -> str | None:
+    """A fallback model outside the key's allow-list may not serve it. A provider fallback
+    stands in for the model asked for (which the key may use), so the list does not name it."""
+    if entry.models is None or not isinstance(fallback, str) or fallback in entry.models:
+        return None
+    return f"key {entry.key_id} may not use model {fallback!r}"

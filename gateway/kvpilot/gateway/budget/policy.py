@@ -1,18 +1,23 @@
 """The budget policy (the last one before the upstream): reserve, forward, settle.
 
 `before`: the caller's limits (its key's and its team's) are charged the request's reservation
-(1 request, the prompt's token bound, `max_tokens` x `n` output tokens, their cost) in one atomic
-store call; a limit without room answers 429 with `Retry-After` (when its window resets) and an
-OpenAI-style error naming it. A stream asks the upstream for its usage (`stream_options`), which
-the UsageTap drops again when the client did not ask. A request without `max_tokens` under a
-token or cost limit is sent with the configured default, so the reservation bounds it.
+(1 request, the prompt's token bound, `max_tokens` x `n` output tokens, their cost at the highest
+price of the models that may serve it) in one atomic store call; a limit without room answers 429
+with an OpenAI-style error naming it, what is used and what requests in flight hold, and
+`Retry-After`: when those requests settle if only they keep it out, else when its window resets.
+A stream asks the upstream for its usage (`stream_options`), which the UsageTap drops again when
+the client did not ask. A request without `max_tokens` under a token or cost limit is sent with
+the configured default, so the reservation bounds it. Under a cost limit, a fallback without a
+price may not serve (`exchange.gates`): its cost could not be kept.
 
 `after` (always, whatever happened): the reservation is settled to the usage the upstream reported;
 a stream that broke or was abandoned settles the chunks it relayed; a request never sent upstream
 gives everything back; a JSON request abandoned after it was sent keeps its reservation (see
-`used`). `after` runs to its end even when the client went away (exchange.run_afters), and a
-reservation the store made while the client was leaving is recorded before the handler stops, so
-none is left charged. Spend and tokens are counted per key, team and model.
+`used`). Use is charged at the price of the model or provider that served it (a fallback's, not
+the model asked for) and counted under its name. `after` runs to its end even when the client
+went away (exchange.run_afters), and a reservation the store made while the client was leaving is
+recorded before the handler stops, so none is left charged. Spend and tokens are counted per key,
+team and the model that served.
 
 Store failures: fail closed (503, the default) or open (admitted; its use is added when it ends
 if the store answers again); each counts in a metric and the store's up/down changes are logged.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +43,15 @@ from kvpilot.gateway.budget.arithmetic import (
     amounts,
     charges,
     retry_after_s,
+    settled_of,
     settlement,
+    upper_price,
 )  # fmt: skip
 from kvpilot.gateway.budget.keys import CALLER, Caller
 from kvpilot.gateway.budget.store import BudgetStore, Denied, StoreError
 from kvpilot.gateway.exchange import Exchange, run_to_end
 from kvpilot.gateway.metrics import GatewayMetrics
+from kvpilot.gateway.routing.routes import Fallback
 from kvpilot.gateway.upstream import error_response
 from kvpilot.gateway.usage import UsageTap, prompt_count, prompt_tokens_bound
 
@@ -65,7 +73,7 @@ class Reservation:
     limits: list[Limit]
     charged: list[Charge]  # empty: admitted without a reservation (the store was down)
     reserved: Amounts
-    price: Price | None
+    price: Price | None  # reserved at: the highest of the models that may serve it
     tap: UsageTap
 
 
@@ -79,8 +87,10 @@ class BudgetPolicy:
         metrics: GatewayMetrics,
         price_of: Callable[[str], Price | None],
         options: BudgetOptions | None = None,
+        fallbacks_of: Callable[[str], Sequence[Fallback]] = lambda _: (),
     ) -> None:
         self.store, self.metrics, self.price_of = store, metrics, price_of
+        self.fallbacks_of = fallbacks_of  # a model's fallbacks, which may serve it instead
         self.options = options or BudgetOptions()
         self.store_up = True
 
@@ -95,10 +105,13 @@ class BudgetPolicy:
                        "limit cannot be kept: give it one (prices: in the gateway config, or "
                        "the ModelDeployment's status.cost)")  # fmt: skip
             return error_response(403, message, "model", "model_not_priced")
+        if any(lim.unit == "cost" for lim in limits):
+            exchange.gates.append(lambda fallback: self.unpriced(caller, fallback))
+        price = upper_price([price, *self.fallback_prices(exchange)])
         reserved = self.reservation(exchange, limits, price)
-        too_big = first_too_big(limits, reserved)
-        if too_big is not None:
-            return too_big
+        refused = unusable_stream_options(exchange.payload) or first_too_big(limits, reserved)
+        if refused is not None:
+            return refused
         tap = UsageTap(exchange.inbound.stream, strip=not asks_usage(exchange.payload))
         exchange.taps.append(tap)
         if exchange.inbound.stream and tap.strip:
@@ -116,6 +129,18 @@ class BudgetPolicy:
         if cancelled:
             raise asyncio.CancelledError
         return refusal if isinstance(refusal, web.StreamResponse) else None
+
+    def fallback_prices(self, exchange: Exchange) -> list[Price | None]:
+        """The prices of the fallbacks that may serve this exchange."""
+        return [self.price_of(fallback_name(f)) for f in self.fallbacks_of(exchange.model)
+                if exchange.refusal_of(f) is None]  # fmt: skip
+
+    def unpriced(self, caller: Caller, fallback: Fallback) -> str | None:
+        name = fallback_name(fallback)
+        if self.price_of(name) is not None:
+            return None
+        return (f"{name!r} has no price, so key {caller.key_id}'s cost limit could not be kept "
+                f"(prices: {name})")  # fmt: skip
 
     def reservation(self, exchange: Exchange, limits: list[Limit], price: Price | None) -> Amounts:
         """The request's most: its prompt bound and max_tokens (set to the default when a token
@@ -153,12 +178,16 @@ class BudgetPolicy:
     def over_limit(
         self, limits: list[Limit], reserved: Amounts, denied: Denied, now: float
     ) -> web.Response:
-        limit = limits[denied.index]
-        retry = retry_after_s(limit, now)
+        limit, amount = limits[denied.index], reserved.of(limits[denied.index].unit)
+        retry = retry_after_s(limit, now, denied.used, denied.in_flight, amount)
         self.metrics.budget_refusals.labels(limit.scope, limit.unit, limit.window.text).inc()
-        message = (f"over the limit {limit.describe()}: {denied.used:g} used, and this request "
-                   f"reserves {reserved.of(limit.unit):g} (prompt tokens at most and max_tokens); "
-                   f"the window resets in {retry}s")  # fmt: skip
+        settled = settled_of(denied.used, denied.in_flight)
+        when = (f"the window resets in {retry}s" if retry_after_s(limit, now) == retry else
+                f"retry in {retry}s, when requests in flight have settled")  # fmt: skip
+        message = (f"over the limit {limit.describe()}: {settled:g} used and "
+                   f"{denied.used - settled:g} reserved by requests in flight, and this "
+                   f"request reserves {amount:g} (prompt tokens at most and max_tokens); "
+                   f"{when}")  # fmt: skip
         code = "budget_exceeded" if limit.unit == "cost" else "rate_limit_exceeded"
         response = error_response(429, message, None, code)
         response.headers["Retry-After"] = str(retry)
@@ -168,11 +197,12 @@ class BudgetPolicy:
         reservation = exchange.request.get(RESERVATION)
         if not isinstance(reservation, Reservation):
             return
-        actual = used(reservation, exchange)
-        log.debug("settle key %s: reserved %s, used %s (served %s, status %s, usage %s)",
+        target = exchange.target or reservation.model  # what served it (or was last tried)
+        actual = used(reservation, exchange, self.price_of(target))
+        log.debug("settle key %s: reserved %s, used %s (served %s by %s, status %s, usage %s)",
                   reservation.caller.key_id, reservation.reserved, actual, exchange.served,
-                  exchange.status, reservation.tap.usage)  # fmt: skip
-        self.count(reservation, actual)
+                  target, exchange.status, reservation.tap.usage)  # fmt: skip
+        self.count(reservation.caller, target, actual)
         if reservation.charged:
             deltas = settlement(reservation.charged, reservation.limits, actual)
         else:
@@ -184,8 +214,7 @@ class BudgetPolicy:
             return
         self.store_answered()
 
-    def count(self, reservation: Reservation, actual: Amounts) -> None:
-        caller, model = reservation.caller, reservation.model
+    def count(self, caller: Caller, model: str, actual: Amounts) -> None:
         tokens = self.metrics.tokens
         tokens.labels(caller.key_id, caller.team, model, "input").inc(actual.input_tokens)
         tokens.labels(caller.key_id, caller.team, model, "output").inc(actual.output_tokens)
@@ -208,15 +237,16 @@ class BudgetPolicy:
         self.store_up = True
 
 
-def used(reservation: Reservation, exchange: Exchange) -> Amounts:
-    """What the request used: the upstream's usage when it reported one. Else, when part of an
-    answer reached the client (a stream cut off, or abandoned by the client): the prompt bound and
-    the content chunks relayed (a JSON answer without usage: its whole reservation). An error
-    answer, or a request never sent upstream (refused, or abandoned while it waited), used
-    nothing. A request abandoned after it was sent, before any of its answer came back: a stream
-    used its prompt (each decoded token is sent as it is made, and none came); a JSON answer keeps
-    its reservation, as the upstream may have generated up to max_tokens before it noticed."""
-    tap, reserved, price = reservation.tap, reservation.reserved, reservation.price
+def used(reservation: Reservation, exchange: Exchange, price: Price | None) -> Amounts:
+    """What the request used, priced at `price` (what served it): the upstream's usage when it
+    reported one. Else, when part of an answer reached the client (a stream cut off, or abandoned
+    by the client): the prompt bound and the content chunks relayed (a JSON answer without usage:
+    its whole reservation). An error answer, or a request never sent upstream (refused, or
+    abandoned while it waited), used nothing. A request abandoned after it was sent, before any of
+    its answer came back: a stream used its prompt (each decoded token is sent as it is made, and
+    none came); a JSON answer keeps its reservation, as the upstream may have generated up to
+    max_tokens before it noticed."""
+    tap, reserved = reservation.tap, reservation.reserved
     if tap.usage is not None:
         return amounts(1, tap.usage.prompt_tokens, tap.usage.completion_tokens, price)
     if exchange.status >= 400 or not exchange.sent:
@@ -226,8 +256,12 @@ def used(reservation: Reservation, exchange: Exchange) -> Amounts:
             reserved.output_tokens)  # fmt: skip
         return amounts(1, reserved.input_tokens, output, price)
     if exchange.status == 0:  # a JSON answer abandoned (the client went away) before it came
-        return reserved
+        return amounts(1, reserved.input_tokens, reserved.output_tokens, price)
     return amounts(0, 0, 0, price)  # answered without an upstream answer: nothing used
+
+
+def fallback_name(fallback: Fallback) -> str:
+    return fallback if isinstance(fallback, str) else fallback.name
 
 
 def first_too_big(limits: list[Limit], reserved: Amounts) -> web.Response | None:
@@ -240,6 +274,16 @@ def first_too_big(limits: list[Limit], reserved: Amounts) -> web.Response | None
                        f"{limit.describe()}, more than the whole limit: lower {param}")  # fmt: skip
             return error_response(400, message, param, "over_limit")
     return None
+
+
+def unusable_stream_options(payload: dict[str, Any]) -> web.Response | None:
+    """`stream_options` the policy cannot add `include_usage` to: the 400 the runtime would
+    answer (found by the gateway's schemathesis run: it was a 500)."""
+    options = payload.get("stream_options")
+    if options is None or isinstance(options, dict):
+        return None
+    message = '`stream_options` must be an object, like {"include_usage": true}, or null'
+    return error_response(400, message, "stream_options", "invalid_type")
 
 
 def max_tokens_of(payload: dict[str, Any], kind: str) -> int | None:

@@ -3,7 +3,9 @@
 Keys come from the static config's `keys:`/`teams:`, or with `--keys-secret NS/NAME` from the
 `keys.yaml` of a Kubernetes Secret (re-read every `--keys-refresh` seconds). The store is Redis
 when `--redis-url` (or the config's `redis.url`) is given, else this process's memory. Prices per
-model come from the config's `prices:`, else from the route (a ModelDeployment's measured cost).
+model come from the config's `prices:`, else from the route (a ModelDeployment's measured cost);
+a provider fallback's from `prices:` under its name (`<model>/<index>`, as `x-kvpilot-target`
+says). The gateway is ready (`/ready`) only while the store answers, unless it fails open.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from kvpilot.gateway.budget.arithmetic import Price
 from kvpilot.gateway.budget.config import KeysDocument, key_book, prices
 from kvpilot.gateway.budget.keys import KeyRing, KeysPolicy
 from kvpilot.gateway.budget.policy import BudgetOptions, BudgetPolicy
-from kvpilot.gateway.budget.store import BudgetStore, MemoryStore, RedisStore
+from kvpilot.gateway.budget.store import BudgetStore, MemoryStore, RedisStore, StoreError
 from kvpilot.gateway.config import ConfigError, GatewayConfig, describe
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.routing.routes import RouteTable
+from kvpilot.gateway.routing.routes import Fallback, RouteTable
 
 log = logging.getLogger("kvpilot.gateway.keys")
 
@@ -81,6 +83,14 @@ def price_lookup(static: dict[str, Price], table: RouteTable) -> Callable[[str],
     return price_of
 
 
+def fallbacks_lookup(table: RouteTable) -> Callable[[str], tuple[Fallback, ...]]:
+    def fallbacks_of(model: str) -> tuple[Fallback, ...]:
+        route = table.get(model)
+        return route.fallbacks if route is not None else ()
+
+    return fallbacks_of
+
+
 @dataclass
 class Budgets:
     """The two policies and what runs alongside them (the Secret refresh, the store)."""
@@ -103,6 +113,18 @@ class Budgets:
                 await task
         await self.store.close()
 
+    async def unready(self) -> str | None:
+        """Why the gateway cannot serve keyed requests now (None: it can): a budget store that
+        does not answer, while requests are refused for it (failing closed)."""
+        if self.budget.options.fail_open:
+            return None
+        try:
+            await self.store.ping()
+        except StoreError as error:
+            return (f"the budget store does not answer ({error}), so every request with a key "
+                    "is refused with 503 until it does")  # fmt: skip
+        return None
+
 
 def build(args: argparse.Namespace, table: RouteTable, metrics: GatewayMetrics) -> Budgets | None:
     """The keys and budget policies, or None when no key is configured (an open gateway)."""
@@ -117,7 +139,8 @@ def build(args: argparse.Namespace, table: RouteTable, metrics: GatewayMetrics) 
     url = args.redis_url or settings.redis_url
     store: BudgetStore = RedisStore(url) if url else MemoryStore()
     options = BudgetOptions(args.budget_default_max_tokens, args.budget_on_store_error == "open")
-    budget = BudgetPolicy(store, metrics, price_lookup(settings.prices, table), options)
+    budget = BudgetPolicy(store, metrics, price_lookup(settings.prices, table), options,
+                          fallbacks_lookup(table))  # fmt: skip
     refresh = None
     if args.keys_secret is not None:
         # Imported here: the Kubernetes client only for keys from a Secret.

@@ -2,7 +2,9 @@
 
 `reserve` is all-or-nothing and atomic: every counter has room for its amount and all are
 incremented, or none is and the first full one is named. In Redis one Lua script does it, so two
-gateway replicas never both take the last room; a counter expires at its window's end.
+gateway replicas never both take the last room; a counter expires at its window's end. Beside
+each counter the store keeps the part of it reserved by requests still in flight (a reservation
+adds to both, its settlement releases it), so a refusal can tell settled use from reservations.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvpilot.gateway.budget.arithmetic import Charge
+from kvpilot.gateway.budget.arithmetic import Charge, in_flight_counter
 
 
 class StoreError(RuntimeError):
@@ -26,19 +28,24 @@ class StoreError(RuntimeError):
 @dataclass(frozen=True)
 class Denied:
     index: int  # of the first charge that did not fit
-    used: float  # what its counter holds already
+    used: float  # what its counter holds already (settled use and reservations in flight)
+    in_flight: float = 0.0  # of `used`: reserved by requests not settled yet
 
 
 class BudgetStore(Protocol):
     async def reserve(self, charges: Sequence[Charge]) -> Denied | None: ...
 
     async def adjust(self, deltas: Sequence[Charge]) -> None:
-        """Add each `amount` (negative: give back) to its counter; a counter whose window has
-        ended is left alone; a missing one is created (a request admitted while the store was
-        down settles its use)."""
+        """Add each `amount` (negative: give back) to its counter and take its `release` off
+        the counter's in-flight part; a counter whose window has ended is left alone; a missing
+        one is created (a request admitted while the store was down settles its use)."""
         ...
 
     async def read(self, counter: str) -> float: ...
+
+    async def ping(self) -> None:
+        """Return when the store answers; StoreError when it does not (readiness)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -58,10 +65,10 @@ class MemoryStore:
         for index, charge in enumerate(charges):
             used = self._value(charge.counter, now)
             if used + charge.amount > charge.limit:
-                return Denied(index, used)
+                return Denied(index, used, self._value(in_flight_counter(charge.counter), now))
         for charge in charges:
-            value = self._value(charge.counter, now) + charge.amount
-            self.counters[charge.counter] = (value, charge.expires_at)
+            self._add(charge.counter, charge.amount, charge.expires_at, now)
+            self._add(in_flight_counter(charge.counter), charge.amount, charge.expires_at, now)
         self._drop_expired(now)
         return None
 
@@ -69,11 +76,19 @@ class MemoryStore:
         now = time.time()
         for delta in deltas:
             if delta.expires_at > now:
-                value = self._value(delta.counter, now) + delta.amount
-                self.counters[delta.counter] = (value, delta.expires_at)
+                self._add(delta.counter, delta.amount, delta.expires_at, now)
+                if delta.release:
+                    self._add(in_flight_counter(delta.counter), -delta.release,
+                              delta.expires_at, now)  # fmt: skip
+
+    def _add(self, key: str, amount: float, expires_at: float, now: float) -> None:
+        self.counters[key] = (self._value(key, now) + amount, expires_at)
 
     async def read(self, counter: str) -> float:
         return self._value(counter, time.time())
+
+    async def ping(self) -> None:
+        pass
 
     async def close(self) -> None:
         pass
@@ -83,30 +98,39 @@ class MemoryStore:
             self.counters = {k: v for k, v in self.counters.items() if v[1] > now}
 
 
-# KEYS: counters; ARGV: per counter (limit, amount, expire-at ms). Returns 0, or {index, used}.
+# KEYS: n counters, then their n in-flight parts; ARGV: per counter (limit, amount, expire-at ms).
+# Returns 0, or {index, used, in flight}.
 RESERVE_LUA = """
-for i = 1, #KEYS do
+local n = #KEYS / 2
+for i = 1, n do
   local used = tonumber(redis.call('GET', KEYS[i]) or '0')
   if used + tonumber(ARGV[3 * i - 1]) > tonumber(ARGV[3 * i - 2]) then
-    return {i, tostring(used)}
+    return {i, tostring(used), redis.call('GET', KEYS[n + i]) or '0'}
   end
 end
-for i = 1, #KEYS do
-  redis.call('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 1])
-  redis.call('PEXPIREAT', KEYS[i], ARGV[3 * i])
+for i = 1, n do
+  for _, key in ipairs({KEYS[i], KEYS[n + i]}) do
+    redis.call('INCRBYFLOAT', key, ARGV[3 * i - 1])
+    redis.call('PEXPIREAT', key, ARGV[3 * i])
+  end
 end
 return 0
 """
 
-# KEYS: counters; ARGV: per counter (delta, expire-at ms), then now (ms). A counter of a window
-# that has ended is not recreated.
+# KEYS: n counters, then their n in-flight parts; ARGV: per counter (delta, minus the release,
+# expire-at ms), then now (ms). A counter of a window that has ended is not recreated.
 ADJUST_LUA = """
 local now = tonumber(ARGV[#ARGV])
-for i = 1, #KEYS do
-  local expires_at = tonumber(ARGV[2 * i])
+local n = #KEYS / 2
+for i = 1, n do
+  local expires_at = tonumber(ARGV[3 * i])
   if expires_at > now then
-    redis.call('INCRBYFLOAT', KEYS[i], ARGV[2 * i - 1])
+    redis.call('INCRBYFLOAT', KEYS[i], ARGV[3 * i - 2])
     redis.call('PEXPIREAT', KEYS[i], expires_at)
+    if tonumber(ARGV[3 * i - 1]) ~= 0 then
+      redis.call('INCRBYFLOAT', KEYS[n + i], ARGV[3 * i - 1])
+      redis.call('PEXPIREAT', KEYS[n + i], expires_at)
+    end
   end
 end
 return 0
@@ -131,23 +155,21 @@ class RedisStore:
         for charge in charges:
             args += [charge.limit, charge.amount, int(charge.expires_at * 1000)]
         try:
-            result = await self._reserve(keys=[c.counter for c in charges], args=args)
+            result = await self._reserve(keys=with_in_flight(charges), args=args)
         except aioredis.RedisError as error:
             raise StoreError(f"redis: {error}") from error
         if result == 0:
             return None
-        return Denied(int(result[0]) - 1, float(result[1]))
+        return Denied(int(result[0]) - 1, float(result[1]), float(result[2]))
 
     async def adjust(self, deltas: Sequence[Charge]) -> None:
         if not deltas:
             return
         args: list[float | int] = []
         for delta in deltas:
-            args += [delta.amount, int(delta.expires_at * 1000)]
+            args += [delta.amount, -delta.release, int(delta.expires_at * 1000)]
         try:
-            await self._adjust(
-                keys=[d.counter for d in deltas], args=[*args, int(time.time() * 1000)]
-            )
+            await self._adjust(keys=with_in_flight(deltas), args=[*args, int(time.time() * 1000)])
         except aioredis.RedisError as error:
             raise StoreError(f"redis: {error}") from error
 
@@ -158,5 +180,17 @@ class RedisStore:
             raise StoreError(f"redis: {error}") from error
         return float(value or 0)
 
+    async def ping(self) -> None:
+        try:
+            await self.client.ping()
+        except aioredis.RedisError as error:
+            raise StoreError(f"redis: {error}") from error
+
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def with_in_flight(charges: Sequence[Charge]) -> list[str]:
+    """The scripts' KEYS: the counters, then their in-flight parts in the same order."""
+    counters = [c.counter for c in charges]
+    return counters + [in_flight_counter(c) for c in counters]
