@@ -1,12 +1,15 @@
 """Credentials at the gateway's edge, pure (issue 40): the bearer token in any case of the scheme,
-and the cache scope of a caller (its credential, key, team or everyone)."""
+the cache scope of a caller (its credential, key, team or everyone), and the reason a malformed
+request is refused with, never quoting its bytes."""
 
 from __future__ import annotations
 
 import pytest
+from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader, LineTooLong
 
 from kvpilot.gateway.cache.scope import Who, scope_of
 from kvpilot.gateway.credentials import bearer_token, credential_digest
+from kvpilot.gateway.edge import reason_of
 
 
 @pytest.mark.parametrize(
@@ -56,3 +59,19 @@ JUDGED = "credential:" + credential_digest("Bearer sk-a")
 )
 def test_the_cache_scope_of_a_caller(setting: str, who: Who, scope: str) -> None:
     assert scope_of(setting, who) == scope
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (BadHttpMessage("Missing expected CR after header value:\n\n  b'Authorization: Bearer "
+                        "sk-1\\nX: y'\n  ^"), "Missing expected CR after header value"),
+        (InvalidHeader(b"Authorization: Bearer sk-1"), "the request is not valid HTTP/1.1"),
+        (LineTooLong("Status line is too long", "8190", "9000"),
+         "a line of the request's head is too long"),
+        (BadHttpMessage(""), "the request is not valid HTTP/1.1"),
+    ],
+)  # fmt: skip
+def test_a_malformed_requests_reason_never_quotes_it(error: BadHttpMessage, reason: str) -> None:
+    assert reason_of(error) == reason
+    assert "sk-1" not in reason_of(error)

@@ -1,4 +1,4 @@
-"""Trust at the edge (issue 40 items 1, 2, 9, 10) with real processes: a `kvpilot-runtime serve`
+"""Trust at the edge (issue 40 items 1, 2, 6, 9, 10) with real processes: a `kvpilot-runtime serve`
 replica of tiny-llama that checks an API key (`--api-key`, served as `locked`), and real
 `kvpilot-gateway` processes in front of it with the response cache on.
 
@@ -10,11 +10,14 @@ replica of tiny-llama that checks an API key (`--api-key`, served as `locked`), 
   limits (its rpm_limit; refused when the request would not fit its budget) but spends no tokens.
 - `Authorization: bearer KEY` (any case of the scheme) is accepted by the gateway and the runtime;
   `"max_tokens": null` is the runtime's 16 also through a token-limited key.
+- A header with a bare line feed is a 400 that quotes nothing, and one log line, not a traceback.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -194,3 +197,43 @@ def test_bearer_in_any_case_and_a_null_max_tokens_as_the_runtime_reads_them(
     through = post(keyed_gateway.url, "bearer sk-team-a-one", body)
     assert through.status_code == 200, through.text
     assert through.json()["usage"]["completion_tokens"] == 16
+
+
+def raw_request(port: int, head: bytes) -> bytes:
+    """`head` and a 2-byte body as they are, over a plain socket; what came back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + b"Content-Length: 2\r\n\r\n{}")
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+INJECTED = f"Authorization: Bearer {KEY}\nX-Injected: yes\r\n".encode()
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + INJECTED
+
+
+def lines_since(path: Path, start: int) -> list[str]:
+    return path.read_text()[start:].splitlines()
+
+
+def test_a_header_with_a_bare_line_feed_is_a_400_that_quotes_nothing(
+    replica: RuntimeServer, open_gateway: GatewayProcess
+) -> None:
+    """Item 6: the 400 body and a logged traceback quoted the whole header, key included."""
+    start = len(open_gateway.log_path.read_text())
+    answer = raw_request(open_gateway.port, HEAD)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0]
+    assert KEY.encode() not in answer
+    assert b'"code": "malformed_request"' in body
+    wait_for(lambda: bool(lines_since(open_gateway.log_path, start)), 10, "the log line")
+    logged = lines_since(open_gateway.log_path, start)
+    assert len(logged) == 1 and "malformed_request" in logged[0], logged
+    assert KEY not in open_gateway.log_path.read_text()
+    assert "Traceback" not in open_gateway.log_path.read_text()
+    # the runtime (uvicorn) answers it alike: a 400 without the key, and no traceback
+    runtime_answer = raw_request(replica.port, HEAD)
+    assert b" 400 " in runtime_answer.split(b"\r\n")[0] and KEY.encode() not in runtime_answer
+    assert KEY not in replica.log_path.read_text()
+    assert "Traceback" not in replica.log_path.read_text()

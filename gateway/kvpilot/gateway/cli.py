@@ -27,6 +27,7 @@ from kvpilot.gateway.cache.config import STORES, CacheSettings, CacheSpec, setti
 from kvpilot.gateway.cache.policy import CachePolicy, build_store
 from kvpilot.gateway.cache.scope import SCOPES
 from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes, upstream_api_key
+from kvpilot.gateway.edge import GatewayRunner
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
@@ -164,7 +165,7 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     app = gateway.app()
     if budgets is not None:
         app.cleanup_ctx.append(budgets.running)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("kvpilot-gateway on %s:%d routing %s", args.host, args.port, table.models())
