@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -326,3 +327,66 @@ def test_stream_options_that_are_not_an_object_are_a_400_naming_them(options: ob
     assert refusal is not None and refusal.status == 400
     assert error_of(refusal)["param"] == "stream_options"
     assert counters_of(harness) == {}  # refused before anything was reserved
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_read_in_any_case(scheme: str) -> None:
+    """RFC 7235: the auth scheme is case-insensitive (issue 40 item 9)."""
+    ex = exchange({"model": "tiny", "prompt": "hi", "max_tokens": 1}, key=None)
+    ex.request = make_mocked_request(
+        "POST", "/v1/completions", headers={"Authorization": f"{scheme} sk-research"}
+    )
+    assert asyncio.run(KeysPolicy(KeyRing(key_book(KEYS.keys, KEYS.teams))).before(ex)) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "reserved_output"),
+    [
+        ({}, 16),  # the runtime's (and OpenAI's) default for completions
+        ({"max_tokens": None}, 16),  # null is unset, as the runtime reads it
+        ({"max_tokens": 40}, 40),
+    ],
+)
+def test_a_completion_without_max_tokens_reserves_the_runtimes_default_and_is_sent_as_is(
+    fields: dict[str, Any], reserved_output: int
+) -> None:
+    """Issue 40 item 9: `"max_tokens": null` was reserved and sent upstream as 1024."""
+    harness = Harness()
+    payload = {"model": "tiny", "prompt": "hello", **fields}
+    ex = exchange(payload)
+    body = ex.body
+
+    async def scenario() -> None:
+        assert await harness.keys.before(ex) is None
+        assert await harness.budget.before(ex) is None
+
+    asyncio.run(scenario())
+    assert counters_of(harness)["total_tokens"] == len(b"hello") + 8 + reserved_output
+    assert ex.body == body  # the request upstream keeps its own limit
+
+
+def test_a_cache_hit_counts_as_a_request_spends_nothing_and_is_refused_over_a_limit() -> None:
+    """Issue 40 item 10: a hit goes through the budget's gate: admitted when the request would
+    be, then charged 1 request (the team's rpm_limit is 3) and no tokens; a 4th is refused; and
+    a key whose token limit has no room for the request is refused for its cached prompt too."""
+    harness = Harness()
+    hit = {"model": "tiny", "prompt": "cached", "max_tokens": 4}  # reserves 6 + 8 + 4
+
+    async def admitted(h: Harness, ex: Exchange) -> web.StreamResponse | None:
+        assert await h.keys.before(ex) is None
+        return await h.budget.admit_hit(ex)
+
+    async def scenario() -> None:
+        assert [await admitted(harness, exchange(hit)) for _ in range(3)] == [None] * 3
+        assert counters_of(harness) == {"total_tokens": 0, "requests": 3}
+        refusal = await admitted(harness, exchange(hit))
+        assert refusal is not None and refusal.status == 429
+        assert "requests 3 per 1m" in error_of(refusal)["message"]
+
+    asyncio.run(scenario())
+    spent = Harness()
+    key_limit = next(entry for entry in spent.keys.ring.book.values() if entry.team).limits[0]
+    spent.store.counters[key_limit.counter(time.time())] = (290.0, time.time() + 3600)
+    refusal = asyncio.run(admitted(spent, exchange(hit)))
+    assert refusal is not None and refusal.status == 429
+    assert "total_tokens 300 per 1h: 290 used" in error_of(refusal)["message"]

@@ -26,7 +26,7 @@ BASE: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "temperat
 
 
 def key(payload: dict[str, Any], kind: str = bodies.COMPLETIONS, model: str = "tiny") -> str | None:
-    return verdict(kind, model, payload).key
+    return verdict(kind, model, payload, "shared").key
 
 
 @pytest.mark.parametrize(
@@ -79,8 +79,8 @@ def test_anything_that_shapes_the_answer_changes_the_key(
     ],
 )
 def test_requests_kept_out_of_the_cache(payload: dict[str, Any], skip: str) -> None:
-    assert verdict(bodies.COMPLETIONS, "tiny", payload).skip == skip
-    assert verdict(bodies.COMPLETIONS, "tiny", payload).key is None
+    assert verdict(bodies.COMPLETIONS, "tiny", payload, "shared").skip == skip
+    assert verdict(bodies.COMPLETIONS, "tiny", payload, "shared").key is None
 
 
 @pytest.mark.parametrize(
@@ -253,3 +253,18 @@ def test_settings_from_the_file_and_flags() -> None:
     assert not settings_from(CacheSpec(), None, None).enabled
     with pytest.raises(ValueError, match="--redis-url"):
         settings_from(spec, "redis", None)
+
+
+def test_the_scope_is_team_key_or_shared() -> None:
+    assert settings_from(CacheSpec(), "memory", None).scope == "team"  # the default
+    spec = CacheSpec.model_validate({"enabled": True, "scope": "key"})
+    assert settings_from(spec, None, None).scope == "key"
+    assert settings_from(spec, None, None, "shared").scope == "shared"  # --cache-scope wins
+    with pytest.raises(ValueError, match=r"'tenant' is not one of team .*, key .* or shared"):
+        CacheSpec.model_validate({"scope": "tenant"})
+
+
+def test_the_scope_is_part_of_the_key() -> None:
+    keys = {verdict(bodies.COMPLETIONS, "tiny", BASE, scope).key
+            for scope in ("shared", "team:a", "team:b", "key:k1", "anonymous")}  # fmt: skip
+    assert len(keys) == 5

@@ -64,8 +64,14 @@ def gateway(
     assert process.stop() == 0, process.log_path.read_text()[-3000:]
 
 
+# The openai client's header: without gateway keys a cached answer is only ever given to the
+# credential it was stored for (issue 40), so raw requests that share entries send it too.
+CLIENT_KEY = "unused"
+CLIENT_AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
+
+
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=CLIENT_KEY, max_retries=0, timeout=120)
 
 
 def served(replica: RuntimeServer) -> float:
@@ -131,10 +137,10 @@ def test_a_streamed_hit_replays_the_stored_chunks(
     usage = {"include_usage": True}
     body = {"model": "small", "prompt": "Streams are replayed", "max_tokens": 8,
             "temperature": 0, "stream": True, "stream_options": usage}  # fmt: skip
-    state, miss = stream_events(gateway.url, body)
+    state, miss = stream_events(gateway.url, body, CLIENT_AUTH)
     assert state == "miss"
     before = served(replicas["small"])
-    state, hit = stream_events(gateway.url, body)
+    state, hit = stream_events(gateway.url, body, CLIENT_AUTH)
     assert state == "hit" and served(replicas["small"]) == before
     assert hit[:-2] == miss[:-2]  # every chunk byte for byte...
     assert hit[-1] == miss[-1] == b"data: [DONE]"
@@ -250,30 +256,30 @@ def test_cascade_sends_short_tool_less_prompts_to_the_small_model(
     assert gateway.metric("kvpilot_gateway_cascade_total", **rule) == 1
 
 
-def test_a_hit_costs_no_budget(
+def test_a_hit_counts_as_a_request_of_the_budget(
     replicas: dict[str, RuntimeServer], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Keys before the cache, the budget after it: a key allowed 3 requests sends one request 3
-    times (1 miss, 2 hits) and a streamed one twice (1 miss, 1 hit, identical events: the usage
-    the budget forced upstream is dropped from both), and still has 1 request left."""
+    """Keys before the cache, the budget after it, and each hit through the budget's gate (issue
+    40): a key allowed 5 requests sends one request 3 times (1 miss, 2 hits) and a streamed one
+    twice (1 miss, 1 hit, identical events: the usage the budget forced upstream is dropped from
+    both); every hit was one of its requests, so a 6th, cached, is refused."""
     keyed = {**config(replicas), "keys": [{"key": "sk-cache", "team": "t", "limits": [
-        {"unit": "requests", "limit": 3, "window": "30d"}]}]}  # fmt: skip
+        {"unit": "requests", "limit": 5, "window": "30d"}]}]}  # fmt: skip
     process = GatewayProcess(keyed, tmp_path_factory.mktemp("budget"))
     api = openai.OpenAI(base_url=f"{process.url}/v1", api_key="sk-cache", max_retries=0)
     try:
         args: dict[str, Any] = {"model": "small", "max_tokens": 4, "temperature": 0}
-        states = [api.completions.with_raw_response.create(prompt="Budget free", **args)
+        states = [api.completions.with_raw_response.create(prompt="Budget counted", **args)
                   .headers["x-kvpilot-cache"] for _ in range(3)]  # fmt: skip
         assert states == ["miss", "hit", "hit"]
-        body = {**args, "prompt": "Streamed budget free", "stream": True}
+        body = {**args, "prompt": "Streamed budget counted", "stream": True}
         auth = {"Authorization": "Bearer sk-cache"}
         streams = [stream_events(process.url, body, auth) for _ in range(2)]
         assert [state for state, _ in streams] == ["miss", "hit"]
         assert streams[0][1] == streams[1][1]
         assert not any(b'"usage": {' in e or b'"usage":{' in e for e in streams[0][1])
-        api.completions.create(prompt="A third request", **args)
         with pytest.raises(openai.RateLimitError):
-            api.completions.create(prompt="A fourth request", **args)
+            api.completions.create(prompt="Budget counted", **args)
         assert process.metric("kvpilot_gateway_cache_hits_total") == 3
     finally:
         assert process.stop() == 0

@@ -9,7 +9,7 @@ from kvpilot.gateway.bodies import COMPLETIONS, Inbound
 from kvpilot.gateway.budget.config import KeyEntry
 from kvpilot.gateway.budget.keys import CALLER, Caller
 from kvpilot.gateway.exchange import Exchange, Tap, end_taps, through_taps
-from kvpilot.gateway.proxy import forwards_client_key
+from kvpilot.gateway.proxy import authorization_for_replicas
 
 
 class HoldLastLine:
@@ -63,19 +63,23 @@ def test_taps_filter_in_order_and_release_what_they_held(
 
 
 @pytest.mark.parametrize(
-    ("headers", "authenticated", "forwarded"),
+    ("headers", "authenticated", "own_key", "sent"),
     [
-        ({"Authorization": "Bearer sk-client"}, False, True),  # a replica may check it
-        ({"Authorization": "Bearer sk-gateway"}, True, False),  # the gateway's own key
-        ({}, False, False),
+        ({"Authorization": "Bearer sk-client"}, False, None, "Bearer sk-client"),  # checked there
+        ({"Authorization": "bearer sk-client"}, False, None, "bearer sk-client"),  # as it came
+        ({"Authorization": "Bearer sk-gateway"}, True, None, None),  # the gateway's own key
+        ({}, False, None, None),
+        ({"Authorization": "Bearer sk-gateway"}, True, "sk-up", "Bearer sk-up"),  # keys + --api-key
+        ({"Authorization": "Bearer sk-client"}, False, "sk-up", "Bearer sk-up"),
+        ({}, False, "sk-up", "Bearer sk-up"),
     ],
-)
-def test_the_client_key_reaches_replicas_only_without_gateway_keys(
-    headers: dict[str, str], authenticated: bool, forwarded: bool
+)  # fmt: skip
+def test_what_authorization_reaches_replicas(
+    headers: dict[str, str], authenticated: bool, own_key: str | None, sent: str | None
 ) -> None:
     request = make_mocked_request("POST", "/v1/completions", headers=headers)
     if authenticated:
         request[CALLER] = Caller("k1", "team", KeyEntry("k1", "team", None, ()))
     inbound = Inbound("m", False, "", {"model": "m"})
     exchange = Exchange(request, COMPLETIONS, inbound, b"{}", "m")
-    assert forwards_client_key(exchange) is forwarded
+    assert authorization_for_replicas(exchange, own_key) == sent

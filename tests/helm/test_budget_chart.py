@@ -60,3 +60,32 @@ def test_the_cache_store_becomes_the_flag_the_gateway_parses(helm_bin: Path, sto
 
 def test_no_cache_by_default(helm_bin: Path) -> None:
     assert cli.parse_args(container(render(helm_bin), "gateway")["args"]).cache_store is None
+
+
+@pytest.mark.parametrize("scope", ["team", "key", "shared"])
+def test_the_cache_scope_becomes_the_flag_the_gateway_parses(helm_bin: Path, scope: str) -> None:
+    values = {"gateway.cacheStore": "memory", "gateway.cacheScope": scope}
+    args = cli.parse_args(container(render(helm_bin, values), "gateway")["args"])
+    assert args.cache_scope == scope
+    assert cli.parse_args(container(render(helm_bin), "gateway")["args"]).cache_scope is None
+
+
+def test_the_upstream_key_comes_from_a_secret_into_the_environment(helm_bin: Path) -> None:
+    """The replicas' --api-key: a Secret key in the gateway's environment, named by the flag the
+    gateway parses; the key itself is never in the pod's args."""
+    values = {
+        "gateway.upstreamApiKeySecret.name": "runtime-key",
+        "gateway.env[0].name": "HTTPS_PROXY",
+        "gateway.env[0].value": "http://proxy:3128",
+    }
+    gateway = container(render(helm_bin, values), "gateway")
+    args = cli.parse_args(gateway["args"])
+    assert args.upstream_api_key_env == "KVPILOT_UPSTREAM_API_KEY"
+    env = {e["name"]: e for e in gateway["env"]}
+    assert env["KVPILOT_UPSTREAM_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "runtime-key", "key": "api-key"}
+    }
+    assert env["HTTPS_PROXY"]["value"] == "http://proxy:3128"  # gateway.env is kept
+    defaults = container(render(helm_bin), "gateway")
+    assert cli.parse_args(defaults["args"]).upstream_api_key_env is None
+    assert "env" not in defaults

@@ -51,6 +51,15 @@ def test_api_key_is_required_on_v1_and_tokenize_only(guarded: RuntimeServer) -> 
     assert httpx.post(tokenize, json={"prompt": "a"}, headers=auth).status_code == 200
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_read_in_any_case(guarded: RuntimeServer, scheme: str) -> None:
+    """RFC 7235: the auth scheme is case-insensitive; `bearer KEY` was a 401 (issue 40 item 9)."""
+    models = f"{guarded.url}/v1/models"
+    assert httpx.get(models, headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    for wrong in (f"{scheme} wrong", f"{scheme}{KEY}", f"Basic {KEY}"):
+        assert httpx.get(models, headers={"Authorization": wrong}).status_code == 401
+
+
 async def overload(server: RuntimeServer) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     url = f"{server.url}/v1/completions"

@@ -25,7 +25,9 @@ from aiohttp import web
 from kvpilot.gateway.budget import setup as budget_setup
 from kvpilot.gateway.cache.config import STORES, CacheSettings, CacheSpec, settings_from
 from kvpilot.gateway.cache.policy import CachePolicy, build_store
-from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes
+from kvpilot.gateway.cache.scope import SCOPES
+from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes, upstream_api_key
+from kvpilot.gateway.edge import GatewayRunner
 from kvpilot.gateway.exchange import Policy
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
@@ -64,6 +66,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache-store", choices=STORES,
                         help="turn the response cache on with this store (else the config "
                         "file's `cache:`; redis needs --redis-url)")  # fmt: skip
+    parser.add_argument("--cache-scope", choices=SCOPES,
+                        help="who shares cached answers under API keys: team (default), key, "
+                        "or shared (else the config file's cache.scope)")  # fmt: skip
+    parser.add_argument("--upstream-api-key-env", metavar="NAME",
+                        help="environment variable holding the key sent to the replicas (their "
+                        "--api-key); else the config file's upstream.apiKeyEnv")  # fmt: skip
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error", "critical"])  # fmt: skip
     return parser.parse_args(argv)
@@ -83,6 +91,7 @@ def build_options(args: argparse.Namespace) -> ProxyOptions:
         fallback_after_s=args.fallback_after,
         max_held_per_model=args.max_held,
         max_body_bytes=args.max_request_body_bytes,
+        upstream_api_key=upstream_api_key(args.upstream_api_key_env, args.config),
     )
 
 
@@ -126,15 +135,15 @@ def start_discovery(
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
     spec = load_cache_spec(args.config) if args.config is not None else CacheSpec()
     redis_url = args.redis_url or budget_setup.read_settings(args.config).redis_url
-    return settings_from(spec, args.cache_store, redis_url)
+    return settings_from(spec, args.cache_store, redis_url, args.cache_scope)
 
 
 def build_policies(
-    table: RouteTable, settings: CacheSettings, metrics: GatewayMetrics
+    table: RouteTable, settings: CacheSettings, metrics: GatewayMetrics, upstream_key: bool
 ) -> tuple[list[Policy], CachePolicy]:
     """In order: cascade (may re-route), then the cache (keyed on the routed model); serve()
     puts the keys policy before them and the budget after."""
-    cache = CachePolicy(settings, build_store(settings, metrics), metrics)
+    cache = CachePolicy(settings, build_store(settings, metrics), metrics, upstream_key)
     return [CascadePolicy(table, metrics), cache], cache
 
 
@@ -144,16 +153,20 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     waker, stop_discovery = start_discovery(args, table)
     metrics = GatewayMetrics()
     budgets = budget_setup.build(args, table, metrics)
-    cascade_and_cache, cache = build_policies(table, settings, metrics)
-    # keys, cascade, cache (a hit answers before the budget: it costs none), budget (issue 16)
+    upstream_key = options.upstream_api_key is not None
+    cascade_and_cache, cache = build_policies(table, settings, metrics, upstream_key)
+    # keys, cascade, cache, budget (issue 16); a hit answers before the budget, which counts it
+    # as a request and refuses it over a limit (cache.gate, issue 40)
     policies = ([budgets.keys, *cascade_and_cache, budgets.budget] if budgets is not None
                 else cascade_and_cache)  # fmt: skip
+    if budgets is not None:
+        cache.gate = budgets.budget
     gateway = Gateway(table, options, waker, metrics, policies)
     app = gateway.app()
     if budgets is not None:
         app.cleanup_ctx.append(budgets.running)
         gateway.readiness.append(budgets.unready)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     log.info("kvpilot-gateway on %s:%d routing %s", args.host, args.port, table.models())

@@ -14,6 +14,8 @@ file and what to write instead.
           - when: {maxPromptTokens: 512, noTools: true}
             model: small                   # another model in this file
     cache: {enabled: true, ttlSeconds: 600}  # optional (cache/config.py)
+    upstream: {apiKeyEnv: RUNTIME_API_KEY}    # optional: the key sent to the replicas (their
+                                              # --api-key), read from this environment variable
 """
 
 from __future__ import annotations
@@ -95,9 +97,16 @@ class ModelSpec(_Strict):
         return self
 
 
+class UpstreamSpec(_Strict):
+    """The credential the gateway sends its own replicas (`kvpilot-runtime serve --api-key`)."""
+
+    api_key_env: str = Field(alias="apiKeyEnv", min_length=1)
+
+
 class GatewayConfig(_Strict):
     models: list[ModelSpec] = Field(min_length=1)
     cache: CacheSpec = Field(default_factory=CacheSpec)
+    upstream: UpstreamSpec | None = None
     keys: list[KeySpec] = Field(
         default_factory=list
     )  # budget/config.py: keys, teams, redis, prices
@@ -179,6 +188,27 @@ def to_provider(spec: ProviderSpec, name: str, env: Mapping[str, str], where: st
     return Provider(name=name, base_url=spec.base_url, model=spec.model, api_key=key)
 
 
+def upstream_api_key(
+    flag_env: str | None, path: Path | None, env: Mapping[str, str] | None = None
+) -> str | None:
+    """The key the gateway sends its replicas: from the environment variable that
+    `--upstream-api-key-env` names, else the one the config's `upstream.apiKeyEnv` names; None
+    when neither is given. ConfigError when the variable is not set or empty (every request
+    would be refused)."""
+    name, where = flag_env, "--upstream-api-key-env"
+    if name is None and path is not None:
+        upstream = load_config(path).upstream
+        name, where = (upstream.api_key_env, f"{path}: upstream.apiKeyEnv") if upstream else (
+            None, "")  # fmt: skip
+    if name is None:
+        return None
+    key = (os.environ if env is None else env).get(name, "").strip()
+    if not key:
+        raise ConfigError(f"{where}: the environment variable {name!r} is not set or empty; set "
+                          "it to the replicas' --api-key")  # fmt: skip
+    return key
+
+
 def describe(error: ValidationError) -> str:
     """pydantic's errors as `models.0.backends.1: message` lines."""
     lines = []
@@ -190,9 +220,14 @@ def describe(error: ValidationError) -> str:
 
 def load_cache_spec(path: Path) -> CacheSpec:
     """The file's `cache:` section (defaults when it has none); ConfigError as load_routes."""
+    return load_config(path).cache
+
+
+def load_config(path: Path) -> GatewayConfig:
+    """The whole file, validated; ConfigError as load_routes."""
     try:
         data = yaml.safe_load(path.read_text())
-        return GatewayConfig.model_validate(data).cache
+        return GatewayConfig.model_validate(data)
     except (OSError, yaml.YAMLError) as error:
         raise ConfigError(f"cannot read the gateway config {path}: {error}") from None
     except ValidationError as error:

@@ -27,6 +27,7 @@ from kvpilot.gateway import bodies
 from kvpilot.gateway.bodies import BadRequestError, Inbound
 from kvpilot.gateway.budget.keys import CALLER
 from kvpilot.gateway.cache.policy import HEADER as CACHE
+from kvpilot.gateway.credentials import upstream_authorization
 from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.routing.affinity import Affinity
@@ -56,6 +57,7 @@ class ProxyOptions:
     connect_timeout_s: float = 5.0
     scrape_interval_s: float = 2.0  # replicas' /metrics (queue, KV usage)
     eject_s: float = 5.0  # a replica that refused a connection or answered 502/503 sits out
+    upstream_api_key: str | None = field(default=None, repr=False)  # sent to replicas
 
 
 @dataclass
@@ -286,8 +288,8 @@ class Gateway:
         self, exchange: Exchange, body: bytes, route: Route, backend: Backend, outcome: Outcome
     ) -> bool:
         headers = {"Content-Type": "application/json"}
-        if forwards_client_key(exchange):
-            headers["Authorization"] = exchange.request.headers["Authorization"]
+        if authorization := authorization_for_replicas(exchange, self.options.upstream_api_key):
+            headers["Authorization"] = authorization
         url = f"{backend.url}/v1/{exchange.kind}"
         hop = Hop(url, backend.name, route.model, headers, exchange.headers)
         self.metrics.picks.labels(exchange.model, backend.name).inc()
@@ -348,11 +350,11 @@ class Gateway:
         access_log.info(json.dumps(line))
 
 
-def forwards_client_key(exchange: Exchange) -> bool:
-    """Without gateway keys a replica may check the client's key itself; a key the gateway
-    authenticated is the gateway's own and goes no further."""
-    authenticated = CALLER in exchange.request
-    return not authenticated and "Authorization" in exchange.request.headers
+def authorization_for_replicas(exchange: Exchange, own_key: str | None) -> str | None:
+    """The gateway's own upstream key when it has one; else, without gateway keys, the client's
+    (a replica may check it itself); a key the gateway authenticated goes no further."""
+    client = exchange.request.headers.get("Authorization")
+    return upstream_authorization(client, CALLER in exchange.request, own_key)
 
 
 def refused_response(outcome: Outcome, model: str) -> web.Response:

@@ -1,8 +1,8 @@
 """API keys: who is calling (the first policy). With keys configured every request needs
-`Authorization: Bearer <key>` (401 otherwise) and may only ask for the models of its key's
-allow-list (403 naming the model); `GET /v1/models` needs a key too and lists only those models.
-Keys are kept as sha256 hashes only; a key is named by the
-hash's first characters (`key_id`) in metrics, logs and errors.
+`Authorization: Bearer <key>` (the scheme in any case, RFC 7235; 401 otherwise) and may only ask
+for the models of its key's allow-list (403 naming the model); `GET /v1/models` needs a key too
+and lists only those models. Keys are kept as sha256 hashes only; a key is named by the hash's
+first characters (`key_id`) in metrics, logs and errors.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvpilot.gateway.budget.config import KeyEntry, hash_key
+from kvpilot.gateway.credentials import bearer_token
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.routing.routes import Fallback
 from kvpilot.gateway.upstream import error_response
@@ -38,9 +39,8 @@ class KeyRing:
         self.book = book
 
     def lookup(self, authorization: str | None) -> KeyEntry | None:
-        if not authorization or not authorization.startswith("Bearer "):
-            return None
-        return self.book.get(hash_key(authorization[len("Bearer ") :].strip()))
+        token = bearer_token(authorization)
+        return None if token is None else self.book.get(hash_key(token))
 
 
 class KeysPolicy:

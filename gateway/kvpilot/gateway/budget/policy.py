@@ -58,6 +58,7 @@ from kvpilot.gateway.usage import UsageTap, prompt_count, prompt_tokens_bound
 log = logging.getLogger("kvpilot.gateway.budget")
 TOKEN_UNITS = ("input_tokens", "output_tokens", "total_tokens", "cost")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and the runtime's) when the field is absent
+HIT_USE = Amounts(1, 0, 0, 0.0)  # what a cache hit is charged: one request
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,39 @@ class BudgetPolicy:
             log.warning("budget store answers again")
         self.store_up = True
 
+    async def admit_hit(self, exchange: Exchange) -> web.StreamResponse | None:
+        """A cache hit (cache/policy.py's HitGate) is admitted exactly when the same request
+        would be (its whole reservation fits every limit of the caller), then counted as one
+        request that spent no tokens and no cost: a key over its budget or its `rpm_limit` is
+        refused for a cached prompt too (issue 40). None: admitted."""
+        caller = exchange.request.get(CALLER)
+        if not isinstance(caller, Caller) or not caller.entry.limits:
+            return None
+        limits = list(caller.entry.limits)
+        reserved = self.reservation(exchange, limits, self.price_of(exchange.model))
+        too_big = first_too_big(limits, reserved)
+        if too_big is not None:
+            return too_big
+        now = time.time()
+        charged = charges(limits, reserved, now)
+        answer, cancelled = await run_to_end(self.reserve_hit(charged, limits, reserved, now))
+        if cancelled:
+            raise asyncio.CancelledError
+        return answer
+
+    async def reserve_hit(
+        self, charged: list[Charge], limits: list[Limit], reserved: Amounts, now: float
+    ) -> web.StreamResponse | None:
+        answer = await self.reserve(charged, limits, reserved, now)
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        if answer:  # reserved: all of it given back but the request
+            try:
+                await self.store.adjust(settlement(charged, limits, HIT_USE))
+            except StoreError as error:  # the reservation stays: counted high, never low
+                self.store_failed("settle", error)
+        return None
+
 
 def used(reservation: Reservation, exchange: Exchange, price: Price | None) -> Amounts:
     """What the request used, priced at `price` (what served it): the upstream's usage when it
@@ -287,8 +321,9 @@ def unusable_stream_options(payload: dict[str, Any]) -> web.Response | None:
 
 
 def max_tokens_of(payload: dict[str, Any], kind: str) -> int | None:
-    """The request's output bound; None when it has none (chat without one, or null)."""
-    if kind == bodies.COMPLETIONS and "max_tokens" not in payload:
+    """The request's output bound; None when it has none (chat without one). Null is unset,
+    as the runtime reads it: a completion's `"max_tokens": null` is the default 16."""
+    if kind == bodies.COMPLETIONS and payload.get("max_tokens") is None:
         return COMPLETIONS_DEFAULT_MAX_TOKENS
     fields = ("max_completion_tokens", "max_tokens") if kind == bodies.CHAT else ("max_tokens",)
     for name in fields:

@@ -5,9 +5,13 @@ from the store, and stores a miss's answer as it reaches the client.
   and never forwarded. `"cache": false` leaves the cache out entirely.
 - `Cache-Control: no-cache` skips the lookup but stores the fresh answer (a refresh);
   `no-store` leaves the cache out entirely.
+- Every key carries the caller's scope (cache/scope.py): a hit only answers a caller who could
+  have had that answer from the upstream, and one tenant never sees another's entries.
 - A hit carries `x-kvpilot-cache: hit` (a miss `miss`, a request kept out `skip`),
-  `x-kvpilot-backend: cache` and `usage.prompt_tokens_details.cached_tokens` = every prompt token;
-  it answers before the budget policy runs, so it costs no budget.
+  `x-kvpilot-backend: cache` and `usage.prompt_tokens_details.cached_tokens` = every prompt token.
+  It answers before the budget policy runs, but first asks the `HitGate` (the budget policy):
+  a hit counts as a request against the key's limits (`rpm_limit`) and spends no tokens, and a
+  key that is over a limit is refused as for any request.
 - Only an answer that reached its end with status 200 from an upstream is stored: for a stream,
   every event parsed, no error event, `data: [DONE]` last.
 """
@@ -15,14 +19,17 @@ from the store, and stores a miss's answer as it reaches the client.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from kvpilot.gateway.budget.keys import CALLER
 from kvpilot.gateway.cache import rules as cache_rules
 from kvpilot.gateway.cache.config import CacheSettings
 from kvpilot.gateway.cache.rules import Entry
+from kvpilot.gateway.cache.scope import Who, scope_of
 from kvpilot.gateway.cache.store import CacheStore, MemoryStore, RedisStore
+from kvpilot.gateway.credentials import forwards_client_credential
 from kvpilot.gateway.exchange import Exchange
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.upstream import error_response
@@ -79,11 +86,23 @@ def build_store(settings: CacheSettings, metrics: GatewayMetrics) -> CacheStore 
     return MemoryStore(*bounds)
 
 
+class HitGate(Protocol):
+    async def admit_hit(self, exchange: Exchange) -> web.StreamResponse | None:
+        """None: the hit may be answered (and is counted); else the refusal to answer."""
+        ...
+
+
 class CachePolicy:
     def __init__(
-        self, settings: CacheSettings, store: CacheStore | None, metrics: GatewayMetrics
+        self,
+        settings: CacheSettings,
+        store: CacheStore | None,
+        metrics: GatewayMetrics,
+        upstream_key: bool = False,  # the gateway sends its own key to replicas
     ) -> None:
         self.settings, self.store, self.metrics = settings, store, metrics
+        self.upstream_key = upstream_key
+        self.gate: HitGate | None = None  # the budget policy, when keys are configured
 
     async def before(self, exchange: Exchange) -> web.StreamResponse | None:
         payload = exchange.payload
@@ -102,7 +121,8 @@ class CachePolicy:
         self, exchange: Exchange, payload: dict[str, Any], store: CacheStore
     ) -> web.StreamResponse | None:
         directives = cache_control(exchange.request.headers.get("Cache-Control", ""))
-        verdict = cache_rules.verdict(exchange.kind, exchange.model, payload)
+        scope = scope_of(self.settings.scope, self.who(exchange))
+        verdict = cache_rules.verdict(exchange.kind, exchange.model, payload, scope)
         skip = ("request_field" if payload.get(cache_rules.CACHE_FIELD) is False else
                 "no_store" if "no-store" in directives else verdict.skip)  # fmt: skip
         if skip or verdict.key is None:
@@ -112,6 +132,9 @@ class CachePolicy:
         if "no-cache" not in directives:
             entry = await store.get(verdict.key)
             if entry is not None and entry.stream == exchange.inbound.stream:
+                refusal = await self.gate.admit_hit(exchange) if self.gate else None
+                if refusal is not None:
+                    return refusal
                 self.metrics.cache_hits.labels(exchange.model).inc()
                 exchange.headers[HEADER] = "hit"  # the access log's too
                 return await self.replay(exchange, entry)
@@ -121,6 +144,14 @@ class CachePolicy:
         exchange.taps.append(recorder)
         exchange.request[STATE] = Recording(verdict.key, recorder)
         return None
+
+    def who(self, exchange: Exchange) -> Who:
+        caller = exchange.request.get(CALLER)
+        authorization = exchange.request.headers.get("Authorization")
+        judged = forwards_client_credential(caller is not None, self.upstream_key)
+        if caller is None:
+            return Who(None, "", authorization, judged)
+        return Who(caller.key_id, caller.team, authorization, judged)
 
     async def replay(self, exchange: Exchange, entry: Entry) -> web.StreamResponse:
         """The entry's bytes as they were rendered when stored (one write)."""

@@ -4,7 +4,8 @@ it around a request in cache/policy.py.
 
 - Key: the routed model (after a cascade rule), the endpoint, and the request's fields that shape
   its answer, normalised (nulls and runtime defaults dropped, float fields as floats, JSON with
-  sorted keys), hashed with SHA-256. The caller is not part of it: the cache is shared.
+  sorted keys), and the caller's scope (cache/scope.py: its team, key or credential), hashed with
+  SHA-256: a hit only ever answers a caller of the scope that stored it.
 - Only fields this module knows take part; a field it does not know keeps the request out of the
   cache (it may change the answer in a way the key would not see).
 - Only deterministic requests: temperature 0, or a fixed `seed`.
@@ -21,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-KEY_VERSION = 2  # 2: entries are stored rendered (Entry.hit)
+KEY_VERSION = 3  # 2: entries are stored rendered (Entry.hit); 3: keyed by the caller's scope
 # The request field that asks the gateway to leave the cache out (true | false); never forwarded.
 CACHE_FIELD = "cache"
 
@@ -95,8 +96,9 @@ def stream_entry(stream: bytes, include_usage: bool) -> Entry | None:
     return Entry(True, b"".join(hit_events(events, include_usage)))
 
 
-def verdict(kind: str, model: str, payload: dict[str, Any]) -> Verdict:
-    """The cache key of a request to `model` (as routed), or why it is not cached."""
+def verdict(kind: str, model: str, payload: dict[str, Any], scope: str) -> Verdict:
+    """The cache key of a request to `model` (as routed) by a caller of `scope`, or why it is
+    not cached."""
     unknown = sorted(set(payload) - set(SHAPING_FIELDS) - NEUTRAL_FIELDS)
     if unknown:
         return Verdict(None, "unknown_field")
@@ -104,7 +106,8 @@ def verdict(kind: str, model: str, payload: dict[str, Any]) -> Verdict:
         return Verdict(None, "not_deterministic")
     shaping = {name: normalised(name, value) for name, value in payload.items()
                if name in SHAPING_FIELDS and not is_default(name, value)}  # fmt: skip
-    document = {"v": KEY_VERSION, "kind": kind, "model": model, "request": shaping}
+    document = {"v": KEY_VERSION, "scope": scope, "kind": kind, "model": model,
+                "request": shaping}  # fmt: skip
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return Verdict(hashlib.sha256(text.encode()).hexdigest())
 

@@ -127,8 +127,10 @@ def check_request(request: Request, state: ServerState, model: str | None) -> No
     """Auth, drain, load and model-name checks common to every /v1 endpoint."""
     key = state.config.api_key
     if key is not None:
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        # RFC 7235: the scheme is case-insensitive (`bearer KEY` is `Bearer KEY`)
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        is_bearer = scheme.lower() == "bearer"
+        if not (secrets.compare_digest(token.strip().encode(), key.encode()) and is_bearer):
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer ...)")
     if state.is_draining:
         raise ApiError(503, "server is shutting down; retry on another replica")
