@@ -49,6 +49,25 @@ def test_deeply_nested_json_is_400_on_every_json_endpoint(server: RuntimeServer,
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("name", "body"),
+    [
+        ("nul bytes", b"\x00" * 13),  # json.loads reads UTF-32-BE and fails mid-character
+        ("latin-1", '{"prompt": "caf\xe9"}'.encode("latin-1")),
+        ("large", b"\x00" * (OFF_LOOP_MIN_BYTES + 1)),  # parsed off the event loop
+    ],
+)
+def test_a_body_that_is_not_utf8_is_400_on_every_json_endpoint(
+    server: RuntimeServer, name: str, body: bytes
+) -> None:
+    """Found by tests/gateway/test_gateway_fuzz.py: a 500 UnicodeDecodeError before."""
+    for path in JSON_ENDPOINTS:
+        answer = httpx.post(f"{server.url}{path}", content=body, timeout=ANSWER_S,
+                            headers={"Content-Type": "application/json"})  # fmt: skip
+        assert answer.status_code == 400, (name, path, answer.text[:300])
+        assert "not UTF-8 text" in answer.json()["error"]["message"], (name, path)
+
+
 # --- item 13: admission counts sequences, one request cannot fill the queue --------------------
 
 

@@ -32,6 +32,7 @@ TOO_DEEP = (
     f"JSON nested more than {MAX_JSON_DEPTH} levels deep; send a body whose arrays and objects "
     f"nest at most {MAX_JSON_DEPTH} levels"
 )
+NOT_TEXT = "the body is not UTF-8 text; send JSON encoded as UTF-8"
 # ~10 ms of decoding and validation on a slow CPU: below this the event loop barely notices.
 OFF_LOOP_MIN_BYTES = 256 * 1024
 
@@ -74,6 +75,8 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise RequestValidationError([json_invalid(exc.pos, "JSON decode error")]) from exc
     except RecursionError as exc:  # deeper than the stack; MAX_JSON_DEPTH refuses the rest
         raise RequestValidationError([json_invalid(0, TOO_DEEP)]) from exc
+    except UnicodeDecodeError as exc:  # json.loads guesses UTF-8/16/32 from the first bytes
+        raise RequestValidationError([json_invalid(exc.start, NOT_TEXT)]) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
