@@ -14,7 +14,7 @@ LEAD_S = 70.0  # a 60 s cold start plus a 10 s tick
 CASES = [
     ("steady load: the rate seen", 4.0, 4.0, 0.0, 4.0, 0.0),
     # 4.4 vs 4.0: sd of the difference is sqrt(4 x (1/30 - 1/120)) = 0.32, so 0.4 is noise
-    ("a rise within Poisson noise is not a trend", 4.4, 4.0, 0.0, 4.4, 0.0),
+    ("a rise within Poisson noise: the long window's rate", 4.4, 4.0, 0.0, 4.0, 0.0),
     # +2/s over the 45 s between the windows' centres: 0.0444/s2, x 70 s = +3.1/s
     ("a significant rise is extrapolated over the lead", 8.0, 6.0, 0.0, 8.0 + 2 / 45 * 70, 2 / 45),
     # a step from 2 to 14/s seen at 14 (short) and 5 (long): x2 cap at 28

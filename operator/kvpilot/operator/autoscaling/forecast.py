@@ -5,11 +5,13 @@ one cold start (plus a decision interval) ahead. The arrival rate is read over t
 as two Prometheus `rate()` queries would give it: a short one that follows a burst within seconds
 and a long one that remembers the recent past.
 
-- Fast up: the forecast is the higher of the two rates, plus the trend (short minus long, over
-  the distance between the windows' centres) extrapolated over the lead time, when the trend is
-  larger than Poisson noise would make it. Extrapolation is capped at `max_growth` x the rate
-  seen, so one noisy step cannot ask for the whole cluster.
-- Slow, safe down: a falling trend is never extrapolated, and the long window keeps the fleet
+- Steady: the long window's rate, which Poisson noise moves least (a short window's noise would
+  make a fleet at the edge of two sizes flap).
+- Fast up: when the short window's rate is above the long one's by more than Poisson noise
+  would put it, the short rate plus the trend (short minus long, over the distance between the
+  windows' centres) extrapolated over the lead time. Extrapolation is capped at `max_growth` x
+  the short rate, so one step cannot ask for the whole cluster.
+- Slow, safe down: a falling rate is never extrapolated, and the long window keeps the fleet
   for the recent past until the load has been low for the whole of it.
 - The queue: requests already waiting are a backlog to clear within one lead time, on top of
   what keeps arriving (waiting grows whenever arrivals exceed service, so a growing queue raises
@@ -63,9 +65,12 @@ def forecast(
     standard deviations of Poisson noise a rising trend must exceed to be extrapolated."""
     if lead_s < 0 or waiting < 0:
         raise ValueError("lead time and waiting must be >= 0")
-    seen = max(rates.short_per_s, rates.long_per_s)
     trend = significant_trend(rates, significance)
-    ahead = min(seen + trend * lead_s, seen * max_growth)
+    if trend > 0:
+        seen = rates.short_per_s
+        ahead = min(seen + trend * lead_s, seen * max_growth)
+    else:
+        ahead = rates.long_per_s
     backlog = waiting / max(lead_s, 1.0)
     reason = (
         f"arrivals {rates.short_per_s:.2f}/s ({rates.short_window_s:.0f}s), "
