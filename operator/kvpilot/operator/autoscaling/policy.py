@@ -22,9 +22,9 @@ With a TTFT SLO (`Bounds.ttft_slo_s`, issue 33) the count comes from demand inst
 rate forecast one measured cold start ahead (`forecast`), in sequences in flight, over what one
 replica holds inside the SLO (`replica_capacity`, seeded by the planner and learned from the
 replicas' own metrics, kept in the state). The queue and KV signals stay as guards that can only
-add replicas, and a fleet whose measured TTFT breaks the SLO is never shrunk. Without arrival
-rates, or before any request has completed, the SLO signal has nothing to size from and the
-guards alone decide, as without an SLO.
+add replicas, and only once the pods asked for are ready (until then the forecast has sized for
+the queue already). Without arrival rates, or before any request has completed, the SLO signal
+has nothing to size from and the guards alone decide, as without an SLO.
 
 All memory between decisions lives in `PolicyState`, which round-trips through a plain dict kept in
 the ModelDeployment's `status.autoscaling`, so an operator restart loses nothing.
@@ -43,6 +43,8 @@ from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity
 # The cold start assumed until one has been measured: the one the simulator assumes for an
 # 8B-class model on one GPU (docs/benchmarks.md); issue 33 measured 12-109 s on the dev cluster.
 COLD_START_PRIOR_S = 60.0
+DECISION_INTERVAL_S = 10.0  # the loop's tick: capacity asked for now is seen one tick later
+RATE_WINDOW_S = 60.0  # of the minute means (KV usage, running, completions) the adapter reads
 
 
 @dataclass(frozen=True)
@@ -337,7 +339,8 @@ def _learn(
     ):
         return capacity
     # Little's law and the KV per sequence need the running count averaged over the minute the
-    # completions and the KV usage are averaged over; an instant reading lags neither.
+    # completions, tokens and KV usage are averaged over: an instant reading would not match them
+    # while the load moves.
     running = observations.requests_running_1m
     sample = replica_capacity.FleetSample(
         ready=observations.ready_replicas,
@@ -430,10 +433,6 @@ def _queue_signal(observations: Observations, bounds: Bounds) -> tuple[int, str]
         f"({running:g} running, {waiting:g} waiting, {ready} ready)"
     )
     return wanted, why
-
-
-DECISION_INTERVAL_S = 10.0  # the loop's tick: capacity asked for now is seen one tick later
-RATE_WINDOW_S = 60.0  # of the minute means (KV usage, running, completions) the adapter reads
 
 
 def clamp(value: int, low: int, high: int) -> int:
