@@ -13,7 +13,12 @@ from kvpilot.operator.autoscaling import policy as policy_module
 from kvpilot.operator.autoscaling.policy import Bounds
 from kvpilot.operator.autoscaling.simulator import main, policies, report, traces
 from kvpilot.operator.autoscaling.simulator.capacity import CapacityModel
-from kvpilot.operator.autoscaling.simulator.cluster import RunResult, Settings, simulate
+from kvpilot.operator.autoscaling.simulator.cluster import (
+    FleetView,
+    RunResult,
+    Settings,
+    simulate,
+)
 from kvpilot.operator.autoscaling.simulator.traces import Trace
 
 CAPACITY = CapacityModel()
@@ -169,7 +174,8 @@ def test_cli_json_shape_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"burst", "steady"}
     for by_policy in out.values():
-        assert set(by_policy) == {"kvpilot", "hpa", "kubeai", "keda", "fixed_max", "oracle"}
+        assert set(by_policy) == set(policies.NAMES)
+        assert "kvpilot_slo" in by_policy
         for figures in by_policy.values():
             assert set(figures) == {
                 "slo_attainment",
@@ -186,3 +192,66 @@ def test_cli_json_shape_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_cli_rejects_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--policy", "kvpilot,magic"]) == 2
     assert "magic" in capsys.readouterr().err
+
+
+def test_flash_crowd_rises_tenfold_within_30_seconds() -> None:
+    trace = traces.build("flash", seed=0)
+    start = trace.duration_s / 3
+    before = np.sum((trace.arrival_s >= start - 300) & (trace.arrival_s < start)) / 300
+    during = np.sum((trace.arrival_s >= start + 30) & (trace.arrival_s < start + 330)) / 300
+    assert before == pytest.approx(1.4, rel=0.15)
+    assert during == pytest.approx(14.0, rel=0.1)
+    assert np.sum((trace.arrival_s >= start + 700) & (trace.arrival_s < start + 1000)) / 300 < 2
+
+
+class _ScaleTo:
+    """Asks for a fixed count from the first tick and keeps every view it is shown."""
+
+    name, interval_s = "scale_to", 10.0
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self.views: list[FleetView] = []
+
+    def desired(self, view: FleetView) -> int:
+        self.views.append(view)
+        return self.replicas
+
+
+def test_the_fleet_view_has_the_rates_prometheus_would_give() -> None:
+    trace = traces.steady(duration_s=900.0, rate=6.0, seed=2)
+    watcher = _ScaleTo(4)
+    simulate(trace, watcher, CAPACITY, replace(SETTINGS, initial_replicas=2))
+    view = watcher.views[-1]  # at 890 s: 4 replicas ready for 12 minutes
+    now, arrivals = view.now, trace.arrival_s
+    assert view.arrivals_short_per_s == pytest.approx(
+        np.sum((arrivals > now - 30) & (arrivals <= now)) / 30
+    )
+    assert view.arrivals_long_per_s == pytest.approx(
+        np.sum((arrivals > now - 120) & (arrivals <= now)) / 120
+    )
+    # a steady fleet completes what arrives (arrivals one service time earlier), each request
+    # with its output tokens; Little's law links the running mean, completions and service time
+    earlier = np.sum((arrivals > now - 80) & (arrivals <= now - 20)) / 60
+    assert view.completions_per_s == pytest.approx(earlier, rel=0.2)
+    mean_output = float(np.mean(trace.output_tokens))
+    assert view.tokens_per_s == pytest.approx(view.completions_per_s * mean_output, rel=0.25)
+    step = CAPACITY.step_time(round(view.running_1m / view.ready))
+    assert view.running_1m == pytest.approx(view.tokens_per_s * step, rel=0.1)
+    assert view.cold_start_s == CAPACITY.cold_start_s  # of the 2 pods asked for, not the first 2
+    assert view.ttft_p95_s is not None and view.ttft_p95_s < 1.0
+
+
+def test_kvpilot_slo_is_the_real_policy_learning_from_the_metrics() -> None:
+    slo_bounds = replace(BOUNDS, ttft_slo_s=SLO_S, slo_percentile=99.0)
+    kvpilot = policies.build("kvpilot_slo", burst(), CAPACITY, SETTINGS, slo_bounds)
+    simulate(burst(), kvpilot, CAPACITY, replace(SETTINGS, initial_replicas=3))
+    learned = kvpilot.status["capacity"]  # type: ignore[attr-defined]
+    # the trace's requests, not the planner's assumed 1024 tokens: ~400 output tokens each, and
+    # a cache that holds fewer of the running (longer-lived) mix than max_num_seqs
+    assert learned["tokensPerRequest"] == pytest.approx(
+        float(np.mean(burst().output_tokens)), rel=0.2
+    )
+    assert learned["slots"] < CAPACITY.max_num_seqs
+    with pytest.raises(ValueError, match="TTFT SLO"):
+        policies.build("kvpilot_slo", burst(), CAPACITY, SETTINGS, BOUNDS)

@@ -18,6 +18,14 @@ The signals:
 A scale-down also waits `scale_down_settle_s` after any change, until the 1-minute KV mean
 describes the fleet as it is.
 
+With a TTFT SLO (`Bounds.ttft_slo_s`, issue 33) the count comes from demand instead: the arrival
+rate forecast one measured cold start ahead (`forecast`), in sequences in flight, over what one
+replica holds inside the SLO (`replica_capacity`, seeded by the planner and learned from the
+replicas' own metrics, kept in the state). The queue and KV signals stay as guards that can only
+add replicas, and only once the pods asked for are ready (until then the forecast has sized for
+the queue already). Without arrival rates, or before any request has completed, the SLO signal
+has nothing to size from and the guards alone decide, as without an SLO.
+
 All memory between decisions lives in `PolicyState`, which round-trips through a plain dict kept in
 the ModelDeployment's `status.autoscaling`, so an operator restart loses nothing.
 """
@@ -28,6 +36,15 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
+
+from kvpilot.operator.autoscaling import forecast, replica_capacity
+from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity
+
+# The cold start assumed until one has been measured: the one the simulator assumes for an
+# 8B-class model on one GPU (docs/benchmarks.md); issue 33 measured 12-109 s on the dev cluster.
+COLD_START_PRIOR_S = 60.0
+DECISION_INTERVAL_S = 10.0  # the loop's tick: capacity asked for now is seen one tick later
+RATE_WINDOW_S = 60.0  # of the minute means (KV usage, running, completions) the adapter reads
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class Bounds:
     max_scale_up_step: int = 4  # ... or add this many, whichever is more
     scale_to_zero_idle_seconds: float = 600.0  # only with min_replicas == 0
     max_metrics_age_s: float = 60.0
+    ttft_slo_s: float | None = None  # spec.autoscaling.slo.ttftSeconds; None: no SLO signal
+    slo_percentile: float = 95.0  # of requests whose TTFT the SLO bounds
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < 1:
@@ -87,6 +106,9 @@ class Bounds:
             raise ValueError("scale-up rate limits must allow growth (factor >= 1, step >= 1)")
         if self.scale_to_zero_idle_seconds < 0 or self.max_metrics_age_s <= 0:
             raise ValueError("scaleToZeroIdleSeconds must be >= 0 and max metrics age > 0")
+        if self.ttft_slo_s is not None and self.ttft_slo_s <= 0:
+            raise ValueError(f"slo.ttftSeconds must be > 0, got {self.ttft_slo_s}")
+        replica_capacity.staffing_z(self.slo_percentile)  # raises when out of range
 
 
 @dataclass(frozen=True)
@@ -106,6 +128,13 @@ class Observations:
     kv_cache_usage: float = 0.0  # mean over ready pods, 0-1
     sampled_at: float | None = None  # unix time of the oldest sample used; None: no data
     ttft_p95_s: float | None = None
+    # Arrivals per second over the forecaster's short and long windows (None: not read).
+    arrivals_short_per_s: float | None = None
+    arrivals_long_per_s: float | None = None
+    completions_per_s: float | None = None  # summed over ready pods, over 1 minute
+    requests_running_1m: float | None = None  # requests_running averaged over the same minute
+    tokens_per_s: float | None = None  # output tokens generated, summed over ready pods, 1 minute
+    cold_start_s: float | None = None  # measured pod created -> ready (median); None: not yet
     error: str = ""  # why there is no data, for the MetricsAvailable condition
 
     @classmethod
@@ -122,6 +151,12 @@ class Observations:
             "kvCacheUsage": round(self.kv_cache_usage, 4),
             "sampledAt": self.sampled_at,
             "ttftP95Seconds": self.ttft_p95_s,
+            "arrivalsShortPerSecond": self.arrivals_short_per_s,
+            "arrivalsLongPerSecond": self.arrivals_long_per_s,
+            "completionsPerSecond": self.completions_per_s,
+            "requestsRunning1m": self.requests_running_1m,
+            "tokensPerSecond": self.tokens_per_s,
+            "coldStartSeconds": self.cold_start_s,
             "error": self.error,
         }
 
@@ -138,14 +173,18 @@ class PolicyState:
     idle_since: float | None = None
     last_scale_time: float | None = None
     woken_at: float | None = None  # the last wake request acted on (its own time)
+    capacity: ReplicaCapacity | None = None  # learned per replica, with a TTFT SLO only
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "recommendations": [[t, r] for t, r in self.recommendations],
             "idleSince": self.idle_since,
             "lastScaleTime": self.last_scale_time,
             "wokenAt": self.woken_at,
         }
+        if self.capacity is not None:
+            data["capacity"] = self.capacity.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> PolicyState:
@@ -154,13 +193,15 @@ class PolicyState:
         try:
             pairs = tuple((float(t), int(r)) for t, r in data.get("recommendations") or [])
             idle, last, woken = (data.get(k) for k in ("idleSince", "lastScaleTime", "wokenAt"))
+            learned = data.get("capacity")
             return cls(
                 recommendations=pairs,
                 idle_since=None if idle is None else float(idle),
                 last_scale_time=None if last is None else float(last),
                 woken_at=None if woken is None else float(woken),
+                capacity=None if learned is None else ReplicaCapacity.from_dict(learned),
             )
-        except (TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"status.autoscaling.state is malformed: {data!r} ({exc})") from exc
 
 
@@ -172,8 +213,17 @@ class Decision:
     metrics_available: bool = True
 
 
-def decide(observations: Observations, bounds: Bounds, state: PolicyState, now: float) -> Decision:
-    """The replica count for the next interval, why, and the state to store for the next call."""
+def decide(
+    observations: Observations,
+    bounds: Bounds,
+    state: PolicyState,
+    now: float,
+    prior: ReplicaCapacity | None = None,
+) -> Decision:
+    """The replica count for the next interval, why, and the state to store for the next call.
+
+    `prior` is the planner's capacity per replica before any traffic (`replica_capacity.seed`);
+    it matters only with a TTFT SLO, until the state holds a learned one."""
     current = observations.current_replicas
     if current < 0:
         raise ValueError(f"current replicas must be >= 0, got {current}")
@@ -190,6 +240,11 @@ def decide(observations: Observations, bounds: Bounds, state: PolicyState, now: 
         reason = f"scale to zero: idle for {idle_for:.0f}s >= {limit:.0f}s"
         return _finish(current, 0, reason, replace(state, recommendations=()), now)
     raw, why = recommend(observations, bounds)
+    if bounds.ttft_slo_s is not None:
+        steady = _settled(now, state.last_scale_time, RATE_WINDOW_S)
+        capacity = _learn(observations, state.capacity or prior, steady)
+        state = replace(state, capacity=capacity)
+        raw, why = _slo_recommend(observations, bounds, capacity, (raw, why))
     floor = _floor(bounds, current)
     wanted = clamp(raw, floor, bounds.max_replicas)
     # Like the HPA, a policy without history (new object, lost status) starts from the current
@@ -269,6 +324,63 @@ def recommend(observations: Observations, bounds: Bounds) -> tuple[int, str]:
     if queue_wanted > kv_wanted:
         return queue_wanted, queue_why
     return kv_wanted, kv_why
+
+
+def _learn(
+    observations: Observations, capacity: ReplicaCapacity | None, steady: bool
+) -> ReplicaCapacity | None:
+    """The capacity refined by this observation, learned only from a fleet that has been the
+    same for a whole rate window: the minute means of a fleet that just changed mix two fleets
+    (new pods dilute the per-pod KV mean before they take their share of the load)."""
+    if (
+        capacity is None
+        or not steady
+        or observations.ready_replicas < observations.current_replicas
+    ):
+        return capacity
+    # Little's law and the KV per sequence need the running count averaged over the minute the
+    # completions, tokens and KV usage are averaged over: an instant reading would not match them
+    # while the load moves.
+    running = observations.requests_running_1m
+    sample = replica_capacity.FleetSample(
+        ready=observations.ready_replicas,
+        running=observations.requests_running if running is None else running,
+        kv_usage=observations.kv_cache_usage,
+        completions_per_s=observations.completions_per_s or 0.0,
+        tokens_per_s=observations.tokens_per_s or 0.0,
+    )
+    return replica_capacity.learn(capacity, sample)
+
+
+def _slo_recommend(
+    observations: Observations,
+    bounds: Bounds,
+    capacity: ReplicaCapacity | None,
+    guard: tuple[int, str],
+) -> tuple[int, str]:
+    """Replicas for the demand forecast one cold start ahead, the guards (queue, KV) only adding
+    to it; the guards alone while the SLO signal has nothing to size from."""
+    short, long = observations.arrivals_short_per_s, observations.arrivals_long_per_s
+    if capacity is None or short is None or long is None:
+        return guard[0], f"{guard[1]} (no SLO sizing: no arrival rates or capacity)"
+    cold_start = observations.cold_start_s
+    lead = (COLD_START_PRIOR_S if cold_start is None else cold_start) + DECISION_INTERVAL_S
+    rates = forecast.ArrivalRates(short, long)
+    ahead = forecast.forecast(rates, observations.requests_waiting, lead)
+    z = replica_capacity.staffing_z(bounds.slo_percentile)
+    wanted = replica_capacity.replicas_for(ahead.demand_per_s, capacity, z)
+    if wanted is None:
+        return guard[0], f"{guard[1]} (no SLO sizing: no request has completed yet)"
+    current = observations.current_replicas
+    why = (
+        f"SLO ttft {bounds.ttft_slo_s:g}s p{bounds.slo_percentile:g}: {ahead.reason}; "
+        f"{capacity.slots:.1f} slots, {capacity.tokens_per_request or 0:.0f} tokens/request"
+    )
+    # While pods start, the queue is the one the forecast already sized for; the guards speak
+    # for what it missed once the fleet it asked for is ready.
+    if guard[0] > max(wanted, current) and observations.ready_replicas >= current:
+        return guard[0], f"guard {guard[1]} (SLO sizing {wanted})"
+    return wanted, why
 
 
 def kv_demand(observations: Observations) -> float:

@@ -32,6 +32,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--max-replicas", type=int, default=16)
     parser.add_argument("--ttft-slo-s", type=float, default=2.0)
+    parser.add_argument(
+        "--slo-percentile",
+        type=float,
+        default=99.0,
+        help="of requests the TTFT SLO bounds, for kvpilot_slo (default 99)",
+    )
     parser.add_argument("--capacity", type=Path, help="JSON file with CapacityModel fields")
     parser.add_argument("--plots", type=Path, help="write one PNG per trace into this folder")
     parser.add_argument("--jobs", type=int, default=1, help="processes to run policies in")
@@ -44,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         capacity = CapacityModel.from_json(args.capacity) if args.capacity else CapacityModel()
         settings = Settings(args.min_replicas, args.max_replicas, max(args.min_replicas, 1))
-        bounds = policies.user_bounds(args.min_replicas, args.max_replicas)
+        bounds = policies.user_bounds(
+            args.min_replicas, args.max_replicas, args.ttft_slo_s, args.slo_percentile
+        )
         names = [n.strip() for n in args.policy.split(",") if n.strip()]
         unknown = sorted(set(names) - set(policies.NAMES))
         if unknown:

@@ -15,8 +15,10 @@ requests and leave once empty. GPU time counts from pod creation to deletion, co
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +31,9 @@ from kvpilot.operator.autoscaling.simulator.traces import FloatArray, Trace
 FINISH, READY, TICK, SAMPLE = 0, 1, 2, 3  # tie order: free capacity before deciding
 TIMELINE = ("t", "replicas", "ready", "waiting")
 KV_AVERAGE_S = 60.0  # Prometheus avg_over_time window the metrics adapter uses for KV usage
+# The windows of the rates a policy reads, as Prometheus rate()/histogram_quantile() would give
+# them: arrivals over a short and a long window (the forecaster's), completions and TTFT over 1m.
+ARRIVALS_SHORT_S, ARRIVALS_LONG_S, RATE_WINDOW_S = 30.0, 120.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,13 @@ class FleetView:
     kv_usage: float  # mean over ready pods, 0-1
     kv_usage_1m: float  # the same averaged over the last minute of samples (avg_over_time)
     utilisation: float  # mean over ready pods of running / slots, capped at 1
+    running_1m: float = 0.0  # running on ready pods, averaged like kv_usage_1m
+    arrivals_short_per_s: float = 0.0  # over ARRIVALS_SHORT_S, at the gateway
+    arrivals_long_per_s: float = 0.0  # over ARRIVALS_LONG_S
+    completions_per_s: float = 0.0  # over RATE_WINDOW_S, on pods taking requests
+    tokens_per_s: float = 0.0  # output tokens generated, over RATE_WINDOW_S, same pods
+    ttft_p95_s: float | None = None  # of first tokens sent in the last RATE_WINDOW_S
+    cold_start_s: float | None = None  # median created -> ready of pods started so far
 
 
 class Policy(Protocol):
@@ -125,7 +137,13 @@ class Simulation:
         self.gateway: deque[int] = deque()
         self.scale_events: list[tuple[float, int, int]] = []
         self.timeline: dict[str, list[float]] = {k: [] for k in TIMELINE}
-        self.kv_samples: deque[tuple[float, float]] = deque()  # (time, fleet mean KV usage)
+        # (time, fleet mean KV usage, running on ready pods), every sample_s
+        self.kv_samples: deque[tuple[float, float, int]] = deque()
+        self.completions: deque[float] = deque()  # times, on pods taking requests
+        self.tokens_total = 0.0  # output tokens generated on pods taking requests (a counter)
+        self.token_samples: deque[tuple[float, float]] = deque([(0.0, 0.0)])  # (t, counter)
+        self.first_tokens: deque[tuple[float, float]] = deque()  # (time sent, TTFT)
+        self.cold_starts: list[float] = []  # of pods the policy asked for (not the initial ones)
 
     def run(self) -> RunResult:
         for _ in range(self.settings.initial_replicas):
@@ -154,6 +172,7 @@ class Simulation:
             self._on_finish(replica, t)
         elif kind == READY and replica is not None and replica.gone_s is None:
             self.starting.remove(replica)
+            self.cold_starts.append(t - replica.created_s)
             self._on_ready(replica, t)
         elif kind == TICK:
             self._on_tick(t)
@@ -184,7 +203,10 @@ class Simulation:
 
     def _advance(self, replica: _Replica, t: float) -> None:
         if replica.running:
-            replica.vclock += (t - replica.last_s) / self.cap.step_time(len(replica.running))
+            steps = (t - replica.last_s) / self.cap.step_time(len(replica.running))
+            replica.vclock += steps
+            if not replica.is_draining:
+                self.tokens_total += steps * len(replica.running)
         replica.last_s = t
 
     def _admit(self, replica: _Replica, t: float) -> bool:
@@ -202,6 +224,7 @@ class Simulation:
             replica.waiting.popleft()
             prefill = self.prompt[idx] / cap.prefill_tokens_per_s
             self.ttft[idx] = t - self.arrival[idx] + prefill + step
+            self.first_tokens.append((t + prefill + step, self.ttft[idx]))
             heapq.heappush(replica.running, (replica.vclock + self.output[idx], idx, need))
             replica.kv_used += need
             admitted = True
@@ -219,6 +242,8 @@ class Simulation:
         running = replica.running
         while running and running[0][0] <= replica.vclock + 1e-6:
             replica.kv_used -= heapq.heappop(running)[2]
+            if not replica.is_draining:
+                self.completions.append(t)
         self._admit(replica, t)
         self._plan_finish(replica, t)
         if replica.is_draining and not _load(replica):
@@ -270,7 +295,8 @@ class Simulation:
         util = sum(min(1.0, len(r.running) / self.slots) for r in serving) / ready if ready else 0.0
         while self.kv_samples and self.kv_samples[0][0] <= t - KV_AVERAGE_S:
             self.kv_samples.popleft()
-        kv_1m = (sum(k for _, k in self.kv_samples) + kv) / (len(self.kv_samples) + 1)
+        kv_1m = (sum(k for _, k, _ in self.kv_samples) + kv) / (len(self.kv_samples) + 1)
+        running_1m = (sum(n for _, _, n in self.kv_samples) + running) / (len(self.kv_samples) + 1)
         return FleetView(
             now=t,
             replicas=ready + len(self.starting),
@@ -280,12 +306,57 @@ class Simulation:
             kv_usage=kv,
             kv_usage_1m=kv_1m if ready else 0.0,
             utilisation=util,
+            running_1m=running_1m if ready else 0.0,
+            arrivals_short_per_s=self._arrivals(t, ARRIVALS_SHORT_S),
+            arrivals_long_per_s=self._arrivals(t, ARRIVALS_LONG_S),
+            completions_per_s=self._completions(t),
+            tokens_per_s=self._tokens_per_s(t),
+            ttft_p95_s=self._ttft_p95(t),
+            cold_start_s=statistics.median(self.cold_starts) if self.cold_starts else None,
         )
+
+    def _arrivals(self, t: float, window_s: float) -> float:
+        """Arrivals per second over the window ending at t (before t = 0: none)."""
+        count = bisect.bisect_right(self.arrival, t) - bisect.bisect_right(
+            self.arrival, t - window_s
+        )
+        return count / window_s
+
+    def _tokens_per_s(self, t: float) -> float:
+        """The token counter's rate over RATE_WINDOW_S, from the samples (as rate() would)."""
+        while len(self.token_samples) > 1 and self.token_samples[1][0] <= t - RATE_WINDOW_S:
+            self.token_samples.popleft()
+        since, counted = self.token_samples[0]
+        return (self._tokens_until(t) - counted) / (t - since) if t > since else 0.0
+
+    def _tokens_until(self, t: float) -> float:
+        """The token counter at t: what was counted plus each batch's steps since its last event
+        (read without advancing the replicas, so sampling never perturbs the run)."""
+        pending = sum(
+            (t - r.last_s) / self.cap.step_time(len(r.running)) * len(r.running)
+            for r in self.serving
+            if r.running
+        )
+        return self.tokens_total + pending
+
+    def _completions(self, t: float) -> float:
+        while self.completions and self.completions[0] <= t - RATE_WINDOW_S:
+            self.completions.popleft()
+        return len(self.completions) / RATE_WINDOW_S
+
+    def _ttft_p95(self, t: float) -> float | None:
+        # first tokens are planned when a request is admitted, so some lie just after t
+        while self.first_tokens and self.first_tokens[0][0] <= t - RATE_WINDOW_S:
+            self.first_tokens.popleft()
+        seen = [ttft for sent, ttft in self.first_tokens if sent <= t]
+        return float(np.percentile(seen, 95)) if seen else None
 
     def _on_sample(self, t: float) -> None:
         queued = sum(len(r.waiting) for r in self.all if r.gone_s is None) + len(self.gateway)
         if self.serving:
-            self.kv_samples.append((t, self.view(t).kv_usage))
+            view = self.view(t)
+            self.kv_samples.append((t, view.kv_usage, view.running))
+        self.token_samples.append((t, self._tokens_until(t)))
         for key, value in (
             ("t", t),
             ("replicas", len(self.serving) + len(self.starting)),

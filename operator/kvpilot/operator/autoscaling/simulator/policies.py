@@ -1,6 +1,11 @@
 """The policies the simulator compares on the same trace.
 
-- kvpilot: the operator's own `policy.decide`, its state kept only as the status dict.
+- kvpilot: the operator's own `policy.decide`, its state kept only as the status dict, with the
+  defaults a ModelDeployment gets (no SLO: KV-cache and queue targets).
+- kvpilot_slo: the same `policy.decide` given a TTFT SLO (issue 33): demand forecast one
+  measured cold start ahead, capacity per replica seeded from the planner's batch and KV figures
+  and learned from the metrics the operator reads (running, waiting, KV usage, completions,
+  output tokens, TTFT p95, arrivals over 30 s and 120 s, the cold starts seen so far).
 - hpa: the Kubernetes HPA algorithm (15 s sync, 10% tolerance, 300 s scale-down stabilisation,
   scale-up at most max(100%, 4 pods) per period) on a utilisation metric: running sequences over
   the batch a replica holds, averaged over 60 s as a Prometheus adapter rate window would be.
@@ -21,30 +26,46 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 
 from kvpilot.operator import api
 from kvpilot.operator.autoscaling import recording
 from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity, seed
 from kvpilot.operator.autoscaling.simulator.capacity import CapacityModel
 from kvpilot.operator.autoscaling.simulator.cluster import FleetView, Policy, Settings
 from kvpilot.operator.autoscaling.simulator.traces import Trace
 
-NAMES = ("kvpilot", "hpa", "kubeai", "keda", "fixed_max", "oracle")
+NAMES = ("kvpilot", "kvpilot_slo", "hpa", "kubeai", "keda", "fixed_max", "oracle")
 TARGET_FRACTION = 0.8
 
 
-def user_bounds(min_replicas: int, max_replicas: int) -> Bounds:
+def user_bounds(
+    min_replicas: int,
+    max_replicas: int,
+    ttft_slo_s: float | None = None,
+    slo_percentile: float = 95.0,
+) -> Bounds:
     """What a ModelDeployment that sets only min and max replicas gets: the CRD's defaults, read
-    from the spec the way the operator reads it, so the simulator measures those."""
+    from the spec the way the operator reads it, so the simulator measures those; plus the TTFT
+    SLO kvpilot_slo runs with (kvpilot runs without it)."""
     spec = api.Autoscaling(min_replicas=min_replicas, max_replicas=max_replicas)
-    return recording.bounds_from_spec(spec)
+    bounds = recording.bounds_from_spec(spec)
+    return replace(bounds, ttft_slo_s=ttft_slo_s, slo_percentile=slo_percentile)
 
 
 class KvpilotPolicy:
-    def __init__(self, bounds: Bounds, interval_s: float = 10.0) -> None:
-        self.name, self.interval_s, self.bounds = "kvpilot", interval_s, bounds
+    def __init__(
+        self,
+        bounds: Bounds,
+        prior: ReplicaCapacity | None = None,
+        interval_s: float = 10.0,
+        name: str = "kvpilot",
+    ) -> None:
+        self.name, self.interval_s, self.bounds = name, interval_s, bounds
+        self.prior = prior  # the planner's seed: what the operator knows before any traffic
         self.status: dict[str, object] = {}  # as in status.autoscaling.state: nothing else kept
 
     def desired(self, view: FleetView) -> int:
@@ -55,9 +76,16 @@ class KvpilotPolicy:
             requests_running=view.running,
             kv_cache_usage=view.kv_usage_1m,
             sampled_at=view.now,
+            ttft_p95_s=view.ttft_p95_s,
+            arrivals_short_per_s=view.arrivals_short_per_s,
+            arrivals_long_per_s=view.arrivals_long_per_s,
+            completions_per_s=view.completions_per_s,
+            requests_running_1m=view.running_1m,
+            tokens_per_s=view.tokens_per_s,
+            cold_start_s=view.cold_start_s,
         )
         state = PolicyState.from_dict(self.status)
-        decision = decide(observations, self.bounds, state, view.now)
+        decision = decide(observations, self.bounds, state, view.now, self.prior)
         self.status = decision.state.to_dict()
         return decision.replicas
 
@@ -188,12 +216,22 @@ def _rolling_mean(values: np.ndarray, width: int) -> np.ndarray:
     return (sums[stop] - sums[idx]) / (stop - idx)
 
 
+def planner_seed(capacity: CapacityModel) -> ReplicaCapacity:
+    """What the planner knows of a replica before traffic: its batch limit and KV cache (not the
+    trace's request sizes, nor step times: those are learned from the metrics)."""
+    return seed(capacity.max_num_seqs, capacity.kv_cache_tokens)
+
+
 def build(
     name: str, trace: Trace, capacity: CapacityModel, settings: Settings, bounds: Bounds
 ) -> Policy:
     slots = capacity.slots(trace.mean_tokens())
     if name == "kvpilot":
-        return KvpilotPolicy(bounds)
+        return KvpilotPolicy(replace(bounds, ttft_slo_s=None))
+    if name == "kvpilot_slo":
+        if bounds.ttft_slo_s is None:
+            raise ValueError("kvpilot_slo needs a TTFT SLO in the bounds (user_bounds ttft_slo_s)")
+        return KvpilotPolicy(bounds, planner_seed(capacity), name=name)
     if name == "hpa":
         return HpaLike("hpa", _utilisation, TARGET_FRACTION, settings)
     if name == "kubeai":

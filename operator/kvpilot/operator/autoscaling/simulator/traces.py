@@ -129,6 +129,27 @@ def poisson_spikes(
     return from_rate("spikes", rate, duration_s, seed)
 
 
+def flash_crowd(
+    duration_s: float = 3600.0,
+    base: float = 1.4,
+    peak: float = 14.0,
+    ramp_s: float = 30.0,
+    hold_s: float = 600.0,
+    seed: int = 0,
+) -> Trace:
+    """A flash crowd: base req/s, then 10x within `ramp_s` (linear), held for `hold_s`, then
+    back down over `ramp_s`; it starts a third of the way in."""
+    start = duration_s / 3
+    fall = start + ramp_s + hold_s
+
+    def rate(t: FloatArray) -> FloatArray:
+        rising = np.clip((t - start) / ramp_s, 0.0, 1.0)
+        falling = np.clip((t - fall) / ramp_s, 0.0, 1.0)
+        return base + (peak - base) * (rising - falling)
+
+    return from_rate("flash", rate, duration_s, seed)
+
+
 def replay_jsonl(path: Path, duration_s: float | None = None) -> Trace:
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -171,11 +192,12 @@ BUILTIN: dict[str, Callable[..., Trace]] = {
     "diurnal": diurnal,
     "spikes": poisson_spikes,
     "steady": steady,
+    "flash": flash_crowd,
 }
 
 
 def build(spec: str, seed: int, duration_s: float | None = None) -> Trace:
-    """A trace by name (burst, diurnal, spikes, steady) or from a JSONL file path."""
+    """A trace by name (burst, diurnal, spikes, steady, flash) or from a JSONL file path."""
     if spec in BUILTIN:
         make = BUILTIN[spec]
         return make(seed=seed) if duration_s is None else make(duration_s=duration_s, seed=seed)

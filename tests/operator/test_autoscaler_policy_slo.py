@@ -1,0 +1,168 @@
+"""Table tests for policy.decide with a TTFT SLO (issue 33): forecast demand over learned
+capacity, the queue and KV signals kept as guards, today's rules without an SLO."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity, StepFit, seed
+
+NOW = 1_000_000.0
+BOUNDS = Bounds(min_replicas=1, max_replicas=20, ttft_slo_s=2.0, slo_percentile=95.0)
+# 48 slots, 400 tokens a request at 0.05 s a step: 20 s a request, whatever the batch
+LEARNED = ReplicaCapacity(48.0, 64, tokens_per_request=400.0, step=StepFit(30.0, 0.05))
+
+
+def busy(
+    ready: int = 2,
+    current: int | None = None,
+    short: float = 4.0,
+    long: float = 4.0,
+    waiting: float = 0.0,
+    cold_start_s: float | None = None,
+) -> Observations:
+    """A fleet whose metrics agree with LEARNED: 30 running per replica at 0.625 KV usage (a
+    full cache holds 48), one token per running sequence every 0.05 s, 400 tokens a request."""
+    running = 30.0 * ready
+    return Observations(
+        current_replicas=ready if current is None else current,
+        ready_replicas=ready,
+        requests_waiting=waiting,
+        requests_running=running,
+        kv_cache_usage=0.625,
+        sampled_at=NOW,
+        arrivals_short_per_s=short,
+        arrivals_long_per_s=long,
+        completions_per_s=running / 20.0,
+        requests_running_1m=running,
+        tokens_per_s=running / 0.05,
+        cold_start_s=cold_start_s,
+    )
+
+
+def settled(capacity: ReplicaCapacity | None = LEARNED, replicas: int = 2) -> PolicyState:
+    """Nothing changed for a long time; only a recommendation outside every window."""
+    return PolicyState(recommendations=((NOW - 1000.0, replicas),), capacity=capacity)
+
+
+# (case id, observations, state, expected replicas, text expected in the reason)
+CASES = [
+    # 4/s x 20 s = 80 in flight + 1.645 x sqrt(80) = 94.7 <= 2 x 48
+    ("steady demand that 2 replicas hold", busy(), settled(), 2, "SLO ttft 2s p95"),
+    # short 8 vs long 6 is 2.7 sd of Poisson noise: +2/45 per s over 60 s + 10 s -> 11.1/s;
+    # 222 in flight + 24.5 -> 6 replicas
+    (
+        "a rising rate is provisioned one cold start ahead",
+        busy(short=8.0, long=6.0),
+        settled(),
+        6,
+        "rising",
+    ),
+    # a measured 20 s cold start: 30 s lead -> 9.33/s -> 186.7 + 22.5 -> 5
+    (
+        "a measured cold start shortens the lead",
+        busy(short=8.0, long=6.0, cold_start_s=20.0),
+        settled(),
+        5,
+        "in 30s",
+    ),
+    # 9 waiting / 70 s lead = +0.13/s: 4.13/s -> 82.6 + 15.0 = 97.5 > 96 -> 3 (9 waiting on 2
+    # replicas is inside the queue target's band: no guard)
+    (
+        "the queue is a backlog to clear within the lead",
+        busy(waiting=9.0),
+        settled(),
+        3,
+        "9 waiting",
+    ),
+    # 2/s now, 6/s over 2 minutes: the long window holds the fleet of 3 (120 + 18 -> 3)
+    (
+        "falling: the long window holds",
+        busy(ready=3, short=2.0, long=6.0),
+        settled(replicas=3),
+        3,
+        "hold at 3",
+    ),
+    # 50 waiting on 2 ready (25 > 4 x 1.2 per replica): the queue guard asks 2 x 110 / 60 -> 4,
+    # above the SLO sizing (2 + backlog 0.7/s -> 2)
+    (
+        "the queue guard adds replicas the forecast missed",
+        busy(waiting=50.0),
+        settled(),
+        4,
+        "guard queue",
+    ),
+    # 100 waiting while 2 asked-for pods start (asked 30 s ago): the queue guard would ask
+    # ceil(2 x 160 / 60) = 6, but the forecast sized for this queue already (5.4/s -> 3), and a
+    # scale-down waits for the change to settle
+    (
+        "no guard while asked-for pods start",
+        busy(ready=2, current=4, waiting=100.0),
+        replace(settled(replicas=4), last_scale_time=NOW - 30.0),
+        4,
+        "wants 3, last change under",
+    ),
+    (
+        "no arrival rates: the guards alone",
+        replace(busy(), arrivals_short_per_s=None),
+        settled(),
+        2,
+        "no SLO sizing",
+    ),
+    (
+        "nothing completed yet: the planner's seed cannot size",
+        replace(busy(), completions_per_s=0.0, tokens_per_s=0.0),
+        settled(capacity=seed(64, 49_152)),
+        2,
+        "no request has completed",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("observations", "state", "replicas", "reason"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_slo_table(
+    observations: Observations, state: PolicyState, replicas: int, reason: str
+) -> None:
+    decision = decide(observations, BOUNDS, state, NOW)
+    assert decision.replicas == replicas, decision.reason
+    assert reason in decision.reason
+
+
+def test_without_an_slo_the_new_metrics_change_nothing() -> None:
+    plain = Bounds(min_replicas=1, max_replicas=20)
+    rising = busy(short=8.0, long=6.0)
+    bare = replace(rising, arrivals_short_per_s=None, arrivals_long_per_s=None, tokens_per_s=None)
+    with_rates = decide(rising, plain, settled(capacity=None), NOW, prior=LEARNED)
+    without = decide(bare, plain, settled(capacity=None), NOW, prior=LEARNED)
+    assert (with_rates.replicas, with_rates.reason) == (without.replicas, without.reason)
+    assert with_rates.state.capacity is None
+    assert "capacity" not in with_rates.state.to_dict()
+
+
+def test_the_planner_seed_is_learned_from_and_kept_in_state() -> None:
+    first = decide(busy(), BOUNDS, settled(capacity=None), NOW, prior=seed(64, 49_152))
+    learned = first.state.capacity
+    assert learned is not None and learned.tokens_per_request == pytest.approx(400.0)
+    restored = PolicyState.from_dict(first.state.to_dict())
+    assert restored.capacity == learned
+
+
+def test_a_fleet_that_just_changed_teaches_nothing() -> None:
+    """Minute means right after a change mix two fleets; the capacity waits for them to settle."""
+    recent = replace(settled(capacity=LEARNED), last_scale_time=NOW - 30.0)
+    odd = replace(busy(), kv_cache_usage=0.1)  # would say a full cache holds 300 sequences
+    assert decide(odd, BOUNDS, recent, NOW).state.capacity == LEARNED
+    assert decide(odd, BOUNDS, settled(), NOW).state.capacity != LEARNED
+
+
+@pytest.mark.parametrize("bad", [{"ttft_slo_s": 0.0}, {"ttft_slo_s": 1.0, "slo_percentile": 100.0}])
+def test_an_invalid_slo_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Bounds(**bad)  # type: ignore[arg-type]
