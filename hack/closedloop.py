@@ -134,19 +134,25 @@ def start_zero_gateway(cluster: DevCluster, name: str, idle_s: int, fallback_aft
     """CRDs, the operator, the chart's gateway (`helm install`, release `<name>-gw` in the default
     namespace: two gateway pods on the `local` pool watching the cluster), a tiny-llama
     ModelDeployment `name` that may go to zero, and a proxy in front of the gateway's Service
-    (`stop_zero_gateway` undoes it all); the proxy's base URL once the gateway answers."""
-    apply_crds(cluster)
-    start_operator(cluster, f"{name}-operator", 2)
-    chart.helm_install(cluster, zero_release(name), "default")
-    md = tiny_llama(name, 4, zero_autoscaling(idle_s))
+    (`stop_zero_gateway` undoes it all, also when a step here fails: an operator left running
+    would hold the leader-election Lease and act in later tests); the proxy's base URL once the
+    gateway answers."""
+    md = tiny_llama(name, 4, zero_autoscaling(idle_s))  # refuses a checkout pods cannot read
     # The CRD defaults spec.routing.fallbackAfterSeconds (30 s), which the gateway takes over its
     # own --fallback-after: a cold start that may take longer says so here.
     md["spec"]["routing"] = {"fallbackAfterSeconds": fallback_after_s}
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
-    service = chart.gateway_service(cluster, zero_release(name), "default")
-    url = start_proxy(cluster, f"{name}-gateway-proxy", service)
-    if not procs.wait_for(lambda: procs.http_ok(f"{url}/health"), 120, 0.5):
-        raise RuntimeError(f"the chart's gateway did not answer on {url}/health within 120 s")
+    apply_crds(cluster)
+    start_operator(cluster, f"{name}-operator", 2)
+    try:
+        chart.helm_install(cluster, zero_release(name), "default")
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
+        service = chart.gateway_service(cluster, zero_release(name), "default")
+        url = start_proxy(cluster, f"{name}-gateway-proxy", service)
+        if not procs.wait_for(lambda: procs.http_ok(f"{url}/health"), 120, 0.5):
+            raise RuntimeError(f"the chart's gateway did not answer on {url}/health within 120 s")
+    except BaseException:
+        stop_zero_gateway(cluster, name)
+        raise
     return url
 
 
