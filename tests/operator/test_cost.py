@@ -3,12 +3,15 @@ traffic."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from kvpilot.operator import api
+from kvpilot.operator import api, crdgen
 from kvpilot.operator.autoscaling import cost_recording
 from kvpilot.operator.autoscaling import loop as autoscaling_loop
 from kvpilot.operator.planning.cost import Traffic, cost_status, merge_patch, per_unit
+from kvpilot.operator.reconcile import typed_status
 from kvpilot.runtime.bench.stats import cost_per_1k_requests
 
 
@@ -204,3 +207,52 @@ def test_the_cost_patch_holds_the_cost_alone() -> None:
     assert patch["cost"]["perThousandRequests"] == pytest.approx(0.5)
     assert patch["cost"]["nodeTypes"]["l4"]["replicas"] == 2
     assert patch["cost"]["measuredAt"] == "t"
+
+
+def merged(target: dict[str, Any] | None, patch: dict[str, Any]) -> dict[str, Any]:
+    """`patch` applied to `target` as the apiserver applies a JSON merge patch (RFC 7386)."""
+    result = dict(target or {})
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, dict):
+            result[key] = merged(result.get(key) if isinstance(result.get(key), dict) else None,
+                                 value)  # fmt: skip
+        else:
+            result[key] = value
+    return result
+
+
+def missing_required(obj: dict[str, Any], schema: dict[str, Any], at: str) -> list[str]:
+    """The fields the CRD's structural schema requires that `obj` lacks, nested maps too."""
+    missing = [f"{at}.{name}" for name in schema.get("required", []) if name not in obj]
+    entries = schema.get("additionalProperties")
+    for key, value in obj.items():
+        inner = schema.get("properties", {}).get(key) or (entries if isinstance(entries, dict)
+                                                          else None)  # fmt: skip
+        if isinstance(value, dict) and inner:
+            missing += missing_required(value, inner, f"{at}.{key}")
+    return missing
+
+
+@pytest.mark.parametrize(
+    ("old", "traffic", "prices"),
+    [
+        (None, {}, {"l4": 1.8}),  # first write, no traffic yet (pods not Ready): figures null
+        (None, {"l4": Traffic(2.0, 200.0)}, {}),  # no price for the node type
+        ({**NO_TRAFFIC, "window": "5m", "perThousandRequests": 0.5}, {}, {"l4": 1.8}),  # quiet
+        (None, {"l4": Traffic(2.0, 200.0)}, {"l4": 1.8}),
+    ],
+)
+def test_every_cost_patch_leaves_a_status_the_crd_accepts(
+    old: dict[str, Any] | None, traffic: dict[str, Traffic], prices: dict[str, float]
+) -> None:
+    """A figure that is null is removed by the merge patch, so the CRD must not require it: it
+    did, and every write without traffic or price was a 422 (found by test_cost_cluster)."""
+    plan = [api.PlanEntry(node_type="l4", fits=True, price_per_hour=p) for p in prices.values()]
+    previous = None if old is None else api.CostStatus.model_validate(old)
+    patch = cost_recording.cost_patch(previous, [pod("l4")], plan, traffic, "5m", "t")
+    schema = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    cost_schema = schema["properties"]["status"]["properties"]["cost"]
+    written = None if previous is None else typed_status.wire(previous, exclude_defaults=True)
+    assert missing_required(merged(written, patch["cost"]), cost_schema, "cost") == []

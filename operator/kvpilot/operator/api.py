@@ -798,7 +798,10 @@ class CostFigures(_Model):
     price_per_hour: float = Field(description="replicas x price of a replica-hour")
     requests_per_second: float
     output_tokens_per_second: float
-    per_thousand_requests: float | None = Field(description="None: no traffic or no price")
+    # None (no traffic or no price) is written as a removal (merge patch): never required
+    per_thousand_requests: float | None = Field(
+        default=None, description="None: no traffic or no price"
+    )
     per_million_output_tokens: float | None = None
 
 
