@@ -23,9 +23,13 @@ from kvpilot.operator.autoscaling.spread import is_given_up, spread_replicas
 
 def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
     """The policy's numbers from a ModelDeployment's parsed spec.autoscaling: every Bounds field
-    the spec has, by the same name (tolerance is the policy's own)."""
+    the spec has, by the same name (tolerance is the policy's own), and the SLO's."""
     given = type(autoscaling).model_fields.keys() & {f.name for f in fields(Bounds)}
-    return Bounds(**{name: getattr(autoscaling, name) for name in given})
+    numbers = {name: getattr(autoscaling, name) for name in given}
+    slo = autoscaling.slo
+    if slo is not None:
+        numbers.update(ttft_slo_s=slo.ttft_seconds, slo_percentile=slo.percentile)
+    return Bounds(**numbers)
 
 
 def state_from_status(status: api.ModelDeploymentStatus) -> PolicyState:
