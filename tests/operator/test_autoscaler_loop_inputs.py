@@ -366,3 +366,39 @@ def test_pods_are_grouped_by_their_model_deployment() -> None:
         key: [p["metadata"]["name"] for p in found] for key, found in pods_by_model(pods).items()
     }
     assert grouped == {("a", "m"): ["p1", "p3"], ("b", "m"): ["p2"]}
+
+
+def fitting(node_type: str, max_concurrency: int, fits: bool = True) -> dict[str, Any]:
+    return {"nodeType": node_type, "fits": fits, "maxConcurrency": max_concurrency}
+
+
+# (case, spec.serving, plan, expected (slots, max_num_seqs) or None)
+PRIORS = [
+    ("no plan", {}, [], None),
+    ("nothing fits", {}, [fitting("a", 0, fits=False)], None),
+    # 20 sequences at 4096 tokens: a batch of 20, and 80 requests of 1024 tokens in the pool
+    (
+        "first fitting type",
+        {},
+        [fitting("a", 0, False), fitting("b", 20), fitting("c", 99)],
+        (20, 20),
+    ),
+    ("the user's batch cap", {"maxNumSeqs": 4}, [fitting("b", 20)], (4, 4)),
+    ("capped batch", {}, [fitting("b", 1000)], (256, 256)),
+    # 2 sequences of 512 tokens: the batch is the target concurrency (8), the pool 1 request
+    ("the KV pool binds", {"maxContextLength": 512}, [fitting("b", 2)], (1, 8)),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "serving", "plan", "expected"), PRIORS, ids=[p[0] for p in PRIORS]
+)
+def test_the_planner_prior_is_the_runtimes_batch_and_kv_pool(
+    case: str,
+    serving: dict[str, Any],
+    plan: list[dict[str, Any]],
+    expected: tuple[float, int] | None,
+) -> None:
+    entries = [api.PlanEntry.model_validate(e) for e in plan]
+    prior = recording.planner_prior(api.Serving.model_validate(serving), entries)
+    assert (None if prior is None else (prior.slots, prior.max_num_seqs)) == expected, case

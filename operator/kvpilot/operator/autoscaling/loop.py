@@ -54,6 +54,11 @@ def autoscaling_spec(md: Obj) -> api.Autoscaling:
     return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
 
 
+def serving_spec(md: Obj) -> api.Serving:
+    """spec.serving, parsed: the batch and context the planner's capacity seed comes from."""
+    return api.Serving.model_validate((md.get("spec") or {}).get("serving") or {})
+
+
 def wake_of(
     md: Obj,
     status: api.ModelDeploymentStatus,
@@ -70,6 +75,21 @@ def wake_of(
         recording.wake_time(md),
         now,
     )
+
+
+def decision_for(
+    md: Obj, status: api.ModelDeploymentStatus, observations: Observations, now: float
+) -> Decision:
+    """The policy's decision, or a pending wake's where that asks for more (a wake that came
+    while another instance held the Lease). With a TTFT SLO the planner's capacity seed goes
+    along, for the policy to size with until it has learned the replicas' own."""
+    autoscaling = autoscaling_spec(md)
+    state = recording.state_from_status(status)
+    bounds = recording.bounds_from_spec(autoscaling)
+    prior = recording.planner_prior(serving_spec(md), status.plan) if autoscaling.slo else None
+    decision = decide(observations, bounds, state, now, prior=prior)
+    woken = wake_of(md, status, autoscaling, observations.current_replicas, now)
+    return woken if woken is not None and woken.replicas > decision.replicas else decision
 
 
 def is_builtin(md: Obj) -> bool:
@@ -382,13 +402,7 @@ class AutoscalerLoop:
     def decide(
         self, md: Obj, status: api.ModelDeploymentStatus, observations: Observations
     ) -> Decision:
-        """The policy's decision, or a pending wake's where that asks for more (a wake that
-        came while another instance held the Lease)."""
-        autoscaling, now = autoscaling_spec(md), time.time()
-        state = recording.state_from_status(status)
-        decision = decide(observations, recording.bounds_from_spec(autoscaling), state, now)
-        woken = wake_of(md, status, autoscaling, observations.current_replicas, now)
-        return woken if woken is not None and woken.replicas > decision.replicas else decision
+        return decision_for(md, status, observations, time.time())
 
     def wake_decision(
         self, md: Obj, status: api.ModelDeploymentStatus, current: int, now: float | None = None
