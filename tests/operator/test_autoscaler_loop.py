@@ -209,3 +209,40 @@ def test_with_an_slo_the_loop_sizes_from_the_planners_seed_and_the_fleet_rates()
     without = slo_md(None)
     plain = autoscaling_loop.decision_for(without, typed_status.of(without), seen, NOW)
     assert "SLO" not in plain.reason and plain.state.capacity is None
+
+
+def test_a_tick_records_the_measured_cold_start_and_the_policy_sees_its_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pod a was Ready 12 s after it was created, pod b 30 s; status held no cold start before.
+    def ready_pod(name: str, created: str, ready: str) -> dict[str, Any]:
+        found = pod(name, True, creationTimestamp=created)
+        found["status"]["conditions"][0]["lastTransitionTime"] = ready
+        return found
+
+    pods = [
+        ready_pod("a", "2027-01-15T08:00:00Z", "2027-01-15T08:00:12Z"),
+        ready_pod("b", "2027-01-15T08:01:00Z", "2027-01-15T08:01:30Z"),
+    ]
+    md = slo_md({"ttftSeconds": 1})
+    md["metadata"]["resourceVersion"] = "7"
+    seen = Observations(current_replicas=2, ready_replicas=2, kv_cache_usage=0.6, sampled_at=NOW)
+    patches: list[dict[str, Any]] = []
+    loop = autoscaling_loop.AutoscalerLoop(
+        SimpleNamespace(config=OperatorConfig(), client=None),  # type: ignore[arg-type]
+        interval_s=10,
+    )
+
+    async def observe(*_args: Any) -> Observations:
+        return seen
+
+    monkeypatch.setattr(loop, "observe", observe)
+    monkeypatch.setattr(autoscaling_loop.time, "time", lambda: NOW)
+    monkeypatch.setattr(autoscaling_loop.k8s, "patch_status", lambda *args: patches.append(args[3]))
+    asyncio.run(loop.scale_one(md, typed_status.of(md), pods))
+    (patch,) = patches
+    written = patch["autoscaling"]
+    assert written["coldStart"]["medianSeconds"] == 21.0
+    assert written["coldStart"]["p95Seconds"] == 30.0
+    assert written["coldStart"]["samples"] == 2
+    assert written["metrics"]["coldStartSeconds"] == 21.0  # what decide was given

@@ -794,6 +794,22 @@ class QualityMeasurement(_Model):
     )
 
 
+class ColdStartSample(_Model):
+    pod: str
+    ready_at: float = Field(description="unix seconds the pod became Ready")
+    seconds: float = Field(description="pod created -> Ready")
+
+
+class ColdStartStatus(_Model):
+    """Pod created -> Ready of the recent replicas (issue 33): how far ahead a TTFT SLO's
+    forecast looks (the median)."""
+
+    median_seconds: float
+    p95_seconds: float
+    samples: int
+    recent: list[ColdStartSample] = Field(default_factory=list, max_length=100)
+
+
 class AutoscalingStatus(_Model):
     """Written by the autoscaler; kept in status so a restart loses nothing (DESIGN.md §3.5)."""
 
@@ -810,6 +826,7 @@ class AutoscalingStatus(_Model):
     replicas_per_node_type: dict[str, int] = Field(
         default_factory=dict, description="the autoscaler's spread; the reconcile applies it"
     )
+    cold_start: ColdStartStatus | None = None
 
 
 class CacheStatus(_Model):

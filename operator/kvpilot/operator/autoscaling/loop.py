@@ -38,7 +38,7 @@ from typing import Any
 
 from kvpilot.contract import k8s, resource, timestamps
 from kvpilot.operator import api, observability
-from kvpilot.operator.autoscaling import cost_recording, metrics_reader, recording
+from kvpilot.operator.autoscaling import cold_start, cost_recording, metrics_reader, recording
 from kvpilot.operator.autoscaling.policy import Decision, Observations, decide, wake
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.planning import inventory
@@ -75,6 +75,14 @@ def wake_of(
         recording.wake_time(md),
         now,
     )
+
+
+def measured_cold_start(
+    status: api.ModelDeploymentStatus, pods: Sequence[Obj]
+) -> cold_start.Summary | None:
+    """The cold starts status holds, with those of the pods that became Ready since."""
+    stored = status.autoscaling.cold_start
+    return cold_start.measure(None if stored is None else typed_status.wire(stored), pods)
 
 
 def decision_for(
@@ -169,6 +177,7 @@ class Seen:
     status: api.ModelDeploymentStatus
     pods: Sequence[Obj]
     observations: Observations
+    cold_starts: cold_start.Summary | None = None  # None: status.autoscaling.coldStart unchanged
 
 
 class AutoscalerLoop:
@@ -268,8 +277,11 @@ class AutoscalerLoop:
             observations = await self.observe(
                 meta["namespace"], meta["name"], status.replicas, pods
             )
+            starts = measured_cold_start(status, pods)
+            if starts is not None:  # the forecast's lead: the median, not an assumed 60 s
+                observations = replace(observations, cold_start_s=starts.median_s)
             await self.act(
-                Seen(md, status, pods, observations),
+                Seen(md, status, pods, observations, starts),
                 lambda fresh, fresh_status: self.decide(fresh, fresh_status, observations),
             )
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
@@ -419,6 +431,8 @@ class AutoscalerLoop:
         if per_type is not None:
             spread = old.replicas_per_node_type
             autoscaling["replicasPerNodeType"] = recording.per_type_patch(spread, per_type)
+        if seen.cold_starts is not None:
+            autoscaling["coldStart"] = seen.cold_starts.to_dict()
         if not is_news(old, autoscaling):
             return
         patch = {
