@@ -223,6 +223,66 @@ def test_rate_queries_take_the_first_counter_name_per_node_type() -> None:
     assert all('namespace="prod"' in p and "[5m]" in p for p in parts)
 
 
+# (FleetRates field, counter or gauge names read, PromQL function, window)
+FLEET_QUERIES = [
+    ("arrivals_short_per_s", "request_received_total", "rate", "[30s]"),
+    ("arrivals_long_per_s", "request_received_total", "rate", "[2m]"),
+    ("completions_per_s", "request_success_total", "rate", "[1m]"),
+    ("tokens_per_s", "generation_tokens_total", "rate", "[1m]"),
+    ("requests_running_1m", "num_requests_running", "avg_over_time", "[1m]"),
+]
+
+
+@pytest.mark.parametrize(("field", "name", "function", "window"), FLEET_QUERIES)
+def test_fleet_queries_sum_the_first_name_per_pod_over_the_pods(
+    field: str, name: str, function: str, window: str
+) -> None:
+    query = metrics.fleet_queries("prod", "m")[field]
+    assert query.startswith("sum(") and query.endswith(")")
+    parts = query[len("sum(") : -1].split(" or ")
+    # kvpilot's name, vLLM's as exported and as Prometheus stores it, each summed per pod
+    assert len(parts) == 3
+    assert all(p.startswith("sum by (pod, kvpilot_node_type) (") for p in parts)
+    assert all(f"({function}({{" in p and window in p and 'namespace="prod"' in p for p in parts)
+    assert f'"vllm:{name}"' in parts[1] and f'"vllm_{name}"' in parts[2]
+    assert '"kvpilot_' in parts[0]
+
+
+def test_every_fleet_rate_has_a_query() -> None:
+    fields = set(metrics.FleetRates.__dataclass_fields__)
+    assert set(metrics.fleet_queries("prod", "m")) == fields == {f for f, *_ in FLEET_QUERIES}
+
+
+@pytest.mark.parametrize(
+    ("vector", "value"),
+    [
+        ([], None),  # no series: not read
+        ([{"metric": {}, "value": [NOW, "2.5"]}], 2.5),
+        ([{"metric": {}, "value": [NOW, "0"]}], 0.0),  # an idle fleet: zero, not missing
+        ([{"metric": {}, "value": [NOW, "NaN"]}], None),
+        ([{"metric": {}, "value": [NOW, "+Inf"]}], None),
+    ],
+)
+def test_scalar_reads_a_one_sample_vector(
+    vector: list[dict[str, Any]], value: float | None
+) -> None:
+    assert metrics.scalar(vector) == value
+
+
+def test_fleet_rates_reach_the_observations_only_with_fresh_samples() -> None:
+    rates = metrics.FleetRates(4.0, 3.0, 2.5, 300.0, 12.0)
+    seen = aggregate([sample("a", running=10)], 1, NOW, rates=rates)
+    assert (seen.arrivals_short_per_s, seen.arrivals_long_per_s) == (4.0, 3.0)
+    assert (seen.completions_per_s, seen.tokens_per_s, seen.requests_running_1m) == (
+        2.5,
+        300.0,
+        12.0,
+    )
+    stale = aggregate([sample("a", age=300)], 1, NOW, rates=rates)
+    assert stale.arrivals_short_per_s is None  # held as stale; nothing to size from
+    assert aggregate([sample("a")], 1, NOW).arrivals_short_per_s is None  # none read
+
+
 @pytest.mark.parametrize(("seconds", "window"), [(300, "5m"), (60, "1m"), (90, "90s"), (30, "30s")])
 def test_prom_duration(seconds: int, window: str) -> None:
     assert metrics.prom_duration(seconds) == window

@@ -11,9 +11,11 @@ import pytest
 from kvpilot.operator import api
 from kvpilot.operator.autoscaling import loop as autoscaling_loop
 from kvpilot.operator.autoscaling import recording
-from kvpilot.operator.autoscaling.policy import Decision, PolicyState
+from kvpilot.operator.autoscaling.policy import Decision, Observations, PolicyState
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.reconcile import typed_status
+
+NOW = 1_800_000_000.0
 
 
 def pod(name: str, ready: bool, ip: str | None = "127.64.0.2", **meta: Any) -> dict[str, Any]:
@@ -170,3 +172,77 @@ def test_a_failed_tick_is_logged_and_the_loop_goes_on_with_ticks_and_wakes(
     loop = asyncio.run(main())
     assert loop.woken == ["m"]
     assert "apiserver down" in caplog.text
+
+
+def slo_md(slo: dict[str, Any] | None) -> dict[str, Any]:
+    autoscaling: dict[str, Any] = {"minReplicas": 1, "maxReplicas": 10}
+    if slo is not None:
+        autoscaling["slo"] = slo
+    status = {"replicas": 2, "plan": [{"nodeType": "l4", "fits": True, "maxConcurrency": 16}]}
+    return {"metadata": {"namespace": "ns", "name": "m"}, "spec": {"autoscaling": autoscaling},
+            "status": status}  # fmt: skip
+
+
+def test_with_an_slo_the_loop_sizes_from_the_planners_seed_and_the_fleet_rates() -> None:
+    # Two settled replicas, 8 running each, 4 requests/s of 100 tokens at 400 tokens/s: one
+    # token per 40 ms step, a request runs 4 s. 12 arrivals/s keep 48 in flight, 59.4 with the
+    # p95 margin (48 + 1.645 sqrt(48)): 4 replicas of the plan's 16 slots hold them, 3 do not.
+    seen = Observations(
+        current_replicas=2,
+        ready_replicas=2,
+        requests_running=16,
+        kv_cache_usage=0.3,
+        sampled_at=NOW,
+        arrivals_short_per_s=12.0,
+        arrivals_long_per_s=12.0,
+        completions_per_s=4.0,
+        requests_running_1m=16.0,
+        tokens_per_s=400.0,
+    )
+    with_slo = slo_md({"ttftSeconds": 1})
+    decision = autoscaling_loop.decision_for(with_slo, typed_status.of(with_slo), seen, NOW)
+    assert decision.replicas == 4, decision.reason
+    assert "SLO ttft 1s p95" in decision.reason
+    assert decision.state.capacity is not None  # learned from the seed, kept in status
+    assert decision.state.capacity.max_num_seqs == 16  # the plan's batch
+
+    without = slo_md(None)
+    plain = autoscaling_loop.decision_for(without, typed_status.of(without), seen, NOW)
+    assert "SLO" not in plain.reason and plain.state.capacity is None
+
+
+def test_a_tick_records_the_measured_cold_start_and_the_policy_sees_its_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pod a was Ready 12 s after it was created, pod b 30 s; status held no cold start before.
+    def ready_pod(name: str, created: str, ready: str) -> dict[str, Any]:
+        found = pod(name, True, creationTimestamp=created)
+        found["status"]["conditions"][0]["lastTransitionTime"] = ready
+        return found
+
+    pods = [
+        ready_pod("a", "2027-01-15T08:00:00Z", "2027-01-15T08:00:12Z"),
+        ready_pod("b", "2027-01-15T08:01:00Z", "2027-01-15T08:01:30Z"),
+    ]
+    md = slo_md({"ttftSeconds": 1})
+    md["metadata"]["resourceVersion"] = "7"
+    seen = Observations(current_replicas=2, ready_replicas=2, kv_cache_usage=0.6, sampled_at=NOW)
+    patches: list[dict[str, Any]] = []
+    loop = autoscaling_loop.AutoscalerLoop(
+        SimpleNamespace(config=OperatorConfig(), client=None),  # type: ignore[arg-type]
+        interval_s=10,
+    )
+
+    async def observe(*_args: Any) -> Observations:
+        return seen
+
+    monkeypatch.setattr(loop, "observe", observe)
+    monkeypatch.setattr(autoscaling_loop.time, "time", lambda: NOW)
+    monkeypatch.setattr(autoscaling_loop.k8s, "patch_status", lambda *args: patches.append(args[3]))
+    asyncio.run(loop.scale_one(md, typed_status.of(md), pods))
+    (patch,) = patches
+    written = patch["autoscaling"]
+    assert written["coldStart"]["medianSeconds"] == 21.0
+    assert written["coldStart"]["p95Seconds"] == 30.0
+    assert written["coldStart"]["samples"] == 2
+    assert written["metrics"]["coldStartSeconds"] == 21.0  # what decide was given

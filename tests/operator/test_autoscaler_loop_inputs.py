@@ -7,6 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from kvpilot.operator import api, config
 from kvpilot.operator.autoscaling import recording
@@ -303,16 +304,51 @@ def test_cost_window_comes_from_the_file_or_the_environment() -> None:
 def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
     # The spec as the apiserver stores it (CRD defaults applied), one setting changed at a time:
     # each change must show in the policy's Bounds, or a field of the CRD does nothing.
-    stored = api.Autoscaling.model_validate({"minReplicas": 0}).model_dump(by_alias=True)
+    given = {"minReplicas": 0, "slo": {"ttftSeconds": 2}}
+    stored = api.Autoscaling.model_validate(given).model_dump(by_alias=True)
     before = recording.bounds_from_spec(api.Autoscaling.model_validate(stored))
-    settings = set(stored) - {"mode", "replicas"}  # those two are for mode off/external
+    settings = set(stored) - {"mode", "replicas", "slo"}  # mode, replicas: for off/external
+    # (the spec changed, the setting, its new value)
+    changes: list[tuple[dict[str, Any], str, float]] = []
     for setting in settings:
-        changed = 0.5 if setting == "targetKVCacheUtilization" else stored[setting] + 1
-        spec = api.Autoscaling.model_validate({**stored, setting: changed})
-        after = recording.bounds_from_spec(spec)
+        value = _changed(setting, stored[setting])
+        changes.append(({**stored, setting: value}, setting, value))
+    for setting, old in stored["slo"].items():  # the SLO's own settings, one at a time
+        value = _changed(setting, old)
+        changes.append(({**stored, "slo": {**stored["slo"], setting: value}}, setting, value))
+    for spec, setting, value in changes:
+        after = recording.bounds_from_spec(api.Autoscaling.model_validate(spec))
         moved = [k for k, v in asdict(after).items() if v != asdict(before)[k]]
         assert len(moved) == 1, (setting, moved)
-        assert getattr(after, moved[0]) == changed, setting
+        assert getattr(after, moved[0]) == value, setting
+
+
+def _changed(setting: str, value: float) -> float:
+    return 0.5 if setting == "targetKVCacheUtilization" else value + 1
+
+
+def test_without_an_slo_the_policy_sizes_on_queue_and_kv_alone() -> None:
+    bounds = recording.bounds_from_spec(api.Autoscaling.model_validate({}))
+    assert bounds.ttft_slo_s is None
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "error"),
+    [
+        ({"slo": {}}, "ttftSeconds"),
+        ({"slo": {"ttftSeconds": 0}}, "ttftSeconds"),
+        ({"slo": {"ttftSeconds": 2, "percentile": 100}}, "percentile"),
+        ({"slo": {"ttftSeconds": 2, "percentile": 40}}, "percentile"),
+        ({"slo": {"ttftSeconds": 2, "tpotSeconds": 0.05}}, "tpotSeconds"),
+        ({"mode": "external", "slo": {"ttftSeconds": 2}}, "builtin autoscaler only"),
+        ({"mode": "off", "slo": {"ttftSeconds": 2}}, "builtin autoscaler only"),
+    ],
+)
+def test_an_slo_the_policy_cannot_hold_is_refused_naming_why(
+    autoscaling: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ValidationError, match=error):
+        api.Autoscaling.model_validate(autoscaling)
 
 
 def test_pods_are_grouped_by_their_model_deployment() -> None:
@@ -330,3 +366,39 @@ def test_pods_are_grouped_by_their_model_deployment() -> None:
         key: [p["metadata"]["name"] for p in found] for key, found in pods_by_model(pods).items()
     }
     assert grouped == {("a", "m"): ["p1", "p3"], ("b", "m"): ["p2"]}
+
+
+def fitting(node_type: str, max_concurrency: int, fits: bool = True) -> dict[str, Any]:
+    return {"nodeType": node_type, "fits": fits, "maxConcurrency": max_concurrency}
+
+
+# (case, spec.serving, plan, expected (slots, max_num_seqs) or None)
+PRIORS = [
+    ("no plan", {}, [], None),
+    ("nothing fits", {}, [fitting("a", 0, fits=False)], None),
+    # 20 sequences at 4096 tokens: a batch of 20, and 80 requests of 1024 tokens in the pool
+    (
+        "first fitting type",
+        {},
+        [fitting("a", 0, False), fitting("b", 20), fitting("c", 99)],
+        (20, 20),
+    ),
+    ("the user's batch cap", {"maxNumSeqs": 4}, [fitting("b", 20)], (4, 4)),
+    ("capped batch", {}, [fitting("b", 1000)], (256, 256)),
+    # 2 sequences of 512 tokens: the batch is the target concurrency (8), the pool 1 request
+    ("the KV pool binds", {"maxContextLength": 512}, [fitting("b", 2)], (1, 8)),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "serving", "plan", "expected"), PRIORS, ids=[p[0] for p in PRIORS]
+)
+def test_the_planner_prior_is_the_runtimes_batch_and_kv_pool(
+    case: str,
+    serving: dict[str, Any],
+    plan: list[dict[str, Any]],
+    expected: tuple[float, int] | None,
+) -> None:
+    entries = [api.PlanEntry.model_validate(e) for e in plan]
+    prior = recording.planner_prior(api.Serving.model_validate(serving), entries)
+    assert (None if prior is None else (prior.slots, prior.max_num_seqs)) == expected, case

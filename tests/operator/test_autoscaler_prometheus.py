@@ -12,6 +12,7 @@ import contextlib
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from kvpilot.operator.autoscaling import metrics_reader as metrics
 from kvpilot.operator.autoscaling.metrics_reader import PrometheusMetrics, observe_pods
 from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server.metrics import ServerMetrics
 from tests.support.kube import wait_until
 
 pytestmark = pytest.mark.skipif(
@@ -267,6 +270,80 @@ def test_direct_scrape_of_ready_pods(pods: dict[str, Pod]) -> None:
     down = asyncio.run(observe_pods(urls, node_types, current_replicas=4, timeout_s=1.0))
     assert "none of 4 pods answered" in down.error
     assert decide(down, BOUNDS, PolicyState(), time.time()).replicas == 4
+
+
+def serve_runtime(running: int) -> tuple[int, ServerMetrics, Callable[[], None]]:
+    """An exporter with the runtime's own metrics module (both names of every series), its
+    engine running `running` sequences."""
+    stats = EngineStats(0, running, 100, 50, 0.5, 0, 0, 0)
+    runtime = ServerMetrics(MODEL, lambda: stats)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=runtime.registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return port, runtime, stop
+
+
+def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
+    # Two runtime pods, as the runtime exports them (kvpilot's names and vLLM's): one receives
+    # and finishes 5 requests a second of 10 tokens each, the other 3; the fleet's rates are
+    # their sums, each pod counted once although it exports every counter twice. The windows
+    # are seconds long so that they fill while the test runs (rate() divides by the whole range).
+    pods = {"pod-a": (5, serve_runtime(running=10)), "pod-b": (3, serve_runtime(running=4))}
+    static = [
+        {
+            "targets": [f"127.0.0.1:{port}"],
+            "labels": {
+                metrics.PROM_LABEL_NAMESPACE: NAMESPACE,
+                metrics.PROM_LABEL_POD: name,
+                metrics.PROM_LABEL_MODEL: MODEL,
+                metrics.PROM_LABEL_NODE_TYPE: "h100",
+            },
+        }
+        for name, (_, (port, _, _)) in pods.items()
+    ]
+    settings = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "kvpilot-pods", "static_configs": static}],
+    }
+    done = threading.Event()
+
+    def serve_requests() -> None:
+        owed = dict.fromkeys(pods, 0.0)  # requests due on each pod, fractions carried over
+        while not done.wait(0.1):
+            for name, (per_s, (_, runtime, _)) in pods.items():
+                owed[name] += per_s * 0.1
+                while owed[name] >= 1:
+                    owed[name] -= 1
+                    runtime.record_received()
+                    runtime.record_finished(1.0, 5, 10, "stop")
+
+    traffic = threading.Thread(target=serve_requests, daemon=True)
+    traffic.start()
+    windows = metrics.RateWindows(short_s=4, long_s=8, minute_s=4)
+    try:
+        with running_prometheus(settings, tmp_path) as (url, _process):
+            source = PrometheusMetrics(url, timeout_s=2.0, windows=windows)
+
+            def filled() -> metrics.FleetRates | None:
+                time.sleep(0.5)
+                rates = source.fleet_rates(NAMESPACE, MODEL)
+                return rates if (rates.arrivals_long_per_s or 0.0) > 6.5 else None
+
+            rates = wait_until(filled, timeout_s=30, what="the long window filled")
+    finally:
+        done.set()
+        for _, (_, _, stop) in pods.values():
+            stop()
+    # 8/s give or take a scrape's worth; 16/s (both names counted) or 5/s (one pod) would not.
+    for rate in (rates.arrivals_short_per_s, rates.arrivals_long_per_s, rates.completions_per_s):
+        assert rate is not None and 6.5 < rate < 10, rates
+    assert rates.tokens_per_s == pytest.approx(10 * (rates.completions_per_s or 0), rel=0.01)
+    assert rates.requests_running_1m == 14  # 10 + 4, each pod once
 
 
 def serve_gateway(held: dict[tuple[str, str, str], float]) -> tuple[int, Gauge, Callable[[], None]]:

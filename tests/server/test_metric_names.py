@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.contract import metric_names
 from kvpilot.runtime.engine.stats import EngineStats
 from kvpilot.runtime.server.metrics import ServerMetrics
+from kvpilot.runtime.server.rendering import Tracker
 
 READ_BY_OTHERS = [
     metric_names.REQUESTS_WAITING,
@@ -18,6 +19,7 @@ READ_BY_OTHERS = [
     metric_names.TIME_TO_FIRST_TOKEN,
     metric_names.REQUEST_SUCCESS,
     metric_names.GENERATION_TOKENS,
+    metric_names.REQUEST_RECEIVED,
 ]
 
 
@@ -40,3 +42,27 @@ def test_the_runtime_exposes_every_name_others_read(metric: metric_names.Runtime
 
 def test_the_pre_09_kv_usage_name_is_exposed_too() -> None:
     assert metric_names.KV_CACHE_USAGE_BEFORE_VLLM_09 in exposed_sample_names()
+
+
+def test_a_request_counts_as_received_when_it_starts_and_as_done_when_it_ends() -> None:
+    # The autoscaler's arrival rate must see a request while it runs, not once it finished.
+    idle = EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0)
+    metrics = ServerMetrics("tiny", lambda: idle)
+
+    def count(name: str) -> float:
+        text = generate_latest(metrics.registry).decode()
+        found = [
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name
+        ]
+        return sum(found)
+
+    received, done = metric_names.REQUEST_RECEIVED, metric_names.REQUEST_SUCCESS
+    assert count(received.kvpilot) == count(received.vllm) == 0  # exported before any request
+    tracker = Tracker(metrics, arrival=0.0, num_prompt=3)
+    assert count(received.kvpilot) == count(received.vllm) == 1
+    assert count(done.kvpilot) == 0
+    tracker.close()
+    assert count(received.kvpilot) == count(done.kvpilot) == 1

@@ -32,6 +32,7 @@ PAIRS = [
     ("kvpilot_e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
     ("kvpilot_prompt_tokens_total", "vllm:prompt_tokens_total"),
     ("kvpilot_generation_tokens_total", "vllm:generation_tokens_total"),
+    ("kvpilot_request_received_total", "vllm:request_received_total"),
     ("kvpilot_preemptions_total", "vllm:num_preemptions_total"),
     ("kvpilot_request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),
     ("kvpilot_request_prefill_time_seconds_count", "vllm:request_prefill_time_seconds_count"),
@@ -109,6 +110,9 @@ def test_token_counters_match_usage(small_server: RuntimeServer) -> None:
     assert after["kvpilot_e2e_request_latency_seconds_count"] == (
         before["kvpilot_e2e_request_latency_seconds_count"] + 1
     )
+    # the autoscaler's arrivals: one per request, as the success counter counts its end
+    received = "kvpilot_request_received_total"
+    assert after[received] == before[received] + 1
 
 
 async def hold_streams(server: RuntimeServer) -> None:

@@ -36,4 +36,8 @@ TIME_TO_FIRST_TOKEN = RuntimeMetric(
     "kvpilot_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"
 )
 REQUEST_SUCCESS = RuntimeMetric("kvpilot_request_success_total", "vllm:request_success_total")
+# Requests received (each sequence, counted as it reaches the engine, as request_success counts it
+# when it ends): the autoscaler's arrival rate. vLLM has no such counter; the alias is the name it
+# would have, and a vLLM pod, exporting neither, leaves the TTFT SLO without arrival rates.
+REQUEST_RECEIVED = RuntimeMetric("kvpilot_request_received_total", "vllm:request_received_total")
 GENERATION_TOKENS = RuntimeMetric("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")

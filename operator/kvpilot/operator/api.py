@@ -468,10 +468,32 @@ class Placement(_Model):
         return self
 
 
+class LatencySlo(_Model):
+    """The TTFT a share of requests must get (issue 33). Only the builtin autoscaler holds it, so
+    it is refused with any other mode rather than accepted and ignored. There is no tpotSeconds:
+    the sizing bounds the time to a first token only, and a field nothing honours is refused."""
+
+    ttft_seconds: float = Field(
+        gt=0,
+        le=3600,
+        description="time to first token the percentile of requests must get, in seconds",
+    )
+    percentile: float = Field(
+        default=POLICY_DEFAULTS.slo_percentile,
+        ge=50,
+        lt=100,
+        description="share of requests, in percent, whose TTFT ttftSeconds bounds",
+    )
+
+
 class Autoscaling(_Model):
     model_config = ConfigDict(
         json_schema_extra=_cel(
             ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+            (
+                "!has(self.slo) || self.mode == 'builtin'",
+                "slo is held by the builtin autoscaler only: set mode builtin or remove slo",
+            ),
         )
     )
 
@@ -511,11 +533,20 @@ class Autoscaling(_Model):
         le=1000,
         description="total replicas when mode is off or external (the scale subresource's target)",
     )
+    slo: LatencySlo | None = Field(
+        default=None,
+        description="a TTFT target the builtin autoscaler sizes the fleet for"
+        " (docs/autoscaling.md); the queue and KV targets stay as guards",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError("minReplicas must be <= maxReplicas")
+        if self.slo is not None and self.mode != "builtin":
+            raise ValueError(
+                "slo is held by the builtin autoscaler only: set mode builtin or remove slo"
+            )
         return self
 
 
@@ -763,6 +794,22 @@ class QualityMeasurement(_Model):
     )
 
 
+class ColdStartSample(_Model):
+    pod: str
+    ready_at: float = Field(description="unix seconds the pod became Ready")
+    seconds: float = Field(description="pod created -> Ready")
+
+
+class ColdStartStatus(_Model):
+    """Pod created -> Ready of the recent replicas (issue 33): how far ahead a TTFT SLO's
+    forecast looks (the median)."""
+
+    median_seconds: float
+    p95_seconds: float
+    samples: int
+    recent: list[ColdStartSample] = Field(default_factory=list, max_length=100)
+
+
 class AutoscalingStatus(_Model):
     """Written by the autoscaler; kept in status so a restart loses nothing (DESIGN.md §3.5)."""
 
@@ -779,6 +826,7 @@ class AutoscalingStatus(_Model):
     replicas_per_node_type: dict[str, int] = Field(
         default_factory=dict, description="the autoscaler's spread; the reconcile applies it"
     )
+    cold_start: ColdStartStatus | None = None
 
 
 class CacheStatus(_Model):

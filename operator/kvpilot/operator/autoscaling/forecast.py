@@ -23,6 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The windows the metrics adapter reads arrival rates over (Prometheus rate() ranges).
+SHORT_WINDOW_S = 30.0
+LONG_WINDOW_S = 120.0
+
 
 @dataclass(frozen=True)
 class ArrivalRates:
@@ -30,8 +34,8 @@ class ArrivalRates:
 
     short_per_s: float
     long_per_s: float
-    short_window_s: float = 30.0
-    long_window_s: float = 120.0
+    short_window_s: float = SHORT_WINDOW_S
+    long_window_s: float = LONG_WINDOW_S
 
     def __post_init__(self) -> None:
         if self.short_per_s < 0 or self.long_per_s < 0:

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvpilot.contract import k8s, resource, timestamps
 from kvpilot.operator import api, observability
-from kvpilot.operator.autoscaling import cost_recording, metrics_reader, recording
+from kvpilot.operator.autoscaling import cold_start, cost_recording, metrics_reader, recording
 from kvpilot.operator.autoscaling.policy import Decision, Observations, decide, wake
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.planning import inventory
@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 def autoscaling_spec(md: Obj) -> api.Autoscaling:
     """spec.autoscaling, parsed (the apiserver has applied the CRD's defaults and rules)."""
     return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
+
+
+def serving_spec(md: Obj) -> api.Serving:
+    """spec.serving, parsed: the batch and context the planner's capacity seed comes from."""
+    return api.Serving.model_validate((md.get("spec") or {}).get("serving") or {})
 
 
 def wake_of(
@@ -70,6 +75,29 @@ def wake_of(
         recording.wake_time(md),
         now,
     )
+
+
+def measured_cold_start(
+    status: api.ModelDeploymentStatus, pods: Sequence[Obj]
+) -> cold_start.Summary | None:
+    """The cold starts status holds, with those of the pods that became Ready since."""
+    stored = status.autoscaling.cold_start
+    return cold_start.measure(None if stored is None else typed_status.wire(stored), pods)
+
+
+def decision_for(
+    md: Obj, status: api.ModelDeploymentStatus, observations: Observations, now: float
+) -> Decision:
+    """The policy's decision, or a pending wake's where that asks for more (a wake that came
+    while another instance held the Lease). With a TTFT SLO the planner's capacity seed goes
+    along, for the policy to size with until it has learned the replicas' own."""
+    autoscaling = autoscaling_spec(md)
+    state = recording.state_from_status(status)
+    bounds = recording.bounds_from_spec(autoscaling)
+    prior = recording.planner_prior(serving_spec(md), status.plan) if autoscaling.slo else None
+    decision = decide(observations, bounds, state, now, prior=prior)
+    woken = wake_of(md, status, autoscaling, observations.current_replicas, now)
+    return woken if woken is not None and woken.replicas > decision.replicas else decision
 
 
 def is_builtin(md: Obj) -> bool:
@@ -149,6 +177,7 @@ class Seen:
     status: api.ModelDeploymentStatus
     pods: Sequence[Obj]
     observations: Observations
+    cold_starts: cold_start.Summary | None = None  # None: status.autoscaling.coldStart unchanged
 
 
 class AutoscalerLoop:
@@ -248,8 +277,11 @@ class AutoscalerLoop:
             observations = await self.observe(
                 meta["namespace"], meta["name"], status.replicas, pods
             )
+            starts = measured_cold_start(status, pods)
+            if starts is not None:  # the forecast's lead: the median, not an assumed 60 s
+                observations = replace(observations, cold_start_s=starts.median_s)
             await self.act(
-                Seen(md, status, pods, observations),
+                Seen(md, status, pods, observations, starts),
                 lambda fresh, fresh_status: self.decide(fresh, fresh_status, observations),
             )
         except (k8s.ApiException, ValueError) as error:  # one bad object never stops the loop
@@ -382,13 +414,7 @@ class AutoscalerLoop:
     def decide(
         self, md: Obj, status: api.ModelDeploymentStatus, observations: Observations
     ) -> Decision:
-        """The policy's decision, or a pending wake's where that asks for more (a wake that
-        came while another instance held the Lease)."""
-        autoscaling, now = autoscaling_spec(md), time.time()
-        state = recording.state_from_status(status)
-        decision = decide(observations, recording.bounds_from_spec(autoscaling), state, now)
-        woken = wake_of(md, status, autoscaling, observations.current_replicas, now)
-        return woken if woken is not None and woken.replicas > decision.replicas else decision
+        return decision_for(md, status, observations, time.time())
 
     def wake_decision(
         self, md: Obj, status: api.ModelDeploymentStatus, current: int, now: float | None = None
@@ -405,6 +431,8 @@ class AutoscalerLoop:
         if per_type is not None:
             spread = old.replicas_per_node_type
             autoscaling["replicasPerNodeType"] = recording.per_type_patch(spread, per_type)
+        if seen.cold_starts is not None:
+            autoscaling["coldStart"] = seen.cold_starts.to_dict()
         if not is_news(old, autoscaling):
             return
         patch = {

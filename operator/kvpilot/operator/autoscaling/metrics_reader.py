@@ -11,6 +11,11 @@ the first one found per pod never counts a pod twice.
 
 KV-cache usage is averaged over the last minute (PromQL avg_over_time) because one sample is
 noisy (a few long requests move it by 10%); queue length is taken as is, so bursts act fast.
+
+A TTFT SLO also needs the fleet's rates (`FleetRates`): arrivals over the forecaster's two windows,
+and completions, output tokens and the running count over the minute the KV mean covers, summed
+over the ModelDeployment's pods. Only Prometheus keeps the history a rate needs, so the direct
+scrape leaves them out and the policy then sizes on the queue and KV signals alone.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from prometheus_api_client import PrometheusApiClientException, PrometheusConnec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract import metric_names
-from kvpilot.operator.autoscaling.policy import Observations
+from kvpilot.operator.autoscaling import forecast
+from kvpilot.operator.autoscaling.policy import RATE_WINDOW_S, Observations
 from kvpilot.operator.planning.cost import Traffic
 
 # The Prometheus labels kubernetes_sd relabelling makes of the pod labels the operator sets
@@ -48,6 +54,8 @@ TTFT = metric_names.TIME_TO_FIRST_TOKEN.in_prometheus
 # Completed requests and generated tokens (counters, as Prometheus stores them): status.cost.
 REQUEST_SUCCESS = metric_names.REQUEST_SUCCESS.in_prometheus
 GENERATION_TOKENS = metric_names.GENERATION_TOKENS.in_prometheus
+# Requests received (a counter): the arrival rate a TTFT SLO's forecast reads.
+REQUEST_RECEIVED = metric_names.REQUEST_RECEIVED.in_prometheus
 # Requests kvpilot-gateway holds for a ModelDeployment that has no replica to take them (scale
 # from zero, saturation). The gateway labels them with the ModelDeployment it wakes, not with
 # `namespace`: the scrape's relabelling sets `namespace`/`pod` to the gateway pod's own.
@@ -60,6 +68,28 @@ KV_AVERAGE = "1m"
 QUERY_ERRORS = (requests.RequestException, PrometheusApiClientException, ValueError)
 TTFT_RATE = "2m"
 DEFAULT_MAX_AGE_S = 60.0
+
+
+@dataclass(frozen=True)
+class RateWindows:
+    """The ranges of the fleet's rates, in seconds: the forecaster's two windows and the minute
+    the KV mean covers (a test shortens them so that they fill within seconds)."""
+
+    short_s: int = int(forecast.SHORT_WINDOW_S)
+    long_s: int = int(forecast.LONG_WINDOW_S)
+    minute_s: int = int(RATE_WINDOW_S)
+
+
+@dataclass(frozen=True)
+class FleetRates:
+    """Per-second rates and minute means summed over a ModelDeployment's pods, for a TTFT SLO's
+    sizing; None where Prometheus has no series (a vLLM pod exports no arrivals counter)."""
+
+    arrivals_short_per_s: float | None = None
+    arrivals_long_per_s: float | None = None
+    completions_per_s: float | None = None
+    tokens_per_s: float | None = None
+    requests_running_1m: float | None = None
 
 
 @dataclass(frozen=True)
@@ -83,10 +113,12 @@ def aggregate(
     max_age_s: float = DEFAULT_MAX_AGE_S,
     ttft_p95_s: float | None = None,
     requests_held: float = 0.0,
+    rates: FleetRates = FleetRates(),
 ) -> Observations:
     """Observations from per-pod samples: only ready pods (when `ready_pods` is given) with
     samples at most `max_age_s` old count as capacity. `requests_held` (held at gateways) join
-    the queue: they are demand no replica has seen yet, the only demand at zero replicas."""
+    the queue: they are demand no replica has seen yet, the only demand at zero replicas. The
+    fleet's `rates` go along only when there are fresh samples to size from."""
     usable = [s for s in samples if ready_pods is None or s.pod in ready_pods]
     fresh = [s for s in usable if now - s.sampled_at <= max_age_s]
     if not fresh:
@@ -112,6 +144,11 @@ def aggregate(
         kv_cache_usage=sum(s.kv_cache_usage for s in fresh) / len(fresh),
         sampled_at=min(s.sampled_at for s in fresh),
         ttft_p95_s=ttft_p95_s,
+        arrivals_short_per_s=rates.arrivals_short_per_s,
+        arrivals_long_per_s=rates.arrivals_long_per_s,
+        completions_per_s=rates.completions_per_s,
+        tokens_per_s=rates.tokens_per_s,
+        requests_running_1m=rates.requests_running_1m,
     )
 
 
@@ -180,6 +217,44 @@ def rate_query(names: tuple[str, ...], namespace: str, model: str, window: str) 
     )
 
 
+def fleet_query(
+    names: tuple[str, ...], namespace: str, model: str, function: str, window: str
+) -> str:
+    """`function` ("rate" or "avg_over_time") over `window` of the first of `names` each pod
+    exports, summed per pod (a counter has a series per label, e.g. finish reason) and then over
+    the pods: a pod that exports both names counts once, a fleet mixing them counts every pod.
+    One sample without labels; none when no pod has a series."""
+    per_pod = " or ".join(
+        f"sum by ({PROM_LABEL_POD}, {PROM_LABEL_NODE_TYPE}) "
+        f"({function}({selector(namespace, model, name)}[{window}]))"
+        for name in names
+    )
+    return f"sum({per_pod})"
+
+
+def fleet_queries(
+    namespace: str, model: str, windows: RateWindows = RateWindows()
+) -> dict[str, str]:
+    """The PromQL of each FleetRates field."""
+    short, long = prom_duration(windows.short_s), prom_duration(windows.long_s)
+    minute = prom_duration(windows.minute_s)
+    return {
+        "arrivals_short_per_s": fleet_query(REQUEST_RECEIVED, namespace, model, "rate", short),
+        "arrivals_long_per_s": fleet_query(REQUEST_RECEIVED, namespace, model, "rate", long),
+        "completions_per_s": fleet_query(REQUEST_SUCCESS, namespace, model, "rate", minute),
+        "tokens_per_s": fleet_query(GENERATION_TOKENS, namespace, model, "rate", minute),
+        "requests_running_1m": fleet_query(RUNNING, namespace, model, "avg_over_time", minute),
+    }
+
+
+def scalar(vector: list[dict[str, Any]]) -> float | None:
+    """The value of a one-sample instant vector; None when it is empty or not a finite number
+    (a rate over a window with fewer than two scrapes has no sample)."""
+    values = [float(item["value"][1]) for item in vector]
+    finite = [v for v in values if math.isfinite(v)]
+    return finite[0] if finite else None
+
+
 def prom_duration(seconds: int) -> str:
     """A PromQL range: 300 -> "5m", 90 -> "90s"."""
     return f"{seconds // 60}m" if seconds % 60 == 0 else f"{seconds}s"
@@ -231,8 +306,11 @@ def _key(labels: Mapping[str, str]) -> tuple[str, str]:
 class PrometheusMetrics:
     """Reads per-pod samples for a ModelDeployment from Prometheus."""
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, timeout_s: float = 5.0, windows: RateWindows = RateWindows()
+    ) -> None:
         self.client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+        self.windows = windows
 
     def _query(self, promql: str) -> list[dict[str, Any]]:
         result = self.client.custom_query(query=promql)
@@ -250,11 +328,12 @@ class PrometheusMetrics:
         vector = self._query(held_query(namespace, model))
         return sum(float(item["value"][1]) for item in vector)
 
+    def fleet_rates(self, namespace: str, model: str) -> FleetRates:
+        queries = fleet_queries(namespace, model, self.windows)
+        return FleetRates(**{field: scalar(self._query(q)) for field, q in queries.items()})
+
     def ttft_p95(self, namespace: str, model: str) -> float | None:
-        vector = self._query(ttft_p95_query(namespace, model))
-        values = [float(item["value"][1]) for item in vector]
-        finite = [v for v in values if math.isfinite(v)]
-        return finite[0] if finite else None
+        return scalar(self._query(ttft_p95_query(namespace, model)))
 
     def traffic(self, namespace: str, model: str, window: str) -> dict[str, Traffic]:
         """Completed requests and output tokens per second per node type over `window`."""
@@ -286,10 +365,11 @@ class PrometheusMetrics:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
             held = self.requests_held(namespace, model)
+            rates = self.fleet_rates(namespace, model)
         except QUERY_ERRORS as exc:
             return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
         now = time.time() if now is None else now
-        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held)
+        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held, rates)
 
 
 def _brief(exc: Exception) -> str:

@@ -17,15 +17,35 @@ from typing import Any
 from kvpilot.contract import resource, timestamps
 from kvpilot.contract.resource import LABEL_NODE_TYPE
 from kvpilot.operator import api
+from kvpilot.operator.autoscaling import replica_capacity
 from kvpilot.operator.autoscaling.policy import Bounds, Decision, Observations, PolicyState
+from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity
 from kvpilot.operator.autoscaling.spread import is_given_up, spread_replicas
+from kvpilot.operator.reconcile import manifests
 
 
 def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
     """The policy's numbers from a ModelDeployment's parsed spec.autoscaling: every Bounds field
-    the spec has, by the same name (tolerance is the policy's own)."""
+    the spec has, by the same name (tolerance is the policy's own), and the SLO's."""
     given = type(autoscaling).model_fields.keys() & {f.name for f in fields(Bounds)}
-    return Bounds(**{name: getattr(autoscaling, name) for name in given})
+    numbers = {name: getattr(autoscaling, name) for name in given}
+    slo = autoscaling.slo
+    if slo is not None:
+        numbers.update(ttft_slo_s=slo.ttft_seconds, slo_percentile=slo.percentile)
+    return Bounds(**numbers)
+
+
+def planner_prior(serving: api.Serving, plan: Sequence[api.PlanEntry]) -> ReplicaCapacity | None:
+    """What one replica holds before any traffic (`replica_capacity.seed`), from the plan's first
+    fitting node type, where new replicas go first: the batch limit the runtime is started with
+    and its KV pool in tokens (the sequences it holds at full context x the context). None
+    without a fitting node type; a TTFT SLO then has nothing to size from until it learns."""
+    fitting = [entry for entry in plan if entry.fits and entry.max_concurrency > 0]
+    if not fitting:
+        return None
+    held = fitting[0].max_concurrency
+    batch = manifests.batch_limit(serving, held)
+    return replica_capacity.seed(batch, held * serving.max_context_length)
 
 
 def state_from_status(status: api.ModelDeploymentStatus) -> PolicyState:

@@ -214,11 +214,15 @@ def container_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
 
 
 def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
-    """The user's cap if given; else what the plan holds at full context, capped, but never
-    below the target concurrency."""
-    if spec.serving.max_num_seqs is not None:
-        return spec.serving.max_num_seqs
-    return max(spec.serving.target_concurrency, min(node_plan.max_concurrency, MAX_NUM_SEQS_CAP))
+    return batch_limit(spec.serving, node_plan.max_concurrency)
+
+
+def batch_limit(serving: api.Serving, max_concurrency: int) -> int:
+    """The runtime's --max-num-seqs: the user's cap if given; else what the plan holds at full
+    context (`max_concurrency`), capped, but never below the target concurrency."""
+    if serving.max_num_seqs is not None:
+        return serving.max_num_seqs
+    return max(serving.target_concurrency, min(max_concurrency, MAX_NUM_SEQS_CAP))
 
 
 def gpu_resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, str]]:
@@ -372,7 +376,8 @@ def build_pod_monitor(md: Obj) -> Manifest:
                 {
                     "port": "http",
                     "path": "/metrics",
-                    "interval": "15s",
+                    # a TTFT SLO's forecast reads arrivals as a 30 s rate(): six samples
+                    "interval": "5s",
                     "relabelings": _series_labels(),
                 }
             ],

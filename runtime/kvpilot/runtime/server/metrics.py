@@ -246,6 +246,9 @@ class ServerMetrics:
         self.info = InfoCollector(model_name)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
+        # Counted as a request reaches the engine, so the autoscaler sees arrivals (its TTFT SLO
+        # forecast) before they finish; created at zero, so an idle pod says 0, not nothing.
+        self.received = c("request_received", "Requests received (one per sequence).")
         self.success = [
             Counter(
                 name,
@@ -291,6 +294,9 @@ class ServerMetrics:
             for full in (f"kvpilot_{name}", f"vllm:{name}")
         ]
         return _Pair(metrics, self.model_name)
+
+    def record_received(self) -> None:
+        self.received.inc(1)
 
     def record_finished(self, e2e_s: float, num_prompt: int, num_output: int, reason: str) -> None:
         self.e2e.observe(e2e_s)

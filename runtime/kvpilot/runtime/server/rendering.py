@@ -52,6 +52,7 @@ class Tracker:
         self.metrics, self.arrival, self.last = metrics, arrival, arrival
         self.num_prompt, self.num_output = num_prompt, 0
         self.reason: str | None = None
+        metrics.record_received()  # the arrival; close() always counts its end
 
     def on_output(self, out: RequestOutput) -> None:
         t = time.perf_counter()
