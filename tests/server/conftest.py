@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
+from openai import OpenAI
 
 from tests.support.server_process import RuntimeServer
 
@@ -28,3 +29,13 @@ def start_server(
 @pytest.fixture(scope="module")
 def server(start_server: Callable[..., RuntimeServer]) -> RuntimeServer:
     return start_server("--max-model-len", "512", "--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="module", params=["auto", "hermes"])
+def tool_client(
+    request: pytest.FixtureRequest, start_server: Callable[..., RuntimeServer]
+) -> OpenAI:
+    """A client of a server per tool-call parser. tiny-llama is a Llama: `auto` reads and writes
+    llama3_json calls; `hermes` is forced by the flag."""
+    server = start_server("--max-model-len", "512", "--tool-call-parser", request.param)
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)

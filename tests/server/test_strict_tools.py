@@ -207,15 +207,6 @@ def test_openai_strict_function_tool(client: OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-@pytest.fixture(scope="module", params=["auto", "hermes"])
-def parser_client(
-    request: pytest.FixtureRequest, start_server: Callable[..., RuntimeServer]
-) -> OpenAI:
-    """tiny-llama is a Llama: `auto` writes llama3_json calls; `hermes` is forced by the flag."""
-    server = start_server("--max-model-len", "512", "--tool-call-parser", request.param)
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
 CALLS = ('{"city":"Paris"}', '{"city":"Rome"}')  # what a whole call's arguments can be
 
 
@@ -224,7 +215,7 @@ CALLS = ('{"city":"Paris"}', '{"city":"Rome"}')  # what a whole call's arguments
     "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
 def test_forced_call_cut_by_max_tokens_is_length_with_the_partial_call(
-    parser_client: OpenAI, tool_choice: Any
+    tool_client: OpenAI, tool_choice: Any
 ) -> None:
     """Issue 40 item 15, as vLLM answers it: finish_reason `length`, and the call as far as it
     was written (once its name is), streamed and not alike; never the raw JSON as content.
@@ -241,7 +232,7 @@ def test_forced_call_cut_by_max_tokens_is_length_with_the_partial_call(
             max_tokens=max_tokens,
             temperature=0,
         )
-        choice = parser_client.chat.completions.create(**request).choices[0]
+        choice = tool_client.chat.completions.create(**request).choices[0]
         assert choice.finish_reason == "length", choice
         assert choice.message.content is None, choice
         calls = [
@@ -254,7 +245,7 @@ def test_forced_call_cut_by_max_tokens_is_length_with_the_partial_call(
             assert name == "get_weather" and any(c.startswith(arguments) for c in CALLS)
         seen_calls += len(calls)
         chunks = [
-            c for c in parser_client.chat.completions.create(**request, stream=True) if c.choices
+            c for c in tool_client.chat.completions.create(**request, stream=True) if c.choices
         ]
         assert not "".join(c.choices[0].delta.content or "" for c in chunks)
         assert chunks[-1].choices[0].finish_reason == "length"

@@ -217,15 +217,6 @@ TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
-@pytest.fixture(scope="module", params=["auto", "hermes"])
-def tool_client(
-    request: pytest.FixtureRequest, start_server: Callable[..., RuntimeServer]
-) -> OpenAI:
-    """tiny-llama is a Llama: `auto` reads llama3_json calls; `hermes` is forced by the flag."""
-    server = start_server("--max-model-len", "512", "--tool-call-parser", request.param)
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice_always_calls_a_tool(tool_client: OpenAI, parallel: bool) -> None:
     for seed in range(4):
