@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator import api, config
 from kvpilot.operator.autoscaling import recording
-from kvpilot.operator.autoscaling.loop import free_gpus, pods_by_model
+from kvpilot.operator.autoscaling.loop import free_gpus, pods_by_model, wants_rates
 from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.reconcile import desired_state, typed_status
 
@@ -402,3 +402,18 @@ def test_the_planner_prior_is_the_runtimes_batch_and_kv_pool(
     entries = [api.PlanEntry.model_validate(e) for e in plan]
     prior = recording.planner_prior(api.Serving.model_validate(serving), entries)
     assert (None if prior is None else (prior.slots, prior.max_num_seqs)) == expected, case
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "expected"),
+    [
+        (None, False),
+        ({"mode": "builtin"}, False),
+        ({"mode": "builtin", "slo": {"ttftSeconds": 1.0}}, True),
+    ],
+)
+def test_the_fleet_rates_are_read_only_for_a_ttft_slo(
+    autoscaling: dict[str, Any] | None, expected: bool
+) -> None:
+    spec = {} if autoscaling is None else {"autoscaling": autoscaling}
+    assert wants_rates({"spec": spec}) is expected

@@ -335,6 +335,9 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
                 return rates if (rates.arrivals_long_per_s or 0.0) > 6.5 else None
 
             rates = wait_until(filled, timeout_s=30, what="the long window filled")
+            # observe() reads the rates only for a fleet with a TTFT SLO (with_rates).
+            plain = source.observe(NAMESPACE, MODEL, current_replicas=2)
+            sized = source.observe(NAMESPACE, MODEL, current_replicas=2, with_rates=True)
     finally:
         done.set()
         for _, (_, _, stop) in pods.values():
@@ -344,6 +347,10 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
         assert rate is not None and 6.5 < rate < 10, rates
     assert rates.tokens_per_s == pytest.approx(10 * (rates.completions_per_s or 0), rel=0.01)
     assert rates.requests_running_1m == 14  # 10 + 4, each pod once
+    assert plain.ready_replicas == 2 and plain.arrivals_long_per_s is None
+    assert plain.completions_per_s is None and plain.requests_running_1m is None
+    assert sized.arrivals_long_per_s is not None and 6.5 < sized.arrivals_long_per_s < 10
+    assert sized.requests_running_1m == 14
 
 
 def serve_gateway(held: dict[tuple[str, str, str], float]) -> tuple[int, Gauge, Callable[[], None]]:

@@ -54,6 +54,11 @@ def autoscaling_spec(md: Obj) -> api.Autoscaling:
     return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
 
 
+def wants_rates(md: Obj) -> bool:
+    """Whether deciding needs the fleet's rates: only a TTFT SLO sizes on them."""
+    return autoscaling_spec(md).slo is not None
+
+
 def serving_spec(md: Obj) -> api.Serving:
     """spec.serving, parsed: the batch and context the planner's capacity seed comes from."""
     return api.Serving.model_validate((md.get("spec") or {}).get("serving") or {})
@@ -275,7 +280,7 @@ class AutoscalerLoop:
         meta = md["metadata"]
         try:
             observations = await self.observe(
-                meta["namespace"], meta["name"], status.replicas, pods
+                meta["namespace"], meta["name"], status.replicas, pods, wants_rates(md)
             )
             starts = measured_cold_start(status, pods)
             if starts is not None:  # the forecast's lead: the median, not an assumed 60 s
@@ -396,12 +401,20 @@ class AutoscalerLoop:
         return pods_by_model(found)
 
     async def observe(
-        self, namespace: str, name: str, current: int, pods: Sequence[Obj]
+        self,
+        namespace: str,
+        name: str,
+        current: int,
+        pods: Sequence[Obj],
+        with_rates: bool = False,
     ) -> Observations:
         urls, node_types = ready_pod_urls(pods, self.controller.config.runtime_port)
         if self.prometheus is not None:
+            prometheus = self.prometheus
             observations = await asyncio.to_thread(
-                self.prometheus.observe, namespace, name, current, set(urls)
+                lambda: prometheus.observe(
+                    namespace, name, current, set(urls), with_rates=with_rates
+                )
             )
         elif not urls:
             observations = Observations(current_replicas=current, sampled_at=time.time())

@@ -358,14 +358,17 @@ class PrometheusMetrics:
         ready_pods: Collection[str] | None = None,
         now: float | None = None,
         max_age_s: float = DEFAULT_MAX_AGE_S,
+        with_rates: bool = False,
     ) -> Observations:
         """Observations for the policy; an unreachable or failing Prometheus yields
-        unavailable observations (the policy then holds), never an exception."""
+        unavailable observations (the policy then holds), never an exception. The fleet's
+        rates (five range queries) are read `with_rates` only: a TTFT SLO sizes on them,
+        nothing else does, so a fleet without one does not pay for them each tick."""
         try:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
             held = self.requests_held(namespace, model)
-            rates = self.fleet_rates(namespace, model)
+            rates = self.fleet_rates(namespace, model) if with_rates else FleetRates()
         except QUERY_ERRORS as exc:
             return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
         now = time.time() if now is None else now
