@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator import api, config
 from kvpilot.operator.autoscaling import recording
-from kvpilot.operator.autoscaling.loop import free_gpus, pods_by_model, wants_rates
+from kvpilot.operator.autoscaling.loop import free_gpus, pods_by_model, slo_ttft_s
 from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.reconcile import desired_state, typed_status
 
@@ -407,13 +407,13 @@ def test_the_planner_prior_is_the_runtimes_batch_and_kv_pool(
 @pytest.mark.parametrize(
     ("autoscaling", "expected"),
     [
-        (None, False),
-        ({"mode": "builtin"}, False),
-        ({"mode": "builtin", "slo": {"ttftSeconds": 1.0}}, True),
+        (None, None),
+        ({"mode": "builtin"}, None),
+        ({"mode": "builtin", "slo": {"ttftSeconds": 1.5}}, 1.5),
     ],
 )
 def test_the_fleet_rates_are_read_only_for_a_ttft_slo(
-    autoscaling: dict[str, Any] | None, expected: bool
+    autoscaling: dict[str, Any] | None, expected: float | None
 ) -> None:
     spec = {} if autoscaling is None else {"autoscaling": autoscaling}
-    assert wants_rates({"spec": spec}) is expected
+    assert slo_ttft_s({"spec": spec}) == expected

@@ -294,6 +294,7 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
     # their sums, each pod counted once although it exports every counter twice. The windows
     # are seconds long so that they fill while the test runs (rate() divides by the whole range).
     pods = {"pod-a": (5, serve_runtime(running=10)), "pod-b": (3, serve_runtime(running=4))}
+    first_token_s = {"pod-a": 0.3, "pod-b": 2.0}  # so 5 of every 8 requests get 1 s TTFT
     static = [
         {
             "targets": [f"127.0.0.1:{port}"],
@@ -320,6 +321,7 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
                 while owed[name] >= 1:
                     owed[name] -= 1
                     runtime.record_received()
+                    runtime.ttft.observe(first_token_s[name])
                     runtime.record_finished(1.0, 5, 10, "stop")
 
     traffic = threading.Thread(target=serve_requests, daemon=True)
@@ -335,9 +337,12 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
                 return rates if (rates.arrivals_long_per_s or 0.0) > 6.5 else None
 
             rates = wait_until(filled, timeout_s=30, what="the long window filled")
-            # observe() reads the rates only for a fleet with a TTFT SLO (with_rates).
+            # observe() reads the rates and the attainment only for a fleet with a TTFT SLO.
             plain = source.observe(NAMESPACE, MODEL, current_replicas=2)
-            sized = source.observe(NAMESPACE, MODEL, current_replicas=2, with_rates=True)
+            sized = source.observe(NAMESPACE, MODEL, current_replicas=2, slo_ttft_s=1.0)
+            # 0.4 s lies inside the bucket (0.25, 0.5]: pod-a's 0.3 s are placed linearly in it.
+            inside = source.ttft_attainment(NAMESPACE, MODEL, 0.4)
+            everyone = source.ttft_attainment(NAMESPACE, MODEL, 3.0)
     finally:
         done.set()
         for _, (_, _, stop) in pods.values():
@@ -351,6 +356,10 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
     assert plain.completions_per_s is None and plain.requests_running_1m is None
     assert sized.arrivals_long_per_s is not None and 6.5 < sized.arrivals_long_per_s < 10
     assert sized.requests_running_1m == 14
+    assert plain.ttft_slo_attainment is None
+    assert sized.ttft_slo_attainment == pytest.approx(5 / 8, abs=0.05)
+    assert inside is not None and inside.share == pytest.approx(0.6 * 5 / 8, abs=0.05)
+    assert everyone is not None and everyone.share == 1.0
 
 
 def serve_gateway(held: dict[tuple[str, str, str], float]) -> tuple[int, Gauge, Callable[[], None]]:

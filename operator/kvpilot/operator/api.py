@@ -810,6 +810,21 @@ class ColdStartStatus(_Model):
     recent: list[ColdStartSample] = Field(default_factory=list, max_length=100)
 
 
+class SloStatus(_Model):
+    """How the TTFT SLO holds: the share of requests over the last window whose time to first
+    token met the target, from the runtimes' TTFT histograms (issue 33)."""
+
+    ttft_seconds: float
+    percentile: float
+    window_seconds: int
+    attainment: float | None = Field(
+        default=None, description="share of requests (0-1) within ttftSeconds; null: no requests"
+    )
+    met: bool | None = Field(
+        default=None, description="attainment >= percentile/100; null: nothing measured yet"
+    )
+
+
 class AutoscalingStatus(_Model):
     """Written by the autoscaler; kept in status so a restart loses nothing (DESIGN.md §3.5)."""
 
@@ -827,6 +842,7 @@ class AutoscalingStatus(_Model):
         default_factory=dict, description="the autoscaler's spread; the reconcile applies it"
     )
     cold_start: ColdStartStatus | None = None
+    slo: SloStatus | None = None
 
 
 class CacheStatus(_Model):

@@ -54,9 +54,10 @@ def autoscaling_spec(md: Obj) -> api.Autoscaling:
     return api.Autoscaling.model_validate((md.get("spec") or {}).get("autoscaling") or {})
 
 
-def wants_rates(md: Obj) -> bool:
-    """Whether deciding needs the fleet's rates: only a TTFT SLO sizes on them."""
-    return autoscaling_spec(md).slo is not None
+def slo_ttft_s(md: Obj) -> float | None:
+    """The TTFT target of spec.autoscaling.slo; None without one (no rates or attainment read)."""
+    slo = autoscaling_spec(md).slo
+    return None if slo is None else slo.ttft_seconds
 
 
 def serving_spec(md: Obj) -> api.Serving:
@@ -135,9 +136,21 @@ VOLATILE_KEYS = ("lastDecisionTime", "metrics")
 
 
 def is_news(old: api.AutoscalingStatus, new: Obj) -> bool:
-    """True when the decision, its reason, the policy state or metric availability changed."""
+    """True when the decision, its reason, the policy state, metric availability or whether the
+    SLO is met changed (its attainment moves every tick, like the metrics)."""
     written = typed_status.wire(old)
-    return any(written.get(k) != v for k, v in new.items() if k not in VOLATILE_KEYS)
+    return any(
+        _steady(k, written.get(k)) != _steady(k, v)
+        for k, v in new.items()
+        if k not in VOLATILE_KEYS
+    )
+
+
+def _steady(key: str, value: Any) -> Any:
+    """`value` without the fields that move every tick."""
+    if key == "slo" and isinstance(value, dict):  # as written: no nulls
+        return {k: v for k, v in value.items() if k != "attainment" and v is not None}
+    return value
 
 
 def ready_pod_urls(pods: Sequence[Obj], port: int) -> tuple[dict[str, str], dict[str, str]]:
@@ -280,7 +293,7 @@ class AutoscalerLoop:
         meta = md["metadata"]
         try:
             observations = await self.observe(
-                meta["namespace"], meta["name"], status.replicas, pods, wants_rates(md)
+                meta["namespace"], meta["name"], status.replicas, pods, slo_ttft_s(md)
             )
             starts = measured_cold_start(status, pods)
             if starts is not None:  # the forecast's lead: the median, not an assumed 60 s
@@ -406,14 +419,14 @@ class AutoscalerLoop:
         name: str,
         current: int,
         pods: Sequence[Obj],
-        with_rates: bool = False,
+        ttft_target_s: float | None = None,
     ) -> Observations:
         urls, node_types = ready_pod_urls(pods, self.controller.config.runtime_port)
         if self.prometheus is not None:
             prometheus = self.prometheus
             observations = await asyncio.to_thread(
                 lambda: prometheus.observe(
-                    namespace, name, current, set(urls), with_rates=with_rates
+                    namespace, name, current, set(urls), slo_ttft_s=ttft_target_s
                 )
             )
         elif not urls:
@@ -446,6 +459,9 @@ class AutoscalerLoop:
             autoscaling["replicasPerNodeType"] = recording.per_type_patch(spread, per_type)
         if seen.cold_starts is not None:
             autoscaling["coldStart"] = seen.cold_starts.to_dict()
+        slo = recording.slo_patch(autoscaling_spec(seen.md).slo, seen.observations)
+        if slo is not None or old.slo is not None:
+            autoscaling["slo"] = slo
         if not is_news(old, autoscaling):
             return
         patch = {

@@ -33,7 +33,7 @@ from prometheus_api_client import PrometheusApiClientException, PrometheusConnec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract import metric_names
-from kvpilot.operator.autoscaling import forecast
+from kvpilot.operator.autoscaling import attainment, forecast
 from kvpilot.operator.autoscaling.policy import RATE_WINDOW_S, Observations
 from kvpilot.operator.planning.cost import Traffic
 
@@ -114,11 +114,12 @@ def aggregate(
     ttft_p95_s: float | None = None,
     requests_held: float = 0.0,
     rates: FleetRates = FleetRates(),
+    slo_attainment: float | None = None,
 ) -> Observations:
     """Observations from per-pod samples: only ready pods (when `ready_pods` is given) with
     samples at most `max_age_s` old count as capacity. `requests_held` (held at gateways) join
     the queue: they are demand no replica has seen yet, the only demand at zero replicas. The
-    fleet's `rates` go along only when there are fresh samples to size from."""
+    fleet's `rates` and the SLO's attainment go along only when there are fresh samples."""
     usable = [s for s in samples if ready_pods is None or s.pod in ready_pods]
     fresh = [s for s in usable if now - s.sampled_at <= max_age_s]
     if not fresh:
@@ -149,6 +150,7 @@ def aggregate(
         completions_per_s=rates.completions_per_s,
         tokens_per_s=rates.tokens_per_s,
         requests_running_1m=rates.requests_running_1m,
+        ttft_slo_attainment=slo_attainment,
     )
 
 
@@ -207,6 +209,15 @@ def ttft_p95_query(namespace: str, model: str) -> str:
         for name in TTFT
     ]
     return " or ".join(parts)
+
+
+def ttft_buckets_query(namespace: str, model: str, window_s: int = attainment.WINDOW_S) -> str:
+    """The fleet's TTFT histogram over `window_s` as per-bucket rates (one sample per `le`)."""
+    window = prom_duration(window_s)
+    return " or ".join(
+        f"sum by (le) (rate({selector(namespace, model, name + '_bucket')}[{window}]))"
+        for name in TTFT
+    )
 
 
 def rate_query(names: tuple[str, ...], namespace: str, model: str, window: str) -> str:
@@ -358,21 +369,35 @@ class PrometheusMetrics:
         ready_pods: Collection[str] | None = None,
         now: float | None = None,
         max_age_s: float = DEFAULT_MAX_AGE_S,
-        with_rates: bool = False,
+        slo_ttft_s: float | None = None,
     ) -> Observations:
         """Observations for the policy; an unreachable or failing Prometheus yields
         unavailable observations (the policy then holds), never an exception. The fleet's
-        rates (five range queries) are read `with_rates` only: a TTFT SLO sizes on them,
-        nothing else does, so a fleet without one does not pay for them each tick."""
+        rates (five range queries) and the attainment of the TTFT target are read for a
+        ModelDeployment with an SLO (`slo_ttft_s`) only: nothing else sizes on them, so a
+        fleet without one does not pay for them each tick."""
         try:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
             held = self.requests_held(namespace, model)
-            rates = self.fleet_rates(namespace, model) if with_rates else FleetRates()
+            rates, met = FleetRates(), None
+            if slo_ttft_s is not None:
+                rates = self.fleet_rates(namespace, model)
+                met = self.ttft_attainment(namespace, model, slo_ttft_s)
         except QUERY_ERRORS as exc:
             return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
         now = time.time() if now is None else now
-        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held, rates)
+        share = None if met is None else met.share
+        return aggregate(
+            samples, current_replicas, now, ready_pods, max_age_s, ttft, held, rates, share
+        )
+
+    def ttft_attainment(
+        self, namespace: str, model: str, target_s: float
+    ) -> attainment.Attainment | None:
+        """The share of requests over the last window whose TTFT met `target_s`."""
+        vector = self._query(ttft_buckets_query(namespace, model))
+        return attainment.from_buckets(attainment.buckets_from_vector(vector), target_s)
 
 
 def _brief(exc: Exception) -> str:

@@ -135,6 +135,9 @@ class Observations:
     requests_running_1m: float | None = None  # requests_running averaged over the same minute
     tokens_per_s: float | None = None  # output tokens generated, summed over ready pods, 1 minute
     cold_start_s: float | None = None  # measured pod created -> ready (median); None: not yet
+    # The share of requests whose TTFT met the SLO's target (attainment.WINDOW_S); None: no SLO
+    # or no requests in the window.
+    ttft_slo_attainment: float | None = None
     error: str = ""  # why there is no data, for the MetricsAvailable condition
 
     @classmethod
@@ -157,6 +160,7 @@ class Observations:
             "requestsRunning1m": self.requests_running_1m,
             "tokensPerSecond": self.tokens_per_s,
             "coldStartSeconds": self.cold_start_s,
+            "ttftSloAttainment": self.ttft_slo_attainment,
             "error": self.error,
         }
 

@@ -17,7 +17,7 @@ from typing import Any
 from kvpilot.contract import resource, timestamps
 from kvpilot.contract.resource import LABEL_NODE_TYPE
 from kvpilot.operator import api
-from kvpilot.operator.autoscaling import replica_capacity
+from kvpilot.operator.autoscaling import attainment, replica_capacity
 from kvpilot.operator.autoscaling.policy import Bounds, Decision, Observations, PolicyState
 from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity
 from kvpilot.operator.autoscaling.spread import is_given_up, spread_replicas
@@ -168,6 +168,20 @@ def status_patch(decision: Decision, observations: Observations, now: float) -> 
         "metricsAvailable": decision.metrics_available,
         "metrics": metrics,
         "state": decision.state.to_dict(),
+    }
+
+
+def slo_patch(slo: api.LatencySlo | None, observations: Observations) -> dict[str, Any] | None:
+    """`status.autoscaling.slo`: the target and how it holds; None (a removal) without an SLO."""
+    if slo is None:
+        return None
+    share = observations.ttft_slo_attainment
+    return {
+        "ttftSeconds": slo.ttft_seconds,
+        "percentile": slo.percentile,
+        "windowSeconds": attainment.WINDOW_S,
+        "attainment": None if share is None else round(share, 4),
+        "met": None if share is None else share * 100 >= slo.percentile,
     }
 
 
