@@ -124,6 +124,39 @@ def test_burst_scales_up_and_the_drop_scales_down_without_errors(
     assert auto["metricsAvailable"] is True and auto["lastDecision"]
 
 
+def test_an_slo_in_the_spec_is_reported_as_the_clients_measure_it(
+    cluster: Any, loop: str, tmp_path: Path
+) -> None:
+    # A 1 s TTFT for 90% of requests: 16 clients on a replica of 2 slots queue far beyond it,
+    # so the attainment is low, and the operator's figure (from the runtimes' TTFT histograms in
+    # Prometheus) must match what `kvpilot bench` measured on the same requests.
+    slo = {"spec": {"autoscaling": {"slo": {"ttftSeconds": 1, "percentile": 90}}}}
+    cluster.kubectl("patch", "modeldeployment", NAME, "--type=merge", "-p", json.dumps(slo))
+    result = tmp_path / "bench.json"
+    argv = [*closedloop.bench_argv(loop, NAME, 16, 300, result), "--goodput", "ttft:1000"]
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: desired(cluster) >= 2, 180, "a scale-up under load")
+        assert bench.wait(timeout=600) == 0
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    summary = json.loads(result.read_text())["summary"]
+    assert summary["failed"] == 0 and summary["completed"] == 300
+    measured = summary["request_goodput"] / summary["request_throughput"]
+
+    # The scale-down after the load is the next status write: its attainment covers the whole
+    # run (5 minutes back).
+    wait_until(lambda: status(cluster).get("replicas") == 1, DOWN_WINDOW_S + 120, "scale-down")
+    auto = status(cluster)["autoscaling"]
+    reported = auto["slo"]
+    assert (reported["ttftSeconds"], reported["percentile"]) == (1, 90)
+    assert reported["windowSeconds"] == 300
+    assert reported["attainment"] == pytest.approx(measured, abs=0.1), (reported, summary)
+    assert reported["met"] is (reported["attainment"] >= 0.9)
+    assert "SLO" in auto["lastDecision"]
+
+
 def parse_time(event: dict[str, Any]) -> float:
     stamp = event.get("lastTimestamp") or event.get("eventTime") or event["firstTimestamp"]
     return timestamps.unix(stamp)
