@@ -273,10 +273,13 @@ class Gateway:
         if isinstance(admission, str):
             return Outcome(target=route.model, reason=admission)
         exchange.request[ADMISSION] = admission
+        outcome: Outcome | None = None
         try:
-            return await self.to_replicas(exchange, body, route, deadline)
-        finally:
-            self.flow.leave(admission, *tokens_used(exchange, estimate))
+            outcome = await self.to_replicas(exchange, body, route, deadline)
+            return outcome
+        finally:  # None: the client went away, maybe mid-answer (the tap saw what it got)
+            served = outcome is None or outcome.response is not None
+            self.flow.leave(admission, *(tokens_used(exchange, estimate) if served else (0, 0)))
 
     async def to_replicas(
         self, exchange: Exchange, body: bytes, route: Route, deadline: float
