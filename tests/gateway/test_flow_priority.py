@@ -33,11 +33,15 @@ def test_what_a_request_asks_for(header: str | None, body: Any, asked: int | Non
     [
         ("high", None, "must be an integer"),
         ("1.5", None, "must be an integer"),
+        ("1_0", None, "must be an integer"),
+        ("", None, "must be an integer"),
+        ("999999999", None, "between"),
         (None, "3", "`priority` must be an integer"),
         (None, True, "`priority` must be an integer"),
         (None, 2.0, "`priority` must be an integer"),
         ("1", 2, "disagree"),
         ("10000000", None, "between"),
+        ("-1000001", None, "between"),
         (None, -10_000_000, "between"),
     ],
 )

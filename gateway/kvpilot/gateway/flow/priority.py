@@ -9,6 +9,7 @@ learn that it does not.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvpilot.gateway.bodies import BadRequestError
@@ -16,6 +17,7 @@ from kvpilot.gateway.budget.config import MAX_PRIORITY, MIN_PRIORITY
 
 HEADER = "x-kvpilot-priority"
 LABEL_RANGE = 9  # metrics name -9..9 and lump the rest, so a header cannot mint label values
+_INTEGER = re.compile(r"-?[0-9]{1,20}")  # decimal only: int() would take "1_0" and "+3" too
 
 
 def requested(header: str | None, body: Any) -> int | None:
@@ -51,12 +53,10 @@ def label(priority: int) -> str:
 
 
 def _parse_header(text: str) -> int:
-    try:
-        value = int(text.strip())
-    except ValueError:
+    if not _INTEGER.fullmatch(text.strip()):
         raise BadRequestError(f"the {HEADER} header must be an integer (lower runs first), got "
-                              f"{text[:40]!r}", "priority") from None  # fmt: skip
-    return _in_range(value, f"the {HEADER} header")
+                              f"{text[:40]!r}", "priority")  # fmt: skip
+    return _in_range(int(text), f"the {HEADER} header")
 
 
 def _check_body(value: Any) -> int:
