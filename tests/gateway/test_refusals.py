@@ -19,6 +19,8 @@ SATURATED = Refusal("saturated", 429, b'{"error": {"message": "busy"}}', {"Retry
         (Outcome(reason="hold_queue_full"), 429, "1", "too many requests are waiting"),
         (Outcome(reason="hold_timeout"), 503, "1", "(hold_timeout)"),
         (Outcome(reason="connect", refusal=Refusal("connect")), 503, "1", "(connect)"),
+        (Outcome(reason="tenant_queue_full"), 429, "1", "--max-queued-per-tenant"),
+        (Outcome(reason="queue_timeout"), 429, "1", "waited longer than --fallback-after"),
     ],
 )
 def test_refused_response(outcome: Outcome, status: int, retry_after: str, says: str) -> None:

@@ -83,6 +83,23 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def for_upstream(payload: dict[str, Any], raw: bytes, model: str, priority: int | None) -> bytes:
+    """The body for an upstream serving `model`: `raw` when it says so already, else re-encoded
+    with `model` and `priority` (vLLM's field) set, or without `priority` when the upstream does
+    not take it (None: an external provider, or replicas under fcfs; the gateway's own queue
+    honoured it)."""
+    sent = payload.get("priority", ...)  # ...: absent (null is present, and left out too)
+    same_priority = sent is ... if priority is None else type(sent) is int and sent == priority
+    if payload.get("model") == model and same_priority:
+        return raw
+    fields = {**payload, "model": model}
+    if priority is None:
+        fields.pop("priority", None)
+    else:
+        fields["priority"] = priority
+    return json.dumps(fields).encode()
+
+
 def with_model(payload: dict[str, Any], model: str) -> bytes:
     """The body re-encoded for another model name (a fallback); the original bytes are sent
     unchanged otherwise."""

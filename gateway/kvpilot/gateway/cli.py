@@ -29,6 +29,9 @@ from kvpilot.gateway.cache.scope import SCOPES
 from kvpilot.gateway.config import ConfigError, load_cache_spec, load_routes, upstream_api_key
 from kvpilot.gateway.edge import GatewayRunner
 from kvpilot.gateway.exchange import Policy
+from kvpilot.gateway.flow.gate import FlowOptions
+from kvpilot.gateway.flow.tenancy import TenancyPolicy
+from kvpilot.gateway.flow.vtc import TokenWeights
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.proxy import Gateway, ProxyOptions
 from kvpilot.gateway.routing.cascade_policy import CascadePolicy
@@ -63,6 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=ProxyOptions.max_body_bytes)  # fmt: skip
     budget_setup.add_arguments(parser)
+    add_flow_arguments(parser)
     parser.add_argument("--cache-store", choices=STORES,
                         help="turn the response cache on with this store (else the config "
                         "file's `cache:`; redis needs --redis-url)")  # fmt: skip
@@ -92,7 +96,25 @@ def build_options(args: argparse.Namespace) -> ProxyOptions:
         max_held_per_model=args.max_held,
         max_body_bytes=args.max_request_body_bytes,
         upstream_api_key=upstream_api_key(args.upstream_api_key_env, args.config),
-    )
+        flow=FlowOptions(args.max_in_flight_per_replica, args.max_queued_per_tenant,
+                         TokenWeights(args.fair_input_weight, args.fair_output_weight)),
+    )  # fmt: skip
+
+
+def add_flow_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fair queue in front of each model's replicas (flow/gate.py)."""
+    parser.add_argument("--max-in-flight-per-replica", type=int, default=None,
+                        help="a model's replicas count as saturated at this many of this "
+                        "gateway's requests each (near their --max-num-seqs); more wait in a "
+                        "fair queue per tenant. Default: no limit, nothing waits")  # fmt: skip
+    parser.add_argument("--max-queued-per-tenant", type=int,
+                        default=FlowOptions.max_waiting_per_tenant,
+                        help="requests a tenant may have waiting per model and priority; "
+                        "more are refused with 429")  # fmt: skip
+    parser.add_argument("--fair-input-weight", type=float, default=TokenWeights.input,
+                        help="a prompt token's cost in the fair queue's counters")  # fmt: skip
+    parser.add_argument("--fair-output-weight", type=float, default=TokenWeights.output,
+                        help="an output token's cost in the fair queue's counters")  # fmt: skip
 
 
 def add_discovery_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,10 +177,10 @@ async def serve(args: argparse.Namespace, options: ProxyOptions) -> None:
     budgets = budget_setup.build(args, table, metrics)
     upstream_key = options.upstream_api_key is not None
     cascade_and_cache, cache = build_policies(table, settings, metrics, upstream_key)
-    # keys, cascade, cache, budget (issue 16); a hit answers before the budget, which counts it
-    # as a request and refuses it over a limit (cache.gate, issue 40)
-    policies = ([budgets.keys, *cascade_and_cache, budgets.budget] if budgets is not None
-                else cascade_and_cache)  # fmt: skip
+    # keys, tenancy (its priority), cascade, cache, budget (issue 16); a hit answers before the
+    # budget, which counts it as a request and refuses it over a limit (cache.gate, issue 40)
+    policies: list[Policy] = ([budgets.keys, TenancyPolicy(), *cascade_and_cache, budgets.budget]
+                if budgets is not None else [TenancyPolicy(), *cascade_and_cache])  # fmt: skip
     if budgets is not None:
         cache.gate = budgets.budget
     gateway = Gateway(table, options, waker, metrics, policies)

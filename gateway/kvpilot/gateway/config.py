@@ -10,6 +10,9 @@ file and what to write instead.
           - provider: {baseURL: https://api.example.com/v1, model: gpt-4o-mini,
                        apiKeyEnv: EXAMPLE_API_KEY}
         fallbackAfterSeconds: 30           # optional
+        schedulingPolicy: priority         # optional: the replicas run --scheduling-policy
+                                           # priority, so they get the request's `priority`
+                                           # (default fcfs: the field is left out)
         cascade:              # optional, tried in order before picking (routing/cascade_policy.py)
           - when: {maxPromptTokens: 512, noTools: true}
             model: small                   # another model in this file
@@ -23,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -81,6 +84,7 @@ class ModelSpec(_Strict):
     fallbacks: list[str | ProviderFallback] = Field(default_factory=list)
     fallback_after_seconds: float | None = Field(default=None, alias="fallbackAfterSeconds", gt=0)
     cascade: list[CascadeSpec] = Field(default_factory=list)
+    scheduling_policy: Literal["fcfs", "priority"] = Field(default="fcfs", alias="schedulingPolicy")
 
     @field_validator("backends")
     @classmethod
@@ -165,7 +169,7 @@ def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: 
     cascade = tuple(to_cascade_rule(rule, index, model.name, names, source)
                     for index, rule in enumerate(model.cascade))  # fmt: skip
     return Route(model.name, backends, tuple(fallbacks), None, model.fallback_after_seconds,
-                 cascade=cascade)  # fmt: skip
+                 cascade=cascade, takes_priority=model.scheduling_policy == "priority")  # fmt: skip
 
 
 def to_cascade_rule(

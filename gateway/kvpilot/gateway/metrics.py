@@ -92,3 +92,30 @@ class GatewayMetrics:
             "kvpilot_gateway_budget_store_up",
             "1 while the budget store answered its last call, 0 after a failure.", registry=r,
         )  # fmt: skip
+        # Flow control (flow/gate.py), per model, tenant (team, key:ID, or "-" without keys)
+        # and priority (-9..9, then "<-9" and ">9": a header cannot mint label values).
+        flow = ["model", "tenant", "priority"]
+        self.flow_waiting = Gauge(
+            "kvpilot_gateway_flow_waiting",
+            "Requests waiting in the fair queue for a saturated model.", flow, registry=r,
+        )  # fmt: skip
+        self.flow_queue_time = Histogram(
+            "kvpilot_gateway_flow_queue_seconds",
+            "Time from reaching the fair queue to being sent upstream (0 when there was room).",
+            flow, buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.flow_ttft = Histogram(
+            "kvpilot_gateway_flow_ttft_seconds",
+            "From reaching the fair queue to the answer's first byte (the wait included).",
+            flow, buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.flow_tokens = Counter(
+            "kvpilot_gateway_flow_tokens", "Tokens served (input or output: the upstream's "
+            "usage, else the prompt's estimate and the chunks relayed).", [*flow, "kind"],
+            registry=r,
+        )  # fmt: skip
+        self.flow_refusals = Counter(
+            "kvpilot_gateway_flow_refusals",
+            "Requests refused (429 unless a fallback took them): the tenant's queue was full.",
+            flow, registry=r,
+        )  # fmt: skip

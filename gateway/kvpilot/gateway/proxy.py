@@ -1,8 +1,9 @@
 """The gateway's HTTP side (aiohttp): OpenAI endpoints in, replicas and fallbacks out.
 
-A request for model M: its route (404 listing the served models when there is none), a replica
-picked by the policy (routing/picking.py), retried on another replica while nothing reached the
-client (bounded, with jitter), held while M has no replica and can be woken (routing/holding.py),
+A request for model M: its route (404 listing the served models when there is none), its turn in
+the fair queue while M's replicas are saturated (flow/gate.py), a replica picked by the policy
+(routing/picking.py), retried on another replica while nothing reached the client (bounded, with
+jitter), held while M has no replica and can be woken (routing/holding.py),
 then M's fallbacks in order (those the request may use, `Exchange.gates`); the response says who
 served it (`x-kvpilot-backend`, `x-kvpilot-target`), and so does `Exchange.target`, for its
 charge. `/health` is liveness (the process answers), `/ready` readiness (its checks pass).
@@ -29,6 +30,15 @@ from kvpilot.gateway.budget.keys import CALLER
 from kvpilot.gateway.cache.policy import HEADER as CACHE
 from kvpilot.gateway.credentials import upstream_authorization
 from kvpilot.gateway.exchange import Exchange, ModelsFilter, Policy, run_afters
+from kvpilot.gateway.flow.gate import (
+    ADMISSION,
+    QUEUE_FULL,
+    QUEUE_TIMEOUT,
+    FlowGate,
+    FlowOptions,
+    tokens_used,
+)  # fmt: skip
+from kvpilot.gateway.flow.tenancy import ANONYMOUS, TENANCY
 from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.gateway.routing.affinity import Affinity
 from kvpilot.gateway.routing.holding import Holding
@@ -38,11 +48,16 @@ from kvpilot.gateway.routing.routes import Backend, Provider, Route, RouteTable
 from kvpilot.gateway.routing.wake import Waker
 from kvpilot.gateway.unknown_routes import explain_unknown_routes
 from kvpilot.gateway.upstream import Hop, Refusal, error_response, forward
+from kvpilot.gateway.usage import prompt_tokens_bound
 
 access_log = logging.getLogger("kvpilot.gateway.access")
 
 
 UPSTREAM_IDLE_S = 4.0
+WAIT_REFUSALS = {  # why the fair queue sent a request away (429 unless a fallback takes it)
+    QUEUE_FULL: "your tenant has as many requests waiting as it may (--max-queued-per-tenant)",
+    QUEUE_TIMEOUT: "the request waited longer than --fallback-after for its turn",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class ProxyOptions:
     scrape_interval_s: float = 2.0  # replicas' /metrics (queue, KV usage)
     eject_s: float = 5.0  # a replica that refused a connection or answered 502/503 sits out
     upstream_api_key: str | None = field(default=None, repr=False)  # sent to replicas
+    flow: FlowOptions = field(default_factory=FlowOptions)  # the fair queue (flow/gate.py)
 
 
 @dataclass
@@ -88,6 +104,7 @@ class Gateway:
         self.book = LoadBook(eject_s=self.options.eject_s)
         self.affinity = Affinity()  # prompt prefix -> the replica it went to (routing/picking.py)
         self.holding = Holding(table, waker, self.metrics, self.options.max_held_per_model)
+        self.flow = FlowGate(table, self.options.flow, self.metrics)
         self.session: aiohttp.ClientSession | None = None
         # `/ready` asks each: why the gateway cannot serve now (None: it can)
         self.readiness: list[Callable[[], Awaitable[str | None]]] = []
@@ -208,9 +225,7 @@ class Gateway:
     async def dispatch(self, exchange: Exchange, route: Route) -> Outcome:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (route.fallback_after_s or self.options.fallback_after_s)
-        body = exchange.body if route.model == exchange.inbound.model else (
-            bodies.with_model(exchange.payload, route.model))  # fmt: skip
-        first = await self.to_replicas(exchange, body, route, deadline)
+        first = await self.in_turn(exchange, self.body_for(exchange, route), route, deadline)
         if first.response is not None:
             return first
         last, skipped = first, list[str]()
@@ -236,9 +251,35 @@ class Gateway:
         route = self.table.get(model)
         if route is None:
             return Outcome(reason="no_route")
-        body = bodies.with_model(exchange.payload, model)
+        body = self.body_for(exchange, route)
         now = asyncio.get_running_loop().time()  # no holding for a fallback: its deadline passed
         return await self.to_replicas(exchange, body, route, now)
+
+    def body_for(self, exchange: Exchange, route: Route) -> bytes:
+        """The body for `route`'s replicas: its model's name, and the request's priority when
+        they take the field."""
+        tenancy = exchange.request.get(TENANCY, ANONYMOUS)
+        priority = tenancy.priority if route.takes_priority else None
+        return bodies.for_upstream(exchange.payload, exchange.body, route.model, priority)
+
+    async def in_turn(
+        self, exchange: Exchange, body: bytes, route: Route, deadline: float
+    ) -> Outcome:
+        """`to_replicas` once the fair queue lets the request go; its slot is held until the
+        answer ended, then charged the tokens it used."""
+        estimate = prompt_tokens_bound(exchange.payload, exchange.kind)
+        tenancy = exchange.request.get(TENANCY, ANONYMOUS)
+        admission = await self.flow.enter(route, tenancy, estimate, deadline)
+        if isinstance(admission, str):
+            return Outcome(target=route.model, reason=admission)
+        exchange.request[ADMISSION] = admission
+        outcome: Outcome | None = None
+        try:
+            outcome = await self.to_replicas(exchange, body, route, deadline)
+            return outcome
+        finally:  # None: the client went away, maybe mid-answer (the tap saw what it got)
+            served = outcome is None or outcome.response is not None
+            self.flow.leave(admission, *(tokens_used(exchange, estimate) if served else (0, 0)))
 
     async def to_replicas(
         self, exchange: Exchange, body: bytes, route: Route, deadline: float
@@ -312,7 +353,7 @@ class Gateway:
             headers["Authorization"] = f"Bearer {provider.api_key}"
         url = f"{provider.base_url.rstrip('/')}/{exchange.kind}"
         hop = Hop(url, provider.base_url, provider.name, headers, exchange.headers)
-        body = bodies.with_model(exchange.payload, provider.model)
+        body = bodies.for_upstream(exchange.payload, exchange.body, provider.model, None)
         answer = await self.send(exchange, hop, body)
         if isinstance(answer, Refusal):
             return Outcome(reason=answer.reason, refusal=answer, attempts=1)
@@ -323,9 +364,12 @@ class Gateway:
             raise RuntimeError("the gateway's client session opens with its app (Gateway.app)")
         sent = time.perf_counter()
         ttft = self.metrics.ttft.labels(exchange.model, hop.target)
+        admission = exchange.request.get(ADMISSION)
 
         def first_byte() -> None:
             ttft.observe(time.perf_counter() - sent)
+            if admission is not None:
+                self.flow.first_byte(admission)
 
         stream = exchange.inbound.stream
         exchange.sent = True  # from here the upstream may generate for it
@@ -368,6 +412,9 @@ def refused_response(outcome: Outcome, model: str) -> web.Response:
     if outcome.reason == "hold_queue_full":
         message = f"too many requests are waiting for {model!r} to start; retry shortly"
         return error_response(429, message)
+    if outcome.reason in (QUEUE_FULL, QUEUE_TIMEOUT):
+        message = f"{model!r} is saturated and {WAIT_REFUSALS[outcome.reason]}; retry shortly"
+        return error_response(429, message, None, outcome.reason)
     message = f"no replica of {model!r} could take the request ({outcome.reason})"
     if outcome.skipped:
         message += f", and its fallbacks could not be used ({'; '.join(outcome.skipped)})"

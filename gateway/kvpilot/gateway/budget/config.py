@@ -10,9 +10,12 @@ or in Kubernetes the `keys.yaml` of a Secret: keys and teams only).
         tpm_limit: 100000            # and max_budget (cost) per budget_duration
         max_budget: 5.0
         budget_duration: 30d
+        priority: 1                  # optional: lower runs first (vLLM's); default: its team's
     teams:
       - name: research
         limits: [{unit: cost, limit: 100, window: month}]
+        priority: 0                  # the team's keys' (default 0); a request may lower its own
+        weight: 3                    # its share in the fair queue (flow/), default 1
     redis: {url: redis://redis:6379/0}
     prices:                          # per 1M tokens, for `unit: cost`
       tiny: {inputPerMillion: 0.05, outputPerMillion: 0.2}
@@ -79,11 +82,17 @@ class _LimitedSpec(_Strict):
         return [*self.limits, *extra]
 
 
+# Priorities a key, a team or a request may name (vLLM's field is any integer; bounded here so
+# a header cannot name a value no one could reason about).
+MIN_PRIORITY, MAX_PRIORITY = -1_000_000, 1_000_000
+
+
 class KeySpec(_LimitedSpec):
     key: str | None = Field(default=None, min_length=8, repr=False)
     key_sha256: str | None = Field(default=None, alias="keySha256")
     team: str | None = None
     models: list[str] | None = None
+    priority: int | None = Field(default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     @model_validator(mode="after")
     def _one_key(self) -> KeySpec:
@@ -99,6 +108,8 @@ class KeySpec(_LimitedSpec):
 
 class TeamSpec(_LimitedSpec):
     name: str = Field(min_length=1)
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    weight: float = Field(default=1.0, gt=0, le=1000)
 
 
 class RedisSpec(_Strict):
@@ -127,11 +138,19 @@ class KeyEntry:
     team: str
     models: frozenset[str] | None
     limits: tuple[Limit, ...]  # the key's own, then its team's
+    priority: int = 0  # the best (lowest) a request with this key may ask for
+    weight: float = 1.0  # its tenant's share in the fair queue (its team's weight)
+
+    @property
+    def tenant(self) -> str:
+        """Who shares a fair-queue share: the team, else the key alone."""
+        return self.team or f"key:{self.key_id}"
 
 
 def key_book(keys: list[KeySpec], teams: list[TeamSpec]) -> dict[str, KeyEntry]:
     """sha256 hex -> the key's entry; ValueError on a duplicate key or team."""
     team_limits: dict[str, tuple[Limit, ...]] = {}
+    team_specs = {team.name: team for team in teams}
     for team in teams:
         if team.name in team_limits:
             raise ValueError(f"teams: {team.name!r} appears twice")
@@ -147,7 +166,11 @@ def key_book(keys: list[KeySpec], teams: list[TeamSpec]) -> dict[str, KeyEntry]:
         slot = team_name or f"key:{key_id}"
         limits = to_limits(f"key:{key_id}", spec, slot) + team_limits.get(team_name, ())
         models = frozenset(spec.models) if spec.models is not None else None
-        book[digest] = KeyEntry(key_id, team_name, models, limits)
+        team_spec = team_specs.get(team_name)
+        team_priority = team_spec.priority if team_spec else 0
+        priority = spec.priority if spec.priority is not None else team_priority
+        weight = team_spec.weight if team_spec else 1.0
+        book[digest] = KeyEntry(key_id, team_name, models, limits, priority, weight)
     return book
 
 

@@ -62,6 +62,9 @@ class Route:
     cascade: tuple[CascadeRule, ...] = ()
     # Per 1M tokens, for cost budgets and spend: the ModelDeployment's status.cost (None: unpriced).
     price: Price | None = None
+    # The replicas take vLLM's `priority` field (they run `--scheduling-policy priority`); else
+    # it is left out of the body, as a replica under fcfs refuses a priority it cannot honour.
+    takes_priority: bool = False
 
 
 class RouteTable:

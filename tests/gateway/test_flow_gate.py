@@ -1,0 +1,130 @@
+"""The fair queue's asyncio side (flow/gate.py), in process: a request waits for a slot, leaves
+the queue when its deadline passes or its client goes away, and a full queue is refused; and the
+flags that configure it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpilot.gateway.cli import build_options, parse_args
+from kvpilot.gateway.flow.gate import QUEUE_FULL, QUEUE_TIMEOUT, Admission, FlowGate, FlowOptions
+from kvpilot.gateway.flow.tenancy import Tenancy
+from kvpilot.gateway.metrics import GatewayMetrics
+from kvpilot.gateway.routing.routes import Backend, Route, RouteTable
+
+CHAT, BATCH = Tenancy("chat", 0), Tenancy("batch", 0)
+FAR = 1e9  # a deadline that does not pass
+
+
+def gate(max_waiting: int = 4) -> tuple[FlowGate, Route, GatewayMetrics]:
+    table, metrics = RouteTable(), GatewayMetrics()
+    route = Route("m", (Backend("a", "http://a:8000"),))
+    table.put(route)
+    return FlowGate(table, FlowOptions(1, max_waiting), metrics), route, metrics
+
+
+def config_file(directory: Path) -> str:
+    path = directory / "gateway.yaml"
+    path.write_text("models: [{name: m, backends: ['http://a:8000']}]\n")
+    return str(path)
+
+
+def in_loop(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """A test that runs `scenario` on an event loop of its own."""
+
+    def test() -> None:
+        asyncio.run(scenario())
+
+    test.__name__ = scenario.__name__
+    return test
+
+
+def waiting(metrics: GatewayMetrics) -> float:
+    return sum(s.value for m in metrics.flow_waiting.collect() for s in m.samples)
+
+
+def test_capacity_is_the_limit_times_the_replicas() -> None:
+    flow, route, _ = gate()
+    two = Route("m", (Backend("a", "http://a"), Backend("b", "http://b")))
+    assert flow.capacity(route) == 1 and flow.capacity(two) == 2
+    assert flow.capacity(Route("m")) is None  # no replica (held at zero): no limit
+    assert FlowGate(RouteTable(), FlowOptions(), GatewayMetrics()).capacity(two) is None
+
+
+@in_loop
+async def test_a_request_waits_for_the_slot_and_gets_it_when_it_frees() -> None:
+    flow, route, metrics = gate()
+    first = await flow.enter(route, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    second = asyncio.ensure_future(flow.enter(route, CHAT, 10, FAR))
+    await asyncio.sleep(0)  # let it reach the queue
+    assert not second.done() and waiting(metrics) == 1
+    flow.leave(first, 10, 5)
+    assert isinstance(await second, Admission) and waiting(metrics) == 0
+    labels = {"model": "m", "tenant": "batch", "priority": "0", "kind": "output"}
+    assert metrics.registry.get_sample_value("kvpilot_gateway_flow_tokens_total", labels) == 5
+
+
+@in_loop
+async def test_a_request_past_its_deadline_leaves_the_queue() -> None:
+    flow, route, metrics = gate()
+    first = await flow.enter(route, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    deadline = asyncio.get_running_loop().time() + 0.05
+    assert await flow.enter(route, CHAT, 10, deadline) == QUEUE_TIMEOUT
+    assert waiting(metrics) == 0
+    flow.leave(first, 1, 1)
+    assert isinstance(await flow.enter(route, CHAT, 10, FAR), Admission)  # nothing left behind
+
+
+@in_loop
+async def test_a_client_that_goes_away_leaves_the_queue() -> None:
+    flow, route, metrics = gate()
+    first = await flow.enter(route, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    gone = asyncio.ensure_future(flow.enter(route, CHAT, 10, FAR))
+    await asyncio.sleep(0)
+    gone.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert waiting(metrics) == 0
+    flow.leave(first, 1, 1)
+    assert isinstance(await flow.enter(route, CHAT, 10, FAR), Admission)  # its slot is free
+
+
+@in_loop
+async def test_a_full_tenant_queue_is_refused() -> None:
+    flow, route, metrics = gate(max_waiting=1)
+    assert isinstance(await flow.enter(route, BATCH, 10, FAR), Admission)
+    queued = asyncio.ensure_future(flow.enter(route, BATCH, 10, FAR))
+    await asyncio.sleep(0)
+    assert await flow.enter(route, BATCH, 10, FAR) == QUEUE_FULL
+    labels = {"model": "m", "tenant": "batch", "priority": "0"}
+    assert metrics.registry.get_sample_value("kvpilot_gateway_flow_refusals_total", labels) == 1
+    queued.cancel()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--max-in-flight-per-replica", "0"], "--max-in-flight-per-replica must be > 0"),
+        (["--max-queued-per-tenant", "-1"], "--max-queued-per-tenant must be >= 0"),
+        (["--fair-output-weight", "-2"], "token weights must be >= 0"),
+    ],
+)
+def test_bad_flow_flags_are_refused(flags: list[str], says: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=says):
+        build_options(parse_args(["--config", config_file(tmp_path), *flags]))
+
+
+def test_flow_flags_reach_the_options(tmp_path: Path) -> None:
+    flags = ["--max-in-flight-per-replica", "8", "--max-queued-per-tenant", "3",
+             "--fair-input-weight", "0.5"]  # fmt: skip
+    flow = build_options(parse_args(["--config", config_file(tmp_path), *flags])).flow
+    assert (flow.max_in_flight_per_replica, flow.max_waiting_per_tenant) == (8, 3)
+    assert (flow.weights.input, flow.weights.output) == (0.5, 2.0)
