@@ -11,9 +11,6 @@ build=/tmp/kvpilot-build  # inside the root filesystem; removed before mmdebstra
 mkdir -p "$root$build/uv-cache"
 cp "$KVPILOT_IMAGE_STAGE/uv" "$KVPILOT_IMAGE_STAGE/requirements.txt" \
   "$KVPILOT_IMAGE_STAGE/$KVPILOT_WHEEL" "$root$build/"
-# uv records the wheel's mtime in the venv (kvpilot's dist-info/uv_cache.json): make it the
-# build's timestamp, not the copy's, or every build differs.
-touch -d "@$SOURCE_DATE_EPOCH" "$root$build/$KVPILOT_WHEEL"
 # The host's CA bundle (SSL_CERT_FILE, e.g. a proxy's CA) for uv's downloads; gone with $build.
 cp "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" "$root$build/ca.crt"
 mount --bind "$UV_CACHE_DIR" "$root$build/uv-cache"
@@ -28,8 +25,11 @@ in_root() {
 in_root "$build/uv" venv --quiet --python /usr/bin/python3 "$VENV"
 in_root "$build/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes \
   "$build/requirements.txt"
-in_root "$build/uv" pip install --quiet --python "$VENV/bin/python" --no-deps \
-  "$build/$KVPILOT_WHEEL"
+# From a flat index, not as a path: uv writes a local path's ctime into the venv
+# (dist-info/uv_cache.json), which would make every build's digest differ.
+version=${KVPILOT_WHEEL#kvpilot-}
+in_root "$build/uv" pip install --quiet --python "$VENV/bin/python" --no-deps --no-index \
+  --refresh-package kvpilot --find-links "$build" "kvpilot==${version%%-*}"
 
 umount "$root$build/uv-cache"
 trap - EXIT
