@@ -39,7 +39,9 @@ class ImageSpec:
 
     name: str
     dockerfile: str  # the Dockerfile that describes the same content
-    debian_packages: tuple[str, ...]
+    dockerfile_packages: tuple[str, ...]  # what the Dockerfile installs with apt-get
+    # What the Dockerfile's base image brings that Debian's essential set lacks and the image needs
+    base_packages: tuple[str, ...]
     extras: tuple[str, ...]  # pyproject.toml extras installed from uv.lock into VENV
     entrypoint: tuple[str, ...]
     cmd: tuple[str, ...]
@@ -48,6 +50,10 @@ class ImageSpec:
     volumes: tuple[str, ...] = ()
     home: str | None = None  # created and owned by the user; None: no home directory
     owned_dirs: tuple[str, ...] = field(default=())  # created and owned by the user
+
+    @property
+    def debian_packages(self) -> tuple[str, ...]:
+        return (*self.base_packages, *self.dockerfile_packages)
 
     @property
     def user(self) -> str:
@@ -70,7 +76,8 @@ class ImageSpec:
 OPERATOR = ImageSpec(
     name="kvpilot-operator",
     dockerfile="operator/Dockerfile",
-    debian_packages=("python3", "ca-certificates"),
+    dockerfile_packages=(),
+    base_packages=("python3", "ca-certificates"),  # python:slim's Python and CA bundle
     extras=("operator", "gateway"),
     entrypoint=("kvpilot-operator",),
     cmd=("run",),
@@ -88,7 +95,9 @@ OPERATOR = ImageSpec(
 RUNTIME = ImageSpec(
     name="kvpilot-runtime",
     dockerfile="runtime/Dockerfile",
-    debian_packages=("python3", "ca-certificates", "tini"),
+    # python3-venv is not needed: uv makes the venv
+    dockerfile_packages=("python3", "ca-certificates", "tini"),
+    base_packages=("libstdc++6",),  # the CUDA image has it; torch's libraries link it
     extras=("runtime",),
     entrypoint=("tini", "--", "kvpilot-runtime"),
     cmd=("serve", "--model", "/models/model", "--port", "8000"),

@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -127,8 +128,9 @@ def test_user_and_home_match_the_dockerfile(spec: ImageSpec) -> None:
 def test_debian_packages_are_those_the_dockerfiles_install() -> None:
     """The runtime Dockerfile's apt packages (python3-venv aside: uv makes the venv here) and the
     Python of the operator's base image, which the daemonless build takes from Debian."""
-    runtime = Dockerfile(ROOT / RUNTIME.dockerfile).apt_packages()
-    assert runtime - {"python3-venv"} == set(RUNTIME.debian_packages)
+    for spec in SPECS:
+        installed = Dockerfile(ROOT / spec.dockerfile).apt_packages()
+        assert installed - {"python3-venv"} == set(spec.dockerfile_packages), spec.name
     assert "tini" in RUNTIME.debian_packages and RUNTIME.entrypoint[:2] == ("tini", "--")
     assert "python3" in OPERATOR.debian_packages
 
@@ -186,6 +188,16 @@ def test_rfc3339_is_utc() -> None:
 # ---- the built images (where `make images` cached them) ------------------------------------------
 
 
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """A directory for an unpacked image or a rebuilt layout (the runtime's is GBs), removed after
+    the test rather than kept with pytest's last three temporary directories."""
+    path = tmp_path / "scratch"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
 def test_built_config_is_the_spec(spec: ImageSpec) -> None:
     image = oci_images.cached(spec)
@@ -227,7 +239,7 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
 
 
 @pytest.mark.slow
-def test_built_image_is_reproducible_from_the_same_inputs(tmp_path: Path) -> None:
+def test_built_image_is_reproducible_from_the_same_inputs(scratch: Path) -> None:
     """A second build of the operator image from the same commit, lock and Debian archive gives
     the same manifest digest as the cached one (SOURCE_DATE_EPOCH, sorted tar, clamped mtimes).
     Needs what `make images` needs: root, mmdebstrap and umoci, Debian's archive and PyPI."""
@@ -240,15 +252,15 @@ def test_built_image_is_reproducible_from_the_same_inputs(tmp_path: Path) -> Non
     if built_from != build.revision() or built_from.endswith("-dirty"):
         pytest.skip(f"the cached image is from {built_from}, the tree is {build.revision()}: "
                     "`make images` first (a dirty tree's images are not compared)")  # fmt: skip
-    rebuilt = oci_images.read(build.build(OPERATOR, tmp_path))
+    rebuilt = oci_images.read(build.build(OPERATOR, scratch))
     assert rebuilt.manifest_digest == image.manifest_digest
 
 
 @pytest.mark.slow
-def test_operator_image_entrypoint_runs_as_its_user(tmp_path: Path) -> None:
+def test_operator_image_entrypoint_runs_as_its_user(scratch: Path) -> None:
     image = oci_images.cached(OPERATOR)
     oci_images.require_root_tools()
-    rootfs = oci_images.unpack(image, tmp_path / "bundle")
+    rootfs = oci_images.unpack(image, scratch / "bundle")
     site = rootfs / VENV.lstrip("/") / "lib" / "python3.11" / "site-packages"
     sources = {p: site / p.relative_to(ROOT / part)
                for part in ("contract", "operator", "gateway", "runtime")
@@ -269,12 +281,12 @@ def test_operator_image_entrypoint_runs_as_its_user(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_runtime_image_serves_a_completion_under_tini(tmp_path: Path) -> None:
+def test_runtime_image_serves_a_completion_under_tini(tmp_path: Path, scratch: Path) -> None:
     """The unpacked runtime image's entrypoint (tini, PID 1) serves tiny-llama, bind-mounted at
     /models/model as the operator mounts a model, and answers the official client."""
     image = oci_images.cached(RUNTIME)
     oci_images.require_root_tools()
-    rootfs = oci_images.unpack(image, tmp_path / "bundle")
+    rootfs = oci_images.unpack(image, scratch / "bundle")
     port = free_port()
     args = ["serve", "--model", "/models/model", "--served-name", "tiny",
             "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
