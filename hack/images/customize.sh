@@ -25,11 +25,18 @@ in_root() {
 in_root "$build/uv" venv --quiet --python /usr/bin/python3 "$VENV"
 in_root "$build/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes \
   "$build/requirements.txt"
-# From a flat index, not as a path: uv writes a local path's ctime into the venv
-# (dist-info/uv_cache.json), which would make every build's digest differ.
+# From a flat index (no direct_url.json naming a file the image lacks). --refresh-package: a
+# wheel of the same version from an earlier build must not come from uv's cache.
 version=${KVPILOT_WHEEL#kvpilot-}
 in_root "$build/uv" pip install --quiet --python "$VENV/bin/python" --no-deps --no-index \
   --refresh-package kvpilot --find-links "$build" "kvpilot==${version%%-*}"
+# uv notes a local wheel's ctime in dist-info/uv_cache.json (its own reinstall check, which an
+# image never runs): that timestamp would make every build's digest differ, so it goes, and its
+# RECORD line with it.
+for dist_info in "$root$VENV"/lib/python3*/site-packages/kvpilot-*.dist-info; do
+  rm -f "$dist_info/uv_cache.json"
+  sed -i '/\.dist-info\/uv_cache\.json,/d' "$dist_info/RECORD"
+done
 
 umount "$root$build/uv-cache"
 trap - EXIT
