@@ -22,7 +22,8 @@ help:
 	@echo "                 BENCH_SKIP=engine_peer leaves that benchmark out)"
 	@echo "make llama-server  build (or find) the cached llama-server the peer benchmark runs"
 	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
-	@echo "make images      build the operator and runtime images (needs Docker)"
+	@echo "make images      build the operator and runtime OCI images without Docker (as root: mmdebstrap,"
+	@echo "                 umoci; IMAGE=kvpilot-operator builds one) into ~/.cache/kvpilot/images/"
 	@echo "make cluster-up / cluster-down / cluster-env   the local control plane (hack/devcluster)"
 
 system-deps:
@@ -80,12 +81,12 @@ crds: setup
 	$(PY) -m kvpilot.operator.crdgen
 	$(PY) deploy/render.py
 
-# Container images (needs a Docker engine; not built in CI). IMAGE_TAG defaults to the version.
-IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-images:
-	@command -v docker >/dev/null || { echo "make images needs Docker"; exit 1; }
-	docker build -f operator/Dockerfile -t ghcr.io/kvpilot/operator:$(IMAGE_TAG) .
-	docker build -f runtime/Dockerfile -t ghcr.io/kvpilot/runtime:$(IMAGE_TAG) .
+# Container images without a Docker engine (hack/images: mmdebstrap, the locked venv, umoci), as
+# OCI layouts under ~/.cache/kvpilot/images/<version>/; IMAGE=kvpilot-operator builds just one.
+# The Dockerfiles describe the same images for `docker build` (tests/packaging/test_images.py).
+IMAGE ?=
+images: system-deps setup
+	@$(PY) -m hack.images $(IMAGE)
 
 cluster-up: cluster-build
 	@$(PY) -m hack.devcluster up

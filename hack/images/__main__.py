@@ -1,0 +1,5 @@
+import sys
+
+from hack.images.build import main
+
+sys.exit(main())

@@ -1,0 +1,248 @@
+"""`make images`: the OCI images of hack/images/spec.py, built without a container engine.
+
+    python -m hack.images [kvpilot-operator] [kvpilot-runtime] [--out DIR]
+
+Per image: a Debian root filesystem (mmdebstrap, essential variant plus the spec's packages), the
+locked virtualenv installed into it from uv.lock by uv running inside it (customize.sh), the
+kvpilot wheel, a non-root user; mmdebstrap packs it as one tar (sorted entries, mtimes clamped to
+SOURCE_DATE_EPOCH, no device nodes) and umoci writes it as a layer of an OCI layout with the image
+config, every timestamp SOURCE_DATE_EPOCH. The same commit, uv.lock and Debian archive state give
+the same manifest digest. Needs root (mmdebstrap --mode=root, chroot, a bind mount of uv's cache).
+Layouts land under ${KVPILOT_CACHE_DIR:-~/.cache/kvpilot}/images/<version>/<image>, tag <version>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hack.images import spec as specs
+from hack.images.spec import ImageSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOK = Path(__file__).with_name("customize.sh")
+TOOLS = ("mmdebstrap", "umoci")
+# What an image is built from, besides the Debian archive: a change here is a new image.
+INPUTS = (
+    "pyproject.toml", "uv.lock", "README.md", "contract", "operator/kvpilot", "runtime/kvpilot",
+    "gateway/kvpilot", "hack/images", "hack/uv-requirements.txt",
+)  # fmt: skip
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVPILOT_CACHE_DIR") or Path.home() / ".cache" / "kvpilot")
+
+
+def version() -> str:
+    return str(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"])
+
+
+def layout_dir(spec: ImageSpec, out: Path | None = None) -> Path:
+    return (out or cache_dir() / "images" / version()) / spec.name
+
+
+def source_date_epoch() -> int:
+    """SOURCE_DATE_EPOCH when set, else the commit time of HEAD: a rebuild of one commit gets the
+    same timestamps (a dirty tree does too: the digest then differs by content alone)."""
+    if os.environ.get("SOURCE_DATE_EPOCH"):
+        return int(os.environ["SOURCE_DATE_EPOCH"])
+    out = subprocess.run(
+        ["git", "log", "-1", "--format=%ct"], cwd=ROOT, check=True, capture_output=True, text=True
+    )
+    return int(out.stdout.strip())
+
+
+def rfc3339(epoch: int) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def apt_sources() -> list[str]:
+    suites = [f"deb {specs.DEBIAN_MIRROR} {suite} main" for suite in specs.DEBIAN_SUITES]
+    security = f"deb {specs.DEBIAN_SECURITY_MIRROR} {specs.DEBIAN_RELEASE}-security main"
+    return [*suites, security]
+
+
+def mmdebstrap_command(spec: ImageSpec, tarball: Path) -> list[str]:
+    """The root filesystem as one reproducible tar: essential packages (no apt, no compilers)
+    plus the spec's, documentation left out, the venv and user added by customize.sh."""
+    dpkg = [f"--dpkgopt=path-exclude={path}" for path in specs.DPKG_PATH_EXCLUDES]
+    dpkg += [f"--dpkgopt=path-include={path}" for path in specs.DPKG_PATH_INCLUDES]
+    return [
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=essential",
+        "--format=tar",
+        f"--include={','.join(spec.debian_packages)}",
+        *dpkg,
+        "--skip=output/dev",  # the container runtime makes /dev; nodes in a layer break rootless
+        f'--customize-hook=bash {HOOK} "$1"',
+        specs.DEBIAN_RELEASE,
+        str(tarball),
+        *apt_sources(),
+    ]
+
+
+def revision() -> str:
+    """HEAD's commit, with `-dirty` when the files an image is built from have changes."""
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--", *INPUTS], cwd=ROOT, check=True, capture_output=True,
+        text=True,
+    ).stdout  # fmt: skip
+    return f"{head}-dirty" if status.strip() else head
+
+
+def umoci_config_args(spec: ImageSpec, created: str, source: str) -> list[str]:
+    """`umoci config` flags for the spec's user, entrypoint, command, env, ports and volumes."""
+    args = ["--no-history", f"--created={created}", "--os=linux", "--architecture=amd64"]
+    args.append(f"--config.user={spec.user}")
+    args += [f"--config.entrypoint={part}" for part in spec.entrypoint]
+    args += [f"--config.cmd={part}" for part in spec.cmd]
+    args += [f"--config.env={entry}" for entry in spec.env_list()]
+    args += [f"--config.exposedports={port}/tcp" for port in spec.exposed_ports]
+    args += [f"--config.volume={volume}" for volume in spec.volumes]
+    args.append(f"--config.label=org.opencontainers.image.version={version()}")
+    args.append(f"--config.label=org.opencontainers.image.revision={source}")
+    return args
+
+
+def uv_binary() -> Path:
+    """The project's pinned uv (hack/uv.sh installs it on first use); copied into the root
+    filesystem for the install and removed before packing."""
+    subprocess.run(["bash", str(ROOT / "hack" / "uv.sh"), "--version"], check=True)
+    pins = (ROOT / "hack" / "uv-requirements.txt").read_bytes()
+    return cache_dir() / "tools" / f"uv-{hashlib.sha256(pins).hexdigest()[:16]}" / "bin" / "uv"
+
+
+def uv(*args: str) -> None:
+    subprocess.run(["bash", str(ROOT / "hack" / "uv.sh"), *args], cwd=ROOT, check=True)
+
+
+def stage_inputs(spec: ImageSpec, stage: Path, epoch: int) -> str:
+    """uv, the locked requirements of the spec's extras (hashes included) and the kvpilot wheel
+    into `stage`; returns the wheel's file name."""
+    shutil.copy2(uv_binary(), stage / "uv")
+    extras = [arg for extra in spec.extras for arg in ("--extra", extra)]
+    uv("export", "--frozen", "--quiet", "--no-emit-project", *extras,
+       "--output-file", str(stage / "requirements.txt"))  # fmt: skip
+    os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # the wheel's zip timestamps
+    uv("build", "--wheel", "--quiet", "--out-dir", str(stage / "wheel"))
+    (wheel,) = (stage / "wheel").glob("kvpilot-*.whl")
+    shutil.move(wheel, stage / wheel.name)
+    return wheel.name
+
+
+def hook_env(spec: ImageSpec, stage: Path, wheel: str, epoch: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SOURCE_DATE_EPOCH": str(epoch),
+        "UV_CACHE_DIR": os.environ.get("UV_CACHE_DIR") or str(cache_dir() / "uv"),
+        "KVPILOT_IMAGE_STAGE": str(stage),
+        "KVPILOT_WHEEL": wheel,
+        "KVPILOT_PASSWD_LINE": spec.passwd_line,
+        "KVPILOT_GROUP_LINE": spec.group_line,
+        "KVPILOT_OWNED_DIRS": " ".join(d for d in (spec.home, *spec.owned_dirs) if d),
+        "KVPILOT_UID": str(specs.UID),
+        "VENV": specs.VENV,
+    }
+
+
+def pack(spec: ImageSpec, tarball: Path, layout: Path, epoch: int) -> None:
+    """The tar as the only layer of a new OCI layout, then the config; no stray blobs."""
+    image = f"{layout}:{version()}"
+    created = rfc3339(epoch)
+    subprocess.run(["umoci", "init", "--layout", str(layout)], check=True)
+    subprocess.run(["umoci", "new", "--image", image], check=True)
+    subprocess.run(
+        ["umoci", "raw", "add-layer", "--image", image, f"--history.created={created}",
+         "--history.created_by=make images (hack/images/build.py)", str(tarball)],
+        check=True,
+    )  # fmt: skip
+    config = umoci_config_args(spec, created, revision())
+    subprocess.run(["umoci", "config", "--image", image, *config], check=True)
+    subprocess.run(["umoci", "gc", "--layout", str(layout)], check=True)
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # another clone building the same image: wait
+        yield
+
+
+def build(spec: ImageSpec, out: Path | None = None) -> Path:
+    """Builds `spec` into its layout (replacing an older one) and returns the layout's path."""
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"make images needs {' '.join(missing)}: run `make system-deps` as root")
+    if os.geteuid() != 0:
+        raise SystemExit("make images needs root (mmdebstrap --mode=root, chroot, mount)")
+    layout = layout_dir(spec, out)
+    epoch = source_date_epoch()
+    with (
+        locked(layout.with_name(layout.name + ".lock")),
+        tempfile.TemporaryDirectory(dir=layout.parent, prefix=f".{spec.name}-") as tmp,
+    ):
+        work = Path(tmp)
+        (work / "stage").mkdir()
+        wheel = stage_inputs(spec, work / "stage", epoch)
+        tarball = work / "rootfs.tar"
+        env = hook_env(spec, work / "stage", wheel, epoch)
+        subprocess.run(mmdebstrap_command(spec, tarball), env=env, check=True)
+        pack(spec, tarball, work / "layout", epoch)
+        shutil.rmtree(layout, ignore_errors=True)
+        (work / "layout").rename(layout)
+    return layout
+
+
+def blob(layout: Path, digest: object) -> Path:
+    return layout / "blobs" / "sha256" / str(digest).removeprefix("sha256:")
+
+
+def manifest(layout: Path) -> tuple[str, dict[str, Any]]:
+    """The layout's (only) manifest: its digest and its parsed JSON."""
+    index = json.loads((layout / "index.json").read_text())
+    digest = str(index["manifests"][0]["digest"])
+    return digest, json.loads(blob(layout, digest).read_text())
+
+
+def summary(layout: Path) -> str:
+    digest, parsed = manifest(layout)
+    layers = parsed["layers"]
+    size = sum(int(layer["size"]) for layer in layers)
+    return f"{layout.name}: {digest}, {len(layers)} layer(s), {size / 1e6:.1f} MB compressed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hack.images", description=__doc__)
+    parser.add_argument("images", nargs="*", help=f"of {', '.join(specs.IMAGES)} (default: all)")
+    parser.add_argument("--out", type=Path, help="layouts go here instead of the build cache")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.images) - set(specs.IMAGES))
+    if unknown:
+        parser.error(f"no image {', '.join(unknown)}: the images are {', '.join(specs.IMAGES)}")
+    for name in args.images or list(specs.IMAGES):
+        print(f"==> building {name}", flush=True)
+        layout = build(specs.IMAGES[name], args.out)
+        print(f"==> {summary(layout)}\n    {layout}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""What each daemonless image holds and how it runs: the same content runtime/Dockerfile and
+operator/Dockerfile describe for people with Docker (tests/packaging/test_images.py compares them).
+
+Pure data, read by hack/images/build.py (the adapter that runs mmdebstrap, uv and umoci) and by
+the tests, so a change here is a change to both images' contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The Debian release of operator/Dockerfile's base (python:3.11.x-slim-bookworm): its Python 3.11
+# is the interpreter uv.lock's wheels are installed for.
+DEBIAN_RELEASE = "bookworm"
+DEBIAN_SUITES = (DEBIAN_RELEASE, f"{DEBIAN_RELEASE}-updates")
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+DEBIAN_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
+VENV = "/opt/venv"
+UID = 10001
+USER_NAME = "kvpilot"
+# Debian's default PATH (python:slim and the CUDA base put the same directories on it), with the
+# venv first, as both Dockerfiles' `ENV PATH=/opt/venv/bin:$PATH` do.
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Documentation, manuals and translations: nothing in the images reads them. Copyright files stay
+# (the licences of what ships).
+DPKG_PATH_EXCLUDES = (
+    "/usr/share/doc/*",
+    "/usr/share/man/*",
+    "/usr/share/info/*",
+    "/usr/share/locale/*",
+    "/usr/share/lintian/*",
+)
+DPKG_PATH_INCLUDES = ("/usr/share/doc/*/copyright",)
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One OCI image: Debian packages, the locked virtualenv's extras, and the image config."""
+
+    name: str
+    dockerfile: str  # the Dockerfile that describes the same content
+    dockerfile_packages: tuple[str, ...]  # what the Dockerfile installs with apt-get
+    # What the Dockerfile's base image brings that Debian's essential set lacks and the image needs
+    base_packages: tuple[str, ...]
+    extras: tuple[str, ...]  # pyproject.toml extras installed from uv.lock into VENV
+    entrypoint: tuple[str, ...]
+    cmd: tuple[str, ...]
+    env: dict[str, str]
+    exposed_ports: tuple[int, ...]
+    volumes: tuple[str, ...] = ()
+    home: str | None = None  # created and owned by the user; None: no home directory
+    owned_dirs: tuple[str, ...] = field(default=())  # created and owned by the user
+
+    @property
+    def debian_packages(self) -> tuple[str, ...]:
+        return (*self.base_packages, *self.dockerfile_packages)
+
+    @property
+    def user(self) -> str:
+        return f"{UID}:{UID}"
+
+    @property
+    def passwd_line(self) -> str:
+        home = self.home or "/nonexistent"
+        return f"{USER_NAME}:x:{UID}:{UID}::{home}:/usr/sbin/nologin"
+
+    @property
+    def group_line(self) -> str:
+        return f"{USER_NAME}:x:{UID}:"
+
+    def env_list(self) -> list[str]:
+        """The config's Env, sorted so the image config does not depend on dict order."""
+        return [f"{key}={value}" for key, value in sorted(self.env.items())]
+
+
+OPERATOR = ImageSpec(
+    name="kvpilot-operator",
+    dockerfile="operator/Dockerfile",
+    dockerfile_packages=(),
+    base_packages=("python3", "ca-certificates"),  # python:slim's Python and CA bundle
+    extras=("operator", "gateway"),
+    entrypoint=("kvpilot-operator",),
+    cmd=("run",),
+    env={
+        "PATH": f"{VENV}/bin:{BASE_PATH}",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    },
+    exposed_ports=(8080, 9090),
+)
+
+# The CPU variant of runtime/Dockerfile (whose base is NVIDIA's CUDA image on Ubuntu): the same
+# packages, user, entrypoint, environment and port on OPERATOR's Debian release. PyPI's Linux
+# torch wheel depends on NVIDIA's CUDA wheels, so they come too (uv.lock pins that torch).
+RUNTIME = ImageSpec(
+    name="kvpilot-runtime",
+    dockerfile="runtime/Dockerfile",
+    # python3-venv is not needed: uv makes the venv
+    dockerfile_packages=("python3", "ca-certificates", "tini"),
+    base_packages=("libstdc++6",),  # the CUDA image has it; torch's libraries link it
+    extras=("runtime",),
+    entrypoint=("tini", "--", "kvpilot-runtime"),
+    cmd=("serve", "--model", "/models/model", "--port", "8000"),
+    env={
+        "DEBIAN_FRONTEND": "noninteractive",
+        "HF_HOME": "/models/.cache",
+        "PATH": f"{VENV}/bin:{BASE_PATH}",
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "PIP_NO_CACHE_DIR": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    },
+    exposed_ports=(8000,),
+    volumes=("/models",),
+    home="/home/kvpilot",
+    owned_dirs=("/models",),
+)
+
+IMAGES = {spec.name: spec for spec in (OPERATOR, RUNTIME)}

@@ -1,0 +1,329 @@
+"""The daemonless images (`make images`, hack/images): the Dockerfiles and hack/images/spec.py
+describe the same images (always checked); the built OCI layouts hold and run what they should
+(checked where `make images` has cached them, skipped with the reason elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from hack.images import build
+from hack.images.spec import (
+    BASE_PATH,
+    DEBIAN_RELEASE,
+    IMAGES,
+    OPERATOR,
+    RUNTIME,
+    UID,
+    VENV,
+    ImageSpec,
+)
+from tests.support import oci_images
+from tests.support.processes import child_pids, cmdline
+from tests.support.server_process import STARTUP_TIMEOUT_S, TINY, free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SPECS = list(IMAGES.values())
+# Build tools and package caches that must not ship (an image installs nothing at run time).
+FORBIDDEN = re.compile(
+    r"(^|/)(gcc|g\+\+|cc1|cc1plus|c\+\+|ld|as|apt-get)$"  # compilers, linkers, apt
+    r"|^var/cache/apt/archives/.+\.deb$|^root/\.cache/|^tmp/kvpilot-build"
+)
+
+
+# ---- the Dockerfiles, read as text ---------------------------------------------------------------
+
+
+class Dockerfile:
+    """The final stage's settings, following `FROM <stage>` to the stages it builds on."""
+
+    def __init__(self, path: Path) -> None:
+        text = re.sub(r"\\\n", " ", path.read_text())
+        self.args: dict[str, str] = {}
+        self.stages: list[tuple[str, str, list[str]]] = []  # (base, name, instructions)
+        for line in (raw.strip() for raw in text.splitlines()):
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("ARG ") and not self.stages and "=" in line:
+                key, value = line[4:].split("=", 1)
+                self.args[key] = value
+            elif line.startswith("FROM "):
+                words = line.split()
+                self.stages.append((words[1], words[3] if len(words) > 3 else "", []))
+            elif self.stages:
+                self.stages[-1][2].append(line)
+
+    def chain(self) -> list[list[str]]:
+        """The final stage's instructions after those of the stages it derives from."""
+        names = {name: (base, lines) for base, name, lines in self.stages}
+        base, _, lines = self.stages[-1]
+        found = [lines]
+        while base in names:
+            base, lines = names[base]
+            found.insert(0, lines)
+        return found
+
+    def instructions(self, keyword: str) -> list[str]:
+        return [line[len(keyword) + 1 :] for lines in self.chain() for line in lines
+                if line.startswith(keyword + " ")]  # fmt: skip
+
+    def base_image(self) -> str:
+        base = next(iter(self.stages))[0]
+        return re.sub(r"\$\{(\w+)\}", lambda m: self.args[m.group(1)], base)
+
+    def env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for line in self.instructions("ENV"):
+            for key, value in re.findall(r"(\w+)=(\S+)", line):
+                env[key] = value.replace("$PATH", BASE_PATH)
+        return env
+
+    def apt_packages(self) -> set[str]:
+        packages: set[str] = set()
+        for line in self.instructions("RUN"):
+            for install in re.findall(r"apt-get install ([^&]+)", line):
+                packages |= {word for word in install.split() if not word.startswith("-")}
+        return packages
+
+    def last_json(self, keyword: str) -> list[str]:
+        return list(json.loads(self.instructions(keyword)[-1]))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_user_entrypoint_command_ports_and_volumes_match_the_dockerfile(spec: ImageSpec) -> None:
+    dockerfile = Dockerfile(ROOT / spec.dockerfile)
+    assert dockerfile.instructions("USER")[-1] == spec.user
+    assert dockerfile.last_json("ENTRYPOINT") == list(spec.entrypoint)
+    assert dockerfile.last_json("CMD") == list(spec.cmd)
+    exposed = [int(port) for line in dockerfile.instructions("EXPOSE") for port in line.split()]
+    assert exposed == list(spec.exposed_ports)
+    volumes = [v for line in dockerfile.instructions("VOLUME") for v in json.loads(line)]
+    assert volumes == list(spec.volumes)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_environment_matches_the_dockerfile(spec: ImageSpec) -> None:
+    assert Dockerfile(ROOT / spec.dockerfile).env() == spec.env
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_user_and_home_match_the_dockerfile(spec: ImageSpec) -> None:
+    runs = " ".join(Dockerfile(ROOT / spec.dockerfile).instructions("RUN"))
+    assert f"useradd --uid {UID}" in runs
+    assert ("--create-home" in runs) == (spec.home is not None)
+    for owned in spec.owned_dirs:
+        assert f"mkdir -p {owned}" in runs and f"chown kvpilot:kvpilot {owned}" in runs
+
+
+def test_debian_packages_are_those_the_dockerfiles_install() -> None:
+    """The runtime Dockerfile's apt packages (python3-venv aside: uv makes the venv here) and the
+    Python of the operator's base image, which the daemonless build takes from Debian."""
+    for spec in SPECS:
+        installed = Dockerfile(ROOT / spec.dockerfile).apt_packages()
+        assert installed - {"python3-venv"} == set(spec.dockerfile_packages), spec.name
+    assert "tini" in RUNTIME.debian_packages and RUNTIME.entrypoint[:2] == ("tini", "--")
+    assert "python3" in OPERATOR.debian_packages
+
+
+def test_the_base_release_is_the_operator_dockerfiles() -> None:
+    """python:3.11.x-slim-<release>: the same Debian release, and its Python minor version is
+    bookworm's python3 (3.11), the interpreter the venv's wheels are locked for."""
+    base = Dockerfile(ROOT / OPERATOR.dockerfile).base_image()
+    match = re.fullmatch(r"python:(\d+\.\d+)\.\d+-slim-([a-z]+)(@sha256:[0-9a-f]{64})?", base)
+    assert match, base
+    assert match.group(2) == DEBIAN_RELEASE
+    assert match.group(1) == "3.11"  # Debian bookworm's python3
+
+
+def test_the_dockerfile_parser_follows_the_stage_chain() -> None:
+    """A table of small Dockerfiles: ENV and USER are inherited through `FROM <stage>` only."""
+    cases = [
+        ("FROM a AS base\nENV X=1\nFROM base\nUSER 1:1\n", {"X": "1"}, ["1:1"]),
+        ("FROM a AS build\nENV X=1\nUSER 2:2\nFROM b\nUSER 1:1\n", {}, ["1:1"]),
+        (
+            "FROM a\nENV PATH=/v/bin:$PATH \\\n    Y=2\n",
+            {"PATH": f"/v/bin:{BASE_PATH}", "Y": "2"},
+            [],
+        ),
+    ]
+    for text, env, users in cases:
+        path = Path("/tmp") / f"Dockerfile-images-test-{abs(hash(text))}"
+        path.write_text(text)
+        try:
+            parsed = Dockerfile(path)
+            assert parsed.env() == env, text
+            assert parsed.instructions("USER") == users, text
+        finally:
+            path.unlink()
+
+
+def test_umoci_config_carries_the_spec() -> None:
+    args = build.umoci_config_args(RUNTIME, "2024-01-01T00:00:00Z", "abc")
+    assert "--config.user=10001:10001" in args
+    assert [a for a in args if a.startswith("--config.entrypoint=")] == [
+        "--config.entrypoint=tini", "--config.entrypoint=--", "--config.entrypoint=kvpilot-runtime"
+    ]  # fmt: skip
+    assert "--config.exposedports=8000/tcp" in args and "--config.volume=/models" in args
+    assert "--created=2024-01-01T00:00:00Z" in args and "--no-history" in args
+    assert [a for a in args if a.startswith("--config.env=")] == sorted(
+        a for a in args if a.startswith("--config.env=")
+    )
+
+
+def test_rfc3339_is_utc() -> None:
+    assert build.rfc3339(0) == "1970-01-01T00:00:00Z"
+    assert build.rfc3339(1700000000) == "2023-11-14T22:13:20Z"
+
+
+# ---- the built images (where `make images` cached them) ------------------------------------------
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """A directory for an unpacked image or a rebuilt layout (the runtime's is GBs), removed after
+    the test rather than kept with pytest's last three temporary directories."""
+    path = tmp_path / "scratch"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_built_config_is_the_spec(spec: ImageSpec) -> None:
+    image = oci_images.cached(spec)
+    run_config = image.run_config
+    assert run_config["User"] == spec.user
+    assert run_config["Entrypoint"] == list(spec.entrypoint)
+    assert run_config["Cmd"] == list(spec.cmd)
+    assert run_config["Env"] == spec.env_list()
+    assert sorted(run_config["ExposedPorts"]) == sorted(f"{p}/tcp" for p in spec.exposed_ports)
+    assert sorted(run_config.get("Volumes") or {}) == sorted(spec.volumes)
+    assert image.config["os"] == "linux" and image.config["architecture"] == "amd64"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSpec) -> None:
+    image = oci_images.cached(spec)
+    size_mb = image.compressed_size() / 1e6
+    print(f"{spec.name}: {size_mb:.1f} MB compressed, {len(image.layers)} layer(s)")
+    names: dict[str, tuple[int, int]] = {}
+    forbidden: list[str] = []
+    for member in image.members():
+        name = member.name.removeprefix("./").rstrip("/")
+        names[name] = (member.uid, member.gid)
+        if FORBIDDEN.search(name) and not member.isdir():
+            forbidden.append(name)
+    assert not forbidden, forbidden[:20]
+    scripts = {name.rsplit("/", 1)[-1] for name in names if name.startswith("opt/venv/bin/")}
+    assert spec.entrypoint[-1] in scripts
+    assert f"opt/venv/lib/python3.11/site-packages/kvpilot/{spec.extras[0]}/__init__.py" in names
+    assert ("opt/venv/lib/python3.11/site-packages/torch/__init__.py" in names) == (spec is RUNTIME)
+    for owned in (spec.home, *spec.owned_dirs):
+        if owned:
+            assert names[owned.lstrip("/")] == (UID, UID), owned
+    if spec is RUNTIME:
+        assert "usr/bin/tini" in names
+    else:
+        assert size_mb <= 200, "issue 37's goal: operator image at most 200 MB compressed"
+
+
+@pytest.mark.slow
+def test_built_image_is_reproducible_from_the_same_inputs(scratch: Path) -> None:
+    """A second build of the operator image from the same commit, lock and Debian archive gives
+    the same manifest digest as the cached one (SOURCE_DATE_EPOCH, sorted tar, clamped mtimes).
+    Needs what `make images` needs: root, mmdebstrap and umoci, Debian's archive and PyPI."""
+    image = oci_images.cached(OPERATOR)
+    oci_images.require_root_tools()
+    if shutil.which("mmdebstrap") is None:
+        pytest.skip("mmdebstrap is not installed: `make system-deps` (as root)")
+    labels = image.run_config.get("Labels") or {}
+    built_from = str(labels.get("org.opencontainers.image.revision"))
+    if built_from != build.revision() or built_from.endswith("-dirty"):
+        pytest.skip(f"the cached image is from {built_from}, the tree is {build.revision()}: "
+                    "`make images` first (a dirty tree's images are not compared)")  # fmt: skip
+    rebuilt = oci_images.read(build.build(OPERATOR, scratch))
+    assert rebuilt.manifest_digest == image.manifest_digest
+
+
+@pytest.mark.slow
+def test_operator_image_entrypoint_runs_as_its_user(scratch: Path) -> None:
+    image = oci_images.cached(OPERATOR)
+    oci_images.require_root_tools()
+    rootfs = oci_images.unpack(image, scratch / "bundle")
+    site = rootfs / VENV.lstrip("/") / "lib" / "python3.11" / "site-packages"
+    sources = {p: site / p.relative_to(ROOT / part)
+               for part in ("contract", "operator", "gateway", "runtime")
+               for p in (ROOT / part / "kvpilot").rglob("*.py")}  # fmt: skip
+    differ = [str(p) for p, copy in sources.items()
+              if not copy.is_file() or copy.read_bytes() != p.read_bytes()]  # fmt: skip
+    assert sources and not differ, f"the image's kvpilot is not this tree's: {differ[:5]}"
+    for args in (["--help"], ["run", "--help"]):
+        argv = oci_images.command(image, rootfs, args)
+        result = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+    whoami = oci_images.command(image, rootfs, ["-u"], entrypoint=["id"])
+    probe = subprocess.run(whoami, check=False, capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == str(UID), probe.stderr
+    gateway = oci_images.command(image, rootfs, ["--help"], entrypoint=["kvpilot-gateway"])
+    result = subprocess.run(gateway, check=False, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_runtime_image_serves_a_completion_under_tini(tmp_path: Path, scratch: Path) -> None:
+    """The unpacked runtime image's entrypoint (tini, PID 1) serves tiny-llama, bind-mounted at
+    /models/model as the operator mounts a model, and answers the official client."""
+    image = oci_images.cached(RUNTIME)
+    oci_images.require_root_tools()
+    rootfs = oci_images.unpack(image, scratch / "bundle")
+    port = free_port()
+    args = ["serve", "--model", "/models/model", "--served-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    argv = oci_images.command(image, rootfs, args, binds={TINY: "/models/model"})
+    log = tmp_path / "runtime.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"runtime exited: {log.read_text()[-3000:]}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, STARTUP_TIMEOUT_S, f"the image's runtime ready (log: {log})")
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+        assert completion.choices[0].text and completion.usage is not None
+        assert completion.usage.completion_tokens == 4
+        (init,) = child_pids(process.pid)  # unshare's child: PID 1 of the image's namespace
+        assert cmdline(init).split()[:2] == ["tini", "--"], cmdline(init)
+        assert f"{VENV}/bin/python" in " ".join(cmdline(pid) for pid in child_pids(init))
+    finally:
+        stop(process)
+    assert process.returncode == 0, log.read_text()[-3000:]  # drained and exited on SIGTERM
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the namespace's PID 1 (tini passes it on to the server, which drains), as a
+    container runtime stops a container; SIGKILL to all after a minute."""
+    for pid in child_pids(process.pid):
+        os.kill(pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()  # unshare --fork's child, PID 1 of the namespace, dies with it
+        process.wait()
