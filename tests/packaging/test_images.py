@@ -238,6 +238,16 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
         assert size_mb <= 200, "issue 37's goal: operator image at most 200 MB compressed"
 
 
+def revision_of(image: oci_images.Image) -> str:
+    labels = image.run_config.get("Labels") or {}
+    return str(labels.get("org.opencontainers.image.revision"))
+
+
+def built_from_this_tree(image: oci_images.Image) -> bool:
+    built_from = revision_of(image)
+    return built_from == build.revision() and not built_from.endswith("-dirty")
+
+
 @pytest.mark.slow
 def test_built_image_is_reproducible_from_the_same_inputs(scratch: Path) -> None:
     """A second build of the operator image from the same commit, lock and Debian archive gives
@@ -247,11 +257,10 @@ def test_built_image_is_reproducible_from_the_same_inputs(scratch: Path) -> None
     oci_images.require_root_tools()
     if shutil.which("mmdebstrap") is None:
         pytest.skip("mmdebstrap is not installed: `make system-deps` (as root)")
-    labels = image.run_config.get("Labels") or {}
-    built_from = str(labels.get("org.opencontainers.image.revision"))
-    if built_from != build.revision() or built_from.endswith("-dirty"):
-        pytest.skip(f"the cached image is from {built_from}, the tree is {build.revision()}: "
-                    "`make images` first (a dirty tree's images are not compared)")  # fmt: skip
+    if not built_from_this_tree(image):
+        pytest.skip(f"the cached image is from {revision_of(image)}, the tree is "
+                    f"{build.revision()}: `make images` first (a dirty tree's images are not "
+                    "compared)")  # fmt: skip
     rebuilt = oci_images.read(build.build(OPERATOR, scratch))
     assert rebuilt.manifest_digest == image.manifest_digest
 
@@ -267,7 +276,10 @@ def test_operator_image_entrypoint_runs_as_its_user(scratch: Path) -> None:
                for p in (ROOT / part / "kvpilot").rglob("*.py")}  # fmt: skip
     differ = [str(p) for p, copy in sources.items()
               if not copy.is_file() or copy.read_bytes() != p.read_bytes()]  # fmt: skip
-    assert sources and not differ, f"the image's kvpilot is not this tree's: {differ[:5]}"
+    # An image cached from another commit holds that commit's kvpilot: only the image built from
+    # this tree must hold exactly its sources; any cached one must still run.
+    if built_from_this_tree(image):
+        assert sources and not differ, f"the image's kvpilot is not this tree's: {differ[:5]}"
     for args in (["--help"], ["run", "--help"]):
         argv = oci_images.command(image, rootfs, args)
         result = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
