@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.contract.serve_config import ServeConfig, build_parser, parse_args, to_args
+from kvpilot.contract.serve_config import (
+    ServeConfig,
+    build_parser,
+    parse_args,
+    parse_lora_module,
+    to_args,
+)
 
 
 @pytest.fixture
@@ -92,6 +98,8 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "max_request_body_bytes": 2048, "threads": 1, "max_seqs_per_request": 9,
         "request_body_timeout": 4.5,
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
+        "enable_lora": True, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
+        "lora_modules": ("a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'),
     }  # fmt: skip
     fields_of_config = {
         f for f in ServeConfig.__dataclass_fields__ if f != "gpu_memory_utilization"
@@ -180,3 +188,49 @@ def test_serve_main_refuses_more_threads_than_cores(
 def test_threads_flag_is_parsed(model_dir: Path) -> None:
     assert parse_args(["--model", str(model_dir), "--threads", "1"]).threads == 1
     assert parse_args(["--model", str(model_dir)]).threads is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("sql=/adapters/sql", ("sql", "/adapters/sql")),
+        ("a=b=c", ("a", "b=c")),  # the first '=' splits
+        ('{"name": "sql", "path": "/adapters/sql"}', ("sql", "/adapters/sql")),
+        ('{"name": "sql", "path": "/a", "base_model_name": "m"}', ("sql", "/a")),
+    ],
+)
+def test_lora_modules_take_vllms_two_forms(text: str, expected: tuple[str, str]) -> None:
+    assert parse_lora_module(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("sql", "expected NAME=PATH"),
+        ("=/a", "expected NAME=PATH"),
+        ('{"name": "sql"}', "expected NAME=PATH"),
+        ('{"name": "sql", "path": "/a", "rank": 8}', r"unknown keys \['rank'\]"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_lora_modules_are_clear_errors(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_lora_module(text)
+
+
+def test_lora_modules_need_enable_lora_and_unique_names(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        parse_args(["--model", str(model_dir), "--lora-modules", "a=/x"])
+    with pytest.raises(ValueError, match="must be unique"):
+        parse_args(["--model", str(model_dir), "--enable-lora", "--lora-modules", "a=/x", "a=/y"])
+    config = parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--enable-lora",
+            "--lora-modules",
+            "a=/x",
+            "--lora-modules=b=/y",
+        ]
+    )
+    assert config.lora_adapters == [("a", "/x"), ("b", "/y")]

@@ -88,6 +88,19 @@ class EngineConfig:
         '"draft_model", "model": DIR, "num_speculative_tokens": 4} (a small model with the same '
         "tokenizer); requests without a grammar or a seed propose",
     )
+    enable_lora: bool = option(
+        False,
+        "serve LoRA adapters (PEFT format) on top of the model: requests name one as their "
+        "model; --lora-modules at start, /v1/load_lora_adapter at run time",
+        affirm="--enable-lora",
+    )
+    max_loras: int = option(1, "LoRA adapters resident for batching: one step runs up to this many")
+    max_lora_rank: int = option(16, "largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(
+        None,
+        "LoRA adapters kept in host memory, least recently used evicted (reloaded from disk on "
+        "demand); default: --max-loras",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
@@ -117,7 +130,23 @@ class EngineConfig:
             )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        self._check_lora()
         self.speculative()  # a bad --speculative-config fails here, before anything loads
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory: --max-cpu-loras, or --max-loras when not given."""
+        return self.max_cpu_loras or self.max_loras
 
     def speculative(self) -> SpeculativeConfig | None:
         """`speculative_config` parsed; None when speculative decoding is off."""

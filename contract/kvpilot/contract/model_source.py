@@ -18,6 +18,7 @@ FETCHED_SCHEMES = ("hf", "s3")  # copied into the pod's model volume by `kvpilot
 # second copy as .bin/.pt would double the download).
 HF_ALLOW_PATTERNS = (
     "*.safetensors",
+    "adapter_config.json",  # a PEFT LoRA adapter's (the runtime's --lora-modules)
     "*.safetensors.index.json",
     "config.json",
     "generation_config.json",

@@ -9,6 +9,7 @@ from the same fields and cannot drift apart.
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from collections.abc import Mapping
@@ -71,6 +72,11 @@ class ServeConfig(EngineConfig):
     max_request_body_bytes: int = option(
         16 * 2**20, "largest request body in bytes; larger bodies are refused with 413"
     )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "LoRA adapters loaded at start (with --enable-lora), each NAME=PATH or vLLM's JSON "
+        '{"name": NAME, "path": PATH}; PATH a local PEFT adapter directory',
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,6 +110,24 @@ class ServeConfig(EngineConfig):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_lora_modules()
+
+    def _check_lora_modules(self) -> None:
+        names = [name for name, _ in self.lora_adapters]
+        if names and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-modules names must be unique, got {names}")
+        if self.served_name in names:
+            raise ValueError(
+                f"--lora-modules name {self.served_name!r} is the base model's served name; "
+                "give the adapter another name"
+            )
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs."""
+        return [parse_lora_module(text) for text in self.lora_modules]
 
     @property
     def request_seq_limit(self) -> int:
@@ -116,6 +140,27 @@ class ServeConfig(EngineConfig):
         return parse_model_uri(self.model)
 
 
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules value, NAME=PATH or vLLM's JSON {"name": .., "path": ..} (its
+    optional "base_model_name" is accepted: a server has one base model) -> (name, path)."""
+    expected = 'expected NAME=PATH or {"name": NAME, "path": PATH}'
+    if not text.lstrip().startswith("{"):
+        name, sep, path = text.partition("=")
+        if not (sep and name and path):
+            raise ValueError(f"--lora-modules {text!r}: {expected}")
+        return name, path
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--lora-modules {text!r} is not valid JSON ({exc}): {expected}") from exc
+    unknown = set(data) - {"name", "path", "base_model_name"}
+    if unknown:
+        raise ValueError(f"--lora-modules {text!r}: unknown keys {sorted(unknown)}; {expected}")
+    if not (isinstance(data.get("name"), str) and isinstance(data.get("path"), str)):
+        raise ValueError(f"--lora-modules {text!r}: {expected}")
+    return data["name"], data["path"]
+
+
 def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -125,7 +170,7 @@ def _value_type(f: Field[Any]) -> type:
     hint = typing.get_type_hints(ServeConfig)[f.name]
     if isinstance(hint, types.UnionType):
         return next(t for t in typing.get_args(hint) if t is not type(None))
-    return typing.cast(type, hint)
+    return typing.cast(type, typing.get_origin(hint) or hint)
 
 
 def _add_flag(
@@ -135,9 +180,15 @@ def _add_flag(
     kind = _value_type(f)
     if f.name == "model":
         parser.add_argument(flag_name(f.name), required=True, help=meta["help"])
+    elif kind is bool and "affirm" in meta:  # off by default: `--enable-…` turns it on
+        parser.add_argument(meta["affirm"], dest=f.name, action="store_true", help=meta["help"])
     elif kind is bool:
         parser.add_argument(
             meta["negate"], dest=f.name, action="store_false", help=f"do not {meta['help']}"
+        )
+    elif kind is tuple:  # several values: `--flag A B` or `--flag=A --flag=B`
+        parser.add_argument(
+            flag_name(f.name), type=str, nargs="+", action="extend", help=meta["help"]
         )
     else:
         parser.add_argument(
@@ -176,6 +227,8 @@ def parse_args(argv: list[str]) -> ServeConfig:
         )
     if source.scheme == "file":
         values["model"] = _local_dir(source)
+    if "lora_modules" in values:
+        values["lora_modules"] = tuple(values["lora_modules"])
     values.setdefault(
         "served_name", source.name if source.is_fetched else Path(values["model"]).name
     )
@@ -200,10 +253,16 @@ def to_args(values: Mapping[str, object]) -> list[str]:
     for name, value in values.items():
         if name not in by_name:
             raise KeyError(f"{name!r} is not a kvpilot-runtime serve flag")
-        if value is None or value is True:
+        meta = by_name[name].metadata
+        is_switch_on = "affirm" in meta  # `--enable-…`: present when True, absent otherwise
+        if value is True and is_switch_on:
+            args.append(meta["affirm"])
+        elif value is None or value is True or value == () or (value is False and is_switch_on):
             continue
-        if value is False:
-            args.append(by_name[name].metadata["negate"])
+        elif value is False:
+            args.append(meta["negate"])
+        elif isinstance(value, tuple):
+            args += [f"{flag_name(name)}={item}" for item in value]
         else:
             args.append(f"{flag_name(name)}={value}")
     return args

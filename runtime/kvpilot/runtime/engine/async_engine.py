@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvpilot.runtime.engine.engine import Engine, NewRequest, RequestOutput
+from kvpilot.runtime.engine.lora_slots import LoraRequest
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.stats import EngineStats
 
@@ -85,10 +86,11 @@ class AsyncEngine:
             yield output
 
     async def generate_many(
-        self, requests: Collection[NewRequest]
+        self, requests: Collection[NewRequest], lora: LoraRequest | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream several requests' outputs, interleaved as the steps make them, until all are
-        finished (n > 1 choices, several prompts: see `Engine.add_requests`). A bad prompt
+        finished (n > 1 choices, several prompts, all under LoRA adapter `lora` if not None:
+        see `Engine.add_requests`). A bad prompt
         raises ValueError on the first iteration; leaving the loop early or cancelling aborts
         the requests still running."""
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -97,7 +99,7 @@ class AsyncEngine:
             raise ValueError(f"request ids {ids}: one is already in use")
         self._queues.update(dict.fromkeys(ids, queue))
         try:
-            self.engine.add_requests(requests)
+            self.engine.add_requests(requests, lora)
         except BaseException:
             for request_id in ids:
                 del self._queues[request_id]

@@ -24,6 +24,13 @@ def block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(seq: Sequence) -> int:
+    """The parent of a sequence's first block: the KV of a prefix depends on the LoRA adapter
+    it was computed under, so each adapter's chain starts from its own root and a prefix
+    computed under adapter A is never served to B or to the base model."""
+    return NO_HASH if seq.lora_id == 0 else hash(("lora", seq.lora_id))
+
+
 @dataclass
 class Block:
     block_id: int
@@ -68,7 +75,7 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // BLOCK_SIZE
         found: list[int] = []
-        parent = NO_HASH
+        parent = root_hash(seq)
         for index in range(max_blocks):
             tokens = tuple(seq.token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
             parent = block_hash(parent, tokens)
@@ -164,7 +171,7 @@ class BlockManager:
         # nothing new: the common decode step returns here instead of walking the whole table.
         if num_full == 0 or self.blocks[seq.block_table[num_full - 1]].hash != NO_HASH:
             return
-        parent = NO_HASH
+        parent = root_hash(seq)
         for index in range(num_full):
             block = self.blocks[seq.block_table[index]]
             if block.hash != NO_HASH:

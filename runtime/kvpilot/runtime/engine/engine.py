@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +24,8 @@ from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.draft_model import DraftModelProposer
 from kvpilot.runtime.engine.grammar import GrammarCompiler, make_tokenizer
 from kvpilot.runtime.engine.loading import load_models, start_rank_workers
+from kvpilot.runtime.engine.lora_registry import LoraRegistry
+from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.output_processor import (
     RequestOutput,
     RequestState,
@@ -65,6 +67,11 @@ def check_token_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: i
             raise ValueError(f"{name} must be in [0, {vocab_size})")
 
 
+def lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The adapters these sequences run under, each once, sorted."""
+    return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -75,6 +82,11 @@ class Engine:
         self.served_name = config.served_name or model_dir.resolve().name
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)  # before any process starts
+        if config.enable_lora and tp > 1:
+            raise ValueError(
+                "--enable-lora does not run under tensor parallelism yet; use "
+                "--tensor-parallel-size 1"
+            )
         self._use_hardware(resolve_hardware(config, self.model_config))
         torch.set_num_threads(self.num_threads)  # process-wide: rank 0 from here on
         # A draft model runs whole on rank 0, beside its shard of the served model (vLLM's
@@ -91,8 +103,16 @@ class Engine:
         self.block_manager = BlockManager(self.num_kv_blocks, config.enable_prefix_caching)
         if isinstance(self.proposer, DraftModelProposer):  # its KV follows the blocks' hashes
             self.proposer.blocks = self.block_manager
+        self.lora_registry = (
+            LoraRegistry(self.model_config, config.max_lora_rank, config.num_cpu_loras)
+            if config.enable_lora
+            else None
+        )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            LoraSlots(config.max_loras) if config.enable_lora else None,
         )
         self._init_requests()
         self._snapshot = self._make_stats()
@@ -158,15 +178,28 @@ class Engine:
     # -- requests (any thread) --------------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora: LoraRequest | None = None,
     ) -> str:
-        return self.add_requests([(prompt, params, request_id or uuid.uuid4().hex)])[0]
+        return self.add_requests([(prompt, params, request_id or uuid.uuid4().hex)], lora)[0]
 
-    def add_requests(self, requests: Collection[NewRequest]) -> list[str]:
-        """Add several requests at once, all or none. A request whose prompt equals an earlier
+    def add_requests(
+        self, requests: Collection[NewRequest], lora: LoraRequest | None = None
+    ) -> list[str]:
+        """Add several requests at once, all or none, all under the LoRA adapter `lora` (None:
+        the base model; see `lora_request`). A request whose prompt equals an earlier
         one's in the same call (n > 1 choices of one prompt) waits until that one's prompt is in
         the cache, then reads it from there rather than computing it again."""
+        if lora is not None and self.lora_registry is None:
+            raise ValueError(
+                "a request names a LoRA adapter but the engine runs without --enable-lora"
+            )
         seqs = [self._make_sequence(prompt, params, rid) for prompt, params, rid in requests]
+        for seq in seqs:
+            seq.lora = lora
         leaders: dict[tuple[int, ...], str] = {}
         entries: list[InboxEntry] = []
         for seq in seqs:
@@ -208,6 +241,25 @@ class Engine:
             or any(s.request_id == request_id for s, _ in self._inbox)
         )
 
+    # -- LoRA adapters (any thread; loading reads files: keep it off an event loop) ---------------
+
+    def load_lora(self, name: str, path: str, uri: str | None = None) -> LoraRequest:
+        """Register the PEFT adapter at `path` as `name` (lora_files.LoraError if it cannot run);
+        `uri`: where it was fetched from, if it was."""
+        return self._loras().load(name, path, uri)
+
+    def unload_lora(self, name: str) -> None:
+        self._loras().unload(name)
+
+    def lora_request(self, name: str) -> LoraRequest:
+        """What `add_requests` takes to run under adapter `name` (LoraNotFoundError if unknown)."""
+        return self._loras().request_for(name)
+
+    def _loras(self) -> LoraRegistry:
+        if self.lora_registry is None:
+            raise ValueError("LoRA adapters need the engine started with --enable-lora")
+        return self.lora_registry
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
@@ -242,6 +294,9 @@ class Engine:
             spec_decode_drafts=self.spec_decode.drafts,
             spec_decode_draft_tokens=self.spec_decode.draft_tokens,
             spec_decode_accepted_tokens=self.spec_decode.accepted_tokens,
+            running_lora_adapters=lora_names(self.scheduler.running),
+            waiting_lora_adapters=lora_names(self.scheduler.waiting),
+            max_lora=self.config.max_loras if self.config.enable_lora else 0,
         )
 
     # -- the step loop (one thread) ---------------------------------------------------------------
@@ -255,6 +310,7 @@ class Engine:
             for seq in batch.preempted:  # its blocks are gone: a draft's KV with them
                 self.proposer.release(seq.request_id)
         num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
+        self.runner.load_loras(batch.lora_loads)
         if batch.scheduled:
             started = time.monotonic()
             if self.proposer is not None:

@@ -79,6 +79,8 @@ def load_models(
     if workers is not None:
         workers.join_group(group, hardware.device)
     weight_bytes = model.weight_bytes()  # per rank
+    if config.enable_lora:  # the adapter slots take memory beside the weights
+        weight_bytes += model.enable_lora(config.max_loras, config.max_lora_rank).num_bytes()
     runner = ModelRunner(
         model, hardware.device, config.seed, workers, eos_token_ids, hardware.attention_backend
     )

@@ -11,6 +11,7 @@ import torch
 
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine import speculative
+from kvpilot.runtime.engine.lora_slots import LoraRequest
 from kvpilot.runtime.engine.parallel import TPGroup
 from kvpilot.runtime.engine.sampling import PromptLogprob
 from kvpilot.runtime.engine.scheduler import ScheduledSequence
@@ -26,6 +27,7 @@ from kvpilot.runtime.layers.attention import (
 )
 from kvpilot.runtime.layers.flashinfer_attention import FlashInferAttention
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker
+from kvpilot.runtime.layers.lora import LoraBatch
 from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.models.loader import ModelConfig, open_weights
@@ -121,6 +123,19 @@ class StepPlan:
     # has any: (request id, first prompt position scored, number of rows), in row order.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    # [T] each row's LoRA slot (-1: the base model); empty when no row runs an adapter.
+    lora_slots: list[int] = field(default_factory=list)
+
+
+def plan_lora_slots(
+    rows: list[tuple[ScheduledSequence, int]], prefills: list[ScheduledSequence]
+) -> list[int]:
+    """[T] the slot of each row's sequence, decode rows then prefill chunks (plan_step's order);
+    empty when every sequence runs the base model."""
+    slots = [item.seq.lora_slot for item, _ in rows]
+    for item in prefills:
+        slots += [item.seq.lora_slot] * item.num_new_tokens
+    return slots if any(slot >= 0 for slot in slots) else []
 
 
 def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
@@ -173,6 +188,7 @@ def plan_step(batch: list[ScheduledSequence]) -> StepPlan:
         ],
         prompt_rows=prompt_rows,
         prompt_spans=prompt_spans,
+        lora_slots=plan_lora_slots(rows, layout[len(decodes) :]),
     )
 
 
@@ -395,7 +411,24 @@ class ModelRunner:
         """This rank's share of one step: the final hidden states of the sampled rows [S, hidden],
         the same on every rank once the layers' all-reduces are done."""
         input_ids, positions, meta, rows = self.inputs(plan)
-        return self.model.forward(input_ids, positions, self.kv_caches, meta, rows)
+        lora = self._lora_batch(plan)
+        return self.model.forward(input_ids, positions, self.kv_caches, meta, rows, lora)
+
+    def _lora_batch(self, plan: StepPlan) -> LoraBatch | None:
+        lora = self.model.lora
+        if lora is None or not plan.lora_slots:
+            return None
+        return LoraBatch.of_rows(plan.lora_slots, lora.max_rank, self.model.dtype, self.device)
+
+    def load_loras(self, loads: list[tuple[int, LoraRequest]]) -> None:
+        """Copy adapters newly given a slot into the model's stacks (before the step)."""
+        lora = self.model.lora
+        if not loads:
+            return
+        if lora is None:
+            raise ValueError("LoRA adapters scheduled but the model has no LoRA slots")
+        for slot, request in loads:
+            lora.set_slot(slot, request.adapter)
 
     def logits(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step on every rank; logits [S + P, vocab] (float32): the items that sample,

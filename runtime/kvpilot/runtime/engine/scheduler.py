@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
 
@@ -41,6 +42,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Adapters newly given a slot this step: the runner copies their weights in before it runs.
+    lora_loads: list[tuple[int, LoraRequest]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,11 +52,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
+        """`lora_slots`: the model's adapter slots, when LoRA is enabled."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
+        self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -113,6 +122,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq)
+        self._release_lora(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         # A victim scheduled earlier in this step loses its slot too.
@@ -122,8 +132,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """First come, first served; a sequence whose adapter has no slot to run in is passed
+        over (it keeps its place) until a slot frees, so the base model and resident adapters
+        are not held up behind it."""
+        passed_over: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._can_run_lora(seq):
+                passed_over.append(self.waiting.popleft())
+                continue
             # Prompt logprobs need every prompt position's logits: nothing from the cache.
             cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
@@ -135,10 +152,31 @@ class Scheduler:
                 seq.is_admitted_once = True
             self.block_manager.record_lookup(seq, len(cached) * BLOCK_SIZE)
             self.block_manager.allocate_slots(seq, num_new, cached)
+            self._acquire_lora(seq, out)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _can_run_lora(self, seq: Sequence) -> bool:
+        if seq.lora is None:
+            return True
+        if self.lora_slots is None:
+            raise ValueError("a sequence names a LoRA adapter but LoRA is not enabled")
+        return self.lora_slots.can_acquire(seq.lora.lora_id)
+
+    def _acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if seq.lora is None or self.lora_slots is None:
+            return
+        seq.lora_slot, is_new = self.lora_slots.acquire(seq.lora.lora_id)
+        if is_new:
+            out.lora_loads.append((seq.lora_slot, seq.lora))
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0 and self.lora_slots is not None:
+            self.lora_slots.release(seq.lora_slot)
+        seq.lora_slot = -1
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Mark the scheduled known tokens computed and hash the blocks they completed; the
@@ -163,6 +201,7 @@ class Scheduler:
         """Finish (stop, length) or abort a sequence wherever it is, freeing its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._release_lora(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

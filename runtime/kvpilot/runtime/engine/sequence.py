@@ -13,6 +13,8 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
+    from kvpilot.runtime.engine.lora_slots import LoraRequest
+
 _arrival_counter = itertools.count()
 
 
@@ -78,12 +80,21 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)
     # How this sequence's proposals have fared (speculative.pace), which bounds the next ones.
     draft_pace: DraftPace = DraftPace()
+    # The LoRA adapter the sequence runs under (None: the base model), and the slot it holds in
+    # the model while running (engine/lora_slots.py; -1: none).
+    lora: LoraRequest | None = None
+    lora_slot: int = -1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError("prompt must contain at least one token")
         if self.num_prompt_tokens == 0:
             self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's id for this load, 0 for the base model (the prefix cache's key)."""
+        return 0 if self.lora is None else self.lora.lora_id
 
     @property
     def num_tokens(self) -> int:

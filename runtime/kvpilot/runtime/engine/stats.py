@@ -31,6 +31,11 @@ class EngineStats:
     spec_decode_drafts: int = 0
     spec_decode_draft_tokens: int = 0
     spec_decode_accepted_tokens: int = 0
+    # LoRA, as vLLM's vllm:lora_requests_info reports it: the adapters of the running and of the
+    # waiting sequences (names, sorted), and --max-loras (0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
     @classmethod
     def idle(cls) -> EngineStats:

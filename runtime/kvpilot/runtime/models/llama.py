@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 from kvpilot.runtime.engine.parallel import TPGroup, shard_config
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
+from kvpilot.runtime.layers.lora import LayerLora, LoraBatch, LoraWeights
 from kvpilot.runtime.layers.quant import Weight, make_weight
 from kvpilot.runtime.layers.rotary import (
     apply_rotary,
@@ -75,6 +76,16 @@ class DecoderLayer:
         self.input_norm = get(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = get(f"{prefix}.post_attention_layernorm.weight")
         self.cfg, self.group = cfg, group
+        self.lora: LayerLora | None = None  # set by LlamaModel.enable_lora
+
+    def project(
+        self, group: str, linear: Linear, x: torch.Tensor, lora: LoraBatch | None
+    ) -> torch.Tensor:
+        """A fused projection of x [T, in] -> [T, out], with each row's adapter delta if any."""
+        out = linear(x)
+        if lora is None or self.lora is None:
+            return out
+        return self.lora.add(group, x, out, lora)
 
     def __call__(
         self,
@@ -84,14 +95,17 @@ class DecoderLayer:
         cache: tuple[PagedCache, PagedCache],
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden], or [R, hidden] for the R `output_rows` only.
 
         Every row's keys and values are cached; past attention, rows are independent, so the
-        output projection and MLP run only where an output is wanted."""
+        output projection and MLP run only where an output is wanted. `lora`: each row's
+        adapter (layers/lora.py), None when no row has one."""
         cfg = self.cfg
         kv_size = cfg.num_kv_heads * cfg.head_dim
-        qk, v = self.qkv(rms_norm(x, self.input_norm, cfg.rms_norm_eps)).split(
+        normed = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qk, v = self.project("qkv", self.qkv, normed, lora).split(
             [cfg.num_heads * cfg.head_dim + kv_size, kv_size], dim=-1
         )
         # q and k rotate in one pass: [T, H + H_kv, D]
@@ -103,9 +117,13 @@ class DecoderLayer:
         attn = paged_attention(q, k, v, cache[0], cache[1], meta, cfg.head_dim**-0.5)
         if output_rows is not None:
             x, attn = x[output_rows], attn[output_rows]
-        x = x + self.group.all_reduce(self.o(attn.flatten(1)))
-        gate, up = self.gate_up(rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.group.all_reduce(self.down(F.silu(gate).mul_(up)))
+            lora = None if lora is None else lora.rows(output_rows)
+        x = x + self.group.all_reduce(self.project("o", self.o, attn.flatten(1), lora))
+        normed = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
+        gate, up = self.project("gate_up", self.gate_up, normed, lora).chunk(2, dim=-1)
+        return x + self.group.all_reduce(
+            self.project("down", self.down, F.silu(gate).mul_(up), lora)
+        )
 
 
 class LlamaModel:
@@ -134,6 +152,7 @@ class LlamaModel:
             return get(name).to(device=device, dtype=dtype)
 
         self.cfg, self.dtype = shard_config(cfg, group.size), dtype
+        self.group_size = group.size
         self.layers = [
             DecoderLayer(self.cfg, f"model.layers.{i}", get_dense, make, group)
             for i in range(cfg.num_layers)
@@ -151,6 +170,21 @@ class LlamaModel:
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
         self.cos = cos.to(device, dtype)  # [max_pos, D]
         self.sin_signed = signed_sin(sin).to(device, dtype)  # [max_pos, D], see apply_rotary
+        self.device = device
+        self.lora: LoraWeights | None = None  # enable_lora
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> LoraWeights:
+        """Room for `num_slots` adapters of rank up to `max_rank` in every layer (all zeros:
+        an empty slot adds nothing)."""
+        if self.group_size > 1:
+            raise ValueError(
+                "LoRA adapters do not run under tensor parallelism yet; use "
+                "--tensor-parallel-size 1"
+            )
+        self.lora = LoraWeights(self.cfg, num_slots, max_rank, self.dtype, self.device)
+        for layer, layer_lora in zip(self.layers, self.lora.layers, strict=True):
+            layer.lora = layer_lora
+        return self.lora
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy as stored (quantised matrices, norms, biases)."""
@@ -176,16 +210,17 @@ class LlamaModel:
         kv_caches: KVCache,
         meta: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden], or [R, hidden] for the
         R `output_rows` only: the last layer then skips its MLP for every other row (a prefill
-        chunk needs logits for its last token alone)."""
+        chunk needs logits for its last token alone). `lora`: each row's adapter, if any."""
         x = self.embed.rows(input_ids, self.dtype)
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D]
         *layers, last = zip(self.layers, kv_caches, strict=True)
         for layer, cache in layers:
-            x = layer(x, cos, sin, cache, meta)
-        x = last[0](x, cos, sin, last[1], meta, output_rows)
+            x = layer(x, cos, sin, cache, meta, lora=lora)
+        x = last[0](x, cos, sin, last[1], meta, output_rows, lora)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     @torch.inference_mode()

@@ -24,7 +24,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,7 +34,7 @@ from kvpilot.contract.serve_config import ServeConfig, parse_args
 from kvpilot.runtime.engine import machine_files
 from kvpilot.runtime.engine.draft_model import check_before_start
 from kvpilot.runtime.engine.machine import ThreadChoice
-from kvpilot.runtime.server import handling, tokenizing
+from kvpilot.runtime.server import handling, lora_serving, tokenizing
 from kvpilot.runtime.server.body_parsing import off_loop_body_route
 from kvpilot.runtime.server.errors import ApiError, error_response, unknown_route
 from kvpilot.runtime.server.input_limits import BodyReadTimeout, BodySizeLimit
@@ -45,7 +45,9 @@ from kvpilot.runtime.server.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from kvpilot.runtime.server.response_models import (
     DetokenizeResponse,
@@ -136,13 +138,9 @@ def check_request(request: Request, state: ServerState, model: str | None) -> No
         raise ApiError(503, "server is shutting down; retry on another replica")
     if state.engine is None:
         raise ApiError(503, "model is still loading")
-    if model is not None and model != state.config.served_name:
-        raise ApiError(
-            404,
-            f"model {model!r} is not served here; use {state.served_name!r}",
-            "model",
-            code="model_not_found",
-        )
+    is_adapter = model is not None and lora_serving.is_served(state.engine_core, model)
+    if model is not None and model != state.config.served_name and not is_adapter:
+        raise lora_serving.model_not_found(model, state.served_name)
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -165,13 +163,12 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models", responses=ERRORS)
     async def models(request: Request) -> ModelList:
         check_request(request, state, None)
-        card = ModelCard(id=state.served_name, max_model_len=state.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=model_cards(state))
 
     @app.get("/v1/models/{model_id:path}", responses=ERRORS)  # ids may hold a "/"
     async def model(model_id: str, request: Request) -> ModelCard:
         check_request(request, state, model_id)  # 404 model_not_found for another id
-        return ModelCard(id=state.served_name, max_model_len=state.max_model_len)
+        return next(card for card in model_cards(state) if card.id == model_id)
 
     @app.post("/v1/completions", responses=ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -196,6 +193,43 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def version() -> VersionResponse:
         return VersionResponse(version=VERSION, engine=state.choices)
 
+    if state.config.enable_lora and lora_serving.runtime_updates_allowed():
+        add_lora_routes(app, state)
+
+
+def model_cards(state: ServerState) -> list[ModelCard]:
+    """The base model, then each loaded LoRA adapter with the base as its parent (vLLM's form)."""
+    base = ModelCard(
+        id=state.served_name, root=state.config.model, max_model_len=state.max_model_len
+    )
+    registry = state.engine_core.lora_registry if state.engine_core is not None else None
+    adapters = registry.adapters() if registry is not None else []
+    return [base] + [
+        ModelCard(
+            id=a.name, root=a.uri, parent=state.served_name, max_model_len=state.max_model_len
+        )
+        for a in adapters
+    ]
+
+
+def add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's run-time adapter endpoints, their bodies, answers and status codes."""
+
+    @app.post("/v1/load_lora_adapter", responses=ERRORS)
+    async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> Response:
+        check_request(request, state, None)
+        core = handling.core_of(state)
+        await state.off_loop(
+            lora_serving.load, core, state.served_name, body.lora_name, body.lora_path
+        )
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=ERRORS)
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> Response:
+        check_request(request, state, None)
+        lora_serving.unload(handling.core_of(state), body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
 
 async def generate(
     request: Request,
@@ -208,6 +242,9 @@ async def generate(
     check_request(request, state, body.model)
     state.check_request_size(body.num_prompts(), body.n)  # before its prompts are tokenised
     job = await state.off_loop(prepare, state, body)
+    job.lora = await state.off_loop(
+        lora_serving.lora_for, handling.core_of(state), state.served_name, body.model
+    )
     await handling.check_grammar(state, job)
     return await respond(request, state, job)
 

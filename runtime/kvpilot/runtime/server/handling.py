@@ -152,6 +152,11 @@ def _core(state: ServerState) -> Engine:
     return state.engine_core
 
 
+def core_of(state: ServerState) -> Engine:
+    """The loaded engine (503 while it loads)."""
+    return _core(state)
+
+
 def tokenizer_of(state: ServerState) -> Tokenizer:
     return _core(state).tokenizer
 
@@ -229,7 +234,7 @@ async def outputs(state: ServerState, job: Job) -> AsyncIterator[tuple[Choice, R
     state.active.update(by_id)
     requests = [(c.prompt_ids, c.params, c.request_id) for c in job.choices]
     try:
-        async for out in engine.generate_many(requests):
+        async for out in engine.generate_many(requests, job.lora):
             trackers[out.request_id].on_output(out)
             yield by_id[out.request_id], out
     finally:

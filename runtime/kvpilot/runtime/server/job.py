@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from kvpilot.runtime.engine.lora_slots import LoraRequest
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.server.response_models import new_id, now
 from kvpilot.runtime.server.tool_calls import ToolCallParser
@@ -35,6 +36,7 @@ class Job:
     n: int = 1
     tool_parser: ToolCallParser | None = None  # chat with tools: calls are parsed out
     is_call_forced: bool = False  # tool_choice required or named: the output is only calls
+    lora: LoraRequest | None = None  # the adapter `model` names; None: the base model
     request_id: str = ""
     created: int = 0
     arrival: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here

@@ -22,6 +22,7 @@ from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.machine import ThreadChoice, rank_share
 from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server import lora_serving
 from kvpilot.runtime.server.errors import ApiError
 from kvpilot.runtime.server.metrics import CacheInfo, ServerMetrics
 from kvpilot.runtime.server.response_models import EngineChoices
@@ -162,6 +163,7 @@ class ServerState:
             model_dir = await asyncio.to_thread(local_model_dir, self.config)
             config = engine_config(self.config, model_dir)
             engine = await AsyncEngine.create(lambda: Engine(config))  # see engine/async_engine.py
+            await asyncio.to_thread(self._load_lora_modules, engine.engine)
         except Exception as exc:  # any load failure ends the process with its message
             self.load_error = f"cannot load model {self.config.model}: {exc}"
             log.error(self.load_error)
@@ -174,6 +176,14 @@ class ServerState:
         self.choices = engine_choices(core, self.threads)
         self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
         log.info("model %s loaded; ready: %s", self.served_name, describe_choices(self.choices))
+
+    def _load_lora_modules(self, core: Engine) -> None:
+        """--lora-modules, each fetched and checked: one that cannot be served fails the start."""
+        for name, uri in self.config.lora_adapters:
+            try:
+                lora_serving.load(core, self.config.served_name, name, uri)
+            except ApiError as exc:
+                raise ValueError(f"--lora-modules {name}={uri}: {exc.message}") from exc
 
     async def close(self) -> None:
         self.prompt_pool.shutdown(wait=False, cancel_futures=True)

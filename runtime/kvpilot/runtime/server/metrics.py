@@ -172,22 +172,24 @@ class EngineStatsCollector(Collector):
 class InfoCollector(Collector):
     """The info-style gauges vLLM sets to a constant: `vllm:cache_config_info` (1, once the
     pool is sized) and `vllm:lora_requests_info`, whose value is the time of the reading (the
-    endpoint picker takes the newest) and whose adapter lists are empty: kvpilot serves no LoRA
-    adapters, and says so the way a vLLM without adapters loaded does."""
+    endpoint picker takes the newest) and whose labels name the LoRA adapters of the running and
+    of the waiting sequences, comma-separated as vLLM writes them, and --max-loras (0 and empty
+    lists without --enable-lora, as a vLLM without adapters reports)."""
 
-    def __init__(self, model_name: str, max_loras: int = 0):
-        self.model_name, self.max_loras = model_name, max_loras
+    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]):
+        self.model_name, self.engine_stats = model_name, engine_stats
         self.cache: CacheInfo | None = None
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         if self.cache is not None:
             labels = {LABEL: self.model_name, "engine": ENGINE_INDEX, **self.cache.labels()}
             yield self._info("vllm:cache_config_info", "Information of the KV cache.", labels, 1)
+        stats = self.engine_stats()
         lora = {
             LABEL: self.model_name,
-            "max_lora": str(self.max_loras),
-            "running_lora_adapters": "",
-            "waiting_lora_adapters": "",
+            "max_lora": str(stats.max_lora),
+            "running_lora_adapters": ",".join(stats.running_lora_adapters),
+            "waiting_lora_adapters": ",".join(stats.waiting_lora_adapters),
         }
         yield self._info(
             "vllm:lora_requests_info", "Running stats on LoRA requests.", lora, time.time()
@@ -243,7 +245,7 @@ class ServerMetrics:
             vllm_name="vllm:iteration_tokens_total",
         )
         self.request_tokens: list[_Pair] = []  # once loaded: the buckets need max_model_len
-        self.info = InfoCollector(model_name)
+        self.info = InfoCollector(model_name, engine_stats)
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         # Counted as a request reaches the engine, so the autoscaler sees arrivals (its TTFT SLO

@@ -400,3 +400,19 @@ class DetokenizeRequest(_Request):
         if value and has_negative(value):
             raise ValueError("token ids must be >= 0")
         return value
+
+
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    checks_not_honoured: ClassVar[bool] = True
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, description="directory, file://, hf:// or s3:// URI")
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is accepted; the name decides)."""
+
+    checks_not_honoured: ClassVar[bool] = True
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

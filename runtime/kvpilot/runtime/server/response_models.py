@@ -169,6 +169,8 @@ class ChatCompletionChunk(ApiResponse):
 class ModelCard(ApiObject):
     object: Literal["model"] = "model"
     owned_by: str = "kvpilot"
+    root: str | None = None  # where the weights came from: --model, or a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model id (vLLM's field); None for the base
     max_model_len: int | None = None
 
 
