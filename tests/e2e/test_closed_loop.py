@@ -127,34 +127,27 @@ def test_burst_scales_up_and_the_drop_scales_down_without_errors(
 def test_an_slo_in_the_spec_is_reported_as_the_clients_measure_it(
     cluster: Any, loop: str, tmp_path: Path
 ) -> None:
-    # A 1 s TTFT for 90% of requests: 16 clients on a replica of 2 slots queue far beyond it,
-    # so the attainment is low, and the operator's figure (from the runtimes' TTFT histograms in
-    # Prometheus) must match what `kvpilot bench` measured on the same requests.
+    # A 1 s TTFT for 90% of requests: 8 clients on a replica of 2 slots queue beyond it, so the
+    # attainment is partial, and the operator's figure (from the runtimes' TTFT histograms in
+    # Prometheus, over 5 minutes) must come to what `kvpilot bench` measured on the same requests.
     slo = {"spec": {"autoscaling": {"slo": {"ttftSeconds": 1, "percentile": 90}}}}
     cluster.kubectl("patch", "modeldeployment", NAME, "--type=merge", "-p", json.dumps(slo))
     result = tmp_path / "bench.json"
-    argv = [*closedloop.bench_argv(loop, NAME, 16, 300, result), "--goodput", "ttft:1000"]
-    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        wait_until(lambda: desired(cluster) >= 2, 180, "a scale-up under load")
-        assert bench.wait(timeout=600) == 0
-    finally:
-        if bench.poll() is None:
-            bench.kill()
+    argv = [*closedloop.bench_argv(loop, NAME, 8, 160, result), "--goodput", "ttft:1000"]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, timeout=600)
     summary = json.loads(result.read_text())["summary"]
-    assert summary["failed"] == 0 and summary["completed"] == 300
+    assert summary["failed"] == 0 and summary["completed"] == 160
     measured = summary["request_goodput"] / summary["request_throughput"]
 
-    # The scale-down after the load is the next status write: its attainment covers the whole
-    # run (5 minutes back).
-    wait_until(lambda: status(cluster).get("replicas") == 1, DOWN_WINDOW_S + 120, "scale-down")
-    auto = status(cluster)["autoscaling"]
-    reported = auto["slo"]
-    assert (reported["ttftSeconds"], reported["percentile"]) == (1, 90)
-    assert reported["windowSeconds"] == 300
-    assert reported["attainment"] == pytest.approx(measured, abs=0.1), (reported, summary)
-    assert reported["met"] is (reported["attainment"] >= 0.9)
-    assert "SLO" in auto["lastDecision"]
+    def reported() -> dict[str, Any] | None:
+        slo_status = status(cluster)["autoscaling"].get("slo") or {}
+        attained = slo_status.get("attainment")
+        return slo_status if attained is not None and abs(attained - measured) <= 0.1 else None
+
+    last = wait_until(reported, 60, f"status.autoscaling.slo near the measured {measured:.3f}")
+    assert (last["ttftSeconds"], last["percentile"], last["windowSeconds"]) == (1, 90, 300)
+    assert last["met"] is (last["attainment"] >= 0.9)
+    assert "SLO" in status(cluster)["autoscaling"]["lastDecision"]
 
 
 def parse_time(event: dict[str, Any]) -> float:

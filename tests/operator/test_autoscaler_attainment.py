@@ -84,10 +84,11 @@ def test_no_slo_status_without_an_slo() -> None:
     assert recording.slo_patch(None, Observations(current_replicas=1)) is None
 
 
-def test_attainment_alone_is_not_news_but_the_slo_turning_missed_is() -> None:
+def test_attainment_is_news_to_the_percentage_point() -> None:
     written = {"ttftSeconds": 1.0, "percentile": 95, "windowSeconds": 300, "attainment": 0.97}
     old = api.AutoscalingStatus.model_validate({"slo": {**written, "met": True}})
-    assert not is_news(old, {"slo": {**written, "attainment": 0.99, "met": True}})
+    assert not is_news(old, {"slo": {**written, "attainment": 0.9701, "met": True}})
+    assert is_news(old, {"slo": {**written, "attainment": 0.99, "met": True}})
     assert is_news(old, {"slo": {**written, "attainment": 0.90, "met": False}})
     assert not is_news(
         api.AutoscalingStatus.model_validate({"slo": {**written, "attainment": None}}),

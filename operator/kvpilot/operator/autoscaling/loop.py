@@ -136,8 +136,8 @@ VOLATILE_KEYS = ("lastDecisionTime", "metrics")
 
 
 def is_news(old: api.AutoscalingStatus, new: Obj) -> bool:
-    """True when the decision, its reason, the policy state, metric availability or whether the
-    SLO is met changed (its attainment moves every tick, like the metrics)."""
+    """True when the decision, its reason, the policy state, metric availability or the SLO's
+    attainment (to the percentage point: it moves a little every tick) changed."""
     written = typed_status.wire(old)
     return any(
         _steady(k, written.get(k)) != _steady(k, v)
@@ -149,7 +149,10 @@ def is_news(old: api.AutoscalingStatus, new: Obj) -> bool:
 def _steady(key: str, value: Any) -> Any:
     """`value` without the fields that move every tick."""
     if key == "slo" and isinstance(value, dict):  # as written: no nulls
-        return {k: v for k, v in value.items() if k != "attainment" and v is not None}
+        steady = {k: v for k, v in value.items() if v is not None}
+        if "attainment" in steady:
+            steady["attainment"] = round(steady["attainment"], 2)
+        return steady
     return value
 
 
