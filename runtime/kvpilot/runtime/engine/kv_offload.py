@@ -119,10 +119,11 @@ class KvOffload:
         if to_host:
             self._offload(to_host)
         # What a full host tier refuses may still be worth a file: a disk tier with room
-        # takes anything, as the host tier does.
+        # takes anything, as the host tier does. (A block the host tier holds already, one
+        # that was loaded from it, needs no copy at all.)
         disk = self.disk
         if disk is not None:
-            refused = [e for e in evicted if e not in to_host]
+            refused = [e for e in evicted if e not in to_host and e.hash not in self.host]
             to_disk = [e for e in refused if disk.admit(e.hash, e.num_hits)]
             if to_disk:
                 self._offload(to_disk, disk)
@@ -211,8 +212,17 @@ class KvOffload:
         return snapshot
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        """Shutdown: the host tier's blocks go to the disk tier (as far as it admits them), so
+        that a restart on the same directory starts with them too; then the writes finish."""
+        disk = self.disk
+        if disk is None:
+            return
+        for segment in (self.host.protected, self.host.probation):
+            for block_hash, entry in segment.items():
+                if disk.admit(block_hash, entry.num_hits):
+                    entry.value.wait()
+                    disk.write(block_hash, entry.value.token_ids, entry.value.data, entry.num_hits)
+        disk.close()
 
 
 def build_kv_offload(
