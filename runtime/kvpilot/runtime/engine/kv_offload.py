@@ -7,13 +7,13 @@ When the copies run: the block manager only records what leaves and what comes b
 scheduling and the model's step, evictions first. That is the simplest order that is correct:
 an evicted block's KV was fully written (it was hashed after the step that computed it), and
 its slot is written again only by the step about to run, so copying it out before that step
-needs no fences, no pinning of slots and no second pass. On CPU the copy out is a memcpy of the
-block's KV (tiny-llama: 0.1-0.3 ms a step, see `_copy_out`), cheaper than handing it to
-another thread; the disk tier, whose writes are slow, writes on its own thread. On CUDA the
-gather runs on the step's stream (ordered before the step's writes) into a fresh device
-buffer, and the device-to-host copy into pinned memory runs on a side stream, so the step does
-not wait for it; a block read back before its copy ends waits on the copy's event. (The CUDA
-path is not exercised by the tests here, which run on CPU.)
+needs no fences, no pinning of slots and no second pass. On CPU the copy out is a gather per layer
+and a memcpy per block (`_copy_out`; tens of microseconds a block on tiny-llama), cheaper than
+handing it to another thread; the disk tier, whose writes are slow, writes on its own
+thread. On CUDA the gather runs on the step's stream (ordered before the step's writes) into a
+fresh device buffer, and the device-to-host copy into pinned memory runs on a side stream,
+so the step does not wait for it; a block read back before its copy ends waits on the copy's
+event. (The CUDA path is not exercised by the tests here, which run on CPU.)
 """
 
 from __future__ import annotations
