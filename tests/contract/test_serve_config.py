@@ -100,12 +100,25 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
         "enable_lora": True, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
         "lora_modules": ("a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'),
+        # KV tiers need prefix caching and one rank: round-tripped in the test below
+        "kv_offloading_size": None, "kv_offloading_backend": "native",
+        "kv_offloading_disk_path": None, "kv_offloading_disk_size": None,
     }  # fmt: skip
     fields_of_config = {
         f for f in ServeConfig.__dataclass_fields__ if f != "gpu_memory_utilization"
     }
     assert set(values) == fields_of_config  # a new field must be added here, with a flag
     assert parse_args(to_args(values)) == ServeConfig(**values)  # type: ignore[arg-type]
+
+
+def test_kv_offloading_flags_round_trip(model_dir: Path) -> None:
+    values = {
+        "model": str(model_dir), "served_name": "m", "kv_offloading_size": 1.5,
+        "kv_offloading_backend": "native",
+        "kv_offloading_disk_path": "/var/cache/kv", "kv_offloading_disk_size": 20.0,
+    }  # fmt: skip
+    assert parse_args(to_args(values)) == ServeConfig(**values)  # type: ignore[arg-type]
+    assert "--kv-offloading-size=1.5" in to_args(values)
 
 
 def test_to_args_refuses_a_name_the_runtime_does_not_parse() -> None:

@@ -147,3 +147,52 @@ def test_invariants_hold_under_any_operations(
         bm.free(seq)
     check_invariants(bm, [])
     assert bm.num_free_blocks == num_blocks
+
+
+class HeldBlocks:
+    """The plainest lower tier: it holds whatever evicted block it is handed, by hash."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, tuple[int, ...]], str] = {}
+
+    def fetch(self, block_hash: int, token_ids: tuple[int, ...]) -> str | None:
+        return self.held.get((block_hash, token_ids))
+
+
+def test_evicted_prefix_blocks_are_recorded_and_come_back_as_loads() -> None:
+    bm, tier = BlockManager(4), HeldBlocks()
+    bm.lower = tier
+    first = make_seq(list(range(40)), "a")  # 2 full blocks and a partial one
+    admit(bm, first)
+    hashes = [bm.blocks[b].hash for b in first.block_table[:2]]
+    bm.free(first)
+    other = make_seq(list(range(100, 164)), "b")  # takes all 4 blocks: evicts both
+    admit(bm, other)
+    evicted, loads = bm.take_transfers()
+    assert [e.hash for e in evicted] == hashes[::-1] and loads == []  # the tail goes first
+    assert [e.token_ids for e in evicted] == [tuple(range(16, 32)), tuple(range(16))]
+    for e in evicted:
+        tier.held[(e.hash, e.token_ids)] = f"kv of {e.hash}"
+    bm.free(other)
+    again = make_seq(list(range(40)), "c")
+    assert bm.find_cached_blocks(again) == []
+    hits = bm.find_tier_blocks(again, [])
+    assert [h.hash for h in hits] == hashes
+    bm.allocate_slots(again, 40 - 32, [], hits)
+    assert again.num_computed_tokens == 32
+    evicted, loads = bm.take_transfers()
+    assert [load.payload for load in loads] == [f"kv of {h}" for h in hashes]
+    assert [load.block_id for load in loads] == again.block_table[:2]
+    assert [bm.blocks[b].hash for b in again.block_table[:2]] == hashes  # hashed at once
+    assert len(evicted) == 3  # the other sequence's hashed blocks whose slots were taken
+    check_invariants(bm, [again])
+
+
+def test_block_hashes_are_pinned_values() -> None:
+    """Disk tier files are found by these after a restart, maybe by another Python: BLAKE2b
+    values, pinned here, not a hash() whose algorithm may change."""
+    from kvpilot.runtime.engine.block_manager import block_hash
+
+    first = block_hash(NO_HASH, tuple(range(16)))
+    assert first == 0x7A5A02220B352010
+    assert block_hash(first, (1,) * 16) == 0x6D2D0B7571921393

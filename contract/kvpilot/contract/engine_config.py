@@ -18,6 +18,7 @@ INT8_KERNEL_CHOICES = ("auto", "w8a16", "w8a8")  # layers/quant.py says what eac
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
+KV_OFFLOADING_BACKEND_CHOICES = ("native",)  # vLLM's flag; its lmcache backend is not built in
 ATTENTION_BACKEND_CHOICES = (
     "auto",
     "paged",
@@ -102,6 +103,25 @@ class EngineConfig:
         "demand); default: --max-loras",
     )
 
+    kv_offloading_size: float | None = option(
+        None,
+        "GiB of host memory for KV blocks evicted from the pool (vLLM's flag): a later prefix "
+        "hit copies them back instead of recomputing them; default: no host tier",
+    )
+    kv_offloading_backend: str = option(
+        "native",
+        "how KV blocks are offloaded (vLLM's flag): native only",
+        KV_OFFLOADING_BACKEND_CHOICES,
+    )
+    kv_offloading_disk_path: str | None = option(
+        None,
+        "directory for KV blocks the host tier evicts, one file each; a restart with the same "
+        "directory starts with them (needs --kv-offloading-size and --kv-offloading-disk-size)",
+    )
+    kv_offloading_disk_size: float | None = option(
+        None, "GiB of block files the disk tier keeps (with --kv-offloading-disk-path)"
+    )
+
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         _check_choice("int8_kernel", self.int8_kernel, INT8_KERNEL_CHOICES)
@@ -131,7 +151,31 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         self._check_lora()
-        self.speculative()  # a bad --speculative-config fails here, before anything loads
+        spec = self.speculative()  # a bad --speculative-config fails here, before anything loads
+        self._check_kv_offloading(spec)
+
+    def _check_kv_offloading(self, spec: SpeculativeConfig | None) -> None:
+        _check_choice(
+            "kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKEND_CHOICES
+        )
+        for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 GiB, got {value}")
+        has_path = self.kv_offloading_disk_path is not None
+        if has_path != (self.kv_offloading_disk_size is not None):
+            raise ValueError(
+                "--kv-offloading-disk-path and --kv-offloading-disk-size go together: give both"
+            )
+        if self.kv_offloading_size is None:
+            if has_path:
+                raise ValueError(
+                    "the disk tier keeps what the host tier evicts: give --kv-offloading-size too"
+                )
+            return
+        reason = _kv_offloading_conflict(self, spec)
+        if reason is not None:
+            raise ValueError(f"--kv-offloading-size does not work with {reason}; drop one of them")
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:
@@ -153,6 +197,17 @@ class EngineConfig:
         if self.speculative_config is None:
             return None
         return parse_speculative_config(self.speculative_config)
+
+
+def _kv_offloading_conflict(config: EngineConfig, spec: SpeculativeConfig | None) -> str | None:
+    """What the KV tiers cannot serve yet, if the config asks for it."""
+    if not config.enable_prefix_caching:
+        return "--no-prefix-caching (the tiers hold prefix-cache blocks)"
+    if config.tensor_parallel_size > 1:
+        return "--tensor-parallel-size > 1 (the other ranks' KV shards are not copied)"
+    if spec is not None and spec.model is not None:
+        return "a draft model (its own KV cache is not copied)"
+    return None
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

@@ -23,6 +23,7 @@ from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.draft_model import DraftModelProposer
 from kvpilot.runtime.engine.grammar import GrammarCompiler, make_tokenizer
+from kvpilot.runtime.engine.kv_offload import KvOffload, build_kv_offload
 from kvpilot.runtime.engine.loading import load_models, start_rank_workers
 from kvpilot.runtime.engine.lora_registry import LoraRegistry
 from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
@@ -101,6 +102,12 @@ class Engine:
             self.shutdown()
             raise
         self.block_manager = BlockManager(self.num_kv_blocks, config.enable_prefix_caching)
+        self.kv_offload: KvOffload | None = None
+        if config.kv_offloading_size is not None:
+            self.kv_offload = build_kv_offload(
+                config, self.hardware, self.runner, config.kv_offloading_size
+            )
+            self.block_manager.lower = self.kv_offload
         if isinstance(self.proposer, DraftModelProposer):  # its KV follows the blocks' hashes
             self.proposer.blocks = self.block_manager
         self.lora_registry = (
@@ -174,6 +181,9 @@ class Engine:
             self.workers.shutdown()
         if hasattr(self, "grammar_compiler"):  # absent when loading failed
             self.grammar_compiler.shutdown()
+        kv_offload = getattr(self, "kv_offload", None)  # absent when loading failed
+        if kv_offload is not None:  # writes what the disk tier has queued
+            kv_offload.close()
 
     # -- requests (any thread) --------------------------------------------------------------------
 
@@ -297,6 +307,9 @@ class Engine:
             running_lora_adapters=lora_names(self.scheduler.running),
             waiting_lora_adapters=lora_names(self.scheduler.waiting),
             max_lora=self.config.max_loras if self.config.enable_lora else 0,
+            kv_offload=None
+            if self.kv_offload is None
+            else self.kv_offload.stats(bm.num_lower_queried_tokens, bm.num_lower_hit_tokens),
         )
 
     # -- the step loop (one thread) ---------------------------------------------------------------
@@ -309,6 +322,7 @@ class Engine:
         if self.proposer is not None:
             for seq in batch.preempted:  # its blocks are gone: a draft's KV with them
                 self.proposer.release(seq.request_id)
+        self._transfer_tier_blocks()
         num_step_tokens = sum(item.num_new_tokens for item in batch.scheduled)
         self.runner.load_loras(batch.lora_loads)
         if batch.scheduled:
@@ -338,6 +352,11 @@ class Engine:
         with self._lock:
             self._snapshot = self._make_stats(num_step_tokens)
         return outputs
+
+    def _transfer_tier_blocks(self) -> None:
+        """Evicted blocks out to the KV tiers and tier hits into the pool, before the step."""
+        if self.kv_offload is not None:
+            self.kv_offload.transfer(*self.block_manager.take_transfers())
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:

@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.block_manager import BlockManager, TierHit
 from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -141,17 +141,18 @@ class Scheduler:
             if not self._can_run_lora(seq):
                 passed_over.append(self.waiting.popleft())
                 continue
-            # Prompt logprobs need every prompt position's logits: nothing from the cache.
-            cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
-            num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
-            if not self.block_manager.can_allocate_slots(seq, num_new, cached):
+            cached, tier_hits = self._find_prefix(seq)
+            num_prefix = (len(cached) + len(tier_hits)) * BLOCK_SIZE
+            num_new = min(seq.num_tokens - num_prefix, budget)
+            if not self.block_manager.can_allocate_slots(seq, num_new, cached, len(tier_hits)):
                 break
             self.waiting.popleft()
             if not seq.is_admitted_once:
-                seq.num_cached_tokens = len(cached) * BLOCK_SIZE
+                seq.num_cached_tokens = num_prefix
                 seq.is_admitted_once = True
-            self.block_manager.record_lookup(seq, len(cached) * BLOCK_SIZE)
-            self.block_manager.allocate_slots(seq, num_new, cached)
+            num_pool = len(cached) * BLOCK_SIZE
+            self.block_manager.record_lookup(seq, num_pool, num_prefix - num_pool)
+            self.block_manager.allocate_slots(seq, num_new, cached, tier_hits)
             self._acquire_lora(seq, out)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -177,6 +178,14 @@ class Scheduler:
         if seq.lora_slot >= 0 and self.lora_slots is not None:
             self.lora_slots.release(seq.lora_slot)
         seq.lora_slot = -1
+
+    def _find_prefix(self, seq: Sequence) -> tuple[list[int], list[TierHit]]:
+        """The prefix already computed: blocks in the pool, then blocks a lower tier holds.
+        Prompt logprobs need every prompt position's logits: nothing from the cache."""
+        if seq.wants_prompt_logprobs:
+            return [], []
+        cached = self.block_manager.find_cached_blocks(seq)
+        return cached, self.block_manager.find_tier_blocks(seq, cached)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Mark the scheduled known tokens computed and hash the blocks they completed; the

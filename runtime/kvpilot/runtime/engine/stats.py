@@ -3,7 +3,7 @@ time and by the step listeners, without importing the engine (and torch) to do s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -36,8 +36,40 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    kv_offload: KvOffloadCounts | None = None  # None: no KV tiers (--kv-offloading-size)
 
     @classmethod
     def idle(cls) -> EngineStats:
         """The figures of a server whose engine is not loaded yet: nothing queued, no pool."""
         return cls(0, 0, 0, 0, 0.0, 0, 0, 0)
+
+
+KV_OFFLOAD_TIERS = ("host", "disk")
+# pool_to_host and host_to_pool are vLLM's GPU_to_CPU and CPU_to_GPU (metrics name both)
+KV_OFFLOAD_TRANSFERS = ("pool_to_host", "host_to_pool", "host_to_disk", "disk_to_host")
+
+
+@dataclass
+class KvOffloadCounts:
+    """The KV tiers so far (engine/kv_offload.py), cumulative but for `blocks`: per tier the
+    block lookups (`queries`), those it answered (`hits`) and the blocks it holds now; per
+    transfer the bytes copied and the seconds the copies took. The step thread writes all but
+    the host_to_disk figures, which the disk tier's writer thread writes."""
+
+    queries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_OFFLOAD_TIERS, 0))
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_OFFLOAD_TIERS, 0))
+    blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_OFFLOAD_TIERS, 0))
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KV_OFFLOAD_TRANSFERS, 0))
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(KV_OFFLOAD_TRANSFERS, 0.0)
+    )
+    # Prompt tokens looked up in the tiers after the pool missed them, and those served
+    # (vLLM's external_prefix_cache_queries and _hits)
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    def snapshot(self) -> KvOffloadCounts:
+        return KvOffloadCounts(
+            dict(self.queries), dict(self.hits), dict(self.blocks), dict(self.bytes),
+            dict(self.seconds), self.queried_tokens, self.hit_tokens,
+        )  # fmt: skip

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from kvpilot.contract import metric_names
 from kvpilot.runtime.engine.sequence import Timestamps
 from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server.kv_offload_metrics import kv_offload_families
 
 # Buckets as vLLM uses them, so histogram_quantile over either name gives the same answer.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -167,6 +168,8 @@ class EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, text, labels=[LABEL])
             family.add_metric([self.model_name], float(getattr(snap, attr)))
             yield family
+        if snap.kv_offload is not None:  # only with KV tiers (--kv-offloading-size)
+            yield from kv_offload_families(self.model_name, snap.kv_offload)
 
 
 class InfoCollector(Collector):
