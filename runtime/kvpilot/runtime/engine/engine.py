@@ -45,7 +45,11 @@ from kvpilot.runtime.engine.sizing import (
 )
 from kvpilot.runtime.engine.spec_step import SpecStep
 from kvpilot.runtime.engine.stats import EngineStats, SpecDecodeCounts
-from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.checkpoint_quant import (
+    check_prequantized_parallel,
+    resolve_quantization,
+)
+from kvpilot.runtime.models.loader import ModelConfig, load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 NewRequest = tuple[str | list[int], SamplingParams, str]  # (prompt, params, request id)
@@ -65,6 +69,13 @@ def check_token_ids(prompt_ids: list[int], params: SamplingParams, vocab_size: i
             raise ValueError(f"{name} must be in [0, {vocab_size})")
 
 
+def check_checkpoint_quantization(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A pre-quantised checkpoint against the flags, before any process starts: a conflicting
+    --quantization or tensor parallelism is refused (models/checkpoint_quant.py)."""
+    resolve_quantization(config.quantization, model_config.checkpoint_quant)
+    check_prequantized_parallel(model_config.checkpoint_quant, config.tensor_parallel_size)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -75,6 +86,7 @@ class Engine:
         self.served_name = config.served_name or model_dir.resolve().name
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)  # before any process starts
+        check_checkpoint_quantization(config, self.model_config)
         self._use_hardware(resolve_hardware(config, self.model_config))
         torch.set_num_threads(self.num_threads)  # process-wide: rank 0 from here on
         # A draft model runs whole on rank 0, beside its shard of the served model (vLLM's
