@@ -36,11 +36,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         num_bits=4, strategy="group", group_size=32, symmetric=False, ignore=[DOWN_PROJ]
     ),
     "int4-channel": dict(num_bits=4, strategy="channel"),
+    # Every linear layer, for models whose features divide by 128 (bench.engine_prequant).
+    "int4-g128-all": dict(num_bits=4, strategy="group", group_size=128),
     "int8-channel": dict(num_bits=8, strategy="channel"),
 }
+TINY_LLAMA_VARIANTS = [name for name in VARIANTS if name != "int4-g128-all"]
 
 
-def write_checkpoint(out: Path, variant: str) -> Path:
+def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -62,7 +65,7 @@ def write_checkpoint(out: Path, variant: str) -> Path:
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
-    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():
         if hasattr(module, "weight_scale"):
@@ -72,7 +75,7 @@ def write_checkpoint(out: Path, variant: str) -> Path:
     model.save_pretrained(out)
     compressor.update_config(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TINY_LLAMA / name, out / name)
+        shutil.copy(source / name, out / name)
     return out
 
 
