@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         f"best of {args.rounds} alternating rounds, files in the page cache. Decode: tokens per "
         f"CPU-second at concurrency 1, bf16 compute, {args.decode_steps} timed steps, best of "
         f"{args.rounds}. Both run the same int4 kernels (group 128); the checkpoint's values are "
-        "repacked at load, never requantised.\n\n" + table
+        "repacked at load, never requantised. The checkpoints leave the tied embedding and "
+        "lm_head in bf16 (compressed-tensors quantises Linear modules; lm_head is ignored), "
+        "where the engine's own int4 level packs it too: the logits matmul reads 4x the bytes, "
+        "which is the decode gap.\n\n" + table
     )
     write_section(
         "engine_prequant",

@@ -21,6 +21,7 @@ which are):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -114,10 +115,15 @@ def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Parts:
 def unpack_int32(packed: torch.Tensor, num_bits: int, num_values: int) -> torch.Tensor:
     """[rows, words] int32, value i of a row at bits num_bits * i (4 or 8 bits, so never across
     a word) -> its unsigned values int32 [rows, num_values], zero where the row ran out."""
-    per_word = 32 // num_bits
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
-    values = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per_word]
-    values = values.flatten(1)
+    if sys.byteorder == "little":  # value i sits in byte i * num_bits // 8 of the row
+        data = packed.contiguous().view(torch.uint8)  # [rows, words * 4], 4x less than int32
+        if num_bits == 4:  # byte j: value 2j in its low nibble, 2j + 1 in its high one
+            data = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(1)
+        values = data.to(torch.int32)
+    else:
+        per_word = 32 // num_bits
+        shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+        values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(1)
     if values.shape[1] < num_values:
         values = torch.nn.functional.pad(values, (0, num_values - values.shape[1]))
     return values[:, :num_values].contiguous()
