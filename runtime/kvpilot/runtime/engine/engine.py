@@ -48,7 +48,11 @@ from kvpilot.runtime.engine.sizing import (
 )
 from kvpilot.runtime.engine.spec_step import SpecStep
 from kvpilot.runtime.engine.stats import EngineStats, SpecDecodeCounts
-from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.checkpoint_quant import (
+    check_prequantized_parallel,
+    resolve_quantization,
+)
+from kvpilot.runtime.models.loader import ModelConfig, load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 NewRequest = tuple[str | list[int], SamplingParams, str]  # (prompt, params, request id)
@@ -73,6 +77,13 @@ def lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
     return tuple(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
 
 
+def check_checkpoint_quantization(config: EngineConfig, model_config: ModelConfig) -> None:
+    """A pre-quantised checkpoint against the flags, before any process starts: a conflicting
+    --quantization or tensor parallelism is refused (models/checkpoint_quant.py)."""
+    resolve_quantization(config.quantization, model_config.checkpoint_quant)
+    check_prequantized_parallel(model_config.checkpoint_quant, config.tensor_parallel_size)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -88,6 +99,7 @@ class Engine:
                 "--enable-lora does not run under tensor parallelism yet; use "
                 "--tensor-parallel-size 1"
             )
+        check_checkpoint_quantization(config, self.model_config)
         self._use_hardware(resolve_hardware(config, self.model_config))
         torch.set_num_threads(self.num_threads)  # process-wide: rank 0 from here on
         # A draft model runs whole on rank 0, beside its shard of the served model (vLLM's

@@ -29,6 +29,10 @@ from kvpilot.runtime.layers.flashinfer_attention import FlashInferAttention
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker
 from kvpilot.runtime.layers.lora import LoraBatch
 from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
+from kvpilot.runtime.models.checkpoint_quant import (
+    check_prequantized_parallel,
+    resolve_quantization,
+)
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.models.loader import ModelConfig, open_weights
 
@@ -52,16 +56,15 @@ def load_model(
     int8_kernel: str = "w8a16",
 ) -> LlamaModel:
     """The model, or this rank's shard of it: every rank reads the checkpoint, keeps its part.
-    `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel)."""
+    `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel). A
+    pre-quantised checkpoint keeps its own quantisation (checkpoint_quant.resolve_quantization)."""
+    quantization = resolve_quantization(quantization, cfg.checkpoint_quant)
+    check_prequantized_parallel(cfg.checkpoint_quant, group.size if group is not None else 1)
     with open_weights(model_dir) as read:
-
-        def get(name: str) -> torch.Tensor:
-            tensor = read(name)
-            if tensor is None:
-                raise ValueError(f"checkpoint in {model_dir} is missing tensor {name!r}")
-            return tensor
-
-        return LlamaModel(cfg, get, quantization, dtype, device, group, int8_kernel)
+        try:
+            return LlamaModel(cfg, read, quantization, dtype, device, group, int8_kernel)
+        except ValueError as error:
+            raise ValueError(f"{model_dir}: {error}") from error
 
 
 def slot_ids(block_table: list[int], first: int, end: int) -> list[int]:

@@ -24,6 +24,8 @@ kernels are tested against (and what `rows` returns for the rows asked), never t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
@@ -102,9 +104,23 @@ class Int8Weight(Weight):
         # are exactly what the kernel multiplies by (error within half a step per channel).
         scale = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=1e-8).to(self.kernel_dtype)  # [out]
         q = torch.round(w / scale.float()[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        self._store(q, scale)
+
+    @classmethod
+    def from_parts(
+        cls, q: torch.Tensor, scale: torch.Tensor, compute_dtype: torch.dtype
+    ) -> Int8Weight:
+        """int8 values [out, in] and scales [out] a checkpoint quantised already. The scale is
+        rounded to the kernel's dtype (the checkpoint's is bf16 or float32)."""
+        stored = cls.__new__(cls)
+        stored.kernel_dtype = kernel_dtype(compute_dtype, allow_fp16=True)
+        stored._store(q, scale.to(stored.kernel_dtype))
+        return stored
+
+    def _store(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         # The CPU kernel reads the input dimension 16 at a time (and returns garbage or crashes
         # on a remainder): pad it with zero weights, which the padded activations meet.
-        self.in_features = weight.shape[1]
+        self.in_features = q.shape[1]
         self.qweight = F.pad(q, (0, -self.in_features % INT8_K_MULTIPLE)).contiguous()
         self.scale = scale
 
@@ -157,6 +173,18 @@ class Int8DynamicWeight(Weight):
         return self.weight.num_bytes()
 
 
+@dataclass(frozen=True)
+class Int4Parts:
+    """The int4 format before packing: values int32 [out, in_padded] in 0..15, scale and zero
+    bf16 [out, groups]; (q - 8) * scale + zero dequantises. `in_features` before padding."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    in_features: int
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -202,13 +230,23 @@ class Int4Weight(Weight):
         self, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE, rows_needed: bool = False
     ) -> None:
         """`rows_needed`: an embedding, whose rows are looked up as well as multiplied by."""
-        out_features, in_features = weight.shape
         q, scale, zero = quantize_int4(weight, group_size)
-        self.in_features, self.padded_in = in_features, q.shape[1]
-        self.group_size, self.out_features = group_size, out_features
+        self._pack(Int4Parts(q, scale, zero, group_size, weight.shape[1]), rows_needed)
+
+    @classmethod
+    def from_parts(cls, parts: Int4Parts, rows_needed: bool = False) -> Int4Weight:
+        """Values a checkpoint quantised already (layers/prequant.py), packed as they are."""
+        stored = cls.__new__(cls)
+        stored._pack(parts, rows_needed)
+        return stored
+
+    def _pack(self, parts: Int4Parts, rows_needed: bool) -> None:
+        q, scale, zero = parts.values, parts.scale, parts.zero
+        self.in_features, self.padded_in = parts.in_features, q.shape[1]
+        self.group_size, self.out_features = parts.group_size, q.shape[0]
         # The kernels' layout, which rows() reads too: [groups, out, 2] (scale, zero) side by side.
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        self.on_cuda = weight.device.type == "cuda"
+        self.on_cuda = q.device.type == "cuda"
         if self.on_cuda:  # tinygemm takes the values two per byte, high nibble first
             pairs = q.to(torch.uint8)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(

@@ -18,6 +18,7 @@ from kvpilot.runtime.engine.parallel import TPGroup, shard_config
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.layers.lora import LayerLora, LoraBatch, LoraWeights
+from kvpilot.runtime.layers.prequant import concat, read_matrix, store
 from kvpilot.runtime.layers.quant import Weight, make_weight
 from kvpilot.runtime.layers.rotary import (
     apply_rotary,
@@ -28,6 +29,7 @@ from kvpilot.runtime.layers.rotary import (
 from kvpilot.runtime.models.loader import ModelConfig
 
 GetTensor = Callable[[str], torch.Tensor]
+FindTensor = Callable[[str], torch.Tensor | None]  # None: not in the checkpoint
 KVCache = list[tuple[PagedCache, PagedCache]]  # per layer: k, v [num_blocks, BS, H_kv, D]
 
 
@@ -60,18 +62,16 @@ class DecoderLayer:
         cfg: ModelConfig,
         prefix: str,
         get: GetTensor,
-        make: Callable[..., Linear],
+        make: Callable[..., Linear],  # (module names, bias) -> their fused matrix, stored
         group: TPGroup,
     ):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         names = [f"{attn}.{p}_proj" for p in "qkv"]
         bias = torch.cat([get(f"{n}.bias") for n in names]) if cfg.has_qkv_bias else None
-        self.qkv = make(torch.cat([get(f"{n}.weight") for n in names]), bias)
-        self.o = make(get(f"{attn}.o_proj.weight"), None)
-        self.gate_up = make(
-            torch.cat([get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")])
-        )
-        self.down = make(get(f"{mlp}.down_proj.weight"))
+        self.qkv = make(names, bias)
+        self.o = make([f"{attn}.o_proj"], None)
+        self.gate_up = make([f"{mlp}.gate_proj", f"{mlp}.up_proj"])
+        self.down = make([f"{mlp}.down_proj"])
         self.qk_norm = qk_norm_weight(cfg, attn, get) if cfg.has_qk_norm else None
         self.input_norm = get(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = get(f"{prefix}.post_attention_layernorm.weight")
@@ -130,7 +130,7 @@ class LlamaModel:
     def __init__(
         self,
         cfg: ModelConfig,
-        get_full: GetTensor,
+        get_full: FindTensor,
         quantization: str,
         dtype: torch.dtype,
         device: torch.device,
@@ -141,11 +141,20 @@ class LlamaModel:
         `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel)."""
         group = group or TPGroup()
 
-        def get(name: str) -> torch.Tensor:  # shard first, then quantise
-            return group.shard(name, get_full(name))
+        def find(name: str) -> torch.Tensor | None:  # shard first, then quantise
+            tensor = get_full(name)
+            return None if tensor is None else group.shard(name, tensor)
 
-        def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-            stored = make_weight(weight.to(device), quantization, dtype, int8_kernel=int8_kernel)
+        def get(name: str) -> torch.Tensor:
+            tensor = find(name)
+            if tensor is None:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return tensor
+
+        def make(modules: list[str], bias: torch.Tensor | None = None) -> Linear:
+            """The linear modules' matrices fused along the output dimension, stored."""
+            matrix = concat([read_matrix(find, m, cfg.checkpoint_quant) for m in modules])
+            stored = store(matrix, quantization, dtype, device, int8_kernel=int8_kernel)
             return Linear(stored, bias, dtype)
 
         def get_dense(name: str) -> torch.Tensor:
@@ -163,8 +172,7 @@ class LlamaModel:
         if tied:
             self.lm_head = self.embed
         else:
-            lm_head = get("lm_head.weight").to(device)
-            self.lm_head = make_weight(lm_head, quantization, dtype, False, int8_kernel)
+            self.lm_head = make(["lm_head"]).weight
         self.norm = get_dense("model.norm.weight")
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)

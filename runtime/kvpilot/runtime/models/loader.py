@@ -1,8 +1,8 @@
 """Reading a Hugging Face model directory: config, safetensors weights, tokenizer files.
 
 Supported: Llama (incl. Llama-3 RoPE scaling), Qwen2 (q/k/v bias), Qwen3 dense (per-head q/k
-RMSNorm), Mistral. Everything else, and every missing file, is a clear error naming what is
-supported or missing.
+RMSNorm), Mistral; 16-bit or pre-quantised (models/checkpoint_quant.py says which schemes).
+Everything else, and every missing file, is a clear error naming what is supported or missing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from kvpilot.runtime.models.checkpoint_quant import CheckpointQuant, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -47,6 +49,8 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name
     sliding_window: int | None = None
     has_qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k, weights [head_dim] each
+    # A pre-quantised checkpoint's quantization_config, checked (models/checkpoint_quant.py).
+    checkpoint_quant: CheckpointQuant | None = None
 
     @property
     def num_parameters(self) -> int:
@@ -102,6 +106,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         sliding_window=window,
         has_qk_norm=arch in _QK_NORM_ARCHITECTURES,
+        checkpoint_quant=parse_quantization_config(cfg),
     )
 
 

@@ -22,6 +22,7 @@ from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.machine import ThreadChoice, rank_share
 from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.models.checkpoint_quant import CheckpointQuant
 from kvpilot.runtime.server import lora_serving
 from kvpilot.runtime.server.errors import ApiError
 from kvpilot.runtime.server.metrics import CacheInfo, ServerMetrics
@@ -76,6 +77,7 @@ def engine_choices(core: Engine, threads: ThreadChoice) -> EngineChoices:
         dtype=dtype_name(core.dtype),
         cpu_has_bf16=core.cpu_has_bf16,
         quantization=core.config.quantization,
+        checkpoint_quantization=describe_checkpoint(core.model_config.checkpoint_quant),
         int8_kernel=core.int8_kernel,
         cpu_has_int8_dot=core.cpu_has_int8_dot,
         attention_backend=core.attention_backend,
@@ -100,6 +102,17 @@ def describe_speculative(config: SpeculativeConfig | None) -> str:
     return f"{config.method}, up to {config.num_speculative_tokens} token(s), {where}"
 
 
+def describe_checkpoint(quant: CheckpointQuant | None) -> str | None:
+    return None if quant is None else quant.describe()
+
+
+def weights_note(choices: EngineChoices) -> str:
+    """What the weights are: the level, or the checkpoint's own quantisation."""
+    if choices.checkpoint_quantization is not None:
+        return f"pre-quantised {choices.checkpoint_quantization}"
+    return f"{choices.quantization}{int8_note(choices)}"
+
+
 def int8_note(choices: EngineChoices) -> str:
     if choices.quantization != "int8":
         return ""
@@ -116,7 +129,7 @@ def describe_choices(choices: EngineChoices) -> str:
     return (
         f"{choices.device}, {choices.threads} thread(s) ({choices.threads_source}), "
         f"{choices.dtype} compute (CPU bf16 units: {'yes' if choices.cpu_has_bf16 else 'no'}), "
-        f"weights {choices.quantization}{int8_note(choices)} "
+        f"weights {weights_note(choices)} "
         f"{choices.weight_bytes / 2**20:.0f} MiB, KV cache {choices.kv_cache_dtype} "
         f"{choices.kv_cache_bytes / 2**20:.0f} MiB in {choices.kv_cache_blocks} blocks of "
         f"{BLOCK_SIZE} tokens ({choices.kv_cache_source}), decode attention "

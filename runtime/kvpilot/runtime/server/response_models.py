@@ -200,6 +200,9 @@ class EngineChoices(BaseModel):
     dtype: str
     cpu_has_bf16: bool
     quantization: str = "none"
+    # A pre-quantised checkpoint's own scheme (config.json's quantization_config), e.g.
+    # "compressed-tensors int4 (pack-quantized, group 128)"; None for a 16-bit checkpoint.
+    checkpoint_quantization: str | None = None
     int8_kernel: str = "w8a16"  # what the int8 level runs (w8a8 or w8a16), whatever the level
     cpu_has_int8_dot: bool = False
     attention_backend: str = "sdpa"  # paged (the CPU kernel), flashinfer (CUDA) or sdpa

@@ -1,0 +1,188 @@
+"""A pre-quantised checkpoint's matrices, read once at load into the engine's own formats.
+
+compressed-tensors stores, per quantised linear module `m` (models/checkpoint_quant.py says
+which are):
+- fp8: `m.weight` float8_e4m3fn [out, in], `m.weight_scale` [out, 1] or [1]: w = q * scale.
+  Dequantised here ONCE to float32 and stored in the compute dtype like any 16-bit matrix: the
+  CPU has no fp8 matmul, and re-quantising e4m3 to the int8 grid would add a second rounding
+  (values near zero are finer in e4m3 than an int8 step). So an fp8 checkpoint costs the
+  compute dtype's bytes in memory; what it saves is download and disk. A CUDA path would keep
+  the e4m3 bytes and run `torch._scaled_mm` (Hopper/Ada) or a Marlin-class fp8 weight-only kernel.
+- int4 (`pack-quantized`): `m.weight_packed` int32 [out, in / 8], value i of a row at bits
+  4i..4i+3 (little-endian words), stored as q + 8 for q in -8..7; `m.weight_scale` [out, groups];
+  asymmetric adds `m.weight_zero_point` int32 [out / 8, groups], packed the same way along the
+  output dimension; w = (q - z) * scale. The engine's int4 format dequantises (u - 8) * s + zero
+  with u in 0..15: u is the stored nibble itself, s the scale and zero = -z * s, so the values are
+  repacked into the kernels' tiles without requantising (the scale and zero rounded to bf16, the
+  kernels' dtype). One scale per channel becomes one per group of 128, repeated.
+- int8: `m.weight_packed` (four values per int32, stored as q + 128) or `m.weight` int8 (naive),
+  `m.weight_scale` [out, 1]: exactly the engine's int8 format.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.contract.memory import INT4_GROUP_SIZE
+from kvpilot.runtime.layers.quant import (
+    INT4_MID,
+    Int4Parts,
+    Int4Weight,
+    Int8DynamicWeight,
+    Int8Weight,
+    Weight,
+    make_weight,
+)
+from kvpilot.runtime.models.checkpoint_quant import CheckpointQuant, WeightScheme
+
+INT8_OFFSET = 128  # pack-quantized stores an int8 value q as the byte q + 128
+Read = Callable[[str], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Int8Parts:
+    values: torch.Tensor  # int8 [out, in]
+    scale: torch.Tensor  # [out]
+
+
+Matrix = torch.Tensor | Int4Parts | Int8Parts  # a dense matrix, or one the checkpoint quantised
+
+
+def read_matrix(read: Read, module: str, quant: CheckpointQuant | None) -> Matrix:
+    """Module `module`'s weight matrix as the checkpoint stores it, in the engine's terms."""
+    scheme = quant.scheme_for(module) if quant is not None else None
+    if scheme is None:
+        return _need(read, f"{module}.weight")
+    if scheme.type == "float":
+        return _fp8(read, module)
+    if scheme.num_bits == 8:
+        return _int8(read, module, scheme)
+    return _int4(read, module, scheme)
+
+
+def _need(read: Read, name: str) -> torch.Tensor:
+    tensor = read(name)
+    if tensor is None:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    return tensor
+
+
+def _fp8(read: Read, module: str) -> torch.Tensor:
+    weight = _need(read, f"{module}.weight")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{module}.weight is {weight.dtype}, its scheme says float8_e4m3fn")
+    scale = _need(read, f"{module}.weight_scale").float()
+    return weight.float() * scale.reshape(-1, 1) if scale.numel() > 1 else weight.float() * scale
+
+
+def _int8(read: Read, module: str, scheme: WeightScheme) -> Int8Parts:
+    if scheme.format == "pack-quantized":
+        packed = _need(read, f"{module}.weight_packed")
+        shape = _need(read, f"{module}.weight_shape").tolist()
+        values = (unpack_int32(packed, 8, shape[1]) - INT8_OFFSET).to(torch.int8)
+    else:
+        values = _need(read, f"{module}.weight")
+    if values.dtype != torch.int8:
+        raise ValueError(f"{module}.weight is {values.dtype}, its scheme says int8")
+    return Int8Parts(values, _need(read, f"{module}.weight_scale").reshape(-1))
+
+
+def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Parts:
+    packed = _need(read, f"{module}.weight_packed")
+    out_features, in_features = _need(read, f"{module}.weight_shape").tolist()
+    scale = _need(read, f"{module}.weight_scale").float()  # [out, groups]
+    zero_point = torch.zeros_like(scale)
+    if not scheme.symmetric:
+        packed_zeros = _need(read, f"{module}.weight_zero_point")  # [out / 8, groups]
+        zeros = unpack_int32(packed_zeros.t().contiguous(), 4, out_features).t()
+        zero_point = (zeros - INT4_MID).float()
+    group_size = scheme.group_size or INT4_GROUP_SIZE
+    if scheme.group_size is None:  # one scale per channel: the same one for each group
+        groups = -(-in_features // group_size)
+        scale, zero_point = scale.expand(-1, groups), zero_point.expand(-1, groups)
+    num_groups = scale.shape[1]
+    values = unpack_int32(packed, 4, num_groups * group_size)  # stored as q + 8: 0..15
+    values[:, in_features:] = INT4_MID  # padding: a zero weight, met by zero activations
+    zero = -zero_point * scale
+    bf16 = torch.bfloat16
+    return Int4Parts(values, scale.to(bf16), zero.to(bf16), group_size, in_features)
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, num_values: int) -> torch.Tensor:
+    """[rows, words] int32, value i of a row at bits num_bits * i (4 or 8 bits, so never across
+    a word) -> its unsigned values int32 [rows, num_values], zero where the row ran out."""
+    if sys.byteorder == "little":  # value i sits in byte i * num_bits // 8 of the row
+        data = packed.contiguous().view(torch.uint8)  # [rows, words * 4], 4x less than int32
+        if num_bits == 4:  # byte j: value 2j in its low nibble, 2j + 1 in its high one
+            data = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(1)
+        values = data.to(torch.int32)
+    else:
+        per_word = 32 // num_bits
+        shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+        values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(1)
+    if values.shape[1] < num_values:
+        values = torch.nn.functional.pad(values, (0, num_values - values.shape[1]))
+    return values[:, :num_values].contiguous()
+
+
+def concat(matrices: list[Matrix]) -> Matrix:
+    """Matrices stacked along the output dimension (q/k/v and gate/up are fused), kept in their
+    format when they share one; otherwise (one of them ignored by the checkpoint) all dense."""
+    if all(isinstance(m, torch.Tensor) for m in matrices):
+        return torch.cat(matrices)  # type: ignore[arg-type]
+    if all(isinstance(m, Int8Parts) for m in matrices):
+        parts8 = [m for m in matrices if isinstance(m, Int8Parts)]
+        return Int8Parts(
+            torch.cat([m.values for m in parts8]), torch.cat([m.scale for m in parts8])
+        )
+    parts4 = [m for m in matrices if isinstance(m, Int4Parts)]
+    same_groups = all(m.group_size == parts4[0].group_size for m in parts4)
+    if parts4 and len(parts4) == len(matrices) and same_groups:
+        return Int4Parts(
+            torch.cat([m.values for m in parts4]),
+            torch.cat([m.scale for m in parts4]),
+            torch.cat([m.zero for m in parts4]),
+            parts4[0].group_size,
+            parts4[0].in_features,
+        )
+    return torch.cat([dequantize(m) for m in matrices])
+
+
+def dequantize(matrix: Matrix) -> torch.Tensor:
+    """float32 [out, in]: the reference the tests compare with, and the fallback of concat."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix.float()
+    if isinstance(matrix, Int8Parts):
+        return matrix.values.float() * matrix.scale.float()[:, None]
+    groups = (matrix.values.float() - INT4_MID).unflatten(-1, (-1, matrix.group_size))
+    w = groups * matrix.scale.float()[..., None] + matrix.zero.float()[..., None]
+    return w.flatten(-2)[:, : matrix.in_features]
+
+
+def store(
+    matrix: Matrix,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    rows_needed: bool = False,
+    int8_kernel: str = "w8a16",
+) -> Weight:
+    """The stored weight: a dense matrix in the level `quantization`; a quantised one as the
+    checkpoint quantised it, packed once for the engine's kernels."""
+    if isinstance(matrix, torch.Tensor):
+        return make_weight(matrix.to(device), quantization, dtype, rows_needed, int8_kernel)
+    if isinstance(matrix, Int8Parts):
+        int8 = Int8Weight.from_parts(matrix.values.to(device), matrix.scale.to(device), dtype)
+        return Int8DynamicWeight(int8) if int8_kernel == "w8a8" else int8
+    moved = Int4Parts(
+        matrix.values.to(device),
+        matrix.scale.to(device),
+        matrix.zero.to(device),
+        matrix.group_size,
+        matrix.in_features,
+    )
+    return Int4Weight.from_parts(moved, rows_needed)

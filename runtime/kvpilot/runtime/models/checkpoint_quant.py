@@ -1,0 +1,223 @@
+"""A pre-quantised checkpoint's `quantization_config` (config.json), read and checked at start.
+
+Supported: `quant_method: compressed-tensors` (what llm-compressor writes) with, per config group,
+- fp8 weights (`type: float`, 8 bits, `float-quantized` or `naive-quantized`): e4m3 values with
+  a per-tensor or per-channel `weight_scale`; fp8 input activations (dynamic or static) are
+  accepted and run weight-only (bf16/fp32 activations), as the CPU has no fp8 matmul;
+- int4 weights (`pack-quantized`): group scales (group size 32, 64 or 128) or one per channel,
+  symmetric or asymmetric (`weight_zero_point`), repacked into the engine's int4 format;
+- int8 weights (`pack-quantized` or `naive-quantized`): symmetric, one scale per channel, the
+  engine's int8 format as it is.
+Anything else (GPTQ, AWQ, 3-bit, act-order, quantised activations on an int scheme, a KV-cache
+scheme, sparsity, transforms) is refused with the field and value named, never served with its
+scales ignored. Pure: no tensors here; layers/prequant.py reads the tensors a scheme describes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_METHODS = ("compressed-tensors",)
+FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+INT_FORMATS = {4: ("pack-quantized",), 8: ("pack-quantized", "naive-quantized")}
+INT4_GROUP_SIZES = (32, 64, 128)  # what the engine's int4 kernels take (tinygemm and its CPU twin)
+# The module kinds compressed-tensors' targets name; every matrix this engine quantises is one.
+LINEAR_TARGETS = ("Linear",)
+FIELD = "quantization_config"
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How one module's weights are stored. `group_size` None: one scale per output channel
+    (or per tensor, `strategy == "tensor"`, fp8 only)."""
+
+    type: str  # "float" (fp8 e4m3) or "int"
+    num_bits: int
+    strategy: str  # tensor, channel or group
+    group_size: int | None
+    symmetric: bool
+    format: str
+
+    @property
+    def level(self) -> str:
+        """The engine level it runs as: int4, int8, or none (fp8 dequantised at load)."""
+        return "none" if self.type == "float" else f"int{self.num_bits}"
+
+    def describe(self) -> str:
+        kind = "fp8" if self.type == "float" else f"int{self.num_bits}"
+        grouping = f"group {self.group_size}" if self.strategy == "group" else self.strategy
+        zeros = "" if self.symmetric else ", asymmetric"
+        return f"{kind} ({self.format}, {grouping}{zeros})"
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    method: str
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme), in order
+    ignore: tuple[str, ...]
+
+    def scheme_for(self, module: str) -> WeightScheme | None:
+        """The scheme of a linear module (e.g. `model.layers.0.mlp.up_proj`); None: unquantised
+        (ignored, or no group targets it)."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t in LINEAR_TARGETS or _matches(t, module) for t in targets):
+                return scheme
+        return None
+
+    @property
+    def level(self) -> str:
+        """The engine level of the quantised layers (one for the whole checkpoint)."""
+        return self.groups[0][1].level
+
+    def describe(self) -> str:
+        schemes = sorted({scheme.describe() for _, scheme in self.groups})
+        return f"{self.method} {', '.join(schemes)}"
+
+
+def _matches(pattern: str, module: str) -> bool:
+    """compressed-tensors' target/ignore syntax: `re:<regex>` (matched from the start) or a
+    module name (or its last components)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def parse_quantization_config(config: dict[str, Any]) -> CheckpointQuant | None:
+    """config.json's `quantization_config`, checked; None for a 16-bit checkpoint. Raises
+    ValueError naming the field and value it does not support, and what is supported."""
+    qc = config.get(FIELD)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"{FIELD} must be an object, got {qc!r}")
+    method = qc.get("quant_method")
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(_unsupported("quant_method", method, SUPPORTED_METHODS))
+    _check_empty(qc, ("kv_cache_scheme", "sparsity_config", "transform_config"))
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise ValueError(_unsupported("quantization_status", status, ("compressed",)))
+    raw_groups = qc.get("config_groups") or {}
+    if not isinstance(raw_groups, dict) or not raw_groups:
+        raise ValueError(f"{FIELD}.config_groups is empty: nothing says how weights are stored")
+    groups = tuple(
+        _parse_group(f"config_groups.{name}", group, qc.get("format"))
+        for name, group in raw_groups.items()
+    )
+    levels = {scheme.level for _, scheme in groups}
+    if len(levels) > 1:
+        raise ValueError(
+            f"{FIELD}.config_groups mixes levels {sorted(levels)}; one level per checkpoint "
+            "is supported"
+        )
+    return CheckpointQuant(str(method), groups, tuple(qc.get("ignore") or ()))
+
+
+def _parse_group(
+    where: str, group: dict[str, Any], default_format: str | None
+) -> tuple[tuple[str, ...], WeightScheme]:
+    _check_empty(group, ("output_activations",), where)
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise ValueError(f"{FIELD}.{where}.weights is missing: only weight schemes are supported")
+    fmt = group.get("format") or default_format
+    scheme = _parse_weights(f"{where}.weights", weights, str(fmt))
+    activations = group.get("input_activations")
+    if activations is not None and scheme.type != "float":
+        raise ValueError(
+            f"{FIELD}.{where}.input_activations: quantised activations with int weights are "
+            "not supported (weight-only int schemes are: W4A16, W8A16)"
+        )
+    if activations is not None and activations.get("type") != "float":
+        value = activations.get("type")
+        raise ValueError(_unsupported(f"{where}.input_activations.type", value, ("float",)))
+    targets = tuple(group.get("targets") or ())
+    if not targets:
+        raise ValueError(f"{FIELD}.{where}.targets is empty: the group quantises no module")
+    return targets, scheme
+
+
+def _parse_weights(where: str, weights: dict[str, Any], fmt: str) -> WeightScheme:
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    strategy, group_size = weights.get("strategy"), weights.get("group_size")
+    symmetric = bool(weights.get("symmetric", True))
+    if weights.get("actorder") is not None:
+        raise ValueError(_unsupported(f"{where}.actorder", weights["actorder"], (None,)))
+    if weights.get("dynamic"):
+        raise ValueError(_unsupported(f"{where}.dynamic", weights["dynamic"], (False,)))
+    if kind == "float":
+        if bits != 8:
+            raise ValueError(_unsupported(f"{where}.num_bits", bits, (8,)))
+        _check_choice(where.rsplit(".", 1)[0] + ".format", fmt, FLOAT_FORMATS)
+        _check_choice(f"{where}.strategy", strategy, ("tensor", "channel"))
+        if not symmetric:
+            raise ValueError(_unsupported(f"{where}.symmetric", False, (True,)))
+        return WeightScheme("float", 8, str(strategy), None, True, fmt)
+    if kind != "int":
+        raise ValueError(_unsupported(f"{where}.type", kind, ("int", "float")))
+    if bits not in INT_FORMATS:
+        raise ValueError(_unsupported(f"{where}.num_bits", bits, tuple(INT_FORMATS)))
+    _check_choice(where.rsplit(".", 1)[0] + ".format", fmt, INT_FORMATS[bits])
+    if bits == 8:  # the engine's int8 format: symmetric, one scale per output channel
+        _check_choice(f"{where}.strategy", strategy, ("channel",))
+        if not symmetric:
+            raise ValueError(_unsupported(f"{where}.symmetric", False, (True,)))
+        return WeightScheme("int", 8, "channel", None, True, fmt)
+    _check_choice(f"{where}.strategy", strategy, ("group", "channel"))
+    if strategy == "group" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(_unsupported(f"{where}.group_size", group_size, INT4_GROUP_SIZES))
+    size = group_size if strategy == "group" else None
+    return WeightScheme("int", 4, str(strategy), size, symmetric, fmt)
+
+
+def _check_empty(section: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:
+    for name in names:
+        if section.get(name):
+            field = f"{where}.{name}" if where else name
+            raise ValueError(_unsupported(field, section[name], ("null", "{}")))
+
+
+def _check_choice(field: str, value: Any, choices: tuple[Any, ...]) -> None:
+    if value not in choices:
+        raise ValueError(_unsupported(field, value, choices))
+
+
+def _unsupported(field: str, value: Any, supported: tuple[Any, ...]) -> str:
+    shown = ", ".join("null" if s is None else str(s) for s in supported)
+    return (
+        f"{FIELD}.{field}: {_json(value)} is not supported; supported: {shown} "
+        "(see docs/architecture.md, pre-quantised checkpoints)"
+    )
+
+
+def _json(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else str(value).replace("None", "null")
+
+
+def resolve_quantization(flag: str, checkpoint: CheckpointQuant | None) -> str:
+    """The level the engine applies itself, to the layers the checkpoint leaves unquantised.
+    As vLLM does, the checkpoint's method wins: `--quantization none` (the default) or its own
+    level keeps them in the compute dtype; any other level conflicts and is refused."""
+    if checkpoint is None:
+        return flag
+    if flag in ("none", checkpoint.level):
+        return "none"
+    raise ValueError(
+        f"--quantization {flag} conflicts with the checkpoint's {FIELD} "
+        f"({checkpoint.describe()}): a pre-quantised checkpoint runs as it was quantised; "
+        f"drop the flag (or pass --quantization {checkpoint.level})"
+    )
+
+
+def check_prequantized_parallel(quant: CheckpointQuant | None, tensor_parallel_size: int) -> None:
+    """A pre-quantised checkpoint runs on one rank: its packed tensors and group scales are not
+    split by the tensor-parallel sharding (engine/parallel.py), which cuts 16-bit matrices."""
+    if quant is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} with a pre-quantised checkpoint "
+            f"({quant.describe()}) is not supported; run it with --tensor-parallel-size 1"
+        )
