@@ -3,20 +3,30 @@
 Each step every running sequence asks for `num_tokens - num_computed_tokens` more tokens (a decode
 asks for 1, a prefill for its whole remaining prompt), capped by the per-step token budget, which
 gives chunked prefill for free: a long prompt takes what is left of the budget after the running
-decodes and finishes over several steps. Waiting sequences are admitted strictly first-come
-first-served (no skipping, so nothing starves) while the budget, `max_num_seqs` and free blocks
-allow. When blocks run out the newest running sequence is preempted by recompute: its blocks are
-freed and it goes back to the front of the queue, keeping its generated tokens.
+decodes and finishes over several steps. Waiting sequences are admitted in the waiting queue's
+order (engine/waiting_queue.py: arrival under fcfs, (priority, arrival) under priority), with no
+skipping, so nothing starves behind a later or worse request, while the budget, `max_num_seqs`
+and free blocks allow. When blocks run out the worst-ranked running sequence (the newest, under
+fcfs) is preempted by recompute: its blocks are freed (full ones stay in the prefix cache until
+evicted, so its return recomputes little) and it goes back to the queue, keeping its generated
+tokens and its arrival.
+
+Under `priority` a waiting sequence that cannot be admitted (no seat, blocks or budget left)
+preempts running sequences of a strictly worse priority, worst first (latest arrival among
+equals), until it fits. Only strictly worse ones: equals never preempt each other, so there is
+no thrashing, and a preempted sequence never preempts the one that displaced it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.engine.stats import PREEMPTED_FOR_KV_CACHE, PREEMPTED_FOR_PRIORITY
+from kvpilot.runtime.engine.waiting_queue import make_waiting_queue, rank
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    is_short_of_blocks: bool = False  # a running sequence was preempted for KV blocks
 
     @property
     def num_batched_tokens(self) -> int:
@@ -49,16 +60,25 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.waiting = make_waiting_queue(policy)
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.preemptions: Counter[str] = Counter()  # by reason (stats.PREEMPTION_REASONS)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptions.total()
 
     def add(self, seq: Sequence, at_front: bool = False) -> None:
         """Queue `seq` last, or first (`at_front`) when it arrived before those waiting."""
@@ -68,10 +88,12 @@ class Scheduler:
                 f"prompt needs {num_blocks} KV blocks, the pool has "
                 f"{self.block_manager.num_total_blocks}"
             )
-        if at_front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+        if seq.priority != 0 and self.policy != "priority":
+            raise ValueError(
+                f"priority {seq.priority} needs --scheduling-policy priority (this engine "
+                f"schedules {self.policy}); send priority 0 or leave it out"
+            )
+        self.waiting.push(seq, at_front)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,13 +101,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out)
-        if not out.preempted:
+        if not out.is_short_of_blocks:
             self._schedule_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=rank):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             # A decode with proposals asks for them too, as far as the budget goes.
@@ -100,45 +122,72 @@ class Scheduler:
         return budget
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` fits; False if `seq` itself went."""
+        """Preempt the worst-ranked running sequences until `seq` fits; False if `seq` itself
+        went."""
         while not self.block_manager.can_allocate_slots(seq, num_new):
-            victim = max(
-                (s for s in self.running if s.status is SequenceStatus.RUNNING),
-                key=lambda s: s.arrival,
-            )
-            self._preempt(victim, out)
+            victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING), key=rank)
+            self._preempt(victim, out, PREEMPTED_FOR_KV_CACHE)
+            out.is_short_of_blocks = True
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> int:
+        """Back to the queue, its blocks freed; the step budget its slot in this step took."""
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         # A victim scheduled earlier in this step loses its slot too.
+        dropped = [s for s in out.scheduled if s.seq is seq]
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         out.preempted.append(seq)
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.waiting.push(seq, at_front=True)
+        self.preemptions[reason] += 1
+        return sum(s.num_new_tokens for s in dropped)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while self.waiting:
+            seq = self.waiting.peek()
             # Prompt logprobs need every prompt position's logits: nothing from the cache.
             cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
             num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
-            if not self.block_manager.can_allocate_slots(seq, num_new, cached):
+            if self._can_admit(seq, num_new, cached):
+                self._admit(seq, num_new, cached, out)
+                budget -= num_new
+                continue
+            victim = self._priority_victim(seq, out, budget)
+            if victim is None:
                 break
-            self.waiting.popleft()
-            if not seq.is_admitted_once:
-                seq.num_cached_tokens = len(cached) * BLOCK_SIZE
-                seq.is_admitted_once = True
-            self.block_manager.record_lookup(seq, len(cached) * BLOCK_SIZE)
-            self.block_manager.allocate_slots(seq, num_new, cached)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
+            budget += self._preempt(victim, out, PREEMPTED_FOR_PRIORITY)
+
+    def _can_admit(self, seq: Sequence, num_new: int, cached: list[int]) -> bool:
+        has_seat = len(self.running) < self.max_num_seqs
+        return (
+            num_new > 0 and has_seat and self.block_manager.can_allocate_slots(seq, num_new, cached)
+        )
+
+    def _admit(self, seq: Sequence, num_new: int, cached: list[int], out: SchedulerOutput) -> None:
+        self.waiting.pop()
+        if not seq.is_admitted_once:
+            seq.num_cached_tokens = len(cached) * BLOCK_SIZE
+            seq.is_admitted_once = True
+        self.block_manager.record_lookup(seq, len(cached) * BLOCK_SIZE)
+        self.block_manager.allocate_slots(seq, num_new, cached)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSequence(seq, num_new))
+
+    def _priority_victim(self, seq: Sequence, out: SchedulerOutput, budget: int) -> Sequence | None:
+        """The running sequence `seq` may preempt to get in (priority policy only): the
+        worst-ranked one of a strictly worse priority. Where the step budget is what is missing,
+        only one this step scheduled gives some back, so the worst such."""
+        if self.policy != "priority":
+            return None
+        candidates = [s for s in self.running if s.priority > seq.priority]
+        if budget == 0:
+            in_step = {id(item.seq) for item in out.scheduled if item.num_new_tokens}
+            candidates = [s for s in candidates if id(s) in in_step]
+        return max(candidates, key=rank, default=None)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Mark the scheduled known tokens computed and hash the blocks they completed; the
