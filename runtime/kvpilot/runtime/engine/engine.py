@@ -45,6 +45,7 @@ from kvpilot.runtime.engine.sizing import (
 )
 from kvpilot.runtime.engine.spec_step import SpecStep
 from kvpilot.runtime.engine.stats import EngineStats, SpecDecodeCounts
+from kvpilot.runtime.engine.waiting_queue import check_priority
 from kvpilot.runtime.models.loader import load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
@@ -92,7 +93,10 @@ class Engine:
         if isinstance(self.proposer, DraftModelProposer):  # its KV follows the blocks' hashes
             self.proposer.blocks = self.block_manager
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
         )
         self._init_requests()
         self._snapshot = self._make_stats()
@@ -195,6 +199,7 @@ class Engine:
             raise ValueError("prompt is empty")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_token_ids(token_ids, params, self.model_config.vocab_size)
+        check_priority(params.priority, self.config.scheduling_policy)
         if len(token_ids) + 1 > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}"
@@ -238,6 +243,7 @@ class Engine:
             prefix_cache_queries=bm.num_queried_tokens,
             prefix_cache_hits=bm.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            preemptions_by_reason=tuple(self.scheduler.preemptions.items()),
             num_step_tokens=num_step_tokens,
             spec_decode_drafts=self.spec_decode.drafts,
             spec_decode_draft_tokens=self.spec_decode.draft_tokens,

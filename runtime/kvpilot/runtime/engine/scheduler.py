@@ -26,7 +26,7 @@ from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 from kvpilot.runtime.engine.stats import PREEMPTED_FOR_KV_CACHE, PREEMPTED_FOR_PRIORITY
-from kvpilot.runtime.engine.waiting_queue import make_waiting_queue, rank
+from kvpilot.runtime.engine.waiting_queue import check_priority, make_waiting_queue, rank
 
 
 @dataclass(frozen=True)
@@ -88,11 +88,7 @@ class Scheduler:
                 f"prompt needs {num_blocks} KV blocks, the pool has "
                 f"{self.block_manager.num_total_blocks}"
             )
-        if seq.priority != 0 and self.policy != "priority":
-            raise ValueError(
-                f"priority {seq.priority} needs --scheduling-policy priority (this engine "
-                f"schedules {self.policy}); send priority 0 or leave it out"
-            )
+        check_priority(seq.priority, self.policy)
         self.waiting.push(seq, at_front)
 
     def has_unfinished(self) -> bool:

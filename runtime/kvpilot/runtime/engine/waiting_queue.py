@@ -14,9 +14,18 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from kvpilot.contract.engine_config import SCHEDULING_POLICY_CHOICES
 from kvpilot.runtime.engine.sequence import Sequence
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
+
+def check_priority(priority: int, policy: str) -> None:
+    """vLLM's rule: a priority other than 0 needs the priority policy, rather than being
+    silently ignored under fcfs."""
+    if priority != 0 and policy != "priority":
+        raise ValueError(
+            f"priority: {priority} needs a server started with --scheduling-policy priority "
+            f"(this one schedules {policy}); send priority 0 or leave it out"
+        )
 
 
 def rank(seq: Sequence) -> tuple[int, int]:
@@ -94,4 +103,6 @@ def make_waiting_queue(policy: str) -> WaitingQueue:
         return FcfsQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}")
+    raise ValueError(
+        f"scheduling policy must be one of {', '.join(SCHEDULING_POLICY_CHOICES)}, got {policy!r}"
+    )
