@@ -235,7 +235,9 @@ async def outputs(state: ServerState, job: Job) -> AsyncIterator[tuple[Choice, R
         raise ApiError(503, "model is still loading")
     by_id = {choice.request_id: choice for choice in job.choices}
     trackers = {
-        rid: rendering.Tracker(state.metrics, job.arrival, len(choice.prompt_ids))
+        rid: rendering.Tracker(
+            state.metrics, job.arrival, len(choice.prompt_ids), choice.params.priority
+        )
         for rid, choice in by_id.items()
     }
     state.active.update(by_id)
