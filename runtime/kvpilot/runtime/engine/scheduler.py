@@ -144,23 +144,21 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting:
             seq = self.waiting.peek()
-            # Prompt logprobs need every prompt position's logits: nothing from the cache.
-            cached = [] if seq.wants_prompt_logprobs else self.block_manager.find_cached_blocks(seq)
-            num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
-            if self._can_admit(seq, num_new, cached):
-                self._admit(seq, num_new, cached, out)
-                budget -= num_new
-                continue
+            # The seat and budget first: without them the cache lookup (a hash per prompt block)
+            # would run every step of a saturated server for nothing.
+            if budget > 0 and len(self.running) < self.max_num_seqs:
+                # Prompt logprobs need every prompt position's logits: nothing from the cache.
+                no_cache = seq.wants_prompt_logprobs
+                cached = [] if no_cache else self.block_manager.find_cached_blocks(seq)
+                num_new = min(seq.num_tokens - len(cached) * BLOCK_SIZE, budget)
+                if self.block_manager.can_allocate_slots(seq, num_new, cached):
+                    self._admit(seq, num_new, cached, out)
+                    budget -= num_new
+                    continue
             victim = self._priority_victim(seq, out, budget)
             if victim is None:
                 break
             budget += self._preempt(victim, out, PREEMPTED_FOR_PRIORITY)
-
-    def _can_admit(self, seq: Sequence, num_new: int, cached: list[int]) -> bool:
-        has_seat = len(self.running) < self.max_num_seqs
-        return (
-            num_new > 0 and has_seat and self.block_manager.can_allocate_slots(seq, num_new, cached)
-        )
 
     def _admit(self, seq: Sequence, num_new: int, cached: list[int], out: SchedulerOutput) -> None:
         self.waiting.pop()
