@@ -39,13 +39,14 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         "--max-waiting", "5", "--api-key", "k", "--shutdown-timeout", "7", "--dtype", "bfloat16",
         "--device", "cpu", "--no-prefix-caching", "--max-request-body-bytes", "4096",
         "--max-seqs-per-request", "6", "--request-body-timeout", "2.5",
+        "--scheduling-policy", "priority",
     ])  # fmt: skip
     assert config == ServeConfig(
         model=str(model_dir), served_name="m", host="127.0.0.1", port=9000,
         quantization="int4", dtype="bfloat16", device="cpu", max_model_len=128, max_num_seqs=3,
         max_num_batched_tokens=64, kv_cache_memory=1048576, enable_prefix_caching=False,
         max_waiting=5, api_key="k", shutdown_timeout=7.0, max_request_body_bytes=4096,
-        max_seqs_per_request=6, request_body_timeout=2.5,
+        max_seqs_per_request=6, request_body_timeout=2.5, scheduling_policy="priority",
     )  # fmt: skip
 
 
@@ -96,7 +97,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "max_waiting": 7, "api_key": "k", "shutdown_timeout": 2.5, "log_level": "debug",
         "tool_call_parser": "hermes",
         "max_request_body_bytes": 2048, "threads": 1, "max_seqs_per_request": 9,
-        "request_body_timeout": 4.5,
+        "request_body_timeout": 4.5, "scheduling_policy": "priority",
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
         "enable_lora": True, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
         "lora_modules": ("a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'),

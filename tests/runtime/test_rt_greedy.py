@@ -24,6 +24,7 @@ from bench.reference.models import (
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine.draft_model import DraftModelProposer
 from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.spec_governor import Governor
 
 pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
@@ -102,6 +103,34 @@ def test_greedy_under_forced_preemption_matches_transformers(
     assert engine.stats().num_total_blocks == pool_blocks
     assert_matches(engine, prompts, reference)
     assert engine.stats().num_preemptions > 0
+
+
+def test_greedy_under_priority_preemption_matches_transformers(
+    tiny_llama_dir: Path, make_engine: Callable[..., Engine], reference: Callable
+) -> None:
+    """Low-priority requests fill the batch; better ones arriving mid-decode preempt them. The
+    victims resume (from the prefix cache) and every output is still transformers' own."""
+    prompts = make_prompts(tiny_llama_dir, shared_prefix=0)[:12]
+    engine = make_engine(scheduling_policy="priority", max_num_seqs=4)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+
+    def add(indices: range, priority: int) -> None:
+        params = SamplingParams(max_tokens=GREEDY_NEW_TOKENS, temperature=0, priority=priority)
+        for index in indices:
+            engine.add_request(prompts[index], params, str(index))
+
+    add(range(8), priority=1)
+    for step in range(1000):
+        if step == 6:  # the first four are decoding, four more wait
+            add(range(8, 12), priority=0)
+        if step > 6 and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    for index, prompt in enumerate(prompts):
+        assert tokens[str(index)] == reference(prompt), f"prompt {index}"
+    assert engine.scheduler.preemptions["priority"] >= 1  # a newcomer took a low one's seat
+    assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
 
 def test_greedy_with_chunked_prefill_matches_transformers(

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.runtime.engine.sequence import Timestamps
 from kvpilot.runtime.engine.stats import EngineStats
-from kvpilot.runtime.server.metrics import ServerMetrics, buckets_1_2_5
+from kvpilot.runtime.server.metrics import ServerMetrics, buckets_1_2_5, priority_label
 
 
 @pytest.mark.parametrize(
@@ -57,3 +57,45 @@ def test_phases_of_a_request_that_ended(times: Timestamps, observed: set[str]) -
     counts = phase_counts(metrics)
     assert {name.split("_")[1] for name, value in counts.items() if value == 1} == observed
     assert len(counts) == 4
+
+
+@pytest.mark.parametrize(
+    ("priority", "label"),
+    [(0, "0"), (-9, "-9"), (9, "9"), (10, ">=10"), (2**63 - 1, ">=10"), (-10, "<=-10")],
+)
+def test_priority_label_is_bounded(priority: int, label: str) -> None:
+    assert priority_label(priority) == label
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = metrics.render().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_ttft_and_queue_time_by_priority() -> None:
+    metrics = ServerMetrics("m", EngineStats.idle)
+    metrics.record_ttft(0.5, priority=-1)
+    metrics.record_phases(Timestamps(queued=1.0, scheduled=3.0), priority=42)
+    found = samples(metrics)
+    ttft = ("kvpilot_time_to_first_token_by_priority_seconds_sum",
+            (("model_name", "m"), ("priority", "-1")))  # fmt: skip
+    queue = ("kvpilot_request_queue_time_by_priority_seconds_sum",
+             (("model_name", "m"), ("priority", ">=10")))  # fmt: skip
+    assert (found[ttft], found[queue]) == (0.5, 2.0)
+    assert found[("vllm:time_to_first_token_seconds_count", (("model_name", "m"),))] == 1
+
+
+def test_preemptions_by_reason_add_up_to_the_total() -> None:
+    stats = EngineStats(0, 0, 8, 8, 0.0, 0, 0, 3, preemptions_by_reason=(("priority", 3),))
+    found = samples(ServerMetrics("m", lambda: stats))
+    by_reason = {
+        dict(labels)["reason"]: value
+        for (name, labels), value in found.items()
+        if name == "kvpilot_preemptions_by_reason_total"
+    }
+    assert by_reason == {"kv_cache": 0, "priority": 3}
+    assert found[("vllm:num_preemptions_total", (("model_name", "m"),))] == 3

@@ -57,6 +57,7 @@ def test_sampling_params_derived(kwargs: dict[str, Any], is_greedy: bool, top_k:
         ({"gpu_memory_utilization": 0}, "gpu_memory_utilization must be in"),
         ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
         ({"max_model_len": 1}, "max_model_len must be >= 2"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority"),
     ],
 )
 def test_engine_config_errors(kwargs: dict[str, Any], message: str) -> None:

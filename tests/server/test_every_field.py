@@ -241,6 +241,21 @@ def check_prompt_logprobs(ctx: Ctx) -> None:
     assert generate(ctx, False).raw.choices[0].model_extra.get("prompt_logprobs") is None
 
 
+def check_priority(ctx: Ctx, chat: bool) -> None:
+    """This server schedules fcfs: priority 0 serves as without it, any other is refused as vLLM
+    refuses it, naming the flag (test_rt_priority_server.py runs the priority policy)."""
+    assert greedy(ctx, chat, **extra(priority=0)) == greedy(ctx, chat)
+    path, body = (
+        ("/v1/chat/completions", {"messages": MESSAGES})
+        if chat
+        else ("/v1/completions", {"prompt": PROMPT})
+    )
+    refused = ctx.post(path, {"model": MODEL, **body, "priority": -3})
+    error = refused.json()["error"]
+    assert (refused.status_code, error["param"]) == (400, "priority")
+    assert "--scheduling-policy priority" in error["message"]
+
+
 def prepare(ctx: Ctx, chat: bool, **fields: Any) -> Job:
     if chat:
         body = ChatCompletionRequest.model_validate(
@@ -273,6 +288,7 @@ SHARED: dict[str, Callable[[Ctx, bool], None]] = {
     "min_tokens": check_min_tokens,
     "logit_bias": check_logit_bias,
     "include_stop_str_in_output": check_include_stop_str_in_output,
+    "priority": check_priority,
 }
 
 

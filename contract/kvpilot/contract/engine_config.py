@@ -19,6 +19,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp8")
 KV_OFFLOADING_BACKEND_CHOICES = ("native",)  # vLLM's flag; its lmcache backend is not built in
+# runtime/engine/waiting_queue.py: vLLM's two policies, lower `priority` first under priority
+SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")
 ATTENTION_BACKEND_CHOICES = (
     "auto",
     "paged",
@@ -55,6 +57,13 @@ class EngineConfig:
     max_model_len: int | None = option(None, "default: the model's max_position_embeddings")
     max_num_seqs: int = option(64, "sequences in the running batch")
     max_num_batched_tokens: int = option(2048, "token budget of one engine step")
+    scheduling_policy: str = option(
+        "fcfs",
+        "fcfs: first come, first served (a request's priority must be 0); priority: by the "
+        "request's `priority` (lower first), then arrival, and a waiting request preempts "
+        "running ones of a worse priority when the batch, the KV pool or the step is full",
+        SCHEDULING_POLICY_CHOICES,
+    )
     gpu_memory_utilization: float = option(
         0.9,
         "fraction of the device's memory for weights + KV cache (on CPU: of the memory this "
@@ -128,6 +137,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICY_CHOICES)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.device not in DEVICE_CHOICES and not self.device.startswith("cuda:"):

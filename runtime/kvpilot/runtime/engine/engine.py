@@ -48,6 +48,7 @@ from kvpilot.runtime.engine.sizing import (
 )
 from kvpilot.runtime.engine.spec_step import SpecStep
 from kvpilot.runtime.engine.stats import EngineStats, SpecDecodeCounts
+from kvpilot.runtime.engine.waiting_queue import check_priority
 from kvpilot.runtime.models.checkpoint_quant import (
     check_prequantized_parallel,
     resolve_quantization,
@@ -132,6 +133,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             LoraSlots(config.max_loras) if config.enable_lora else None,
+            policy=config.scheduling_policy,
         )
         self._init_requests()
         self._snapshot = self._make_stats()
@@ -250,6 +252,7 @@ class Engine:
             raise ValueError("prompt is empty")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_token_ids(token_ids, params, self.model_config.vocab_size)
+        check_priority(params.priority, self.config.scheduling_policy)
         if len(token_ids) + 1 > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens, max_model_len is {self.max_model_len}"
@@ -312,6 +315,7 @@ class Engine:
             prefix_cache_queries=bm.num_queried_tokens,
             prefix_cache_hits=bm.num_hit_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            preemptions_by_reason=tuple(self.scheduler.preemptions.items()),
             num_step_tokens=num_step_tokens,
             spec_decode_drafts=self.spec_decode.drafts,
             spec_decode_draft_tokens=self.spec_decode.draft_tokens,

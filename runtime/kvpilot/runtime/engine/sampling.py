@@ -32,6 +32,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off; > 1 discourages, < 1 encourages repeats
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     grammar: GrammarSpec | None = None  # the output must match it (structured outputs, tools)
+    # The scheduler's, not the sampler's: lower runs first under --scheduling-policy priority
+    # (vLLM's request `priority`). It travels here as every other per-request option does.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

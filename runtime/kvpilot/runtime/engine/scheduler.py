@@ -3,21 +3,31 @@
 Each step every running sequence asks for `num_tokens - num_computed_tokens` more tokens (a decode
 asks for 1, a prefill for its whole remaining prompt), capped by the per-step token budget, which
 gives chunked prefill for free: a long prompt takes what is left of the budget after the running
-decodes and finishes over several steps. Waiting sequences are admitted strictly first-come
-first-served (no skipping, so nothing starves) while the budget, `max_num_seqs` and free blocks
-allow. When blocks run out the newest running sequence is preempted by recompute: its blocks are
-freed and it goes back to the front of the queue, keeping its generated tokens.
+decodes and finishes over several steps. Waiting sequences are admitted in the waiting queue's
+order (engine/waiting_queue.py: arrival under fcfs, (priority, arrival) under priority), with no
+skipping, so nothing starves behind a later or worse request, while the budget, `max_num_seqs`
+and free blocks allow. When blocks run out the worst-ranked running sequence (the newest, under
+fcfs) is preempted by recompute: its blocks are freed (full ones stay in the prefix cache until
+evicted, so its return recomputes little) and it goes back to the queue, keeping its generated
+tokens and its arrival.
+
+Under `priority` a waiting sequence that cannot be admitted (no seat, blocks or budget left)
+preempts running sequences of a strictly worse priority, worst first (latest arrival among
+equals), until it fits. Only strictly worse ones: equals never preempt each other, so there is
+no thrashing, and a preempted sequence never preempts the one that displaced it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine.block_manager import BlockManager, TierHit
 from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
+from kvpilot.runtime.engine.stats import PREEMPTED_FOR_KV_CACHE, PREEMPTED_FOR_PRIORITY
+from kvpilot.runtime.engine.waiting_queue import check_priority, make_waiting_queue, rank
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Adapters newly given a slot this step: the runner copies their weights in before it runs.
     lora_loads: list[tuple[int, LoraRequest]] = field(default_factory=list)
+    is_short_of_blocks: bool = False  # a running sequence was preempted for KV blocks
 
     @property
     def num_batched_tokens(self) -> int:
@@ -57,6 +68,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         lora_slots: LoraSlots | None = None,
+        policy: str = "fcfs",
     ) -> None:
         """`lora_slots`: the model's adapter slots, when LoRA is enabled."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -65,9 +77,14 @@ class Scheduler:
         self.lora_slots = lora_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.waiting = make_waiting_queue(policy)
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.preemptions: Counter[str] = Counter()  # by reason (stats.PREEMPTION_REASONS)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptions.total()
 
     def add(self, seq: Sequence, at_front: bool = False) -> None:
         """Queue `seq` last, or first (`at_front`) when it arrived before those waiting."""
@@ -77,10 +94,8 @@ class Scheduler:
                 f"prompt needs {num_blocks} KV blocks, the pool has "
                 f"{self.block_manager.num_total_blocks}"
             )
-        if at_front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+        check_priority(seq.priority, self.policy)
+        self.waiting.push(seq, at_front)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,13 +103,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out)
-        if not out.preempted:
+        if not out.is_short_of_blocks:
             self._schedule_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
         budget = self.max_num_batched_tokens
-        for seq in sorted(self.running, key=lambda s: s.arrival):
+        for seq in sorted(self.running, key=rank):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
             # A decode with proposals asks for them too, as far as the budget goes.
@@ -109,56 +124,89 @@ class Scheduler:
         return budget
 
     def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` fits; False if `seq` itself went."""
+        """Preempt the worst-ranked running sequences until `seq` fits; False if `seq` itself
+        went."""
         while not self.block_manager.can_allocate_slots(seq, num_new):
-            victim = max(
-                (s for s in self.running if s.status is SequenceStatus.RUNNING),
-                key=lambda s: s.arrival,
-            )
-            self._preempt(victim, out)
+            victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING), key=rank)
+            self._preempt(victim, out, PREEMPTED_FOR_KV_CACHE)
+            out.is_short_of_blocks = True
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, reason: str) -> int:
+        """Back to the queue, its blocks freed; the step budget its slot in this step took."""
         self.block_manager.free(seq)
         self._release_lora(seq)
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
         # A victim scheduled earlier in this step loses its slot too.
+        dropped = [s for s in out.scheduled if s.seq is seq]
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         out.preempted.append(seq)
-        self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.waiting.push(seq, at_front=True)
+        self.preemptions[reason] += 1
+        return sum(s.num_new_tokens for s in dropped)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """First come, first served; a sequence whose adapter has no slot to run in is passed
-        over (it keeps its place) until a slot frees, so the base model and resident adapters
-        are not held up behind it."""
+        """In the waiting queue's order (engine/waiting_queue.py); a sequence whose adapter has
+        no slot to run in is passed over (it keeps its place) until a slot frees, so the base
+        model and resident adapters are not held up behind it."""
         passed_over: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._can_run_lora(seq):
-                passed_over.append(self.waiting.popleft())
-                continue
-            cached, tier_hits = self._find_prefix(seq)
-            num_prefix = (len(cached) + len(tier_hits)) * BLOCK_SIZE
-            num_new = min(seq.num_tokens - num_prefix, budget)
-            if not self.block_manager.can_allocate_slots(seq, num_new, cached, len(tier_hits)):
+        while self.waiting:
+            seq = self.waiting.peek()
+            # The seat and budget first: without them the adapter check and the cache lookup (a
+            # hash per prompt block) would run every step of a saturated server for nothing.
+            if budget > 0 and len(self.running) < self.max_num_seqs:
+                if not self._can_run_lora(seq):
+                    passed_over.append(self.waiting.pop())
+                    continue
+                cached, tier_hits = self._find_prefix(seq)
+                num_prefix = (len(cached) + len(tier_hits)) * BLOCK_SIZE
+                num_new = min(seq.num_tokens - num_prefix, budget)
+                if self.block_manager.can_allocate_slots(seq, num_new, cached, len(tier_hits)):
+                    self._admit(seq, num_new, cached, tier_hits, out)
+                    budget -= num_new
+                    continue
+            victim = self._priority_victim(seq, out, budget)
+            if victim is None:
                 break
-            self.waiting.popleft()
-            if not seq.is_admitted_once:
-                seq.num_cached_tokens = num_prefix
-                seq.is_admitted_once = True
-            num_pool = len(cached) * BLOCK_SIZE
-            self.block_manager.record_lookup(seq, num_pool, num_prefix - num_pool)
-            self.block_manager.allocate_slots(seq, num_new, cached, tier_hits)
-            self._acquire_lora(seq, out)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
-            budget -= num_new
-        self.waiting.extendleft(reversed(passed_over))
+            budget += self._preempt(victim, out, PREEMPTED_FOR_PRIORITY)
+        for seq in reversed(passed_over):
+            self.waiting.push(seq, at_front=True)
+
+    def _admit(
+        self,
+        seq: Sequence,
+        num_new: int,
+        cached: list[int],
+        tier_hits: list[TierHit],
+        out: SchedulerOutput,
+    ) -> None:
+        self.waiting.pop()
+        num_pool = len(cached) * BLOCK_SIZE
+        num_prefix = num_pool + len(tier_hits) * BLOCK_SIZE
+        if not seq.is_admitted_once:
+            seq.num_cached_tokens = num_prefix
+            seq.is_admitted_once = True
+        self.block_manager.record_lookup(seq, num_pool, num_prefix - num_pool)
+        self.block_manager.allocate_slots(seq, num_new, cached, tier_hits)
+        self._acquire_lora(seq, out)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSequence(seq, num_new))
+
+    def _priority_victim(self, seq: Sequence, out: SchedulerOutput, budget: int) -> Sequence | None:
+        """The running sequence `seq` may preempt to get in (priority policy only): the
+        worst-ranked one of a strictly worse priority. Where the step budget is what is missing,
+        only one this step scheduled gives some back, so the worst such."""
+        if self.policy != "priority":
+            return None
+        candidates = [s for s in self.running if s.priority > seq.priority]
+        if budget == 0:
+            in_step = {id(item.seq) for item in out.scheduled if item.num_new_tokens}
+            candidates = [s for s in candidates if id(s) in in_step]
+        return max(candidates, key=rank, default=None)
 
     def _can_run_lora(self, seq: Sequence) -> bool:
         if seq.lora is None:

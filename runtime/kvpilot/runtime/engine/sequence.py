@@ -109,6 +109,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Why a running sequence was preempted (the `reason` label of kvpilot_preemptions_by_reason):
+# the KV pool had no block for a running sequence's next tokens, or a waiting request of a
+# better priority needed its seat, blocks or step budget (--scheduling-policy priority).
+PREEMPTED_FOR_KV_CACHE = "kv_cache"
+PREEMPTED_FOR_PRIORITY = "priority"
+PREEMPTION_REASONS = (PREEMPTED_FOR_KV_CACHE, PREEMPTED_FOR_PRIORITY)
+
 
 @dataclass
 class SpecDecodeCounts:
@@ -25,7 +32,7 @@ class EngineStats:
     kv_cache_usage: float  # used blocks / total, 0..1
     prefix_cache_queries: int  # tokens, cumulative
     prefix_cache_hits: int  # tokens, cumulative
-    num_preemptions: int  # cumulative
+    num_preemptions: int  # cumulative, every reason
     num_step_tokens: int = 0  # tokens the last step ran through the model (prefill + decode)
     # speculative decoding, cumulative (SpecDecodeCounts)
     spec_decode_drafts: int = 0
@@ -37,6 +44,8 @@ class EngineStats:
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
     kv_offload: KvOffloadCounts | None = None  # None: no KV tiers (--kv-offloading-size)
+    # cumulative, by reason (PREEMPTION_REASONS); they add up to num_preemptions
+    preemptions_by_reason: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def idle(cls) -> EngineStats:

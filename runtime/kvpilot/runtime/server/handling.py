@@ -18,6 +18,7 @@ from kvpilot.runtime.engine.engine import Engine, RequestOutput
 from kvpilot.runtime.engine.grammar import GrammarError
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.structured import GrammarSpec
+from kvpilot.runtime.engine.waiting_queue import check_priority
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from kvpilot.runtime.server import rendering
 from kvpilot.runtime.server.errors import ApiError
@@ -53,6 +54,7 @@ def seeded(params: SamplingParams, offset: int) -> SamplingParams:
 def prepare_completion(state: ServerState, body: CompletionRequest) -> Job:
     """Token ids and sampling params for a completion; slow on long text, so run off the loop."""
     tok = _core(state).tokenizer
+    _check_priority(state, body)
     choices: list[Choice] = []
     if body.max_tokens == 0 and not body.echo:
         raise ApiError(
@@ -101,6 +103,7 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     """Token ids and sampling params for a chat; slow on long text, so run off the loop."""
     core = _core(state)
     tok = core.tokenizer
+    _check_priority(state, body)
     functions = body.tool_functions()  # those a call may use: none with tool_choice "none"
     # Every tool reaches the template whatever tool_choice says, as in vLLM: "none" forbids
     # calls, it does not hide the tools from the model. Templates test `if tools`, as
@@ -124,6 +127,14 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Job:
     job.tool_parser = parser if functions else None
     job.is_call_forced = body.is_call_forced()
     return job
+
+
+def _check_priority(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """As vLLM: a priority under fcfs is refused, not ignored, so a client relying on it knows."""
+    try:
+        check_priority(body.priority, state.config.scheduling_policy)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "priority") from exc
 
 
 def _output_grammar(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
@@ -215,6 +226,7 @@ def sampling_params(
             min_p=body.min_p,
             logit_bias=body.logit_bias_pairs(),
             grammar=grammar,
+            priority=body.priority,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), str(exc).split(" ", 1)[0]) from exc
@@ -228,7 +240,9 @@ async def outputs(state: ServerState, job: Job) -> AsyncIterator[tuple[Choice, R
         raise ApiError(503, "model is still loading")
     by_id = {choice.request_id: choice for choice in job.choices}
     trackers = {
-        rid: rendering.Tracker(state.metrics, job.arrival, len(choice.prompt_ids))
+        rid: rendering.Tracker(
+            state.metrics, job.arrival, len(choice.prompt_ids), choice.params.priority
+        )
         for rid, choice in by_id.items()
     }
     state.active.update(by_id)

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from kvpilot.contract import metric_names
 from kvpilot.runtime.engine.sequence import Timestamps
-from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.engine.stats import PREEMPTION_REASONS, EngineStats
 from kvpilot.runtime.server.kv_offload_metrics import kv_offload_families
 
 # Buckets as vLLM uses them, so histogram_quantile over either name gives the same answer.
@@ -45,6 +45,19 @@ PHASES = {
     "inference": "First scheduled to last token (prefill + decode).",
 }
 ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per kvpilot process
+# The `priority` label keeps the request's own value from -9 to 9 (what a gateway's few bands
+# or a client's levels use) and counts the rest in two open-ended labels: any int64 is valid,
+# and a label per value would let clients create series without bound.
+MAX_PRIORITY_LABEL = 9
+
+
+def priority_label(priority: int) -> str:
+    """The bounded label of a request priority: 21 values at most."""
+    if priority > MAX_PRIORITY_LABEL:
+        return f">={MAX_PRIORITY_LABEL + 1}"
+    if priority < -MAX_PRIORITY_LABEL:
+        return f"<=-{MAX_PRIORITY_LABEL + 1}"
+    return str(priority)
 
 
 def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
@@ -168,8 +181,23 @@ class EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, text, labels=[LABEL])
             family.add_metric([self.model_name], float(getattr(snap, attr)))
             yield family
+        yield self._preemptions_by_reason(snap)
         if snap.kv_offload is not None:  # only with KV tiers (--kv-offloading-size)
             yield from kv_offload_families(self.model_name, snap.kv_offload)
+
+    def _preemptions_by_reason(self, snap: EngineStats) -> CounterMetricFamily:
+        """kvpilot only (vLLM counts preemptions without a reason): every reason, 0 included,
+        so a rate() over one starts from its first preemption."""
+        counter = CounterMetricFamily(
+            "kvpilot_preemptions_by_reason",
+            "Sequences preempted, by reason: kv_cache (no KV block for a running sequence) or "
+            "priority (a waiting request of a better priority needed room).",
+            labels=[LABEL, "reason"],
+        )
+        counts = dict(snap.preemptions_by_reason)
+        for reason in PREEMPTION_REASONS:
+            counter.add_metric([self.model_name, reason], float(counts.get(reason, 0)))
+        return counter
 
 
 class InfoCollector(Collector):
@@ -263,6 +291,17 @@ class ServerMetrics:
             )
             for name in ("kvpilot_request_success", "vllm:request_success")
         ]
+        # kvpilot only, per request priority (priority_label): vLLM has no such split
+        self.ttft_by_priority = self._by_priority(
+            "kvpilot_time_to_first_token_by_priority_seconds",
+            "Time to first token, by request priority.",
+            TTFT_BUCKETS,
+        )
+        self.queue_by_priority = self._by_priority(
+            "kvpilot_request_queue_time_by_priority_seconds",
+            "Time waiting to be first scheduled, by request priority.",
+            E2E_BUCKETS,
+        )
         self.steps = Counter("kvpilot_engine_steps", "Engine steps run.", [LABEL],
                              registry=self.registry).labels(model_name)  # fmt: skip
         self.registry.register(EngineStatsCollector(model_name, engine_stats))
@@ -282,6 +321,13 @@ class ServerMetrics:
             for full in names
         ]
         return _Pair(metrics, self.model_name)
+
+    def _by_priority(self, name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, text, [LABEL, "priority"], buckets=buckets, registry=self.registry)
+
+    def record_ttft(self, ttft_s: float, priority: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.ttft_by_priority.labels(self.model_name, priority_label(priority)).observe(ttft_s)
 
     def on_engine_ready(self, max_model_len: int, cache: CacheInfo) -> None:
         """Once the engine is loaded: the pool's facts, and the per-request token histograms,
@@ -313,12 +359,14 @@ class ServerMetrics:
         for histogram, value in zip(self.request_tokens, values, strict=False):  # none before load
             histogram.observe(value)
 
-    def record_phases(self, times: Timestamps) -> None:
+    def record_phases(self, times: Timestamps, priority: int = 0) -> None:
         """Queue, prefill, decode and inference time of a finished request; a request that
         ended before it was scheduled or before its first token has no such phases."""
         if times.scheduled is None:
             return
-        self.phases["queue"].observe(times.scheduled - times.queued)
+        queued_s = times.scheduled - times.queued
+        self.phases["queue"].observe(queued_s)
+        self.queue_by_priority.labels(self.model_name, priority_label(priority)).observe(queued_s)
         if times.first_token is None or times.last_token is None:
             return
         self.phases["prefill"].observe(times.first_token - times.scheduled)

@@ -48,8 +48,9 @@ def sse(payload: dict[str, Any]) -> str:
 class Tracker:
     """TTFT, inter-token latency, e2e, phase times and token counts for one request."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float, num_prompt: int):
+    def __init__(self, metrics: ServerMetrics, arrival: float, num_prompt: int, priority: int = 0):
         self.metrics, self.arrival, self.last = metrics, arrival, arrival
+        self.priority = priority
         self.num_prompt, self.num_output = num_prompt, 0
         self.reason: str | None = None
         metrics.record_received()  # the arrival; close() always counts its end
@@ -58,7 +59,7 @@ class Tracker:
         t = time.perf_counter()
         num_new = len(out.new_token_ids)
         if num_new and self.num_output == 0:
-            self.metrics.ttft.observe(t - self.arrival)
+            self.metrics.record_ttft(t - self.arrival, self.priority)
             self.last = t
         elif num_new:
             for _ in range(num_new):  # tokens that arrive in one step share its latency
@@ -69,7 +70,7 @@ class Tracker:
         if out.finished:
             self.reason = out.finish_reason or "stop"
             if out.times is not None:
-                self.metrics.record_phases(out.times)
+                self.metrics.record_phases(out.times, self.priority)
 
     def close(self) -> None:
         """At the end, whether finished or aborted because the client left."""

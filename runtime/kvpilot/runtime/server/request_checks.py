@@ -52,7 +52,6 @@ NOT_HONOURED: dict[str, tuple[object, ...]] = {
     "audio": (),
     "prediction": (),
     "reasoning_effort": (),
-    "priority": (0,),
 }
 
 

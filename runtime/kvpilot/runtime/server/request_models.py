@@ -152,6 +152,13 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = Field(False, description="vLLM extension, used by benchmarks")
     include_stop_str_in_output: bool = Field(False, description="vLLM extension")
+    # int64 as vLLM's; any other value than 0 needs --scheduling-policy priority (handling.py)
+    priority: int = Field(
+        0,
+        ge=-MAX_SEED - 1,
+        le=MAX_SEED,
+        description="vLLM extension: lower runs first under --scheduling-policy priority",
+    )
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension")
