@@ -64,13 +64,6 @@ def test_a_request_may_not_raise_its_priority_above_its_keys() -> None:
         priority.effective(2, 1, "key k")
 
 
-@pytest.mark.parametrize(
-    ("value", "label"), [(0, "0"), (9, "9"), (-9, "-9"), (10, ">9"), (-10, "<-9"), (10**6, ">9")]
-)
-def test_metrics_labels_are_bounded(value: int, label: str) -> None:
-    assert priority.label(value) == label
-
-
 def test_keys_inherit_their_teams_priority_and_weight() -> None:
     document = KeysDocument.model_validate({
         "keys": [{"key": "sk-chat-0001", "team": "chat"},

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.contract.priority import label as priority_label
 from kvpilot.runtime.engine.sequence import Timestamps
 from kvpilot.runtime.engine.stats import EngineStats
-from kvpilot.runtime.server.metrics import ServerMetrics, buckets_1_2_5, priority_label
+from kvpilot.runtime.server.metrics import ServerMetrics, buckets_1_2_5
 
 
 @pytest.mark.parametrize(

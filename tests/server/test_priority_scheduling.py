@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 from openai import OpenAI
 
-from kvpilot.runtime.server.metrics import priority_label
+from kvpilot.contract.priority import label as priority_label
 from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
 pytestmark = pytest.mark.slow  # starts a runtime process

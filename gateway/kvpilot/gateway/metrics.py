@@ -93,7 +93,8 @@ class GatewayMetrics:
             "1 while the budget store answered its last call, 0 after a failure.", registry=r,
         )  # fmt: skip
         # Flow control (flow/gate.py), per model, tenant (team, key:ID, or "-" without keys)
-        # and priority (-9..9, then "<-9" and ">9": a header cannot mint label values).
+        # and priority (-9..9, then "<=-10" and ">=10" as the runtime labels them,
+        # contract.priority.label: a header cannot mint label values).
         flow = ["model", "tenant", "priority"]
         self.flow_waiting = Gauge(
             "kvpilot_gateway_flow_waiting",

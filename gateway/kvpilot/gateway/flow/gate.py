@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from kvpilot.contract.priority import label
 from kvpilot.gateway.exchange import Exchange
-from kvpilot.gateway.flow.priority import label
 from kvpilot.gateway.flow.tenancy import Tenancy
 from kvpilot.gateway.flow.vtc import RUNNING, FairQueue, Ticket, TokenWeights
 from kvpilot.gateway.metrics import GatewayMetrics

@@ -16,7 +16,6 @@ from kvpilot.gateway.bodies import BadRequestError
 from kvpilot.gateway.budget.config import MAX_PRIORITY, MIN_PRIORITY
 
 HEADER = "x-kvpilot-priority"
-LABEL_RANGE = 9  # metrics name -9..9 and lump the rest, so a header cannot mint label values
 _INTEGER = re.compile(r"-?[0-9]{1,20}")  # decimal only: int() would take "1_0" and "+3" too
 
 
@@ -41,15 +40,6 @@ def effective(allowed: int, asked: int | None, who: str) -> int:
                               f"lower its priority (send {allowed} or more), never raise it; "
                               "lower values run first", "priority")  # fmt: skip
     return asked
-
-
-def label(priority: int) -> str:
-    """The metrics label of a priority: the value within +-LABEL_RANGE, else the side it is on."""
-    if priority > LABEL_RANGE:
-        return f">{LABEL_RANGE}"
-    if priority < -LABEL_RANGE:
-        return f"<-{LABEL_RANGE}"
-    return str(priority)
 
 
 def _parse_header(text: str) -> int:

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpilot.contract import metric_names
+from kvpilot.contract.priority import label as priority_label
 from kvpilot.runtime.engine.sequence import Timestamps
 from kvpilot.runtime.engine.stats import PREEMPTION_REASONS, EngineStats
 from kvpilot.runtime.server.kv_offload_metrics import kv_offload_families
@@ -45,19 +46,6 @@ PHASES = {
     "inference": "First scheduled to last token (prefill + decode).",
 }
 ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine core per kvpilot process
-# The `priority` label keeps the request's own value from -9 to 9 (what a gateway's few bands
-# or a client's levels use) and counts the rest in two open-ended labels: any int64 is valid,
-# and a label per value would let clients create series without bound.
-MAX_PRIORITY_LABEL = 9
-
-
-def priority_label(priority: int) -> str:
-    """The bounded label of a request priority: 21 values at most."""
-    if priority > MAX_PRIORITY_LABEL:
-        return f">={MAX_PRIORITY_LABEL + 1}"
-    if priority < -MAX_PRIORITY_LABEL:
-        return f"<=-{MAX_PRIORITY_LABEL + 1}"
-    return str(priority)
 
 
 def buckets_1_2_5(max_value: int) -> tuple[float, ...]:
@@ -291,7 +279,7 @@ class ServerMetrics:
             )
             for name in ("kvpilot_request_success", "vllm:request_success")
         ]
-        # kvpilot only, per request priority (priority_label): vLLM has no such split
+        # kvpilot only, per request priority (contract.priority.label): vLLM has no such split
         self.ttft_by_priority = self._by_priority(
             "kvpilot_time_to_first_token_by_priority_seconds",
             "Time to first token, by request priority.",
