@@ -26,6 +26,15 @@ REPLICA_ARGS = ("--max-model-len", "2048", "--max-num-seqs", "16", "--api-key", 
 
 
 @pytest.fixture(scope="module")
+def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeServer]:
+    """One tiny-llama replica batching 4 with a 512-token context (a module may override it)."""
+    args = ["--max-model-len", "512", "--max-num-seqs", "4"]
+    (started,) = start_replicas(1, args, tmp_path_factory.mktemp("replica"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RuntimeServer]]:
     started = start_replicas(2, list(REPLICA_ARGS), tmp_path_factory.mktemp("replicas"))
     yield started

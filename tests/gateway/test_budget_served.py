@@ -27,7 +27,7 @@ import pytest
 from kvpilot.gateway.budget.arithmetic import Limit, parse_window
 from kvpilot.gateway.budget.config import KEY_ID_CHARS, hash_key
 from tests.support.fake_upstream import FakeUpstream, completion, json_answer
-from tests.support.gateway_process import GatewayProcess, start_replicas
+from tests.support.gateway_process import GatewayProcess
 from tests.support.redis_server import RedisServer, redis_server  # noqa: F401
 from tests.support.server_process import MODEL, RuntimeServer, free_port, wait_for
 
@@ -55,14 +55,6 @@ class Held:
     def answer(self, conn: socket.socket, _: bytes) -> None:
         self.release.wait(120)
         json_answer(conn, completion("held", 5, SETTLED_TOKENS))
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeServer]:
-    args = ["--max-model-len", "512", "--max-num-seqs", "4"]
-    (started,) = start_replicas(1, args, tmp_path_factory.mktemp("replica"))
-    yield started
-    started.stop()
 
 
 @pytest.fixture(scope="module")

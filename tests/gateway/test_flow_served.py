@@ -27,7 +27,7 @@ import openai
 import pytest
 
 from tests.support.fake_upstream import FakeUpstream, completion, json_answer
-from tests.support.gateway_process import GatewayProcess, start_replicas
+from tests.support.gateway_process import GatewayProcess
 from tests.support.server_process import MODEL, RuntimeServer, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -39,14 +39,6 @@ TEAMS = [{"name": "batch"}, {"name": "chat"}, {"name": "bulk", "priority": 5}]
 HEAVY, LIGHT = 20, 2
 SERVED = 30  # requests answered before the shares are read
 OUTPUT_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RuntimeServer]:
-    args = ["--max-model-len", "512", "--max-num-seqs", "4"]
-    (started,) = start_replicas(1, args, tmp_path_factory.mktemp("replica"))
-    yield started
-    started.stop()
 
 
 @pytest.fixture(scope="module")
