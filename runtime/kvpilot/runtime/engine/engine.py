@@ -306,6 +306,8 @@ class Engine:
 
     def _make_stats(self, num_step_tokens: int = 0) -> EngineStats:
         bm = self.block_manager
+        # Every step: the adapter names walk the whole queue, so only a LoRA server pays for it.
+        lora_on = self.config.enable_lora
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
@@ -320,9 +322,9 @@ class Engine:
             spec_decode_drafts=self.spec_decode.drafts,
             spec_decode_draft_tokens=self.spec_decode.draft_tokens,
             spec_decode_accepted_tokens=self.spec_decode.accepted_tokens,
-            running_lora_adapters=lora_names(self.scheduler.running),
-            waiting_lora_adapters=lora_names(self.scheduler.waiting),
-            max_lora=self.config.max_loras if self.config.enable_lora else 0,
+            running_lora_adapters=lora_names(self.scheduler.running) if lora_on else (),
+            waiting_lora_adapters=lora_names(self.scheduler.waiting) if lora_on else (),
+            max_lora=self.config.max_loras if lora_on else 0,
             kv_offload=None
             if self.kv_offload is None
             else self.kv_offload.stats(bm.num_lower_queried_tokens, bm.num_lower_hit_tokens),
