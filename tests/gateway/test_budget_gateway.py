@@ -182,12 +182,19 @@ def test_a_stream_settles_from_usage_the_client_did_not_ask_for(
     openai_client = client(gateways[0], key)
     exact = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
     assert exact.usage is not None
+    prompt_tokens = exact.usage.prompt_tokens
+    # The key is this test's alone, in this module's fresh Redis: settled, it holds one prompt.
+    wait_for(lambda: counter(redis_server, key, "input_tokens") == prompt_tokens, 10,
+             "the first request's reservation to settle")  # fmt: skip
     before = counter(redis_server, key, "input_tokens")
     chunks = list(openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
                                                     stream=True))  # fmt: skip
     assert chunks and all(c.usage is None and c.choices for c in chunks)  # stripped again
-    # The reservation counted the prompt's UTF-8 bytes; it settled to the real prompt tokens.
-    assert counter(redis_server, key, "input_tokens") - before == exact.usage.prompt_tokens
+    # The reservation counted the prompt's UTF-8 bytes; it settles to the real prompt tokens once
+    # the stream has ended, which the client may see first (the gateway settles after [DONE]).
+    wait_for(lambda: counter(redis_server, key, "input_tokens") - before <= prompt_tokens, 10,
+             "the stream's reservation to settle")  # fmt: skip
+    assert counter(redis_server, key, "input_tokens") - before == prompt_tokens
     asked = list(openai_client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=8, stream=True,
         stream_options={"include_usage": True},
