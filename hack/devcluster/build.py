@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import (
+    ACTIONLINT,
     ETCD,
     GOTOOLS,
     HELM,
@@ -74,6 +75,9 @@ def build_commands(component: Component, out_dir: Path) -> list[tuple[list[str],
         return [(["go", "install", "-trimpath", "-ldflags", flags, pkg], None)]
     if component is KUBE_SCORE:
         pkg = f"github.com/zegl/kube-score/cmd/kube-score@{component.version}"
+        return [(["go", "install", "-trimpath", "-ldflags", "-s -w", pkg], None)]
+    if component is ACTIONLINT:
+        pkg = f"github.com/rhysd/actionlint/cmd/actionlint@{component.version}"
         return [(["go", "install", "-trimpath", "-ldflags", "-s -w", pkg], None)]
     if component is SEAWEEDFS:
         pkg = "github.com/seaweedfs/seaweedfs/weed"

@@ -25,6 +25,8 @@ PROMETHEUS_VERSION = "v0.316.0"
 PROMETHEUS_RELEASE = "3.16.0"
 # kube-score: the workload security linter the chart tests run (tests/helm).
 KUBE_SCORE_VERSION = "v1.20.0"
+# actionlint: the GitHub Actions workflow linter (tests/packaging/test_release.py).
+ACTIONLINT_VERSION = "v1.7.12"
 # SeaweedFS (`weed`): the dev cluster's S3-compatible model store. Its module is untagged on the
 # proxy; this pseudo-version is pinned in hack/gotools/seaweedfs/go.mod too.
 SEAWEEDFS_VERSION = "v0.0.0-20261109003541-7506e5f91cd6"
@@ -71,7 +73,8 @@ HELM = Component("helm", HELM_VERSION, ("helm",))
 PROMETHEUS = Component("prometheus", PROMETHEUS_VERSION, ("prometheus",))
 KUBE_SCORE = Component("kube-score", KUBE_SCORE_VERSION, ("kube-score",))
 SEAWEEDFS = Component("seaweedfs", SEAWEEDFS_VERSION, ("weed",))
-COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS, KUBE_SCORE, SEAWEEDFS)
+ACTIONLINT = Component("actionlint", ACTIONLINT_VERSION, ("actionlint",))
+COMPONENTS = (ETCD, KUBERNETES, KWOK, HELM, PROMETHEUS, KUBE_SCORE, SEAWEEDFS, ACTIONLINT)
 
 
 @dataclass(frozen=True)

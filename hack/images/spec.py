@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The Debian release of operator/Dockerfile's base (python:3.11.x-slim-bookworm): its Python 3.11
-# is the interpreter uv.lock's wheels are installed for.
+# The Debian release of both Dockerfiles' base (python:3.11.x-slim-bookworm): its python3 is the
+# interpreter of .python-version, the one uv.lock's wheels are installed for.
 DEBIAN_RELEASE = "bookworm"
+DEBIAN_PYTHON = "3.11"  # bookworm's python3
 DEBIAN_SUITES = (DEBIAN_RELEASE, f"{DEBIAN_RELEASE}-updates")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
@@ -89,15 +90,15 @@ OPERATOR = ImageSpec(
     exposed_ports=(8080, 9090),
 )
 
-# The CPU variant of runtime/Dockerfile (whose base is NVIDIA's CUDA image on Ubuntu): the same
-# packages, user, entrypoint, environment and port on OPERATOR's Debian release. PyPI's Linux
-# torch wheel depends on NVIDIA's CUDA wheels, so they come too (uv.lock pins that torch).
+# runtime/Dockerfile's image: the same packages, user, entrypoint, environment and port, on the
+# same Debian release and Python. PyPI's Linux torch wheel depends on NVIDIA's CUDA wheels, so they
+# come too (uv.lock pins that torch): the one image serves on CPU and on NVIDIA GPUs.
 RUNTIME = ImageSpec(
     name="kvpilot-runtime",
     dockerfile="runtime/Dockerfile",
-    # python3-venv is not needed: uv makes the venv
-    dockerfile_packages=("python3", "ca-certificates", "tini"),
-    base_packages=("libstdc++6",),  # the CUDA image has it; torch's libraries link it
+    dockerfile_packages=("tini",),
+    # python:slim's Python and CA bundle; torch's libraries link libstdc++
+    base_packages=("python3", "ca-certificates", "libstdc++6"),
     extras=("runtime",),
     entrypoint=("tini", "--", "kvpilot-runtime"),
     cmd=("serve", "--model", "/models/model", "--port", "8000"),

@@ -17,9 +17,11 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from hack import release
 from hack.images import build
 from hack.images.spec import (
     BASE_PATH,
+    DEBIAN_PYTHON,
     DEBIAN_RELEASE,
     IMAGES,
     OPERATOR,
@@ -135,14 +137,15 @@ def test_debian_packages_are_those_the_dockerfiles_install() -> None:
     assert "python3" in OPERATOR.debian_packages
 
 
-def test_the_base_release_is_the_operator_dockerfiles() -> None:
-    """python:3.11.x-slim-<release>: the same Debian release, and its Python minor version is
-    bookworm's python3 (3.11), the interpreter the venv's wheels are locked for."""
-    base = Dockerfile(ROOT / OPERATOR.dockerfile).base_image()
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_the_base_is_the_debian_release_and_the_python_of_the_build(spec: ImageSpec) -> None:
+    """python:<X.Y>.z-slim-<release>: the daemonless build's Debian release, whose python3 is
+    X.Y, the version in .python-version that uv.lock's wheels are installed for."""
+    base = Dockerfile(ROOT / spec.dockerfile).base_image()
     match = re.fullmatch(r"python:(\d+\.\d+)\.\d+-slim-([a-z]+)(@sha256:[0-9a-f]{64})?", base)
     assert match, base
     assert match.group(2) == DEBIAN_RELEASE
-    assert match.group(1) == "3.11"  # Debian bookworm's python3
+    assert match.group(1) == DEBIAN_PYTHON == release.python_version()
 
 
 def test_the_dockerfile_parser_follows_the_stage_chain() -> None:
@@ -227,8 +230,9 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
     assert not forbidden, forbidden[:20]
     scripts = {name.rsplit("/", 1)[-1] for name in names if name.startswith("opt/venv/bin/")}
     assert spec.entrypoint[-1] in scripts
-    assert f"opt/venv/lib/python3.11/site-packages/kvpilot/{spec.extras[0]}/__init__.py" in names
-    assert ("opt/venv/lib/python3.11/site-packages/torch/__init__.py" in names) == (spec is RUNTIME)
+    site = f"opt/venv/lib/python{DEBIAN_PYTHON}/site-packages"
+    assert f"{site}/kvpilot/{spec.extras[0]}/__init__.py" in names
+    assert (f"{site}/torch/__init__.py" in names) == (spec is RUNTIME)
     for owned in (spec.home, *spec.owned_dirs):
         if owned:
             assert names[owned.lstrip("/")] == (UID, UID), owned
@@ -270,7 +274,7 @@ def test_operator_image_entrypoint_runs_as_its_user(scratch: Path) -> None:
     image = oci_images.cached(OPERATOR)
     oci_images.require_root_tools()
     rootfs = oci_images.unpack(image, scratch / "bundle")
-    site = rootfs / VENV.lstrip("/") / "lib" / "python3.11" / "site-packages"
+    site = rootfs / VENV.lstrip("/") / "lib" / f"python{DEBIAN_PYTHON}" / "site-packages"
     sources = {p: site / p.relative_to(ROOT / part)
                for part in ("contract", "operator", "gateway", "runtime")
                for p in (ROOT / part / "kvpilot").rglob("*.py")}  # fmt: skip

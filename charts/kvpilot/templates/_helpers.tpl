@@ -39,7 +39,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* The operator's config.yaml, exactly the keys operator/kvpilot/operator/config.py accepts. */}}
 {{- define "kvpilot.config" -}}
-runtimeImage: {{ .Values.config.runtimeImage | quote }}
+runtimeImage: {{ .Values.config.runtimeImage | default (printf "ghcr.io/kvpilot/runtime:%s" .Chart.AppVersion) | quote }}
 prometheusUrl: {{ .Values.config.prometheusUrl | quote }}
 autoscalerIntervalSeconds: {{ .Values.config.autoscalerIntervalSeconds }}
 spillAfterSeconds: {{ .Values.config.spillAfterSeconds }}

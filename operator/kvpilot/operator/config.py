@@ -18,6 +18,7 @@ KVPILOT_AUTOSCALER_INTERVAL, KVPILOT_SPILL_AFTER, KVPILOT_COST_WINDOW, KVPILOT_N
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from typing import Any
 
 import yaml
 
-DEFAULT_RUNTIME_IMAGE = "ghcr.io/kvpilot/runtime:0.1.0"
+# The runtime image released with this operator: its tag is the package's version, as the chart's
+# appVersion and every released image's tag are (hack/release.py; one version, in pyproject.toml).
+DEFAULT_RUNTIME_IMAGE = f"ghcr.io/kvpilot/runtime:{importlib.metadata.version('kvpilot')}"
 FIELD_MANAGER = "kvpilot-operator"
 
 
