@@ -86,7 +86,7 @@ crds: setup
 # The Dockerfiles describe the same images for `docker build` (tests/packaging/test_images.py).
 IMAGE ?=
 images: system-deps setup
-	@$(PY) -m hack.images $(IMAGE)
+	@$(PY) -m hack.images $(IMAGE) $(IMAGES_FLAGS)
 
 cluster-up: cluster-build
 	@$(PY) -m hack.devcluster up

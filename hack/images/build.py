@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,41 @@ def mmdebstrap_command(spec: ImageSpec, tarball: Path) -> list[str]:
     ]
 
 
+# How an image is made, apart from kvpilot's own sources: a change to any of these is what CI
+# rebuilds the images for (`--if-changed`), so the build itself is exercised at least once per
+# change to a Dockerfile, the lock or this recipe.
+RECIPE = (
+    "operator/Dockerfile", "runtime/Dockerfile", "pyproject.toml", "uv.lock", ".python-version",
+    "hack/uv-requirements.txt", "hack/images/build.py", "hack/images/spec.py",
+    "hack/images/customize.sh",
+)  # fmt: skip
+RECIPE_LABEL = "dev.kvpilot.image.recipe"
+
+
+def recipe_digest(files: Mapping[str, bytes]) -> str:
+    """SHA-256 over the recipe's files, by path (sorted), each path and its length framed."""
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        content = files[path]
+        digest.update(f"{path}\0{len(content)}\0".encode())
+        digest.update(content)
+    return digest.hexdigest()
+
+
+def tree_recipe_digest() -> str:
+    return recipe_digest({path: (ROOT / path).read_bytes() for path in RECIPE})
+
+
+def cached_recipe_digest(layout: Path) -> str | None:
+    """The recipe label of the layout's image config; None when there is no layout or label."""
+    if not (layout / "index.json").is_file():
+        return None
+    _, parsed = manifest(layout)
+    config = json.loads(blob(layout, parsed["config"]["digest"]).read_text())
+    labels = config.get("config", {}).get("Labels") or {}
+    return labels.get(RECIPE_LABEL)
+
+
 def revision() -> str:
     """HEAD's commit, with `-dirty` when the files an image is built from have changes."""
     head = subprocess.run(
@@ -118,6 +153,7 @@ def umoci_config_args(spec: ImageSpec, created: str, source: str) -> list[str]:
     args += [f"--config.volume={volume}" for volume in spec.volumes]
     args.append(f"--config.label=org.opencontainers.image.version={version()}")
     args.append(f"--config.label=org.opencontainers.image.revision={source}")
+    args.append(f"--config.label={RECIPE_LABEL}={tree_recipe_digest()}")
     return args
 
 
@@ -233,11 +269,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hack.images", description=__doc__)
     parser.add_argument("images", nargs="*", help=f"of {', '.join(specs.IMAGES)} (default: all)")
     parser.add_argument("--out", type=Path, help="layouts go here instead of the build cache")
+    parser.add_argument(
+        "--if-changed",
+        action="store_true",
+        help="build only images whose cached layout was made from another recipe (Dockerfiles,"
+        " uv.lock, pyproject.toml, hack/images): what CI runs before the tests",
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.images) - set(specs.IMAGES))
     if unknown:
         parser.error(f"no image {', '.join(unknown)}: the images are {', '.join(specs.IMAGES)}")
     for name in args.images or list(specs.IMAGES):
+        cached = layout_dir(specs.IMAGES[name], args.out)
+        if args.if_changed and cached_recipe_digest(cached) == tree_recipe_digest():
+            print(f"==> {name}: the cached image has this recipe, not rebuilt\n    {cached}")
+            continue
         print(f"==> building {name}", flush=True)
         layout = build(specs.IMAGES[name], args.out)
         print(f"==> {summary(layout)}\n    {layout}", flush=True)

@@ -183,6 +183,25 @@ def test_umoci_config_carries_the_spec() -> None:
     )
 
 
+def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
+    """`make images --if-changed` (CI) rebuilds when a Dockerfile, the lock or the build changes:
+    the digest follows every byte and every path, never the order files are listed in."""
+    files = {"runtime/Dockerfile": b"FROM x\n", "uv.lock": b"pins"}
+    same = build.recipe_digest(files)
+    assert build.recipe_digest(dict(reversed(list(files.items())))) == same
+    changed = [
+        {**files, "uv.lock": b"pins2"},
+        {**files, "runtime/Dockerfile": b"FROM y\n"},
+        {"runtime/Dockerfile": b"FROM x\npins", "uv.lock": b""},  # bytes moved across files
+        {"operator/Dockerfile": b"FROM x\n", "uv.lock": b"pins"},  # another path
+    ]
+    assert all(build.recipe_digest(other) != same for other in changed)
+    assert all((ROOT / path).is_file() for path in build.RECIPE)
+    assert {spec.dockerfile for spec in SPECS} <= set(build.RECIPE)
+    args = build.umoci_config_args(RUNTIME, "2024-01-01T00:00:00Z", "abc")
+    assert f"--config.label={build.RECIPE_LABEL}={build.tree_recipe_digest()}" in args
+
+
 def test_rfc3339_is_utc() -> None:
     assert build.rfc3339(0) == "1970-01-01T00:00:00Z"
     assert build.rfc3339(1700000000) == "2023-11-14T22:13:20Z"
@@ -212,6 +231,10 @@ def test_built_config_is_the_spec(spec: ImageSpec) -> None:
     assert sorted(run_config["ExposedPorts"]) == sorted(f"{p}/tcp" for p in spec.exposed_ports)
     assert sorted(run_config.get("Volumes") or {}) == sorted(spec.volumes)
     assert image.config["os"] == "linux" and image.config["architecture"] == "amd64"
+    layout = build.layout_dir(spec)
+    assert build.cached_recipe_digest(layout) == run_config["Labels"].get(build.RECIPE_LABEL)
+    if built_from_this_tree(image):  # a cached image of another commit may have another recipe
+        assert build.cached_recipe_digest(layout) == build.tree_recipe_digest()
 
 
 @pytest.mark.slow
