@@ -74,10 +74,41 @@ def test_slo_status_says_whether_the_percentile_holds(
         "percentile": 95,
         "windowSeconds": attainment.WINDOW_S,
         "attainment": attained,
+        "tpotSeconds": None,
+        "tpotAttainment": None,
         "met": met,
     }
     if share is not None:  # what the patch writes reads back as the typed status
         assert api.SloStatus.model_validate(patch).met is met
+
+
+TPOT_SLO = api.LatencySlo(ttft_seconds=1.0, tpot_seconds=0.05, percentile=95)
+
+
+@pytest.mark.parametrize(
+    ("ttft_share", "tpot_share", "met"),
+    [
+        (0.97, 0.96, True),
+        (0.97, 0.90, False),  # the TTFT holds, the TPOT does not
+        (0.90, 0.99, False),
+        (None, 0.99, True),  # what was measured holds
+        (0.97, None, True),  # no request made two tokens yet
+        (None, None, None),
+    ],
+)
+def test_a_tpot_target_is_reported_and_must_hold_too(
+    ttft_share: float | None, tpot_share: float | None, met: bool | None
+) -> None:
+    seen = Observations(
+        current_replicas=1, ttft_slo_attainment=ttft_share, tpot_slo_attainment=tpot_share
+    )
+    patch = recording.slo_patch(TPOT_SLO, seen)
+    assert patch is not None
+    assert (patch["tpotSeconds"], patch["tpotAttainment"], patch["met"]) == (0.05, tpot_share, met)
+    assert api.SloStatus.model_validate(patch).tpot_attainment == tpot_share
+    # Without a TPOT target a stray TPOT share is neither written nor judged
+    plain = recording.slo_patch(SLO, seen)
+    assert plain is not None and plain["tpotAttainment"] is None
 
 
 def test_no_slo_status_without_an_slo() -> None:
@@ -90,6 +121,10 @@ def test_attainment_is_news_to_the_percentage_point() -> None:
     assert not is_news(old, {"slo": {**written, "attainment": 0.9701, "met": True}})
     assert is_news(old, {"slo": {**written, "attainment": 0.99, "met": True}})
     assert is_news(old, {"slo": {**written, "attainment": 0.90, "met": False}})
+    with_tpot = {**written, "tpotSeconds": 0.05, "tpotAttainment": 0.96, "met": True}
+    old_tpot = api.AutoscalingStatus.model_validate({"slo": with_tpot})
+    assert not is_news(old_tpot, {"slo": {**with_tpot, "tpotAttainment": 0.9612}})
+    assert is_news(old_tpot, {"slo": {**with_tpot, "tpotAttainment": 0.93}})
     assert not is_news(
         api.AutoscalingStatus.model_validate({"slo": {**written, "attainment": None}}),
         {"slo": {**written, "attainment": None, "met": None}},

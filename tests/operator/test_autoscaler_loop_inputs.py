@@ -323,8 +323,10 @@ def test_every_autoscaling_setting_of_the_crd_reaches_the_policy() -> None:
         assert getattr(after, moved[0]) == value, setting
 
 
-def _changed(setting: str, value: float) -> float:
-    return 0.5 if setting == "targetKVCacheUtilization" else value + 1
+def _changed(setting: str, value: float | None) -> float:
+    if setting == "targetKVCacheUtilization":
+        return 0.5
+    return 0.05 if value is None else value + 1  # an optional target (tpotSeconds) set
 
 
 def test_without_an_slo_the_policy_sizes_on_queue_and_kv_alone() -> None:
@@ -339,7 +341,9 @@ def test_without_an_slo_the_policy_sizes_on_queue_and_kv_alone() -> None:
         ({"slo": {"ttftSeconds": 0}}, "ttftSeconds"),
         ({"slo": {"ttftSeconds": 2, "percentile": 100}}, "percentile"),
         ({"slo": {"ttftSeconds": 2, "percentile": 40}}, "percentile"),
-        ({"slo": {"ttftSeconds": 2, "tpotSeconds": 0.05}}, "tpotSeconds"),
+        ({"slo": {"ttftSeconds": 2, "tpotSeconds": 0}}, "tpotSeconds"),
+        ({"slo": {"ttftSeconds": 2, "tpotSeconds": 61}}, "tpotSeconds"),
+        ({"slo": {"tpotSeconds": 0.05}}, "ttftSeconds"),
         ({"mode": "external", "slo": {"ttftSeconds": 2}}, "builtin autoscaler only"),
         ({"mode": "off", "slo": {"ttftSeconds": 2}}, "builtin autoscaler only"),
     ],

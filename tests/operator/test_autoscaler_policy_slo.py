@@ -162,7 +162,44 @@ def test_a_fleet_that_just_changed_teaches_nothing() -> None:
     assert decide(odd, BOUNDS, settled(), NOW).state.capacity != LEARNED
 
 
-@pytest.mark.parametrize("bad", [{"ttft_slo_s": 0.0}, {"ttft_slo_s": 1.0, "slo_percentile": 100.0}])
+# The step grows 1 ms per sequence around the measured batch of 30 (0.05 s there): a batch of
+# 20 steps in 0.04 s.
+SLOPED = replace(LEARNED, step=StepFit(30.0, 0.05, batch_var=100.0, covariance=0.1))
+
+
+@pytest.mark.parametrize(
+    ("tpot_s", "replicas", "reason"),
+    [
+        # no target: 3 replicas (2 would run batches over 40, whose slower steps keep more
+        # sequences in flight than their slots hold)
+        (None, 3, "SLO ttft 2s p95"),
+        # 0.04 s a token caps a replica at ~19.9 sequences: 5 x 19.9 >= 94.7 > 4 x 19.9
+        (0.04, 5, "SLO ttft 2s tpot 0.04s p95"),
+        # a target the fleet's batch meets with room: the KV and batch limits hold
+        (0.2, 3, "SLO ttft 2s tpot 0.2s p95"),
+    ],
+)
+def test_a_tpot_target_caps_each_replicas_batch(
+    tpot_s: float | None, replicas: int, reason: str
+) -> None:
+    bounds = replace(BOUNDS, tpot_slo_s=tpot_s)
+    decision = decide(busy(), bounds, settled(capacity=SLOPED), NOW)
+    assert decision.replicas == replicas, decision.reason
+    assert reason in decision.reason
+    assert ("TPOT caps the batch" in decision.reason) == (replicas == 5)
+    assert decision.state.capacity is not None
+    assert decision.state.capacity.slots == pytest.approx(48.0)  # the cap is not learned
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ttft_slo_s": 0.0},
+        {"ttft_slo_s": 1.0, "slo_percentile": 100.0},
+        {"ttft_slo_s": 1.0, "tpot_slo_s": 0.0},
+        {"tpot_slo_s": 0.05},  # a TPOT target alone: the SLO's sizing starts from the TTFT's
+    ],
+)
 def test_an_invalid_slo_is_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Bounds(**bad)  # type: ignore[arg-type]

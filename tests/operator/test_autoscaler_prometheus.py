@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_se
 from kvpilot.operator.autoscaling import metrics_reader as metrics
 from kvpilot.operator.autoscaling.metrics_reader import PrometheusMetrics, observe_pods
 from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
+from kvpilot.runtime.engine.sequence import Timestamps
 from kvpilot.runtime.engine.stats import EngineStats
 from kvpilot.runtime.server.metrics import ServerMetrics
 from tests.support.kube import wait_until
@@ -295,6 +296,8 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
     # are seconds long so that they fill while the test runs (rate() divides by the whole range).
     pods = {"pod-a": (5, serve_runtime(running=10)), "pod-b": (3, serve_runtime(running=4))}
     first_token_s = {"pod-a": 0.3, "pod-b": 2.0}  # so 5 of every 8 requests get 1 s TTFT
+    # Requests of 10 tokens over 0.18 s (pod-a) or 0.9 s (pod-b) of decode: TPOT 0.02 or 0.1 s
+    decode_s = {"pod-a": 0.18, "pod-b": 0.9}
     static = [
         {
             "targets": [f"127.0.0.1:{port}"],
@@ -322,6 +325,8 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
                     owed[name] -= 1
                     runtime.record_received()
                     runtime.ttft.observe(first_token_s[name])
+                    first, last = first_token_s[name], first_token_s[name] + decode_s[name]
+                    runtime.record_phases(Timestamps(0.0, 0.0, first, last), num_output=10)
                     runtime.record_finished(1.0, 5, 10, "stop")
 
     traffic = threading.Thread(target=serve_requests, daemon=True)
@@ -340,6 +345,10 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
             # observe() reads the rates and the attainment only for a fleet with a TTFT SLO.
             plain = source.observe(NAMESPACE, MODEL, current_replicas=2)
             sized = source.observe(NAMESPACE, MODEL, current_replicas=2, slo_ttft_s=1.0)
+            # the runtime's per-request TPOT histogram, read under the name the contract gives
+            streamed = source.observe(
+                NAMESPACE, MODEL, current_replicas=2, slo_ttft_s=1.0, slo_tpot_s=0.05
+            )
             # 0.4 s lies inside the bucket (0.25, 0.5]: pod-a's 0.3 s are placed linearly in it.
             inside = source.ttft_attainment(NAMESPACE, MODEL, 0.4)
             everyone = source.ttft_attainment(NAMESPACE, MODEL, 3.0)
@@ -358,6 +367,8 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
     assert sized.requests_running_1m == 14
     assert plain.ttft_slo_attainment is None
     assert sized.ttft_slo_attainment == pytest.approx(5 / 8, abs=0.05)
+    assert sized.tpot_slo_attainment is None  # not read without a TPOT target
+    assert streamed.tpot_slo_attainment == pytest.approx(5 / 8, abs=0.05)
     assert inside is not None and inside.share == pytest.approx(0.6 * 5 / 8, abs=0.05)
     assert everyone is not None and everyone.share == 1.0
 

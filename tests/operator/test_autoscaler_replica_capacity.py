@@ -14,6 +14,7 @@ from kvpilot.operator.autoscaling.replica_capacity import (
     replicas_for,
     seed,
     staffing_z,
+    within_tpot,
 )
 
 SEEDS = [
@@ -192,3 +193,29 @@ def test_capacity_round_trips_through_status() -> None:
 def test_invalid_capacity_is_refused(bad: object) -> None:
     with pytest.raises(ValueError):
         bad()  # type: ignore[operator]
+
+
+# Around a batch of 30 the step takes 0.05 s and grows 1 ms per sequence (slope 0.1 / (100 + 1)).
+SLOPED_STEP = StepFit(30.0, 0.05, batch_var=100.0, covariance=0.1)
+AT_40_MS = 30.0 - 0.01 / (0.1 / 101)  # the batch whose step the slope brings to 0.04 s
+TPOT_CASES = [
+    # (case id, step fit, TPOT target, expected slots of a 48-slot replica)
+    ("nothing measured yet: the slots stand", None, 0.01, 48.0),
+    ("a flat step that meets the target: no cap", StepFit(30.0, 0.05), 0.06, 48.0),
+    ("a flat step that misses it: one slot, as close as it gets", StepFit(30.0, 0.05), 0.04, 1.0),
+    ("a sloped step: the batch where it reaches 0.04 s", SLOPED_STEP, 0.04, AT_40_MS),
+    ("a cap above the slots changes nothing", SLOPED_STEP, 0.2, 48.0),
+    ("a target below even one sequence's step: one slot", SLOPED_STEP, 0.001, 1.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("step", "tpot_s", "slots"),
+    [case[1:] for case in TPOT_CASES],
+    ids=[case[0] for case in TPOT_CASES],
+)
+def test_a_tpot_target_caps_the_slots(step: StepFit | None, tpot_s: float, slots: float) -> None:
+    capacity = ReplicaCapacity(48.0, 64, tokens_per_request=400.0, step=step)
+    capped = within_tpot(capacity, tpot_s)
+    assert capped.slots == pytest.approx(slots)
+    assert replace(capped, slots=capacity.slots) == capacity  # only the slots change

@@ -61,6 +61,21 @@ def test_phases_of_a_request_that_ended(times: Timestamps, observed: set[str]) -
 
 
 @pytest.mark.parametrize(
+    ("num_output", "tpot"),
+    [(0, None), (1, None), (2, 2.0), (5, 0.5)],  # decode 3.0 -> 5.0: 2 s over the tokens after one
+)
+def test_time_per_output_token_of_a_request(num_output: int, tpot: float | None) -> None:
+    metrics = ServerMetrics("m", EngineStats.idle)
+    metrics.record_phases(Timestamps(1.0, 2.0, 3.0, 5.0), num_output=num_output)
+    found = samples(metrics)
+    series = (("model_name", "m"),)
+    count = found[("kvpilot_request_time_per_output_token_seconds_count", series)]
+    assert count == (0 if tpot is None else 1)
+    if tpot is not None:
+        assert found[("vllm:request_time_per_output_token_seconds_sum", series)] == tpot
+
+
+@pytest.mark.parametrize(
     ("priority", "label"),
     [(0, "0"), (-9, "-9"), (9, "9"), (10, ">=10"), (2**63 - 1, ">=10"), (-10, "<=-10")],
 )

@@ -37,6 +37,10 @@ PAIRS = [
     ("kvpilot_request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),
     ("kvpilot_request_prefill_time_seconds_count", "vllm:request_prefill_time_seconds_count"),
     ("kvpilot_request_decode_time_seconds_count", "vllm:request_decode_time_seconds_count"),
+    (
+        "kvpilot_request_time_per_output_token_seconds_count",
+        "vllm:request_time_per_output_token_seconds_count",
+    ),
     ("kvpilot_request_inference_time_seconds_count", "vllm:request_inference_time_seconds_count"),
     ("kvpilot_request_prompt_tokens_sum", "vllm:request_prompt_tokens_sum"),
     ("kvpilot_request_generation_tokens_sum", "vllm:request_generation_tokens_sum"),
@@ -249,3 +253,6 @@ def test_phase_and_token_histograms_of_one_request(small_server: RuntimeServer) 
         == 8
         == delta("inter_token_latency_seconds_count")
     )
+    # One request's TPOT: its decode time over the 8 tokens after its first (vLLM v1's)
+    assert delta("request_time_per_output_token_seconds_count") == 1
+    assert delta("request_time_per_output_token_seconds_sum") == pytest.approx(decode / 8)

@@ -35,6 +35,11 @@ KV_CACHE_USAGE_BEFORE_VLLM_09 = "vllm:gpu_cache_usage_perc"
 TIME_TO_FIRST_TOKEN = RuntimeMetric(
     "kvpilot_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"
 )
+# Per request: decode time over output tokens after the first (vLLM v1's histogram), which the
+# autoscaler's TPOT SLO reads.
+REQUEST_TIME_PER_OUTPUT_TOKEN = RuntimeMetric(
+    "kvpilot_request_time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds"
+)
 REQUEST_SUCCESS = RuntimeMetric("kvpilot_request_success_total", "vllm:request_success_total")
 # Requests received (each sequence, counted as it reaches the engine, as request_success counts it
 # when it ends): the autoscaler's arrival rate. vLLM has no such counter; the alias is the name it

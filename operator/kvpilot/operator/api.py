@@ -469,9 +469,10 @@ class Placement(_Model):
 
 
 class LatencySlo(_Model):
-    """The TTFT a share of requests must get (issue 33). Only the builtin autoscaler holds it, so
-    it is refused with any other mode rather than accepted and ignored. There is no tpotSeconds:
-    the sizing bounds the time to a first token only, and a field nothing honours is refused."""
+    """The TTFT, and optionally the time per output token, a share of requests must get (issue
+    33). Only the builtin autoscaler holds it, so it is refused with any other mode rather than
+    accepted and ignored. A TPOT target caps the batch each replica may run (the decode step
+    grows with the batch, so a bigger batch is a slower stream), which the sizing then honours."""
 
     ttft_seconds: float = Field(
         gt=0,
@@ -482,7 +483,15 @@ class LatencySlo(_Model):
         default=POLICY_DEFAULTS.slo_percentile,
         ge=50,
         lt=100,
-        description="share of requests, in percent, whose TTFT ttftSeconds bounds",
+        description="share of requests, in percent, whose TTFT ttftSeconds (and TPOT"
+        " tpotSeconds) bounds",
+    )
+    tpot_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=60,
+        description="time per output token after the first (a request's decode time over its"
+        " output tokens but one) the percentile of requests must get, in seconds",
     )
 
 
@@ -811,8 +820,8 @@ class ColdStartStatus(_Model):
 
 
 class SloStatus(_Model):
-    """How the TTFT SLO holds: the share of requests over the last window whose time to first
-    token met the target, from the runtimes' TTFT histograms (issue 33)."""
+    """How the SLO holds: the share of requests over the last window whose time to first token
+    (and time per output token) met the target, from the runtimes' histograms (issue 33)."""
 
     ttft_seconds: float
     percentile: float
@@ -820,8 +829,15 @@ class SloStatus(_Model):
     attainment: float | None = Field(
         default=None, description="share of requests (0-1) within ttftSeconds; null: no requests"
     )
+    tpot_seconds: float | None = None
+    tpot_attainment: float | None = Field(
+        default=None,
+        description="share of requests (0-1) within tpotSeconds; null: no TPOT target, or no"
+        " request made two tokens",
+    )
     met: bool | None = Field(
-        default=None, description="attainment >= percentile/100; null: nothing measured yet"
+        default=None,
+        description="every attainment measured >= percentile/100; null: nothing measured yet",
     )
 
 

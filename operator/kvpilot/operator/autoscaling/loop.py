@@ -60,6 +60,12 @@ def slo_ttft_s(md: Obj) -> float | None:
     return None if slo is None else slo.ttft_seconds
 
 
+def slo_tpot_s(md: Obj) -> float | None:
+    """The TPOT target of spec.autoscaling.slo; None without one (its attainment is not read)."""
+    slo = autoscaling_spec(md).slo
+    return None if slo is None else slo.tpot_seconds
+
+
 def serving_spec(md: Obj) -> api.Serving:
     """spec.serving, parsed: the batch and context the planner's capacity seed comes from."""
     return api.Serving.model_validate((md.get("spec") or {}).get("serving") or {})
@@ -150,8 +156,9 @@ def _steady(key: str, value: Any) -> Any:
     """`value` without the fields that move every tick."""
     if key == "slo" and isinstance(value, dict):  # as written: no nulls
         steady = {k: v for k, v in value.items() if v is not None}
-        if "attainment" in steady:
-            steady["attainment"] = round(steady["attainment"], 2)
+        for share in ("attainment", "tpotAttainment"):
+            if share in steady:
+                steady[share] = round(steady[share], 2)
         return steady
     return value
 
@@ -296,8 +303,9 @@ class AutoscalerLoop:
         meta = md["metadata"]
         try:
             observations = await self.observe(
-                meta["namespace"], meta["name"], status.replicas, pods, slo_ttft_s(md)
-            )
+                meta["namespace"], meta["name"], status.replicas, pods, slo_ttft_s(md),
+                slo_tpot_s(md),
+            )  # fmt: skip
             starts = measured_cold_start(status, pods)
             if starts is not None:  # the forecast's lead: the median, not an assumed 60 s
                 observations = replace(observations, cold_start_s=starts.median_s)
@@ -423,13 +431,19 @@ class AutoscalerLoop:
         current: int,
         pods: Sequence[Obj],
         ttft_target_s: float | None = None,
+        tpot_target_s: float | None = None,
     ) -> Observations:
         urls, node_types = ready_pod_urls(pods, self.controller.config.runtime_port)
         if self.prometheus is not None:
             prometheus = self.prometheus
             observations = await asyncio.to_thread(
                 lambda: prometheus.observe(
-                    namespace, name, current, set(urls), slo_ttft_s=ttft_target_s
+                    namespace,
+                    name,
+                    current,
+                    set(urls),
+                    slo_ttft_s=ttft_target_s,
+                    slo_tpot_s=tpot_target_s,
                 )
             )
         elif not urls:

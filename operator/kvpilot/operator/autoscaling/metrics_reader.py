@@ -51,6 +51,8 @@ WAITING = metric_names.REQUESTS_WAITING.in_prometheus
 RUNNING = metric_names.REQUESTS_RUNNING.in_prometheus
 KV_USAGE = metric_names.KV_CACHE_USAGE.in_prometheus
 TTFT = metric_names.TIME_TO_FIRST_TOKEN.in_prometheus
+# Each request's time per output token (a histogram): a TPOT SLO's attainment.
+TPOT = metric_names.REQUEST_TIME_PER_OUTPUT_TOKEN.in_prometheus
 # Completed requests and generated tokens (counters, as Prometheus stores them): status.cost.
 REQUEST_SUCCESS = metric_names.REQUEST_SUCCESS.in_prometheus
 GENERATION_TOKENS = metric_names.GENERATION_TOKENS.in_prometheus
@@ -115,6 +117,7 @@ def aggregate(
     requests_held: float = 0.0,
     rates: FleetRates = FleetRates(),
     slo_attainment: float | None = None,
+    tpot_attainment: float | None = None,
 ) -> Observations:
     """Observations from per-pod samples: only ready pods (when `ready_pods` is given) with
     samples at most `max_age_s` old count as capacity. `requests_held` (held at gateways) join
@@ -151,6 +154,7 @@ def aggregate(
         tokens_per_s=rates.tokens_per_s,
         requests_running_1m=rates.requests_running_1m,
         ttft_slo_attainment=slo_attainment,
+        tpot_slo_attainment=tpot_attainment,
     )
 
 
@@ -213,10 +217,20 @@ def ttft_p95_query(namespace: str, model: str) -> str:
 
 def ttft_buckets_query(namespace: str, model: str, window_s: int = attainment.WINDOW_S) -> str:
     """The fleet's TTFT histogram over `window_s` as per-bucket rates (one sample per `le`)."""
+    return buckets_query(TTFT, namespace, model, window_s)
+
+
+def tpot_buckets_query(namespace: str, model: str, window_s: int = attainment.WINDOW_S) -> str:
+    """The fleet's per-request TPOT histogram over `window_s`, as `ttft_buckets_query`."""
+    return buckets_query(TPOT, namespace, model, window_s)
+
+
+def buckets_query(names: tuple[str, ...], namespace: str, model: str, window_s: int) -> str:
+    """Per-bucket rates of the first of `names` (histograms) the pods export."""
     window = prom_duration(window_s)
     return " or ".join(
         f"sum by (le) (rate({selector(namespace, model, name + '_bucket')}[{window}]))"
-        for name in TTFT
+        for name in names
     )
 
 
@@ -370,33 +384,45 @@ class PrometheusMetrics:
         now: float | None = None,
         max_age_s: float = DEFAULT_MAX_AGE_S,
         slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> Observations:
         """Observations for the policy; an unreachable or failing Prometheus yields
         unavailable observations (the policy then holds), never an exception. The fleet's
         rates (five range queries) and the attainment of the TTFT target are read for a
-        ModelDeployment with an SLO (`slo_ttft_s`) only: nothing else sizes on them, so a
-        fleet without one does not pay for them each tick."""
+        ModelDeployment with an SLO (`slo_ttft_s`) only, and the TPOT target's with one
+        (`slo_tpot_s`): nothing else sizes on them, so a fleet without one does not pay for
+        them each tick."""
         try:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
             held = self.requests_held(namespace, model)
-            rates, met = FleetRates(), None
+            rates, met, tpot_met = FleetRates(), None, None
             if slo_ttft_s is not None:
                 rates = self.fleet_rates(namespace, model)
                 met = self.ttft_attainment(namespace, model, slo_ttft_s)
+            if slo_tpot_s is not None:
+                tpot_met = self.tpot_attainment(namespace, model, slo_tpot_s)
         except QUERY_ERRORS as exc:
             return Observations.unavailable(current_replicas, f"prometheus: {_brief(exc)}")
         now = time.time() if now is None else now
         share = None if met is None else met.share
-        return aggregate(
-            samples, current_replicas, now, ready_pods, max_age_s, ttft, held, rates, share
-        )
+        tpot_share = None if tpot_met is None else tpot_met.share
+        return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held,
+                         rates, share, tpot_share)  # fmt: skip
 
     def ttft_attainment(
         self, namespace: str, model: str, target_s: float
     ) -> attainment.Attainment | None:
         """The share of requests over the last window whose TTFT met `target_s`."""
         vector = self._query(ttft_buckets_query(namespace, model))
+        return attainment.from_buckets(attainment.buckets_from_vector(vector), target_s)
+
+    def tpot_attainment(
+        self, namespace: str, model: str, target_s: float
+    ) -> attainment.Attainment | None:
+        """The share of requests over the last window whose time per output token met
+        `target_s` (requests of one token have none and are not counted)."""
+        vector = self._query(tpot_buckets_query(namespace, model))
         return attainment.from_buckets(attainment.buckets_from_vector(vector), target_s)
 
 

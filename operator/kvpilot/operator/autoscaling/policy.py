@@ -75,6 +75,7 @@ class Bounds:
     max_metrics_age_s: float = 60.0
     ttft_slo_s: float | None = None  # spec.autoscaling.slo.ttftSeconds; None: no SLO signal
     slo_percentile: float = 95.0  # of requests whose TTFT the SLO bounds
+    tpot_slo_s: float | None = None  # spec.autoscaling.slo.tpotSeconds: caps each replica's batch
 
     def __post_init__(self) -> None:
         if self.min_replicas < 0 or self.max_replicas < 1:
@@ -108,6 +109,10 @@ class Bounds:
             raise ValueError("scaleToZeroIdleSeconds must be >= 0 and max metrics age > 0")
         if self.ttft_slo_s is not None and self.ttft_slo_s <= 0:
             raise ValueError(f"slo.ttftSeconds must be > 0, got {self.ttft_slo_s}")
+        if self.tpot_slo_s is not None and (self.tpot_slo_s <= 0 or self.ttft_slo_s is None):
+            raise ValueError(
+                f"slo.tpotSeconds must be > 0 and come with slo.ttftSeconds, got {self.tpot_slo_s}"
+            )
         replica_capacity.staffing_z(self.slo_percentile)  # raises when out of range
 
 
@@ -138,6 +143,9 @@ class Observations:
     # The share of requests whose TTFT met the SLO's target (attainment.WINDOW_S); None: no SLO
     # or no requests in the window.
     ttft_slo_attainment: float | None = None
+    # The share of requests whose time per output token met the SLO's tpotSeconds; None: no such
+    # target, or no request with two tokens in the window.
+    tpot_slo_attainment: float | None = None
     error: str = ""  # why there is no data, for the MetricsAvailable condition
 
     @classmethod
@@ -161,6 +169,7 @@ class Observations:
             "tokensPerSecond": self.tokens_per_s,
             "coldStartSeconds": self.cold_start_s,
             "ttftSloAttainment": self.ttft_slo_attainment,
+            "tpotSloAttainment": self.tpot_slo_attainment,
             "error": self.error,
         }
 
@@ -372,19 +381,35 @@ def _slo_recommend(
     rates = forecast.ArrivalRates(short, long)
     ahead = forecast.forecast(rates, observations.requests_waiting, lead)
     z = replica_capacity.staffing_z(bounds.slo_percentile)
-    wanted = replica_capacity.replicas_for(ahead.demand_per_s, capacity, z)
+    sized = capacity
+    if bounds.tpot_slo_s is not None:
+        sized = replica_capacity.within_tpot(capacity, bounds.tpot_slo_s)
+    wanted = replica_capacity.replicas_for(ahead.demand_per_s, sized, z)
     if wanted is None:
         return guard[0], f"{guard[1]} (no SLO sizing: no request has completed yet)"
     current = observations.current_replicas
     why = (
-        f"SLO ttft {bounds.ttft_slo_s:g}s p{bounds.slo_percentile:g}: {ahead.reason}; "
-        f"{capacity.slots:.1f} slots, {capacity.tokens_per_request or 0:.0f} tokens/request"
+        f"SLO {_slo_terms(bounds)}: {ahead.reason}; "
+        f"{sized.slots:.1f} slots{_tpot_cap(capacity, sized)}, "
+        f"{capacity.tokens_per_request or 0:.0f} tokens/request"
     )
     # While pods start, the queue is the one the forecast already sized for; the guards speak
     # for what it missed once the fleet it asked for is ready.
     if guard[0] > max(wanted, current) and observations.ready_replicas >= current:
         return guard[0], f"guard {guard[1]} (SLO sizing {wanted})"
     return wanted, why
+
+
+def _slo_terms(bounds: Bounds) -> str:
+    tpot = "" if bounds.tpot_slo_s is None else f" tpot {bounds.tpot_slo_s:g}s"
+    return f"ttft {bounds.ttft_slo_s:g}s{tpot} p{bounds.slo_percentile:g}"
+
+
+def _tpot_cap(learned: ReplicaCapacity, sized: ReplicaCapacity) -> str:
+    """How the TPOT target capped the slots, if it did."""
+    if sized.slots >= learned.slots:
+        return ""
+    return f" (TPOT caps the batch; {learned.slots:.1f} held by KV and batch limit)"
 
 
 def kv_demand(observations: Observations) -> float:

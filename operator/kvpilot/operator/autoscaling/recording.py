@@ -31,7 +31,9 @@ def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
     numbers = {name: getattr(autoscaling, name) for name in given}
     slo = autoscaling.slo
     if slo is not None:
-        numbers.update(ttft_slo_s=slo.ttft_seconds, slo_percentile=slo.percentile)
+        numbers.update(
+            ttft_slo_s=slo.ttft_seconds, slo_percentile=slo.percentile, tpot_slo_s=slo.tpot_seconds
+        )
     return Bounds(**numbers)
 
 
@@ -176,12 +178,16 @@ def slo_patch(slo: api.LatencySlo | None, observations: Observations) -> dict[st
     if slo is None:
         return None
     share = observations.ttft_slo_attainment
+    tpot_share = observations.tpot_slo_attainment if slo.tpot_seconds is not None else None
+    measured = [s for s in (share, tpot_share) if s is not None]
     return {
         "ttftSeconds": slo.ttft_seconds,
         "percentile": slo.percentile,
         "windowSeconds": attainment.WINDOW_S,
         "attainment": None if share is None else round(share, 4),
-        "met": None if share is None else share * 100 >= slo.percentile,
+        "tpotSeconds": slo.tpot_seconds,
+        "tpotAttainment": None if tpot_share is None else round(tpot_share, 4),
+        "met": all(s * 100 >= slo.percentile for s in measured) if measured else None,
     }
 
 

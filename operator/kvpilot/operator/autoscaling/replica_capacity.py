@@ -64,6 +64,15 @@ class StepFit:
         """The step time at `batch`, never below the one measured at a smaller batch."""
         return self.step_s + self.slope() * max(batch - self.batch, 0.0)
 
+    def batch_within(self, step_s: float) -> float:
+        """The largest batch whose step takes at most `step_s` on the fitted line (extended
+        below the measured batch too); infinite when the step does not grow with the batch and
+        already meets it, 0 when it does not grow and never meets it."""
+        slope = self.slope()
+        if slope <= 0:
+            return math.inf if self.step_s <= step_s else 0.0
+        return self.batch + (step_s - self.step_s) / slope
+
     def add(self, batch: float, step_s: float, weight: float) -> StepFit:
         db, ds = batch - self.batch, step_s - self.step_s
         return StepFit(
@@ -168,6 +177,20 @@ def staffing_z(percentile: float) -> float:
     if not 50 <= percentile < 100:
         raise ValueError(f"percentile must be in [50, 100), got {percentile}")
     return NormalDist().inv_cdf(percentile / 100)
+
+
+def within_tpot(capacity: ReplicaCapacity, tpot_s: float) -> ReplicaCapacity:
+    """The capacity whose slots keep a token every `tpot_s` for each running sequence: every
+    decode step makes one token per sequence and takes longer the bigger the batch, so a TPOT
+    target caps the batch where the fitted step time reaches it. Unchanged while no step time is
+    measured, or where the cap lies above the slots; never below one slot (a target no batch
+    meets is then held as closely as one replica per sequence can)."""
+    if capacity.step is None:
+        return capacity
+    cap = capacity.step.batch_within(tpot_s)
+    if cap >= capacity.slots:
+        return capacity
+    return replace(capacity, slots=max(cap, 1.0))
 
 
 def replicas_for(demand_per_s: float, capacity: ReplicaCapacity, z: float) -> int | None:

@@ -252,6 +252,13 @@ class ServerMetrics:
             aliases=("vllm:time_per_output_token_seconds",),
         )
         self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        # Per request, as vLLM v1: its decode time over its output tokens after the first. The
+        # autoscaler's TPOT SLO counts requests, as its TTFT SLO does, not token intervals.
+        self.tpot = h(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token of a request, after its first.",
+            ITL_BUCKETS,
+        )
         self.phases = {
             phase: h(f"request_{phase}_time_seconds", text, E2E_BUCKETS)
             for phase, text in PHASES.items()
@@ -347,9 +354,10 @@ class ServerMetrics:
         for histogram, value in zip(self.request_tokens, values, strict=False):  # none before load
             histogram.observe(value)
 
-    def record_phases(self, times: Timestamps, priority: int = 0) -> None:
-        """Queue, prefill, decode and inference time of a finished request; a request that
-        ended before it was scheduled or before its first token has no such phases."""
+    def record_phases(self, times: Timestamps, priority: int = 0, num_output: int = 0) -> None:
+        """Queue, prefill, decode and inference time of a finished request, and its time per
+        output token when it made two or more; a request that ended before it was scheduled or
+        before its first token has no such phases."""
         if times.scheduled is None:
             return
         queued_s = times.scheduled - times.queued
@@ -360,6 +368,8 @@ class ServerMetrics:
         self.phases["prefill"].observe(times.first_token - times.scheduled)
         self.phases["decode"].observe(times.last_token - times.first_token)
         self.phases["inference"].observe(times.last_token - times.scheduled)
+        if num_output > 1:
+            self.tpot.observe((times.last_token - times.first_token) / (num_output - 1))
 
     def on_step(self, _outputs: object, stats: EngineStats) -> None:
         """Engine step listener (runs on the engine's thread; metrics are thread-safe)."""

@@ -70,7 +70,7 @@ class Tracker:
         if out.finished:
             self.reason = out.finish_reason or "stop"
             if out.times is not None:
-                self.metrics.record_phases(out.times, self.priority)
+                self.metrics.record_phases(out.times, self.priority, out.num_output_tokens)
 
     def close(self) -> None:
         """At the end, whether finished or aborted because the client left."""
