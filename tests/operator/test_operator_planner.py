@@ -391,10 +391,16 @@ def test_a_plan_holds_no_more_replicas_per_node_than_its_memory() -> None:
     assert planner.assign_replicas(10, [plan]) == [10]  # the rest waits Pending, in sight
 
 
-def test_a_memory_request_that_is_not_a_quantity_is_named() -> None:
-    spec = api.parse_spec(
-        {"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},
-         "runtime": {"resources": {"requests": {"memory": "lots"}}}}
-    )  # fmt: skip
-    with pytest.raises(ValueError, match=r"requests\.memory 'lots' is not a Kubernetes quantity"):
+@pytest.mark.parametrize(
+    ("runtime", "named"),
+    [
+        ({"resources": {"requests": {"memory": "lots"}}}, "requests"),
+        ({"resources": {"limits": {"memory": "lots"}}, "kvOffload": {"hostGiB": 1}}, "limits"),
+    ],
+)
+def test_a_memory_figure_that_is_not_a_quantity_is_named(
+    runtime: dict[str, Any], named: str
+) -> None:
+    spec = api.parse_spec({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, "runtime": runtime})
+    with pytest.raises(ValueError, match=rf"{named}\.memory 'lots' is not a Kubernetes quantity"):
         planner.PlanRequest.from_spec(spec, SEVEN_B)

@@ -99,16 +99,22 @@ class PlanRequest:
 def memory_request_bytes(spec: ModelDeploymentSpec) -> int:
     """The runtime container's memory request as the operator writes it: the user's plus the
     host KV tier (spec.runtime.kvOffload.hostGiB); 0 when neither is given."""
-    requested = spec.runtime.resources.get("requests", {}).get("memory")
+    offload = spec.runtime.kv_offload
+    if offload is not None:
+        user_memory_bytes(spec, "limits")  # grown by the tier too: refused here if unreadable
+    return user_memory_bytes(spec, "requests") + (0 if offload is None else offload.host_bytes)
+
+
+def user_memory_bytes(spec: ModelDeploymentSpec, kind: str) -> int:
+    """spec.runtime.resources' memory request or limit (`kind`) in bytes; 0 when not given."""
+    value = spec.runtime.resources.get(kind, {}).get("memory")
     try:
-        user = 0 if requested is None else int(parse_quantity(requested))
+        return 0 if value is None else int(parse_quantity(value))
     except ValueError as error:
         raise ValueError(
-            f"spec.runtime.resources.requests.memory {requested!r} is not a Kubernetes quantity"
+            f"spec.runtime.resources.{kind}.memory {value!r} is not a Kubernetes quantity"
             " (e.g. 16Gi)"
         ) from error
-    offload = spec.runtime.kv_offload
-    return user + (0 if offload is None else offload.host_bytes)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
 from kvpilot.contract import resource, serve_config
 from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.contract.resource import LABEL_MODEL, LABEL_NODE_TYPE
@@ -26,7 +24,7 @@ from kvpilot.operator import api
 from kvpilot.operator.autoscaling import metrics_reader
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning.inventory import GPU_RESOURCE
-from kvpilot.operator.planning.planner import NodePlan, memory_request_bytes
+from kvpilot.operator.planning.planner import NodePlan, memory_request_bytes, user_memory_bytes
 
 # The Gateway API Inference Extension's endpoint pickers read the engine's metrics by its names;
 # the runtime exports vLLM's (DESIGN.md §3.4), so its pods say they are vLLM-compatible.
@@ -282,7 +280,7 @@ def gpu_resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[st
     if offload is not None:
         requests["memory"] = quantity(memory_request_bytes(spec))
         if "memory" in limits:
-            limits["memory"] = quantity(int(parse_quantity(limits["memory"])) + offload.host_bytes)
+            limits["memory"] = quantity(user_memory_bytes(spec, "limits") + offload.host_bytes)
     return {"requests": requests, "limits": limits}
 
 
