@@ -310,3 +310,56 @@ def test_a_uri_in_no_accepted_form_is_refused_listing_the_forms_on_both_sides(
     (rule,) = _schema_at(crd_path)["x-kubernetes-validations"]
     assert rule["message"] == f"must be {forms}"
     assert "pattern" not in _schema_at(crd_path)
+
+
+@pytest.mark.parametrize(
+    ("spec", "error"),
+    [
+        ({"runtime": {"kvOffload": {"hostGiB": 0}}}, "hostGiB"),
+        ({"runtime": {"kvOffload": {}}}, "hostGiB"),
+        ({"runtime": {"kvOffload": {"hostGiB": 4, "disk": {}}}}, "sizeGiB"),
+        (
+            {"runtime": {"kvOffload": {"hostGiB": 4, "disk": {"sizeGiB": 8, "hostPath": "kv"}}}},
+            "hostPath",
+        ),
+        (
+            {"runtime": {"kvOffload": {"hostGiB": 4, "disk": {"sizeGiB": 8, "claimName": "A_"}}}},
+            "claimName",
+        ),
+        (
+            {"runtime": {"kvOffload": {"hostGiB": 4, "disk": {"sizeGiB": 8, "claimName": "kv",
+                                                              "hostPath": "/kv"}}}},
+            "at most one of claimName or hostPath",
+        ),
+        (
+            {"runtime": {"kvOffload": {"hostGiB": 4}}, "placement": {"minGpusPerReplica": 2}},
+            "kvOffload needs one GPU per replica",
+        ),
+        (
+            {"runtime": {"kvOffload": {"hostGiB": 4}},
+             "serving": {"speculative": {"method": "draft_model", "model": "hf://org/draft"}}},
+            "does not work with speculative method draft_model",
+        ),
+    ],
+)  # fmt: skip
+def test_a_kv_offload_the_runtime_would_refuse_is_refused_naming_why(
+    spec: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ValidationError, match=error):
+        api.parse_spec({"model": MODEL, **spec})
+
+
+def test_kv_offload_crd_rules_say_what_the_models_say() -> None:
+    schema = crdgen.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    spec = schema["properties"]["spec"]
+    offload = spec["properties"]["runtime"]["properties"]["kvOffload"]
+    assert offload["required"] == ["hostGiB"]
+    disk = offload["properties"]["disk"]
+    assert [r["message"] for r in disk["x-kubernetes-validations"]] == [
+        "kvOffload.disk: give at most one of claimName or hostPath (neither: an emptyDir)"
+    ]
+    messages = [r["message"] for r in spec["x-kubernetes-validations"]]
+    assert any("needs one GPU per replica" in m for m in messages)
+    assert any("does not work with speculative method draft_model" in m for m in messages)
+    tiered = api.parse_spec({"model": MODEL, "runtime": {"kvOffload": {"hostGiB": 8}}})
+    assert tiered.runtime.kv_offload is not None and tiered.runtime.kv_offload.disk is None

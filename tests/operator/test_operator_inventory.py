@@ -158,3 +158,45 @@ def test_unreadable_labels_hide_the_node_not_the_inventory() -> None:
     weird = node("w", memory=0)
     weird["metadata"]["labels"]["nvidia.com/gpu.memory"] = "lots"
     assert [t.name for t in inventory.discover([weird, node("ok")], [])] == ["nvidia-l4-22gb"]
+
+
+@pytest.mark.parametrize(
+    ("memories", "expected"),
+    [
+        (["32Gi", "32Gi"], 32 * 2**30),
+        (["131811964Ki", "64Gi"], 64 * 2**30),  # the smallest node bounds the type
+        (["32Gi", None], 0),  # a node without the figure: unknown, never counted against
+        (["32Gi", "a lot"], 0),
+    ],
+)
+def test_node_memory_is_the_smallest_nodes_allocatable(
+    memories: list[str | None], expected: int
+) -> None:
+    nodes = [node(f"n{i}", node_type="l4") for i in range(len(memories))]
+    for n, memory in zip(nodes, memories, strict=True):
+        if memory is not None:
+            n["status"]["allocatable"]["memory"] = memory
+    (t,) = inventory.discover(nodes, [])
+    assert t.memory_bytes == expected
+    trimmed = [inventory.trim_node(n) for n in nodes]
+    assert inventory.discover(trimmed, []) == [t]
+    assert inventory.fingerprint(trimmed) == inventory.fingerprint(nodes)
+
+
+def test_a_nodes_memory_is_part_of_the_fingerprint() -> None:
+    a, b = node("n0", node_type="l4"), node("n0", node_type="l4")
+    b["status"]["allocatable"]["memory"] = "64Gi"
+    assert inventory.fingerprint([a]) != inventory.fingerprint([b])
+
+
+@pytest.mark.parametrize(
+    ("memory_per_replica", "slots"),
+    [(0, 8), (16 * 2**30, 4), (40 * 2**30, 1), (65 * 2**30, 0)],
+)
+def test_free_slots_are_bounded_by_the_memory_each_replica_requests(
+    memory_per_replica: int, slots: int
+) -> None:
+    n = node("n0", count=8, node_type="h100")
+    n["status"]["allocatable"]["memory"] = "64Gi"
+    (t,) = inventory.discover([n], [])
+    assert t.num_free_slots(1, memory_per_replica) == slots

@@ -303,3 +303,70 @@ def test_runtime_pods_say_they_are_vllm_compatible() -> None:
         "inference.networking.k8s.io/engine-type"
         not in deployment()["spec"]["selector"]["matchLabels"]
     )
+
+
+def kv_offload(disk: dict[str, Any] | None = None) -> dict[str, Any]:
+    """runtime.kvOffload: a 16 GiB host tier, and with `disk` a 100 GiB disk tier."""
+    tiers: dict[str, Any] = {"hostGiB": 16}
+    if disk is not None:
+        tiers["disk"] = {"sizeGiB": 100, **disk}
+    return {"kvOffload": tiers}
+
+
+@pytest.mark.parametrize(
+    ("resources", "memory"),
+    [
+        ({}, ({"memory": "16Gi"}, {})),
+        ({"requests": {"memory": "8Gi"}}, ({"memory": "24Gi"}, {})),
+        (
+            {"requests": {"memory": "8Gi"}, "limits": {"memory": "12Gi"}},
+            ({"memory": "24Gi"}, {"memory": "28Gi"}),
+        ),
+        ({"requests": {"memory": "1.5Gi", "cpu": "4"}}, ({"memory": "17920Mi", "cpu": "4"}, {})),
+    ],
+)
+def test_the_host_tier_grows_the_memory_request_and_a_given_limit(
+    resources: dict[str, Any], memory: tuple[dict[str, str], dict[str, str]]
+) -> None:
+    s = spec(runtime={"resources": resources, **kv_offload()})
+    got = deployment(s)["spec"]["template"]["spec"]["containers"][0]["resources"]
+    gpus = {"nvidia.com/gpu": "1"}  # the KV tiers plan one GPU per replica
+    assert got == {"requests": {**memory[0], **gpus}, "limits": {**memory[1], **gpus}}
+
+
+def test_without_kv_offload_the_memory_is_the_users() -> None:
+    s = spec(runtime={"resources": {"requests": {"memory": "8Gi"}}})
+    got = deployment(s)["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert got["requests"]["memory"] == "8Gi" and "memory" not in got["limits"]
+
+
+@pytest.mark.parametrize(
+    ("disk", "volume"),
+    [
+        (None, None),
+        ({}, {"emptyDir": {"sizeLimit": "105Gi"}}),  # 100 GiB + 5% for the files' headers
+        ({"claimName": "kv-blocks"}, {"persistentVolumeClaim": {"claimName": "kv-blocks"}}),
+        (
+            {"hostPath": "/mnt/nvme/kv"},
+            {"hostPath": {"path": "/mnt/nvme/kv", "type": "DirectoryOrCreate"}},
+        ),
+    ],
+)
+def test_the_disk_tier_is_a_volume_at_the_path_the_runtime_is_given(
+    disk: dict[str, Any] | None, volume: dict[str, Any] | None
+) -> None:
+    s = spec(runtime=kv_offload(disk))
+    pod = deployment(s)["spec"]["template"]["spec"]
+    kubernetes_validate.validate(deployment(s), "1.37.0", strict=True)
+    args = pod["containers"][0]["args"]
+    assert "--kv-offloading-size=16.0" in args
+    volumes = [v for v in pod["volumes"] if v["name"] == manifests.KV_DISK_VOLUME]
+    mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "kv-offload"]
+    if volume is None:
+        assert volumes == mounts == []
+        assert not any(a.startswith("--kv-offloading-disk") for a in args)
+        return
+    assert volumes == [{"name": "kv-offload", **volume}]
+    assert mounts == [{"name": "kv-offload", "mountPath": manifests.KV_DISK_MOUNT}]
+    assert f"--kv-offloading-disk-path={manifests.KV_DISK_MOUNT}" in args
+    assert "--kv-offloading-disk-size=100.0" in args

@@ -8,12 +8,14 @@ usable   = gpu.memory MiB x 2^20 x 0.9
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
 from kvpilot.contract import catalog
 from kvpilot.contract.memory import GIB, ModelFacts
+from kvpilot.operator import api
 from kvpilot.operator.planning import planner
 from kvpilot.operator.planning.inventory import NodeType
 
@@ -317,3 +319,88 @@ def test_a_draft_model_runs_on_gpu_0_beside_its_shard_of_the_served_model() -> N
     assert drafted.estimate.weights_bytes - alone.estimate.weights_bytes == 500_000_000 * 2
     # per token on GPU 0: half the 7B's KV and all the draft's (1/16 of the 7B's, 1/8 of half)
     assert drafted.estimate.kv_cache_bytes == alone.estimate.kv_cache_bytes * (1 + 2 / 16)
+
+
+def with_memory(node_type: NodeType, gib: float) -> NodeType:
+    return dataclasses.replace(node_type, memory_bytes=int(gib * GIB))
+
+
+@pytest.mark.parametrize(
+    ("runtime", "node_gib", "fits", "reason"),
+    [
+        ({"kvOffload": {"hostGiB": 16}}, 32, True, ""),
+        ({"kvOffload": {"hostGiB": 16}}, 0, True, ""),  # node memory unknown: not counted
+        (
+            {"kvOffload": {"hostGiB": 48}},
+            32,
+            False,
+            "l4-24gb: a replica requests 48.0 GiB of memory with runtime.kvOffload's host tier,"
+            " its nodes have 32.0 GiB",
+        ),
+        (
+            {"kvOffload": {"hostGiB": 24}, "resources": {"requests": {"memory": "10Gi"}}},
+            32,
+            False,
+            "l4-24gb: a replica requests 34.0 GiB of memory with runtime.kvOffload's host tier,"
+            " its nodes have 32.0 GiB",
+        ),
+        (
+            {"resources": {"requests": {"memory": "40Gi"}}},
+            32,
+            False,
+            "l4-24gb: a replica requests 40.0 GiB of memory, its nodes have 32.0 GiB",
+        ),
+    ],
+)
+def test_the_host_tier_and_memory_request_are_counted_against_node_memory(
+    runtime: dict[str, Any], node_gib: float, fits: bool, reason: str
+) -> None:
+    spec = api.parse_spec({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, "runtime": runtime})
+    req = planner.PlanRequest.from_spec(spec, SEVEN_B)
+    plan = planner.plan_node_type(req, with_memory(L4, node_gib))
+    assert (plan.fits, plan.reason if not fits else "") == (fits, reason)
+
+
+def test_kv_offload_plans_one_gpu_per_replica_and_says_so_when_that_misses() -> None:
+    def plan_70b(runtime: dict[str, Any]) -> planner.NodePlan:
+        spec = api.parse_spec(
+            {"model": {"uri": "hf://meta-llama/Llama-3.1-70B-Instruct"},
+             "quantization": {"allowed": ["bf16"]}, "runtime": runtime}
+        )  # fmt: skip
+        assert LLAMA_70B is not None
+        return planner.plan_node_type(planner.PlanRequest.from_spec(spec, LLAMA_70B), H100)
+
+    assert (plan_70b({}).fits, plan_70b({}).tensor_parallel) == (True, 4)
+    tiered = plan_70b({"kvOffload": {"hostGiB": 64}})
+    assert not tiered.fits and tiered.tensor_parallel == 1
+    assert tiered.reason.endswith("(with runtime.kvOffload a replica has one GPU)")
+
+
+def test_a_plan_holds_no_more_replicas_per_node_than_its_memory() -> None:
+    spec = api.parse_spec(
+        {
+            "model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},
+            "runtime": {"kvOffload": {"hostGiB": 700}},
+        }
+    )
+    plan = planner.plan_node_type(
+        planner.PlanRequest.from_spec(spec, SEVEN_B), with_memory(H100, 1800)
+    )
+    assert plan.fits and plan.memory_bytes == 700 * GIB
+    assert plan.num_free_slots() == 2 * H100.num_nodes  # 2 x 700 GiB per 1800 GiB node, not 8
+    assert planner.assign_replicas(10, [plan]) == [10]  # the rest waits Pending, in sight
+
+
+@pytest.mark.parametrize(
+    ("runtime", "named"),
+    [
+        ({"resources": {"requests": {"memory": "lots"}}}, "requests"),
+        ({"resources": {"limits": {"memory": "lots"}}, "kvOffload": {"hostGiB": 1}}, "limits"),
+    ],
+)
+def test_a_memory_figure_that_is_not_a_quantity_is_named(
+    runtime: dict[str, Any], named: str
+) -> None:
+    spec = api.parse_spec({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, "runtime": runtime})
+    with pytest.raises(ValueError, match=rf"{named}\.memory 'lots' is not a Kubernetes quantity"):
+        planner.PlanRequest.from_spec(spec, SEVEN_B)

@@ -177,3 +177,32 @@ def test_a_speculative_spec_the_runtime_would_refuse_is_refused_at_parse(
 ) -> None:
     with pytest.raises(ValueError):
         api.parse_spec({"model": {"uri": URIS[0]}, "serving": {"speculative": speculative}})
+
+
+@pytest.mark.parametrize(
+    "kv_offload",
+    [
+        {"hostGiB": 0.5},
+        {"hostGiB": 4, "disk": {"sizeGiB": 20}},
+        {"hostGiB": 4, "disk": {"sizeGiB": 20, "claimName": "kv"}},
+        {"hostGiB": 4, "disk": {"sizeGiB": 1.5, "hostPath": "/mnt/nvme/kv"}},
+    ],
+)
+def test_kv_offload_in_the_spec_is_the_runtimes_kv_tiers(kv_offload: dict[str, Any]) -> None:
+    for uri in URIS:
+        spec = api.parse_spec({"model": {"uri": uri}, "runtime": {"kvOffload": kv_offload}})
+        pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        config = parsed_serve(container)
+        assert config.kv_offloading_size == kv_offload["hostGiB"]
+        disk = kv_offload.get("disk")
+        if disk is None:
+            assert config.kv_offloading_disk_path is None
+            continue
+        assert config.kv_offloading_disk_size == disk["sizeGiB"]
+        # the directory the runtime writes is a writable volume of the pod
+        (mount,) = [
+            m for m in container["volumeMounts"] if m["mountPath"] == config.kv_offloading_disk_path
+        ]
+        assert not mount.get("readOnly")
+        assert mount["name"] in {v["name"] for v in pod["spec"]["volumes"]}

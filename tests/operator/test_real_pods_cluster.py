@@ -5,6 +5,7 @@ what the operator wrote.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from tests.support.operator_cluster import (
     model_deployment,
     model_server_env,
     pod_metrics,
+    pod_samples,
     pods,
     ready_check,
     tiny_llama_from,
@@ -154,3 +156,39 @@ def test_a_runtime_that_cannot_start_says_why_on_the_model_deployment(
     message = wait_for(degraded, "Degraded=PodsFailing", operator, timeout=120)
     assert "max_model_len 4096 exceeds the model's limit 2048" in message
     assert message.startswith("runtime: CrashLoopBackOff: kvpilot-runtime serve: cannot load")
+
+
+def test_kv_offload_runs_the_runtimes_host_and_disk_tiers_on_real_pods(
+    cluster: Any, operator: Operator, namespace: str, tmp_path: Path
+) -> None:
+    """spec.runtime.kvOffload with a host tier and a disk tier on a hostPath: the pod the
+    operator writes starts the runtime with both tiers, where the spec put them."""
+    directory = tmp_path / "kv-blocks"
+    md = model_deployment(
+        "tiny",
+        f"file://{ROOT / 'models' / 'tiny-llama'}",
+        serving={"maxContextLength": 256, "targetConcurrency": 2},
+        placement={"nodeTypes": ["local"]},
+        autoscaling={"mode": "off", "replicas": 1},
+        runtime={
+            "kvOffload": {
+                "hostGiB": 0.01,
+                "disk": {"sizeGiB": 0.05, "hostPath": str(directory)},
+            }
+        },
+    )
+    md["spec"]["model"].update(servedName="tiny", **TINY_FACTS)
+    apply_doc(cluster, namespace, md)
+    wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=240)
+    (pod,) = pods(cluster, namespace, "tiny")
+    container = pod["spec"]["containers"][0]
+    assert "--kv-offloading-size=0.01" in container["args"]
+    assert container["resources"]["requests"]["memory"] == "11Mi"  # 0.01 GiB, whole MiB up
+    assert complete(pod)["usage"]["completion_tokens"] == 4
+    capacity = {
+        labels["tier"]: value
+        for name, labels, value in pod_samples(pod)
+        if name == "kvpilot_kv_offload_capacity_blocks"
+    }
+    assert set(capacity) == {"host", "disk"} and capacity["disk"] > capacity["host"] > 0
+    assert directory.is_dir()  # the runtime's disk tier opened the node's directory

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.engine.block_manager import NO_HASH, BlockManager
+from kvpilot.runtime.engine.block_manager import NO_HASH, BlockManager, TierLookup
 from kvpilot.runtime.engine.sequence import Sequence
 
 
@@ -154,9 +154,14 @@ class HeldBlocks:
 
     def __init__(self) -> None:
         self.held: dict[tuple[int, tuple[int, ...]], str] = {}
+        self.counted: list[TierLookup] = []
 
-    def fetch(self, block_hash: int, token_ids: tuple[int, ...]) -> str | None:
+    def fetch(self, block_hash: int, token_ids: tuple[int, ...], lookup: TierLookup) -> str | None:
+        lookup.queries["held"] += 1
         return self.held.get((block_hash, token_ids))
+
+    def count_lookup(self, lookup: TierLookup) -> None:
+        self.counted.append(lookup)
 
 
 def test_evicted_prefix_blocks_are_recorded_and_come_back_as_loads() -> None:
@@ -176,9 +181,12 @@ def test_evicted_prefix_blocks_are_recorded_and_come_back_as_loads() -> None:
     bm.free(other)
     again = make_seq(list(range(40)), "c")
     assert bm.find_cached_blocks(again) == []
-    hits = bm.find_tier_blocks(again, [])
-    assert [h.hash for h in hits] == hashes
-    bm.allocate_slots(again, 40 - 32, [], hits)
+    lookup = bm.find_tier_blocks(again, [])
+    assert [h.hash for h in lookup.hits] == hashes
+    assert bm.find_tier_blocks(again, []) == lookup and tier.counted == []  # not yet admitted
+    bm.record_lookup(again, 0, lookup)
+    assert tier.counted == [lookup] and bm.num_lower_hit_tokens == 32
+    bm.allocate_slots(again, 40 - 32, [], lookup.hits)
     assert again.num_computed_tokens == 32
     evicted, loads = bm.take_transfers()
     assert [load.payload for load in loads] == [f"kv of {h}" for h in hashes]

@@ -136,6 +136,27 @@ def test_a_workload_without_reuse_stops_copying_once_the_host_tier_is_full(
     assert counts.hits["host"] == 0 and counts.blocks["host"] == 4
 
 
+def test_a_waiting_request_counts_its_tier_lookups_once_when_admitted(
+    make_engine: Callable[..., Engine],
+) -> None:
+    """The second document cannot get its 6 blocks while the first one decodes (a pool of 8),
+    so the scheduler looks its prefix up again each step; the tiers count it once, when it is
+    admitted, as the token counters (external_prefix_cache_*) are counted."""
+    engine = make_engine(**pool_kwargs("auto"), kv_offloading_size=gib(64, "auto"))
+    first, second = documents(2, start=2000)
+    engine.add_request(first, SamplingParams(temperature=0.0, max_tokens=24), "first")
+    engine.add_request(second, SamplingParams(temperature=0.0, max_tokens=4), "second")
+    num_steps_waited = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps_waited += engine.stats().num_waiting > 0
+    assert num_steps_waited >= 10  # the second was looked up at each of these steps
+    counts = offload_counts(engine)
+    # each document's first block missed the host tier: one look-up each
+    assert (counts.queries["host"], counts.hits["host"]) == (2, 0)
+    assert counts.queried_tokens == 2 * 90
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

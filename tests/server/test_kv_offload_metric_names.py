@@ -29,7 +29,7 @@ def test_without_tiers_no_kv_offload_metric_is_exposed() -> None:
 
 
 def test_each_tier_and_transfer_under_kvpilot_and_vllm_names() -> None:
-    counts = KvOffloadCounts(queried_tokens=320, hit_tokens=160)
+    counts = KvOffloadCounts(queried_tokens=320, hit_tokens=160, capacity={"host": 64})
     counts.hits["disk"], counts.queries["disk"], counts.blocks["host"] = 3, 7, 9
     counts.bytes.update(pool_to_host=100, host_to_pool=200, host_to_disk=300, disk_to_host=400)
     counts.seconds["host_to_pool"] = 0.5
@@ -40,6 +40,8 @@ def test_each_tier_and_transfer_under_kvpilot_and_vllm_names() -> None:
     assert got[("kvpilot_kv_offload_hits_total", (("tier", "disk"),))] == 3
     assert got[("kvpilot_kv_offload_queries_total", (("tier", "disk"),))] == 7
     assert got[("kvpilot_kv_offload_blocks", (("tier", "host"),))] == 9
+    capacity = {labels: v for (name, labels), v in got.items() if "capacity" in name}
+    assert capacity == {(("tier", "host"),): 64}  # no disk tier configured: no disk sample
     assert got[("kvpilot_kv_offload_bytes_total", (("transfer_type", "disk_to_host"),))] == 400
     vllm_bytes = {
         labels: value for (name, labels), value in got.items()

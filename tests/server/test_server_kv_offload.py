@@ -49,7 +49,10 @@ def test_a_restarted_runtime_serves_a_prefix_from_its_disk_tier(tmp_path: Path) 
     second = RuntimeServer(tier_args(directory), tmp_path / "second.log")
     try:
         # indexed at start: the blocks the first run's pool let go (at least 4 documents')
-        assert second.metrics()["kvpilot_kv_offload_blocks[('tier', 'disk')]"] >= 20
+        started = second.metrics()
+        assert started["kvpilot_kv_offload_blocks[('tier', 'disk')]"] >= 20
+        assert started["kvpilot_kv_offload_capacity_blocks[('tier', 'host')]"] == 2
+        assert started["kvpilot_kv_offload_capacity_blocks[('tier', 'disk')]"] == 256
         assert greedy(second, [*DOCS[0], 5, 6, 7]) == answers[0]
         metrics = second.metrics()
         assert metrics["kvpilot_kv_offload_hits_total[('tier', 'disk')]"] == 5

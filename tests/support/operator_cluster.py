@@ -191,12 +191,17 @@ def complete(pod: dict[str, Any], **fields: Any) -> dict[str, Any]:
 
 def pod_metrics(pod: dict[str, Any]) -> dict[str, float]:
     """The pod's runtime /metrics, sample name -> value."""
+    return {name: value for name, _, value in pod_samples(pod)}
+
+
+def pod_samples(pod: dict[str, Any]) -> list[tuple[str, dict[str, str], float]]:
+    """The pod's runtime /metrics, (sample name, labels, value) each."""
     text = httpx.get(f"{pod_url(pod)}/metrics", timeout=10).text
-    return {
-        sample.name: sample.value
+    return [
+        (sample.name, sample.labels, sample.value)
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-    }
+    ]
 
 
 def reconciles(metrics_port: int) -> float:

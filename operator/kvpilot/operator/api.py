@@ -9,6 +9,7 @@ rejects a bad object at `kubectl apply`; `model_validator`s repeat them so unit 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -62,6 +63,7 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 BASE_URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
 MAX_FALLBACKS = 8
+GIB, MIB = 2**30, 2**20
 MAX_CASCADE_RULES = 8
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
@@ -564,6 +566,75 @@ class EnvVar(_Model):
     value: str = ""
 
 
+_ONE_DISK_VOLUME = (
+    "kvOffload.disk: give at most one of claimName or hostPath (neither: an emptyDir)"
+)
+_OFFLOAD_NEEDS_ONE_GPU = (
+    "runtime.kvOffload needs one GPU per replica (the runtime copies no other rank's KV shard):"
+    " set placement.minGpusPerReplica to 1 or remove kvOffload"
+)
+_OFFLOAD_NO_DRAFT = (
+    "runtime.kvOffload does not work with speculative method draft_model (the draft's own KV is"
+    " not copied): use ngram or remove kvOffload"
+)
+
+
+class KvOffloadDisk(_Model):
+    """The disk tier: KV blocks the host tier evicts, one file each, on a volume mounted at a
+    fixed path. An emptyDir lives as long as the pod; a PersistentVolumeClaim or a hostPath
+    outlives it, so a pod restarted with the same volume (on the same node, for a hostPath)
+    starts with a warm prefix cache. Replicas that mount the same directory share its files."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(("!(has(self.claimName) && has(self.hostPath))", _ONE_DISK_VOLUME))
+    )
+
+    size_gi_b: float = Field(
+        alias="sizeGiB", gt=0, le=1_048_576, description="GiB of block files the tier keeps"
+    )
+    claim_name: str | None = Field(
+        default=None,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        max_length=253,
+        description="a PersistentVolumeClaim in this namespace (ReadWriteMany for replicas on"
+        " several nodes); default: an emptyDir of sizeGiB",
+    )
+    host_path: str | None = Field(
+        default=None,
+        pattern=r"^/[^\s]*$",
+        max_length=1024,
+        description="a directory on the node (created if missing); default: an emptyDir",
+    )
+
+    @model_validator(mode="after")
+    def _one_volume(self) -> KvOffloadDisk:
+        if self.claim_name is not None and self.host_path is not None:
+            raise ValueError(_ONE_DISK_VOLUME)
+        return self
+
+
+class KvOffload(_Model):
+    """KV tiers below the GPU pool (the runtime's --kv-offloading-size and its disk tier):
+    evicted prefix blocks are kept in host memory, then on disk, and a later prefix hit copies
+    them back instead of recomputing them. The container's memory request (and its limit, if
+    one is set) grows by hostGiB, and the planner counts it against each node type's memory."""
+
+    host_gi_b: float = Field(
+        alias="hostGiB",
+        gt=0,
+        le=65_536,
+        description="GiB of host memory per replica for KV blocks evicted from the GPU pool",
+    )
+    disk: KvOffloadDisk | None = Field(
+        default=None, description="a disk tier under the host tier; none when absent"
+    )
+
+    @property
+    def host_bytes(self) -> int:
+        """The host tier's memory, rounded up to a whole MiB."""
+        return math.ceil(self.host_gi_b * GIB / MIB) * MIB
+
+
 class Runtime(_Model):
     image: str | None = Field(default=None, description="default: the operator's runtime image")
     engine: Literal["kvpilot"] = "kvpilot"
@@ -575,6 +646,9 @@ class Runtime(_Model):
         default_factory=dict,
         description="merged over the generated pod template (metadata, spec)",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    kv_offload: KvOffload | None = Field(
+        default=None, description="host-memory and disk KV tiers below the GPU pool"
     )
 
 
@@ -744,7 +818,23 @@ class Routing(_Model):
 
 
 class ModelDeploymentSpec(_Model):
-    model_config = ConfigDict(protected_namespaces=())
+    model_config = ConfigDict(
+        protected_namespaces=(),
+        json_schema_extra=_cel(
+            (
+                "!has(self.runtime) || !has(self.runtime.kvOffload) || !has(self.placement)"
+                " || !has(self.placement.minGpusPerReplica)"
+                " || self.placement.minGpusPerReplica <= 1",
+                _OFFLOAD_NEEDS_ONE_GPU,
+            ),
+            (
+                "!has(self.runtime) || !has(self.runtime.kvOffload) || !has(self.serving)"
+                " || !has(self.serving.speculative)"
+                " || self.serving.speculative.method != 'draft_model'",
+                _OFFLOAD_NO_DRAFT,
+            ),
+        ),
+    )
 
     model: ModelSource
     serving: Serving = Field(default_factory=Serving)
@@ -754,6 +844,18 @@ class ModelDeploymentSpec(_Model):
     runtime: Runtime = Field(default_factory=Runtime)
     monitoring: Monitoring = Field(default_factory=Monitoring)
     routing: Routing = Field(default_factory=Routing)
+
+    @model_validator(mode="after")
+    def _kv_offload_runs(self) -> ModelDeploymentSpec:
+        """What the runtime refuses beside --kv-offloading-size (engine_config), refused here."""
+        if self.runtime.kv_offload is None:
+            return self
+        if self.placement.min_gpus_per_replica > 1:
+            raise ValueError(_OFFLOAD_NEEDS_ONE_GPU)
+        speculative = self.serving.speculative
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError(_OFFLOAD_NO_DRAFT)
+        return self
 
 
 class Condition(_Model):

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
+from kubernetes.utils import parse_quantity
+
 from kvpilot.contract.resource import LABEL_NODE_TYPE
 from kvpilot.operator.config import DeclaredNodeType
 from kvpilot.operator.reconcile.conditions import pod_problem
@@ -40,6 +42,8 @@ class NodeType:
     node_selector: Mapping[str, str]
     nodes: tuple[str, ...] = ()
     free_gpus_per_node: tuple[int, ...] = ()
+    # The smallest node's allocatable memory in bytes; 0: not known (a declared type, no nodes)
+    memory_bytes: int = 0
 
     @property
     def num_nodes(self) -> int:
@@ -53,11 +57,17 @@ class NodeType:
     def gpu_memory_bytes(self) -> int:
         return self.gpu_memory_mib * 1024 * 1024
 
-    def num_free_slots(self, gpus_per_replica: int) -> int:
-        """Replicas of `gpus_per_replica` GPUs that still fit; a replica never spans two nodes."""
+    def num_free_slots(self, gpus_per_replica: int, memory_per_replica: int = 0) -> int:
+        """Replicas of `gpus_per_replica` GPUs that still fit; a replica never spans two nodes.
+        With `memory_per_replica` (bytes requested) no more per node than its memory holds (an
+        upper bound: other pods' memory is not counted)."""
         if gpus_per_replica < 1:
             raise ValueError(f"gpus_per_replica must be >= 1, got {gpus_per_replica}")
-        return sum(free // gpus_per_replica for free in self.free_gpus_per_node)
+        per_node = [free // gpus_per_replica for free in self.free_gpus_per_node]
+        if memory_per_replica > 0 and self.memory_bytes > 0:
+            most = self.memory_bytes // memory_per_replica
+            per_node = [min(slots, most) for slots in per_node]
+        return sum(per_node)
 
     def price_per_gpu_hour(self) -> float:
         return self.price_per_hour / self.gpus_per_node if self.gpus_per_node else 0.0
@@ -72,6 +82,7 @@ class _GpuNode(NamedTuple):  # a NamedTuple: built once per node, 10,000 times p
     price: float
     selector: Mapping[str, str]
     free: int
+    memory_bytes: int
 
 
 def discover(
@@ -102,6 +113,7 @@ def _node_type(name: str, members: list[_GpuNode]) -> NodeType:
         node_selector=first.selector,
         nodes=tuple(n.name for n in members),
         free_gpus_per_node=tuple(n.free for n in members),
+        memory_bytes=min(n.memory_bytes for n in members),
     )
 
 
@@ -115,7 +127,8 @@ def _gpu_node(
 ) -> _GpuNode | None:
     meta = node.get("metadata", {})
     name, labels = meta.get("name", ""), meta.get("labels") or {}
-    allocatable = _quantity(((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE))
+    resources = (node.get("status") or {}).get("allocatable") or {}
+    allocatable, memory_bytes = _quantity(resources.get(GPU_RESOURCE)), _bytes(resources)
     schedulable = not (node.get("spec") or {}).get("unschedulable", False)
     free = max(0, allocatable - used.get(name, 0)) if schedulable else 0
     price = _price((meta.get("annotations") or {}).get(ANNOTATION_PRICE))
@@ -132,6 +145,7 @@ def _gpu_node(
                 price,
                 decl.node_selector,
                 free,
+                memory_bytes,
             )
     product, memory = labels.get(LABEL_PRODUCT), _quantity(labels.get(LABEL_MEMORY))
     if not product or memory <= 0 or allocatable <= 0:
@@ -143,7 +157,7 @@ def _gpu_node(
         if LABEL_NODE_TYPE in labels
         else {LABEL_PRODUCT: product, LABEL_MEMORY: str(memory), LABEL_COUNT: str(count)}
     )
-    return _GpuNode(name, type_name, product, memory, count, price, selector, free)
+    return _GpuNode(name, type_name, product, memory, count, price, selector, free, memory_bytes)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -181,12 +195,15 @@ def fingerprint(nodes: Iterable[Obj]) -> tuple[tuple[str, ...], ...]:
     for node in nodes:
         meta = node.get("metadata", {})
         labels = meta.get("labels") or {}
-        allocatable = ((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE)
+        resources = (node.get("status") or {}).get("allocatable") or {}
+        allocatable, memory = resources.get(GPU_RESOURCE), resources.get("memory")
         unschedulable = (node.get("spec") or {}).get("unschedulable", False)
         facts = (
             labels.get(k, "") for k in (LABEL_NODE_TYPE, LABEL_PRODUCT, LABEL_MEMORY, LABEL_COUNT)
         )
-        rows.append((meta.get("name", ""), *facts, str(allocatable), str(unschedulable)))
+        rows.append(
+            (meta.get("name", ""), *facts, str(allocatable), str(memory), str(unschedulable))
+        )
     return tuple(sorted(rows))
 
 
@@ -197,6 +214,14 @@ def _quantity(value: Any) -> int:
         return int(str(value))
     except ValueError:
         return 0  # a label we cannot read makes the node invisible, not the whole inventory fail
+
+
+def _bytes(allocatable: Mapping[str, Any]) -> int:
+    """A node's allocatable memory in bytes (a quantity: 32Gi, 131811964Ki); 0 if unreadable."""
+    try:
+        return int(parse_quantity(allocatable.get("memory") or 0))
+    except ValueError:
+        return 0  # unknown memory: the planner does not count a host KV tier against it
 
 
 def _price(value: Any) -> float:
@@ -210,7 +235,8 @@ def trim_node(node: Obj) -> dict[str, Any]:
     """Only what `discover` and `fingerprint` read, so an in-memory index of nodes stays small."""
     meta = node.get("metadata") or {}
     price = (meta.get("annotations") or {}).get(ANNOTATION_PRICE)
-    allocatable = ((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE)
+    resources = (node.get("status") or {}).get("allocatable") or {}
+    kept = {k: resources[k] for k in (GPU_RESOURCE, "memory") if resources.get(k) is not None}
     return {
         "metadata": {
             "name": meta.get("name", ""),
@@ -218,7 +244,7 @@ def trim_node(node: Obj) -> dict[str, Any]:
             "annotations": {ANNOTATION_PRICE: price} if price is not None else {},
         },
         "spec": {"unschedulable": bool((node.get("spec") or {}).get("unschedulable", False))},
-        "status": {"allocatable": {GPU_RESOURCE: allocatable} if allocatable is not None else {}},
+        "status": {"allocatable": kept},
     }
 
 

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from kvpilot.contract import memory
 from kvpilot.contract.memory import MemoryEstimate, ModelFacts
 from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
@@ -50,6 +52,11 @@ class PlanRequest:
     measured_cost: tuple[tuple[str, float], ...] = ()
     # speculative draft_model: the draft's facts; it runs on each replica's GPU 0
     draft: ModelFacts | None = None
+    # the container's memory request in bytes (the user's plus a host KV tier): a node type
+    # whose nodes have less cannot run a replica; 0: none asked for
+    memory_bytes: int = 0
+    # spec.runtime.kvOffload: the runtime's KV tiers run with one GPU per replica
+    has_kv_offload: bool = False
 
     def __post_init__(self) -> None:
         if not self.quantizations:
@@ -84,7 +91,30 @@ class PlanRequest:
             prefer=spec.placement.prefer,
             node_types=() if names == ("auto",) else names,
             draft=draft,
+            memory_bytes=memory_request_bytes(spec),
+            has_kv_offload=spec.runtime.kv_offload is not None,
         )
+
+
+def memory_request_bytes(spec: ModelDeploymentSpec) -> int:
+    """The runtime container's memory request as the operator writes it: the user's plus the
+    host KV tier (spec.runtime.kvOffload.hostGiB); 0 when neither is given."""
+    offload = spec.runtime.kv_offload
+    if offload is not None:
+        user_memory_bytes(spec, "limits")  # grown by the tier too: refused here if unreadable
+    return user_memory_bytes(spec, "requests") + (0 if offload is None else offload.host_bytes)
+
+
+def user_memory_bytes(spec: ModelDeploymentSpec, kind: str) -> int:
+    """spec.runtime.resources' memory request or limit (`kind`) in bytes; 0 when not given."""
+    value = spec.runtime.resources.get(kind, {}).get("memory")
+    try:
+        return 0 if value is None else int(parse_quantity(value))
+    except ValueError as error:
+        raise ValueError(
+            f"spec.runtime.resources.{kind}.memory {value!r} is not a Kubernetes quantity"
+            " (e.g. 16Gi)"
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -96,13 +126,16 @@ class NodePlan:
     estimate: MemoryEstimate | None = None
     max_concurrency: int = 0
     reason: str = ""
+    memory_bytes: int = 0  # the container's memory request (PlanRequest.memory_bytes)
 
     @property
     def price_per_replica_hour(self) -> float:
         return self.node_type.price_per_gpu_hour() * self.tensor_parallel
 
     def num_free_slots(self) -> int:
-        return self.node_type.num_free_slots(self.tensor_parallel) if self.fits else 0
+        if not self.fits:
+            return 0
+        return self.node_type.num_free_slots(self.tensor_parallel, self.memory_bytes)
 
 
 def plan(request: PlanRequest, node_types: Iterable[NodeType]) -> list[NodePlan]:
@@ -120,6 +153,8 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
     degrees = tp_degrees(request, node_type)
     if not degrees:
         return NodePlan(node_type, fits=False, reason=_no_degree_reason(request, node_type))
+    if 0 < node_type.memory_bytes < request.memory_bytes:
+        return NodePlan(node_type, fits=False, reason=_memory_reason(request, node_type))
     options = [(q, tp) for q in request.quantizations for tp in degrees]
     for quantization, tp in options:
         estimate = _estimate(request, node_type, quantization, tp)
@@ -134,7 +169,19 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
         quantization=quantization,
         tensor_parallel=tp,
         estimate=estimate,
-        reason=f"{node_type.name}: {quantization}{_tp_text(tp)} needs {estimate.describe()}",
+        reason=f"{node_type.name}: {quantization}{_tp_text(tp)} needs {estimate.describe()}"
+        + (_ONE_GPU_FOR_TIERS if request.has_kv_offload and node_type.gpus_per_node > 1 else ""),
+    )
+
+
+_ONE_GPU_FOR_TIERS = " (with runtime.kvOffload a replica has one GPU)"
+
+
+def _memory_reason(request: PlanRequest, node_type: NodeType) -> str:
+    tier = " with runtime.kvOffload's host tier" if request.has_kv_offload else ""
+    return (
+        f"{node_type.name}: a replica requests {memory.gib(request.memory_bytes):.1f} GiB of "
+        f"memory{tier}, its nodes have {memory.gib(node_type.memory_bytes):.1f} GiB"
     )
 
 
@@ -143,6 +190,8 @@ def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
     whole on GPU 0 beside its shard (memory.estimate counts it there)."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
+    if request.has_kv_offload:  # the runtime copies no other rank's KV shard
+        max_tp = min(max_tp, 1)
     return [
         tp
         for tp in TP_DEGREES
@@ -202,6 +251,7 @@ def _fitting(
         estimate=estimate,
         max_concurrency=max(concurrency, request.target_concurrency),
         reason=f"{node_type.name}: {quantization}{_tp_text(tp)}, {estimate.describe()}",
+        memory_bytes=request.memory_bytes,
     )
 
 

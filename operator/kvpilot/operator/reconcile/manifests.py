@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from kvpilot.operator import api
 from kvpilot.operator.autoscaling import metrics_reader
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning.inventory import GPU_RESOURCE
-from kvpilot.operator.planning.planner import NodePlan
+from kvpilot.operator.planning.planner import NodePlan, memory_request_bytes, user_memory_bytes
 
 # The Gateway API Inference Extension's endpoint pickers read the engine's metrics by its names;
 # the runtime exports vLLM's (DESIGN.md §3.4), so its pods say they are vLLM-compatible.
@@ -38,6 +39,12 @@ MODEL_MOUNT = "/mnt/models"
 DRAFT_MOUNT = "/mnt/draft-model"  # speculative draft_model: fetched by its own init container
 DRAFT_VOLUME = "draft-model"
 CACHE_MOUNT = "/var/cache/kvpilot"
+KV_DISK_MOUNT = "/var/lib/kvpilot/kv-offload"  # spec.runtime.kvOffload.disk's volume
+KV_DISK_VOLUME = "kv-offload"
+# An emptyDir disk tier's sizeLimit over its budget: each block file's header, and the one file
+# being written under a temporary name, are not counted in the runtime's budget.
+KV_DISK_HEADROOM = 1.05
+GIB, MIB = api.GIB, api.MIB
 # An emptyDir: the one writable scratch under readOnlyRootFilesystem (it hides what the image, or a
 # local-pool node, has at that path).
 SCRATCH_MOUNT = "/tmp"
@@ -169,8 +176,46 @@ def runtime_args(
         "speculative_config": None
         if spec.serving.speculative is None
         else spec.serving.speculative.runtime_json(DRAFT_MOUNT),
+        **kv_offload_values(spec.runtime.kv_offload),
     }
     return ["serve", *serve_config.to_args(values)]
+
+
+def kv_offload_values(offload: api.KvOffload | None) -> dict[str, object]:
+    """The runtime's KV-tier flags for spec.runtime.kvOffload (none when it is absent)."""
+    if offload is None:
+        return {}
+    disk = offload.disk
+    return {
+        "kv_offloading_size": offload.host_gi_b,
+        "kv_offloading_disk_path": None if disk is None else KV_DISK_MOUNT,
+        "kv_offloading_disk_size": None if disk is None else disk.size_gi_b,
+    }
+
+
+def kv_disk_volume(offload: api.KvOffload | None) -> dict[str, Any] | None:
+    """The disk tier's volume: the claim or hostPath the spec names, else an emptyDir sized to
+    the tier (so the kubelet evicts a pod whose tier outgrew it rather than fill the node)."""
+    disk = None if offload is None else offload.disk
+    if disk is None:
+        return None
+    if disk.claim_name is not None:
+        return {"name": KV_DISK_VOLUME, "persistentVolumeClaim": {"claimName": disk.claim_name}}
+    if disk.host_path is not None:
+        return {
+            "name": KV_DISK_VOLUME,
+            "hostPath": {"path": disk.host_path, "type": "DirectoryOrCreate"},
+        }
+    limit = quantity(math.ceil(disk.size_gi_b * KV_DISK_HEADROOM * GIB / MIB) * MIB)
+    return {"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": limit}}
+
+
+def quantity(num_bytes: int) -> str:
+    """Bytes as a Kubernetes quantity in the largest binary unit that holds them whole."""
+    for suffix, size in (("Ti", 2**40), ("Gi", GIB), ("Mi", MIB), ("Ki", 2**10)):
+        if num_bytes % size == 0:
+            return f"{num_bytes // size}{suffix}"
+    return str(num_bytes)
 
 
 def fetch_container(
@@ -226,9 +271,16 @@ def batch_limit(serving: api.Serving, max_concurrency: int) -> int:
 
 
 def gpu_resources(spec: api.ModelDeploymentSpec, gpus: int) -> dict[str, dict[str, str]]:
+    """The user's requests and limits with the GPUs, and the memory grown by the host KV tier:
+    the request always (the scheduler then places the tier), the limit only where one is set."""
     requests = dict(spec.runtime.resources.get("requests", {}))
     limits = dict(spec.runtime.resources.get("limits", {}))
     requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
+    offload = spec.runtime.kv_offload
+    if offload is not None:
+        requests["memory"] = quantity(memory_request_bytes(spec))
+        if "memory" in limits:
+            limits["memory"] = quantity(user_memory_bytes(spec, "limits") + offload.host_bytes)
     return {"requests": requests, "limits": limits}
 
 
@@ -237,6 +289,8 @@ def _container(
 ) -> dict[str, Any]:
     draft = draft_location(spec)
     model_mounts = [*model_location(spec.model).mounts, *(draft.mounts if draft else [])]
+    if kv_disk_volume(spec.runtime.kv_offload) is not None:
+        model_mounts.append({"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT})
     port = config.runtime_port
     return {
         "name": "runtime",
@@ -302,6 +356,7 @@ def pod_spec(
             *copy.deepcopy(SCRATCH_VOLUMES),
             *model.volumes,
             *(draft.volumes if draft else []),
+            *filter(None, [kv_disk_volume(spec.runtime.kv_offload)]),
         ],
     }
     fetches = [fetch_container(spec, config)] if model.needs_fetch else []

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,8 +65,15 @@ class Block:
 class LowerTier(Protocol):
     """Where evicted blocks go (engine/kv_offload.py), as the block manager looks them up."""
 
-    def fetch(self, block_hash: int, token_ids: tuple[int, ...]) -> object | None:
-        """The block's KV (opaque here) when the tier holds it, else None."""
+    def fetch(
+        self, block_hash: int, token_ids: tuple[int, ...], lookup: TierLookup
+    ) -> object | None:
+        """The block's KV (opaque here) when the tier holds it, else None; the tiers asked,
+        and the one that answered, are noted in `lookup`."""
+        ...
+
+    def count_lookup(self, lookup: TierLookup) -> None:
+        """Add an admitted sequence's look-up to the tiers' counters."""
         ...
 
 
@@ -93,6 +100,17 @@ class TierHit:
     hash: int
     token_ids: tuple[int, ...]
     payload: object
+
+
+@dataclass
+class TierLookup:
+    """One waiting sequence's look-up below the pool: the blocks found, in order, and per tier
+    the blocks asked for and those answered. A sequence is looked up at each try to schedule
+    it; its look-up is counted once, when it is admitted (as vLLM counts prefix-cache tokens)."""
+
+    hits: list[TierHit] = field(default_factory=list)
+    queries: Counter[str] = field(default_factory=Counter)
+    answers: Counter[str] = field(default_factory=Counter)
 
 
 class BlockManager:
@@ -146,29 +164,34 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def find_tier_blocks(self, seq: Sequence, cached: list[int]) -> list[TierHit]:
+    def find_tier_blocks(self, seq: Sequence, cached: list[int]) -> TierLookup:
         """The blocks of `seq` after its pool hits `cached` that the lower tier holds, in
         order up to the first it lacks (the same at-least-one-token-left rule)."""
+        lookup = TierLookup()
         if self.lower is None or not self.is_prefix_caching:
-            return []
+            return lookup
         max_blocks = (seq.num_tokens - 1) // BLOCK_SIZE
         parent = self.blocks[cached[-1]].hash if cached else NO_HASH
-        hits: list[TierHit] = []
         for index in range(len(cached), max_blocks):
             tokens = tuple(seq.token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE])
             parent = block_hash(parent, tokens)
-            payload = self.lower.fetch(parent, tokens)
+            payload = self.lower.fetch(parent, tokens, lookup)
             if payload is None:
                 break
-            hits.append(TierHit(parent, tokens, payload))
-        return hits
+            lookup.hits.append(TierHit(parent, tokens, payload))
+        return lookup
 
-    def record_lookup(self, seq: Sequence, num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
+    def record_lookup(
+        self, seq: Sequence, num_hit_tokens: int, lookup: TierLookup | None = None
+    ) -> None:
+        """Count an admitted sequence's look-ups: in the pool, and (`lookup`) in the tiers."""
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += num_hit_tokens
         if self.lower is not None:
             self.num_lower_queried_tokens += seq.num_tokens - num_hit_tokens
-            self.num_lower_hit_tokens += num_tier_tokens
+            if lookup is not None:
+                self.num_lower_hit_tokens += len(lookup.hits) * BLOCK_SIZE
+                self.lower.count_lookup(lookup)
 
     def take_transfers(self) -> tuple[list[EvictedBlock], list[BlockLoad]]:
         """The copies the next step needs first: out of evicted slots, then into loaded ones."""

@@ -27,7 +27,7 @@ import torch
 
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.engine.block_manager import BlockLoad, EvictedBlock
+from kvpilot.runtime.engine.block_manager import BlockLoad, EvictedBlock, TierLookup
 from kvpilot.runtime.engine.kv_offload_disk import DiskTier
 from kvpilot.runtime.engine.kv_offload_files import BlockLayout, model_identity
 from kvpilot.runtime.engine.kv_offload_policy import TierIndex
@@ -90,27 +90,40 @@ class KvOffload:
         self.pool_bytes = [
             (k.data.view(torch.uint8), v.data.view(torch.uint8)) for k, v in kv_caches
         ]
-        self.counts = KvOffloadCounts()
+        self.counts = KvOffloadCounts(capacity={"host": sizes.host_blocks})
+        if sizes.disk_path is not None:
+            self.counts.capacity["disk"] = sizes.disk_blocks
         self.host: TierIndex[HostBlock] = TierIndex(sizes.host_blocks)
         self.disk = None
         if sizes.disk_path is not None:
             self.disk = DiskTier(sizes.disk_path, sizes.disk_blocks, layout, self.counts)
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def fetch(self, block_hash: int, token_ids: tuple[int, ...]) -> HostBlock | None:
-        self.counts.queries["host"] += 1
+    def fetch(
+        self, block_hash: int, token_ids: tuple[int, ...], lookup: TierLookup
+    ) -> HostBlock | None:
+        lookup.queries["host"] += 1
         block = self.host.get(block_hash)
         if block is not None and block.token_ids == token_ids:
-            self.counts.hits["host"] += 1
+            lookup.answers["host"] += 1
             return block
         if self.disk is None:
             return None
+        lookup.queries["disk"] += 1
         data = self.disk.fetch(block_hash, token_ids)
         if data is None:
             return None
+        lookup.answers["disk"] += 1
         block = HostBlock(token_ids, data)
         self._put_host(block_hash, block, num_hits=1)  # promoted: the next hit is in memory
         return block
+
+    def count_lookup(self, lookup: TierLookup) -> None:
+        """An admitted sequence's look-up, once (block_manager.TierLookup)."""
+        for tier, num in lookup.queries.items():
+            self.counts.queries[tier] += num
+        for tier, num in lookup.answers.items():
+            self.counts.hits[tier] += num
 
     def transfer(self, evicted: list[EvictedBlock], loads: list[BlockLoad]) -> None:
         """Before the step runs: copy out the evicted blocks the host tier admits, then copy

@@ -81,13 +81,12 @@ class DiskTier:
         self.queue.put(block_hash)
 
     def fetch(self, block_hash: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
-        """The block's KV bytes, checked, or None (a miss, or a file found wrong)."""
-        self.counts.queries["disk"] += 1
+        """The block's KV bytes, checked, or None (a miss, or a file found wrong). Look-ups are
+        counted by the caller, once per admitted sequence (KvOffload.count_lookup)."""
         with self.lock:
             pending = self.pending.get(block_hash)
             path = self.index.get(block_hash) if pending is None else None
         if pending is not None and pending.token_ids == token_ids:
-            self.counts.hits["disk"] += 1
             return pending.data
         if path is None:
             return None
@@ -101,7 +100,6 @@ class DiskTier:
         data = torch.frombuffer(bytearray(kv), dtype=torch.uint8).view(self.layout.payload_shape)
         self.counts.seconds["disk_to_host"] += time.perf_counter() - started
         self.counts.bytes["disk_to_host"] += len(kv)
-        self.counts.hits["disk"] += 1
         return data
 
     def _drop(self, block_hash: int, path: Path) -> None:

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvpilot.contract.memory import BLOCK_SIZE
-from kvpilot.runtime.engine.block_manager import BlockManager, TierHit
+from kvpilot.runtime.engine.block_manager import BlockManager, TierLookup
 from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 from kvpilot.runtime.engine.stats import PREEMPTED_FOR_KV_CACHE, PREEMPTED_FOR_PRIORITY
@@ -161,11 +161,11 @@ class Scheduler:
                 if not self._can_run_lora(seq):
                     passed_over.append(self.waiting.pop())
                     continue
-                cached, tier_hits = self._find_prefix(seq)
-                num_prefix = (len(cached) + len(tier_hits)) * BLOCK_SIZE
+                cached, lookup = self._find_prefix(seq)
+                num_prefix = (len(cached) + len(lookup.hits)) * BLOCK_SIZE
                 num_new = min(seq.num_tokens - num_prefix, budget)
-                if self.block_manager.can_allocate_slots(seq, num_new, cached, len(tier_hits)):
-                    self._admit(seq, num_new, cached, tier_hits, out)
+                if self.block_manager.can_allocate_slots(seq, num_new, cached, len(lookup.hits)):
+                    self._admit(seq, num_new, cached, lookup, out)
                     budget -= num_new
                     continue
             victim = self._priority_victim(seq, out, budget)
@@ -180,17 +180,16 @@ class Scheduler:
         seq: Sequence,
         num_new: int,
         cached: list[int],
-        tier_hits: list[TierHit],
+        lookup: TierLookup,
         out: SchedulerOutput,
     ) -> None:
         self.waiting.pop()
         num_pool = len(cached) * BLOCK_SIZE
-        num_prefix = num_pool + len(tier_hits) * BLOCK_SIZE
         if not seq.is_admitted_once:
-            seq.num_cached_tokens = num_prefix
+            seq.num_cached_tokens = num_pool + len(lookup.hits) * BLOCK_SIZE
             seq.is_admitted_once = True
-        self.block_manager.record_lookup(seq, num_pool, num_prefix - num_pool)
-        self.block_manager.allocate_slots(seq, num_new, cached, tier_hits)
+        self.block_manager.record_lookup(seq, num_pool, lookup)
+        self.block_manager.allocate_slots(seq, num_new, cached, lookup.hits)
         self._acquire_lora(seq, out)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -227,11 +226,11 @@ class Scheduler:
             self.lora_slots.release(seq.lora_slot)
         seq.lora_slot = -1
 
-    def _find_prefix(self, seq: Sequence) -> tuple[list[int], list[TierHit]]:
+    def _find_prefix(self, seq: Sequence) -> tuple[list[int], TierLookup]:
         """The prefix already computed: blocks in the pool, then blocks a lower tier holds.
         Prompt logprobs need every prompt position's logits: nothing from the cache."""
         if seq.wants_prompt_logprobs:
-            return [], []
+            return [], TierLookup()
         cached = self.block_manager.find_cached_blocks(seq)
         return cached, self.block_manager.find_tier_blocks(seq, cached)
 

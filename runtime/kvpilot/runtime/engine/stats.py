@@ -76,9 +76,11 @@ class KvOffloadCounts:
     # (vLLM's external_prefix_cache_queries and _hits)
     queried_tokens: int = 0
     hit_tokens: int = 0
+    # Blocks each configured tier can hold (no key: the tier is off), set once at start
+    capacity: dict[str, int] = field(default_factory=dict)
 
     def snapshot(self) -> KvOffloadCounts:
         return KvOffloadCounts(
             dict(self.queries), dict(self.hits), dict(self.blocks), dict(self.bytes),
-            dict(self.seconds), self.queried_tokens, self.hit_tokens,
+            dict(self.seconds), self.queried_tokens, self.hit_tokens, dict(self.capacity),
         )  # fmt: skip

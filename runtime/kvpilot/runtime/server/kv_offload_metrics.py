@@ -46,12 +46,15 @@ def _per_tier(
 ) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
     families: list[tuple[CounterMetricFamily | GaugeMetricFamily, dict[str, int]]] = [
         (CounterMetricFamily("kvpilot_kv_offload_queries",
-                             "Block lookups per KV tier (each try to schedule a request).",
+                             "Block lookups per KV tier (once per admitted request).",
                              labels=[LABEL, "tier"]), counts.queries),
         (CounterMetricFamily("kvpilot_kv_offload_hits", "Block lookups a KV tier answered.",
                              labels=[LABEL, "tier"]), counts.hits),
         (GaugeMetricFamily("kvpilot_kv_offload_blocks", "Blocks a KV tier holds.",
                            labels=[LABEL, "tier"]), counts.blocks),
+        (GaugeMetricFamily("kvpilot_kv_offload_capacity_blocks",
+                           "Blocks a configured KV tier can hold (no sample: the tier is off).",
+                           labels=[LABEL, "tier"]), counts.capacity),
     ]  # fmt: skip
     for family, values in families:
         for tier, value in values.items():
