@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from kvpilot.contract import timestamps
+from kvpilot.contract.resource import LABEL_NODE_TYPE
 from kvpilot.operator import api
-from kvpilot.operator.autoscaling import cold_start
+from kvpilot.operator.autoscaling import cold_start, recording
 from kvpilot.operator.autoscaling.cold_start import Sample
 from kvpilot.operator.autoscaling.loop import measured_cold_start
 from kvpilot.operator.reconcile import typed_status
@@ -28,8 +29,11 @@ def pod(
     ready_status: str = "True",
     restarts: int = 0,
     deleting: bool = False,
+    node_type: str | None = None,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name}
+    if node_type is not None:
+        meta["labels"] = {LABEL_NODE_TYPE: node_type}
     if created is not None:
         meta["creationTimestamp"] = at(created)
     if deleting:
@@ -108,6 +112,7 @@ def test_status_round_trip_and_the_loop_adds_new_pods_to_what_status_holds() -> 
     assert later is not None
     assert later.to_dict()["samples"] == 2 and later.median_s == 21.0
     assert later.to_dict()["recent"][0] == {"pod": "a", "readyAt": T0 + 12, "seconds": 12.0}
+    assert later.to_dict()["byNodeType"] == {}  # pods without a node type label
 
 
 @pytest.mark.parametrize(
@@ -122,3 +127,35 @@ def test_status_round_trip_and_the_loop_adds_new_pods_to_what_status_holds() -> 
 )
 def test_samples_that_do_not_parse_are_measured_again(stored: dict[str, Any] | None) -> None:
     assert cold_start.samples_from_status(stored) == ()
+
+
+def test_each_node_type_has_its_own_spread_and_the_lead_is_where_replicas_go() -> None:
+    pods = [pod("h1", created=0, ready=8, node_type="h100"),
+            pod("h2", created=0, ready=12, node_type="h100"),
+            pod("l1", created=0, ready=90, node_type="l4"),
+            pod("x", created=0, ready=30)]  # fmt: skip
+    summary = cold_start.measure(None, pods)
+    assert summary is not None
+    assert summary.median_s == 21.0  # the fleet: 8, 12, 30, 90
+    assert {t: (s.median_s, s.count) for t, s in summary.by_node_type.items()} == {
+        "h100": (10.0, 2),
+        "l4": (90.0, 1),
+    }
+    assert summary.lead_s("h100") == 10.0 and summary.lead_s("l4") == 90.0
+    assert summary.lead_s("a10g") == 21.0 and summary.lead_s(None) == 21.0  # no samples yet
+    # Written and read back, the node types come with the samples
+    status = typed_status.parse({"autoscaling": {"coldStart": summary.to_dict()}})
+    stored = status.autoscaling.cold_start
+    assert stored is not None and stored.by_node_type["l4"].median_seconds == 90.0
+    again = measured_cold_start(status, [])
+    assert again is not None and again.by_node_type == summary.by_node_type
+
+
+def test_the_forecast_looks_ahead_by_the_first_fitting_node_types_cold_start() -> None:
+    plan = [
+        api.PlanEntry(node_type="t4", fits=False),
+        api.PlanEntry(node_type="l4", fits=True),
+        api.PlanEntry(node_type="h100", fits=True),
+    ]
+    assert recording.first_fitting_node_type(plan) == "l4"
+    assert recording.first_fitting_node_type(plan[:1]) is None

@@ -909,6 +909,15 @@ class ColdStartSample(_Model):
     pod: str
     ready_at: float = Field(description="unix seconds the pod became Ready")
     seconds: float = Field(description="pod created -> Ready")
+    node_type: str = Field(default="", description="the node type the pod ran on")
+
+
+class ColdStartSpread(_Model):
+    """Median and p95 of one node type's cold starts."""
+
+    median_seconds: float
+    p95_seconds: float
+    samples: int
 
 
 class ColdStartStatus(_Model):
@@ -918,6 +927,11 @@ class ColdStartStatus(_Model):
     median_seconds: float
     p95_seconds: float
     samples: int
+    by_node_type: dict[str, ColdStartSpread] = Field(
+        default_factory=dict,
+        description="per node type: the forecast looks ahead by the median of the node type new"
+        " replicas go to, once it has samples",
+    )
     recent: list[ColdStartSample] = Field(default_factory=list, max_length=100)
 
 

@@ -5,7 +5,9 @@ looks ahead (`policy.decide`, `Observations.cold_start_s`) is the time from a po
 its Ready condition: scheduling, image pull, model download or cache mount, process start, weight
 load, warm-up and the readiness probe's period, all of it. Each Ready pod gives one sample; the
 newest `KEEP` are kept in `status.autoscaling.coldStart`, so samples outlive their pods and an
-operator restart, and the median (the forecast's lead) and p95 are read from them.
+operator restart, and the median and p95 are read from them, for the fleet and per node type
+(the pod's node type label): the forecast's lead is the median of the node type new replicas go
+to, once it has samples.
 
 A pod that went unready and Ready again reports its last transition, which would overstate its
 start: only pods whose containers never restarted and that are Ready now are sampled, and a pod
@@ -17,10 +19,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.contract import timestamps
+from kvpilot.contract.resource import LABEL_NODE_TYPE
 
 KEEP = 20  # samples kept: recent enough to follow a new image or node type, enough for a p95
 
@@ -30,6 +33,29 @@ class Sample:
     pod: str
     ready_at: float  # unix seconds the pod became Ready
     seconds: float  # created -> Ready
+    node_type: str = ""  # the pod's node type label; "" for a pod without one
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and p95 (nearest rank) of some samples' seconds."""
+
+    median_s: float
+    p95_s: float
+    count: int
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> Spread:
+        ordered = sorted(seconds)
+        p95 = ordered[math.ceil(0.95 * len(ordered)) - 1]
+        return cls(statistics.median(ordered), p95, len(ordered))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "medianSeconds": round(self.median_s, 3),
+            "p95Seconds": round(self.p95_s, 3),
+            "samples": self.count,
+        }
 
 
 @dataclass(frozen=True)
@@ -37,18 +63,27 @@ class Summary:
     median_s: float
     p95_s: float
     samples: tuple[Sample, ...]
+    # Per node type: a GPU type's image pull, model load and warm-up differ from another's
+    by_node_type: Mapping[str, Spread] = field(default_factory=dict)
+
+    def lead_s(self, node_type: str | None) -> float:
+        """How far ahead to look for a replica asked for on `node_type`: its own median once it
+        has samples, the fleet's until then."""
+        own = self.by_node_type.get(node_type or "")
+        return self.median_s if own is None else own.median_s
 
     def to_dict(self) -> dict[str, Any]:
         """`status.autoscaling.coldStart` (api.ColdStartStatus)."""
         return {
-            "medianSeconds": round(self.median_s, 3),
-            "p95Seconds": round(self.p95_s, 3),
-            "samples": len(self.samples),
-            "recent": [
-                {"pod": s.pod, "readyAt": s.ready_at, "seconds": round(s.seconds, 3)}
-                for s in self.samples
-            ],
+            **Spread(self.median_s, self.p95_s, len(self.samples)).to_dict(),
+            "byNodeType": {name: spread.to_dict() for name, spread in self.by_node_type.items()},
+            "recent": [_sample_dict(s) for s in self.samples],
         }
+
+
+def _sample_dict(sample: Sample) -> dict[str, Any]:
+    written = {"pod": sample.pod, "readyAt": sample.ready_at, "seconds": round(sample.seconds, 3)}
+    return {**written, "nodeType": sample.node_type} if sample.node_type else written
 
 
 def sample_of(pod: Mapping[str, Any]) -> Sample | None:
@@ -65,7 +100,8 @@ def sample_of(pod: Mapping[str, Any]) -> Sample | None:
         return None
     ready_at = timestamps.unix(ready["lastTransitionTime"])
     seconds = ready_at - timestamps.unix(created)
-    return Sample(meta.get("name", ""), ready_at, seconds) if seconds >= 0 else None
+    node_type = str((meta.get("labels") or {}).get(LABEL_NODE_TYPE, ""))
+    return Sample(meta.get("name", ""), ready_at, seconds, node_type) if seconds >= 0 else None
 
 
 def merge(
@@ -85,9 +121,10 @@ def summarize(samples: Sequence[Sample]) -> Summary | None:
     """Median and p95 (nearest rank) of the samples; None without any."""
     if not samples:
         return None
-    ordered = sorted(s.seconds for s in samples)
-    p95 = ordered[math.ceil(0.95 * len(ordered)) - 1]
-    return Summary(statistics.median(ordered), p95, tuple(samples))
+    fleet = Spread.of([s.seconds for s in samples])
+    types = sorted({s.node_type for s in samples if s.node_type})
+    by_type = {t: Spread.of([s.seconds for s in samples if s.node_type == t]) for t in types}
+    return Summary(fleet.median_s, fleet.p95_s, tuple(samples), by_type)
 
 
 def samples_from_status(cold_start: Mapping[str, Any] | None) -> tuple[Sample, ...]:
@@ -95,7 +132,12 @@ def samples_from_status(cold_start: Mapping[str, Any] | None) -> tuple[Sample, .
     are measured again from the pods that still exist)."""
     try:
         return tuple(
-            Sample(str(s["pod"]), float(s["readyAt"]), float(s["seconds"]))
+            Sample(
+                str(s["pod"]),
+                float(s["readyAt"]),
+                float(s["seconds"]),
+                str(s.get("nodeType") or ""),
+            )
             for s in (cold_start or {}).get("recent") or []
         )
     except (KeyError, TypeError, ValueError):

@@ -307,8 +307,9 @@ class AutoscalerLoop:
                 slo_tpot_s(md),
             )  # fmt: skip
             starts = measured_cold_start(status, pods)
-            if starts is not None:  # the forecast's lead: the median, not an assumed 60 s
-                observations = replace(observations, cold_start_s=starts.median_s)
+            if starts is not None:  # the forecast's lead: a median measured, not 60 s assumed
+                lead = starts.lead_s(recording.first_fitting_node_type(status.plan))
+                observations = replace(observations, cold_start_s=lead)
             await self.act(
                 Seen(md, status, pods, observations, starts),
                 lambda fresh, fresh_status: self.decide(fresh, fresh_status, observations),

@@ -37,6 +37,11 @@ def bounds_from_spec(autoscaling: api.Autoscaling) -> Bounds:
     return Bounds(**numbers)
 
 
+def first_fitting_node_type(plan: Sequence[api.PlanEntry]) -> str | None:
+    """Where new replicas go first (the spread fills the plan's fitting types in order)."""
+    return next((entry.node_type for entry in plan if entry.fits), None)
+
+
 def planner_prior(serving: api.Serving, plan: Sequence[api.PlanEntry]) -> ReplicaCapacity | None:
     """What one replica holds before any traffic (`replica_capacity.seed`), from the plan's first
     fitting node type, where new replicas go first: the batch limit the runtime is started with
