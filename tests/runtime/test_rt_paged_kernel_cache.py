@@ -41,3 +41,9 @@ def test_a_mark_without_its_library_is_not_loaded(tmp_path: Path) -> None:
     paged_kernel.mark_built(tmp_path, tmp_path / "gone.so")
     assert (tmp_path / paged_kernel.BUILT_MARK).read_text() == "gone.so"
     assert not paged_kernel.load_built(tmp_path)  # so it is built again
+
+
+def test_a_mark_that_cannot_be_written_is_left_out_without_an_error(tmp_path: Path) -> None:
+    missing_dir = tmp_path / "gone"  # the mark's directory is not there: writing it fails
+    paged_kernel.mark_built(missing_dir, missing_dir / "lib.so")
+    assert not (missing_dir / paged_kernel.BUILT_MARK).exists()

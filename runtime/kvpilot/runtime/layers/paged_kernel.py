@@ -94,10 +94,14 @@ def load_built(build_dir: Path) -> bool:
 
 
 def mark_built(build_dir: Path, library: Path) -> None:
-    """Name the built library for later processes; written whole (replaced, never appended)."""
+    """Name the built library for later processes; written whole (replaced, never appended).
+    Best effort: without the mark (a full disk), a later process goes through torch's check."""
     partial = build_dir / f"{BUILT_MARK}.{os.getpid()}"
-    partial.write_text(library.name)
-    partial.replace(build_dir / BUILT_MARK)
+    try:
+        partial.write_text(library.name)
+        partial.replace(build_dir / BUILT_MARK)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 def _build_and_load(build_dir: Path) -> Path:
