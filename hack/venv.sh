@@ -49,3 +49,15 @@ echo "==> virtualenv ready: .venv -> $venv"
 # runtime runs decode attention through torch SDPA instead, so this never fails the set-up.
 "$venv/bin/python" -m kvpilot.runtime.layers.paged_kernel \
   || echo "==> (no paged-attention kernel here: the runtime falls back to --attention-backend sdpa)"
+
+# Bytecode for every module of the venv, once per venv (.bytecode marks it). uv installs without
+# it, and a process that may not write it (PYTHONDONTWRITEBYTECODE, as CI and the images set;
+# a venv it cannot write) compiles torch's ~2,400 modules from source at every start: half of a
+# runtime's start-up (docs/benchmarks.md, cold start). A module that does not compile (a
+# package's Python 2 example) only keeps its source; the set-up goes on.
+if [ ! -f "$venv/.bytecode" ]; then
+  echo "==> compiling the virtualenv's bytecode (once, about a minute)"
+  "$venv/bin/python" -m compileall -q -j 0 "$venv/lib" > /dev/null \
+    || echo "==> (some modules did not compile; they run from source)"
+  touch "$venv/.bytecode"
+fi

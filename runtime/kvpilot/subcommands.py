@@ -21,7 +21,7 @@ KVPILOT: Subcommands = {
     ),
 }
 KVPILOT_RUNTIME: Subcommands = {
-    "serve": ("kvpilot.runtime.server.app", "serve the OpenAI-compatible API over the engine"),
+    "serve": ("kvpilot.runtime.server.serve", "serve the OpenAI-compatible API over the engine"),
     "eval": ("kvpilot.runtime.evaluate", "perplexity per quantisation level and relative loss"),
     "fetch": ("kvpilot.contract.fetch", "copy a model (hf://, s3://, file://) into a directory"),
 }

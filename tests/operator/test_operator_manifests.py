@@ -88,6 +88,12 @@ def test_pod_is_safe_and_drains() -> None:
     pod, (container,) = template["spec"], template["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    # Ready as soon as the engine is: the startup probe asks /ready every second, for as long
+    # as a large model may take to load
+    startup = container["startupProbe"]
+    assert (startup["httpGet"]["path"], startup["periodSeconds"]) == ("/ready", 1)
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+    assert container["readinessProbe"]["periodSeconds"] <= 2
     assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
     assert pod["terminationGracePeriodSeconds"] >= 60
     assert container["securityContext"]["allowPrivilegeEscalation"] is False

@@ -447,9 +447,9 @@ def test_a_backend_asked_for_where_it_cannot_run(
 
 
 def test_a_machine_without_a_compiler_gets_the_reason_and_the_fallback(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The build stops before torch's extension builder with a line that says what to do."""
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(paged_kernel.KernelUnavailableError, match="--attention-backend sdpa"):
-        paged_kernel._build_and_load()
+        paged_kernel._build_and_load(tmp_path)

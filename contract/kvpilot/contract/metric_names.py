@@ -46,3 +46,17 @@ REQUEST_SUCCESS = RuntimeMetric("kvpilot_request_success_total", "vllm:request_s
 # would have, and a vLLM pod, exporting neither, leaves the TTFT SLO without arrival rates.
 REQUEST_RECEIVED = RuntimeMetric("kvpilot_request_received_total", "vllm:request_received_total")
 GENERATION_TOKENS = RuntimeMetric("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
+
+# The runtime's start-up, one gauge per phase in the order a start runs them, each the seconds it
+# added to the start (runtime/kvpilot/runtime/server/startup.py): what a cold start is spent on.
+STARTUP_PHASE_SECONDS = "kvpilot_startup_phase_seconds"
+STARTUP_PHASES = (
+    "interpreter",  # the process created -> `serve` runs (Python, site-packages)
+    "imports",  # the server's and the engine's modules (torch) imported
+    "http",  # the flags read, the HTTP app built, uvicorn started (/health answers from here)
+    "model_located",  # --model as a local directory (hf:// and s3:// fetched), the engine config
+    "kernel",  # model config read, hardware chosen, attention kernel loaded (or CUDA set up)
+    "weights",  # the weights loaded and the KV cache allocated
+    "warmup",  # the rest of the engine (grammar tables), --lora-modules, the step loop started
+    "serving",  # /ready answers 200
+)

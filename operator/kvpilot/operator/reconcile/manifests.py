@@ -52,6 +52,12 @@ MAX_NAME = 63
 MAX_NUM_SEQS_CAP = (
     256  # the batch the runtime schedules; more KV room serves longer prompts instead
 )
+# A runtime loading its model for longer than this is restarted (a large model from slow storage
+# takes minutes; the 15 minutes the startup probe has always allowed).
+STARTUP_BOUND_S = 900
+# Once started, how soon a replica that stops being ready (draining, overloaded) leaves the
+# Service: 3 failures of 2 s.
+READINESS_PERIOD_S = 2
 DRAIN_DELAY_SECONDS = 5  # lets endpoints drop the pod before SIGTERM starts the runtime's drain
 CONTAINER_SECURITY = {
     "allowPrivilegeEscalation": False,
@@ -303,10 +309,12 @@ def _container(
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": container_env(spec),
         "resources": gpu_resources(spec, node_plan.tensor_parallel),
-        "readinessProbe": _probe("/ready", period=5, failures=3),
+        "readinessProbe": _probe("/ready", period=READINESS_PERIOD_S, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),
-        # Loading weights can take minutes; the startup probe holds liveness off until then.
-        "startupProbe": _probe("/health", period=10, failures=90),
+        # On /ready every second, so the pod is Ready within a second of its engine (a start
+        # is seconds: docs/benchmarks.md, cold start); it holds liveness off while the weights
+        # load, up to STARTUP_BOUND_S.
+        "startupProbe": _probe("/ready", period=1, failures=STARTUP_BOUND_S),
         "lifecycle": {"preStop": {"sleep": {"seconds": DRAIN_DELAY_SECONDS}}},
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": [

@@ -86,7 +86,11 @@ def check_checkpoint_quantization(config: EngineConfig, model_config: ModelConfi
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, on_phase: Callable[[str], None] = lambda _: None
+    ) -> None:
+        """`on_phase`: told "kernel" once the hardware and attention kernel are chosen and
+        "weights" once the weights and KV pools are loaded (the server's start-up phases)."""
         self.config = config
         model_dir = Path(config.model)
         self.model_config = load_model_config(model_dir)
@@ -102,6 +106,7 @@ class Engine:
             )
         check_checkpoint_quantization(config, self.model_config)
         self._use_hardware(resolve_hardware(config, self.model_config))
+        on_phase("kernel")
         torch.set_num_threads(self.num_threads)  # process-wide: rank 0 from here on
         # A draft model runs whole on rank 0, beside its shard of the served model (vLLM's
         # draft_tensor_parallel_size 1): a draft is small, and its steps need no all-reduce.
@@ -114,6 +119,7 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
+        on_phase("weights")
         self.block_manager = BlockManager(self.num_kv_blocks, config.enable_prefix_caching)
         self.kv_offload: KvOffload | None = None
         if config.kv_offloading_size is not None:

@@ -6,7 +6,12 @@ vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUD
 and torch's SDPA needs each sequence's keys and values copied out of the pool first. So the
 kernel is ours: ~650 lines of C++, compiled by torch.utils.cpp_extension with -march=native the
 first time a process asks for it (~15 s on 2 cores), then loaded from ~/.cache/kvpilot/kernels
-(KVPILOT_KERNEL_CACHE), keyed by the source, torch, Python and the CPU's flags.
+(KVPILOT_KERNEL_CACHE), keyed by the source, the flags, torch, Python and the CPU's flags.
+
+A library the cache holds is loaded as it is, with no rebuild check: the key already names
+everything it was built from, and torch's check (ninja over a build file that names the source's
+path and mtime) rebuilt it whenever another checkout of the same source had used the cache last,
+which cost a pod start 70-95 s on a loaded 2-core machine (docs/benchmarks.md, cold start).
 
     python -m kvpilot.runtime.layers.paged_kernel     # build now (make setup does), print where
 """
@@ -26,6 +31,9 @@ import torch
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 CACHE_ENV = "KVPILOT_KERNEL_CACHE"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# Written into the build directory once a build has loaded in its process: it names the built
+# library, so a later process loads a complete library, never one a build is still writing.
+BUILT_MARK = "built"
 
 
 class KernelUnavailableError(RuntimeError):
@@ -46,7 +54,7 @@ def build_key() -> str:
 
     digest = hashlib.sha256(SOURCE.read_bytes())
     flags = sorted(machine_files.cpu_flags())
-    for part in (torch.__version__, sys.version, platform.machine(), *flags):
+    for part in (torch.__version__, sys.version, platform.machine(), *COMPILE_FLAGS, *flags):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -63,14 +71,41 @@ def load() -> None:
 def unavailable_reason() -> str | None:
     """None once the kernel is loaded; otherwise why it cannot be. Cached, failures included: a
     process tries the build once, however many engines it starts."""
+    build_dir = cache_root() / build_key()
     try:
-        _build_and_load()
+        if not load_built(build_dir):
+            mark_built(build_dir, _build_and_load(build_dir))
     except KernelUnavailableError as error:
         return str(error)
     return None
 
 
-def _build_and_load() -> None:
+def load_built(build_dir: Path) -> bool:
+    """Load the library an earlier process built here; False when there is none (or it cannot
+    be loaded: then it is built again)."""
+    mark = build_dir / BUILT_MARK
+    if not mark.is_file():
+        return False
+    try:
+        torch.ops.load_library(str(build_dir / mark.read_text()))
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def mark_built(build_dir: Path, library: Path) -> None:
+    """Name the built library for later processes; written whole (replaced, never appended).
+    Best effort: without the mark (a full disk), a later process goes through torch's check."""
+    partial = build_dir / f"{BUILT_MARK}.{os.getpid()}"
+    try:
+        partial.write_text(library.name)
+        partial.replace(build_dir / BUILT_MARK)
+    except OSError:
+        partial.unlink(missing_ok=True)
+
+
+def _build_and_load(build_dir: Path) -> Path:
+    """The library's path, built (or rebuilt when torch's check says so) and loaded."""
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         raise KernelUnavailableError(
@@ -86,12 +121,10 @@ def _build_and_load() -> None:
         ) from error
     from torch.utils import cpp_extension
 
-    key = build_key()
-    build_dir = cache_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
-            name=f"kvpilot_paged_decode_{key}",
+        library = cpp_extension.load(
+            name=f"kvpilot_paged_decode_{build_dir.name}",
             sources=[str(SOURCE)],
             extra_cflags=COMPILE_FLAGS,
             build_directory=str(build_dir),
@@ -104,6 +137,7 @@ def _build_and_load() -> None:
             f"building the paged-attention kernel in {build_dir} failed ({last_line}); "
             "pass --attention-backend sdpa"
         ) from error
+    return Path(str(library))
 
 
 def paged_decode_attention(

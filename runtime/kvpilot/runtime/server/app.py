@@ -54,9 +54,11 @@ from kvpilot.runtime.server.response_models import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    StartupReport,
     TokenizeResponse,
     VersionResponse,
 )
+from kvpilot.runtime.server.startup import StartupClock
 
 log = logging.getLogger("kvpilot.server")
 VERSION = importlib.metadata.version("kvpilot")
@@ -70,6 +72,7 @@ GenerateBody = TypeVar("GenerateBody", CompletionRequest, ChatCompletionRequest)
 def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.startup.mark("http")  # uvicorn binds the port as this yields
         loader = asyncio.create_task(state.load())
         try:
             yield
@@ -191,7 +194,8 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> VersionResponse:
-        return VersionResponse(version=VERSION, engine=state.choices)
+        startup = StartupReport(started_at=state.startup.started_at, phases=state.startup.seconds())
+        return VersionResponse(version=VERSION, engine=state.choices, startup=startup)
 
     if state.config.enable_lora and lora_serving.runtime_updates_allowed():
         add_lora_routes(app, state)
@@ -311,7 +315,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, clock: StartupClock | None = None) -> int:
+    """`clock`: the start-up's, begun before this module's imports (server/serve.py)."""
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
         threads = machine_files.thread_choice(config.threads)  # --threads above the cores
@@ -320,13 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpilot-runtime serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    return run(config, threads)
+    return run(config, threads, clock or StartupClock.of_this_process())
 
 
-def run(config: ServeConfig, threads: ThreadChoice) -> int:
+def run(config: ServeConfig, threads: ThreadChoice, clock: StartupClock) -> int:
     # Before any thread computes: torch's threads read this count when they first run a kernel.
     torch.set_num_threads(threads.num_threads)
-    state = ServerState(config, threads=threads)
+    state = ServerState(config, threads=threads, startup=clock)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -27,6 +28,7 @@ from kvpilot.runtime.server import lora_serving
 from kvpilot.runtime.server.errors import ApiError
 from kvpilot.runtime.server.metrics import CacheInfo, ServerMetrics
 from kvpilot.runtime.server.response_models import EngineChoices
+from kvpilot.runtime.server.startup import StartupClock, describe
 
 log = logging.getLogger("kvpilot.server")
 T = TypeVar("T")
@@ -144,8 +146,12 @@ class ServerState:
         config: ServeConfig,
         engine: AsyncEngine | None = None,
         threads: ThreadChoice | None = None,
+        startup: StartupClock | None = None,
     ):
         self.config = config
+        # The process's start-up phases (server/startup.py); a state built without a server
+        # starts its clock here.
+        self.startup = startup or StartupClock(time.time())
         # What `run` set torch to; a state built without a server keeps torch's own choice.
         self.threads = threads or ThreadChoice(torch.get_num_threads(), "torch default")
         self.choices: EngineChoices | None = None
@@ -160,7 +166,7 @@ class ServerState:
         self.idle = asyncio.Event()
         self.idle.set()
         self.active: set[str] = set()  # request ids in the engine, for abort at drain timeout
-        self.metrics = ServerMetrics(config.served_name, self.engine_stats)
+        self.metrics = ServerMetrics(config.served_name, self.engine_stats, self.startup.seconds)
         # Tokenising and rendering chat templates run here, off the event loop, so /health and
         # running streams are not held up by a long prompt. Two threads: the work is bounded by
         # the character check and mostly GIL-free (models/tokenizer_files.py), and more threads
@@ -175,7 +181,9 @@ class ServerState:
         try:
             model_dir = await asyncio.to_thread(local_model_dir, self.config)
             config = engine_config(self.config, model_dir)
-            engine = await AsyncEngine.create(lambda: Engine(config))  # see engine/async_engine.py
+            self.startup.mark("model_located")
+            # built on its stepping thread (engine/async_engine.py); it marks kernel and weights
+            engine = await AsyncEngine.create(lambda: Engine(config, self.startup.mark))
             await asyncio.to_thread(self._load_lora_modules, engine.engine)
         except Exception as exc:  # any load failure ends the process with its message
             self.load_error = f"cannot load model {self.config.model}: {exc}"
@@ -186,9 +194,12 @@ class ServerState:
         engine.add_step_listener(self.metrics.on_step)
         self.metrics.on_engine_ready(core.max_model_len, cache_info(self.config, core))
         await engine.start()
+        self.startup.mark("warmup")
         self.choices = engine_choices(core, self.threads)
+        self.startup.mark("serving")  # /ready answers 200 from the next line on
         self.engine_core, self.max_model_len, self.engine = core, core.max_model_len, engine
         log.info("model %s loaded; ready: %s", self.served_name, describe_choices(self.choices))
+        log.info("start-up %s", describe(self.startup.seconds()))
 
     def _load_lora_modules(self, core: Engine) -> None:
         """--lora-modules, each fetched and checked: one that cannot be served fails the start."""

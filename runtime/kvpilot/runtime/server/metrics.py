@@ -221,6 +221,24 @@ class InfoCollector(Collector):
         return family
 
 
+class StartupCollector(Collector):
+    """`kvpilot_startup_phase_seconds{phase}`: the seconds each start-up phase added
+    (server/startup.py), those done so far; the labels are the fixed list of phases."""
+
+    def __init__(self, model_name: str, phase_seconds: Callable[[], dict[str, float]]):
+        self.model_name, self.phase_seconds = model_name, phase_seconds
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            metric_names.STARTUP_PHASE_SECONDS,
+            "Seconds each start-up phase added, from the process's creation to ready.",
+            labels=[LABEL, "phase"],
+        )
+        for phase, seconds in self.phase_seconds().items():
+            family.add_metric([self.model_name, phase], seconds)
+        yield family
+
+
 class _Pair:
     """One observation recorded under the kvpilot name and the vLLM alias (or aliases)."""
 
@@ -239,7 +257,12 @@ class _Pair:
 class ServerMetrics:
     """Histograms and counters the HTTP layer records, plus the scrape-time engine collector."""
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]):
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        startup_seconds: Callable[[], dict[str, float]] = dict,
+    ):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         h, c = self._histograms, self._counters
@@ -301,6 +324,7 @@ class ServerMetrics:
                              registry=self.registry).labels(model_name)  # fmt: skip
         self.registry.register(EngineStatsCollector(model_name, engine_stats))
         self.registry.register(self.info)
+        self.registry.register(StartupCollector(model_name, startup_seconds))
 
     def _histograms(
         self,

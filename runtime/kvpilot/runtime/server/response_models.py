@@ -215,9 +215,20 @@ class EngineChoices(BaseModel):
     speculative: str = "off"  # e.g. "ngram, up to 4 tokens, lookup 1-4"
 
 
+class StartupReport(BaseModel):
+    """This process's start-up (server/startup.py): when the kernel created it, and the seconds
+    each phase added, in order (contract.metric_names.STARTUP_PHASES; those done so far while
+    the model loads). The phases add up to the start: started_at + their sum is when /ready
+    turned 200."""
+
+    started_at: float  # unix seconds
+    phases: dict[str, float]
+
+
 class VersionResponse(BaseModel):
     version: str
     engine: EngineChoices | None = None  # None while the model loads
+    startup: StartupReport
 
 
 class ErrorInfo(BaseModel):
