@@ -50,6 +50,9 @@ class PlanRequest:
     measured_cost: tuple[tuple[str, float], ...] = ()
     # speculative draft_model: the draft's facts; it runs on each replica's GPU 0
     draft: ModelFacts | None = None
+    # LoRA adapter slots (memory.lora_slot_bytes): on one GPU, the runtime runs LoRA without
+    # tensor parallelism
+    lora_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.quantizations:
@@ -84,6 +87,7 @@ class PlanRequest:
             prefer=spec.placement.prefer,
             node_types=() if names == ("auto",) else names,
             draft=draft,
+            lora_bytes=adapter_slot_bytes(spec, facts),
         )
 
 
@@ -138,11 +142,22 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
     )
 
 
+def adapter_slot_bytes(spec: ModelDeploymentSpec, facts: ModelFacts) -> float:
+    """The adapter slots' memory per replica (0 without LoRA)."""
+    if not spec.lora_enabled:
+        return 0.0
+    slots = spec.lora_slots
+    return memory.lora_slot_bytes(facts, slots.max_loras, slots.max_lora_rank)
+
+
 def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
-    whole on GPU 0 beside its shard (memory.estimate counts it there)."""
+    whole on GPU 0 beside its shard (memory.estimate counts it there). With LoRA adapters only
+    1: the runtime does not run them under tensor parallelism."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
+    if request.lora_bytes > 0:
+        max_tp = min(max_tp, 1)
     return [
         tp
         for tp in TP_DEGREES
@@ -158,6 +173,11 @@ def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
         )
     if node_type.gpus_per_node < 1:
         return f"{node_type.name}: no GPUs per node"
+    if request.lora_bytes > 0:
+        return (
+            f"{node_type.name}: LoRA adapters run on one GPU (no tensor parallelism yet), and"
+            f" minGpusPerReplica is {request.min_gpus_per_replica}"
+        )
     return (
         f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
         f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "
@@ -182,6 +202,7 @@ def _estimate(
         gpu_memory_bytes=node_type.gpu_memory_bytes,
         gpu_memory_utilization=request.gpu_memory_utilization,
         draft=request.draft,
+        lora_bytes=request.lora_bytes,
     )
 
 

@@ -169,8 +169,29 @@ def runtime_args(
         "speculative_config": None
         if spec.serving.speculative is None
         else spec.serving.speculative.runtime_json(DRAFT_MOUNT),
+        **lora_values(spec),
     }
     return ["serve", *serve_config.to_args(values)]
+
+
+def lora_values(spec: api.ModelDeploymentSpec) -> dict[str, Any]:
+    """The runtime's LoRA flags: the slots (spec.lora), and each adapter as NAME=URI, which the
+    runtime fetches (hf://, s3://) or reads (file://) as it loads it."""
+    if not spec.lora_enabled:
+        return {}
+    slots = spec.lora_slots
+    return {
+        "enable_lora": True,
+        "max_loras": slots.max_loras,
+        "max_lora_rank": slots.max_lora_rank,
+        "max_cpu_loras": slots.max_cpu_loras,
+        "lora_modules": tuple(f"{a.name}={a.uri}" for a in spec.adapters),
+    }
+
+
+def adapter_secret(spec: api.ModelDeploymentSpec) -> str | None:
+    """The Secret the runtime fetches adapters with (one: api checks the adapters agree)."""
+    return next(iter(api.adapter_secrets(spec)), None)
 
 
 def fetch_container(
@@ -213,6 +234,18 @@ def container_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
     return env + [{"name": e.name, "value": e.value} for e in spec.runtime.env]
 
 
+def lora_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
+    """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, which the operator
+    calls to change a running pod's adapters."""
+    if not spec.lora_enabled:
+        return []
+    return [{"name": serve_config.LORA_RUNTIME_UPDATES_ENV, "value": "true"}]
+
+
+def _secret_env(secret: str | None) -> dict[str, Any]:
+    return {} if secret is None else {"envFrom": [{"secretRef": {"name": secret}}]}
+
+
 def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
     return batch_limit(spec.serving, node_plan.max_concurrency)
 
@@ -247,7 +280,8 @@ def _container(
         # to the ModelDeployment's Degraded condition (conditions.pod_problem).
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": container_env(spec),
+        "env": container_env(spec) + lora_env(spec),
+        **_secret_env(adapter_secret(spec)),
         "resources": gpu_resources(spec, node_plan.tensor_parallel),
         "readinessProbe": _probe("/ready", period=5, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),
