@@ -187,7 +187,7 @@ ADAPTERS: list[dict[str, Any]] = [
 
 
 @pytest.mark.parametrize("uri", URIS)
-def test_adapters_in_the_spec_are_the_runtimes_lora_flags(uri: str) -> None:
+def test_adapters_in_the_spec_give_the_runtimes_lora_flags(uri: str) -> None:
     lora = {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8}
     spec = api.parse_spec({"model": {"uri": uri}, "adapters": ADAPTERS, "lora": lora})
     pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
@@ -195,7 +195,7 @@ def test_adapters_in_the_spec_are_the_runtimes_lora_flags(uri: str) -> None:
     config = parsed_serve(container)
     assert config.enable_lora
     assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 64, 8)
-    assert config.lora_adapters == [(a["name"], a["uri"]) for a in ADAPTERS]
+    assert config.lora_adapters == []  # loaded through the API (adapters/sync.py)
     # the runtime fetches hf:// and s3:// adapters itself, with the adapters' Secret
     assert container["envFrom"] == [{"secretRef": {"name": "s3"}}]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -235,3 +235,13 @@ def test_the_runtime_reads_the_switch_the_operator_sets() -> None:
 
     assert lora_serving.RUNTIME_UPDATES_ENV == serve_config.LORA_RUNTIME_UPDATES_ENV
     assert lora_serving.runtime_updates_allowed({serve_config.LORA_RUNTIME_UPDATES_ENV: "true"})
+
+
+def test_adding_or_removing_adapters_leaves_the_pod_template_as_it_was() -> None:
+    # a changed template would roll every pod: adapters come and go through the runtime's API
+    def template(adapters: list[dict[str, Any]]) -> Any:
+        spec = api.parse_spec({"model": {"uri": URIS[0]}, "lora": {}, "adapters": adapters})
+        return manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+
+    public = [a for a in ADAPTERS if "secretRef" not in a]
+    assert template([]) == template(public[:1]) == template(public)

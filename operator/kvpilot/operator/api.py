@@ -1016,6 +1016,17 @@ class CostStatus(CostFigures):
     node_types: dict[str, NodeTypeCost] = Field(default_factory=dict)
 
 
+class AdapterStatus(_Model):
+    """Where one spec.adapters entry is loaded (written by the adapter sync, adapters/sync.py)."""
+
+    name: str
+    uri: str
+    pods: list[str] = Field(
+        default_factory=list, description="the ready runtime pods that serve it now"
+    )
+    message: str = Field(default="", description="why a pod could not load it, if one could not")
+
+
 class ModelDeploymentStatus(_Model):
     model_config = ConfigDict(extra="ignore")
 
@@ -1031,6 +1042,7 @@ class ModelDeploymentStatus(_Model):
     cache: CacheStatus | None = None
     cost: CostStatus | None = None
     quality: list[QualityMeasurement] = Field(default_factory=list)
+    adapters: list[AdapterStatus] = Field(default_factory=list, max_length=MAX_ADAPTERS)
 
 
 def parse_spec(spec: dict[str, Any]) -> ModelDeploymentSpec:

@@ -175,8 +175,8 @@ def runtime_args(
 
 
 def lora_values(spec: api.ModelDeploymentSpec) -> dict[str, Any]:
-    """The runtime's LoRA flags: the slots (spec.lora), and each adapter as NAME=URI, which the
-    runtime fetches (hf://, s3://) or reads (file://) as it loads it."""
+    """The runtime's LoRA slots (spec.lora). Not the adapters: adapters/sync.py loads them
+    through the runtime's API, so the template, and so the pods, stay when adapters change."""
     if not spec.lora_enabled:
         return {}
     slots = spec.lora_slots
@@ -185,7 +185,6 @@ def lora_values(spec: api.ModelDeploymentSpec) -> dict[str, Any]:
         "max_loras": slots.max_loras,
         "max_lora_rank": slots.max_lora_rank,
         "max_cpu_loras": slots.max_cpu_loras,
-        "lora_modules": tuple(f"{a.name}={a.uri}" for a in spec.adapters),
     }
 
 
