@@ -41,3 +41,7 @@ REQUEST_SUCCESS = RuntimeMetric("kvpilot_request_success_total", "vllm:request_s
 # would have, and a vLLM pod, exporting neither, leaves the TTFT SLO without arrival rates.
 REQUEST_RECEIVED = RuntimeMetric("kvpilot_request_received_total", "vllm:request_received_total")
 GENERATION_TOKENS = RuntimeMetric("kvpilot_generation_tokens_total", "vllm:generation_tokens_total")
+# LoRA adapters in use (vLLM's, exported as vLLM writes it): a gauge whose labels name the adapters
+# of the running and the waiting sequences, comma-separated, and max_lora (--max-loras); the value
+# is the reading's time (the newest sample wins). The gateway's adapter-aware picking reads it.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
