@@ -313,3 +313,43 @@ def test_a_uri_in_no_accepted_form_is_refused_listing_the_forms_on_both_sides(
     (rule,) = _schema_at(crd_path)["x-kubernetes-validations"]
     assert rule["message"] == f"must be {forms}"
     assert "pattern" not in _schema_at(crd_path)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "field", "forms"),
+    [
+        ({"name": "a=b", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
+        ({"name": "-sql", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
+        ({"name": "sql", "uri": "pvc://claim/a"}, "uri", api.ADAPTER_URI_FORMS),
+        ({"name": "sql", "uri": "org/a"}, "uri", api.ADAPTER_URI_FORMS),
+    ],
+)
+def test_a_bad_adapter_is_refused_in_words_on_both_sides(
+    adapter: dict[str, Any], field: str, forms: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        api.parse_spec({"model": MODEL, "adapters": [adapter]})
+    (error,) = info.value.errors()
+    assert error["loc"] == ("adapters", 0, field)
+    assert error["msg"] == f"Value error, must be {forms}"
+    items = _schema_at(("spec", "adapters"))["items"]["properties"][field]
+    (rule,) = items["x-kubernetes-validations"]
+    assert rule["message"] == f"must be {forms}" and "pattern" not in items
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"adapters": [{"name": "a", "uri": "hf://o/a"}, {"name": "a", "uri": "hf://o/b"}]},
+         "name a is given twice"),
+        ({"adapters": [{"name": "Qwen2.5-7B-Instruct", "uri": "hf://o/a"}]},
+         "is the base model's served name"),
+        ({"lora": {"maxLoras": 4, "maxCpuLoras": 2}}, "maxCpuLoras must be >= lora.maxLoras"),
+    ],
+)  # fmt: skip
+def test_adapter_names_and_slots_are_checked(spec: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        api.parse_spec({"model": MODEL, **spec})
+    lists = _schema_at(("spec", "adapters"))
+    assert lists["x-kubernetes-list-type"] == "map"  # the apiserver refuses a name twice too
+    assert lists["x-kubernetes-list-map-keys"] == ["name"]

@@ -97,9 +97,9 @@ def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _UriForms:
-    """A URI that must match `pattern`: pydantic refuses any other saying which `forms` are
-    accepted, and the CRD says the same words in a CEL rule (with an OpenAPI `pattern` instead,
-    `kubectl apply` would print the regular expression)."""
+    """A URI (or an adapter's name) that must match `pattern`: pydantic refuses any other saying
+    which `forms` are accepted, and the CRD says the same words in a CEL rule (with an OpenAPI
+    `pattern` instead, `kubectl apply` would print the regular expression)."""
 
     pattern: str
     forms: str
@@ -137,6 +137,11 @@ EVAL_DATASET_URI_FORMS = (
 ModelUri = Annotated[str, _UriForms(URI_PATTERN, MODEL_URI_FORMS)]
 DraftUri = Annotated[str, _UriForms(DRAFT_URI_PATTERN, DRAFT_URI_FORMS)]
 AdapterUri = Annotated[str, _UriForms(ADAPTER_URI_PATTERN, ADAPTER_URI_FORMS)]
+ADAPTER_NAME_FORMS = (
+    "a model name of letters, digits and . _ : / -, starting and ending with a letter or digit"
+    " (e.g. sql-v2 or tenant/support)"
+)
+AdapterName = Annotated[str, _UriForms(ADAPTER_NAME_PATTERN, ADAPTER_NAME_FORMS)]
 EvalDatasetUri = Annotated[str, _UriForms(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS)]
 
 
@@ -760,8 +765,7 @@ class Adapter(_Model):
     """A LoRA adapter (PEFT format) served beside the base model: clients send its name as the
     request's `model`."""
 
-    name: str = Field(
-        pattern=ADAPTER_NAME_PATTERN,
+    name: AdapterName = Field(
         max_length=128,
         description="the model name clients send; unique, and not the base model's served name",
     )
