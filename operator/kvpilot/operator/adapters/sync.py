@@ -88,6 +88,10 @@ class AdapterSync:
     def __init__(self, controller: Controller, interval_s: float = SYNC_SECONDS) -> None:
         self.controller, self.interval_s = controller, interval_s
         self.nudged = asyncio.Event()
+        # Whether the last sync found LoRA work: without it, only a nudge (a ModelDeployment with
+        # LoRA changed) syncs, so a cluster without adapters pays no LIST every few seconds. A
+        # start assumes work: the first sync finds out.
+        self.had_work = True
 
     def nudge(self) -> None:
         self.nudged.set()
@@ -98,7 +102,8 @@ class AdapterSync:
                 async with asyncio.timeout(self.interval_s):
                     await self.nudged.wait()
             except TimeoutError:
-                pass
+                if not self.had_work:
+                    continue
             self.nudged.clear()
             try:
                 await self.sync()
@@ -110,6 +115,7 @@ class AdapterSync:
         listed = await asyncio.to_thread(self.controller.list_model_deployments)
         todo = [(md, typed_status.of(md)) for md in listed]
         todo = [(md, status) for md, status in todo if has_lora_work(md, status)]
+        self.had_work = bool(todo)
         if not todo:
             return
         pods = await asyncio.to_thread(self._model_pods)
