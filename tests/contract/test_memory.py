@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from kvpilot.contract import memory
+from kvpilot.contract import catalog, memory
 from kvpilot.contract.memory import GIB, ModelFacts
 
 GB = 1e9
@@ -114,3 +117,56 @@ def test_kv_dtype_bytes_size_the_pool(
     assert kv_bytes == expected_bytes
     assert memory.num_kv_blocks(M7B, kv_bytes, 1 * GIB) == expected_blocks
     assert memory.max_concurrency(M7B, kv_bytes, 4000, 1 * GIB) == expected_blocks // 250
+
+
+TINY_LLAMA = Path(__file__).resolve().parents[2] / "models" / "tiny-llama"
+
+
+@pytest.mark.parametrize(
+    ("changes", "num_slots", "max_rank"),
+    [
+        ({}, 1, 16),
+        ({}, 4, 8),
+        ({"head_dim": 64}, 3, 32),  # a query wider than the hidden size, as Qwen3's
+        ({"intermediate_size": 1024, "num_key_value_heads": 8}, 8, 4),
+    ],
+)
+def test_lora_slot_bytes_is_what_the_runtime_allocates(
+    tmp_path: Path, changes: dict[str, int], num_slots: int, max_rank: int
+) -> None:
+    import torch
+
+    from kvpilot.runtime.layers.lora import LoraWeights
+    from kvpilot.runtime.models.loader import load_model_config
+
+    config = {**json.loads((TINY_LLAMA / "config.json").read_text()), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = load_model_config(tmp_path)
+    allocated = LoraWeights(cfg, num_slots, max_rank, torch.bfloat16, torch.device("cpu"))
+    facts = catalog.facts_from_config(config, parameters=3_819_776)
+    assert memory.lora_slot_bytes(facts, num_slots, max_rank) == allocated.num_bytes()
+
+
+def test_lora_widths_estimated_from_the_parameter_count_are_near_the_real_ones() -> None:
+    # Llama-3.1-8B without its widths: 12 h^2 per layer (embeddings counted in) and a 3.5 h MLP
+    known = catalog.lookup("hf://meta-llama/Llama-3.1-8B-Instruct")
+    assert known is not None
+    unknown = ModelFacts(
+        parameters=known.parameters,
+        layers=known.layers,
+        kv_heads=known.kv_heads,
+        head_dim=known.head_dim,
+    )
+    assert memory.lora_dims(known) == (4096, 4096, 1024, 14336)
+    estimated = memory.lora_slot_bytes(unknown, 4, 16)
+    real = memory.lora_slot_bytes(known, 4, 16)
+    assert real <= estimated <= 1.2 * real  # an overestimate, never an underestimate here
+    # 4 slots of rank 16 on the 8B: 32 layers x 16 x (7h + 4q + 6kv + 5i) x 2 bytes x 4
+    assert real == 4 * 16 * 32 * 2 * (7 * 4096 + 4 * 4096 + 6 * 1024 + 5 * 14336)
+
+
+def test_lora_slots_count_as_weights_in_the_estimate() -> None:
+    base = memory.estimate(M7B, "bf16", 2, 4096, 8, 1, 80 * GIB, 0.9)
+    with_slots = memory.estimate(M7B, "bf16", 2, 4096, 8, 1, 80 * GIB, 0.9, lora_bytes=GIB)
+    assert with_slots.weights_bytes == base.weights_bytes + GIB
+    assert with_slots.overhead_bytes > base.overhead_bytes  # activations scale with the weights

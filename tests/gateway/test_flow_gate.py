@@ -71,6 +71,24 @@ async def test_a_request_waits_for_the_slot_and_gets_it_when_it_frees() -> None:
 
 
 @in_loop
+async def test_an_adapter_waits_for_its_base_models_replicas() -> None:
+    # the base model and its adapters share the replicas, so they share one limit
+    flow, route, metrics = gate()
+    adapter = Route("sql", route.backends, adapter_of="m")
+    first = await flow.enter(route, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    second = asyncio.ensure_future(flow.enter(adapter, CHAT, 10, FAR))
+    await asyncio.sleep(0)  # let it reach the queue
+    assert not second.done() and waiting(metrics) == 1
+    flow.leave(first, 10, 5)
+    admitted = await second
+    assert isinstance(admitted, Admission) and admitted.labels[0] == "sql"
+    flow.leave(admitted, 10, 5)
+    labels = {"model": "sql", "tenant": "chat", "priority": "0", "kind": "output"}
+    assert metrics.registry.get_sample_value("kvpilot_gateway_flow_tokens_total", labels) == 5
+
+
+@in_loop
 async def test_a_request_past_its_deadline_leaves_the_queue() -> None:
     flow, route, metrics = gate()
     first = await flow.enter(route, BATCH, 10, FAR)

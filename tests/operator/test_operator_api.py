@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,9 @@ def test_facts_from_the_tiny_llama_config() -> None:
     tiny = api.parse_spec(
         yaml.safe_load((ROOT / "examples" / "tiny-llama.yaml").read_text())["spec"]
     )
-    assert facts == catalog.resolve(tiny.model)
+    # the spec states no projection widths (they size LoRA slots, estimated without them)
+    widths = {"hidden_size": 256, "intermediate_size": 688, "attention_heads": 8}
+    assert facts == dataclasses.replace(catalog.resolve(tiny.model), **widths)
 
 
 MODEL = {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}
@@ -363,3 +366,43 @@ def test_kv_offload_crd_rules_say_what_the_models_say() -> None:
     assert any("does not work with speculative method draft_model" in m for m in messages)
     tiered = api.parse_spec({"model": MODEL, "runtime": {"kvOffload": {"hostGiB": 8}}})
     assert tiered.runtime.kv_offload is not None and tiered.runtime.kv_offload.disk is None
+
+
+@pytest.mark.parametrize(
+    ("adapter", "field", "forms"),
+    [
+        ({"name": "a=b", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
+        ({"name": "-sql", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
+        ({"name": "sql", "uri": "pvc://claim/a"}, "uri", api.ADAPTER_URI_FORMS),
+        ({"name": "sql", "uri": "org/a"}, "uri", api.ADAPTER_URI_FORMS),
+    ],
+)
+def test_a_bad_adapter_is_refused_in_words_on_both_sides(
+    adapter: dict[str, Any], field: str, forms: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        api.parse_spec({"model": MODEL, "adapters": [adapter]})
+    (error,) = info.value.errors()
+    assert error["loc"] == ("adapters", 0, field)
+    assert error["msg"] == f"Value error, must be {forms}"
+    items = _schema_at(("spec", "adapters"))["items"]["properties"][field]
+    (rule,) = items["x-kubernetes-validations"]
+    assert rule["message"] == f"must be {forms}" and "pattern" not in items
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ({"adapters": [{"name": "a", "uri": "hf://o/a"}, {"name": "a", "uri": "hf://o/b"}]},
+         "name a is given twice"),
+        ({"adapters": [{"name": "Qwen2.5-7B-Instruct", "uri": "hf://o/a"}]},
+         "is the base model's served name"),
+        ({"lora": {"maxLoras": 4, "maxCpuLoras": 2}}, "maxCpuLoras must be >= lora.maxLoras"),
+    ],
+)  # fmt: skip
+def test_adapter_names_and_slots_are_checked(spec: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValidationError, match=says):
+        api.parse_spec({"model": MODEL, **spec})
+    lists = _schema_at(("spec", "adapters"))
+    assert lists["x-kubernetes-list-type"] == "map"  # the apiserver refuses a name twice too
+    assert lists["x-kubernetes-list-map-keys"] == ["name"]

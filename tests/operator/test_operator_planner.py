@@ -404,3 +404,46 @@ def test_a_memory_figure_that_is_not_a_quantity_is_named(
     spec = api.parse_spec({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}, "runtime": runtime})
     with pytest.raises(ValueError, match=rf"{named}\.memory 'lots' is not a Kubernetes quantity"):
         planner.PlanRequest.from_spec(spec, SEVEN_B)
+
+
+LLAMA_8B = catalog.lookup("hf://meta-llama/Llama-3.1-8B-Instruct")
+
+
+@pytest.mark.parametrize(
+    ("lora", "expected_slot_bytes"),
+    [
+        (None, 0),
+        # 4 slots x rank 16 x 32 layers x 2 bytes x (7h + 4q + 6kv + 5i), h = q = 4096,
+        # kv = 1024, i = 14336
+        ({}, 1 * 16 * 32 * 2 * (7 * 4096 + 4 * 4096 + 6 * 1024 + 5 * 14336)),
+        ({"maxLoras": 4, "maxLoraRank": 64}, 4 * 64 * 32 * 2 * (11 * 4096 + 6 * 1024 + 5 * 14336)),
+    ],
+)
+def test_adapter_slots_count_as_weights(
+    lora: dict[str, Any] | None, expected_slot_bytes: int
+) -> None:
+    from kvpilot.operator import api
+
+    assert LLAMA_8B is not None
+    body: dict[str, Any] = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"}}
+    if lora is not None:
+        body["lora"] = lora
+    req = planner.PlanRequest.from_spec(api.parse_spec(body), LLAMA_8B)
+    assert req.lora_bytes == expected_slot_bytes
+    got = planner.plan_node_type(req, BIG)
+    without = planner.plan_node_type(request(LLAMA_8B, max_context_length=4096), BIG)
+    assert got.estimate is not None and without.estimate is not None
+    assert got.estimate.weights_bytes == without.estimate.weights_bytes + expected_slot_bytes
+
+
+def test_with_adapters_a_replica_runs_on_one_gpu_or_the_reason_says_why() -> None:
+    assert LLAMA_70B is not None
+    with_lora = request(LLAMA_70B, lora_bytes=GIB)
+    assert planner.tp_degrees(with_lora, H100) == [1]
+    assert planner.tp_degrees(request(LLAMA_70B), H100) == [1, 2, 4, 8]
+    # 70B at int4 on one A100 40 GB: does not fit, and tp 2 is not tried
+    assert not planner.plan_node_type(with_lora, A100).fits
+    assert planner.plan_node_type(request(LLAMA_70B), A100).fits
+    two_gpus = request(LLAMA_70B, lora_bytes=GIB, min_gpus_per_replica=2)
+    verdict = planner.plan_node_type(two_gpus, H100)
+    assert not verdict.fits and "LoRA adapters run on one GPU" in verdict.reason

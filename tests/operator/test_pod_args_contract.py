@@ -206,3 +206,71 @@ def test_kv_offload_in_the_spec_is_the_runtimes_kv_tiers(kv_offload: dict[str, A
         ]
         assert not mount.get("readOnly")
         assert mount["name"] in {v["name"] for v in pod["spec"]["volumes"]}
+
+
+ADAPTERS: list[dict[str, Any]] = [
+    {"name": "sql", "uri": "hf://org/sql-lora@v2"},
+    {"name": "tenant/support", "uri": "s3://adapters/support", "secretRef": {"name": "s3"}},
+    {"name": "local.v1", "uri": "file:///srv/adapters/local"},
+]
+
+
+@pytest.mark.parametrize("uri", URIS)
+def test_adapters_in_the_spec_give_the_runtimes_lora_flags(uri: str) -> None:
+    lora = {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8}
+    spec = api.parse_spec({"model": {"uri": uri}, "adapters": ADAPTERS, "lora": lora})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    config = parsed_serve(container)
+    assert config.enable_lora
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 64, 8)
+    assert config.lora_adapters == []  # loaded through the API (adapters/sync.py)
+    # the runtime fetches hf:// and s3:// adapters itself, with the adapters' Secret
+    assert container["envFrom"] == [{"secretRef": {"name": "s3"}}]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env[serve_config.LORA_RUNTIME_UPDATES_ENV] == "true"
+
+
+def test_without_adapters_or_lora_the_pod_has_no_lora_flags() -> None:
+    spec = api.parse_spec({"model": {"uri": URIS[0]}})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert not parsed_serve(container).enable_lora
+    assert "envFrom" not in container
+    assert serve_config.LORA_RUNTIME_UPDATES_ENV not in {e["name"] for e in container["env"]}
+
+
+def test_lora_alone_gives_the_default_slots_and_no_adapter() -> None:
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "lora": {}})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    config = parsed_serve(pod["spec"]["containers"][0])
+    assert config.enable_lora and config.lora_adapters == []
+    assert (config.max_loras, config.max_lora_rank) == (api.DEFAULT_MAX_LORAS, 16)
+
+
+def test_adapters_fetched_with_two_secrets_are_refused_naming_both() -> None:
+    adapters = [
+        {"name": "a", "uri": "hf://org/a", "secretRef": {"name": "one"}},
+        {"name": "b", "uri": "hf://org/b"},  # spec.model's Secret
+    ]
+    with pytest.raises(ValueError, match="Secrets one, two"):
+        api.parse_spec(
+            {"model": {"uri": URIS[0], "secretRef": {"name": "two"}}, "adapters": adapters}
+        )
+
+
+def test_the_runtime_reads_the_switch_the_operator_sets() -> None:
+    from kvpilot.runtime.server import lora_serving  # the runtime's side of the contract
+
+    assert lora_serving.RUNTIME_UPDATES_ENV == serve_config.LORA_RUNTIME_UPDATES_ENV
+    assert lora_serving.runtime_updates_allowed({serve_config.LORA_RUNTIME_UPDATES_ENV: "true"})
+
+
+def test_adding_or_removing_adapters_leaves_the_pod_template_as_it_was() -> None:
+    # a changed template would roll every pod: adapters come and go through the runtime's API
+    def template(adapters: list[dict[str, Any]]) -> Any:
+        spec = api.parse_spec({"model": {"uri": URIS[0]}, "lora": {}, "adapters": adapters})
+        return manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+
+    public = [a for a in ADAPTERS if "secretRef" not in a]
+    assert template([]) == template(public[:1]) == template(public)

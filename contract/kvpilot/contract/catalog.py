@@ -1,7 +1,8 @@
 """Architecture facts of popular open models, so a spec can name `hf://org/model` and nothing else.
 
 Figures are from each model's config.json (num_hidden_layers, num_key_value_heads, head_dim or
-hidden_size / num_attention_heads, vocab_size) and its model card's parameter count. Instruct and
+hidden_size / num_attention_heads, vocab_size, and hidden_size, intermediate_size and
+num_attention_heads, which size LoRA slots) and its model card's parameter count. Instruct and
 base variants share an architecture, so both names point at one entry.
 """
 
@@ -30,74 +31,235 @@ class GivenFacts(Protocol):
 
 
 _LLAMA_31_8B = ModelFacts(
-    parameters=8_030_261_248, layers=32, kv_heads=8, head_dim=128, vocab_size=128_256
+    parameters=8_030_261_248,
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128_256,
+    hidden_size=4_096,
+    intermediate_size=14_336,
+    attention_heads=32,
 )
 _LLAMA_31_70B = ModelFacts(
-    parameters=70_553_706_496, layers=80, kv_heads=8, head_dim=128, vocab_size=128_256
+    parameters=70_553_706_496,
+    layers=80,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128_256,
+    hidden_size=8_192,
+    intermediate_size=28_672,
+    attention_heads=64,
 )
 _LLAMA_31_405B = ModelFacts(
-    parameters=405_853_388_800, layers=126, kv_heads=8, head_dim=128, vocab_size=128_256
+    parameters=405_853_388_800,
+    layers=126,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128_256,
+    hidden_size=16_384,
+    intermediate_size=53_248,
+    attention_heads=128,
 )
 _LLAMA_32_1B = ModelFacts(
-    parameters=1_235_814_400, layers=16, kv_heads=8, head_dim=64, vocab_size=128_256
+    parameters=1_235_814_400,
+    layers=16,
+    kv_heads=8,
+    head_dim=64,
+    vocab_size=128_256,
+    hidden_size=2_048,
+    intermediate_size=8_192,
+    attention_heads=32,
 )
 _LLAMA_32_3B = ModelFacts(
-    parameters=3_212_749_824, layers=28, kv_heads=8, head_dim=128, vocab_size=128_256
+    parameters=3_212_749_824,
+    layers=28,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=128_256,
+    hidden_size=3_072,
+    intermediate_size=8_192,
+    attention_heads=24,
 )
 _QWEN25_0_5B = ModelFacts(
-    parameters=494_032_768, layers=24, kv_heads=2, head_dim=64, vocab_size=151_936
+    parameters=494_032_768,
+    layers=24,
+    kv_heads=2,
+    head_dim=64,
+    vocab_size=151_936,
+    hidden_size=896,
+    intermediate_size=4_864,
+    attention_heads=14,
 )
 _QWEN25_1_5B = ModelFacts(
-    parameters=1_543_714_304, layers=28, kv_heads=2, head_dim=128, vocab_size=151_936
+    parameters=1_543_714_304,
+    layers=28,
+    kv_heads=2,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=1_536,
+    intermediate_size=8_960,
+    attention_heads=12,
 )
 _QWEN25_3B = ModelFacts(
-    parameters=3_085_938_688, layers=36, kv_heads=2, head_dim=128, vocab_size=151_936
+    parameters=3_085_938_688,
+    layers=36,
+    kv_heads=2,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=2_048,
+    intermediate_size=11_008,
+    attention_heads=16,
 )
 _QWEN25_7B = ModelFacts(
-    parameters=7_615_616_512, layers=28, kv_heads=4, head_dim=128, vocab_size=152_064
+    parameters=7_615_616_512,
+    layers=28,
+    kv_heads=4,
+    head_dim=128,
+    vocab_size=152_064,
+    hidden_size=3_584,
+    intermediate_size=18_944,
+    attention_heads=28,
 )
 _QWEN25_14B = ModelFacts(
-    parameters=14_770_033_664, layers=48, kv_heads=8, head_dim=128, vocab_size=152_064
+    parameters=14_770_033_664,
+    layers=48,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=152_064,
+    hidden_size=5_120,
+    intermediate_size=13_824,
+    attention_heads=40,
 )
 _QWEN25_32B = ModelFacts(
-    parameters=32_763_876_352, layers=64, kv_heads=8, head_dim=128, vocab_size=152_064
+    parameters=32_763_876_352,
+    layers=64,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=152_064,
+    hidden_size=5_120,
+    intermediate_size=27_648,
+    attention_heads=40,
 )
 _QWEN25_72B = ModelFacts(
-    parameters=72_706_203_648, layers=80, kv_heads=8, head_dim=128, vocab_size=152_064
+    parameters=72_706_203_648,
+    layers=80,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=152_064,
+    hidden_size=8_192,
+    intermediate_size=29_568,
+    attention_heads=64,
 )
 # Qwen3 dense: head_dim 128 from config.json (not hidden_size / heads); 0.6B-4B tie embeddings.
 _QWEN3_0_6B = ModelFacts(
-    parameters=596_049_920, layers=28, kv_heads=8, head_dim=128, vocab_size=151_936
+    parameters=596_049_920,
+    layers=28,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=1_024,
+    intermediate_size=3_072,
+    attention_heads=16,
 )
 _QWEN3_1_7B = ModelFacts(
-    parameters=1_720_574_976, layers=28, kv_heads=8, head_dim=128, vocab_size=151_936
+    parameters=1_720_574_976,
+    layers=28,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=2_048,
+    intermediate_size=6_144,
+    attention_heads=16,
 )
 _QWEN3_4B = ModelFacts(
-    parameters=4_022_468_096, layers=36, kv_heads=8, head_dim=128, vocab_size=151_936
+    parameters=4_022_468_096,
+    layers=36,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=2_560,
+    intermediate_size=9_728,
+    attention_heads=32,
 )
 _QWEN3_8B = ModelFacts(
-    parameters=8_190_735_360, layers=36, kv_heads=8, head_dim=128, vocab_size=151_936
+    parameters=8_190_735_360,
+    layers=36,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=4_096,
+    intermediate_size=12_288,
+    attention_heads=32,
 )
 _QWEN3_14B = ModelFacts(
-    parameters=14_768_307_200, layers=40, kv_heads=8, head_dim=128, vocab_size=151_936
+    parameters=14_768_307_200,
+    layers=40,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=5_120,
+    intermediate_size=17_408,
+    attention_heads=40,
 )
 _QWEN3_32B = ModelFacts(
-    parameters=32_762_123_264, layers=64, kv_heads=8, head_dim=128, vocab_size=151_936
+    parameters=32_762_123_264,
+    layers=64,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    hidden_size=5_120,
+    intermediate_size=25_600,
+    attention_heads=64,
 )
 _MISTRAL_7B = ModelFacts(
-    parameters=7_248_023_552, layers=32, kv_heads=8, head_dim=128, vocab_size=32_768
+    parameters=7_248_023_552,
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=32_768,
+    hidden_size=4_096,
+    intermediate_size=14_336,
+    attention_heads=32,
 )
 _MIXTRAL_8X7B = ModelFacts(
-    parameters=46_702_792_704, layers=32, kv_heads=8, head_dim=128, vocab_size=32_000
+    parameters=46_702_792_704,
+    layers=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab_size=32_000,
+    hidden_size=4_096,
+    intermediate_size=14_336,
+    attention_heads=32,
 )
 _GEMMA2_9B = ModelFacts(
-    parameters=9_241_705_984, layers=42, kv_heads=8, head_dim=256, vocab_size=256_000
+    parameters=9_241_705_984,
+    layers=42,
+    kv_heads=8,
+    head_dim=256,
+    vocab_size=256_000,
+    hidden_size=3_584,
+    intermediate_size=14_336,
+    attention_heads=16,
 )
 _PHI3_MINI = ModelFacts(
-    parameters=3_821_079_552, layers=32, kv_heads=32, head_dim=96, vocab_size=32_064
+    parameters=3_821_079_552,
+    layers=32,
+    kv_heads=32,
+    head_dim=96,
+    vocab_size=32_064,
+    hidden_size=3_072,
+    intermediate_size=8_192,
+    attention_heads=32,
 )
 _TINYLLAMA = ModelFacts(
-    parameters=1_100_048_384, layers=22, kv_heads=4, head_dim=64, vocab_size=32_000
+    parameters=1_100_048_384,
+    layers=22,
+    kv_heads=4,
+    head_dim=64,
+    vocab_size=32_000,
+    hidden_size=2_048,
+    intermediate_size=5_632,
+    attention_heads=32,
 )
 
 CATALOG: dict[str, ModelFacts] = {
@@ -178,6 +340,9 @@ def facts_from_config(config: dict[str, Any], parameters: int) -> ModelFacts:
         kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=head_dim,
         vocab_size=int(config.get("vocab_size", 0)),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config.get("intermediate_size", 0)),
+        attention_heads=heads,
     )
 
 

@@ -50,6 +50,10 @@ class ModelFacts:
     kv_heads: int
     head_dim: int
     vocab_size: int = 0
+    # The projections' widths, which LoRA slots are sized by; 0: not known (lora_dims estimates)
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    attention_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("parameters", "layers", "kv_heads", "head_dim"):
@@ -121,6 +125,34 @@ def overhead_bytes(weights_per_gpu: float) -> float:
     return OVERHEAD_BASE_BYTES + OVERHEAD_ACTIVATION_FRACTION * weights_per_gpu
 
 
+# A Llama-family decoder layer holds ~12 h^2 parameters (attention 4 h^2, MLP 3 x h x 8/3 h), and
+# its MLP is ~3.5 h wide (Llama 3); used only when a model's config.json widths are not known.
+PARAMS_PER_LAYER_PER_HIDDEN_SQUARED = 12
+MLP_WIDTH_PER_HIDDEN = 3.5
+
+
+def lora_dims(model: ModelFacts) -> tuple[int, int, int, int]:
+    """(hidden, query width, key/value width, MLP width) of the model's projections; estimated
+    from the parameter count (embeddings included: an overestimate) where not known."""
+    hidden = model.hidden_size or math.isqrt(
+        model.parameters // (PARAMS_PER_LAYER_PER_HIDDEN_SQUARED * model.layers)
+    )
+    query = model.attention_heads * model.head_dim if model.attention_heads else hidden
+    inter = model.intermediate_size or math.ceil(MLP_WIDTH_PER_HIDDEN * hidden)
+    return hidden, query, model.kv_heads * model.head_dim, inter
+
+
+def lora_slot_bytes(model: ModelFacts, num_slots: int, max_rank: int, dtype_bytes: int = 2) -> int:
+    """What the runtime allocates for `num_slots` adapters of rank up to `max_rank` (--max-loras,
+    --max-lora-rank) in every layer, for all seven projections whether an adapter targets them
+    or not: per fused projection A [in, k x R] and B [k x R, out] per slot (layers/lora.py), so
+    per layer R x (7 h + 4 q + 6 kv + 5 i) values: qkv 3R(h + q + 2kv), o R(q + h), gate_up
+    2R(h + 2i), down R(i + h)."""
+    hidden, query, kv, inter = lora_dims(model)
+    per_rank = 7 * hidden + 4 * query + 6 * kv + 5 * inter
+    return num_slots * max_rank * per_rank * model.layers * dtype_bytes
+
+
 def draft_kv_share(model: ModelFacts, draft: ModelFacts | None, kv_bytes: int) -> float:
     """What a draft model's KV cache adds to each block of the served model's: the draft has as
     many blocks (it reads the same block tables), each this share of a served block's bytes."""
@@ -139,15 +171,17 @@ def estimate(
     gpu_memory_bytes: float,
     gpu_memory_utilization: float,
     draft: ModelFacts | None = None,
+    lora_bytes: float = 0.0,
 ) -> MemoryEstimate:
     """Per-GPU memory of one replica holding `sequences` sequences of `tokens` tokens each;
     with a draft model (speculative decoding), its weights unquantised and its KV cache too, all
-    on GPU 0 (rank 0 runs the draft whole), which this estimates: the fullest GPU."""
+    on GPU 0 (rank 0 runs the draft whole), which this estimates: the fullest GPU. `lora_bytes`
+    (lora_slot_bytes) count as weights, as the runtime counts them when it sizes its KV pool."""
     if tensor_parallel < 1:
         raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    weights = weight_bytes(model.parameters, quantization) / tensor_parallel
+    weights = weight_bytes(model.parameters, quantization) / tensor_parallel + lora_bytes
     kv = kv_cache_bytes(model, kv_bytes, tokens, sequences) / tensor_parallel
     if draft is not None:
         weights += weight_bytes(draft.parameters, DRAFT_QUANTIZATION)

@@ -60,3 +60,7 @@ STARTUP_PHASES = (
     "warmup",  # the rest of the engine (grammar tables), --lora-modules, the step loop started
     "serving",  # /ready answers 200
 )
+# LoRA adapters in use (vLLM's, exported as vLLM writes it): a gauge whose labels name the adapters
+# of the running and the waiting sequences, comma-separated, and max_lora (--max-loras); the value
+# is the reading's time (the newest sample wins). The gateway's adapter-aware picking reads it.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"

@@ -23,6 +23,9 @@ from kvpilot.contract.model_source import ModelSource, parse_model_uri
 # tool_calls.PARSERS' names, and auto (the architecture's own format)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # logging's, and uvicorn's
+# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter ("true" or "1"): the
+# operator sets it in pods whose adapters it changes at run time.
+LORA_RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True)

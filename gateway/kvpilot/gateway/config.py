@@ -16,6 +16,8 @@ file and what to write instead.
         cascade:              # optional, tried in order before picking (routing/cascade_policy.py)
           - when: {maxPromptTokens: 512, noTools: true}
             model: small                   # another model in this file
+        adapters: [sql, support]           # optional: LoRA adapters the backends serve, each a
+                                           # model name routed to them (routing/lora_affinity.py)
     cache: {enabled: true, ttlSeconds: 600}  # optional (cache/config.py)
     upstream: {apiKeyEnv: RUNTIME_API_KEY}    # optional: the key sent to the replicas (their
                                               # --api-key), read from this environment variable
@@ -23,6 +25,7 @@ file and what to write instead.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -85,6 +88,9 @@ class ModelSpec(_Strict):
     fallback_after_seconds: float | None = Field(default=None, alias="fallbackAfterSeconds", gt=0)
     cascade: list[CascadeSpec] = Field(default_factory=list)
     scheduling_policy: Literal["fcfs", "priority"] = Field(default="fcfs", alias="schedulingPolicy")
+    # LoRA adapters the backends serve (`kvpilot-runtime serve --enable-lora`): each is a model
+    # name of its own, routed to these backends preferring those that hold it.
+    adapters: list[str] = Field(default_factory=list)
 
     @field_validator("backends")
     @classmethod
@@ -141,9 +147,12 @@ def routes_from(data: Any, env: Mapping[str, str], source: str = "config") -> li
     except ValidationError as error:
         raise ConfigError(f"{source}: {describe(error)}") from None
     names = [model.name for model in config.models]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    served = names + [adapter for model in config.models for adapter in model.adapters]
+    duplicates = sorted({name for name in served if served.count(name) > 1})
     if duplicates:
-        raise ConfigError(f"{source}: model names must be unique; repeated: {duplicates}")
+        raise ConfigError(
+            f"{source}: model and adapter names must be unique; repeated: {duplicates}"
+        )
     routes = [to_route(model, set(names), env, source) for model in config.models]
     edges = {r.model: [(i, rule.target) for i, rule in enumerate(r.cascade) if rule.target]
              for r in routes}  # fmt: skip
@@ -152,7 +161,12 @@ def routes_from(data: Any, env: Mapping[str, str], source: str = "config") -> li
         rules = ", ".join(f"models[{m}].cascade[{i}] -> {t}" for m, i, t in cycle)
         raise ConfigError(f"{source}: cascade rules form a cycle ({rules}): a model that "
                           "requests cascade to must not cascade back; remove one")  # fmt: skip
-    return routes
+    adapters = [
+        dataclasses.replace(route, model=adapter, cascade=(), adapter_of=route.model)
+        for route, model in zip(routes, config.models, strict=True)
+        for adapter in model.adapters
+    ]
+    return routes + adapters
 
 
 def to_route(model: ModelSpec, names: set[str], env: Mapping[str, str], source: str) -> Route:

@@ -40,6 +40,7 @@ from kvpilot.gateway.flow.gate import (
 )  # fmt: skip
 from kvpilot.gateway.flow.tenancy import ANONYMOUS, TENANCY
 from kvpilot.gateway.metrics import GatewayMetrics
+from kvpilot.gateway.routing import lora_affinity
 from kvpilot.gateway.routing.affinity import Affinity
 from kvpilot.gateway.routing.holding import Holding
 from kvpilot.gateway.routing.load import LoadBook, scrape_forever
@@ -54,6 +55,7 @@ access_log = logging.getLogger("kvpilot.gateway.access")
 
 
 UPSTREAM_IDLE_S = 4.0
+ADAPTER_NOT_LOADED = "adapter_not_loaded"  # a retry's reason (kvpilot_gateway_retries_total)
 WAIT_REFUSALS = {  # why the fair queue sent a request away (429 unless a fallback takes it)
     QUEUE_FULL: "your tenant has as many requests waiting as it may (--max-queued-per-tenant)",
     QUEUE_TIMEOUT: "the request waited longer than --fallback-after for its turn",
@@ -313,8 +315,14 @@ class Gateway:
 
     def pick(self, prefix: str, route: Route, candidates: list[Backend]) -> Backend | None:
         """The replica for this attempt; under prefix affinity, the key's home is remembered
-        (per model: two models' replicas never share a prefix cache)."""
+        (per model: two models' replicas never share a prefix cache). For a LoRA adapter, among
+        the replicas that hold it while one is within the load bound (lora_affinity)."""
         policy = self.options.policy
+        if route.adapter_of is not None and policy.strategy != "random":
+            candidates = lora_affinity.preferred(
+                route.model, candidates, self.book.loads(), self.book.lora_states(),
+                policy.load_factor, policy.kv_hot,
+            )  # fmt: skip
         if policy.strategy != "prefix":  # random and least-load keep no book
             return pick(policy, prefix, candidates, self.book.loads())
         placed_key = f"{route.model}\n{prefix}"
@@ -332,7 +340,9 @@ class Gateway:
         if authorization := authorization_for_replicas(exchange, self.options.upstream_api_key):
             headers["Authorization"] = authorization
         url = f"{backend.url}/v1/{exchange.kind}"
-        hop = Hop(url, backend.name, route.model, headers, exchange.headers)
+        # A replica that has not loaded the adapter yet (a new pod) answers 404: try another.
+        retry = {404: ADAPTER_NOT_LOADED} if route.adapter_of is not None else {}
+        hop = Hop(url, backend.name, route.model, headers, exchange.headers, retry)
         self.metrics.picks.labels(exchange.model, backend.name).inc()
         self.book.start(backend.name)
         try:
@@ -341,7 +351,9 @@ class Gateway:
             self.book.finish(backend.name)
         if isinstance(answer, Refusal):
             outcome.reason, outcome.refusal = answer.reason, answer
-            if answer.status != 429:  # a saturated replica is alive; a failing one sits out
+            # a saturated replica is alive, and one without the adapter serves the rest; a
+            # failing one sits out
+            if answer.status not in (429, 404):
                 self.book.eject(backend.name)
             return False
         outcome.response, outcome.backend, outcome.target = answer, backend.name, route.model

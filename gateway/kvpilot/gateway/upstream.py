@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -48,6 +48,9 @@ class Hop:
     target: str  # x-kvpilot-target
     headers: dict[str, str]  # sent upstream
     reply_headers: dict[str, str] = field(default_factory=dict)  # added to the client's response
+    # Statuses worth another replica for this request beyond RETRYABLE_STATUS: a 404 for an
+    # adapter a new replica has not loaded yet.
+    also_retry: Mapping[int, str] = field(default_factory=dict)
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
@@ -125,9 +128,10 @@ async def answer(
     on_first_byte: Callable[[], None],
     taps: Sequence[Tap],
 ) -> web.StreamResponse | Refusal:
-    if upstream.status in RETRYABLE_STATUS:
+    retryable = {**RETRYABLE_STATUS, **hop.also_retry}
+    if upstream.status in retryable:
         headers = {n: upstream.headers[n] for n in PASSED_HEADERS if n in upstream.headers}
-        return Refusal(RETRYABLE_STATUS[upstream.status], upstream.status, await upstream.read(),
+        return Refusal(retryable[upstream.status], upstream.status, await upstream.read(),
                        headers)  # fmt: skip
     if not stream or upstream.content_type != "text/event-stream":
         data = await upstream.read()

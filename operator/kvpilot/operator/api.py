@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -28,6 +28,7 @@ from pydantic_core import core_schema
 
 from kvpilot.contract import resource
 from kvpilot.contract.dataset_source import parse_dataset_uri
+from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.contract.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kvpilot.operator.autoscaling.policy import Bounds
 
@@ -64,6 +65,14 @@ SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 BASE_URL_PATTERN = r"^https?://[^\s/]+(/[^\s]*)?$"
 MAX_FALLBACKS = 8
 GIB, MIB = 2**30, 2**20
+MAX_ADAPTERS = 256
+# An adapter's name is a model name clients send and a --lora-modules NAME=PATH key: no `=`,
+# no whitespace, no leading or trailing punctuation.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/-]*[A-Za-z0-9])?$"
+# The runtime fetches an adapter itself when it loads it (hf://, s3://) or reads a path it can
+# see (file://, e.g. a local pool's host directory); pvc:// would need a volume in the pod
+# template, and a template change restarts the pods, which adapters exist to avoid.
+ADAPTER_URI_PATTERN = r"^(hf://[^/\s]+/[^\s]+|s3://[^\s]+|file:///[^\s]*)$"
 MAX_CASCADE_RULES = 8
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
@@ -72,6 +81,10 @@ POLICY_DEFAULTS = Bounds()
 # The runtime's speculative-decoding defaults and limits are the CRD's, so a field left out means
 # what the runtime would do with the key left out.
 SPECULATIVE_DEFAULTS = SpeculativeConfig()
+# The runtime's LoRA slot defaults (its EngineConfig's fields) are the CRD's.
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig)}
+DEFAULT_MAX_LORAS: int = _ENGINE_DEFAULTS["max_loras"]
+DEFAULT_MAX_LORA_RANK: int = _ENGINE_DEFAULTS["max_lora_rank"]
 _DRAFT_NEEDS_MODEL = (
     "speculative method draft_model needs model (the draft's hf:// or s3:// URI), and only it"
     " takes one"
@@ -86,9 +99,9 @@ def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _UriForms:
-    """A URI that must match `pattern`: pydantic refuses any other saying which `forms` are
-    accepted, and the CRD says the same words in a CEL rule (with an OpenAPI `pattern` instead,
-    `kubectl apply` would print the regular expression)."""
+    """A URI (or an adapter's name) that must match `pattern`: pydantic refuses any other saying
+    which `forms` are accepted, and the CRD says the same words in a CEL rule (with an OpenAPI
+    `pattern` instead, `kubectl apply` would print the regular expression)."""
 
     pattern: str
     forms: str
@@ -115,12 +128,22 @@ MODEL_URI_FORMS = (
     " Face id such as Qwen/Qwen2.5-7B-Instruct is hf://Qwen/Qwen2.5-7B-Instruct)"
 )
 DRAFT_URI_FORMS = "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+ADAPTER_URI_FORMS = (
+    "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or file:///PATH (a PEFT adapter directory;"
+    " pvc:// is not accepted for adapters: copy the adapter to s3:// or use the node's path)"
+)
 EVAL_DATASET_URI_FORMS = (
     "one file: hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
     " s3://BUCKET/KEY or pvc://CLAIM/PATH"
 )
 ModelUri = Annotated[str, _UriForms(URI_PATTERN, MODEL_URI_FORMS)]
 DraftUri = Annotated[str, _UriForms(DRAFT_URI_PATTERN, DRAFT_URI_FORMS)]
+AdapterUri = Annotated[str, _UriForms(ADAPTER_URI_PATTERN, ADAPTER_URI_FORMS)]
+ADAPTER_NAME_FORMS = (
+    "a model name of letters, digits and . _ : / -, starting and ending with a letter or digit"
+    " (e.g. sql-v2 or tenant/support)"
+)
+AdapterName = Annotated[str, _UriForms(ADAPTER_NAME_PATTERN, ADAPTER_NAME_FORMS)]
 EvalDatasetUri = Annotated[str, _UriForms(EVAL_DATASET_URI_PATTERN, EVAL_DATASET_URI_FORMS)]
 
 
@@ -817,9 +840,74 @@ class Routing(_Model):
         return self
 
 
+_CPU_LORAS_BELOW = "lora.maxCpuLoras must be >= lora.maxLoras"
+_ADAPTER_IS_BASE = "spec.adapters: an adapter's name is the base model's served name"
+
+
+class Adapter(_Model):
+    """A LoRA adapter (PEFT format) served beside the base model: clients send its name as the
+    request's `model`."""
+
+    name: AdapterName = Field(
+        max_length=128,
+        description="the model name clients send; unique, and not the base model's served name",
+    )
+    uri: AdapterUri = Field(
+        max_length=1024,
+        description="hf://org/name[@revision], s3://bucket/prefix or file:///path of a PEFT"
+        " adapter directory (adapter_config.json and adapter_model.safetensors)",
+    )
+    secret_ref: SecretRef | None = Field(
+        default=None,
+        description="a Secret in this namespace whose keys (HF_TOKEN; AWS_ACCESS_KEY_ID,"
+        " AWS_SECRET_ACCESS_KEY) the runtime fetches this adapter with; default:"
+        " spec.model.secretRef's",
+    )
+
+
+class Lora(_Model):
+    """The runtime's adapter slots (--max-loras, --max-lora-rank, --max-cpu-loras): fixed per
+    pod, so adapters can come and go without a restart while these stay."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras", _CPU_LORAS_BELOW)
+        )
+    )
+
+    max_loras: int = Field(
+        default=DEFAULT_MAX_LORAS,
+        ge=1,
+        le=256,
+        description="adapters resident for batching: one step mixes up to this many; each slot"
+        " holds GPU memory the planner counts",
+    )
+    max_lora_rank: int = Field(
+        default=DEFAULT_MAX_LORA_RANK,
+        ge=1,
+        le=512,
+        description="the largest rank an adapter may have; adapters above it are refused",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="adapters kept in host memory (least recently used evicted, re-read on"
+        " demand); default: maxLoras",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_resident(self) -> Lora:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(_CPU_LORAS_BELOW)
+        return self
+
+
 class ModelDeploymentSpec(_Model):
     model_config = ConfigDict(
         protected_namespaces=(),
+        # The default served name comes from the URI, which CEL cannot parse: the operator
+        # checks that one (_adapter_names); the apiserver the explicit one.
         json_schema_extra=_cel(
             (
                 "!has(self.runtime) || !has(self.runtime.kvOffload) || !has(self.placement)"
@@ -833,6 +921,11 @@ class ModelDeploymentSpec(_Model):
                 " || self.serving.speculative.method != 'draft_model'",
                 _OFFLOAD_NO_DRAFT,
             ),
+            (
+                "!has(self.model.servedName) || !has(self.adapters)"
+                " || self.adapters.all(a, a.name != self.model.servedName)",
+                _ADAPTER_IS_BASE,
+            ),
         ),
     )
 
@@ -844,6 +937,46 @@ class ModelDeploymentSpec(_Model):
     runtime: Runtime = Field(default_factory=Runtime)
     monitoring: Monitoring = Field(default_factory=Monitoring)
     routing: Routing = Field(default_factory=Routing)
+    adapters: list[Adapter] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters on this model, loaded into the running pods (added or"
+        " removed without a restart)",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    lora: Lora | None = Field(
+        default=None,
+        description="the pods' adapter slots; LoRA is on when this or adapters is given",
+    )
+
+    @model_validator(mode="after")
+    def _adapter_names(self) -> ModelDeploymentSpec:
+        names = [a.name for a in self.adapters]
+        doubled = sorted({n for n in names if names.count(n) > 1})
+        if doubled:
+            raise ValueError(f"spec.adapters: name {', '.join(doubled)} is given twice")
+        base = served_name(self.model)
+        if base in names:
+            raise ValueError(
+                f"spec.adapters: name {base!r} is the base model's served name; clients could"
+                " not tell them apart: give the adapter another name"
+            )
+        secrets = adapter_secrets(self)
+        if len(secrets) > 1:
+            raise ValueError(
+                f"spec.adapters: the adapters are fetched with Secrets {', '.join(secrets)}"
+                " (their secretRef, else spec.model.secretRef); the runtime fetches every"
+                " adapter with one environment: give them all the same Secret"
+            )
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora is not None or bool(self.adapters)
+
+    @property
+    def lora_slots(self) -> Lora:
+        return self.lora or Lora()
 
     @model_validator(mode="after")
     def _kv_offload_runs(self) -> ModelDeploymentSpec:
@@ -1015,6 +1148,17 @@ class CostStatus(CostFigures):
     node_types: dict[str, NodeTypeCost] = Field(default_factory=dict)
 
 
+class AdapterStatus(_Model):
+    """Where one spec.adapters entry is loaded (written by the adapter sync, adapters/sync.py)."""
+
+    name: str
+    uri: str
+    pods: list[str] = Field(
+        default_factory=list, description="the ready runtime pods that serve it now"
+    )
+    message: str = Field(default="", description="why a pod could not load it, if one could not")
+
+
 class ModelDeploymentStatus(_Model):
     model_config = ConfigDict(extra="ignore")
 
@@ -1030,6 +1174,7 @@ class ModelDeploymentStatus(_Model):
     cache: CacheStatus | None = None
     cost: CostStatus | None = None
     quality: list[QualityMeasurement] = Field(default_factory=list)
+    adapters: list[AdapterStatus] = Field(default_factory=list, max_length=MAX_ADAPTERS)
 
 
 def parse_spec(spec: dict[str, Any]) -> ModelDeploymentSpec:
@@ -1055,6 +1200,13 @@ def draft_source(spec: ModelDeploymentSpec) -> ModelSource | None:
 def served_name(source: ModelSource) -> str:
     """The spec's servedName, else the URI's last path element (without an hf:// @revision)."""
     return resource.served_name(source.uri, source.served_name)
+
+
+def adapter_secrets(spec: ModelDeploymentSpec) -> list[str]:
+    """The Secrets the adapters are fetched with, sorted: each one's secretRef, else
+    spec.model's."""
+    refs = [a.secret_ref or spec.model.secret_ref for a in spec.adapters]
+    return sorted({ref.name for ref in refs if ref is not None})
 
 
 def fallback_key(fallback: Fallback) -> str:

@@ -10,8 +10,10 @@ of pass (passes.PassScheduler's work queue runs them, one at a time per object, 
   its status changed -> status-only pass (readyReplicas, Ready).
 - Nodes and GPU pods are kept in kopf indexes; when the nodes' GPU facts change (a node pool
   added or removed), every ModelDeployment is re-planned once things settle (passes.Replanner).
-- The autoscaler loop and the re-planner are tasks on the same loop, started at startup, and so
-  is the keeper of the leader-election Lease: kopf runs only in the instance holding it (cli.py).
+- The autoscaler loop, the adapter sync and the re-planner are tasks on the same loop, started
+  at startup, and so is the keeper of the leader-election Lease: kopf runs only in the instance
+  holding it (cli.py). A ModelDeployment with LoRA, or a runtime pod turning Ready, nudges the
+  adapter sync, so adapters reach new pods and new specs without waiting for its period.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import kopf
 
 from kvpilot.contract import resource
 from kvpilot.operator import observability
+from kvpilot.operator.adapters.sync import AdapterSync
 from kvpilot.operator.autoscaling.loop import AutoscalerLoop
 from kvpilot.operator.lease import LeaderLease
 from kvpilot.operator.planning import inventory
@@ -81,13 +84,20 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: 
     memo["autoscaler"] = AutoscalerLoop(
         controller, controller.config.autoscaler_interval_seconds, pass_scheduler.known_inventory
     )
-    loops = [pass_scheduler.run(), memo["replanner"].run(), memo["autoscaler"].run()]
+    memo["adapter_sync"] = AdapterSync(controller)
+    loops = [
+        pass_scheduler.run(),
+        memo["replanner"].run(),
+        memo["autoscaler"].run(),
+        memo["adapter_sync"].run(),
+    ]
     lease: LeaderLease | None = memo.get("lease")
     if lease is not None:  # losing it stops kopf (the stop flag cli.py gave it)
         loops.append(lease.keep(memo["lease_lost"]))
+    names = ("passes", "replanner", "autoscaler", "adapter-sync", "lease")
     memo["tasks"] = [
         asyncio.create_task(loop, name=f"kvpilot-{name}")
-        for name, loop in zip(("passes", "replanner", "autoscaler", "lease"), loops, strict=False)
+        for name, loop in zip(names, loops, strict=False)
     ]
     memo["readiness"].started = True
 
@@ -146,6 +156,15 @@ async def md_event(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -
         pass_scheduler.forget(key)
     elif desired_state.needs_full_pass(body, first_sight=pass_scheduler.first_sight(key)):
         pass_scheduler.queue.put(key, True, dict(body))
+    spec = body.get("spec") or {}
+    if event["type"] != "DELETED" and (spec.get("adapters") or spec.get("lora") is not None):
+        _nudge_adapters(memo)
+
+
+def _nudge_adapters(memo: Any) -> None:
+    sync: AdapterSync | None = memo.get("adapter_sync")
+    if sync is not None:
+        sync.nudge()
 
 
 @kopf.on.event(*MD, id="md-wake", annotations={resource.WAKE_ANNOTATION: kopf.PRESENT})
@@ -218,12 +237,20 @@ async def child_deployment(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_
 async def child_pod(event: kopf.RawEvent, body: kopf.Body, memo: Any, **_: Any) -> None:
     """A runtime pod stuck on a container (a failed model fetch, a missing Secret) shows in its
     ModelDeployment's conditions; Deployments report no such thing, so this watches the pods.
-    A pod getting better needs no pass here: it turns Ready, and its Deployment's event comes."""
+    A pod getting better needs no pass here: it turns Ready, and its Deployment's event comes.
+    A Ready pod nudges the adapter sync, which loads its adapters (if it has LoRA)."""
+    if event["type"] != "DELETED" and _is_ready(body):
+        _nudge_adapters(memo)
     if event["type"] == "DELETED" or conditions.pod_problem(body) is None:
         return
     owner = (body["metadata"].get("labels") or {}).get(manifests.LABEL_MODEL)
     if owner is not None:
         _queue(memo).put((body["metadata"]["namespace"], owner), False)
+
+
+def _is_ready(pod: kopf.Body) -> bool:
+    found = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in found)
 
 
 @kopf.on.event("", "v1", "services", labels=CHILD_LABELS, id="child-service")

@@ -61,6 +61,9 @@ class Admission:
     tenancy: Tenancy
     model: str
     entered: float  # time.perf_counter() when it reached the queue
+    # Whose replicas' queue it waits in: `model`, or a LoRA adapter's base model, whose replicas
+    # serve the base and every adapter alike (one limit for all of them).
+    queue: str
     ttft_seen: bool = False
 
     @property
@@ -87,12 +90,13 @@ class FlowGate:
                     ) -> Admission | str:  # fmt: skip
         """The admission once the request may go (at once when there is room), or why it may
         not (QUEUE_FULL, QUEUE_TIMEOUT: `deadline`, on the loop's clock, passed)."""
-        queue = self._queues.get(route.model)
+        replicas_of = route.adapter_of or route.model
+        queue = self._queues.get(replicas_of)
         if queue is None:
             queue = FairQueue(self.options.max_waiting_per_tenant, self.options.weights)
-            self._queues[route.model] = queue
+            self._queues[replicas_of] = queue
         ticket = Ticket(tenancy.tenant, tenancy.priority, tenancy.weight, estimate)
-        admission = Admission(ticket, tenancy, route.model, time.perf_counter())
+        admission = Admission(ticket, tenancy, route.model, time.perf_counter(), replicas_of)
         started = queue.arrive(ticket, self.capacity(route))
         if started is None:
             self.metrics.flow_refusals.labels(*admission.labels).inc()
@@ -139,8 +143,8 @@ class FlowGate:
 
     def leave(self, admission: Admission, prompt_tokens: int, output_tokens: int) -> None:
         """The request ended having used these tokens: its slot goes to the next in turn."""
-        queue = self._queues[admission.model]
-        capacity = self.capacity(self.table.get(admission.model))
+        queue = self._queues[admission.queue]
+        capacity = self.capacity(self.table.get(admission.queue))
         self._wake(queue.finish(admission.ticket, prompt_tokens, output_tokens, capacity))
         served = self.metrics.flow_tokens
         served.labels(*admission.labels, "input").inc(prompt_tokens)

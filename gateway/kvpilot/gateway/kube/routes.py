@@ -19,6 +19,7 @@ routes. Pure: the watch in kube/discovery.py keeps the objects and calls `build_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -116,7 +117,31 @@ def build_routes(
         routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md),
                             cascade=cascade, price=price(md)))  # fmt: skip
     report_cascade_cycle(routes, problems)
+    routes += adapter_routes(routes, owners, problems)
     return Resolution(tuple(routes), tuple(problems))
+
+
+def adapter_routes(base: list[Route], owners: dict[str, Obj], problems: list[str]) -> list[Route]:
+    """A route per spec.adapters name: its base model's replicas, fallbacks, scale target and
+    price under the adapter's name (what clients send, what budgets and the cache key on); an
+    adapter whose name another model or adapter serves already is left out, with a problem."""
+    taken = {route.model for route in base}
+    routes = []
+    for route in base:
+        md = owners[route.model]
+        for adapter in (md.get("spec") or {}).get("adapters") or []:
+            name = str(adapter.get("name", ""))
+            if not name or name in taken:
+                problems.append(
+                    f"ModelDeployment {key_of(md)}: adapter {name!r} is not routed: another"
+                    " model or adapter is served under that name; rename one of them"
+                )
+                continue
+            taken.add(name)
+            routes.append(
+                dataclasses.replace(route, model=name, cascade=(), adapter_of=route.model)
+            )
+    return routes
 
 
 def report_cascade_cycle(routes: list[Route], problems: list[str]) -> None:

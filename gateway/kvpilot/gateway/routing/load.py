@@ -14,6 +14,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.contract import metric_names as names
+from kvpilot.gateway.routing.lora_affinity import LoraState, parse_lora_info
 from kvpilot.gateway.routing.picking import ReplicaLoad
 from kvpilot.gateway.routing.routes import Backend
 
@@ -65,6 +66,7 @@ class LoadBook:
         self._in_flight: dict[str, int] = {}
         self._reported: dict[str, tuple[float, float]] = {}
         self._ejected_until: dict[str, float] = {}
+        self._lora: dict[str, LoraState] = {}  # replicas' LoRA adapters in use, as last reported
 
     def start(self, name: str) -> None:
         self._in_flight[name] = self._in_flight.get(name, 0) + 1
@@ -77,6 +79,16 @@ class LoadBook:
         beyond ours in flight now are other gateway replicas'."""
         others = max(0.0, num_requests - self._in_flight.get(name, 0))
         self._reported[name] = (others, kv_usage)
+
+    def report_lora(self, name: str, state: LoraState | None) -> None:
+        """The replica's adapters in use (None: it reports none, e.g. LoRA off or no answer)."""
+        if state is None:
+            self._lora.pop(name, None)
+        else:
+            self._lora[name] = state
+
+    def lora_states(self) -> dict[str, LoraState]:
+        return dict(self._lora)
 
     def eject(self, name: str) -> None:
         """A replica that refused a connection or answered 502/503: pass it over a while."""
@@ -120,7 +132,10 @@ async def scrape_one(session: aiohttp.ClientSession, book: LoadBook, backend: Ba
         async with session.get(f"{backend.url}/metrics", timeout=timeout) as response:
             if response.status != 200:
                 raise aiohttp.ClientError(f"/metrics answered {response.status}")
-            book.report(backend.name, *parse_replica_metrics(await response.text()))
+            text = await response.text()
+            book.report(backend.name, *parse_replica_metrics(text))
+            book.report_lora(backend.name, parse_lora_info(text))
     except (TimeoutError, aiohttp.ClientError, ValueError) as error:
         log.debug("no metrics from %s: %s", backend.name, error)
         book.report(backend.name, 0.0, 0.0)
+        book.report_lora(backend.name, None)

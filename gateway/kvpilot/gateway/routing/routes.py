@@ -65,6 +65,9 @@ class Route:
     # The replicas take vLLM's `priority` field (they run `--scheduling-policy priority`); else
     # it is left out of the body, as a replica under fcfs refuses a priority it cannot honour.
     takes_priority: bool = False
+    # A LoRA adapter's route: the base model's served name. Its replicas are the base model's,
+    # picked preferring those that hold the adapter (routing/lora_affinity.py).
+    adapter_of: str | None = None
 
 
 class RouteTable:

@@ -57,6 +57,9 @@ class PlanRequest:
     memory_bytes: int = 0
     # spec.runtime.kvOffload: the runtime's KV tiers run with one GPU per replica
     has_kv_offload: bool = False
+    # LoRA adapter slots (memory.lora_slot_bytes): on one GPU, the runtime runs LoRA without
+    # tensor parallelism
+    lora_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.quantizations:
@@ -93,6 +96,7 @@ class PlanRequest:
             draft=draft,
             memory_bytes=memory_request_bytes(spec),
             has_kv_offload=spec.runtime.kv_offload is not None,
+            lora_bytes=adapter_slot_bytes(spec, facts),
         )
 
 
@@ -185,12 +189,22 @@ def _memory_reason(request: PlanRequest, node_type: NodeType) -> str:
     )
 
 
+def adapter_slot_bytes(spec: ModelDeploymentSpec, facts: ModelFacts) -> float:
+    """The adapter slots' memory per replica (0 without LoRA)."""
+    if not spec.lora_enabled:
+        return 0.0
+    slots = spec.lora_slots
+    return memory.lora_slot_bytes(facts, slots.max_loras, slots.max_lora_rank)
+
+
 def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
-    whole on GPU 0 beside its shard (memory.estimate counts it there)."""
+    whole on GPU 0 beside its shard (memory.estimate counts it there). With LoRA adapters only
+    1: the runtime does not run them under tensor parallelism."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
-    if request.has_kv_offload:  # the runtime copies no other rank's KV shard
+    # the runtime's KV tiers copy no other rank's KV shard; its LoRA has no TP path yet
+    if request.has_kv_offload or request.lora_bytes > 0:
         max_tp = min(max_tp, 1)
     return [
         tp
@@ -207,6 +221,11 @@ def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
         )
     if node_type.gpus_per_node < 1:
         return f"{node_type.name}: no GPUs per node"
+    if request.lora_bytes > 0:
+        return (
+            f"{node_type.name}: LoRA adapters run on one GPU (no tensor parallelism yet), and"
+            f" minGpusPerReplica is {request.min_gpus_per_replica}"
+        )
     return (
         f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
         f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "
@@ -231,6 +250,7 @@ def _estimate(
         gpu_memory_bytes=node_type.gpu_memory_bytes,
         gpu_memory_utilization=request.gpu_memory_utilization,
         draft=request.draft,
+        lora_bytes=request.lora_bytes,
     )
 
 

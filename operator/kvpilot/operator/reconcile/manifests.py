@@ -183,6 +183,7 @@ def runtime_args(
         if spec.serving.speculative is None
         else spec.serving.speculative.runtime_json(DRAFT_MOUNT),
         **kv_offload_values(spec.runtime.kv_offload),
+        **lora_values(spec),
     }
     return ["serve", *serve_config.to_args(values)]
 
@@ -224,6 +225,25 @@ def quantity(num_bytes: int) -> str:
     return str(num_bytes)
 
 
+def lora_values(spec: api.ModelDeploymentSpec) -> dict[str, Any]:
+    """The runtime's LoRA slots (spec.lora). Not the adapters: adapters/sync.py loads them
+    through the runtime's API, so the template, and so the pods, stay when adapters change."""
+    if not spec.lora_enabled:
+        return {}
+    slots = spec.lora_slots
+    return {
+        "enable_lora": True,
+        "max_loras": slots.max_loras,
+        "max_lora_rank": slots.max_lora_rank,
+        "max_cpu_loras": slots.max_cpu_loras,
+    }
+
+
+def adapter_secret(spec: api.ModelDeploymentSpec) -> str | None:
+    """The Secret the runtime fetches adapters with (one: api checks the adapters agree)."""
+    return next(iter(api.adapter_secrets(spec)), None)
+
+
 def fetch_container(
     spec: api.ModelDeploymentSpec,
     config: OperatorConfig,
@@ -262,6 +282,18 @@ def fetch_container(
 def container_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
     env = [{"name": "HF_HOME", "value": CACHE_MOUNT}]
     return env + [{"name": e.name, "value": e.value} for e in spec.runtime.env]
+
+
+def lora_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:
+    """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, which the operator
+    calls to change a running pod's adapters."""
+    if not spec.lora_enabled:
+        return []
+    return [{"name": serve_config.LORA_RUNTIME_UPDATES_ENV, "value": "true"}]
+
+
+def _secret_env(secret: str | None) -> dict[str, Any]:
+    return {} if secret is None else {"envFrom": [{"secretRef": {"name": secret}}]}
 
 
 def max_num_seqs(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> int:
@@ -307,7 +339,8 @@ def _container(
         # to the ModelDeployment's Degraded condition (conditions.pod_problem).
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": container_env(spec),
+        "env": container_env(spec) + lora_env(spec),
+        **_secret_env(adapter_secret(spec)),
         "resources": gpu_resources(spec, node_plan.tensor_parallel),
         "readinessProbe": _probe("/ready", period=READINESS_PERIOD_S, failures=3),
         "livenessProbe": _probe("/health", period=10, failures=6),

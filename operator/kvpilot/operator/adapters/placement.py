@@ -1,0 +1,121 @@
+"""Which LoRA adapters each running pod should load or unload, and what status says. Pure.
+
+Every ready pod holds every adapter of the spec: an adapter costs host memory and a fetch, not a
+slot (the runtime swaps adapters into its `--max-loras` slots per step), and then any replica
+serves any adapter, which keeps the gateway's choice free. An adapter a pod holds from another
+URI (the spec's `uri` changed) is unloaded and loaded again; one the spec no longer names is
+unloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvpilot.operator import api
+
+ADAPTERS_LOADED = "AdaptersLoaded"
+
+
+@dataclass(frozen=True)
+class PodAdapters:
+    """A ready pod and the adapters its /v1/models lists: name -> the URI it was loaded from."""
+
+    pod: str
+    loaded: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Action:
+    pod: str
+    verb: Literal["load", "unload"]
+    name: str
+    uri: str = ""  # load only
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An action as the pod answered it: `error` None when it did what was asked."""
+
+    action: Action
+    error: str | None = None
+
+
+def wanted(spec: api.ModelDeploymentSpec) -> dict[str, str]:
+    """The spec's adapters: name -> URI."""
+    return {adapter.name: adapter.uri for adapter in spec.adapters}
+
+
+def decide(want: Mapping[str, str], pods: Sequence[PodAdapters]) -> list[Action]:
+    """Per pod, its unloads first (they free host memory), then its loads, in the spec's order."""
+    actions = []
+    for pod in pods:
+        stale = [n for n, uri in pod.loaded.items() if want.get(n) != uri]
+        missing = [n for n in want if n in stale or n not in pod.loaded]
+        actions += [Action(pod.pod, "unload", name) for name in stale]
+        actions += [Action(pod.pod, "load", name, want[name]) for name in missing]
+    return actions
+
+
+def after(pods: Sequence[PodAdapters], outcomes: Sequence[Outcome]) -> list[PodAdapters]:
+    """The pods as the actions that succeeded left them."""
+    loaded = {pod.pod: dict(pod.loaded) for pod in pods}
+    for outcome in outcomes:
+        if outcome.error is not None:
+            continue
+        action = outcome.action
+        if action.verb == "load":
+            loaded[action.pod][action.name] = action.uri
+        else:
+            loaded[action.pod].pop(action.name, None)
+    return [PodAdapters(pod, held) for pod, held in loaded.items()]
+
+
+def statuses(
+    want: Mapping[str, str], pods: Sequence[PodAdapters], outcomes: Sequence[Outcome]
+) -> list[api.AdapterStatus]:
+    """status.adapters: per spec adapter, the pods that hold it from its URI, and the first
+    refusal of a load of it."""
+    failed: dict[str, str] = {}
+    for outcome in outcomes:
+        action = outcome.action
+        if outcome.error is not None and action.verb == "load":
+            failed.setdefault(action.name, f"{action.pod}: {outcome.error}")
+    return [
+        api.AdapterStatus(
+            name=name,
+            uri=uri,
+            pods=sorted(p.pod for p in pods if p.loaded.get(name) == uri),
+            message=failed.get(name, ""),
+        )
+        for name, uri in want.items()
+    ]
+
+
+def condition(status: Sequence[api.AdapterStatus], num_pods: int, generation: int) -> api.Condition:
+    """AdaptersLoaded: True when every ready pod holds every adapter; False naming each adapter
+    some pod could not load (the others are served meanwhile)."""
+    ok: Literal["True", "False", "Unknown"]
+    failing = [s for s in status if s.message]
+    missing = [s.name for s in status if len(s.pods) < num_pods and not s.message]
+    if failing:
+        reasons = "; ".join(f"adapter {s.name}: {s.message}" for s in failing)
+        served = len(status) - len(failing)
+        ok, reason = "False", "AdapterLoadFailed"
+        message = f"{reasons} ({served} other adapter(s) served)"
+    elif num_pods == 0:
+        ok, reason, message = "Unknown", "NoReadyPods", "no ready pod to load adapters into"
+    elif missing:
+        ok, reason = "False", "Loading"
+        message = f"not on every ready pod yet: {', '.join(missing)}"
+    else:
+        ok, reason = "True", "AllLoaded"
+        message = f"{len(status)} adapter(s) on each of {num_pods} ready pod(s)"
+    return api.Condition(
+        type=ADAPTERS_LOADED,
+        status=ok,
+        reason=reason,
+        message=message,
+        observed_generation=generation,
+    )

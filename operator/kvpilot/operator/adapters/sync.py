@@ -1,0 +1,225 @@
+"""The adapter sync: spec.adapters loaded into, and unloaded from, the running pods through the
+runtime's API, without a restart; status.adapters and the AdaptersLoaded condition say where
+each adapter is served.
+
+Why the API and not the pod template: a Deployment rolls its pods whenever its template changes,
+so adapters in the pods' args would restart every replica for each adapter added. The template
+carries only the LoRA slots (spec.lora: --enable-lora, --max-loras, --max-lora-rank, which do not
+change with the adapters), and every adapter, the first ones too, is loaded here: a new pod is
+served its adapters within a sync of becoming Ready (`nudge` from its pod event), and until then
+the gateway sends an adapter's requests to the pods that hold it (issue 34).
+
+Each sync, per ModelDeployment with LoRA: read each ready pod's /v1/models (observe), decide
+which pod loads or unloads what (placement.decide, pure), ask the pods (pod_api), and write
+status.adapters and AdaptersLoaded from what the pods answered (placement.statuses). A pod that
+refuses an adapter (a fetch that fails, a rank above --max-lora-rank) is named in the condition;
+the other adapters are loaded and served all the same, and the next sync tries again.
+
+A task on kopf's event loop beside the autoscaler's, so only the leader runs it. Nothing is kept
+between syncs: the pods and the spec say what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+from pydantic import ValidationError
+
+from kvpilot.contract import k8s, timestamps
+from kvpilot.operator import api
+from kvpilot.operator.adapters import placement, pod_api
+from kvpilot.operator.autoscaling.loop import key_of, pods_by_model
+from kvpilot.operator.reconcile import conditions, manifests, typed_status
+from kvpilot.operator.reconcile.controller import Controller
+
+SYNC_SECONDS = 5.0
+Obj = Mapping[str, Any]
+log = logging.getLogger(__name__)
+
+
+def ready_pod_bases(pods: Sequence[Obj], port: int) -> dict[str, str]:
+    """pod name -> http://IP:PORT of the ready, running pods not being deleted (pure)."""
+    bases = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        if ready and status.get("podIP") and not meta.get("deletionTimestamp"):
+            bases[meta["name"]] = f"http://{status['podIP']}:{port}"
+    return bases
+
+
+def has_lora_work(md: Obj, status: api.ModelDeploymentStatus) -> bool:
+    """LoRA is on in the spec, or status still reports adapters (to be cleared)."""
+    spec = md.get("spec") or {}
+    listed = bool(spec.get("adapters")) or spec.get("lora") is not None
+    shown = bool(status.adapters) or conditions.find(status.conditions, placement.ADAPTERS_LOADED)
+    return listed or bool(shown)
+
+
+def status_patch(
+    old: api.ModelDeploymentStatus,
+    adapters: Sequence[api.AdapterStatus],
+    condition: api.Condition | None,
+    now: str,
+) -> dict[str, Any] | None:
+    """The merge patch of status.adapters and AdaptersLoaded (None: nothing changed); without a
+    condition (LoRA off) both are cleared."""
+    merged = conditions.merge(old.conditions, [condition] if condition else [], now)
+    kept = [c for c in merged if condition is not None or c.type != placement.ADAPTERS_LOADED]
+    patch = {
+        "adapters": [typed_status.wire(a) for a in adapters],
+        "conditions": [typed_status.wire(c) for c in kept],
+    }
+    written = typed_status.wire(old)
+    unchanged = all(written.get(k, []) == v for k, v in patch.items())
+    return None if unchanged else patch
+
+
+class AdapterSync:
+    """A sync every `interval_s`, sooner after a `nudge` (a spec or pod changed)."""
+
+    def __init__(self, controller: Controller, interval_s: float = SYNC_SECONDS) -> None:
+        self.controller, self.interval_s = controller, interval_s
+        self.nudged = asyncio.Event()
+        # Whether the last sync found LoRA work: without it, only a nudge (a ModelDeployment with
+        # LoRA changed) syncs, so a cluster without adapters pays no LIST every few seconds. A
+        # start assumes work: the first sync finds out.
+        self.had_work = True
+
+    def nudge(self) -> None:
+        self.nudged.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self.interval_s):
+                    await self.nudged.wait()
+            except TimeoutError:
+                if not self.had_work:
+                    continue
+            self.nudged.clear()
+            try:
+                await self.sync()
+            except Exception:  # the API unreachable, a bug: the next sync tries again
+                log.exception("adapter sync failed; the next one tries again")
+
+    async def sync(self) -> None:
+        """Every ModelDeployment with LoRA work: one LIST of them and one of their pods."""
+        listed = await asyncio.to_thread(self.controller.list_model_deployments)
+        todo = [(md, typed_status.of(md)) for md in listed]
+        todo = [(md, status) for md, status in todo if has_lora_work(md, status)]
+        self.had_work = bool(todo)
+        if not todo:
+            return
+        pods = await asyncio.to_thread(self._model_pods)
+        async with httpx.AsyncClient() as client:
+            await asyncio.gather(
+                *(self.sync_one(client, md, s, pods.get(key_of(md), [])) for md, s in todo)
+            )
+
+    async def sync_one(
+        self,
+        client: httpx.AsyncClient,
+        md: Obj,
+        status: api.ModelDeploymentStatus,
+        pods: Sequence[Obj],
+    ) -> None:
+        try:
+            spec = api.parse_spec(md.get("spec") or {})
+        except ValidationError:
+            return  # the reconcile pass reports an invalid spec; nothing to load from it
+        bases = ready_pod_bases(pods, self.controller.config.runtime_port)
+        want = placement.wanted(spec)
+        held, outcomes = await converge(client, bases, want) if spec.lora_enabled else ([], [])
+        adapters = placement.statuses(want, held, outcomes)
+        generation = int(md["metadata"].get("generation", 0))
+        condition = (
+            placement.condition(adapters, len(held), generation) if spec.lora_enabled else None
+        )
+        patch = status_patch(status, adapters, condition, timestamps.rfc3339())
+        if patch is not None:
+            await asyncio.to_thread(self._write, md, patch)
+
+    def _model_pods(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        namespace = self.controller.config.namespace or None
+        found = k8s.list_objects(
+            self.controller.client, "v1", "Pod", namespace, manifests.LABEL_MODEL
+        )
+        return pods_by_model(found)
+
+    def _write(self, md: Obj, patch: dict[str, Any]) -> None:
+        """Only over the status this sync read (409: the next sync reads again), so a
+        reconcile pass's conditions written meanwhile are never lost."""
+        meta = md["metadata"]
+        try:
+            k8s.patch_status(
+                self.controller.client,
+                meta["namespace"],
+                meta["name"],
+                patch,
+                resource_version=meta.get("resourceVersion"),
+            )
+        except k8s.ApiException as error:
+            if error.status not in (404, 409):
+                raise
+            log.debug("adapters of %s/%s: %s; next sync", meta["namespace"], meta["name"], error)
+
+
+async def converge(
+    client: httpx.AsyncClient, bases: Mapping[str, str], want: Mapping[str, str]
+) -> tuple[list[placement.PodAdapters], list[placement.Outcome]]:
+    """Observe the pods, decide, act: the pods as the actions left them, and each action's
+    outcome."""
+    observed = await observe(client, bases)
+    outcomes = await execute(client, bases, placement.decide(want, observed))
+    return placement.after(observed, outcomes), outcomes
+
+
+async def observe(
+    client: httpx.AsyncClient, bases: Mapping[str, str]
+) -> list[placement.PodAdapters]:
+    """Each pod's adapters; a pod that does not answer is left out (not ready for loads)."""
+    names = sorted(bases)
+    found = await asyncio.gather(
+        *(pod_api.loaded(client, bases[n]) for n in names), return_exceptions=True
+    )
+    pods = []
+    for name, loaded in zip(names, found, strict=True):
+        if isinstance(loaded, BaseException):
+            log.info("adapters of pod %s unknown: %s", name, loaded)
+            continue
+        pods.append(placement.PodAdapters(name, loaded))
+    return pods
+
+
+async def execute(
+    client: httpx.AsyncClient, bases: Mapping[str, str], actions: Sequence[placement.Action]
+) -> list[placement.Outcome]:
+    """The actions, each pod's in order (unloads before loads), the pods at once."""
+    by_pod: dict[str, list[placement.Action]] = {}
+    for action in actions:
+        by_pod.setdefault(action.pod, []).append(action)
+    done = await asyncio.gather(*(_on_pod(client, bases[p], todo) for p, todo in by_pod.items()))
+    return [outcome for outcomes in done for outcome in outcomes]
+
+
+async def _on_pod(
+    client: httpx.AsyncClient, base: str, actions: Sequence[placement.Action]
+) -> list[placement.Outcome]:
+    outcomes = []
+    for action in actions:
+        if action.verb == "load":
+            error = await pod_api.load(client, base, action.name, action.uri)
+        else:
+            error = await pod_api.unload(client, base, action.name)
+        if error is not None:
+            log.warning("pod %s: %s %s: %s", action.pod, action.verb, action.name, error)
+        outcomes.append(placement.Outcome(action, error))
+    return outcomes
