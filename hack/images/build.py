@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -96,12 +97,13 @@ def mmdebstrap_command(spec: ImageSpec, tarball: Path) -> list[str]:
 
 
 # How an image is made, apart from kvpilot's own sources: a change to any of these is what CI
-# rebuilds the images for (`--if-changed`), so the build itself is exercised at least once per
-# change to a Dockerfile, the lock or this recipe.
+# rebuilds the image for (`--if-changed`), so the build itself is exercised at least once per
+# change to a Dockerfile, the image's locked requirements or this recipe. The requirements are
+# the image's own (its extras' pins, as `uv export` gives them): a dev dependency added to
+# uv.lock is not a new image.
 RECIPE = (
-    "operator/Dockerfile", "runtime/Dockerfile", "pyproject.toml", "uv.lock", ".python-version",
-    "hack/uv-requirements.txt", "hack/images/build.py", "hack/images/spec.py",
-    "hack/images/customize.sh",
+    "operator/Dockerfile", "runtime/Dockerfile", ".python-version", "hack/uv-requirements.txt",
+    "hack/images/build.py", "hack/images/spec.py", "hack/images/customize.sh",
 )  # fmt: skip
 RECIPE_LABEL = "dev.kvpilot.image.recipe"
 
@@ -116,8 +118,23 @@ def recipe_digest(files: Mapping[str, bytes]) -> str:
     return digest.hexdigest()
 
 
-def tree_recipe_digest() -> str:
-    return recipe_digest({path: (ROOT / path).read_bytes() for path in RECIPE})
+def tree_recipe_digest(spec: ImageSpec) -> str:
+    return _tree_recipe_digest(spec.name)
+
+
+@functools.cache  # by name: a spec holds a dict, so it is not hashable
+def _tree_recipe_digest(name: str) -> str:
+    files = {path: (ROOT / path).read_bytes() for path in RECIPE}
+    files["requirements.txt"] = locked_requirements(specs.IMAGES[name]).encode()
+    return recipe_digest(files)
+
+
+def locked_requirements(spec: ImageSpec) -> str:
+    """The spec's extras' pins from uv.lock, with hashes, as the image installs them."""
+    extras = [arg for extra in spec.extras for arg in ("--extra", extra)]
+    argv = ["bash", str(ROOT / "hack" / "uv.sh"), "export", "--frozen", "--quiet",
+            "--no-emit-project", "--no-header", *extras]  # fmt: skip
+    return subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
 def cached_recipe_digest(layout: Path) -> str | None:
@@ -153,7 +170,7 @@ def umoci_config_args(spec: ImageSpec, created: str, source: str) -> list[str]:
     args += [f"--config.volume={volume}" for volume in spec.volumes]
     args.append(f"--config.label=org.opencontainers.image.version={version()}")
     args.append(f"--config.label=org.opencontainers.image.revision={source}")
-    args.append(f"--config.label={RECIPE_LABEL}={tree_recipe_digest()}")
+    args.append(f"--config.label={RECIPE_LABEL}={tree_recipe_digest(spec)}")
     return args
 
 
@@ -180,7 +197,23 @@ def stage_inputs(spec: ImageSpec, stage: Path, epoch: int) -> str:
     uv("build", "--wheel", "--quiet", "--out-dir", str(stage / "wheel"))
     (wheel,) = (stage / "wheel").glob("kvpilot-*.whl")
     shutil.move(wheel, stage / wheel.name)
+    for level in spec.kernel_levels:
+        build_kernel(level, stage / "kernels")
     return wheel.name
+
+
+def build_kernel(level: str, out: Path) -> None:
+    """The paged-attention kernel for one portable level, built by this venv's torch (uv.lock's,
+    the image's too) on this Debian release (the image's glibc), one process per level; only
+    the library and its mark go into the image."""
+    argv = [sys.executable, "-m", "kvpilot.runtime.layers.paged_kernel", "--portable", level,
+            "--out", str(out)]  # fmt: skip
+    subprocess.run(argv, check=True, cwd=ROOT)
+    for built in out.iterdir() if out.is_dir() else ():
+        keep = {"built", (built / "built").read_text().strip()}
+        for path in built.iterdir():
+            if path.name not in keep:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def hook_env(spec: ImageSpec, stage: Path, wheel: str, epoch: int) -> dict[str, str]:
@@ -194,6 +227,7 @@ def hook_env(spec: ImageSpec, stage: Path, wheel: str, epoch: int) -> dict[str, 
         "KVPILOT_GROUP_LINE": spec.group_line,
         "KVPILOT_OWNED_DIRS": " ".join(d for d in (spec.home, *spec.owned_dirs) if d),
         "KVPILOT_UID": str(specs.UID),
+        "KVPILOT_COMPILE_BYTECODE": "1" if spec.compile_bytecode else "",
         "VENV": specs.VENV,
     }
 
@@ -281,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no image {', '.join(unknown)}: the images are {', '.join(specs.IMAGES)}")
     for name in args.images or list(specs.IMAGES):
         cached = layout_dir(specs.IMAGES[name], args.out)
-        if args.if_changed and cached_recipe_digest(cached) == tree_recipe_digest():
+        recipe = tree_recipe_digest(specs.IMAGES[name])
+        if args.if_changed and cached_recipe_digest(cached) == recipe:
             print(f"==> {name}: the cached image has this recipe, not rebuilt\n    {cached}")
             continue
         print(f"==> building {name}", flush=True)

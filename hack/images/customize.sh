@@ -2,7 +2,8 @@
 # mmdebstrap --customize-hook (root mode, run on the host): installs the locked virtualenv into the
 # root filesystem "$1" and adds the image's user. uv runs inside the root filesystem (chroot), so
 # the venv's interpreter, scripts and pyvenv.cfg name the image's own paths, not the host's.
-# Inputs from hack/images/build.py: KVPILOT_IMAGE_STAGE (uv, requirements.txt, the kvpilot wheel),
+# Inputs from hack/images/build.py: KVPILOT_IMAGE_STAGE (uv, requirements.txt, the kvpilot wheel,
+# kernels/ when the image ships the prebuilt paged-attention kernel), KVPILOT_COMPILE_BYTECODE,
 # KVPILOT_WHEEL, KVPILOT_PASSWD_LINE, KVPILOT_GROUP_LINE, KVPILOT_OWNED_DIRS, KVPILOT_UID, VENV,
 # UV_CACHE_DIR (the host's uv cache: warm machines download nothing) and SOURCE_DATE_EPOCH.
 set -euo pipefail
@@ -14,7 +15,13 @@ cp "$KVPILOT_IMAGE_STAGE/uv" "$KVPILOT_IMAGE_STAGE/requirements.txt" \
 # The host's CA bundle (SSL_CERT_FILE, e.g. a proxy's CA) for uv's downloads; gone with $build.
 cp "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" "$root$build/ca.crt"
 mount --bind "$UV_CACHE_DIR" "$root$build/uv-cache"
-trap 'umount "$root$build/uv-cache" 2>/dev/null || true' EXIT
+trap '# The paged-attention kernels built for portable levels (paged_kernel.prebuilt_root)
+if [ -d "$KVPILOT_IMAGE_STAGE/kernels" ]; then
+  mkdir -p "$root$VENV/share/kvpilot"
+  cp -r "$KVPILOT_IMAGE_STAGE/kernels" "$root$VENV/share/kvpilot/kernels"
+fi
+
+umount "$root$build/uv-cache" 2>/dev/null || true' EXIT
 
 in_root() {
   # copy, never hardlink: a hardlink would tie the image's files to the host cache's inodes
@@ -24,7 +31,7 @@ in_root() {
 }
 in_root "$build/uv" venv --quiet --python /usr/bin/python3 "$VENV"
 in_root "$build/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes \
-  "$build/requirements.txt"
+  ${KVPILOT_COMPILE_BYTECODE:+--compile-bytecode} "$build/requirements.txt"
 # From a flat index (no direct_url.json naming a file the image lacks). --refresh-package: a
 # wheel of the same version from an earlier build must not come from uv's cache.
 version=${KVPILOT_WHEEL#kvpilot-}

@@ -51,6 +51,12 @@ class ImageSpec:
     volumes: tuple[str, ...] = ()
     home: str | None = None  # created and owned by the user; None: no home directory
     owned_dirs: tuple[str, ...] = field(default=())  # created and owned by the user
+    # The paged-attention kernel built at image build for these portable x86-64 levels (the
+    # runtime's paged_kernel.PORTABLE_LEVELS), installed under the venv: no pod compiles it
+    kernel_levels: tuple[str, ...] = ()
+    # The venv's bytecode compiled at build (as pip does in the Dockerfile): a start imports
+    # torch from .pyc, not from source (PYTHONDONTWRITEBYTECODE keeps a pod from writing it)
+    compile_bytecode: bool = False
 
     @property
     def debian_packages(self) -> tuple[str, ...]:
@@ -115,6 +121,8 @@ RUNTIME = ImageSpec(
     volumes=("/models",),
     home="/home/kvpilot",
     owned_dirs=("/models",),
+    kernel_levels=("x86-64-v4", "x86-64-v3"),
+    compile_bytecode=True,
 )
 
 IMAGES = {spec.name: spec for spec in (OPERATOR, RUNTIME)}

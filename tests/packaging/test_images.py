@@ -199,7 +199,11 @@ def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
     assert all((ROOT / path).is_file() for path in build.RECIPE)
     assert {spec.dockerfile for spec in SPECS} <= set(build.RECIPE)
     args = build.umoci_config_args(RUNTIME, "2024-01-01T00:00:00Z", "abc")
-    assert f"--config.label={build.RECIPE_LABEL}={build.tree_recipe_digest()}" in args
+    assert f"--config.label={build.RECIPE_LABEL}={build.tree_recipe_digest(RUNTIME)}" in args
+    # each image's own pins: the operator's lack torch, so the two recipes differ
+    assert "torch==" in build.locked_requirements(RUNTIME)
+    assert "torch==" not in build.locked_requirements(OPERATOR)
+    assert build.tree_recipe_digest(RUNTIME) != build.tree_recipe_digest(OPERATOR)
 
 
 def test_rfc3339_is_utc() -> None:
@@ -234,7 +238,7 @@ def test_built_config_is_the_spec(spec: ImageSpec) -> None:
     layout = build.layout_dir(spec)
     assert build.cached_recipe_digest(layout) == run_config["Labels"].get(build.RECIPE_LABEL)
     if built_from_this_tree(image):  # a cached image of another commit may have another recipe
-        assert build.cached_recipe_digest(layout) == build.tree_recipe_digest()
+        assert build.cached_recipe_digest(layout) == build.tree_recipe_digest(spec)
 
 
 @pytest.mark.slow
@@ -259,6 +263,16 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
     for owned in (spec.home, *spec.owned_dirs):
         if owned:
             assert names[owned.lstrip("/")] == (UID, UID), owned
+    if has_this_recipe(spec):  # nothing compiled at pod start (older recipes predate these)
+        pyc = any(n.startswith(f"{site}/torch/__pycache__/__init__.cpython-") for n in names)
+        assert pyc == spec.compile_bytecode  # torch's import from source is seconds per start
+        kernels = "opt/venv/share/kvpilot/kernels/"
+        levels = {n.removeprefix(kernels).rsplit("-", 1)[0]
+                  for n in names if n.startswith(kernels) and n.endswith("/built")}  # fmt: skip
+        # every level the building CPU could load (this machine's, where make images ran)
+        assert levels <= set(spec.kernel_levels) and ("x86-64-v3" in levels) == bool(
+            spec.kernel_levels
+        ), levels
     if spec is RUNTIME:
         assert "usr/bin/tini" in names
     else:
@@ -348,12 +362,20 @@ def test_runtime_image_serves_a_completion_under_tini(tmp_path: Path, scratch: P
         completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
         assert completion.choices[0].text and completion.usage is not None
         assert completion.usage.completion_tokens == 4
+        engine = httpx.get(f"http://127.0.0.1:{port}/version", timeout=10).json()["engine"]
+        if has_this_recipe(RUNTIME):  # with no compiler in the image: the prebuilt kernel
+            assert engine["attention_backend"] == "paged", engine["attention_source"]
         (init,) = child_pids(process.pid)  # unshare's child: PID 1 of the image's namespace
         assert cmdline(init).split()[:2] == ["tini", "--"], cmdline(init)
         assert f"{VENV}/bin/python" in " ".join(cmdline(pid) for pid in child_pids(init))
     finally:
         stop(process)
     assert process.returncode == 0, log.read_text()[-3000:]  # drained and exited on SIGTERM
+
+
+def has_this_recipe(spec: ImageSpec) -> bool:
+    """The cached image was built by this tree's recipe (older ones may lack what it adds)."""
+    return build.cached_recipe_digest(build.layout_dir(spec)) == build.tree_recipe_digest(spec)
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

@@ -452,4 +452,4 @@ def test_a_machine_without_a_compiler_gets_the_reason_and_the_fallback(
     """The build stops before torch's extension builder with a line that says what to do."""
     monkeypatch.setenv("CXX", "no-such-compiler")
     with pytest.raises(paged_kernel.KernelUnavailableError, match="--attention-backend sdpa"):
-        paged_kernel._build_and_load(tmp_path)
+        paged_kernel._build_and_load(tmp_path, paged_kernel.COMPILE_FLAGS)

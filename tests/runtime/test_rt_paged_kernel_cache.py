@@ -9,10 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvpilot.runtime.layers import paged_kernel
 
 LOAD_IN_A_NEW_PROCESS = """
 import sys
+import pytest
+
 from kvpilot.runtime.layers import paged_kernel
 paged_kernel.load()
 import torch
@@ -47,3 +51,57 @@ def test_a_mark_that_cannot_be_written_is_left_out_without_an_error(tmp_path: Pa
     missing_dir = tmp_path / "gone"  # the mark's directory is not there: writing it fails
     paged_kernel.mark_built(missing_dir, missing_dir / "lib.so")
     assert not (missing_dir / paged_kernel.BUILT_MARK).exists()
+
+
+V4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "levels"),
+    [
+        (V4 | V3 | {"sse4_2"}, ["x86-64-v4", "x86-64-v3"]),
+        (V3 | {"sse4_2"}, ["x86-64-v3"]),
+        (V3 - {"abm"}, []),  # no LZCNT: not v3, whatever else it has
+        ((V4 | V3) - {"avx512vl"}, ["x86-64-v3"]),
+        (set(), []),
+    ],
+)
+def test_a_cpu_runs_the_portable_levels_whose_features_it_has(
+    flags: set[str], levels: list[str]
+) -> None:
+    assert paged_kernel.portable_levels(frozenset(flags)) == levels
+
+
+LOAD_WITHOUT_A_COMPILER = """
+import pytest
+
+from kvpilot.runtime.layers import paged_kernel
+paged_kernel.load()
+import torch
+assert hasattr(torch.ops.kvpilot, "paged_decode_attention")
+print("loaded from", paged_kernel.prebuilt_root())
+"""
+
+
+@pytest.mark.slow  # compiles the kernel once for a portable level
+def test_a_prebuilt_kernel_loads_where_there_is_no_compiler_and_no_cache(tmp_path: Path) -> None:
+    """What an image does: the kernel built for x86-64-v3 when the image was built, loaded in a
+    pod without a compiler or a cache of its own."""
+    from kvpilot.runtime.engine import machine_files
+
+    if "x86-64-v3" not in paged_kernel.portable_levels(machine_files.cpu_flags()):
+        pytest.skip("this CPU is not x86-64-v3")
+    out = tmp_path / "prebuilt"
+    build = [sys.executable, "-m", "kvpilot.runtime.layers.paged_kernel", "--portable",
+             "x86-64-v3", "--out", str(out)]  # fmt: skip
+    subprocess.run(build, capture_output=True, text=True, timeout=600, check=True)
+    (built,) = out.iterdir()
+    assert built.name == paged_kernel.portable_key("x86-64-v3")
+    env = {**os.environ, "CXX": "no-such-compiler", paged_kernel.CACHE_ENV: str(tmp_path / "cache"),
+           paged_kernel.PREBUILT_ENV: str(out)}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_A_COMPILER], capture_output=True,
+                            text=True, env=env, timeout=300, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == f"loaded from {out}"
+    assert not (tmp_path / "cache").exists()  # nothing was built for this machine

@@ -14,10 +14,15 @@ path and mtime) rebuilt it whenever another checkout of the same source had used
 which cost a pod start 70-95 s on a loaded 2-core machine (docs/benchmarks.md, cold start).
 
     python -m kvpilot.runtime.layers.paged_kernel     # build now (make setup does), print where
+    python -m kvpilot.runtime.layers.paged_kernel --portable x86-64-v3 --out DIR   # for an image
+
+Where neither this machine's cache nor a compiler has it, a kernel prebuilt for a portable
+x86-64 level is loaded from the venv (`prebuilt_root`, which `make images` fills).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import os
@@ -34,6 +39,14 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # Written into the build directory once a build has loaded in its process: it names the built
 # library, so a later process loads a complete library, never one a build is still writing.
 BUILT_MARK = "built"
+# Kernels built when an image is built (hack/images), one per portable x86-64 level, loaded
+# where this CPU has the level's features: a pod then runs the kernel without a compiler and
+# never compiles it at start. The levels' features as /proc/cpuinfo names them, best first.
+PREBUILT_ENV = "KVPILOT_PREBUILT_KERNELS"
+PORTABLE_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    ("x86-64-v3", frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"})),
+)
 
 
 class KernelUnavailableError(RuntimeError):
@@ -59,6 +72,49 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def prebuilt_root() -> Path:
+    """Where an image keeps its prebuilt kernels: under the venv, beside the code they serve."""
+    return Path(os.environ.get(PREBUILT_ENV) or Path(sys.prefix) / "share" / "kvpilot" / "kernels")
+
+
+def portable_flags(level: str) -> list[str]:
+    return [flag if flag != "-march=native" else f"-march={level}" for flag in COMPILE_FLAGS]
+
+
+def portable_key(level: str) -> str:
+    """A prebuilt kernel's key: its source, torch, the Python ABI (the image's interpreter is
+    not the builder's patch release) and the level's flags; no CPU of its own."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    parts = (torch.__version__, sys.implementation.cache_tag, platform.machine())
+    for part in (*parts, *portable_flags(level)):
+        digest.update(part.encode())
+    return f"{level}-{digest.hexdigest()[:16]}"
+
+
+def portable_levels(cpu_flags: frozenset[str]) -> list[str]:
+    """The portable levels this CPU runs, best first (pure)."""
+    return [level for level, needs in PORTABLE_LEVELS if needs <= cpu_flags]
+
+
+def load_prebuilt() -> bool:
+    """Load the best prebuilt kernel this CPU runs; False when the image ships none for it."""
+    from kvpilot.runtime.engine import machine_files
+
+    root = prebuilt_root()
+    return any(
+        load_built(root / portable_key(level))
+        for level in portable_levels(machine_files.cpu_flags())
+    )
+
+
+def build_portable(level: str, out: Path) -> Path:
+    """Build the kernel for a portable level into out/<portable_key> (one level per process:
+    each build registers the same op). Returns the build directory."""
+    build_dir = out / portable_key(level)
+    mark_built(build_dir, _build_and_load(build_dir, portable_flags(level)))
+    return build_dir
+
+
 def load() -> None:
     """Build (first time) and load the kernel into this process; KernelUnavailableError, with
     the reason, where it cannot be."""
@@ -73,8 +129,8 @@ def unavailable_reason() -> str | None:
     process tries the build once, however many engines it starts."""
     build_dir = cache_root() / build_key()
     try:
-        if not load_built(build_dir):
-            mark_built(build_dir, _build_and_load(build_dir))
+        if not (load_built(build_dir) or load_prebuilt()):
+            mark_built(build_dir, _build_and_load(build_dir, COMPILE_FLAGS))
     except KernelUnavailableError as error:
         return str(error)
     return None
@@ -104,7 +160,7 @@ def mark_built(build_dir: Path, library: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
-def _build_and_load(build_dir: Path) -> Path:
+def _build_and_load(build_dir: Path, flags: list[str]) -> Path:
     """The library's path, built (or rebuilt when torch's check says so) and loaded."""
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
@@ -126,7 +182,7 @@ def _build_and_load(build_dir: Path) -> Path:
         library = cpp_extension.load(
             name=f"kvpilot_paged_decode_{build_dir.name}",
             sources=[str(SOURCE)],
-            extra_cflags=COMPILE_FLAGS,
+            extra_cflags=flags,
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
@@ -154,7 +210,31 @@ def paged_decode_attention(
     return op(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpilot.runtime.layers.paged_kernel")
+    parser.add_argument(
+        "--portable",
+        choices=[level for level, _ in PORTABLE_LEVELS],
+        help="build for this x86-64 level into --out (an image's prebuilt kernel)",
+    )
+    parser.add_argument("--out", type=Path, help="with --portable: where the build goes")
+    args = parser.parse_args(argv)
+    if args.portable:
+        if args.out is None:
+            parser.error("--portable needs --out DIR")
+        from kvpilot.runtime.engine import machine_files
+
+        if args.portable not in portable_levels(machine_files.cpu_flags()):
+            # torch's builder loads what it built: code for a level this CPU lacks could fault
+            print(f"==> skipped {args.portable}: this CPU cannot load code built for it")
+            return 0
+        try:
+            built = build_portable(args.portable, args.out)
+        except KernelUnavailableError as error:
+            print(f"not built: {error}", file=sys.stderr)
+            return 1
+        print(f"==> paged-attention kernel for {args.portable}: {built}")
+        return 0
     print(f"==> paged-attention kernel: building or loading under {cache_root()} ...", flush=True)
     reason = unavailable_reason()
     if reason is not None:
