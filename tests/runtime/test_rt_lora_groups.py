@@ -41,12 +41,15 @@ def test_rows_are_grouped_by_slot(
     ("row_slots", "is_cheap"),
     [
         ([0, 1, 2, 3] * 4, True),  # decode: 4 rows per slot, no padding
-        ([0] * 3 + [1] * 2 + [2], True),  # 9 padded for 6 rows
-        ([0] * 10 + [1, 2], False),  # a prefill chunk beside two decodes: 30 padded, 12 rows
+        ([0] * 3 + [1] * 2 + [2], True),  # 3 padding rows for 3 groups
+        ([0] * 6 + list(range(1, 21)), True),  # a Zipf-like decode: 100 padding rows, 21 groups
+        ([0] * 100 + [1, 2], False),  # a prefill chunk beside two decodes: 198 for 3 groups
+        ([0] * 66 + [1], False),  # 65 padding rows for 2 groups: one more than allowed
+        ([0] * 65 + [1], True),  # 64 for 2 groups: the limit
         ([-1] * 50 + [0, 1], True),  # base rows cost the padded form nothing
     ],
 )
-def test_padding_is_chosen_while_it_at_most_doubles_the_rows(
+def test_padding_is_chosen_while_at_most_32_rows_per_group(
     row_slots: list[int], is_cheap: bool
 ) -> None:
     assert is_padding_cheap(group_rows(row_slots)) is is_cheap
@@ -97,7 +100,7 @@ def reference_delta(
     ("row_slots", "is_padded"),
     [
         ([0, 1, 2, -1, 1, 0, 2, 2], True),  # decode-like: padded batched matmuls
-        ([1] * 9 + [-1, 2, 0], False),  # a long group: one matmul pair per slot
+        ([1] * 60 + [-1, 2, 0], False),  # a long group: one matmul pair per slot
         ([2, -1, 2], True),  # one slot, not the first: its weights are gathered
     ],
 )

@@ -6,19 +6,22 @@ slot's rows, ascending; groups in slot order. Two ways to run the groups, as Pun
 S-LoRA's kernels do on a GPU, but with stock BLAS:
 
 - padded: every group padded to the longest, [G, L] row indices, two batched matmuls over the
-  G slots' weights. Few ops, so best where ops cost more than arithmetic (decode batches: a
-  few rows per slot), but padding is wasted work when one group is far longer than the rest;
+  G slots' weights: a few ops whatever G, but the padding rows are wasted work;
 - segmented: one pair of matmuls per group, over exactly its rows: no waste, 2G ops.
 
-`is_padding_cheap` picks the padded form while padding at most doubles the rows multiplied.
+Which is cheaper is a matter of op overhead against rows multiplied: on CPU a group's own pair
+of small matmuls costs about as much as 40 padded rows of tiny-llama's widest projection (45 us
+against ~1.1 us a row, bf16), and a GPU's kernel launch still more. So `is_padding_cheap` keeps
+the padded form (decode steps, many slots with a few rows each) while the padding is at most
+MAX_PADDING_PER_GROUP rows per group, and a long group (a prefill chunk) runs segmented.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Padded rows (G x L) allowed per real row before the segmented form is used instead.
-MAX_PADDING_FACTOR = 2.0
+# Padding rows (G x L less the real ones) allowed per group before the segmented form is used.
+MAX_PADDING_PER_GROUP = 32
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,10 @@ def group_rows(row_slots: list[int]) -> SlotGroups:
 
 
 def is_padding_cheap(groups: SlotGroups) -> bool:
-    """Whether the padded form multiplies at most MAX_PADDING_FACTOR x the real rows."""
-    padded = len(groups.slots) * groups.max_group_size
-    return padded <= MAX_PADDING_FACTOR * groups.num_rows
+    """Whether the padded form wastes at most MAX_PADDING_PER_GROUP rows per group."""
+    num_groups = len(groups.slots)
+    padding = num_groups * groups.max_group_size - groups.num_rows
+    return padding <= MAX_PADDING_PER_GROUP * num_groups
 
 
 def padded_rows(groups: SlotGroups) -> tuple[list[list[int]], list[int]]:
