@@ -132,3 +132,22 @@ def test_a_batch_without_adapter_rows_is_none_and_so_are_its_output_rows() -> No
     batch = LoraBatch.of_rows([-1, 0, 1], [2, 0], cpu)
     assert batch is not None and batch.output is not None
     assert batch.output.rows.tolist() == [0] and batch.output.segments == [(1, 0, 1)]
+
+
+def test_a_projection_no_adapter_of_the_step_targets_is_left_as_it_is() -> None:
+    """qv-only adapters (PEFT's default) leave o_proj untouched: its stack is skipped."""
+    stack = LoraStack(CFG, ("o_proj",), 4, 8, torch.float32, torch.device("cpu"))
+    stack.set_slot(0, random_adapter(8, 0), layer=0)  # q, v, gate, up: not o
+    assert stack.is_targeted == [False] * 4
+    o_only = LoraAdapter("o", 2, {(0, "o_proj"): (torch.ones(2, 256), torch.ones(256, 2))})
+    stack.set_slot(1, o_only, layer=0)
+    x, base = torch.randn(3, 256), torch.randn(3, 256)
+    skipped = LoraBatch.of_rows([0, -1, 0], [], torch.device("cpu"))
+    assert skipped is not None and stack.add_delta(base.clone(), x, skipped).equal(base)
+    applied = LoraBatch.of_rows([0, 1, -1], [], torch.device("cpu"))
+    assert applied is not None
+    out = stack.add_delta(base.clone(), x, applied)
+    assert out[[0, 2]].equal(base[[0, 2]])  # slot 0's row adds zeros, the base row nothing
+    torch.testing.assert_close(out[1], base[1] + x[1].sum() * 2)
+    stack.set_slot(1, random_adapter(8, 1), layer=0)  # rewritten: no longer targets o
+    assert stack.is_targeted == [False] * 4

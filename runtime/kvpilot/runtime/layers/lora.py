@@ -64,11 +64,15 @@ class LoraStack:
         in_features = shapes[0][1]
         self.a = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, self.width, sum(self.outs), dtype=dtype, device=device)
+        # Per slot: whether its adapter targets any of these modules. PEFT's default targets
+        # (q_proj, v_proj) leave o, gate_up and down all zeros: a step skips them.
+        self.is_targeted = [False] * num_slots
 
     def set_slot(self, slot: int, adapter: LoraAdapter, layer: int) -> None:
         """Write the adapter's A and B (zeros for what it does not target) into `slot`."""
         self.a[slot] = 0
         self.b[slot] = 0
+        self.is_targeted[slot] = any((layer, m) in adapter.weights for m in self.modules)
         for j, module in enumerate(self.modules):
             pair = adapter.weights.get((layer, module))
             if pair is None:
@@ -81,6 +85,8 @@ class LoraStack:
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """out [T, out] += each adapter row's delta for x [T, in], in place."""
+        if not any(self.is_targeted[slot] for slot in batch.slots):
+            return out
         if batch.grid is not None:
             u = torch.bmm(x[batch.grid], batch.weights(self.a))  # [G, L, k*R]
             delta = torch.bmm(u, batch.weights(self.b)).flatten(0, 1)  # [G*L, out]
@@ -100,6 +106,7 @@ class LoraBatch:
 
     def __init__(self, groups: SlotGroups, device: torch.device) -> None:
         self.rows = torch.tensor(groups.rows, dtype=torch.long, device=device)  # [M]
+        self.slots = groups.slots  # [G]
         self.segments = [
             (slot, groups.starts[g], groups.starts[g + 1]) for g, slot in enumerate(groups.slots)
         ]
