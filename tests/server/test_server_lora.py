@@ -1,11 +1,13 @@
 """LoRA adapters through a real server and the official openai client: an adapter named as the
 `model` answers as transformers + peft does, /v1/models lists adapters with their parent, vLLM's
 load/unload endpoints with their bodies and status codes, the 404 and 400 bodies, and
-vllm:lora_requests_info."""
+vllm:lora_requests_info; adapters named by hf:// and s3:// URIs, fetched from the dev model
+servers (olah as the Hugging Face hub, SeaweedFS as S3), at start and through the endpoint."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,10 @@ from openai import OpenAI
 from safetensors.torch import save_file
 
 from bench.reference.lora import MIXED_ADAPTERS, load_base, make_adapter, reference_logprobs
+from hack.devcluster.modelsources import make_hf_mirror, s3_client, upload_model
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from tests.support import model_sources
+from tests.support.model_sources import S3Endpoint, hf_env, s3_env
 from tests.support.server_process import MODEL, TINY, RuntimeServer
 
 pytestmark = pytest.mark.slow  # starts runtime processes
@@ -165,3 +170,96 @@ def test_lora_requests_info_reports_max_loras(lora_server: RuntimeServer) -> Non
     key = next(k for k in samples if k.startswith("vllm:lora_requests_info"))
     assert "('max_lora', '2')" in key
     assert samples[key] > 1.7e9  # the time of the reading
+
+
+# -- adapters from hf:// and s3:// ---------------------------------------------------------------
+
+HF_ADAPTERS = {"qv8": "kvpilot/lora-qv8", "ko2": "kvpilot/lora-ko2"}
+
+
+@pytest.fixture(scope="module")
+def adapter_hub(
+    tmp_path_factory: pytest.TempPathFactory, adapters: dict[str, tuple[Path, Any]]
+) -> Iterator[str]:
+    """HF_ENDPOINT of a hub (olah, offline) serving the qv8 and ko2 adapters as HF_ADAPTERS."""
+    state = tmp_path_factory.mktemp("adapter-hub")
+    for name, repo_id in HF_ADAPTERS.items():
+        make_hf_mirror(adapters[name][0], state / "hf-mirrors", repo_id)
+    with model_sources.hf_hub(state) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def s3_adapters(s3_endpoint: S3Endpoint, adapters: dict[str, tuple[Path, Any]]) -> str:
+    """s3://BUCKET/PREFIX under which qv8/ and ko2/ are uploaded (a prefix new to the store)."""
+    prefix = f"lora-{uuid.uuid4().hex[:8]}"
+    client = s3_client(s3_endpoint)
+    for name in HF_ADAPTERS:
+        upload_model(client, s3_endpoint.bucket, adapters[name][0], f"{prefix}/{name}/")
+    return f"s3://{s3_endpoint.bucket}/{prefix}"
+
+
+@pytest.fixture(scope="module")
+def remote_lora_server(
+    start_server: Callable[..., RuntimeServer],
+    tmp_path_factory: pytest.TempPathFactory,
+    adapter_hub: str,
+    s3_endpoint: S3Endpoint,
+    s3_adapters: str,
+) -> RuntimeServer:
+    env = hf_env(adapter_hub, tmp_path_factory.mktemp("hf-home")) | s3_env(s3_endpoint)
+    with pytest.MonkeyPatch.context() as patch:  # the server process inherits it
+        for key, value in env.items():
+            patch.setenv(key, value)
+        patch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+        return start_server(
+            "--max-model-len", "256", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+            "--attention-backend", "sdpa", "--dtype", "float32",
+            "--lora-modules", f"hf-qv8=hf://{HF_ADAPTERS['qv8']}", f"s3-qv8={s3_adapters}/qv8",
+        )  # fmt: skip
+
+
+def test_lora_modules_from_hf_and_s3_answer_as_peft_does(
+    remote_lora_server: RuntimeServer, adapters: dict[str, tuple[Path, Any]], s3_adapters: str
+) -> None:
+    client = client_of(remote_lora_server)
+    expected = greedy_text(adapters["qv8"][1])
+    assert completion_text(client, "hf-qv8") == completion_text(client, "s3-qv8") == expected
+    roots = {card.id: card.model_extra["root"] for card in client.models.list().data}  # type: ignore[index]
+    assert roots["hf-qv8"] == f"hf://{HF_ADAPTERS['qv8']}"
+    assert roots["s3-qv8"] == f"{s3_adapters}/qv8"
+
+
+@pytest.mark.parametrize("scheme", ["hf", "s3"])
+def test_load_lora_adapter_fetches_an_hf_or_s3_path(
+    remote_lora_server: RuntimeServer,
+    adapters: dict[str, tuple[Path, Any]],
+    s3_adapters: str,
+    scheme: str,
+) -> None:
+    """vLLM's load body takes a path or a Hub repo id as lora_path; here a URI either way."""
+    path = f"hf://{HF_ADAPTERS['ko2']}" if scheme == "hf" else f"{s3_adapters}/ko2"
+    name = f"{scheme}-ko2"
+    loaded = post(
+        remote_lora_server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
+    )
+    assert (loaded.status_code, loaded.text) == (
+        200, f"Success: LoRA adapter '{name}' added successfully.",
+    )  # fmt: skip
+    assert completion_text(client_of(remote_lora_server), name) == greedy_text(adapters["ko2"][1])
+
+
+def test_remote_paths_that_cannot_be_fetched_are_400s_naming_the_uri(
+    remote_lora_server: RuntimeServer, s3_adapters: str
+) -> None:
+    cases = [
+        (f"{s3_adapters}/missing", "no objects under"),
+        ("hf://kvpilot/no-such-adapter", "hf://kvpilot/no-such-adapter"),
+    ]
+    for path, message in cases:
+        body = {"lora_name": "missing", "lora_path": path}
+        answer = post(remote_lora_server, "/v1/load_lora_adapter", body)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert path in error["message"] and message in error["message"], error
+        assert error["param"] == "lora_path"

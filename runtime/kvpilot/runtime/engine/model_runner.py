@@ -421,7 +421,8 @@ class ModelRunner:
         lora = self.model.lora
         if lora is None or not plan.lora_slots:
             return None
-        return LoraBatch.of_rows(plan.lora_slots, lora.max_rank, self.model.dtype, self.device)
+        output_rows = plan.sample_rows + plan.prompt_rows  # as `inputs` passes them
+        return LoraBatch.of_rows(plan.lora_slots, output_rows, self.device)
 
     def load_loras(self, loads: list[tuple[int, LoraRequest]]) -> None:
         """Copy adapters newly given a slot into the model's stacks (before the step)."""

@@ -1,29 +1,37 @@
 """Multi-LoRA on a mixed batch: every resident adapter's A and B stacked per projection, one
-step's tokens each picking its adapter's slot (or none: the base model).
+step's token rows grouped by their adapter's slot (layers/lora_groups.py); the base model's rows
+skip LoRA entirely.
 
 The base projection runs as ever (dense, int8 or int4: layers/quant.py), and the adapters add
-their delta to its output, so how the base is stored does not matter. For a projection with
-S slots of rank up to R (each fused projection — qkv, gate_up — holds k sub-modules, each with
-its own A and B), the delta of a whole batch is three dense ops, no per-sequence loop:
+their delta to its output, so how the base is stored does not matter. A projection's stacks are
+A [S, in, k*R] and B [S, k*R, out] for S slots of rank up to R (each fused projection — qkv,
+gate_up — holds k sub-modules, each with its own A and B; B is block-diagonal over them). For
+the M rows that run an adapter, grouped into G slots, the delta is S-LoRA's / Punica's
+segmented LoRA, no per-sequence loop:
 
-    u = x @ A_all                # [T, in] @ [in, S*k*R]   every token through every slot's A
-    u = u * slot_mask            # [T, S*k*R]              keep only the token's own slot
-    delta = u @ B_all            # [S*k*R, out]            B block-diagonal over k sub-modules
+    padded (decode-like steps, a few rows per slot; lora_groups.is_padding_cheap):
+        u = x[grid] @ A[slots]       # [G, L, in] @ [G, in, k*R]  one batched matmul
+        delta = u @ B[slots]         # [G, L, k*R] @ [G, k*R, out]
+    segmented (one group far longer than the others: a prefill chunk):
+        delta[group g] = x[rows_g] @ A[s_g] @ B[s_g]   for each of the G <= --max-loras slots
+    out.index_add_(0, rows, delta)   # [M, out] back to the rows' places
 
-Padding ranks below R and sub-modules an adapter does not target are zeros, so they add nothing.
-This is S-LoRA's / Punica's batched LoRA in its masked form: the waste is S*k*R columns instead
-of one slot's k*R per token, small beside the base matmul while S*k*R << in (tiny-llama's
-qkv: 8 slots x 3 x 16 = 384 against 256 in; a 7B model's 4096), and in return every step is two
-ordinary matmuls that the CPU's and GPU's BLAS run at full speed. Only slots up to the highest
-one the step uses are multiplied.
+Each row multiplies only its own slot's k*R columns (padding ranks below R and sub-modules an
+adapter does not target are zeros, so they add nothing), where the masked form this replaced
+ran every row through all S slots and zeroed the rest: S times the work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from kvpilot.runtime.layers.lora_groups import (
+    SlotGroups,
+    group_rows,
+    is_padding_cheap,
+    padded_rows,
+    select_rows,
+)
 from kvpilot.runtime.models.loader import ModelConfig
 from kvpilot.runtime.models.lora_files import LoraAdapter, module_shape
 
@@ -37,7 +45,7 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 
 
 class LoraStack:
-    """One fused projection's A and B over all slots: A [in, S*k*R], B [S*k*R, out_total]."""
+    """One fused projection's A and B over all slots: A [S, in, k*R], B [S, k*R, out_total]."""
 
     def __init__(
         self,
@@ -54,63 +62,88 @@ class LoraStack:
         self.offsets = [sum(self.outs[:j]) for j in range(len(modules))]
         self.width = len(modules) * max_rank  # columns per slot
         in_features = shapes[0][1]
-        self.a = torch.zeros(in_features, num_slots * self.width, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots * self.width, sum(self.outs), dtype=dtype, device=device)
+        self.a = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, self.width, sum(self.outs), dtype=dtype, device=device)
+        # Per slot: whether its adapter targets any of these modules. PEFT's default targets
+        # (q_proj, v_proj) leave o, gate_up and down all zeros: a step skips them.
+        self.is_targeted = [False] * num_slots
 
     def set_slot(self, slot: int, adapter: LoraAdapter, layer: int) -> None:
         """Write the adapter's A and B (zeros for what it does not target) into `slot`."""
-        first = slot * self.width
-        self.a[:, first : first + self.width] = 0
-        self.b[first : first + self.width] = 0
+        self.a[slot] = 0
+        self.b[slot] = 0
+        self.is_targeted[slot] = any((layer, m) in adapter.weights for m in self.modules)
         for j, module in enumerate(self.modules):
             pair = adapter.weights.get((layer, module))
             if pair is None:
                 continue
             a, b = pair  # [r, in], [out, r]
-            rank, column = a.shape[0], first + j * self.max_rank
-            self.a[:, column : column + rank] = a.t()
+            rank, column = a.shape[0], j * self.max_rank
+            self.a[slot, :, column : column + rank] = a.t()
             out = slice(self.offsets[j], self.offsets[j] + self.outs[j])
-            self.b[column : column + rank, out] = b.t()
+            self.b[slot, column : column + rank, out] = b.t()
 
-    def add_delta(self, out: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """out [T, out] += the adapters' delta for x [T, in]; mask [T, n*k*R] covers the first
-        n slots. In place: one matmul, one multiply, one fused multiply-add."""
-        columns = mask.shape[1]
-        shrunk = (x @ self.a[:, :columns]).mul_(mask)  # [T, n*k*R]
-        return out.addmm_(shrunk, self.b[:columns])
+    def add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
+        """out [T, out] += each adapter row's delta for x [T, in], in place."""
+        if not any(self.is_targeted[slot] for slot in batch.slots):
+            return out
+        if batch.grid is not None:
+            u = torch.bmm(x[batch.grid], batch.weights(self.a))  # [G, L, k*R]
+            delta = torch.bmm(u, batch.weights(self.b)).flatten(0, 1)  # [G*L, out]
+            if batch.positions is not None:  # drop the padding rows
+                delta = delta[batch.positions]
+        else:
+            x_rows = x[batch.rows]  # [M, in], grouped by slot
+            delta = x_rows.new_empty(x_rows.shape[0], out.shape[1])  # [M, out]
+            for slot, first, end in batch.segments:
+                torch.mm(x_rows[first:end] @ self.a[slot], self.b[slot], out=delta[first:end])
+        return out.index_add_(0, batch.rows, delta)
 
 
-@dataclass
 class LoraBatch:
-    """One step's adapter choice per token row: a one-hot [T, n] over the first n slots (n: the
-    highest slot used + 1), widened per sub-module count once and reused by every layer."""
+    """One step's rows grouped by slot, as tensors on the device, made once per step and read
+    by every layer; `output`: the same for the rows the last layer keeps (None: no adapter)."""
 
-    one_hot: torch.Tensor  # [T, n]
-    max_rank: int
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    def __init__(self, groups: SlotGroups, device: torch.device) -> None:
+        self.rows = torch.tensor(groups.rows, dtype=torch.long, device=device)  # [M]
+        self.slots = groups.slots  # [G]
+        self.segments = [
+            (slot, groups.starts[g], groups.starts[g + 1]) for g, slot in enumerate(groups.slots)
+        ]
+        # Slots 0..G-1 (the usual case: the lowest free slot is filled first) are a view.
+        is_prefix = groups.slots == list(range(len(groups.slots)))
+        self.slot_index = (
+            None if is_prefix else torch.tensor(groups.slots, dtype=torch.long, device=device)
+        )
+        self.num_slots = len(groups.slots)
+        self.grid: torch.Tensor | None = None  # [G, L] when the padded form runs
+        self.positions: torch.Tensor | None = None  # [M] real rows in the grid; None: all are
+        if is_padding_cheap(groups):
+            grid, positions = padded_rows(groups)
+            self.grid = torch.tensor(grid, dtype=torch.long, device=device)
+            if len(positions) < self.grid.numel():
+                self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self.output: LoraBatch | None = None
 
     @classmethod
     def of_rows(
-        cls, row_slots: list[int], max_rank: int, dtype: torch.dtype, device: torch.device
+        cls, row_slots: list[int], output_rows: list[int], device: torch.device
     ) -> LoraBatch | None:
-        """row_slots [T]: each row's slot, -1 for the base model; None when no row has one."""
-        num_used = max(row_slots, default=-1) + 1
-        if num_used == 0:
+        """row_slots [T]: each row's slot, -1 for the base model; output_rows: the rows the
+        last layer keeps. None when no row runs an adapter."""
+        groups = group_rows(row_slots)
+        if not groups.rows:
             return None
-        slots = torch.tensor(row_slots, device=device)
-        one_hot = (slots[:, None] == torch.arange(num_used, device=device)).to(dtype)
-        return cls(one_hot, max_rank)
+        batch = cls(groups, device)
+        kept = group_rows(select_rows(row_slots, output_rows))
+        batch.output = cls(kept, device) if kept.rows else None
+        return batch
 
-    def mask(self, num_modules: int) -> torch.Tensor:
-        """[T, n*k*R]: each slot's flag repeated over its k*R columns."""
-        if num_modules not in self._masks:
-            width = num_modules * self.max_rank
-            self._masks[num_modules] = self.one_hot.repeat_interleave(width, dim=1)
-        return self._masks[num_modules]
-
-    def rows(self, rows: torch.Tensor) -> LoraBatch:
-        """The batch of the rows kept (a layer's output rows)."""
-        return LoraBatch(self.one_hot[rows], self.max_rank)
+    def weights(self, stacked: torch.Tensor) -> torch.Tensor:
+        """[G, ...] the groups' slots of a stack [S, ...]."""
+        if self.slot_index is None:
+            return stacked[: self.num_slots]
+        return stacked.index_select(0, self.slot_index)
 
 
 class LayerLora:
@@ -120,9 +153,8 @@ class LayerLora:
         self.stacks, self.layer = stacks, layer
 
     def add(self, group: str, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-        """out [T, out] (the base projection of x [T, in]) plus the token's adapter's delta."""
-        stack = self.stacks[group]
-        return stack.add_delta(out, x, batch.mask(len(stack.modules)))
+        """out [T, out] (the base projection of x [T, in]) plus each row's adapter's delta."""
+        return self.stacks[group].add_delta(out, x, batch)
 
 
 class LoraWeights:

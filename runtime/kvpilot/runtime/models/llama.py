@@ -117,7 +117,7 @@ class DecoderLayer:
         attn = paged_attention(q, k, v, cache[0], cache[1], meta, cfg.head_dim**-0.5)
         if output_rows is not None:
             x, attn = x[output_rows], attn[output_rows]
-            lora = None if lora is None else lora.rows(output_rows)
+            lora = None if lora is None else lora.output  # planned for the same rows
         x = x + self.group.all_reduce(self.project("o", self.o, attn.flatten(1), lora))
         normed = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
         gate, up = self.project("gate_up", self.gate_up, normed, lora).chunk(2, dim=-1)

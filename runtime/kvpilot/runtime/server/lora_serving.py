@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from kvpilot.contract.fetch import fetch
+from kvpilot.contract.fetch import FetchError, fetch
 from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.lora_registry import LoraNotFoundError
@@ -48,7 +48,7 @@ def load(core: Engine, base_name: str, name: str, uri: str) -> LoraRequest:
         )
     try:
         return core.load_lora(name, local_adapter_dir(uri), uri)
-    except (LoraError, ValueError) as exc:  # LoraError: the adapter; ValueError: its URI
+    except (LoraError, ValueError, FetchError) as exc:  # the adapter; its URI; its download
         raise ApiError(
             400, f"cannot load LoRA adapter {name!r} from {uri}: {exc}", "lora_path"
         ) from exc

@@ -1,0 +1,153 @@
+"""The segmented LoRA matmul: a step's rows grouped by slot (pure logic, table-driven), and both
+forms of the delta (padded, segmented) against each row's own x @ A @ B."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.reference.models import TINY_LLAMA
+from kvpilot.runtime.layers.lora import FUSED_GROUPS, LoraBatch, LoraStack
+from kvpilot.runtime.layers.lora_groups import (
+    SlotGroups,
+    group_rows,
+    is_padding_cheap,
+    padded_rows,
+    select_rows,
+)
+from kvpilot.runtime.models.loader import load_model_config
+from kvpilot.runtime.models.lora_files import LoraAdapter, module_shape
+
+CFG = load_model_config(TINY_LLAMA)
+
+
+@pytest.mark.parametrize(
+    ("row_slots", "slots", "rows", "starts"),
+    [
+        ([], [], [], [0]),
+        ([-1, -1], [], [], [0]),  # the base model's rows skip LoRA
+        ([0, 0, 0], [0], [0, 1, 2], [0, 3]),
+        ([2, -1, 0, 2, 0], [0, 2], [2, 4, 0, 3], [0, 2, 4]),  # slot order, rows ascending
+        ([5, 3, -1, 3], [3, 5], [1, 3, 0], [0, 2, 3]),  # slots need not start at 0
+    ],
+)
+def test_rows_are_grouped_by_slot(
+    row_slots: list[int], slots: list[int], rows: list[int], starts: list[int]
+) -> None:
+    assert group_rows(row_slots) == SlotGroups(slots, rows, starts)
+
+
+@pytest.mark.parametrize(
+    ("row_slots", "is_cheap"),
+    [
+        ([0, 1, 2, 3] * 4, True),  # decode: 4 rows per slot, no padding
+        ([0] * 3 + [1] * 2 + [2], True),  # 3 padding rows for 3 groups
+        ([0] * 6 + list(range(1, 21)), True),  # a Zipf-like decode: 100 padding rows, 21 groups
+        ([0] * 100 + [1, 2], False),  # a prefill chunk beside two decodes: 198 for 3 groups
+        ([0] * 66 + [1], False),  # 65 padding rows for 2 groups: one more than allowed
+        ([0] * 65 + [1], True),  # 64 for 2 groups: the limit
+        ([-1] * 50 + [0, 1], True),  # base rows cost the padded form nothing
+    ],
+)
+def test_padding_is_chosen_while_at_most_32_rows_per_group(
+    row_slots: list[int], is_cheap: bool
+) -> None:
+    assert is_padding_cheap(group_rows(row_slots)) is is_cheap
+
+
+@pytest.mark.parametrize(
+    ("row_slots", "grid", "positions"),
+    [
+        ([0, 1, 0, 1], [[0, 2], [1, 3]], [0, 1, 2, 3]),
+        ([0, 0, 0, 1, -1], [[0, 1, 2], [3, 3, 3]], [0, 1, 2, 3]),  # padded with its own row
+        ([4, 2, 2], [[1, 2], [0, 0]], [0, 1, 2]),
+    ],
+)
+def test_padded_grid_repeats_each_groups_first_row(
+    row_slots: list[int], grid: list[list[int]], positions: list[int]
+) -> None:
+    assert padded_rows(group_rows(row_slots)) == (grid, positions)
+
+
+def test_output_rows_keep_their_slots_in_their_order() -> None:
+    assert select_rows([3, -1, 0, 1], [3, 0, 1]) == [1, 3, -1]
+
+
+def random_adapter(rank: int, seed: int) -> LoraAdapter:
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for module in ("q_proj", "v_proj", "gate_proj", "up_proj"):
+        out, in_ = module_shape(CFG, module)
+        a = torch.randn(rank, in_, generator=generator)
+        weights[(0, module)] = (a, torch.randn(out, rank, generator=generator))
+    return LoraAdapter(f"seed{seed}", rank, weights)
+
+
+def reference_delta(
+    adapter: LoraAdapter, modules: tuple[str, ...], x: torch.Tensor
+) -> torch.Tensor:
+    """x [in] -> the fused projection's delta [out]: each sub-module's x @ A^T @ B^T, or zeros."""
+    parts = []
+    for module in modules:
+        pair = adapter.weights.get((0, module))
+        out = module_shape(CFG, module)[0]
+        parts.append(torch.zeros(out) if pair is None else (x @ pair[0].t()) @ pair[1].t())
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("group", ["qkv", "gate_up"])
+@pytest.mark.parametrize(
+    ("row_slots", "is_padded"),
+    [
+        ([0, 1, 2, -1, 1, 0, 2, 2], True),  # decode-like: padded batched matmuls
+        ([1] * 60 + [-1, 2, 0], False),  # a long group: one matmul pair per slot
+        ([2, -1, 2], True),  # one slot, not the first: its weights are gathered
+    ],
+)
+def test_delta_of_each_form_is_each_rows_own_adapter(
+    group: str, row_slots: list[int], is_padded: bool
+) -> None:
+    modules = FUSED_GROUPS[group]
+    stack = LoraStack(CFG, modules, 4, 8, torch.float32, torch.device("cpu"))
+    adapters = {slot: random_adapter(rank, slot) for slot, rank in [(0, 8), (1, 4), (2, 2)]}
+    for slot, adapter in adapters.items():
+        stack.set_slot(slot, adapter, layer=0)
+    x = torch.randn(len(row_slots), module_shape(CFG, modules[0])[1])
+    base = torch.randn(len(row_slots), sum(stack.outs))
+    batch = LoraBatch.of_rows(row_slots, [], torch.device("cpu"))
+    assert batch is not None and (batch.grid is not None) is is_padded
+    out = stack.add_delta(base.clone(), x, batch)
+    for row, slot in enumerate(row_slots):
+        delta = torch.zeros(sum(stack.outs)) if slot < 0 else reference_delta(
+            adapters[slot], modules, x[row]
+        )  # fmt: skip
+        torch.testing.assert_close(out[row], base[row] + delta, rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_without_adapter_rows_is_none_and_so_are_its_output_rows() -> None:
+    cpu = torch.device("cpu")
+    assert LoraBatch.of_rows([-1, -1], [0, 1], cpu) is None
+    batch = LoraBatch.of_rows([-1, 0, 0], [0], cpu)
+    assert batch is not None and batch.output is None
+    batch = LoraBatch.of_rows([-1, 0, 1], [2, 0], cpu)
+    assert batch is not None and batch.output is not None
+    assert batch.output.rows.tolist() == [0] and batch.output.segments == [(1, 0, 1)]
+
+
+def test_a_projection_no_adapter_of_the_step_targets_is_left_as_it_is() -> None:
+    """qv-only adapters (PEFT's default) leave o_proj untouched: its stack is skipped."""
+    stack = LoraStack(CFG, ("o_proj",), 4, 8, torch.float32, torch.device("cpu"))
+    stack.set_slot(0, random_adapter(8, 0), layer=0)  # q, v, gate, up: not o
+    assert stack.is_targeted == [False] * 4
+    o_only = LoraAdapter("o", 2, {(0, "o_proj"): (torch.ones(2, 256), torch.ones(256, 2))})
+    stack.set_slot(1, o_only, layer=0)
+    x, base = torch.randn(3, 256), torch.randn(3, 256)
+    skipped = LoraBatch.of_rows([0, -1, 0], [], torch.device("cpu"))
+    assert skipped is not None and stack.add_delta(base.clone(), x, skipped).equal(base)
+    applied = LoraBatch.of_rows([0, 1, -1], [], torch.device("cpu"))
+    assert applied is not None
+    out = stack.add_delta(base.clone(), x, applied)
+    assert out[[0, 2]].equal(base[[0, 2]])  # slot 0's row adds zeros, the base row nothing
+    torch.testing.assert_close(out[1], base[1] + x[1].sum() * 2)
+    stack.set_slot(1, random_adapter(8, 1), layer=0)  # rewritten: no longer targets o
+    assert stack.is_targeted == [False] * 4
