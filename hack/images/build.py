@@ -232,7 +232,7 @@ def hook_env(spec: ImageSpec, stage: Path, wheel: str, epoch: int) -> dict[str, 
     }
 
 
-def pack(spec: ImageSpec, tarball: Path, layout: Path, epoch: int) -> None:
+def pack(spec: ImageSpec, tarball: Path, layout: Path, epoch: int, source: str) -> None:
     """The tar as the only layer of a new OCI layout, then the config; no stray blobs."""
     image = f"{layout}:{version()}"
     created = rfc3339(epoch)
@@ -243,7 +243,7 @@ def pack(spec: ImageSpec, tarball: Path, layout: Path, epoch: int) -> None:
          "--history.created_by=make images (hack/images/build.py)", str(tarball)],
         check=True,
     )  # fmt: skip
-    config = umoci_config_args(spec, created, revision())
+    config = umoci_config_args(spec, created, source)
     subprocess.run(["umoci", "config", "--image", image, *config], check=True)
     subprocess.run(["umoci", "gc", "--layout", str(layout)], check=True)
 
@@ -265,6 +265,9 @@ def build(spec: ImageSpec, out: Path | None = None) -> Path:
         raise SystemExit("make images needs root (mmdebstrap --mode=root, chroot, mount)")
     layout = layout_dir(spec, out)
     epoch = source_date_epoch()
+    # The tree the wheel is built from, named before it is built: a commit made while an image
+    # builds (minutes) must not be the label of sources it does not hold.
+    source = revision()
     with (
         locked(layout.with_name(layout.name + ".lock")),
         tempfile.TemporaryDirectory(dir=layout.parent, prefix=f".{spec.name}-") as tmp,
@@ -275,7 +278,7 @@ def build(spec: ImageSpec, out: Path | None = None) -> Path:
         tarball = work / "rootfs.tar"
         env = hook_env(spec, work / "stage", wheel, epoch)
         subprocess.run(mmdebstrap_command(spec, tarball), env=env, check=True)
-        pack(spec, tarball, work / "layout", epoch)
+        pack(spec, tarball, work / "layout", epoch, source)
         shutil.rmtree(layout, ignore_errors=True)
         (work / "layout").rename(layout)
     return layout
