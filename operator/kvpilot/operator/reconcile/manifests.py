@@ -169,6 +169,9 @@ def runtime_args(
         "speculative_config": None
         if spec.serving.speculative is None
         else spec.serving.speculative.runtime_json(DRAFT_MOUNT),
+        "scheduling_policy": None
+        if spec.serving.scheduling_policy == "fcfs"
+        else spec.serving.scheduling_policy,
     }
     return ["serve", *serve_config.to_args(values)]
 
