@@ -37,6 +37,7 @@ DEFAULTS = TenantSpec(name="default", api_key="sk-run", request_rate=math.inf, c
         ("name=urgent, priority=-1", {"priority": -1}),
         ("name=all,rate=inf", {"request_rate": math.inf}),
         ("name=x,input_len=7", {"input_len": 7}),  # the underscore spelling too
+        ("name=late,delay=5", {"delay_s": 5.0}),
     ],
 )  # fmt: skip
 def test_parse_tenant(text: str, expected: dict[str, Any]) -> None:
@@ -72,6 +73,8 @@ def test_a_tenants_rate_replaces_the_runs_concurrency() -> None:
         ("name=a,num-prompts=0", "num-prompts must be >= 1"),
         ("name=a,rate=2,concurrency=3", "give rate (open loop) or concurrency (closed loop)"),
         ("name=a,rate=2,rate=3", "rate given twice"),
+        ("name=a,delay=-1", "delay must be >= 0 seconds"),
+        ("name=a,delay=inf", "delay must be >= 0 seconds"),
     ],
 )
 def test_bad_tenant_specs_say_what_is_wrong(text: str, says: str) -> None:

@@ -277,7 +277,9 @@ def tenant_load(config: BenchConfig, model: str, tenant: TenantSpec, index: int)
     times = None
     if tenant.concurrency is None:
         times = arrival_times(len(requests), tenant.request_rate, config.burstiness, seed)
-    return Load(endpoint, requests, tenant.concurrency, times, config.max_concurrency)
+    return Load(
+        endpoint, requests, tenant.concurrency, times, config.max_concurrency, tenant.delay_s
+    )
 
 
 def benchmark_tenants(config: BenchConfig, model: str) -> tuple[Summary, list[TenantReport], dict]:

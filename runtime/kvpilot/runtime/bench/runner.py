@@ -70,6 +70,7 @@ class Load:
     concurrency: int | None = None
     times: list[float] | None = None  # None: all at once
     max_concurrency: int | None = None
+    delay_s: float = 0.0  # starts this long after the others
 
     def width(self) -> int:
         return self.concurrency or self.max_concurrency or len(self.requests)
@@ -81,6 +82,8 @@ async def drive(
     async def sender(request: BenchRequest) -> RequestResult:
         return await send(client, load.endpoint, request, start)
 
+    if load.delay_s > 0:
+        await asyncio.sleep(load.delay_s)  # pacing the load generator, not waiting for a condition
     if load.concurrency is not None:
         return await closed_loop(load.requests, load.concurrency, sender, on_done)
     arrival = load.times if load.times is not None else [0.0] * len(load.requests)

@@ -2,10 +2,11 @@
 (an open-loop rate or a closed loop of clients), `priority` and prompt shape; reported per tenant.
 
 A tenant is `--tenant name=batch,key=sk-b,rate=6,priority=5,input-len=256,output-len=64`
-(repeated), or one entry of a `--tenants FILE` (YAML or JSON: a list of such mappings, or
-{"tenants": [...]}). Fields a tenant leaves out come from the run's own flags (--api-key,
---request-rate / --concurrency, --input-len, --output-len, --num-prompts); `priority` left out is
-not sent at all (a server under fcfs refuses any other than 0).
+(repeated; `delay=S` starts a tenant S seconds late), or one entry of a `--tenants FILE` (YAML
+or JSON: a list of such mappings, or {"tenants": [...]}). Fields a tenant leaves out come from
+the run's own flags (--api-key, --request-rate / --concurrency, --input-len, --output-len,
+--num-prompts); `priority` left out is not sent at all (a server under fcfs refuses any other
+than 0).
 
 Shares of tokens: a tenant's tokens are prompt + output tokens of its answered requests (what the
 gateway's fair queue counts, unweighted). Over the whole run a light tenant's share depends on
@@ -36,6 +37,7 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "input-len": ("input_len", int),
     "output-len": ("output_len", int),
     "num-prompts": ("num_prompts", int),
+    "delay": ("delay_s", float),
 }
 TENANT_FIELDS = tuple(_FIELDS)
 
@@ -50,6 +52,7 @@ class TenantSpec:
     input_len: int
     output_len: int
     num_prompts: int
+    delay_s: float = 0.0  # starts this long after the run (another tenant builds a queue first)
 
     def __post_init__(self) -> None:
         where = f"tenant {self.name!r}"
@@ -63,6 +66,10 @@ class TenantSpec:
             (self.input_len >= 1, f"{where}: input-len must be >= 1, got {self.input_len}"),
             (self.output_len >= 1, f"{where}: output-len must be >= 1, got {self.output_len}"),
             (self.num_prompts >= 1, f"{where}: num-prompts must be >= 1, got {self.num_prompts}"),
+            (
+                0 <= self.delay_s < math.inf,
+                f"{where}: delay must be >= 0 seconds, got {self.delay_s}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
