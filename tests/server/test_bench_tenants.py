@@ -177,6 +177,17 @@ def test_per_tenant_figures_by_hand() -> None:
     assert document["num_429"] == 2 and document["summary"]["completed"] == 3
 
 
+def test_a_request_streaming_when_the_window_closes_counts_its_part() -> None:
+    # chunks at 1.0, 2.0, 3.0, 4.0 s: by 2.5 s the prompt (10) and half of the 8 output tokens
+    streaming = ok(0.0, 1.0, 4.0, 10, 8)
+    streaming.itl = [1.0, 1.0, 1.0]
+    results = {"heavy": [streaming], "light": [ok(0.0, 0.5, 2.5, 2, 2)]}
+    assert contended_window(results) == 2.5
+    heavy, light = tenant_reports(SPECS, results, duration_s=4.0, percentiles=(50.0,))
+    assert (heavy.contended_tokens, light.contended_tokens) == (14, 4)
+    assert (heavy.tokens, light.tokens) == (18, 4)
+
+
 def test_a_tenant_without_answers_has_no_share() -> None:
     results = {"heavy": [refused(0.0)], "light": [refused(0.1)]}
     reports = tenant_reports(SPECS, results, duration_s=1.0, percentiles=(50.0,))

@@ -12,7 +12,8 @@ Shares of tokens: a tenant's tokens are prompt + output tokens of its answered r
 gateway's fair queue counts, unweighted). Over the whole run a light tenant's share depends on
 when each tenant runs out of requests, so the report gives a second share, **contended**: the
 tokens of requests answered before the first tenant finished, the window where every tenant
-still had work (the one a fairness goal is about).
+still had work (the one a fairness goal is about), each request counted as far as it had
+streamed by then (`served_by`).
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class TenantReport:
     num_429: int  # refused with 429 (a full tenant queue, a rate or budget limit)
     tokens: int  # prompt + output tokens of the tenant's answered requests
     token_share: float  # of every tenant's tokens, whole run
-    contended_tokens: int  # answered before the first tenant finished
+    contended_tokens: int  # served before the first tenant finished (served_by)
     contended_share: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,6 +178,9 @@ class TenantReport:
         }
 
 
+_EPSILON_S = 1e-9  # a chunk at the window's very end is in it, whatever the float sums say
+
+
 def finished_at(result: RequestResult) -> float:
     """Seconds since the run started when the request ended (answered or failed)."""
     return result.start + result.latency if result.success else result.start
@@ -188,10 +192,22 @@ def contended_window(results: Mapping[str, list[RequestResult]]) -> float:
     return min(ends) if ends else 0.0
 
 
+def served_by(result: RequestResult, until: float) -> float:
+    """Tokens `result` was served by `until` (seconds since the run started): its prompt once
+    its first chunk came, its output tokens spread evenly over its chunks, as they came. A
+    request still streaming at `until` counts its part, so a tenant with requests in flight
+    when the window closes is not under-counted."""
+    if not result.success:
+        return 0.0
+    times = result.chunk_times()
+    if times[0] > until + _EPSILON_S:
+        return 0.0
+    arrived = sum(t <= until + _EPSILON_S for t in times)
+    return result.prompt_len + result.output_len * arrived / len(times)
+
+
 def _tokens(results: list[RequestResult], until: float = math.inf) -> int:
-    return sum(
-        r.prompt_len + r.output_len for r in results if r.success and finished_at(r) <= until
-    )
+    return round(sum(served_by(r, until) for r in results))
 
 
 def _share(part: int, whole: int) -> float:
