@@ -89,6 +89,8 @@ def test_bad_tenant_specs_say_what_is_wrong(text: str, says: str) -> None:
         ("- {name: a, rate: 2}\n- {name: b, concurrency: 3, priority: 4}\n", ["a", "b"]),
         ('{"tenants": [{"name": "a", "input_len": 9}]}', ["a"]),  # JSON is YAML
         ("tenants: nope\n", "expected a list of tenants"),
+        ("[]\n", "expected a list of tenants"),  # none: not a multi-tenant run
+        ("", "expected a list of tenants"),
         ("- [a, b]\n", "expected a list of tenants"),
         ("- {name: a, rate: 2}\n  bad: [\n", "not YAML or JSON"),
         ("- {name: a, priority: true}\n", "priority must be an integer"),

@@ -137,7 +137,11 @@ def load_tenants_file(path: Path, defaults: TenantSpec) -> list[TenantSpec]:
     except yaml.YAMLError as exc:
         raise ValueError(f"--tenants {path}: not YAML or JSON: {exc}") from exc
     entries = document.get("tenants") if isinstance(document, dict) else document
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+    if (
+        not entries
+        or not isinstance(entries, list)
+        or not all(isinstance(e, dict) for e in entries)
+    ):
         raise ValueError(
             f"--tenants {path}: expected a list of tenants (mappings with {', '.join(_FIELDS)}), "
             "or {tenants: [...]}"
