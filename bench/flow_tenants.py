@@ -8,8 +8,11 @@ priority 10, a and b weight 1, w3 weight 3 and w1 weight 1; the model `schedulin
 priority`, so each request's priority reaches the replica): one without flow control, one with
 `--max-in-flight-per-replica` = the replica's `--max-num-seqs` (the surplus waits in the
 gateway's fair queue, preemptive since the replica preempts by priority). The replica and the
-client share one core, the gateways the other (server_common.Cores). Every figure is a tenant's
-row of `kvpilot bench`'s per-tenant report (runtime/bench/tenants.py), each phase in rounds:
+client share one core, the gateways the other (server_common.Cores), except in the priority
+phase, where the client runs on the gateways' core: the flood's client (about 3x capacity in
+requests a second) starved beside the replica and its own TTFTs measured it (docs/benchmarks.md).
+Every figure is a tenant's row of `kvpilot bench`'s per-tenant report (runtime/bench/tenants.py),
+each phase in rounds:
 
 1. Capacity: a closed loop of max-num-seqs clients of the flood's shape (64-token prompts, 64
    output tokens), requests/s, through the fair queue.
@@ -106,7 +109,16 @@ def gateway_high_ttft_ms(url: str, before: tuple[float, float]) -> float:
     return 1000.0 * (total - before[0]) / max(count - before[1], 1.0)
 
 
-def priority_round(run: Run, url: str, rate: float, num_high: int) -> dict[str, float]:
+def priority_round(
+    run: Run, url: str, rate: float, num_high: int, client_cores: set[int]
+) -> dict[str, float]:
+    """The high tenant alone, then beside the flood; the client on `client_cores` (the
+    gateways' core, not the replica's: the flood's client must not starve beside the replica)."""
+    with server_common.pinned(os.getpid(), client_cores):
+        return _priority_round(run, url, rate, num_high)
+
+
+def _priority_round(run: Run, url: str, rate: float, num_high: int) -> dict[str, float]:
     high = f"name=high,key=sk-bench-interactive,rate={HIGH_SHARE * rate:.4f}," \
            f"num-prompts={num_high},{HIGH_SHAPE}"  # fmt: skip
     _, alone = run(url, high)
@@ -153,14 +165,16 @@ def overhead_round(run: Run, urls: dict[str, str], index: int) -> dict[str, floa
     return found
 
 
-def measure(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, object]:
+def measure(
+    args: argparse.Namespace, urls: dict[str, str], cores: server_common.Cores
+) -> dict[str, object]:
     run = runner([0])
     flow = urls["on"]
     run(flow, f"name=warm,key=sk-bench-a,concurrency={BATCH},num-prompts={2 * BATCH},{FLOOD_SHAPE}")
     rate = capacity(run, flow)
     rounds: dict[str, list[dict[str, float]]] = {"priority": [], "fairness": [], "overhead": []}
     for index in range(args.rounds):
-        rounds["priority"].append(priority_round(run, flow, rate, args.num_high))
+        rounds["priority"].append(priority_round(run, flow, rate, args.num_high, cores.gateway))
         rounds["fairness"].append(fairness_round(run, flow))
         rounds["overhead"].append(overhead_round(run, urls, index))
         print(f"round {index + 1}: {rounds}", flush=True)
@@ -209,7 +223,8 @@ def report(args: argparse.Namespace, cores: server_common.Cores, found: dict) ->
     failed = sum(r["high_failed"] for r in pr)
     loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
-        f"Cores: {cores.words}. Load average when the run ended: {loadavg}.\n\n"
+        f"Cores: {cores.words} (in the priority phase the client on the gateway's). Load "
+        f"average when the run ended: {loadavg}.\n\n"
         f"Capacity: {found['capacity']:.2f} requests/s (64-token prompts, 64 output tokens, "
         f"`--max-num-seqs {BATCH}`, through the fair queue). {args.rounds} rounds; each cell is "
         "the median of the rounds and, in brackets, every round's figure.\n\n"
@@ -218,8 +233,8 @@ def report(args: argparse.Namespace, cores: server_common.Cores, found: dict) ->
         f"refused). High-priority requests failed: {failed:.0f}. Shares are of prompt + output "
         "tokens served while both tenants had work (`kvpilot bench`'s contended share).\n\n"
         "Reading the priority rows: the client's TTFT counts from its own event loop, which "
-        "runs the flood too (about 3x capacity in requests a second, most of them answered 429) "
-        "on the core it shares with the replica; where the client's mean is far above the "
+        "runs the flood too (about 3x capacity in requests a second, most of them answered 429); "
+        "where the client's mean is far above the "
         "gateway's (from reaching the gateway's queue to the replica's first byte), the client "
         "fell behind, not the replica or the queue.\n"
     )
@@ -248,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 config, Path(tmp), "--max-in-flight-per-replica", str(BATCH),
                 "--max-queued-per-tenant", str(QUEUED), "--fallback-after", "600"))  # fmt: skip
         stack.enter_context(server_common.pinned(os.getpid(), cores.replica))  # the client
-        found = measure(args, {"off": off, "on": on})
+        found = measure(args, {"off": off, "on": on}, cores)
     body = report(args, cores, found)
     print(body)
     command = f"python -m bench.flow_tenants --rounds {args.rounds} --num-high {args.num_high}"
