@@ -99,9 +99,8 @@ def report(
         + markdown_table(["", "output tok/s", "TTFT p50 (ms)"], rows)
         + f"\n\nThroughput saturated, fair queue / without: {ratio:.2f}x (goal >= 0.95x)  \n"
         + f"Added TTFT p50 at low load: {added:.2f} ms (goal <= 2 ms)\n\n"
-        "Shares per tenant are not measured here (`kvpilot bench` runs one tenant a run; issue 36 "
-        "item 3): tests/gateway/test_flow_vtc.py simulates them and test_flow_served.py checks "
-        "them through a real gateway and replica.\n"
+        "Shares per tenant and priority under a flood: bench.flow_tenants (`kvpilot bench "
+        "--tenant`), below.\n"
     )
 
 

@@ -127,6 +127,46 @@ def test_strict_priority_between_bands() -> None:
     assert order == [*high, *low]
 
 
+# (action, ticket, the tickets started by it): capacity 2; "l*" are band 5, "h*" band 0; the
+# two low ones run first. Preemptive: a slot held by a worse band is free to a better one (the
+# replica preempts), and a worse band starts again only once the total is below the capacity.
+PREEMPTIVE_STEPS = [
+    ("arrive", "h1", ["h1"]), ("arrive", "h2", ["h2"]),  # 3, then 4 running: 2 of them high
+    ("arrive", "h3", []),  # the high band holds both slots itself
+    ("arrive", "l3", []),
+    ("finish", "l1", []),  # 3 running, 2 high: h3 still waits, l3 too
+    ("finish", "h1", ["h3"]),
+    ("finish", "h2", []),  # l2 and h3 run: the capacity
+    ("finish", "h3", ["l3"]),  # 1 running (l2): room for l3 at last
+]  # fmt: skip
+NOT_PREEMPTIVE_STEPS = [
+    ("arrive", "h1", []), ("arrive", "h2", []), ("arrive", "l3", []),
+    ("finish", "l1", ["h1"]), ("finish", "l2", ["h2"]), ("finish", "h1", ["l3"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("preemptive", "steps"),
+    [(True, PREEMPTIVE_STEPS), (False, NOT_PREEMPTIVE_STEPS)],
+    ids=["preemptive", "not preemptive"],
+)
+def test_preemptive_replicas_free_a_worse_bands_slot(
+    preemptive: bool, steps: list[tuple[str, str, list[str]]]
+) -> None:
+    queue = FairQueue(max_waiting_per_tenant=8)
+    tickets = {name: Ticket(name[0], 0 if name[0] == "h" else 5) for name in
+               ("l1", "l2", "l3", "h1", "h2", "h3")}  # fmt: skip
+    names = {id(ticket): name for name, ticket in tickets.items()}
+    assert queue.arrive(tickets["l1"], 2, preemptive) == [tickets["l1"]]
+    assert queue.arrive(tickets["l2"], 2, preemptive) == [tickets["l2"]]
+    for action, name, want in steps:
+        if action == "arrive":
+            started = queue.arrive(tickets[name], 2, preemptive)
+        else:
+            started = queue.finish(tickets[name], 1, 1, 2, preemptive)
+        assert [names[id(t)] for t in started or []] == want, (action, name)
+
+
 def test_work_conserving_no_wait_while_there_is_room() -> None:
     queue = FairQueue(max_waiting_per_tenant=4)
     a, b, c = (Ticket("t", 3) for _ in range(3))

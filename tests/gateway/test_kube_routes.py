@@ -303,3 +303,45 @@ def test_fallback_deadline_from_spec_routing(
         obj["spec"]["routing"] = routing
     (route,) = build_routes([obj], [], no_secrets).routes
     assert route.fallback_after_s == want
+
+
+def runs(policy: str | None, **kwargs: Any) -> dict[str, Any]:
+    """A runtime pod whose args are the operator's (`--scheduling-policy=P` only when not fcfs)."""
+    made = pod(**{"name": "p0", **kwargs})
+    flags = [] if policy is None else [f"--scheduling-policy={policy}"]
+    made["spec"]["containers"][0]["args"] = ["serve", "--model=/m", *flags, "--port=8000"]
+    return made
+
+
+def with_policy(policy: str | None) -> dict[str, Any]:
+    obj = md("llm")
+    if policy is not None:
+        obj["spec"]["serving"] = {"schedulingPolicy": policy}
+    return obj
+
+
+PRIORITY_CASES = [
+    ("no serving: fcfs", None, [runs(None)], False),
+    ("fcfs", "fcfs", [runs(None)], False),
+    ("priority, its pod runs it", "priority", [runs("priority")], True),
+    ("priority, no pod yet (scaled to zero)", "priority", [], True),
+    ("priority, an old fcfs pod still serves (rollout)", "priority",
+     [runs("priority"), runs(None, name="p1", ip="10.0.0.2")], False),
+    ("priority, the old fcfs pod is terminating", "priority",
+     [runs("priority"), runs(None, name="p1", ip="10.0.0.2", deleting=True)], True),
+    ("priority, the old fcfs pod is not ready", "priority",
+     [runs("priority"), runs(None, name="p1", ip="10.0.0.2", ready="False")], True),
+    ("back to fcfs, a priority pod still serves", "fcfs", [runs("priority")], False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "policy", "pods", "want"), PRIORITY_CASES, ids=[c[0] for c in PRIORITY_CASES]
+)
+def test_routes_of_a_priority_deployment_take_priority(
+    case: str, policy: str | None, pods: list[dict[str, Any]], want: bool
+) -> None:
+    (route,) = build_routes([with_policy(policy)], pods, no_secrets).routes
+    assert route.takes_priority is want, case
+    (slimmed,) = build_routes([with_policy(policy)], list(map(slim_pod, pods)), no_secrets).routes
+    assert slimmed.takes_priority is want, f"{case}, as the watch keeps pods"

@@ -6,6 +6,7 @@ crash-looping pod on a GPU node."""
 from __future__ import annotations
 
 import itertools
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from kvpilot.contract import fetch, serve_config
+from kvpilot.contract.engine_config import SCHEDULING_POLICY_CHOICES
 from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
@@ -274,3 +276,29 @@ def test_adding_or_removing_adapters_leaves_the_pod_template_as_it_was() -> None
 
     public = [a for a in ADAPTERS if "secretRef" not in a]
     assert template([]) == template(public[:1]) == template(public)
+
+
+@pytest.mark.parametrize(
+    ("serving", "policy", "flag"),
+    [
+        ({}, "fcfs", None),  # the runtime's default: no flag, so existing pods do not roll
+        ({"schedulingPolicy": "fcfs"}, "fcfs", None),
+        ({"schedulingPolicy": "priority"}, "priority", "--scheduling-policy=priority"),
+    ],
+)
+def test_the_scheduling_policy_is_the_runtimes(
+    serving: dict[str, Any], policy: str, flag: str | None
+) -> None:
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "serving": serving})
+    container = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    assert parsed_serve(container).scheduling_policy == policy
+    written = [a for a in container["args"] if a.startswith("--scheduling-policy")]
+    assert written == ([] if flag is None else [flag])
+
+
+def test_the_specs_policies_are_the_runtimes_and_no_other_is_accepted() -> None:
+    assert typing.get_args(api.SchedulingPolicy) == SCHEDULING_POLICY_CHOICES
+    with pytest.raises(ValueError, match="schedulingPolicy"):
+        api.parse_spec({"model": {"uri": URIS[0]}, "serving": {"schedulingPolicy": "lifo"}})

@@ -30,6 +30,7 @@ class ScriptedOpenAI(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     requests: ClassVar[list[dict]] = []
+    keys: ClassVar[list[str]] = []  # each POST's Authorization header
 
     def log_message(self, *args: object) -> None:  # keep pytest output clean
         pass
@@ -40,6 +41,7 @@ class ScriptedOpenAI(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         type(self).requests.append(body)
+        type(self).keys.append(self.headers.get("authorization", ""))
         if body.get("max_tokens") == 13:  # the bench's error path
             self.send_json(429, {"error": {"message": "busy", "type": "RateLimitError"}})
             return
@@ -74,7 +76,7 @@ class ScriptedOpenAI(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def scripted() -> Iterator[str]:
-    ScriptedOpenAI.requests = []
+    ScriptedOpenAI.requests, ScriptedOpenAI.keys = [], []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedOpenAI)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -203,3 +205,27 @@ def test_input_len_is_tokens_through_the_servers_tokenize(
     code = bench_main(["--base-url", server.url, "--num-prompts", "1", "--no-progress"])
     assert code == 2
     assert "cannot count tokens; pass --tokenizer" in capsys.readouterr().err
+
+
+def test_tenants_send_their_own_key_priority_and_shape_and_start_late(
+    scripted: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "tenants.json"
+    code = bench_main([
+        "--base-url", scripted, "--tokenizer", str(TINY), "--no-progress", "--save-detailed",
+        "--result-json", str(out),
+        "--tenant", "name=early,key=sk-early,concurrency=2,num-prompts=4,input-len=5,priority=3",
+        "--tenant", "name=late,key=sk-late,rate=100,num-prompts=2,input-len=9,delay=0.3",
+    ])  # fmt: skip
+    assert code == 0
+    sent = {(r.get("priority", "absent"), r["max_tokens"]) for r in ScriptedOpenAI.requests}
+    assert sent == {(3, 64), ("absent", 64)}
+    assert ScriptedOpenAI.keys.count("Bearer sk-early") == 4
+    assert ScriptedOpenAI.keys.count("Bearer sk-late") == 2
+    document = json.loads(out.read_text())
+    late = document["requests"][4:]  # tenants in order (prompt_len is the server's usage, 3)
+    assert len(late) == 2 and min(r["start"] for r in late) >= 0.3
+    assert min(r["start"] for r in document["requests"][:4]) < 0.3  # not delayed
+    tenants = document["tenants"]
+    assert tenants["early"]["tokens"] == 4 * (3 + NUM_TOKENS)  # the scripted usage: 3 + 5
+    assert tenants["early"]["token_share"] == pytest.approx(4 / 6)

@@ -34,6 +34,7 @@ from kvpilot.operator.autoscaling.policy import Bounds
 
 Quantization = Literal["bf16", "int8", "int4"]
 KvCacheDtype = Literal["auto", "fp16", "bf16", "fp8"]
+SchedulingPolicy = Literal["fcfs", "priority"]  # engine_config.SCHEDULING_POLICY_CHOICES
 QualityLoss = Literal["none", "low", "medium"]
 QualityMetric = Literal["perplexity", "agreement", "exact-match"]
 AutoscalingMode = Literal["builtin", "external", "off"]
@@ -331,6 +332,13 @@ class Serving(_Model):
     )
     speculative: Speculative | None = Field(
         default=None, description="speculative decoding (ngram or draft_model); off when absent"
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        default="fcfs",
+        description="the runtime's --scheduling-policy: fcfs (first come, first served; a "
+        "request's priority must be 0) or priority (vLLM's `priority` field, lower first; a "
+        "waiting request preempts running ones of a worse priority). kvpilot-gateway forwards "
+        "each request's priority only to replicas under priority",
     )
 
 

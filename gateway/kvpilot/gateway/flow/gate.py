@@ -7,8 +7,10 @@ x its replicas. That count is exact and current (the gateway starts and ends eac
 the running and waiting figures a replica reports on /metrics are seconds old and count other
 gateways' traffic too, so they cannot decide the next admission. Set the limit near the replicas'
 `--max-num-seqs`: above it a replica queues the surplus first come, first served, where the
-gateway cannot order it. Each gateway replica keeps its own queue; with N of them, a replica sees
-up to N x the limit. A model with no replica (held at zero, routing/holding.py) has no limit.
+gateway cannot order it. Replicas that preempt by priority (`Route.takes_priority`) make a slot
+held by a worse priority free to a better one (flow/vtc.py says why). Each gateway replica keeps
+its own queue; with N of them, a replica sees up to N x the limit. A model with no replica (held
+at zero, routing/holding.py) has no limit.
 
 Without a limit every request starts at once (nothing waits), and the per-tenant metrics are still
 kept. A request that waits past its deadline (the route's fallback-after) leaves the queue and goes
@@ -97,7 +99,7 @@ class FlowGate:
             self._queues[replicas_of] = queue
         ticket = Ticket(tenancy.tenant, tenancy.priority, tenancy.weight, estimate)
         admission = Admission(ticket, tenancy, route.model, time.perf_counter(), replicas_of)
-        started = queue.arrive(ticket, self.capacity(route))
+        started = queue.arrive(ticket, self.capacity(route), route.takes_priority)
         if started is None:
             self.metrics.flow_refusals.labels(*admission.labels).inc()
             return QUEUE_FULL
@@ -144,8 +146,10 @@ class FlowGate:
     def leave(self, admission: Admission, prompt_tokens: int, output_tokens: int) -> None:
         """The request ended having used these tokens: its slot goes to the next in turn."""
         queue = self._queues[admission.queue]
-        capacity = self.capacity(self.table.get(admission.queue))
-        self._wake(queue.finish(admission.ticket, prompt_tokens, output_tokens, capacity))
+        route = self.table.get(admission.queue)
+        capacity, preemptive = self.capacity(route), route is not None and route.takes_priority
+        started = queue.finish(admission.ticket, prompt_tokens, output_tokens, capacity, preemptive)
+        self._wake(started)
         served = self.metrics.flow_tokens
         served.labels(*admission.labels, "input").inc(prompt_tokens)
         served.labels(*admission.labels, "output").inc(output_tokens)

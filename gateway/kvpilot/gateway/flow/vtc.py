@@ -2,6 +2,13 @@
 bands, virtual token counters (VTC, Sheng et al. 2024, arXiv 2401.00588) between tenants inside a
 band, and work-conserving (a request waits only while every slot is taken).
 
+Preemptive (the replicas run `--scheduling-policy priority`, so a request of a better priority
+preempts running ones of a worse one there): a request counts only the slots held by bands as good
+as its own or better, so a slot held by a worse band is free to it. Otherwise an urgent request
+would wait at the gateway for a slot the flood holds, for as long as a flood request runs, however
+quickly the replica would have made room. A worse band starts only when the total running is below
+the capacity again, so the replicas get at most the capacity x the bands running at once.
+
 Each (band, tenant) has a counter of the service it got: `input` x prompt tokens + `output` x
 output tokens, divided by the tenant's weight. The next request is the head of the lowest band
 that has any waiting, from the tenant of that band with the smallest counter. A tenant that starts
@@ -59,13 +66,17 @@ class FairQueue:
         self._bands: dict[int, _Band] = {}
         self._seq = itertools.count()
 
-    def arrive(self, ticket: Ticket, capacity: int | None) -> list[Ticket] | None:
+    def arrive(
+        self, ticket: Ticket, capacity: int | None, preemptive: bool = False
+    ) -> list[Ticket] | None:
         """The tickets started now (`ticket` among them when it need not wait), or None when
         its tenant already has `max_waiting` waiting (the caller refuses it). `capacity`: the
-        requests that may run at once (None: no limit)."""
+        requests that may run at once (None: no limit); `preemptive`: the replicas preempt by
+        priority (the module's docstring)."""
         band = self._bands.setdefault(ticket.band, _Band())
         queue = band.queues.get(ticket.tenant)
-        is_free = not band.queues and self._has_room(capacity) and not self._waiting_before(ticket)
+        has_room = self._has_room(capacity, ticket.band if preemptive else None)
+        is_free = not band.queues and has_room and not self._waiting_before(ticket)
         if not is_free and len(queue or ()) >= self.max_waiting:
             self._forget_if_idle(ticket.band)
             return None
@@ -74,18 +85,25 @@ class FairQueue:
             queue = band.queues[ticket.tenant] = deque()
         ticket.seq, ticket.state = next(self._seq), WAITING
         queue.append(ticket)
-        return self.fill(capacity)
+        return self.fill(capacity, preemptive)
 
-    def fill(self, capacity: int | None) -> list[Ticket]:
+    def fill(self, capacity: int | None, preemptive: bool = False) -> list[Ticket]:
         """Start waiting tickets while there is room (after `capacity` grew, say)."""
         started = []
-        while self._has_room(capacity) and (ticket := self._next()) is not None:
+        while (ticket := self._next()) is not None and self._has_room(
+            capacity, ticket.band if preemptive else None
+        ):
             self._start(ticket)
             started.append(ticket)
         return started
 
     def finish(
-        self, ticket: Ticket, prompt_tokens: int, output_tokens: int, capacity: int | None
+        self,
+        ticket: Ticket,
+        prompt_tokens: int,
+        output_tokens: int,
+        capacity: int | None,
+        preemptive: bool = False,
     ) -> list[Ticket]:
         """A running ticket ended having used these tokens: settle its tenant's counter, free
         its slot, and return the tickets started in its place."""
@@ -100,7 +118,7 @@ class FairQueue:
         band.running -= 1
         self.running -= 1
         self._forget_if_idle(ticket.band)
-        return self.fill(capacity)
+        return self.fill(capacity, preemptive)
 
     def leave(self, ticket: Ticket) -> None:
         """A waiting ticket gives up (its client went away, or its deadline passed)."""
@@ -122,8 +140,14 @@ class FairQueue:
         state = self._bands.get(band)
         return state.counters.get(tenant, 0.0) if state else 0.0
 
-    def _has_room(self, capacity: int | None) -> bool:
-        return capacity is None or self.running < capacity
+    def _has_room(self, capacity: int | None, band: int | None = None) -> bool:
+        """A slot free for a request of `band` (None: any slot taken counts)."""
+        if capacity is None:
+            return True
+        if band is None:
+            return self.running < capacity
+        held = sum(b.running for number, b in self._bands.items() if number <= band)
+        return held < capacity
 
     def _waiting_before(self, ticket: Ticket) -> bool:
         """Someone of a band as good or better waits already (only a capacity that just grew

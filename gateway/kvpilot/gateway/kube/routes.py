@@ -13,6 +13,10 @@ routes. Pure: the watch in kube/discovery.py keeps the objects and calls `build_
   key from a Secret of the same namespace.
 - `spec.routing.cascade` rules, in order: `modelDeployment` by its served name (same namespace);
   a rule naming a ModelDeployment that does not exist is skipped (target None) with a problem.
+- `spec.serving.schedulingPolicy: priority` marks the route `takes_priority` (the gateway sends
+  each request's `priority` to its replicas), once every ready pod runs the runtime with
+  `--scheduling-policy=priority`: while a rollout from fcfs still has an old pod serving, which
+  would refuse a priority other than 0, none is sent (the gateway's own queue still orders by it).
 - Two ModelDeployments serving one name: the oldest wins (then namespace/name), and a problem
   says so. Every problem is one line for the log; a bad object never stops the others' routes.
 """
@@ -31,6 +35,8 @@ from kvpilot.gateway.routing.routes import Backend, Fallback, Provider, Route, S
 
 Obj = Mapping[str, Any]
 PORT_NAME = "http"  # the runtime container's port, as manifests.build_deployment names it
+# The runtime's flag as the operator writes it (serve_config.to_args: `--flag=value`).
+SCHEDULING_FLAG = "--scheduling-policy="
 
 # (namespace, Secret name, key) -> the value, or None when it cannot be read
 SecretLookup = Callable[[str, str, str], str | None]
@@ -87,6 +93,23 @@ def price(md: Obj) -> Price | None:
     return Price(input_per_million=0.0, output_per_million=float(per_million))
 
 
+def pod_scheduling_policy(pod: Obj) -> str:
+    """The runtime's --scheduling-policy in the pod's args; fcfs (its default) when absent."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for arg in container.get("args") or []:
+            if arg.startswith(SCHEDULING_FLAG):
+                return str(arg.removeprefix(SCHEDULING_FLAG))
+    return "fcfs"
+
+
+def takes_priority(md: Obj, pods: Iterable[Obj]) -> bool:
+    """spec.serving.schedulingPolicy is priority and every serving pod already runs it."""
+    serving = (md.get("spec") or {}).get("serving") or {}
+    if serving.get("schedulingPolicy") != "priority":
+        return False
+    return all(pod_scheduling_policy(pod) == "priority" for pod in pods if is_serving(pod))
+
+
 def secrets_needed(deployments: Iterable[Obj]) -> set[SecretKey]:
     """The Secret keys the providers of these ModelDeployments name (read before building)."""
     needed = set()
@@ -111,11 +134,13 @@ def build_routes(
         meta = md["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         fallbacks = _fallbacks(md, names, secret, problems)
-        backends = ready_backends(by_model.get((namespace, name), []))
+        model_pods = by_model.get((namespace, name), [])
+        backends = ready_backends(model_pods)
         target = ScaleTarget(namespace, name)
         cascade = cascade_rules(md, names, problems)
         routes.append(Route(model, backends, fallbacks, target, fallback_after_s(md),
-                            cascade=cascade, price=price(md)))  # fmt: skip
+                            cascade=cascade, price=price(md),
+                            takes_priority=takes_priority(md, model_pods)))  # fmt: skip
     report_cascade_cycle(routes, problems)
     routes += adapter_routes(routes, owners, problems)
     return Resolution(tuple(routes), tuple(problems))
@@ -236,7 +261,15 @@ def slim_pod(pod: Obj) -> dict[str, Any]:
             for key in ("name", "namespace", "labels", "deletionTimestamp", "resourceVersion")
             if key in meta
         },
-        "spec": {"containers": [{"ports": c.get("ports") or []} for c in containers]},
+        "spec": {
+            "containers": [
+                {
+                    "ports": c.get("ports") or [],
+                    "args": [a for a in c.get("args") or [] if a.startswith(SCHEDULING_FLAG)],
+                }
+                for c in containers
+            ]
+        },
         "status": {
             "phase": status.get("phase"),
             "podIP": status.get("podIP"),

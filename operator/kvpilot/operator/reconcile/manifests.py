@@ -184,6 +184,9 @@ def runtime_args(
         else spec.serving.speculative.runtime_json(DRAFT_MOUNT),
         **kv_offload_values(spec.runtime.kv_offload),
         **lora_values(spec),
+        "scheduling_policy": None
+        if spec.serving.scheduling_policy == "fcfs"
+        else spec.serving.scheduling_policy,
     }
     return ["serve", *serve_config.to_args(values)]
 

@@ -6,6 +6,15 @@
 
 Synthetic prompts are --input-len tokens long, counted by the model's tokenizer: --tokenizer DIR
 (a local model directory), else the server's POST /tokenize (vLLM and kvpilot answer it).
+
+Several tenants in one run, each with its own key, load, priority and shape, reported per tenant
+(requests, 429s, TTFT, TPOT, tokens and each one's share; fields left out come from the flags):
+
+    kvpilot bench --base-url http://gateway:8080 --tokenizer DIR --num-prompts 100 \\
+        --tenant name=chat,key=sk-c,rate=1,priority=0,input-len=64,output-len=16 \\
+        --tenant name=batch,key=sk-b,concurrency=16,priority=5,input-len=256,output-len=64
+
+or --tenants FILE (YAML or JSON: a list of those mappings).
 """
 
 from __future__ import annotations
@@ -15,15 +24,26 @@ import asyncio
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from .client import Endpoint
 from .output import format_summary, result_document, write_json, write_plots
-from .runner import run
+from .runner import Load, run, run_loads
 from .stats import Summary, parse_percentiles, parse_slos, summarize
+from .tenants import (
+    TENANT_FIELDS,
+    TenantReport,
+    TenantSpec,
+    check_tenants,
+    contended_window,
+    format_tenants,
+    load_tenants_file,
+    parse_tenant,
+    tenant_reports,
+)
 from .tokens import LocalTokenCounter, ServerTokenCounter, TokenCounter
 from .workload import BenchRequest, arrival_times, load_jsonl, synthetic_requests
 
@@ -56,6 +76,7 @@ class BenchConfig:
     detailed: bool
     progress: bool
     timeout_s: float
+    tenants: tuple[TenantSpec, ...] = ()  # several tenants in one run; empty: one, the flags'
 
     def __post_init__(self) -> None:
         checks = [
@@ -72,6 +93,11 @@ class BenchConfig:
                 "price_per_gpu_hour must be >= 0",
             ),
             (self.timeout_s > 0, "timeout must be > 0"),
+            (
+                not (self.tenants and self.dataset),
+                "--dataset runs one tenant; give each tenant its shape with input-len and "
+                "output-len in --tenant instead",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -132,12 +158,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-detailed", action="store_true", help="per-request timings in JSON")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    tenants = p.add_mutually_exclusive_group()
+    tenants.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE,...",
+        help=f"one tenant of a multi-tenant run (repeat it); fields: {', '.join(TENANT_FIELDS)}",
+    )
+    tenants.add_argument("--tenants", metavar="FILE", help="tenants from YAML or JSON (a list)")
     return p
+
+
+def default_tenant(config: BenchConfig) -> TenantSpec:
+    """What a tenant's fields left out are: the run's own flags."""
+    return TenantSpec(
+        name="default",
+        api_key=config.api_key,
+        request_rate=config.request_rate,
+        concurrency=config.concurrency,
+        priority=None,
+        input_len=config.input_len,
+        output_len=config.output_len,
+        num_prompts=config.num_prompts,
+    )
+
+
+def parse_tenants(texts: list[str], file: str | None, config: BenchConfig) -> list[TenantSpec]:
+    defaults = default_tenant(config)
+    if file:
+        return check_tenants(load_tenants_file(Path(file), defaults))
+    return check_tenants([parse_tenant(text, defaults) for text in texts])
 
 
 def parse_args(argv: list[str]) -> BenchConfig:
     a = build_parser().parse_args(argv)
-    return BenchConfig(
+    config = BenchConfig(
         base_url=a.base_url,
         model=a.model,
         chat=a.api == "chat",
@@ -165,6 +221,8 @@ def parse_args(argv: list[str]) -> BenchConfig:
         progress=not a.no_progress,
         timeout_s=a.timeout,
     )
+    tenants = parse_tenants(a.tenant, a.tenants, config)
+    return replace(config, tenants=tuple(tenants)) if tenants else config
 
 
 def build_requests(config: BenchConfig, model: str) -> list[BenchRequest]:
@@ -184,21 +242,81 @@ def build_requests(config: BenchConfig, model: str) -> list[BenchRequest]:
 def token_counter(config: BenchConfig, model: str) -> TokenCounter:
     if config.tokenizer:
         return LocalTokenCounter(config.tokenizer)
-    return ServerTokenCounter(config.base_url, model, config.api_key, config.timeout_s)
+    return ServerTokenCounter(config.base_url, model, probe_key(config), config.timeout_s)
+
+
+def probe_key(config: BenchConfig) -> str | None:
+    """The key that lists models and counts tokens: --api-key, else the first tenant's."""
+    return config.api_key or next((t.api_key for t in config.tenants if t.api_key), None)
 
 
 def discover_model(config: BenchConfig) -> str:
     root = config.base_url.rstrip("/")
     root = root if root.endswith("/v1") else f"{root}/v1"
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    key = probe_key(config)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     response = httpx.get(f"{root}/models", headers=headers, timeout=30)
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 
 
+def tenant_load(config: BenchConfig, model: str, tenant: TenantSpec, index: int) -> Load:
+    """A tenant's requests (prompts and arrival times of its own seed) at its own endpoint."""
+    seed = config.seed + index
+    requests = synthetic_requests(
+        tenant.num_prompts,
+        input_len=tenant.input_len,
+        output_len=tenant.output_len,
+        range_ratio=config.range_ratio,
+        seed=seed,
+        chat=config.chat,
+        counter=token_counter(config, model),
+    )
+    endpoint = Endpoint(config.base_url, model, config.chat, tenant.api_key, config.temperature,
+                        config.ignore_eos, tenant.priority)  # fmt: skip
+    times = None
+    if tenant.concurrency is None:
+        times = arrival_times(len(requests), tenant.request_rate, config.burstiness, seed)
+    return Load(
+        endpoint, requests, tenant.concurrency, times, config.max_concurrency, tenant.delay_s
+    )
+
+
+def benchmark_tenants(config: BenchConfig, model: str) -> tuple[Summary, list[TenantReport], dict]:
+    """Every tenant at once; the pooled summary, one report per tenant, the JSON document."""
+    loads = [tenant_load(config, model, t, i) for i, t in enumerate(config.tenants)]
+    per_load, duration = asyncio.run(
+        run_loads(loads, timeout_s=config.timeout_s, progress=config.progress)
+    )
+    by_name = {t.name: rs for t, rs in zip(config.tenants, per_load, strict=True)}
+    reports = tenant_reports(list(config.tenants), by_name, duration, config.percentiles)
+    pooled = [r for rs in per_load for r in rs]
+    summary = summarize(
+        pooled,
+        duration,
+        percentiles=config.percentiles,
+        slos=config.slos,
+        price_per_gpu_hour=config.price_per_gpu_hour,
+        num_gpus=config.num_gpus,
+    )
+    settings = {k: v for k, v in asdict(config).items() if k not in ("tenants", "api_key")}
+    settings.update(model=model, request_rate=str(config.request_rate))
+    document = result_document(settings, summary, pooled, config.detailed)
+    document["tenants"] = {r.spec.name: r.to_dict() for r in reports}
+    document["contended_window_s"] = contended_window(by_name)
+    if config.result_json:
+        write_json(Path(config.result_json), document)
+    if config.plot_dir:
+        write_plots(Path(config.plot_dir), pooled)
+    return summary, reports, document
+
+
 def benchmark(config: BenchConfig) -> tuple[Summary, dict]:
     """Run the benchmark `config` describes; returns the summary and the JSON document."""
     model = config.model or discover_model(config)
+    if config.tenants:
+        summary, _, document = benchmark_tenants(config, model)
+        return summary, document
     endpoint = Endpoint(
         config.base_url, model, config.chat, config.api_key, config.temperature, config.ignore_eos
     )
@@ -250,9 +368,15 @@ def describe(error: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(sys.argv[1:] if argv is None else argv)
-        summary, _ = benchmark(config)
+        if config.tenants:
+            model = config.model or discover_model(config)
+            summary, reports, document = benchmark_tenants(config, model)
+        else:
+            summary, _ = benchmark(config)
     except (ValueError, OSError, httpx.HTTPError) as exc:
         print(f"kvpilot bench: {describe(exc)}", file=sys.stderr)
         return 2
     print(format_summary(summary))
+    if config.tenants:
+        print(format_tenants(reports, document["contended_window_s"]))
     return 0 if summary.completed else 1

@@ -21,6 +21,7 @@ class Endpoint:
     api_key: str | None = None
     temperature: float = 0.0
     ignore_eos: bool = False  # vLLM extension; OpenAI's own API rejects it, so off by default
+    priority: int | None = None  # vLLM's `priority` (lower first); None: not sent
 
     def url(self) -> str:
         root = self.base_url.rstrip("/")
@@ -41,6 +42,8 @@ class Endpoint:
         body["messages" if self.chat else "prompt"] = request.prompt
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.priority is not None:
+            body["priority"] = self.priority
         return body
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import httpx
 from tqdm import tqdm
@@ -60,6 +61,56 @@ async def open_loop(
     return list(await asyncio.gather(*tasks))
 
 
+@dataclass(frozen=True)
+class Load:
+    """One stream of requests: a closed loop of `concurrency` clients, else open-loop `times`."""
+
+    endpoint: Endpoint
+    requests: list[BenchRequest]
+    concurrency: int | None = None
+    times: list[float] | None = None  # None: all at once
+    max_concurrency: int | None = None
+    delay_s: float = 0.0  # starts this long after the others
+
+    def width(self) -> int:
+        return self.concurrency or self.max_concurrency or len(self.requests)
+
+
+async def drive(
+    client: httpx.AsyncClient, load: Load, start: float, on_done: Callable[[], None]
+) -> list[RequestResult]:
+    async def sender(request: BenchRequest) -> RequestResult:
+        return await send(client, load.endpoint, request, start)
+
+    if load.delay_s > 0:
+        await asyncio.sleep(load.delay_s)  # pacing the load generator, not waiting for a condition
+    if load.concurrency is not None:
+        return await closed_loop(load.requests, load.concurrency, sender, on_done)
+    arrival = load.times if load.times is not None else [0.0] * len(load.requests)
+    return await open_loop(load.requests, arrival, load.max_concurrency, sender, on_done)
+
+
+async def run_loads(
+    loads: list[Load], *, timeout_s: float, progress: bool
+) -> tuple[list[list[RequestResult]], float]:
+    """Every load at once from one start (so their timings share a clock); each load's results
+    and the run's wall-clock duration in seconds."""
+    width = sum(load.width() for load in loads)
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    total = sum(len(load.requests) for load in loads)
+    bar = tqdm(total=total, disable=not progress, unit="req", desc="kvpilot bench")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+        start = time.perf_counter()
+
+        def done() -> None:
+            bar.update(1)
+
+        results = await asyncio.gather(*(drive(client, load, start, done) for load in loads))
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
 async def run(
     endpoint: Endpoint,
     requests: list[BenchRequest],
@@ -71,23 +122,6 @@ async def run(
     progress: bool,
 ) -> tuple[list[RequestResult], float]:
     """Send every request; returns the results and the run's wall-clock duration in seconds."""
-    width = concurrency or max_concurrency or len(requests)
-    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
-    bar = tqdm(total=len(requests), disable=not progress, unit="req", desc="kvpilot bench")
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
-        start = time.perf_counter()
-
-        async def sender(request: BenchRequest) -> RequestResult:
-            return await send(client, endpoint, request, start)
-
-        def done() -> None:
-            bar.update(1)
-
-        if concurrency is not None:
-            results = await closed_loop(requests, concurrency, sender, done)
-        else:
-            arrival = times if times is not None else [0.0] * len(requests)
-            results = await open_loop(requests, arrival, max_concurrency, sender, done)
-        duration = time.perf_counter() - start
-    bar.close()
+    load = Load(endpoint, requests, concurrency, times, max_concurrency)
+    (results,), duration = await run_loads([load], timeout_s=timeout_s, progress=progress)
     return results, duration
