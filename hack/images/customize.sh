@@ -15,13 +15,7 @@ cp "$KVPILOT_IMAGE_STAGE/uv" "$KVPILOT_IMAGE_STAGE/requirements.txt" \
 # The host's CA bundle (SSL_CERT_FILE, e.g. a proxy's CA) for uv's downloads; gone with $build.
 cp "${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}" "$root$build/ca.crt"
 mount --bind "$UV_CACHE_DIR" "$root$build/uv-cache"
-trap '# The paged-attention kernels built for portable levels (paged_kernel.prebuilt_root)
-if [ -d "$KVPILOT_IMAGE_STAGE/kernels" ]; then
-  mkdir -p "$root$VENV/share/kvpilot"
-  cp -r "$KVPILOT_IMAGE_STAGE/kernels" "$root$VENV/share/kvpilot/kernels"
-fi
-
-umount "$root$build/uv-cache" 2>/dev/null || true' EXIT
+trap 'umount "$root$build/uv-cache" 2>/dev/null || true' EXIT
 
 in_root() {
   # copy, never hardlink: a hardlink would tie the image's files to the host cache's inodes
@@ -44,6 +38,12 @@ for dist_info in "$root$VENV"/lib/python3*/site-packages/kvpilot-*.dist-info; do
   rm -f "$dist_info/uv_cache.json"
   sed -i '/\.dist-info\/uv_cache\.json,/d' "$dist_info/RECORD"
 done
+
+# The paged-attention kernels built for portable levels (paged_kernel.prebuilt_root)
+if [ -d "$KVPILOT_IMAGE_STAGE/kernels" ]; then
+  mkdir -p "$root$VENV/share/kvpilot"
+  cp -r "$KVPILOT_IMAGE_STAGE/kernels" "$root$VENV/share/kvpilot/kernels"
+fi
 
 umount "$root$build/uv-cache"
 trap - EXIT
