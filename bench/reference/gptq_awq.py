@@ -79,7 +79,7 @@ def _quantize(out: Path, variant: str, source: Path) -> None:
     else:
         skips: dict[str, Any] | None = {r"-:.*mlp\..*": {}} if spec.get("skip_mlp", True) else None
         config = AWQConfig(**common, sym=spec.get("sym", True), dynamic=skips)
-    paragraphs = (source / "eval.txt").read_text().split("\n\n")
+    paragraphs = (TINY_LLAMA / "eval.txt").read_text().split("\n\n")  # same tokenizer
     calibration = [p for p in paragraphs if len(p) > 200][:NUM_CALIBRATION_SAMPLES]
     model = GPTQModel.load(str(source), config)
     model.quantize(calibration, batch_size=NUM_CALIBRATION_SAMPLES)
