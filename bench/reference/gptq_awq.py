@@ -56,10 +56,14 @@ def is_available() -> bool:
 
 def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path:
     """GPTQModel in a child process: its thread pools and logging stay out of the caller."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "GPTQMODEL_CPU_WORKERS": "2", "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = path
     command = [sys.executable, "-m", "bench.reference.gptq_awq", str(out), variant, str(source)]
-    done = subprocess.run(
-        command, check=False, env=env, capture_output=True, text=True, timeout=900
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(  # in `out`: GPTQModel writes its logs/ into the working directory
+        command, check=False, cwd=out, env=env, capture_output=True, text=True, timeout=900
     )
     if done.returncode != 0:
         raise RuntimeError(f"GPTQModel failed to write {variant}:\n{done.stderr[-4000:]}")
