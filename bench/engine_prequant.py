@@ -1,15 +1,21 @@
-"""Pre-quantised checkpoints (issue 39): start-up load time of a compressed-tensors int4
-checkpoint against quantising the 16-bit checkpoint to int4 at start, and decode speed of the
-two (both run the same int4 kernels; the checkpoint's values are repacked, never requantised).
+"""Pre-quantised checkpoints (issue 39): start-up load time of compressed-tensors, GPTQ and AWQ
+int4 checkpoints against quantising the 16-bit checkpoint to int4 at start, decode speed of
+each (all run the same int4 kernels; a checkpoint's values are repacked, never requantised), and
+tiny-llama's perplexity on models/tiny-llama/eval.txt against transformers on the same GPTQ/AWQ
+checkpoint (goal: within 0.5%).
 
     .venv/bin/python -m bench.engine_prequant [--rounds 3] [--decode-steps 16] [--tiny-only]
+        [--formats compressed-tensors,gptq,awq]
 
 Load time: wall-clock seconds of `Engine(...)` (config, tokenizer, weights read and packed, KV
 pool allocated), best of `--rounds` alternating rounds, files in the page cache (each loaded once
 before timing). Decode: bench.engine_quant's measure (tokens per CPU-second, bf16 compute, one
 torch thread). The int4 checkpoint is written by compressed-tensors (bench/reference/
 prequantized.py) into a temporary directory: tiny-llama channel-wise (every linear layer; its
-688 MLP features take no group of 128), the compute-bound Llama in groups of 128.
+688 MLP features take no group of 128), the compute-bound Llama in groups of 128. GPTQ (act-order,
+group 128) and AWQ (group 128) checkpoints are written by GPTQModel (bench/reference/gptq_awq.py;
+calibrated on 8 paragraphs of eval.txt); AWQ leaves tiny-llama's MLP 16-bit (its scale search
+needs features that divide by 64).
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ from pathlib import Path
 
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads
 from bench.engine_quant import decode_tokens_per_second, verdict
-from bench.reference.prequantized import write_checkpoint
+from bench.reference import gptq_awq, prequantized
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine.engine import Engine
 
 LOAD_RATIO_TARGET = 0.35  # checkpoint load time / quantise-at-start load time (issue 39)
 DECODE_RATIO_TARGET = 1.0  # checkpoint decode tok/s / own int4's
+PERPLEXITY_TARGET = 0.005  # |ours / transformers' - 1| on the same checkpoint
 
 
 def make_engine(path: Path, quantization: str) -> Engine:
@@ -53,8 +60,14 @@ def load_seconds(path: Path, quantization: str) -> float:
     return elapsed
 
 
-def measure(label: str, source: Path, checkpoint: Path, args: argparse.Namespace) -> list[object]:
-    cases = {"own int4": (source, "int4"), "int4 checkpoint": (checkpoint, "none")}
+OWN = "own int4"
+
+
+def measure(
+    label: str, source: Path, checkpoints: dict[str, Path], args: argparse.Namespace
+) -> list[list[object]]:
+    """One row per checkpoint, each against the same model quantised at start (`own int4`)."""
+    cases = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
     for path, level in cases.values():  # warm the page cache and the kernels' first use
         load_seconds(path, level)
     loads = {name: float("inf") for name in cases}
@@ -66,17 +79,91 @@ def measure(label: str, source: Path, checkpoint: Path, args: argparse.Namespace
             rate = decode_tokens_per_second(engine, 1, args.decode_steps)
             rates[name] = max(rates[name], rate)
             engine.shutdown()
-    load_ratio = loads["int4 checkpoint"] / loads["own int4"]
-    decode_ratio = rates["int4 checkpoint"] / rates["own int4"]
+    return [_row(label, name, loads, rates) for name in checkpoints]
+
+
+def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]) -> list[object]:
+    load_ratio, decode_ratio = loads[name] / loads[OWN], rates[name] / rates[OWN]
     return [
         label,
-        f"{loads['own int4']:.2f}",
-        f"{loads['int4 checkpoint']:.2f}",
+        name,
+        f"{loads[OWN]:.2f}",
+        f"{loads[name]:.2f}",
         f"{load_ratio:.2f}x ({verdict(load_ratio <= LOAD_RATIO_TARGET)})",
-        f"{rates['own int4']:.1f}",
-        f"{rates['int4 checkpoint']:.1f}",
+        f"{rates[OWN]:.1f}",
+        f"{rates[name]:.1f}",
         f"{decode_ratio:.2f}x ({verdict(decode_ratio >= DECODE_RATIO_TARGET)})",
     ]
+
+
+# Per format, the variant written for tiny-llama and for the compute-bound Llama.
+VARIANTS = {
+    "compressed-tensors": ("int4-channel", "int4-g128-all"),
+    "gptq": ("gptq-g128-desc", "gptq-g128-desc"),
+    "awq": ("awq-g128", "awq-g128-all"),
+}
+LABELS = {
+    "int4-channel": "compressed-tensors int4 channel",
+    "int4-g128-all": "compressed-tensors int4 g128",
+    "gptq-g128-desc": "GPTQ g128 desc_act",
+    "awq-g128": "AWQ g128 (attention only)",
+    "awq-g128-all": "AWQ g128",
+}
+
+
+def write_checkpoints(
+    scratch: Path, source: Path, formats: list[str], compute_bound: bool
+) -> dict[str, Path]:
+    written = {}
+    for fmt in formats:
+        variant = VARIANTS[fmt][compute_bound]
+        out = Path(scratch) / f"{source.name}-{variant}"
+        writer = prequantized if fmt == "compressed-tensors" else gptq_awq
+        written[LABELS[variant]] = writer.write_checkpoint(out, variant, source)
+    return written
+
+
+def perplexity_rows(checkpoints: dict[str, Path]) -> list[list[object]]:
+    """tiny-llama's perplexity on eval.txt, ours (float32) against transformers on the same
+    GPTQ/AWQ checkpoint dequantised by GPTQModel, through the eval module's windows."""
+    import math
+
+    import torch
+
+    from kvpilot.runtime.engine.model_runner import load_model
+    from kvpilot.runtime.evaluate import samples_for, score
+    from kvpilot.runtime.models.loader import load_model_config
+    from kvpilot.runtime.models.tokenizer_files import Tokenizer
+
+    rows: list[list[object]] = []
+    cpu = torch.device("cpu")
+    for name, path in checkpoints.items():
+        if name.startswith("compressed-tensors"):
+            continue  # tests/runtime/test_rt_prequant.py measures those
+        samples = samples_for("perplexity", MODEL / "eval.txt", Tokenizer(path), 512)
+        model = load_model(path, load_model_config(path), "none", torch.float32, cpu)
+        scores = score(model, samples, cpu, None)
+        ours = math.exp(scores.nll / scores.num_targets)
+        reference = _hf_perplexity(gptq_awq.dequantized_model(path), [s.ids for s in samples])
+        ratio = ours / reference - 1
+        met = verdict(abs(ratio) < PERPLEXITY_TARGET)
+        rows.append([name, f"{reference:.3f}", f"{ours:.3f}", f"{ratio:+.3%} ({met})"])
+    return rows
+
+
+def _hf_perplexity(hf: object, windows: list[list[int]]) -> float:
+    import math
+
+    import torch
+    import torch.nn.functional as F  # noqa: N812 - the torch convention
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for ids in windows:
+            logits = hf(torch.tensor([ids])).logits[0, :-1].float()  # type: ignore[operator]
+            nll += float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
+            count += len(ids) - 1
+    return math.exp(nll / count)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,41 +171,64 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--tiny-only", action="store_true", help="skip the compute-bound model")
+    parser.add_argument("--formats", default=",".join(VARIANTS), help="comma-separated")
     args = parser.parse_args(argv)
+    formats = args.formats.split(",")
+    if unknown := set(formats) - set(VARIANTS):
+        parser.error(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if {"gptq", "awq"} & set(formats) and not gptq_awq.is_available():
+        parser.error("GPTQ/AWQ checkpoints are written by GPTQModel: pip install gptqmodel")
     setup_threads()
-    rows = []
+    rows, perplexities = [], []
     with tempfile.TemporaryDirectory(prefix="kvpilot-prequant-") as scratch:
-        models = [("tiny-llama (4 M)", MODEL, "int4-channel")]
+        models = [("tiny-llama (4 M)", MODEL, False)]
         if not args.tiny_only:
-            models.append(("compute-bound (~245 M)", compute_bound_llama(), "int4-g128-all"))
-        for label, source, variant in models:
-            checkpoint = write_checkpoint(Path(scratch) / variant, variant, source)
-            rows.append(measure(label, source, checkpoint, args))
+            models.append(("compute-bound (~245 M)", compute_bound_llama(), True))
+        for label, source, compute_bound in models:
+            checkpoints = write_checkpoints(Path(scratch), source, formats, compute_bound)
+            rows += measure(label, source, checkpoints, args)
+            if not compute_bound:
+                perplexities = perplexity_rows(checkpoints)
     table = markdown_table(
         [
             "model",
+            "checkpoint",
             "load: quantise bf16 at start (s)",
-            "load: int4 checkpoint (s)",
+            "load: checkpoint (s)",
             f"checkpoint / at start (target <= {LOAD_RATIO_TARGET})",
             "decode tok/s: own int4",
-            "decode tok/s: int4 checkpoint",
+            "decode tok/s: checkpoint",
             f"checkpoint / own (target >= {DECODE_RATIO_TARGET})",
         ],
         rows,
+    )
+    quality = markdown_table(
+        [
+            "tiny-llama checkpoint",
+            "perplexity: transformers",
+            "perplexity: kvpilot",
+            f"difference (target within {PERPLEXITY_TARGET:.1%})",
+        ],
+        perplexities,
     )
     body = (
         "Load: wall seconds of the engine's start (weights read and packed, KV pool allocated), "
         f"best of {args.rounds} alternating rounds, files in the page cache. Decode: tokens per "
         f"CPU-second at concurrency 1, bf16 compute, {args.decode_steps} timed steps, best of "
-        f"{args.rounds}. Both run the same int4 kernels (group 128); the checkpoint's values are "
-        "repacked at load, never requantised. The checkpoints leave the tied embedding and "
-        "lm_head in bf16 (compressed-tensors quantises Linear modules; lm_head is ignored), "
-        "where the engine's own int4 level packs it too: the logits matmul reads 4x the bytes, "
-        "which is the decode gap.\n\n" + table
+        f"{args.rounds}. All run the same int4 kernels; a checkpoint's values are repacked at "
+        "load, never requantised. The checkpoints leave the tied embedding and lm_head in bf16 "
+        "(the quantisers quantise Linear modules; lm_head is left out), where the engine's own "
+        "int4 level packs it too: the logits matmul reads 4x the bytes, which is most of the "
+        "decode gap. GPTQ act-order adds one gather of each layer's input per step. AWQ on "
+        "tiny-llama quantises attention only (its MLP stays bf16, so it decodes slower).\n\n"
+        + table
+        + "\n\nPerplexity on models/tiny-llama/eval.txt (512-token windows, float32): transformers "
+        "on the checkpoint as GPTQModel dequantises it, against kvpilot serving it packed.\n\n"
+        + (quality if perplexities else "(no GPTQ/AWQ checkpoint in this run)")
     )
     write_section(
         "engine_prequant",
-        "Engine: pre-quantised int4 checkpoint vs quantising at start",
+        "Engine: pre-quantised int4 checkpoints (compressed-tensors, GPTQ, AWQ) vs quantising",
         command_line("bench.engine_prequant", argv),
         body,
     )

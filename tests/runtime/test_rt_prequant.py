@@ -102,9 +102,9 @@ def test_supported_configs(changes: dict[str, Any], described: str, level: str) 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"quant_method": "gptq"},
-         'quantization_config.quant_method: "gptq" is not supported; supported: compressed-'),
-        ({"quant_method": "awq"}, 'quant_method: "awq" is not supported'),
+        ({"quant_method": "bitsandbytes"},
+         'quantization_config.quant_method: "bitsandbytes" is not supported; supported: '
+         "compressed-tensors, gptq, awq"),
         ({f"{W}.num_bits": 3}, f"{W}.num_bits: 3 is not supported; supported: 4, 8"),
         ({f"{W}.group_size": 256}, f"{W}.group_size: 256 is not supported; supported: 32, 64, 128"),
         ({f"{W}.actorder": "group"}, f'{W}.actorder: "group" is not supported'),

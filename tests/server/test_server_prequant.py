@@ -51,9 +51,9 @@ def test_int4_checkpoint_serves_transformers_greedy_text(
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("quant_method", "gptq",
-         'quantization_config.quant_method: "gptq" is not supported; supported: '
-         "compressed-tensors"),
+        ("quant_method", "bitsandbytes",
+         'quantization_config.quant_method: "bitsandbytes" is not supported; supported: '
+         "compressed-tensors, gptq, awq"),
         ("config_groups.group_0.weights.num_bits", 3,
          "quantization_config.config_groups.group_0.weights.num_bits: 3 is not supported"),
     ],

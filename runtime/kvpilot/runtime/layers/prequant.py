@@ -21,13 +21,18 @@ which are):
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvpilot.contract.memory import INT4_GROUP_SIZE
+from kvpilot.runtime.layers.packed_int4 import (
+    ActOrderParts,
+    read_packed_int4,
+    store_act_order,
+    unpack_int32,
+)
 from kvpilot.runtime.layers.quant import (
     INT4_MID,
     Int4Parts,
@@ -49,7 +54,9 @@ class Int8Parts:
     scale: torch.Tensor  # [out]
 
 
-Matrix = torch.Tensor | Int4Parts | Int8Parts  # a dense matrix, or one the checkpoint quantised
+# A dense matrix, or one the checkpoint quantised (GPTQ/AWQ: layers/packed_int4.py).
+Matrix = torch.Tensor | Int4Parts | Int8Parts | ActOrderParts
+__all__ = ["Matrix", "concat", "dequantize", "read_matrix", "store", "unpack_int32"]
 
 
 def read_matrix(read: Read, module: str, quant: CheckpointQuant | None) -> Matrix:
@@ -57,6 +64,8 @@ def read_matrix(read: Read, module: str, quant: CheckpointQuant | None) -> Matri
     scheme = quant.scheme_for(module) if quant is not None else None
     if scheme is None:
         return _need(read, f"{module}.weight")
+    if quant is not None and quant.method in ("gptq", "awq"):
+        return read_packed_int4(read, module, scheme)
     if scheme.type == "float":
         return _fp8(read, module)
     if scheme.num_bits == 8:
@@ -112,23 +121,6 @@ def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Parts:
     return Int4Parts(values, scale.to(bf16), zero.to(bf16), group_size, in_features)
 
 
-def unpack_int32(packed: torch.Tensor, num_bits: int, num_values: int) -> torch.Tensor:
-    """[rows, words] int32, value i of a row at bits num_bits * i (4 or 8 bits, so never across
-    a word) -> its unsigned values int32 [rows, num_values], zero where the row ran out."""
-    if sys.byteorder == "little":  # value i sits in byte i * num_bits // 8 of the row
-        data = packed.contiguous().view(torch.uint8)  # [rows, words * 4], 4x less than int32
-        if num_bits == 4:  # byte j: value 2j in its low nibble, 2j + 1 in its high one
-            data = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(1)
-        values = data.to(torch.int32)
-    else:
-        per_word = 32 // num_bits
-        shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
-        values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(1)
-    if values.shape[1] < num_values:
-        values = torch.nn.functional.pad(values, (0, num_values - values.shape[1]))
-    return values[:, :num_values].contiguous()
-
-
 def concat(matrices: list[Matrix]) -> Matrix:
     """Matrices stacked along the output dimension (q/k/v and gate/up are fused), kept in their
     format when they share one; otherwise (one of them ignored by the checkpoint) all dense."""
@@ -139,6 +131,8 @@ def concat(matrices: list[Matrix]) -> Matrix:
         return Int8Parts(
             torch.cat([m.values for m in parts8]), torch.cat([m.scale for m in parts8])
         )
+    if all(isinstance(m, ActOrderParts) for m in matrices):
+        return _concat_act_order([m for m in matrices if isinstance(m, ActOrderParts)])
     parts4 = [m for m in matrices if isinstance(m, Int4Parts)]
     same_groups = all(m.group_size == parts4[0].group_size for m in parts4)
     if parts4 and len(parts4) == len(matrices) and same_groups:
@@ -152,12 +146,24 @@ def concat(matrices: list[Matrix]) -> Matrix:
     return torch.cat([dequantize(m) for m in matrices])
 
 
+def _concat_act_order(matrices: list[ActOrderParts]) -> Matrix:
+    """GPTQ desc_act q/k/v (or gate/up) share one input, so GPTQ orders their features alike
+    (one Hessian); fused they share one permutation. Otherwise they are stored dense."""
+    first = matrices[0].perm
+    if not all(torch.equal(m.perm, first) for m in matrices):
+        return torch.cat([dequantize(m) for m in matrices])
+    fused = concat([m.parts for m in matrices])
+    return ActOrderParts(fused, first) if isinstance(fused, Int4Parts) else fused
+
+
 def dequantize(matrix: Matrix) -> torch.Tensor:
     """float32 [out, in]: the reference the tests compare with, and the fallback of concat."""
     if isinstance(matrix, torch.Tensor):
         return matrix.float()
     if isinstance(matrix, Int8Parts):
         return matrix.values.float() * matrix.scale.float()[:, None]
+    if isinstance(matrix, ActOrderParts):
+        return dequantize(matrix.parts)[:, torch.argsort(matrix.perm)]
     groups = (matrix.values.float() - INT4_MID).unflatten(-1, (-1, matrix.group_size))
     w = groups * matrix.scale.float()[..., None] + matrix.zero.float()[..., None]
     return w.flatten(-2)[:, : matrix.in_features]
@@ -178,6 +184,8 @@ def store(
     if isinstance(matrix, Int8Parts):
         int8 = Int8Weight.from_parts(matrix.values.to(device), matrix.scale.to(device), dtype)
         return Int8DynamicWeight(int8) if int8_kernel == "w8a8" else int8
+    if isinstance(matrix, ActOrderParts):
+        return store_act_order(matrix, device)
     moved = Int4Parts(
         matrix.values.to(device),
         matrix.scale.to(device),

@@ -8,9 +8,14 @@ Supported: `quant_method: compressed-tensors` (what llm-compressor writes) with,
   symmetric or asymmetric (`weight_zero_point`), repacked into the engine's int4 format;
 - int8 weights (`pack-quantized` or `naive-quantized`): symmetric, one scale per channel, the
   engine's int8 format as it is.
-Anything else (GPTQ, AWQ, 3-bit, act-order, quantised activations on an int scheme, a KV-cache
-scheme, sparsity, transforms) is refused with the field and value named, never served with its
-scales ignored. Pure: no tensors here; layers/prequant.py reads the tensors a scheme describes.
+GPTQ (`quant_method: gptq`, 4 bits, group size 32/64/128 or -1, with or without desc_act,
+`checkpoint_format` gptq or gptq_v2) and AWQ (`quant_method: awq`, 4 bits, group size 32/64/128,
+with or without zero points, `version: gemm`) run as int4 too; a module without `qweight` (left
+out by the quantiser) is read as a 16-bit matrix. Anything else (3-bit or 8-bit GPTQ, act-order in
+compressed-tensors, quantised activations on an int scheme, a KV-cache scheme, sparsity,
+transforms, GPTQ's per-module `dynamic` overrides, a quantised lm_head) is refused with the field
+and value named, never served with its scales ignored.
+Pure: no tensors here; layers/prequant.py reads the tensors a scheme describes.
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_METHODS = ("compressed-tensors",)
+SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq")
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 INT_FORMATS = {4: ("pack-quantized",), 8: ("pack-quantized", "naive-quantized")}
 INT4_GROUP_SIZES = (32, 64, 128)  # what the engine's int4 kernels take (tinygemm and its CPU twin)
+GPTQ_GROUP_SIZES = (*INT4_GROUP_SIZES, -1)  # -1: one group per row, repeated per group of 128
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus one; v2 as it is
+AWQ_VERSIONS = ("gemm",)
 # The module kinds compressed-tensors' targets name; every matrix this engine quantises is one.
 LINEAR_TARGETS = ("Linear",)
 FIELD = "quantization_config"
@@ -38,7 +46,8 @@ class WeightScheme:
     strategy: str  # tensor, channel or group
     group_size: int | None
     symmetric: bool
-    format: str
+    format: str  # compressed-tensors' format, or gptq, gptq_v2, awq-gemm
+    desc_act: bool = False  # GPTQ act-order: input features in groups given by g_idx
 
     @property
     def level(self) -> str:
@@ -49,7 +58,8 @@ class WeightScheme:
         kind = "fp8" if self.type == "float" else f"int{self.num_bits}"
         grouping = f"group {self.group_size}" if self.strategy == "group" else self.strategy
         zeros = "" if self.symmetric else ", asymmetric"
-        return f"{kind} ({self.format}, {grouping}{zeros})"
+        order = ", desc_act" if self.desc_act else ""
+        return f"{kind} ({self.format}, {grouping}{zeros}{order})"
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,10 @@ def parse_quantization_config(config: dict[str, Any]) -> CheckpointQuant | None:
     method = qc.get("quant_method")
     if method not in SUPPORTED_METHODS:
         raise ValueError(_unsupported("quant_method", method, SUPPORTED_METHODS))
+    if method == "gptq":
+        return _packed_int4(method, _parse_gptq(qc), qc)
+    if method == "awq":
+        return _packed_int4(method, _parse_awq(qc), qc)
     _check_empty(qc, ("kv_cache_scheme", "sparsity_config", "transform_config"))
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
@@ -172,6 +186,51 @@ def _parse_weights(where: str, weights: dict[str, Any], fmt: str) -> WeightSchem
         raise ValueError(_unsupported(f"{where}.group_size", group_size, INT4_GROUP_SIZES))
     size = group_size if strategy == "group" else None
     return WeightScheme("int", 4, str(strategy), size, symmetric, fmt)
+
+
+def _packed_int4(method: str, scheme: WeightScheme, qc: dict[str, Any]) -> CheckpointQuant:
+    """GPTQ and AWQ: one scheme for every linear module that has a `qweight`; the others
+    (`modules_to_not_convert`, GPTQModel's `-:` dynamic skips) were written as 16-bit `weight`
+    tensors, which layers/packed_int4.py reads as such: the tensors say which is which."""
+    del qc  # nothing in it names the modules more reliably than their tensors
+    return CheckpointQuant(method, ((LINEAR_TARGETS, scheme),), ())
+
+
+def _parse_gptq(qc: dict[str, Any]) -> WeightScheme:
+    """AutoGPTQ's / GPTQModel's / transformers' GPTQConfig as config.json holds it."""
+    _check_choice("bits", qc.get("bits"), (4,))
+    group_size = qc.get("group_size", 128)
+    _check_choice("group_size", group_size, GPTQ_GROUP_SIZES)
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    _check_choice("checkpoint_format", fmt, GPTQ_FORMATS)
+    _check_choice("pack_dtype", qc.get("pack_dtype", "int32"), ("int32",))
+    _check_choice("lm_head", bool(qc.get("lm_head", False)), (False,))
+    _check_skips_only(qc.get("dynamic"))
+    size = None if group_size == -1 else int(group_size)
+    strategy = "channel" if size is None else "group"
+    symmetric, desc_act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
+    return WeightScheme("int", 4, strategy, size, symmetric, str(fmt), desc_act)
+
+
+def _check_skips_only(dynamic: Any) -> None:
+    """GPTQModel's `dynamic`: `-:<regex>` entries leave modules unquantised (their tensors say
+    so); `+:`/plain entries change bits or group size per module, which is not supported."""
+    for pattern in dynamic or {}:
+        if not str(pattern).startswith("-:"):
+            raise ValueError(_unsupported(f"dynamic.{pattern}", dynamic[pattern], ("-:<regex>",)))
+
+
+def _parse_awq(qc: dict[str, Any]) -> WeightScheme:
+    """AutoAWQ's / transformers' AwqConfig: `bits` (or `w_bit`), `group_size` (`q_group_size`)."""
+    _check_choice("bits", qc.get("bits") or qc.get("w_bit"), (4,))
+    group_size = qc.get("group_size") or qc.get("q_group_size")
+    _check_choice("group_size", group_size, INT4_GROUP_SIZES)
+    version = str(qc.get("version") or qc.get("format") or "gemm").lower()
+    _check_choice("version", version, AWQ_VERSIONS)
+    # zero_point false (symmetric) still stores `qzeros` (each 8) in the GEMM layout: both read.
+    symmetric = not qc.get("zero_point", True)
+    _check_skips_only(qc.get("dynamic"))
+    return WeightScheme("int", 4, "group", int(str(group_size)), symmetric, "awq-gemm")
 
 
 def _check_empty(section: dict[str, Any], names: tuple[str, ...], where: str = "") -> None:

@@ -1,0 +1,174 @@
+"""GPTQ and AWQ checkpoints' matrices, unpacked once at load into the engine's int4 format.
+
+Both store, per quantised linear module `m`, 4-bit values q and zero points z (0..15) packed
+eight to an int32 word, and float16 `m.scales` [groups, out]; w = (q - z) * scale, where a
+column's group is its input feature's. The layouts (GPTQ as AutoGPTQ / GPTQModel write it, AWQ
+as AutoAWQ's GEMM version does):
+- GPTQ: `m.qweight` [in / 8, out], packed along the input dimension (feature 8r + k of column j
+  in nibble k of qweight[r, j]); `m.qzeros` [groups, out / 8], packed along the output dimension;
+  `m.g_idx` int32 [in], each input feature's group. `checkpoint_format: gptq` (v1) stores z - 1,
+  gptq_v2 stores z. Group size -1 is one group per row.
+- AWQ: `m.qweight` [in, out / 8] and `m.qzeros` [groups, out / 8], both packed along the output
+  dimension in AWQ's interleaved order: nibble k of a word holds output 8b + AWQ_ORDER[k].
+
+The engine's int4 format dequantises (u - 8) * s + zero: u is q itself, s the scale and
+zero = (8 - z) * s, so nothing is requantised; the scale and zero are rounded to bf16 (the
+kernels' dtype), as for compressed-tensors. With GPTQ's act-order (desc_act), g_idx puts input
+features into groups in the Hessian's order, not consecutively; sorting the features by group
+makes each group consecutive, so the layer stores W[:, perm] and multiplies x[:, perm] by it
+(x @ W.T == x[:, perm] @ W[:, perm].T), as GPTQ's exllama and Marlin kernels do.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the torch convention
+
+from kvpilot.contract.memory import INT4_GROUP_SIZE
+from kvpilot.runtime.layers.quant import INT4_MID, Int4Parts, Int4Weight, Weight
+from kvpilot.runtime.models.checkpoint_quant import WeightScheme
+
+Read = Callable[[str], torch.Tensor | None]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs output 8b + AWQ_ORDER[k] into nibble k
+AWQ_NIBBLE_OF_OUTPUT = (0, 4, 1, 5, 2, 6, 3, 7)  # its inverse: output j sits in nibble [j]
+
+
+@dataclass(frozen=True)
+class ActOrderParts:
+    """A GPTQ desc_act matrix: `parts` hold W[:, perm] [out, in], groups consecutive."""
+
+    parts: Int4Parts
+    perm: torch.Tensor  # int64 [in]: stored input feature i is the checkpoint's perm[i]
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, num_values: int) -> torch.Tensor:
+    """[rows, words] int32, value i of a row at bits num_bits * i (4 or 8 bits, so never across
+    a word) -> its unsigned values int32 [rows, num_values], zero where the row ran out."""
+    if sys.byteorder == "little":  # value i sits in byte i * num_bits // 8 of the row
+        data = packed.contiguous().view(torch.uint8)  # [rows, words * 4], 4x less than int32
+        if num_bits == 4:  # byte j: value 2j in its low nibble, 2j + 1 in its high one
+            data = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(1)
+        values = data.to(torch.int32)
+    else:
+        per_word = 32 // num_bits
+        shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
+        values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(1)
+    if values.shape[1] < num_values:
+        values = F.pad(values, (0, num_values - values.shape[1]))
+    return values[:, :num_values].contiguous()
+
+
+def _need(read: Read, name: str) -> torch.Tensor:
+    tensor = read(name)
+    if tensor is None:
+        raise ValueError(f"checkpoint is missing tensor {name!r}")
+    return tensor
+
+
+def read_packed_int4(
+    read: Read, module: str, scheme: WeightScheme
+) -> torch.Tensor | Int4Parts | ActOrderParts:
+    """Module `module` of a GPTQ or AWQ checkpoint; a dense matrix where the quantiser left the
+    module out (it wrote `weight`, not `qweight`)."""
+    qweight = read(f"{module}.qweight")
+    if qweight is None:
+        return _need(read, f"{module}.weight")
+    scale = _need(read, f"{module}.scales").float().t()  # [out, groups]
+    qzeros = _need(read, f"{module}.qzeros")
+    if scheme.format == "awq-gemm":
+        values, zeros = unpack_awq(qweight).t(), unpack_awq(qzeros).t()  # [out, in], [out, g]
+        return _int4_parts(values, scale, zeros, scheme.group_size or INT4_GROUP_SIZE)
+    g_idx = read(f"{module}.g_idx")
+    in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
+    values = unpack_int32(qweight.t().contiguous(), 4, in_features)  # [out, in]
+    zeros = unpack_int32(qzeros, 4, scale.shape[0]).t()  # [out, groups]
+    zeros = zeros + 1 if scheme.format == "gptq" else zeros  # v1 stored z - 1
+    if scheme.group_size is None:  # one group per row: the same scale for each of ours
+        groups = -(-in_features // INT4_GROUP_SIZE)
+        scale, zeros = scale.expand(-1, groups), zeros.expand(-1, groups)
+        return _int4_parts(values, scale, zeros, INT4_GROUP_SIZE)
+    perm = act_order_permutation(module, g_idx, scheme.group_size, in_features, scheme.desc_act)
+    if perm is None:
+        return _int4_parts(values, scale, zeros, scheme.group_size)
+    return ActOrderParts(_int4_parts(values[:, perm], scale, zeros, scheme.group_size), perm)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """[rows, cols / 8] int32 in AWQ's nibble order -> int32 [rows, cols] in column order."""
+    values = unpack_int32(packed, 4, packed.shape[1] * 8)
+    blocks = values.unflatten(1, (-1, 8))  # [rows, cols / 8, nibble]
+    return blocks[..., list(AWQ_NIBBLE_OF_OUTPUT)].flatten(1).contiguous()
+
+
+def act_order_permutation(
+    module: str, g_idx: torch.Tensor | None, group_size: int, in_features: int, desc_act: bool
+) -> torch.Tensor | None:
+    """The input permutation that makes g_idx's groups consecutive runs of `group_size`
+    features; None when they are already (no act-order, or GPTQ's static groups)."""
+    consecutive = torch.arange(in_features) // group_size
+    if g_idx is None:
+        if desc_act:
+            raise ValueError(f"checkpoint is missing tensor '{module}.g_idx' (desc_act is true)")
+        return None
+    g_idx = g_idx.long()
+    if torch.equal(g_idx, consecutive):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], consecutive):
+        raise ValueError(
+            f"{module}.g_idx puts a number of input features other than group_size "
+            f"({group_size}) into a group; such a GPTQ checkpoint is not supported"
+        )
+    return perm
+
+
+def _int4_parts(
+    values: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> Int4Parts:
+    """values [out, in] 0..15, scale [out, groups] float, zeros [out, groups] 0..16 ->
+    the engine's int4 parts, the input padded to whole groups (zero activations meet it)."""
+    in_features = values.shape[1]
+    padded = scale.shape[1] * group_size
+    if padded < in_features:
+        raise ValueError(f"{scale.shape[1]} groups of {group_size} cannot hold {in_features}")
+    values = F.pad(values, (0, padded - in_features), value=INT4_MID)
+    zero = (INT4_MID - zeros.float()) * scale
+    bf16 = torch.bfloat16
+    return Int4Parts(values.contiguous(), scale.to(bf16), zero.to(bf16), group_size, in_features)
+
+
+class PermutedWeight(Weight):
+    """A desc_act matrix: its input features stored in group order, the activation's permuted
+    to meet them (one gather of [T, in] per step, against the matmul's [in, out] read)."""
+
+    def __init__(self, weight: Weight, perm: torch.Tensor) -> None:
+        self.weight, self.perm = weight, perm
+        self.inverse = torch.argsort(perm)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.weight.linear(x.index_select(-1, self.perm), bias)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.dequantize(dtype)[:, self.inverse]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.rows(ids, dtype)[:, self.inverse]
+
+    def num_bytes(self) -> int:
+        return self.weight.num_bytes() + self.perm.numel() * self.perm.element_size()
+
+
+def store_act_order(matrix: ActOrderParts, device: torch.device) -> PermutedWeight:
+    parts = matrix.parts
+    moved = Int4Parts(
+        parts.values.to(device),
+        parts.scale.to(device),
+        parts.zero.to(device),
+        parts.group_size,
+        parts.in_features,
+    )
+    return PermutedWeight(Int4Weight.from_parts(moved), matrix.perm.to(device))

@@ -1,0 +1,220 @@
+"""GPTQ and AWQ checkpoints: the config checked and refused field by field, act-order's groups
+made consecutive, and tiny-llama quantised by GPTQModel itself run against transformers on the
+same checkpoint dequantised by GPTQModel's own code (matrices, logits, greedy tokens,
+perplexity)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.reference.gptq_awq import (
+    VARIANTS,
+    dequantized_model,
+    dequantized_state_dict,
+    write_checkpoint,
+)
+from bench.reference.gptq_awq import is_available as gptqmodel_available
+from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.model_runner import load_model
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.evaluate import samples_for, score
+from kvpilot.runtime.layers.packed_int4 import (
+    AWQ_ORDER,
+    PermutedWeight,
+    act_order_permutation,
+    unpack_awq,
+    unpack_int32,
+)
+from kvpilot.runtime.layers.prequant import dequantize, read_matrix
+from kvpilot.runtime.layers.quant import Int4Weight
+from kvpilot.runtime.models.checkpoint_quant import parse_quantization_config
+from kvpilot.runtime.models.loader import load_model_config, open_weights
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from tests.runtime.test_rt_prequant import LOGIT_TOLERANCE, PROMPTS, hf_perplexity
+
+CPU = torch.device("cpu")
+NEEDS_GPTQMODEL = pytest.mark.skipif(
+    not gptqmodel_available(), reason="GPTQModel writes the checkpoints: pip install gptqmodel"
+)
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+        "checkpoint_format": "gptq", "lm_head": False, "pack_dtype": "int32"}  # fmt: skip
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+       "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("base", "changes", "described"),
+    [
+        (GPTQ, {}, "gptq int4 (gptq, group 128)"),
+        (GPTQ, {"group_size": 32, "desc_act": True, "sym": False},
+         "gptq int4 (gptq, group 32, asymmetric, desc_act)"),
+        (GPTQ, {"group_size": -1, "checkpoint_format": "gptq_v2"}, "int4 (gptq_v2, channel)"),
+        (GPTQ, {"checkpoint_format": None, "format": "gptq_v2"}, "int4 (gptq_v2, group 128)"),
+        (GPTQ, {"dynamic": {r"-:.*down_proj": {}}}, "gptq int4 (gptq, group 128)"),
+        (AWQ, {"group_size": 64}, "awq int4 (awq-gemm, group 64, asymmetric)"),
+        (AWQ, {"version": "GEMM", "bits": None, "w_bit": 4}, "awq int4 (awq-gemm, group 128"),
+        (AWQ, {"zero_point": False}, "awq int4 (awq-gemm, group 128)"),
+    ],
+)  # fmt: skip
+def test_supported_configs(base: dict[str, Any], changes: dict[str, Any], described: str) -> None:
+    quant = parse_quantization_config({"quantization_config": {**base, **changes}})
+    assert quant is not None and described in quant.describe() and quant.level == "int4"
+
+
+@pytest.mark.parametrize(
+    ("base", "changes", "message"),
+    [
+        (GPTQ, {"bits": 3}, "quantization_config.bits: 3 is not supported; supported: 4"),
+        (GPTQ, {"bits": 8}, "quantization_config.bits: 8 is not supported"),
+        (GPTQ, {"group_size": 256},
+         "group_size: 256 is not supported; supported: 32, 64, 128, -1"),
+        (GPTQ, {"group_size": 16}, "group_size: 16 is not supported"),
+        (GPTQ, {"checkpoint_format": "marlin"},
+         'checkpoint_format: "marlin" is not supported; supported: gptq, gptq_v2'),
+        (GPTQ, {"lm_head": True}, "quantization_config.lm_head: True is not supported"),
+        (GPTQ, {"pack_dtype": "int16"}, 'pack_dtype: "int16" is not supported'),
+        (GPTQ, {"dynamic": {r"+:.*down_proj": {"bits": 8}}},
+         r'dynamic.+:.*down_proj: {'),
+        (AWQ, {"bits": 3}, "quantization_config.bits: 3 is not supported"),
+        (AWQ, {"group_size": -1}, "group_size: -1 is not supported; supported: 32, 64, 128"),
+        (AWQ, {"version": "gemv"}, 'version: "gemv" is not supported; supported: gemm'),
+        (AWQ, {"version": "marlin"}, 'version: "marlin" is not supported'),
+        (AWQ, {"quant_method": "bitsandbytes"},
+         'quant_method: "bitsandbytes" is not supported; supported: compressed-tensors, gptq, '
+         "awq"),
+    ],
+)  # fmt: skip
+def test_refused_configs_name_the_field(
+    base: dict[str, Any], changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError) as error:
+        parse_quantization_config({"quantization_config": {**base, **changes}})
+    assert message in str(error.value)
+
+
+def test_awq_nibble_order_is_undone() -> None:
+    """AWQ's packer puts output 8b + AWQ_ORDER[k] into nibble k of a word."""
+    values = torch.randint(0, 16, (3, 24), dtype=torch.int32)
+    words = torch.zeros(3, 3, dtype=torch.int32)
+    for k, column in enumerate(AWQ_ORDER):
+        words |= values[:, column::8] << (4 * k)
+    assert torch.equal(unpack_awq(words), values)
+    assert torch.equal(unpack_int32(words, 4, 24)[:, :8], values[:, list(AWQ_ORDER)])
+
+
+@pytest.mark.parametrize(
+    ("g_idx", "group_size", "expected"),
+    [
+        ([0, 0, 1, 1, 2], 2, None),  # consecutive: no permutation
+        ([1, 0, 2, 0, 1], 2, [1, 3, 0, 4, 2]),  # act-order: sorted by group, stably
+        ([2, 1, 0, 0, 1, 0], 2, "puts a number of input features other than group_size"),
+    ],
+)
+def test_act_order_makes_groups_consecutive(
+    g_idx: list[int], group_size: int, expected: list[int] | str | None
+) -> None:
+    args = ("m", torch.tensor(g_idx), group_size, len(g_idx), True)
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            act_order_permutation(*args)
+        return
+    perm = act_order_permutation(*args)
+    assert (None if perm is None else perm.tolist()) == expected
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            made[variant] = write_checkpoint(tmp_path_factory.mktemp(variant), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references() -> Callable[[Path], Any]:
+    made: dict[Path, Any] = {}
+
+    def get(path: Path) -> Any:
+        if path not in made:
+            made[path] = dequantized_model(path)
+        return made[path]
+
+    return get
+
+
+@pytest.mark.slow
+@NEEDS_GPTQMODEL
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matrices_equal_gptqmodels_dequantisation(
+    checkpoints: Callable[[str], Path], variant: str
+) -> None:
+    """Every quantised matrix as the engine reads it (scale and zero rounded to bf16 for the
+    kernels, the reference's are float16) equals GPTQModel's own dequantisation."""
+    path = checkpoints(variant)
+    cfg, reference = load_model_config(path), dequantized_state_dict(path)
+    modules = sorted(n.removesuffix(".qweight") for n in _names(path) if n.endswith(".qweight"))
+    assert len(modules) >= 16, "the checkpoint quantised too little"
+    with open_weights(path) as read:
+        for module in modules:
+            ours = dequantize(read_matrix(read, module, cfg.checkpoint_quant))
+            ref = reference[f"{module}.weight"]
+            torch.testing.assert_close(ours, ref, rtol=0, atol=ref.abs().max().item() / 128)
+
+
+def _names(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
+
+
+@pytest.mark.slow
+@NEEDS_GPTQMODEL
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_greedy_tokens_match_transformers(
+    checkpoints: Callable[[str], Path],
+    references: Callable[[Path], Any],
+    make_engine: Callable[..., Engine],
+    variant: str,
+) -> None:
+    path = checkpoints(variant)
+    hf = references(path)
+    for prompt, logits in zip(PROMPTS, our_logits(path, PROMPTS, [5]), strict=True):
+        torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=LOGIT_TOLERANCE, rtol=0)
+    engine = make_engine(path)
+    stored = engine.runner.model.layers[0].qkv.weight
+    is_act_order = VARIANTS[variant].get("desc_act") and VARIANTS[variant]["group_size"] > 0
+    assert isinstance(stored, PermutedWeight if is_act_order else Int4Weight)  # kept packed
+    ours = run_all(engine, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
+    for index, prompt in enumerate(PROMPTS):
+        assert ours[str(index)] == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.slow
+@NEEDS_GPTQMODEL
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_perplexity_within_half_a_percent_of_transformers(
+    checkpoints: Callable[[str], Path],
+    references: Callable[[Path], Any],
+    tiny_llama_dir: Path,
+    variant: str,
+) -> None:
+    """The quality goal of issue 39 on models/tiny-llama/eval.txt, through the eval module."""
+    path = checkpoints(variant)
+    cfg = load_model_config(path)
+    samples = samples_for("perplexity", tiny_llama_dir / "eval.txt", Tokenizer(path), 512)
+    scores = score(load_model(path, cfg, "none", torch.float32, CPU), samples, CPU, None)
+    ours = math.exp(scores.nll / scores.num_targets)
+    reference = hf_perplexity(references(path), [s.ids for s in samples])
+    assert abs(ours / reference - 1) < 0.005, (ours, reference)
