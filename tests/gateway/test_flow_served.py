@@ -11,7 +11,8 @@ a real `kvpilot-runtime serve` replica of tiny-llama and the official openai cli
 - a tenant whose queue is full gets 429 and Retry-After while another tenant still gets its turn.
 
 Replicas that take `priority`, and a request held open, are scripted real upstreams
-(tests/support/fake_upstream.py): the runtime on main refuses a priority other than 0.
+(tests/support/fake_upstream.py): they answer at once and record what they were sent; a fcfs runtime
+(the default) refuses a priority other than 0, which is what the last test relies on.
 """
 
 from __future__ import annotations
