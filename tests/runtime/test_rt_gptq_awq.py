@@ -37,7 +37,7 @@ from kvpilot.runtime.layers.quant import Int4Weight
 from kvpilot.runtime.models.checkpoint_quant import parse_quantization_config
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
-from tests.runtime.test_rt_prequant import LOGIT_TOLERANCE, PROMPTS, hf_perplexity
+from tests.support.prequant_reference import LOGIT_TOLERANCE, PROMPTS, hf_perplexity
 
 CPU = torch.device("cpu")
 NEEDS_GPTQMODEL = pytest.mark.skipif(

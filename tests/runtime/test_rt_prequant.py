@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
 from bench.reference.prequantized import (
@@ -34,14 +33,11 @@ from kvpilot.runtime.models.checkpoint_quant import (
 )
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from tests.support.prequant_reference import LOGIT_TOLERANCE, PROMPTS, hf_perplexity
 
 pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
 
 CPU = torch.device("cpu")
-PROMPTS = [list(range(5, 45)), [1, 9, 33, 17], list(range(100, 133))]
-# fp32 compute: the int kernels round activations to bf16, and the reference's decompressed
-# weights are bf16 products (ours are float32); a misread layout or scale moves logits by ~8.
-LOGIT_TOLERANCE = 0.06
 
 INT4_G128 = {
     "quant_method": "compressed-tensors",
@@ -213,16 +209,6 @@ def test_logits_and_greedy_tokens_match_transformers(
     ours = run_all(engine, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
     for index, prompt in enumerate(PROMPTS):
         assert ours[str(index)] == hf_greedy(hf, prompt, 12)
-
-
-def hf_perplexity(hf: Any, windows: list[list[int]]) -> float:
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for ids in windows:
-            logits = hf(torch.tensor([ids])).logits[0, :-1].float()
-            nll += float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
-            count += len(ids) - 1
-    return math.exp(nll / count)
 
 
 @pytest.mark.parametrize("variant", ["fp8-channel", "int4-g128", "int4-g32-asym", "int8-channel"])
