@@ -220,19 +220,25 @@ def priority_report(args: argparse.Namespace, cores: server_common.Cores, found:
     """The priority goal alone, with a flood of longer requests: at the same 3x of capacity in
     tokens, a few requests a second, which the client on this machine keeps up with."""
     pr = found["priority"]
-    floods = ", ".join(f"{r['flood_ok']:.0f} answered / {r['flood_429']:.0f} 429" for r in pr)
-    loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"Cores: {cores.words} (the client on the gateway's). Load average when the run ended: "
-        f"{loadavg}.\n\nCapacity: {found['capacity']:.2f} requests/s of the flood's shape "
+        f"{load_average()}.\n\nCapacity: {found['capacity']:.2f} requests/s of the flood's shape "
         f"(64-token prompts, {args.flood_output_len} output tokens, `--max-num-seqs {BATCH}`, "
         f"through the fair queue). The high tenant: {HIGH_SHAPE}, Poisson at "
         f"{HIGH_SHARE:.0%} of that capacity, {args.num_high} requests; the flood at "
         f"{FLOOD_FACTOR:.0f}x from {HEAD_START_S:.0f} s before. {args.rounds} rounds; each cell "
         "is the median of the rounds and, in brackets, every round's figure.\n\n"
         + markdown_table(["figure", "median (rounds)", "goal"], priority_rows(pr))
-        + f"\n\nThe flood per round: {floods}.\n"
+        + f"\n\nThe flood per round: {floods(pr)}.\n"
     )
+
+
+def floods(pr: list[dict[str, float]]) -> str:
+    return ", ".join(f"{r['flood_ok']:.0f} answered / {r['flood_429']:.0f} 429" for r in pr)
+
+
+def load_average() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def report(args: argparse.Namespace, cores: server_common.Cores, found: dict) -> str:
@@ -253,17 +259,16 @@ def report(args: argparse.Namespace, cores: server_common.Cores, found: dict) ->
         ["TTFT p50 at low load, on - off (ms)", spread(added),
          f"<= {GOALS['ttft']:.0f} ms: {verdict(statistics.median(added) <= GOALS['ttft'])}"],
     ]  # fmt: skip
-    floods = ", ".join(f"{r['flood_ok']:.0f} answered / {r['flood_429']:.0f} 429" for r in pr)
     failed = sum(r["high_failed"] for r in pr)
-    loadavg = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"Cores: {cores.words} (in the priority phase the client on the gateway's). Load "
-        f"average when the run ended: {loadavg}.\n\n"
-        f"Capacity: {found['capacity']:.2f} requests/s (64-token prompts, 64 output tokens, "
+        f"average when the run ended: {load_average()}.\n\n"
+        f"Capacity: {found['capacity']:.2f} requests/s (64-token prompts, "
+        f"{args.flood_output_len} output tokens, "
         f"`--max-num-seqs {BATCH}`, through the fair queue). {args.rounds} rounds; each cell is "
         "the median of the rounds and, in brackets, every round's figure.\n\n"
         + markdown_table(["figure", "median (rounds)", "goal"], rows)
-        + f"\n\nThe flood per round: {floods} (its fair queue holds {QUEUED}; the rest is "
+        + f"\n\nThe flood per round: {floods(pr)} (its fair queue holds {QUEUED}; the rest is "
         f"refused). High-priority requests failed: {failed:.0f}. Shares are of prompt + output "
         "tokens served while both tenants had work (`kvpilot bench`'s contended share).\n\n"
         "Reading the priority rows: the client's TTFT counts from its own event loop, which "
