@@ -123,6 +123,7 @@ class Controller:
             draft_facts=self._source_facts(
                 md, spec, None if spec is None else api.draft_source(spec)
             ),
+            variant_facts=self._variant_facts(md, spec),
         )
         desired = desired_state.desire(md, self.config, observed)
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
@@ -176,6 +177,21 @@ class Controller:
             return self.facts.read(md["metadata"]["namespace"], spec, model.uri)
         except ValueError as error:
             return str(error)
+
+    def _variant_facts(
+        self, md: Obj, spec: api.ModelDeploymentSpec | None
+    ) -> dict[str, ModelFacts | str]:
+        """Facts read from each spec.model.variants[] config.json, or why they could not be."""
+        found: dict[str, ModelFacts | str] = {}
+        if spec is None:
+            return found
+        for variant in spec.model.variants:
+            try:
+                namespace = md["metadata"]["namespace"]
+                found[variant.name] = self.facts.read(namespace, spec, variant.uri, variant)
+            except ValueError as error:
+                found[variant.name] = str(error)
+        return found
 
     def _apply_first(self, md: Obj, desired: desired_state.Desired) -> dict[ChildRef, Obj]:
         """A new object's Deployments, and the model cache their pods mount: what serves."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
 from kvpilot.contract import catalog
 from kvpilot.contract.memory import ModelFacts
@@ -78,6 +79,9 @@ class Observed:
     source_facts: ModelFacts | str | None = None
     # As `source_facts`, for the speculative draft model the spec may name.
     draft_facts: ModelFacts | str | None = None
+    # As `source_facts`, per spec.model.variants[] name (always read: a catalog entry does not
+    # say how a checkpoint is quantised).
+    variant_facts: Mapping[str, ModelFacts | str] = field(default_factory=dict)
     # The model cache as its fill Job reports it; replicas wait at zero until it is Cached.
     cache: api.CacheStatus | None = None
     # The eval set's digest, cached measurements and eval Jobs (spec.quantization.evaluation);
@@ -97,10 +101,12 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
         facts = catalog.resolve(spec.model, _read(observed.source_facts))
+        check_prequantized(spec, facts)
         draft = _draft(spec, observed.draft_facts)
         request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
+        request = dataclasses.replace(request, variants=variants(spec, facts, observed))
     except (ValidationError, ValueError) as error:
-        read = (observed.source_facts, observed.draft_facts)
+        read = (observed.source_facts, observed.draft_facts, *observed.variant_facts.values())
         unread = [why for why in read if isinstance(why, str)]
         if unread:  # the source may answer later: try again
             return Desired(error="; ".join([_one_line(error), *unread]), needs_retry=True)
@@ -150,6 +156,49 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         quality=verdict,
         needs_retry=admission.needs_retry(verdict),  # a ConfigMap is not watched: look again
     )
+
+
+def check_prequantized(spec: api.ModelDeploymentSpec, facts: ModelFacts) -> None:
+    """A pre-quantised spec.model fixes its level, so there is no level left to measure."""
+    if facts.checkpoint is not None and spec.quantization.evaluation is not None:
+        raise ValueError(
+            f"spec.quantization.evaluation measures kvpilot's own levels of a 16-bit checkpoint,"
+            f" and spec.model is pre-quantised ({facts.checkpoint.description}), which fixes"
+            " its level: remove spec.quantization.evaluation"
+        )
+
+
+# What makes two checkpoints one model: the shapes the KV cache and the served API depend on.
+_ARCHITECTURE = ("layers", "kv_heads", "head_dim", "vocab_size", "hidden_size", "attention_heads")
+
+
+def variants(
+    spec: api.ModelDeploymentSpec, facts: ModelFacts, observed: Observed
+) -> tuple[tuple[str, ModelFacts], ...]:
+    """spec.model.variants[] with the facts read from each; ValueError when one was not read
+    (its reason) or is another architecture than spec.model (the fields that differ)."""
+    found: list[tuple[str, ModelFacts]] = []
+    for variant in spec.model.variants:
+        read = observed.variant_facts.get(variant.name)
+        if not isinstance(read, ModelFacts):
+            raise ValueError(f"spec.model.variants[{variant.name}]: {read or 'not read yet'}")
+        differ = [
+            f"{to_camel(n)} {getattr(read, n)} vs {getattr(facts, n)}"
+            for n in _ARCHITECTURE
+            if getattr(facts, n) and getattr(read, n) != getattr(facts, n)
+        ]
+        if differ:
+            raise ValueError(
+                f"spec.model.variants[{variant.name}] ({variant.uri}) is not spec.model's"
+                f" architecture: {', '.join(differ)}; a variant is the same model published"
+                " another way"
+            )
+        found.append((variant.name, read))
+    if found and spec.quantization.evaluation is not None:
+        raise ValueError(
+            "spec.quantization.evaluation with spec.model.variants is not supported yet: remove one"
+        )
+    return tuple(found)
 
 
 def _draft(spec: api.ModelDeploymentSpec, read: ModelFacts | str | None) -> ModelFacts | None:
@@ -297,7 +346,8 @@ def _one_line(error: Exception) -> str:
 
 def _summary(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
     used = [
-        f"{p.node_type.name}: {p.quantization} on {p.tensor_parallel} GPU(s) x{n},"
+        f"{p.node_type.name}: {_variant_text(p)}{p.quantization} on {p.tensor_parallel} GPU(s)"
+        f" x{n},"
         f" up to {p.max_concurrency} sequences"
         for p, n in zip(plans, replicas, strict=True)
         if p.fits and n > 0
@@ -306,6 +356,10 @@ def _summary(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
     misfits = sum(1 for p in plans if not p.fits)
     text = "; ".join(used) or "no replicas"
     return f"{text} ({spare} more node types fit, {misfits} do not)"
+
+
+def _variant_text(p: planner.NodePlan) -> str:
+    return f"variant {p.variant} " if p.variant else ""
 
 
 def _quantization(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
