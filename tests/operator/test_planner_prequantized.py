@@ -22,7 +22,7 @@ from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import planner
 from kvpilot.operator.planning.inventory import NodeType
-from kvpilot.operator.planning.model_facts import facts_from_config_json
+from kvpilot.operator.planning.model_facts import UnservableCheckpointError, facts_from_config_json
 from kvpilot.operator.reconcile import desired_state, manifests
 from tests.support.checkpoint_configs import (
     QWEN25_7B,
@@ -180,7 +180,7 @@ def test_a_16_bit_level_asked_of_a_checkpoint_is_refused() -> None:
 
 def test_an_unsupported_checkpoint_names_the_field() -> None:
     config = QWEN25_7B | {"quantization_config": {"quant_method": "awq", "bits": 3}}
-    with pytest.raises(ValueError, match="is not supported") as error:
+    with pytest.raises(UnservableCheckpointError, match="is not supported") as error:
         facts_from_config_json(config, no_header_read, "model", "")
     assert str(error.value).startswith(
         "the model's checkpoint cannot be served: quantization_config.bits: 3 is not supported"
@@ -271,7 +271,7 @@ def test_variants_the_operator_cannot_serve_are_refused_at_parse(
         api.parse_spec({"model": {"uri": "hf://Qwen/Qwen2.5-7B-Instruct", **model}})
 
 
-def desire(variant_facts: dict[str, ModelFacts | str], **spec: Any) -> desired_state.Desired:
+def desire(variant_facts: dict[str, desired_state.Read], **spec: Any) -> desired_state.Desired:
     model = {
         "uri": "hf://Qwen/Qwen2.5-7B-Instruct",  # in the catalog: nothing to read for it
         "variants": [{"name": "awq", "uri": "hf://Qwen/Qwen2.5-7B-Instruct-AWQ"}],
@@ -307,3 +307,15 @@ def test_a_variant_that_cannot_be_read_fails_the_plan_for_now() -> None:
     desired = desire({"awq": why})
     assert desired.needs_retry and not desired.is_invalid_spec
     assert desired.error is not None and why in desired.error
+
+
+def test_a_checkpoint_the_runtime_would_refuse_is_an_invalid_spec_naming_the_field() -> None:
+    config = QWEN25_7B | {"quantization_config": {"quant_method": "awq", "bits": 3}}
+    with pytest.raises(UnservableCheckpointError) as error:
+        facts_from_config_json(config, no_header_read, "variant awq", "")
+    desired = desire({"awq": desired_state.Unservable(str(error.value))})
+    assert desired.is_invalid_spec and not desired.needs_retry
+    assert desired.error == (
+        "the variant awq's checkpoint cannot be served: quantization_config.bits: 3 is not"
+        " supported; supported: 4 (see docs/architecture.md, pre-quantised checkpoints)"
+    )

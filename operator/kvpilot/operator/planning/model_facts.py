@@ -24,6 +24,11 @@ from kvpilot.contract.remote_config import count_parameters, read_config_json
 from kvpilot.operator import api
 
 
+class UnservableCheckpointError(ValueError):
+    """The source was read, and the runtime would refuse its checkpoint (its
+    quantization_config): reading it again cannot help, the spec must name another."""
+
+
 @dataclass
 class ModelFactsReader:
     client: k8s_client.ApiClient
@@ -98,7 +103,8 @@ def facts_from_config_json(
     try:
         checkpoint = checkpoint_weights.read_checkpoint_weights(config)
     except ValueError as error:
-        raise ValueError(f"the {which}'s checkpoint cannot be served: {error}") from error
+        why = f"the {which}'s checkpoint cannot be served: {error}"
+        raise UnservableCheckpointError(why) from error
     try:
         parameters = checkpoint_weights.architecture_parameters(config) if checkpoint else count()
         return catalog.facts_from_config(config, parameters, checkpoint)

@@ -26,7 +26,6 @@ from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
 from kvpilot.contract import k8s, resource, timestamps
-from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, observability
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import inventory, model_facts
@@ -168,30 +167,34 @@ class Controller:
 
     def _source_facts(
         self, md: Obj, spec: api.ModelDeploymentSpec | None, model: api.ModelSource | None
-    ) -> ModelFacts | str | None:
+    ) -> desired_state.Read | None:
         """Facts read from an uncatalogued model's config.json (spec.model, or the draft
         model), or why they could not be."""
         if spec is None or model is None or not model_facts.needs_reading(model):
             return None
-        try:
-            return self.facts.read(md["metadata"]["namespace"], spec, model.uri)
-        except ValueError as error:
-            return str(error)
+        return self._read_facts(md, spec, model.uri)
 
     def _variant_facts(
         self, md: Obj, spec: api.ModelDeploymentSpec | None
-    ) -> dict[str, ModelFacts | str]:
+    ) -> dict[str, desired_state.Read]:
         """Facts read from each spec.model.variants[] config.json, or why they could not be."""
-        found: dict[str, ModelFacts | str] = {}
         if spec is None:
-            return found
-        for variant in spec.model.variants:
-            try:
-                namespace = md["metadata"]["namespace"]
-                found[variant.name] = self.facts.read(namespace, spec, variant.uri, variant)
-            except ValueError as error:
-                found[variant.name] = str(error)
-        return found
+            return {}
+        return {v.name: self._read_facts(md, spec, v.uri, v) for v in spec.model.variants}
+
+    def _read_facts(
+        self,
+        md: Obj,
+        spec: api.ModelDeploymentSpec,
+        uri: str,
+        variant: api.ModelVariant | None = None,
+    ) -> desired_state.Read:
+        try:
+            return self.facts.read(md["metadata"]["namespace"], spec, uri, variant)
+        except model_facts.UnservableCheckpointError as error:
+            return desired_state.Unservable(str(error))
+        except ValueError as error:
+            return str(error)
 
     def _apply_first(self, md: Obj, desired: desired_state.Desired) -> dict[ChildRef, Obj]:
         """A new object's Deployments, and the model cache their pods mount: what serves."""

@@ -58,6 +58,19 @@ class Desired:
     applied_first: Mapping[tuple[str, str], Obj] | None = None
 
 
+@dataclass(frozen=True)
+class Unservable:
+    """A source that was read and holds a checkpoint the runtime would refuse (e.g. 3-bit AWQ):
+    the spec is invalid until it names another, and `reason` names the field."""
+
+    reason: str
+
+
+# What the operator read from a source's config.json: its facts, why it could not be read (read
+# again later), or why its checkpoint cannot be served (for good).
+Read = ModelFacts | str | Unservable
+
+
 @dataclass(frozen=True, kw_only=True)
 class Observed:
     """What one pass read before deciding anything: all `desire` needs besides the
@@ -76,12 +89,12 @@ class Observed:
     # What the operator read from the model's config.json, or why it could not (then the plan
     # fails for now and the pass is retried); None when there was nothing to read (the spec or
     # the catalog has the facts).
-    source_facts: ModelFacts | str | None = None
+    source_facts: Read | None = None
     # As `source_facts`, for the speculative draft model the spec may name.
-    draft_facts: ModelFacts | str | None = None
+    draft_facts: Read | None = None
     # As `source_facts`, per spec.model.variants[] name (always read: a catalog entry does not
     # say how a checkpoint is quantised).
-    variant_facts: Mapping[str, ModelFacts | str] = field(default_factory=dict)
+    variant_facts: Mapping[str, Read] = field(default_factory=dict)
     # The model cache as its fill Job reports it; replicas wait at zero until it is Cached.
     cache: api.CacheStatus | None = None
     # The eval set's digest, cached measurements and eval Jobs (spec.quantization.evaluation);
@@ -97,6 +110,10 @@ class Observed:
 def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     """Everything one pass decides for `md` (plan, replicas per node type, children, quality
     verdict) from what it `observed`; touches no API."""
+    sources = (observed.source_facts, observed.draft_facts, *observed.variant_facts.values())
+    unservable = [s.reason for s in sources if isinstance(s, Unservable)]
+    if unservable:
+        return Desired(error="; ".join(unservable), is_invalid_spec=True)
     try:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
@@ -106,8 +123,7 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
         request = dataclasses.replace(request, variants=variants(spec, facts, observed))
     except (ValidationError, ValueError) as error:
-        read = (observed.source_facts, observed.draft_facts, *observed.variant_facts.values())
-        unread = [why for why in read if isinstance(why, str)]
+        unread = [why for why in sources if isinstance(why, str)]
         if unread:  # the source may answer later: try again
             return Desired(error="; ".join([_one_line(error), *unread]), needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
@@ -201,7 +217,7 @@ def variants(
     return tuple(found)
 
 
-def _draft(spec: api.ModelDeploymentSpec, read: ModelFacts | str | None) -> ModelFacts | None:
+def _draft(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts | None:
     """The facts of the speculative draft model the spec names (None: it names none), from the
     catalog or its config.json; ValueError when neither has them."""
     draft = api.draft_source(spec)
@@ -216,7 +232,7 @@ def _draft(spec: api.ModelDeploymentSpec, read: ModelFacts | str | None) -> Mode
     return found
 
 
-def _read(facts: ModelFacts | str | None) -> ModelFacts | None:
+def _read(facts: Read | None) -> ModelFacts | None:
     """What was read from a source, or None when it was not (or could not be: a reason)."""
     return facts if isinstance(facts, ModelFacts) else None
 
