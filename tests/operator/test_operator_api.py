@@ -170,8 +170,10 @@ def test_facts_from_the_tiny_llama_config() -> None:
         yaml.safe_load((ROOT / "examples" / "tiny-llama.yaml").read_text())["spec"]
     )
     # the spec states no projection widths (they size LoRA slots, estimated without them)
-    widths = {"hidden_size": 256, "intermediate_size": 688, "attention_heads": 8}
-    assert facts == dataclasses.replace(catalog.resolve(tiny.model), **widths)
+    widths = dataclasses.replace(
+        catalog.resolve(tiny.model), hidden_size=256, intermediate_size=688, attention_heads=8
+    )
+    assert facts == widths
 
 
 MODEL = {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"}

@@ -21,6 +21,7 @@ from bench.reference.gptq_awq import (
 )
 from bench.reference.gptq_awq import is_available as gptqmodel_available
 from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
+from kvpilot.contract.checkpoint_quant import parse_quantization_config
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.engine.sampling import SamplingParams
@@ -34,7 +35,6 @@ from kvpilot.runtime.layers.packed_int4 import (
 )
 from kvpilot.runtime.layers.prequant import dequantize, read_matrix
 from kvpilot.runtime.layers.quant import Int4Weight
-from kvpilot.runtime.models.checkpoint_quant import parse_quantization_config
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.prequant_reference import LOGIT_TOLERANCE, PROMPTS, hf_perplexity

@@ -21,16 +21,16 @@ from bench.reference.prequantized import (
     decompressed_state_dict,
     write_checkpoint,
 )
+from kvpilot.contract.checkpoint_quant import (
+    parse_quantization_config,
+    resolve_quantization,
+)
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import samples_for, score
 from kvpilot.runtime.layers.prequant import dequantize, read_matrix, unpack_int32
 from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8DynamicWeight, Int8Weight
-from kvpilot.runtime.models.checkpoint_quant import (
-    parse_quantization_config,
-    resolve_quantization,
-)
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.prequant_reference import LOGIT_TOLERANCE, PROMPTS, hf_perplexity

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvpilot.contract.memory import ModelFacts
+from kvpilot.contract.memory import CheckpointWeights, ModelFacts
 
 
 class GivenFacts(Protocol):
@@ -330,8 +330,11 @@ def lookup(uri: str) -> ModelFacts | None:
     return CATALOG.get(key) if key else None
 
 
-def facts_from_config(config: dict[str, Any], parameters: int) -> ModelFacts:
-    """ModelFacts from an HF config.json; the parameter count comes from the weights' size."""
+def facts_from_config(
+    config: dict[str, Any], parameters: int, checkpoint: CheckpointWeights | None = None
+) -> ModelFacts:
+    """ModelFacts from an HF config.json; the parameter count comes from the weights' size (a
+    pre-quantised checkpoint's, `checkpoint`, from its shapes: checkpoint_weights.py)."""
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     return ModelFacts(
@@ -343,6 +346,7 @@ def facts_from_config(config: dict[str, Any], parameters: int) -> ModelFacts:
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config.get("intermediate_size", 0)),
         attention_heads=heads,
+        checkpoint=checkpoint,
     )
 
 

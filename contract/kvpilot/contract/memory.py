@@ -3,6 +3,7 @@
 DESIGN.md §3.3. Pure functions on plain numbers, no torch, so the operator can import it.
 
     weights  = parameters x bytes_per_param(q)        bf16 2, int8 1, int4 0.5 + group scale/zero
+               (a pre-quantised checkpoint: its quantised modules as stored, the rest at 16 bits)
     kv_cache = 2 x layers x kv_heads x head_dim x kv_bytes x tokens x concurrent_sequences
     per GPU  = (weights + kv_cache) / tensor_parallel + overhead
     fits     = per GPU <= gpu_memory x gpu_memory_utilization
@@ -42,6 +43,19 @@ OVERHEAD_ACTIVATION_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
+class CheckpointWeights:
+    """A pre-quantised checkpoint's weights as the runtime holds them (checkpoint_weights.py
+    reads them from config.json's quantization_config): its quantised linear modules at their
+    stored bits with the engine's group scales and zeros, everything else (embeddings, norms,
+    modules the quantiser left out) at 16 bits. The checkpoint fixes the level."""
+
+    level: str  # the --quantization it runs with: int4, int8, or none (fp8, dequantised at load)
+    description: str  # e.g. "awq int4 (awq-gemm, group 128)"
+    quantized_parameters: int
+    quantized_bytes: float
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """The architecture numbers the arithmetic needs (from a spec, a catalog, or config.json)."""
 
@@ -54,6 +68,8 @@ class ModelFacts:
     hidden_size: int = 0
     intermediate_size: int = 0
     attention_heads: int = 0
+    # None: a 16-bit checkpoint, which the runtime quantises itself to the planned level
+    checkpoint: CheckpointWeights | None = None
 
     def __post_init__(self) -> None:
         for name in ("parameters", "layers", "kv_heads", "head_dim"):
@@ -110,6 +126,21 @@ def kv_dtype_bytes(kv_cache_dtype: str) -> int:
 
 def weight_bytes(parameters: int, quantization: str) -> float:
     return parameters * bytes_per_param(quantization)
+
+
+def model_weight_bytes(model: ModelFacts, quantization: str) -> float:
+    """The model's weights at `quantization`; a pre-quantised checkpoint at its own level only,
+    its quantised modules as stored and the rest at 16 bits."""
+    checkpoint = model.checkpoint
+    if checkpoint is None:
+        return weight_bytes(model.parameters, quantization)
+    if quantization != checkpoint.level:
+        raise ValueError(
+            f"a pre-quantised checkpoint ({checkpoint.description}) runs at its own level"
+            f" {checkpoint.level}, not {quantization}"
+        )
+    rest = model.parameters - checkpoint.quantized_parameters
+    return checkpoint.quantized_bytes + weight_bytes(rest, "bf16")
 
 
 def kv_bytes_per_token(model: ModelFacts, kv_bytes: int) -> int:
@@ -181,7 +212,7 @@ def estimate(
         raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    weights = weight_bytes(model.parameters, quantization) / tensor_parallel + lora_bytes
+    weights = model_weight_bytes(model, quantization) / tensor_parallel + lora_bytes
     kv = kv_cache_bytes(model, kv_bytes, tokens, sequences) / tensor_parallel
     if draft is not None:
         weights += weight_bytes(draft.parameters, DRAFT_QUANTIZATION)

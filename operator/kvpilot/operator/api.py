@@ -182,6 +182,32 @@ class ModelCache(_Model):
     )
 
 
+MAX_VARIANTS = 8
+_VARIANTS_UNIQUE = "spec.model.variants: each name once"
+_VARIANTS_NO_CACHE = (
+    "cache with variants is not supported yet (the cache holds one URI): remove cache, or the"
+    " variants"
+)
+
+
+class ModelVariant(_Model):
+    """The same model published another way (AWQ, GPTQ, FP8, compressed-tensors, or another
+    16-bit copy); the planner may serve it on a node type instead of spec.model."""
+
+    name: str = Field(
+        pattern=DNS_LABEL_PATTERN,
+        max_length=63,
+        description="how status.plan[].variant names it, e.g. awq",
+    )
+    uri: DraftUri = Field(
+        max_length=1024,
+        description="hf://org/name or s3://bucket/path: the operator reads its config.json",
+    )
+    secret_ref: SecretRef | None = Field(
+        default=None, description="the Secret it is fetched with; default: spec.model.secretRef"
+    )
+
+
 class ModelSource(_Model):
     """Where the weights are, and the architecture facts for models the catalog lacks."""
 
@@ -190,7 +216,11 @@ class ModelSource(_Model):
             (
                 "!has(self.cache) || self.uri.startsWith('hf://') || self.uri.startsWith('s3://')",
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already",
-            )
+            ),
+            (
+                "!has(self.cache) || !has(self.variants) || size(self.variants) == 0",
+                _VARIANTS_NO_CACHE,
+            ),
         )
     )
 
@@ -216,6 +246,14 @@ class ModelSource(_Model):
     cache: ModelCache | None = Field(
         default=None, description="fetch once into a shared volume instead of once per pod"
     )
+    variants: list[ModelVariant] = Field(
+        default_factory=list,
+        max_length=MAX_VARIANTS,
+        description="the same model published other ways (e.g. AWQ, FP8): per node type the"
+        " planner serves the one that fits best (status.plan[].variant); each must have"
+        " spec.model's architecture",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
 
     @model_validator(mode="after")
     def _cache_needs_a_remote_source(self) -> ModelSource:
@@ -223,7 +261,24 @@ class ModelSource(_Model):
             raise ValueError(
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already"
             )
+        names = [v.name for v in self.variants]
+        if len(set(names)) < len(names):
+            raise ValueError(_VARIANTS_UNIQUE)
+        if self.cache is not None and self.variants:
+            raise ValueError(_VARIANTS_NO_CACHE)
         return self
+
+    def variant(self, name: str) -> ModelSource:
+        """The source a node type planned with variant `name` serves ("": this one): its URI
+        and Secret, this one's served name (clients ask for one model)."""
+        if not name:
+            return self
+        found = next(v for v in self.variants if v.name == name)
+        return ModelSource(
+            uri=found.uri,
+            served_name=served_name(self),
+            secret_ref=found.secret_ref or self.secret_ref,
+        )
 
 
 class Speculative(_Model):
@@ -1022,6 +1077,10 @@ class PlanEntry(_Model):
     max_concurrency: int = 0
     price_per_hour: float = 0.0
     replicas: int = 0
+    variant: str = Field(
+        default="",
+        description="the spec.model.variants[] entry served here; empty: spec.model itself",
+    )
     quality_loss: float | None = Field(
         default=None, description="the level's measured loss in percent; null: not measured"
     )

@@ -9,12 +9,14 @@ not change under a URI the user did not change, so a re-plan costs no network.
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubernetes import client as k8s_client
 from kubernetes.client.rest import ApiException
 
-from kvpilot.contract import catalog
+from kvpilot.contract import catalog, checkpoint_weights
 from kvpilot.contract.fetch import FetchError
 from kvpilot.contract.memory import ModelFacts
 from kvpilot.contract.model_source import parse_model_uri
@@ -22,33 +24,47 @@ from kvpilot.contract.remote_config import count_parameters, read_config_json
 from kvpilot.operator import api
 
 
+class UnservableCheckpointError(ValueError):
+    """The source was read, and the runtime would refuse its checkpoint (its
+    quantization_config): reading it again cannot help, the spec must name another."""
+
+
 @dataclass
 class ModelFactsReader:
     client: k8s_client.ApiClient
     _known: dict[tuple[str, str], ModelFacts] = field(default_factory=dict)
 
-    def read(self, namespace: str, spec: api.ModelDeploymentSpec, uri: str) -> ModelFacts:
-        """The facts of `uri`: spec.model's, or its speculative draft model's (fetched with the
-        same credentials). ValueError in one line (the URI, the cause, the remedy) when the
-        source says no."""
+    def read(
+        self,
+        namespace: str,
+        spec: api.ModelDeploymentSpec,
+        uri: str,
+        variant: api.ModelVariant | None = None,
+    ) -> ModelFacts:
+        """The facts of `uri`: spec.model's, its speculative draft model's (fetched with the
+        same credentials), or a `variant`'s (with its own secretRef, if it has one). ValueError
+        in one line (the URI, the cause, the remedy) when the source says no."""
         key = (namespace, uri)
         if key not in self._known:
             source = parse_model_uri(uri)
-            env, note = self._env(namespace, spec)
+            env, note = self._env(namespace, spec, *_secret_for(spec, variant))
             which = "model" if uri == spec.model.uri else "draft model"
+            which = which if variant is None else f"variant {variant.name}"
             try:
                 config = read_config_json(source, env)
-                facts = catalog.facts_from_config(config, count_parameters(source, env))
             except (FetchError, KeyError, ValueError) as error:
                 raise ValueError(f"cannot read the {which}'s config.json: {error}{note}") from error
-            self._known[key] = facts
+            self._known[key] = facts_from_config_json(
+                config, lambda: count_parameters(source, env), which, note
+            )
         return self._known[key]
 
-    def _env(self, namespace: str, spec: api.ModelDeploymentSpec) -> tuple[dict[str, str], str]:
-        """The pods' endpoints and, where the operator may read it, their Secret; else a note
-        that says how to give the operator the Secret (the chart's rbac.readModelSecrets)."""
+    def _env(
+        self, namespace: str, spec: api.ModelDeploymentSpec, ref: api.SecretRef | None, where: str
+    ) -> tuple[dict[str, str], str]:
+        """The pods' endpoints and, where the operator may read it, their Secret `ref`; else a
+        note that says how to give the operator the Secret (the chart's rbac.readModelSecrets)."""
         env = {e.name: e.value for e in spec.runtime.env}
-        ref = spec.model.secret_ref
         if ref is None:
             return env, ""
         try:
@@ -56,7 +72,7 @@ class ModelFactsReader:
         except ApiException as error:
             if error.status == 404:
                 raise ValueError(
-                    f"spec.model.secretRef: Secret {ref.name} not found in namespace {namespace}"
+                    f"{where}.secretRef: Secret {ref.name} not found in namespace {namespace}"
                 ) from error
             if error.status == 403:  # an opt-in right: public sources need no Secret
                 return env, (
@@ -67,6 +83,33 @@ class ModelFactsReader:
             raise
         data = secret.data or {}
         return env | {k: base64.b64decode(v).decode() for k, v in data.items()}, ""
+
+
+def _secret_for(
+    spec: api.ModelDeploymentSpec, variant: api.ModelVariant | None
+) -> tuple[api.SecretRef | None, str]:
+    """The Secret a source is fetched with, and the field that names it."""
+    if variant is not None and variant.secret_ref is not None:
+        return variant.secret_ref, f"spec.model.variants[{variant.name}]"
+    return spec.model.secret_ref, "spec.model"
+
+
+def facts_from_config_json(
+    config: dict[str, Any], count: Callable[[], int], which: str, note: str
+) -> ModelFacts:
+    """Facts from a read config.json; `count` reads a 16-bit checkpoint's parameter count (a
+    pre-quantised one's comes from its shapes). ValueError naming what the runtime would refuse
+    (e.g. `quantization_config.bits: 3 is not supported`) or what the config lacks."""
+    try:
+        checkpoint = checkpoint_weights.read_checkpoint_weights(config)
+    except ValueError as error:
+        why = f"the {which}'s checkpoint cannot be served: {error}"
+        raise UnservableCheckpointError(why) from error
+    try:
+        parameters = checkpoint_weights.architecture_parameters(config) if checkpoint else count()
+        return catalog.facts_from_config(config, parameters, checkpoint)
+    except (FetchError, KeyError, ValueError) as error:
+        raise ValueError(f"cannot read the {which}'s config.json: {error}{note}") from error
 
 
 def needs_reading(model: api.ModelSource) -> bool:

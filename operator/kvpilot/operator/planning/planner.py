@@ -61,6 +61,21 @@ class PlanRequest:
     # tensor parallelism
     lora_bytes: float = 0.0
 
+    # spec.model.variants[]: (name, facts) of the same model published other ways
+    variants: tuple[tuple[str, ModelFacts], ...] = ()
+
+    def candidates(self) -> list[Candidate]:
+        """What a node type may serve, best first: for each allowed level in preference order,
+        the pre-quantised checkpoints of that level (calibrated, and they fix their level: the
+        runtime does not re-quantise them), then the 16-bit ones quantised by kvpilot."""
+        sources = sorted([("", self.facts), *self.variants], key=lambda s: s[1].checkpoint is None)
+        return [
+            Candidate(name, facts, _own_level(facts) or level)
+            for level in self.quantizations
+            for name, facts in sources
+            if _own_level(facts) is None or rank_level(_own_level(facts) or "") == level
+        ]
+
     def __post_init__(self) -> None:
         if not self.quantizations:
             raise ValueError("no quantisation level allowed: quantization.allowed is empty")
@@ -100,6 +115,23 @@ class PlanRequest:
         )
 
 
+@dataclass(frozen=True)
+class Candidate:
+    variant: str  # "": spec.model
+    facts: ModelFacts
+    quantization: str  # the runtime's --quantization
+
+
+def _own_level(facts: ModelFacts) -> str | None:
+    return None if facts.checkpoint is None else facts.checkpoint.level
+
+
+def rank_level(quantization: str) -> str:
+    """The allowed level a checkpoint's level ranks as: fp8 (`none`, dequantised at load into
+    the compute dtype) as bf16."""
+    return "bf16" if quantization == "none" else quantization
+
+
 def memory_request_bytes(spec: ModelDeploymentSpec) -> int:
     """The runtime container's memory request as the operator writes it: the user's plus the
     host KV tier (spec.runtime.kvOffload.hostGiB); 0 when neither is given."""
@@ -131,6 +163,7 @@ class NodePlan:
     max_concurrency: int = 0
     reason: str = ""
     memory_bytes: int = 0  # the container's memory request (PlanRequest.memory_bytes)
+    variant: str = ""  # the spec.model.variants[] name served; "": spec.model
 
     @property
     def price_per_replica_hour(self) -> float:
@@ -159,23 +192,54 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
         return NodePlan(node_type, fits=False, reason=_no_degree_reason(request, node_type))
     if 0 < node_type.memory_bytes < request.memory_bytes:
         return NodePlan(node_type, fits=False, reason=_memory_reason(request, node_type))
-    options = [(q, tp) for q in request.quantizations for tp in degrees]
-    for quantization, tp in options:
-        estimate = _estimate(request, node_type, quantization, tp)
+    options = [(c, tp) for c in request.candidates() for tp in degrees if _runs(c, tp)]
+    if not options:
+        return NodePlan(node_type, fits=False, reason=_no_candidate_reason(request, node_type))
+    for candidate, tp in options:
+        estimate = _estimate(request, node_type, candidate, tp)
         if estimate.fits:
-            return _fitting(request, node_type, quantization, tp, estimate)
+            return _fitting(request, node_type, candidate, tp, estimate)
     # The last option is the smallest footprint tried: the closest miss, worth reporting.
-    quantization, tp = options[-1]
-    estimate = _estimate(request, node_type, quantization, tp)
+    candidate, tp = options[-1]
+    estimate = _estimate(request, node_type, candidate, tp)
     return NodePlan(
         node_type,
         fits=False,
-        quantization=quantization,
+        quantization=candidate.quantization,
         tensor_parallel=tp,
         estimate=estimate,
-        reason=f"{node_type.name}: {quantization}{_tp_text(tp)} needs {estimate.describe()}"
+        reason=f"{node_type.name}: {_candidate_text(candidate)}{_tp_text(tp)} needs"
+        f" {estimate.describe()}"
         + (_ONE_GPU_FOR_TIERS if request.has_kv_offload and node_type.gpus_per_node > 1 else ""),
+        variant=candidate.variant,
     )
+
+
+def _runs(candidate: Candidate, tp: int) -> bool:
+    """A pre-quantised checkpoint runs on one GPU: its packed tensors are not split by tensor
+    parallelism (checkpoint_quant.check_prequantized_parallel)."""
+    return tp == 1 or candidate.facts.checkpoint is None
+
+
+def _no_candidate_reason(request: PlanRequest, node_type: NodeType) -> str:
+    sources = [("spec.model", request.facts)] + [
+        (f"variant {name}", facts) for name, facts in request.variants
+    ]
+    if not request.candidates():
+        found = ", ".join(f"{w} {_describe(f)}" for w, f in sources)
+        return (
+            f"{node_type.name}: no allowed level ({', '.join(request.quantizations)}) is one a"
+            f" source runs at: {found}; allow its level (quantization.allowed, maxQualityLoss)"
+        )
+    return (
+        f"{node_type.name}: a pre-quantised checkpoint runs on one GPU (its packed tensors are"
+        f" not split), and minGpusPerReplica is {request.min_gpus_per_replica}"
+    )
+
+
+def _describe(facts: ModelFacts) -> str:
+    checkpoint = facts.checkpoint
+    return "16-bit" if checkpoint is None else f"pre-quantised {checkpoint.description}"
 
 
 _ONE_GPU_FOR_TIERS = " (with runtime.kvOffload a replica has one GPU)"
@@ -201,7 +265,8 @@ def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
     whole on GPU 0 beside its shard (memory.estimate counts it there). With LoRA adapters only
-    1: the runtime does not run them under tensor parallelism."""
+    1: the runtime does not run them under tensor parallelism (nor pre-quantised checkpoints:
+    `_runs`)."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
     # the runtime's KV tiers copy no other rank's KV shard; its LoRA has no TP path yet
     if request.has_kv_offload or request.lora_bytes > 0:
@@ -233,16 +298,23 @@ def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
     )
 
 
+def _candidate_text(candidate: Candidate) -> str:
+    """e.g. `int4`, `variant awq: pre-quantised awq int4 (awq-gemm, group 128)`."""
+    checkpoint = candidate.facts.checkpoint
+    text = candidate.quantization if checkpoint is None else _describe(candidate.facts)
+    return f"variant {candidate.variant}: {text}" if candidate.variant else text
+
+
 def _tp_text(tp: int) -> str:
     return f" on {tp} GPUs" if tp > 1 else ""
 
 
 def _estimate(
-    request: PlanRequest, node_type: NodeType, quantization: str, tp: int
+    request: PlanRequest, node_type: NodeType, candidate: Candidate, tp: int
 ) -> MemoryEstimate:
     return memory.estimate(
-        request.facts,
-        quantization,
+        candidate.facts,
+        candidate.quantization,
         request.kv_bytes,
         tokens=request.max_context_length,
         sequences=request.target_concurrency,
@@ -255,7 +327,11 @@ def _estimate(
 
 
 def _fitting(
-    request: PlanRequest, node_type: NodeType, quantization: str, tp: int, estimate: MemoryEstimate
+    request: PlanRequest,
+    node_type: NodeType,
+    candidate: Candidate,
+    tp: int,
+    estimate: MemoryEstimate,
 ) -> NodePlan:
     budget = memory.kv_budget_bytes(
         node_type.gpu_memory_bytes, request.gpu_memory_utilization, estimate.weights_bytes
@@ -266,12 +342,14 @@ def _fitting(
     return NodePlan(
         node_type,
         fits=True,
-        quantization=quantization,
+        quantization=candidate.quantization,
         tensor_parallel=tp,
         estimate=estimate,
         max_concurrency=max(concurrency, request.target_concurrency),
-        reason=f"{node_type.name}: {quantization}{_tp_text(tp)}, {estimate.describe()}",
+        reason=f"{node_type.name}: {_candidate_text(candidate)}{_tp_text(tp)},"
+        f" {estimate.describe()}",
         memory_bytes=request.memory_bytes,
+        variant=candidate.variant,
     )
 
 
@@ -291,10 +369,11 @@ def order(plans: Sequence[NodePlan], request: PlanRequest) -> list[NodePlan]:
     def key(p: NodePlan) -> tuple[Any, ...]:
         if not p.fits:
             return (1, 0, 0.0, p.node_type.name)
+        level = rank_level(p.quantization)
         if request.prefer == "cost":
-            return (0, costs[p.node_type.name], rank[p.quantization], p.node_type.name)
+            return (0, costs[p.node_type.name], rank[level], p.node_type.name)
         price = p.price_per_replica_hour or math.inf
-        return (0, rank[p.quantization], price, p.node_type.name)
+        return (0, rank[level], price, p.node_type.name)
 
     return sorted(plans, key=key)
 
@@ -397,7 +476,9 @@ def _entry(p: NodePlan, replicas: int, losses: Mapping[str, float]) -> PlanEntry
             "maxConcurrency": p.max_concurrency,
             "pricePerHour": round(p.price_per_replica_hour, 4) if p.fits else 0.0,
             "replicas": replicas,
-            "qualityLoss": losses.get(p.quantization) if p.fits else None,
+            "variant": p.variant,
+            # measured for spec.model's own levels (a variant's level is not kvpilot's)
+            "qualityLoss": losses.get(p.quantization) if p.fits and not p.variant else None,
             "reason": "" if p.fits else p.reason,
         }
     )

@@ -26,7 +26,6 @@ from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
 from kvpilot.contract import k8s, resource, timestamps
-from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, observability
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import inventory, model_facts
@@ -123,6 +122,7 @@ class Controller:
             draft_facts=self._source_facts(
                 md, spec, None if spec is None else api.draft_source(spec)
             ),
+            variant_facts=self._variant_facts(md, spec),
         )
         desired = desired_state.desire(md, self.config, observed)
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
@@ -167,13 +167,32 @@ class Controller:
 
     def _source_facts(
         self, md: Obj, spec: api.ModelDeploymentSpec | None, model: api.ModelSource | None
-    ) -> ModelFacts | str | None:
+    ) -> desired_state.Read | None:
         """Facts read from an uncatalogued model's config.json (spec.model, or the draft
         model), or why they could not be."""
         if spec is None or model is None or not model_facts.needs_reading(model):
             return None
+        return self._read_facts(md, spec, model.uri)
+
+    def _variant_facts(
+        self, md: Obj, spec: api.ModelDeploymentSpec | None
+    ) -> dict[str, desired_state.Read]:
+        """Facts read from each spec.model.variants[] config.json, or why they could not be."""
+        if spec is None:
+            return {}
+        return {v.name: self._read_facts(md, spec, v.uri, v) for v in spec.model.variants}
+
+    def _read_facts(
+        self,
+        md: Obj,
+        spec: api.ModelDeploymentSpec,
+        uri: str,
+        variant: api.ModelVariant | None = None,
+    ) -> desired_state.Read:
         try:
-            return self.facts.read(md["metadata"]["namespace"], spec, model.uri)
+            return self.facts.read(md["metadata"]["namespace"], spec, uri, variant)
+        except model_facts.UnservableCheckpointError as error:
+            return desired_state.Unservable(str(error))
         except ValueError as error:
             return str(error)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
 
 from kvpilot.contract import catalog
 from kvpilot.contract.memory import ModelFacts
@@ -57,6 +58,19 @@ class Desired:
     applied_first: Mapping[tuple[str, str], Obj] | None = None
 
 
+@dataclass(frozen=True)
+class Unservable:
+    """A source that was read and holds a checkpoint the runtime would refuse (e.g. 3-bit AWQ):
+    the spec is invalid until it names another, and `reason` names the field."""
+
+    reason: str
+
+
+# What the operator read from a source's config.json: its facts, why it could not be read (read
+# again later), or why its checkpoint cannot be served (for good).
+Read = ModelFacts | str | Unservable
+
+
 @dataclass(frozen=True, kw_only=True)
 class Observed:
     """What one pass read before deciding anything: all `desire` needs besides the
@@ -75,9 +89,12 @@ class Observed:
     # What the operator read from the model's config.json, or why it could not (then the plan
     # fails for now and the pass is retried); None when there was nothing to read (the spec or
     # the catalog has the facts).
-    source_facts: ModelFacts | str | None = None
+    source_facts: Read | None = None
     # As `source_facts`, for the speculative draft model the spec may name.
-    draft_facts: ModelFacts | str | None = None
+    draft_facts: Read | None = None
+    # As `source_facts`, per spec.model.variants[] name (always read: a catalog entry does not
+    # say how a checkpoint is quantised).
+    variant_facts: Mapping[str, Read] = field(default_factory=dict)
     # The model cache as its fill Job reports it; replicas wait at zero until it is Cached.
     cache: api.CacheStatus | None = None
     # The eval set's digest, cached measurements and eval Jobs (spec.quantization.evaluation);
@@ -93,15 +110,20 @@ class Observed:
 def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     """Everything one pass decides for `md` (plan, replicas per node type, children, quality
     verdict) from what it `observed`; touches no API."""
+    sources = (observed.source_facts, observed.draft_facts, *observed.variant_facts.values())
+    unservable = [s.reason for s in sources if isinstance(s, Unservable)]
+    if unservable:
+        return Desired(error="; ".join(unservable), is_invalid_spec=True)
     try:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
         facts = catalog.resolve(spec.model, _read(observed.source_facts))
+        check_prequantized(spec, facts)
         draft = _draft(spec, observed.draft_facts)
         request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
+        request = dataclasses.replace(request, variants=variants(spec, facts, observed))
     except (ValidationError, ValueError) as error:
-        read = (observed.source_facts, observed.draft_facts)
-        unread = [why for why in read if isinstance(why, str)]
+        unread = [why for why in sources if isinstance(why, str)]
         if unread:  # the source may answer later: try again
             return Desired(error="; ".join([_one_line(error), *unread]), needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
@@ -152,7 +174,50 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     )
 
 
-def _draft(spec: api.ModelDeploymentSpec, read: ModelFacts | str | None) -> ModelFacts | None:
+def check_prequantized(spec: api.ModelDeploymentSpec, facts: ModelFacts) -> None:
+    """A pre-quantised spec.model fixes its level, so there is no level left to measure."""
+    if facts.checkpoint is not None and spec.quantization.evaluation is not None:
+        raise ValueError(
+            f"spec.quantization.evaluation measures kvpilot's own levels of a 16-bit checkpoint,"
+            f" and spec.model is pre-quantised ({facts.checkpoint.description}), which fixes"
+            " its level: remove spec.quantization.evaluation"
+        )
+
+
+# What makes two checkpoints one model: the shapes the KV cache and the served API depend on.
+_ARCHITECTURE = ("layers", "kv_heads", "head_dim", "vocab_size", "hidden_size", "attention_heads")
+
+
+def variants(
+    spec: api.ModelDeploymentSpec, facts: ModelFacts, observed: Observed
+) -> tuple[tuple[str, ModelFacts], ...]:
+    """spec.model.variants[] with the facts read from each; ValueError when one was not read
+    (its reason) or is another architecture than spec.model (the fields that differ)."""
+    found: list[tuple[str, ModelFacts]] = []
+    for variant in spec.model.variants:
+        read = observed.variant_facts.get(variant.name)
+        if not isinstance(read, ModelFacts):
+            raise ValueError(f"spec.model.variants[{variant.name}]: {read or 'not read yet'}")
+        differ = [
+            f"{to_camel(n)} {getattr(read, n)} vs {getattr(facts, n)}"
+            for n in _ARCHITECTURE
+            if getattr(facts, n) and getattr(read, n) != getattr(facts, n)
+        ]
+        if differ:
+            raise ValueError(
+                f"spec.model.variants[{variant.name}] ({variant.uri}) is not spec.model's"
+                f" architecture: {', '.join(differ)}; a variant is the same model published"
+                " another way"
+            )
+        found.append((variant.name, read))
+    if found and spec.quantization.evaluation is not None:
+        raise ValueError(
+            "spec.quantization.evaluation with spec.model.variants is not supported yet: remove one"
+        )
+    return tuple(found)
+
+
+def _draft(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts | None:
     """The facts of the speculative draft model the spec names (None: it names none), from the
     catalog or its config.json; ValueError when neither has them."""
     draft = api.draft_source(spec)
@@ -167,7 +232,7 @@ def _draft(spec: api.ModelDeploymentSpec, read: ModelFacts | str | None) -> Mode
     return found
 
 
-def _read(facts: ModelFacts | str | None) -> ModelFacts | None:
+def _read(facts: Read | None) -> ModelFacts | None:
     """What was read from a source, or None when it was not (or could not be: a reason)."""
     return facts if isinstance(facts, ModelFacts) else None
 
@@ -297,7 +362,8 @@ def _one_line(error: Exception) -> str:
 
 def _summary(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
     used = [
-        f"{p.node_type.name}: {p.quantization} on {p.tensor_parallel} GPU(s) x{n},"
+        f"{p.node_type.name}: {_variant_text(p)}{p.quantization} on {p.tensor_parallel} GPU(s)"
+        f" x{n},"
         f" up to {p.max_concurrency} sequences"
         for p, n in zip(plans, replicas, strict=True)
         if p.fits and n > 0
@@ -306,6 +372,10 @@ def _summary(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:
     misfits = sum(1 for p in plans if not p.fits)
     text = "; ".join(used) or "no replicas"
     return f"{text} ({spare} more node types fit, {misfits} do not)"
+
+
+def _variant_text(p: planner.NodePlan) -> str:
+    return f"variant {p.variant} " if p.variant else ""
 
 
 def _quantization(plans: Sequence[planner.NodePlan], replicas: Sequence[int]) -> str:

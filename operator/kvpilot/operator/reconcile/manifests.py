@@ -411,6 +411,14 @@ def pod_spec(
     return pod
 
 
+def served_spec(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> api.ModelDeploymentSpec:
+    """The spec as the node type's pods see it: spec.model is the variant planned there (its
+    URI fetched, its Secret), served under spec.model's name."""
+    if not node_plan.variant:
+        return spec
+    return spec.model_copy(update={"model": spec.model.variant(node_plan.variant)})
+
+
 def build_deployment(
     md: Obj,
     spec: api.ModelDeploymentSpec,
@@ -419,6 +427,7 @@ def build_deployment(
     config: OperatorConfig,
 ) -> Manifest:
     md_name, node_type = md["metadata"]["name"], node_plan.node_type.name
+    spec = served_spec(spec, node_plan)
     pod_labels = labels(md_name, node_type)
     template = {
         "metadata": {

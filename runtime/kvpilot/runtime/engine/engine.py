@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.contract.checkpoint_quant import (
+    check_prequantized_parallel,
+    resolve_quantization,
+)
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine.block_manager import BlockManager
 from kvpilot.runtime.engine.draft_model import DraftModelProposer
@@ -49,10 +53,6 @@ from kvpilot.runtime.engine.sizing import (
 from kvpilot.runtime.engine.spec_step import SpecStep
 from kvpilot.runtime.engine.stats import EngineStats, SpecDecodeCounts
 from kvpilot.runtime.engine.waiting_queue import check_priority
-from kvpilot.runtime.models.checkpoint_quant import (
-    check_prequantized_parallel,
-    resolve_quantization,
-)
 from kvpilot.runtime.models.loader import ModelConfig, load_model_config
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
@@ -80,7 +80,7 @@ def lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
 
 def check_checkpoint_quantization(config: EngineConfig, model_config: ModelConfig) -> None:
     """A pre-quantised checkpoint against the flags, before any process starts: a conflicting
-    --quantization or tensor parallelism is refused (models/checkpoint_quant.py)."""
+    --quantization or tensor parallelism is refused (contract/checkpoint_quant.py)."""
     resolve_quantization(config.quantization, model_config.checkpoint_quant)
     check_prequantized_parallel(model_config.checkpoint_quant, config.tensor_parallel_size)
 

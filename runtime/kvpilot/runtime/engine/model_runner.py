@@ -9,6 +9,10 @@ from typing import Protocol
 
 import torch
 
+from kvpilot.contract.checkpoint_quant import (
+    check_prequantized_parallel,
+    resolve_quantization,
+)
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine import speculative
 from kvpilot.runtime.engine.lora_slots import LoraRequest
@@ -29,10 +33,6 @@ from kvpilot.runtime.layers.flashinfer_attention import FlashInferAttention
 from kvpilot.runtime.layers.grammar_mask import GrammarMasker
 from kvpilot.runtime.layers.lora import LoraBatch
 from kvpilot.runtime.layers.sampler import SamplingRow, sample, score_tokens
-from kvpilot.runtime.models.checkpoint_quant import (
-    check_prequantized_parallel,
-    resolve_quantization,
-)
 from kvpilot.runtime.models.llama import KVCache, LlamaModel
 from kvpilot.runtime.models.loader import ModelConfig, open_weights
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
+from kvpilot.contract.checkpoint_quant import WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
 from kvpilot.runtime.layers.quant import INT4_MID, Int4Parts, Int4Weight, Weight
-from kvpilot.runtime.models.checkpoint_quant import WeightScheme
 
 Read = Callable[[str], torch.Tensor | None]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs output 8b + AWQ_ORDER[k] into nibble k

@@ -1,6 +1,6 @@
 """A pre-quantised checkpoint's matrices, read once at load into the engine's own formats.
 
-compressed-tensors stores, per quantised linear module `m` (models/checkpoint_quant.py says
+compressed-tensors stores, per quantised linear module `m` (contract/checkpoint_quant.py says
 which are):
 - fp8: `m.weight` float8_e4m3fn [out, in], `m.weight_scale` [out, 1] or [1]: w = q * scale.
   Dequantised here ONCE to float32 and stored in the compute dtype like any 16-bit matrix: the
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.contract.checkpoint_quant import CheckpointQuant, WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
 from kvpilot.runtime.layers.packed_int4 import (
     ActOrderParts,
@@ -42,7 +43,6 @@ from kvpilot.runtime.layers.quant import (
     Weight,
     make_weight,
 )
-from kvpilot.runtime.models.checkpoint_quant import CheckpointQuant, WeightScheme
 
 INT8_OFFSET = 128  # pack-quantized stores an int8 value q as the byte q + 128
 Read = Callable[[str], torch.Tensor | None]

@@ -1,7 +1,7 @@
 """Reading a Hugging Face model directory: config, safetensors weights, tokenizer files.
 
 Supported: Llama (incl. Llama-3 RoPE scaling), Qwen2 (q/k/v bias), Qwen3 dense (per-head q/k
-RMSNorm), Mistral; 16-bit or pre-quantised (models/checkpoint_quant.py says which schemes).
+RMSNorm), Mistral; 16-bit or pre-quantised (contract/checkpoint_quant.py says which schemes).
 Everything else, and every missing file, is a clear error naming what is supported or missing.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from kvpilot.runtime.models.checkpoint_quant import CheckpointQuant, parse_quantization_config
+from kvpilot.contract.checkpoint_quant import CheckpointQuant, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -49,7 +49,7 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype name
     sliding_window: int | None = None
     has_qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k, weights [head_dim] each
-    # A pre-quantised checkpoint's quantization_config, checked (models/checkpoint_quant.py).
+    # A pre-quantised checkpoint's quantization_config, checked (contract/checkpoint_quant.py).
     checkpoint_quant: CheckpointQuant | None = None
 
     @property

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvpilot.contract.checkpoint_quant import CheckpointQuant
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.contract.fetch import fetch
 from kvpilot.contract.memory import BLOCK_SIZE
@@ -23,7 +24,6 @@ from kvpilot.runtime.engine.async_engine import AsyncEngine
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.machine import ThreadChoice, rank_share
 from kvpilot.runtime.engine.stats import EngineStats
-from kvpilot.runtime.models.checkpoint_quant import CheckpointQuant
 from kvpilot.runtime.server import lora_serving
 from kvpilot.runtime.server.errors import ApiError
 from kvpilot.runtime.server.metrics import CacheInfo, ServerMetrics

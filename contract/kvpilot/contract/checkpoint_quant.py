@@ -15,7 +15,8 @@ out by the quantiser) is read as a 16-bit matrix. Anything else (3-bit or 8-bit 
 compressed-tensors, quantised activations on an int scheme, a KV-cache scheme, sparsity,
 transforms, GPTQ's per-module `dynamic` overrides, a quantised lm_head) is refused with the field
 and value named, never served with its scales ignored.
-Pure: no tensors here; layers/prequant.py reads the tensors a scheme describes.
+Pure and torch-free (the operator plans with it, too: contract/checkpoint_weights.py); the
+runtime's layers/prequant.py reads the tensors a scheme describes.
 """
 
 from __future__ import annotations
