@@ -1,0 +1,88 @@
+"""spec.model.variants[] served end to end on the `local` pool (real processes): tiny-llama in
+bf16 and a compressed-tensors int4 checkpoint of it, made here with the real library, both in the
+dev cluster's S3 store; the planner serves the int4 variant, whose pod fetches its URI and answers
+the official client with the greedy text the runtime gives that checkpoint in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from bench.reference.models import run_all
+from bench.reference.prequantized import write_checkpoint
+from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
+from kvpilot.contract import serve_config
+from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.engine.sampling import SamplingParams
+from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from kvpilot.runtime.server.lifecycle import engine_config
+from tests.support.operator_cluster import (
+    Operator,
+    apply_doc,
+    apply_secret,
+    get,
+    model_server_env,
+    pod_url,
+    pods,
+    ready_check,
+    tiny_llama_from,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+BUCKET = "models"
+PROMPT = "The for statement"
+NUM_TOKENS = 12
+
+
+def in_process_greedy(checkpoint: Path, pod_args: list[str]) -> str:
+    """The runtime's greedy text for PROMPT on `checkpoint`, its engine built here from the
+    pod's own `serve` flags, as the runtime builds it (a small KV cache: one request)."""
+    flags = serve_config.build_parser().parse_args(pod_args[1:])  # --model: the pod's path
+    config = engine_config(serve_config.ServeConfig(**vars(flags)), str(checkpoint))
+    config = dataclasses.replace(config, kv_cache_memory=16 * 2**20)
+    tokenizer = Tokenizer(checkpoint)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0)
+    (tokens,) = run_all(Engine(config), [tokenizer.encode(PROMPT)], params).values()
+    return tokenizer.decode(tokens)
+
+
+def test_the_int4_variant_is_planned_fetched_and_serves_its_greedy_text(
+    cluster: Any, operator: Operator, namespace: str, tmp_path: Path
+) -> None:
+    env = model_server_env(cluster)
+    s3 = S3Endpoint(
+        env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], BUCKET
+    )
+    int4 = write_checkpoint(tmp_path / "int4", "int4-g128")  # compressed-tensors itself
+    prefix = f"{namespace}/tiny-int4"
+    upload_model(s3_client(s3), BUCKET, int4, prefix + "/")
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+    apply_secret(cluster, namespace, "model-creds", {k: env[k] for k in keys})
+
+    md = tiny_llama_from("s3://models/tiny-llama", cluster, "model-creds")  # facts read at source
+    variant_uri = f"s3://{BUCKET}/{prefix}"
+    md["spec"]["model"]["variants"] = [{"name": "ct-int4", "uri": variant_uri}]
+    # int4 alone: the planner ranks a pre-quantised int4 source before quantising the bf16 one
+    md["spec"]["quantization"] = {"allowed": ["int4"]}
+    apply_doc(cluster, namespace, md)
+    wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=300)
+
+    (plan,) = get(cluster, "modeldeployment", "tiny", "-n", namespace)["status"]["plan"]
+    assert (plan["nodeType"], plan["variant"], plan["quantization"]) == ("local", "ct-int4", "int4")
+    (pod,) = pods(cluster, namespace, "tiny")
+    (fetch,) = pod["spec"]["initContainers"]
+    assert f"--model={variant_uri}" in fetch["args"]
+    assert fetch["name"] == "fetch-model"
+    assert pod["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+
+    client = OpenAI(base_url=f"{pod_url(pod)}/v1", api_key="unused", max_retries=0, timeout=300)
+    completion = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0
+    )
+    pod_args = pod["spec"]["containers"][0]["args"]
+    assert completion.choices[0].text == in_process_greedy(int4, pod_args)
