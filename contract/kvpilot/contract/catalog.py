@@ -352,10 +352,13 @@ def facts_from_config(
 
 def resolve(source: GivenFacts, read_from_source: ModelFacts | None = None) -> ModelFacts:
     """Facts from the spec (all four given), else the catalog, else what the operator read from
-    the source's config.json; ValueError names what is missing."""
+    the source's config.json; ValueError names what is missing. The spec's facts say nothing
+    of how the checkpoint is quantised: a config.json read beside them says that."""
     given = {name: getattr(source, name) for name in _SPEC_FACTS}
     if all(value is not None for value in given.values()):
-        return ModelFacts(**given, vocab_size=source.vocab_size or 0)
+        checkpoint = read_from_source.checkpoint if read_from_source else None
+        check_given_parameters(given["parameters"], checkpoint)
+        return ModelFacts(**given, vocab_size=source.vocab_size or 0, checkpoint=checkpoint)
     found = lookup(source.uri) or read_from_source
     if found is not None:
         return found
@@ -364,6 +367,18 @@ def resolve(source: GivenFacts, read_from_source: ModelFacts | None = None) -> M
         f"no architecture facts for {source.uri}: it is not in the built-in catalog, so set"
         f" spec.model {missing} (from the checkpoint's config.json)"
     )
+
+
+def check_given_parameters(parameters: int, checkpoint: CheckpointWeights | None) -> None:
+    """spec.model.parameters cannot be fewer than the checkpoint's quantised ones (the rest,
+    planned at 16 bits, would weigh less than nothing)."""
+    if checkpoint is not None and parameters < checkpoint.quantized_parameters:
+        raise ValueError(
+            f"spec.model.parameters {parameters} is fewer than the"
+            f" {checkpoint.quantized_parameters} its checkpoint's quantised modules hold"
+            f" ({checkpoint.description}): fix"
+            " spec.model.parameters, or remove it and the other facts to use config.json's"
+        )
 
 
 def _camel(name: str) -> str:

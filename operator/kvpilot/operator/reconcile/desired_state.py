@@ -164,7 +164,7 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         cache=cache if cache_children else None,
         children=children,
         plan=planner.status_entries(plans, replicas, losses),
-        summary=_summary(plans, replicas),
+        summary=_summary(plans, replicas) + _unread_note(observed.source_facts),
         num_unplaceable=sum(
             max(0, n - p.num_free_slots()) for p, n in zip(plans, replicas, strict=True)
         ),
@@ -230,6 +230,14 @@ def _draft(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts | Non
             " from its config.json"
         )
     return found
+
+
+def _unread_note(source_facts: Read | None) -> str:
+    """Why spec.model was planned from its stated facts as a 16-bit checkpoint: its config.json,
+    which would say it is pre-quantised, could not be read (it is read again on the next pass)."""
+    if not isinstance(source_facts, str):
+        return ""
+    return f"; planned from spec.model's facts as a 16-bit checkpoint: {source_facts}"
 
 
 def _read(facts: Read | None) -> ModelFacts | None:
