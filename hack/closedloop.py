@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,24 @@ def apply_crds(cluster: DevCluster) -> None:
     """The project's CRDs (crds/: ModelDeployment), applied and Established."""
     crds = str(REPO_ROOT / "crds")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", crds)
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "-f", crds)
+    wait_established(cluster, crds)
+
+
+def wait_established(cluster: DevCluster, crds: str, timeout_s: float = 60) -> None:
+    """`kubectl wait` fails at once, instead of waiting, while a fresh CRD has no status yet
+    (".status.conditions accessor error: <nil>"): under load the apiserver writes it a moment
+    after the apply. Wait again until Established or the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(1, int(deadline - time.monotonic()))
+        done = cluster.kubectl(
+            "wait", "--for=condition=Established", f"--timeout={left}s", "-f", crds, check=False
+        )
+        if done.returncode == 0:
+            return
+        if "accessor error" not in done.stderr or time.monotonic() >= deadline:
+            raise DevClusterError(f"CRDs in {crds} not Established: {done.stderr.strip()}")
+        time.sleep(0.5)
 
 
 def builtin_autoscaling(max_replicas: int, down_window_s: int) -> dict[str, Any]:

@@ -133,12 +133,7 @@ class Demo:
     def install(self) -> None:
         say("installing the ModelDeployment CRD (kubectl apply --server-side -f crds/)")
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO_ROOT / "crds"))
-        self.kubectl(
-            "wait",
-            "--for=condition=Established",
-            "--timeout=60s",
-            "crd/modeldeployments.kvpilot.dev",
-        )
+        closedloop.wait_established(self.cluster, str(REPO_ROOT / "crds"))
         if not self.own_cluster:
             return  # an existing cluster runs the operator it was installed with (Helm)
         say("starting the operator (kvpilot-operator run; log: .devcluster/logs/operator.log)")
