@@ -15,12 +15,21 @@
 #      into .whl with README's `pip download` line. It compiles its kernels with nvcc on first use
 #      (a few minutes, hence the limit). 0.3.1 (built with `pip wheel --no-deps`, no tvm-ffi) is
 #      the older fallback.
+#   5. python -m bench.gpu.serve_throughput (`--steps serve-throughput`, never by default: a call
+#      of its own, ~8 minutes on an H100, estimated): a Llama-3.1-8B-shaped model with random bf16
+#      weights written on the GPU (no hub), served over HTTP and loaded by `kvpilot bench` with
+#      1000/2000 and 1000/1000 random-token workloads at concurrency 1, 64 and 256: CUDA graphs
+#      against --enforce-eager, FlashInfer against SDPA, fp8 KV, int8 weights; vLLM too where it
+#      imports. The server needs what the device image lacks, carried as wheels in .whl (README's
+#      `pip download` line): fastapi, starlette, uvicorn, pydantic, pydantic-core,
+#      annotated-types, typing-inspection, llguidance, redis (bench.server_common imports it).
+#      SERVE_VARIANTS=graphs,eager narrows it (bench/gpu/serve_throughput.py names them).
 # Results go to the output folder (--out DIR, else $OUT, else /tmp/kvpilot-gpu-check): gpu_check.md /
 # .json, gpu_check.log, nvidia-smi.txt, and benchmarks.md (a copy of docs/benchmarks.md with the
 # two bench sections rewritten; paste those sections into docs/benchmarks.md). The tree itself is
 # not modified.
 #
-#   bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR] [--steps checks,throughput,kv-dtype,flashinfer]
+#   bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR] [--steps checks,throughput,kv-dtype,flashinfer,serve-throughput]
 #
 # --steps runs only the steps named (default: all four), e.g. `--steps flashinfer` where the
 # checks have already run on this kind of GPU: a device call may run at most 600 s.
@@ -34,7 +43,7 @@ cd "$(dirname "$0")/.."
 device=cuda
 out=${OUT:-}
 steps=checks,throughput,kv-dtype,flashinfer
-usage="usage: bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR] [--steps checks,throughput,kv-dtype,flashinfer]"
+usage="usage: bash bench/gpu_check.sh [--device cuda|cpu] [--out DIR] [--steps checks,throughput,kv-dtype,flashinfer,serve-throughput]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
@@ -44,7 +53,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for name in ${steps//,/ }; do
-  case "$name" in checks|throughput|kv-dtype|flashinfer) ;; *) echo "unknown step $name; $usage" >&2; exit 2 ;; esac
+  case "$name" in checks|throughput|kv-dtype|flashinfer|serve-throughput) ;; *) echo "unknown step $name; $usage" >&2; exit 2 ;; esac
 done
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 case "$device" in cuda|cpu) ;; *) echo "--device must be cuda or cpu, got $device" >&2; exit 2 ;; esac
@@ -63,7 +72,7 @@ if ! "$python" -c 'import torch, transformers, safetensors, tokenizers' 2>/dev/n
   exit 2
 fi
 # Appended, not replaced: on a lent machine PYTHONPATH holds the wheels carried there (llguidance).
-export PYTHONPATH=$PWD/runtime:$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/contract:$PWD/runtime:$PWD/operator:$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "$device" = cuda ] && ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "bench/gpu_check.sh: torch sees no CUDA device here; use --device cpu for the dry run" >&2
   exit 2
@@ -93,14 +102,23 @@ step() {  # step NAME SECONDS COMMAND...: run with a deadline, remember a failur
   [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
 }
 
-wanted checks && step "checks" 200 "$python" -m bench.gpu.check --device "$device" --out "$out"
+wanted checks && step "checks" 240 "$python" -m bench.gpu.check --device "$device" --out "$out"
 wanted throughput && step "throughput vs transformers" 180 "$python" -m bench.engine_throughput "${throughput_args[@]}"
 wanted kv-dtype && step "KV dtype" 90 "$python" -m bench.engine_kv_dtype
 wanted flashinfer && step "FlashInfer" 420 "$python" -m bench.gpu.check --flashinfer --device "$device" --out "$out"
+if wanted serve-throughput; then
+  if "$python" -c 'import fastapi, uvicorn, pydantic, llguidance, redis' 2>/dev/null; then
+    step "serving throughput" 560 "$python" -m bench.gpu.serve_throughput --device "$device" \
+      --out "$out" ${SERVE_VARIANTS:+--variants "$SERVE_VARIANTS"}
+  else
+    failed+=("serving throughput (the server's packages do not import: carry their wheels, see the header)")
+  fi
+fi
 
 echo "==> summary ($out)"
 [ -f "$out/gpu_check.md" ] && cat "$out/gpu_check.md"
 [ -f "$out/gpu_flashinfer.md" ] && cat "$out/gpu_flashinfer.md"
+[ -f "$out/serve_throughput.md" ] && cat "$out/serve_throughput.md"
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1

@@ -14,12 +14,16 @@ everything lands in DIR/gpu_check.json and DIR/gpu_check.md. Exit 1 when a check
 - fp8 KV: pool blocks against bf16 KV at one budget, greedy against the model-dtype cache,
   perplexity on 4 eval windows (bounds of tests/runtime/test_rt_kv_dtype.py).
 - tensor parallel 2 (two or more GPUs): greedy tokens equal to one GPU's.
+- CUDA graphs (engine/cuda_graphs.py) on the SDPA path, float32 and bfloat16: greedy tokens of
+  the graph-replaying engine against `--enforce-eager`'s (32 prompts at once, so the batch shrinks
+  through many buckets as prompts stop), and the capture's time and memory.
 - FlashInfer (`--flashinfer`, a step of its own; where flashinfer-python imports, carried as a
   wheel, see bench/gpu_check.sh), on
   the compute-bound random Llama (head size 64; tiny-llama's 32 has no FlashInfer kernel) in
   bfloat16: one planned step's attention against the SDPA path's (decodes, proposals, chunks over
   cached KV; bf16 and fp8 KV), greedy tokens against the SDPA engine's, and output tok/s with
-  and without it.
+  and without it; with CUDA graphs (FlashInfer's graph decode wrapper) greedy tokens and tok/s
+  against the same engine under --enforce-eager.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from bench.engine_kv_dtype import eval_prompts, perplexity
 from bench.reference.attention_batches import MIXED_STEP, fp8_exact, mixed_batch
 from bench.report import command_line, write_section
 from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.runtime.engine.cuda_graphs import CudaGraphRunner
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import read_dataset, relative_loss, window_logits, windows
@@ -201,6 +206,33 @@ def check_tensor_parallel(device: str) -> Result:
     return Result("tensor parallel 2", status, detail, figures)
 
 
+# Graphs replay the eager step's kernels on padded batches: a row's arithmetic is the same except
+# where a matmul's kernel choice depends on the batch (cuBLAS picks by shape), so greedy tokens
+# may part at a near-tie. The goal is identical; the bound lets rounding by, not a broken path.
+GRAPH_MIN_GREEDY = {"float32": 0.97, "bfloat16": 0.9}
+
+
+def check_cuda_graphs(device: str, dtype: str) -> Result:
+    name = f"CUDA graphs/sdpa/{dtype}"
+    if device != "cuda":
+        return Result(name, "SKIP", "CUDA graphs are CUDA-only: the engine decodes eagerly", {})
+    eager = run_greedy(engine(device, dtype=dtype, attention_backend="sdpa", enforce_eager=True))
+    eng = engine(device, dtype=dtype, attention_backend="sdpa")
+    graphs = eng.runner.graphs
+    if not isinstance(graphs, CudaGraphRunner):
+        return Result(name, "FAIL", "no graphs were captured without --enforce-eager", {})
+    same, whole = agreement(run_greedy(eng), eager)
+    minimum = GRAPH_MIN_GREEDY[dtype]
+    detail = (
+        f"greedy as --enforce-eager {same:.1%} of positions (>= {minimum:.0%}), {whole}/32 "
+        f"whole; {len(graphs.graphs)} buckets captured in {graphs.capture_seconds:.1f} s, "
+        f"{graphs.capture_bytes / 2**20:.0f} MiB"
+    )
+    figures = {"greedy_positions": same, "whole": whole, "buckets": len(graphs.graphs)}
+    figures |= {"capture_s": graphs.capture_seconds, "capture_bytes": graphs.capture_bytes}
+    return Result(name, "PASS" if same >= minimum else "FAIL", detail, figures)
+
+
 FLASHINFER_TITLE = "GPU check: FlashInfer's paged kernels against the SDPA path"
 FLASHINFER_TEXT = (
     "bench/gpu_check.sh's FlashInfer step on a lent GPU machine (flashinfer-python carried as a "
@@ -237,23 +269,35 @@ def check_flashinfer(device: str) -> Result:
     engines = pair(max_num_seqs=64, kv_cache_memory=2 * 2**30)
     diff = step_attention_diff(engines["sdpa"], engines["flashinfer"])
     same, whole = agreement(run_greedy(engines["flashinfer"]), run_greedy(engines["sdpa"]))
+    engines["flashinfer eager"] = engine(
+        device, model, dtype="bfloat16", attention_backend="flashinfer", max_model_len=1024,
+        max_num_seqs=64, kv_cache_memory=2 * 2**30, enforce_eager=True,
+    )  # fmt: skip
+    graph_same, graph_whole = agreement(
+        run_greedy(engines["flashinfer"]), run_greedy(engines["flashinfer eager"])
+    )
     rates = {backend: 0.0 for backend in engines}
     for _ in range(2):  # alternating, best of 2
         for backend, eng in engines.items():
             rates[backend] = max(rates[backend], output_rate(eng))
     ratio = rates["flashinfer"] / rates["sdpa"]
     is_ok = max(diff, fp8_diff) <= FLASHINFER_MAX_DIFF and same >= FLASHINFER_MIN_GREEDY
+    is_ok = is_ok and graph_same >= GRAPH_MIN_GREEDY["bfloat16"]
     detail = (
         f"flashinfer-python {flashinfer_attention.version()}; one step's attention vs SDPA max abs "
         f"diff {diff:.2e}, with fp8 KV {fp8_diff:.2e} (<= {FLASHINFER_MAX_DIFF:g}); greedy as the "
         f"SDPA engine {same:.1%} of "
         f"positions (>= {FLASHINFER_MIN_GREEDY:.0%}), {whole}/32 whole; output tok/s at "
         f"{FLASHINFER_REQUESTS} x {FLASHINFER_PROMPT}+{FLASHINFER_OUTPUT} tokens: FlashInfer "
-        f"{rates['flashinfer']:.0f}, SDPA {rates['sdpa']:.0f} ({ratio:.2f}x)"
+        f"{rates['flashinfer']:.0f}, SDPA {rates['sdpa']:.0f} ({ratio:.2f}x) (both with CUDA "
+        f"graphs); FlashInfer with graphs against --enforce-eager: greedy {graph_same:.1%} of "
+        f"positions (>= {GRAPH_MIN_GREEDY['bfloat16']:.0%}), {graph_whole}/32 whole, eager "
+        f"{rates['flashinfer eager']:.0f} tok/s"
     )
     figures = {"max_attention_diff": diff, "fp8_max_attention_diff": fp8_diff}
     figures |= {"greedy_positions": same, "whole": whole}
     figures |= {"flashinfer_tok_s": rates["flashinfer"], "sdpa_tok_s": rates["sdpa"]}
+    figures |= {"graph_greedy_positions": graph_same, "eager_tok_s": rates["flashinfer eager"]}
     return Result("flashinfer/bfloat16", "PASS" if is_ok else "FAIL", detail, figures)
 
 
@@ -350,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             results += [timed(check_fp8, args.device, "bfloat16")]
         results += [timed(check_tensor_parallel, args.device)]
+        results += [timed(check_cuda_graphs, args.device, d) for d in ("float32", "bfloat16")]
         name, title, text = "gpu_check", TITLE, DOC_TEXT
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps([asdict(r) for r in results], indent=1))

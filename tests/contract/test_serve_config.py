@@ -29,6 +29,7 @@ def test_defaults_follow_design(model_dir: Path) -> None:
     assert (config.port, config.quantization, config.max_num_seqs) == (8000, "none", 64)
     assert config.enable_prefix_caching and config.api_key is None
     assert config.kv_cache_memory is None and config.gpu_memory_utilization == 0.9
+    assert not config.enforce_eager  # CUDA graphs where they can run, as vLLM
 
 
 def test_every_flag_reaches_the_config(model_dir: Path) -> None:
@@ -39,7 +40,7 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         "--max-waiting", "5", "--api-key", "k", "--shutdown-timeout", "7", "--dtype", "bfloat16",
         "--device", "cpu", "--no-prefix-caching", "--max-request-body-bytes", "4096",
         "--max-seqs-per-request", "6", "--request-body-timeout", "2.5",
-        "--scheduling-policy", "priority",
+        "--scheduling-policy", "priority", "--enforce-eager",
     ])  # fmt: skip
     assert config == ServeConfig(
         model=str(model_dir), served_name="m", host="127.0.0.1", port=9000,
@@ -47,6 +48,7 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         max_num_batched_tokens=64, kv_cache_memory=1048576, enable_prefix_caching=False,
         max_waiting=5, api_key="k", shutdown_timeout=7.0, max_request_body_bytes=4096,
         max_seqs_per_request=6, request_body_timeout=2.5, scheduling_policy="priority",
+        enforce_eager=True,
     )  # fmt: skip
 
 
@@ -100,6 +102,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "request_body_timeout": 4.5, "scheduling_policy": "priority",
         "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
         "enable_lora": True, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
+        "enforce_eager": True,
         "lora_modules": ("a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'),
         # KV tiers need prefix caching and one rank: round-tripped in the test below
         "kv_offloading_size": None, "kv_offloading_backend": "native",

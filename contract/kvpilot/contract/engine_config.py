@@ -91,6 +91,13 @@ class EngineConfig:
         "cache is in the model dtype, sdpa elsewhere",
         ATTENTION_BACKEND_CHOICES,
     )
+    enforce_eager: bool = option(
+        False,
+        "run every decode step eagerly (vLLM's flag); without it, on one CUDA GPU, decode steps "
+        "of up to --max-num-seqs rows replay CUDA graphs captured at start-up per batch-size "
+        "bucket (1, 2, 4, 8, 16, 24, ...); on CPU and under tensor parallelism decode is eager",
+        affirm="--enforce-eager",
+    )
     speculative_config: str | None = option(
         None,
         'speculative decoding as JSON, as vLLM takes it: {"method": "ngram", '

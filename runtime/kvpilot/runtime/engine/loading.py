@@ -3,6 +3,7 @@ draft model, and the KV pools, sized from the memory the weights leave."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.contract.speculative_config import SpeculativeConfig
 from kvpilot.runtime.engine import speculative
+from kvpilot.runtime.engine.decode_graphs import graphs_off_reason
 from kvpilot.runtime.engine.draft_model import DraftModelProposer, load_draft
 from kvpilot.runtime.engine.model_runner import ModelRunner, load_model
 from kvpilot.runtime.engine.parallel import TPGroup
@@ -23,6 +25,8 @@ from kvpilot.runtime.engine.sizing import (
 )
 from kvpilot.runtime.engine.worker import WorkerArgs, WorkerPool, start_workers
 from kvpilot.runtime.models.loader import ModelConfig
+
+log = logging.getLogger("kvpilot.engine")
 
 
 @dataclass(frozen=True)
@@ -81,14 +85,26 @@ def load_models(
     weight_bytes = model.weight_bytes()  # per rank
     if config.enable_lora:  # the adapter slots take memory beside the weights
         weight_bytes += model.enable_lora(config.max_loras, config.max_lora_rank).num_bytes()
-    runner = ModelRunner(
-        model, hardware.device, config.seed, workers, eos_token_ids, hardware.attention_backend
+    graphs_off = graphs_off_reason(
+        config.enforce_eager, hardware.device, config.tensor_parallel_size
     )
+    runner = ModelRunner(
+        model, hardware.device, config.seed, workers, eos_token_ids, hardware.attention_backend,
+        cuda_graphs=graphs_off is None,
+    )  # fmt: skip
     proposer = load_proposer(config, hardware, max_model_len, spec_config)
     if isinstance(proposer, DraftModelProposer):  # its weights count in the memory budget too
         weight_bytes += proposer.runner.model.weight_bytes()
     pool = size_rank_kv_pool(config, hardware, max_model_len, runner, proposer, weight_bytes)
     runner.allocate_kv_cache(pool.num_blocks, hardware.kv_dtype)
+    if graphs_off is None:  # after the pool: the graphs read its addresses
+        from kvpilot.runtime.engine import cuda_graphs  # CUDA-only
+
+        runner.graphs, _ = cuda_graphs.capture_decode_graphs(
+            runner, config.max_num_seqs, max_model_len
+        )
+    else:
+        log.info("CUDA graphs off, decode runs eagerly: %s", graphs_off)
     if isinstance(proposer, DraftModelProposer):
         proposer.runner.allocate_kv_cache(pool.num_blocks, hardware.kv_dtype)
     return LoadedModels(runner, proposer, weight_bytes, pool)

@@ -255,6 +255,12 @@ class OtherRanks(Protocol):
     def execute(self, plan: StepPlan) -> None: ...
 
 
+class DecodeGraphs(Protocol):
+    """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py, which the loader sets)."""
+
+    def run(self, plan: StepPlan) -> torch.Tensor | None: ...
+
+
 class ModelRunner:
     """Runs steps on rank 0, and on the other ranks' `workers` alongside when there are any."""
 
@@ -266,10 +272,16 @@ class ModelRunner:
         workers: OtherRanks | None = None,
         eos_token_ids: tuple[int, ...] = (),
         attention_backend: str = "sdpa",
+        cuda_graphs: bool = False,
     ) -> None:
         """`attention_backend`: resolved (attention.resolve_attention_backend); with `paged` the
-        kernel must be loaded in this process, with `flashinfer` FlashInfer must import."""
+        kernel must be loaded in this process, with `flashinfer` FlashInfer must import.
+        `cuda_graphs`: decode graphs will be captured (cuda_graphs.capture_decode_graphs), so
+        the pool gets a scratch block for their padding rows."""
         self.model, self.device, self.workers = model, device, workers
+        self.num_scratch_blocks = 1 if cuda_graphs else 0
+        self.num_kv_blocks = 0  # the blocks sequences get; a scratch block lies past them
+        self.graphs: DecodeGraphs | None = None
         self.attention_backend = attention_backend
         self.flashinfer: FlashInferAttention | None = None  # with its pool (allocate_kv_cache)
         self.eos_token_ids = eos_token_ids  # masked with stop ids until a row's min_tokens
@@ -299,7 +311,8 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.allocate_kv_cache(num_blocks, kv_dtype, scales)
         cfg = self.model.cfg
-        shape = (num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.num_kv_blocks = num_blocks
+        shape = (num_blocks + self.num_scratch_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
         dtype = kv_dtype or self.model.dtype
         self.kv_caches = kv_cache.allocate(cfg.num_layers, shape, dtype, self.device, scales)
         if self.attention_backend == "flashinfer":  # this rank's heads under tensor parallelism
@@ -413,6 +426,10 @@ class ModelRunner:
     def run_model(self, plan: StepPlan) -> torch.Tensor:
         """This rank's share of one step: the final hidden states of the sampled rows [S, hidden],
         the same on every rank once the layers' all-reduces are done."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(plan)  # None: a step no graph holds
+            if hidden is not None:
+                return hidden
         input_ids, positions, meta, rows = self.inputs(plan)
         lora = self._lora_batch(plan)
         return self.model.forward(input_ids, positions, self.kv_caches, meta, rows, lora)

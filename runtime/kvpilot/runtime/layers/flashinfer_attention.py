@@ -135,7 +135,8 @@ class FlashInferStep:
 
 
 class FlashInferAttention:
-    """A model runner's FlashInfer state: one workspace and two wrappers, re-planned each step."""
+    """A model runner's FlashInfer state: one workspace and two wrappers, re-planned each step;
+    with CUDA graphs, a decode wrapper per graph too (`graph_decode`)."""
 
     def __init__(
         self,
@@ -153,13 +154,52 @@ class FlashInferAttention:
         self.block_size = block_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_GROUP
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace,
-            "NHD",
-            use_tensor_cores=num_heads // num_kv_heads >= TENSOR_CORE_GROUP,
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
         )
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def graph_decode(self, batch_size: int, max_pages_per_row: int) -> Any:
+        """A decode wrapper for a CUDA graph of `batch_size` rows: its page lists live in
+        buffers of its own that `plan_graph_decode` refills before each replay (FlashInfer's
+        use_cuda_graph mode). It shares the float workspace: one step runs at a time."""
+        import flashinfer
+
+        def buffer(size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=torch.int32, device=self.device)
+
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=buffer(batch_size + 1),
+            paged_kv_indices_buffer=buffer(batch_size * max_pages_per_row),
+            paged_kv_last_page_len_buffer=buffer(batch_size),
+        )
+
+    def plan_graph_decode(
+        self, wrapper: Any, tables: list[list[int]], lens: list[int]
+    ) -> FlashInferStep:
+        """A graph's decode rows planned (all of its rows, padding included)."""
+        self._plan_decode(wrapper, tables, lens)
+        return FlashInferStep(len(tables), wrapper, None)
+
+    def _plan_decode(self, wrapper: Any, tables: list[list[int]], lens: list[int]) -> None:
+        layout = paged_layout(tables, lens, self.block_size)
+        wrapper.plan(
+            *self._tensors(layout),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            pos_encoding_mode="NONE",  # the model applies rotary embeddings itself
+            q_data_type=self.dtype,
+            kv_data_type=self.kv_dtype,
+            sm_scale=self.scale,
+        )
 
     def plan(
         self,
@@ -171,18 +211,7 @@ class FlashInferAttention:
         (num_tokens, num_computed, table), in row order."""
         decode = prefill = None
         if decode_tables:
-            layout = paged_layout(decode_tables, decode_lens, self.block_size)
-            self.decode.plan(
-                *self._tensors(layout),
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                self.block_size,
-                pos_encoding_mode="NONE",  # the model applies rotary embeddings itself
-                q_data_type=self.dtype,
-                kv_data_type=self.kv_dtype,
-                sm_scale=self.scale,
-            )
+            self._plan_decode(self.decode, decode_tables, decode_lens)
             decode = self.decode
         if prefills:
             num_tokens = [count for count, _, _ in prefills]
