@@ -99,11 +99,6 @@ class Engine:
         self.served_name = config.served_name or model_dir.resolve().name
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)  # before any process starts
-        if config.enable_lora and tp > 1:
-            raise ValueError(
-                "--enable-lora does not run under tensor parallelism yet; use "
-                "--tensor-parallel-size 1"
-            )
         check_checkpoint_quantization(config, self.model_config)
         self._use_hardware(resolve_hardware(config, self.model_config))
         on_phase("kernel")

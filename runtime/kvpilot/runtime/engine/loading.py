@@ -81,6 +81,8 @@ def load_models(
     weight_bytes = model.weight_bytes()  # per rank
     if config.enable_lora:  # the adapter slots take memory beside the weights
         weight_bytes += model.enable_lora(config.max_loras, config.max_lora_rank).num_bytes()
+        if workers is not None:  # each rank holds its shard of every slot
+            workers.enable_lora(config.max_loras, config.max_lora_rank)
     runner = ModelRunner(
         model, hardware.device, config.seed, workers, eos_token_ids, hardware.attention_backend
     )

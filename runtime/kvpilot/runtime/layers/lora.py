@@ -22,12 +22,18 @@ segmented LoRA, no per-sequence loop:
 Each row multiplies only its own slot's k*R columns (padding ranks below R and sub-modules an
 adapter does not target are zeros, so they add nothing), where the masked form this replaced
 ran every row through all S slots and zeroed the rest: S times the work.
+
+Under tensor parallelism each rank's stacks hold its shard of every adapter, split as the base
+weight is (engine/parallel.py, `lora_shard_dim`): column-parallel q/k/v and gate/up keep A whole
+and B's slice of the output features; row-parallel o and down keep A's slice of the input
+features and B whole, so each rank's delta is a partial sum that the base's all-reduce adds up.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpilot.runtime.engine.parallel import TPGroup
 from kvpilot.runtime.layers.lora_groups import (
     SlotGroups,
     SlotRun,
@@ -61,9 +67,11 @@ class LoraStack:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        group: TPGroup | None = None,
     ) -> None:
+        """`cfg`: this rank's share of the model (parallel.shard_config) under `group`."""
         shapes = [module_shape(cfg, m) for m in modules]
-        self.modules, self.max_rank = modules, max_rank
+        self.modules, self.max_rank, self.group = modules, max_rank, group or TPGroup()
         self.outs = [out for out, _ in shapes]
         self.offsets = [sum(self.outs[:j]) for j in range(len(modules))]
         self.width = len(modules) * max_rank  # columns per slot
@@ -83,7 +91,7 @@ class LoraStack:
             pair = adapter.weights.get((layer, module))
             if pair is None:
                 continue
-            a, b = pair  # [r, in], [out, r]
+            a, b = self.group.shard_lora(module, *pair)  # [r, in], [out, r] of this rank
             rank, column = a.shape[0], j * self.max_rank
             self.a[slot, :, column : column + rank] = a.t()
             out = slice(self.offsets[j], self.offsets[j] + self.outs[j])
@@ -183,13 +191,16 @@ class LoraWeights:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        group: TPGroup | None = None,
     ) -> None:
+        """`cfg`: this rank's share of the model under tensor-parallel `group` (None: one)."""
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
+        tp = group or TPGroup()
         self.layers = [
             LayerLora(
                 {
-                    group: LoraStack(cfg, modules, num_slots, max_rank, dtype, device)
-                    for group, modules in FUSED_GROUPS.items()
+                    name: LoraStack(cfg, modules, num_slots, max_rank, dtype, device, tp)
+                    for name, modules in FUSED_GROUPS.items()
                 },
                 layer,
             )
