@@ -80,6 +80,8 @@ def test_padded_grid_repeats_each_groups_first_row(
         ([0] * 16, [SlotRun(0, 0, 16)]),
         ([-1] * 20, []),  # the base model's rows are no run
         ([1, 0, 2] + [2] * 20 + [0] * 16 + [1], [SlotRun(2, 2, 23), SlotRun(0, 23, 39)]),
+        # two chunks of slot 1: grouped (one matmul pair), slot 0's alone is a run
+        ([1] * 16 + [0] * 16 + [1] * 16, [SlotRun(0, 16, 32)]),
     ],
 )
 def test_runs_of_one_slot_are_set_apart(row_slots: list[int], runs: list[SlotRun]) -> None:

@@ -25,6 +25,7 @@ closed loop nearly every step admits a prompt).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 # Padding rows (G x L less the real ones) allowed per group before the segmented form is used.
@@ -101,7 +102,9 @@ def select_rows(row_slots: list[int], rows: list[int]) -> list[int]:
 
 
 def slot_runs(row_slots: list[int]) -> list[SlotRun]:
-    """The runs of at least MIN_RUN_ROWS consecutive rows of one adapter slot, in row order."""
+    """The runs of at least MIN_RUN_ROWS consecutive rows of one adapter slot, in row order,
+    but only of slots with one such run: several chunks of one adapter (a burst of prompts) run
+    cheaper as one group, one matmul pair on their gathered rows, than as a pair per chunk."""
     runs: list[SlotRun] = []
     first = 0
     for row in range(1, len(row_slots) + 1):
@@ -110,7 +113,8 @@ def slot_runs(row_slots: list[int]) -> list[SlotRun]:
         if row_slots[first] >= 0 and row - first >= MIN_RUN_ROWS:
             runs.append(SlotRun(row_slots[first], first, row))
         first = row
-    return runs
+    num_runs = Counter(run.slot for run in runs)
+    return [run for run in runs if num_runs[run.slot] == 1]
 
 
 def without_runs(row_slots: list[int], runs: list[SlotRun]) -> list[int]:
