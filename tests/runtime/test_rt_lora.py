@@ -1,6 +1,7 @@
 """Multi-LoRA in the engine against transformers + peft: four random adapters of different ranks
 and targets and the base model in one batch, greedy tokens and logprobs per adapter; int8 base
-weights; --max-loras fewer than the adapters asked for; the prefix cache keyed by adapter."""
+weights; --max-loras fewer than the adapters asked for; the prefix cache keyed by adapter;
+tensor parallelism (2 CPU ranks) against one process and against peft."""
 
 from __future__ import annotations
 
@@ -166,6 +167,35 @@ def test_fewer_slots_than_adapters_runs_every_request_within_the_slots(
     results = run_mixed(engine, [*adapters, None])
     assert most == 2
     references: dict[str | None, Any] = {name: model for name, (_, model) in adapters.items()}
+    check_against_reference(results, references, atol=2e-4)
+
+
+def test_tensor_parallel_adapters_match_one_process_and_peft(
+    make_engine: Callable[..., Engine], adapters: dict[str, tuple[Path, Any]]
+) -> None:
+    """TP 2: each rank holds its shard of every adapter (B split for q/k/v/gate/up, A for o and
+    down, whose partial deltas ride the base's all-reduce). Two slots for four adapters, so
+    slots are rewritten on every rank mid-run. The same greedy tokens as one process, and peft's
+    logprobs."""
+    names: list[str | None] = [*adapters, None]
+    one = make_engine(enable_lora=True, max_loras=2, enable_prefix_caching=False)
+    load_all(one, adapters)
+    expected = run_mixed(one, names)
+    tp2 = make_engine(
+        enable_lora=True, max_loras=2, enable_prefix_caching=False, tensor_parallel_size=2
+    )
+    try:
+        load_all(tp2, adapters)
+        results = run_mixed(tp2, names)
+        assert tp2.scheduler.lora_slots is not None
+        assert tp2.scheduler.lora_slots.num_evictions > 0  # slots rewritten on both ranks
+    finally:
+        tp2.shutdown()
+    assert {k: tokens for k, (tokens, _) in results.items()} == {
+        k: tokens for k, (tokens, _) in expected.items()
+    }
+    references: dict[str | None, Any] = {name: model for name, (_, model) in adapters.items()}
+    references[None] = load_base()
     check_against_reference(results, references, atol=2e-4)
 
 

@@ -10,10 +10,13 @@ from bench.reference.models import TINY_LLAMA
 from kvpilot.runtime.layers.lora import FUSED_GROUPS, LoraBatch, LoraStack
 from kvpilot.runtime.layers.lora_groups import (
     SlotGroups,
+    SlotRun,
     group_rows,
     is_padding_cheap,
     padded_rows,
     select_rows,
+    slot_runs,
+    without_runs,
 )
 from kvpilot.runtime.models.loader import load_model_config
 from kvpilot.runtime.models.lora_files import LoraAdapter, module_shape
@@ -69,6 +72,29 @@ def test_padded_grid_repeats_each_groups_first_row(
     assert padded_rows(group_rows(row_slots)) == (grid, positions)
 
 
+@pytest.mark.parametrize(
+    ("row_slots", "runs"),
+    [
+        ([], []),
+        ([0] * 15, []),  # shorter than MIN_RUN_ROWS: grouped with the rest
+        ([0] * 16, [SlotRun(0, 0, 16)]),
+        ([-1] * 20, []),  # the base model's rows are no run
+        ([1, 0, 2] + [2] * 20 + [0] * 16 + [1], [SlotRun(2, 2, 23), SlotRun(0, 23, 39)]),
+        # two chunks of slot 1: grouped (one matmul pair), slot 0's alone is a run
+        ([1] * 16 + [0] * 16 + [1] * 16, [SlotRun(0, 16, 32)]),
+    ],
+)
+def test_runs_of_one_slot_are_set_apart(row_slots: list[int], runs: list[SlotRun]) -> None:
+    assert slot_runs(row_slots) == runs
+
+
+def test_rows_of_runs_leave_the_groups() -> None:
+    row_slots = [1, 0] + [2] * 16 + [0]
+    rest = without_runs(row_slots, slot_runs(row_slots))
+    assert rest == [1, 0] + [-1] * 16 + [0]
+    assert group_rows(rest) == SlotGroups([0, 1], [1, 18, 0], [0, 2, 3])
+
+
 def test_output_rows_keep_their_slots_in_their_order() -> None:
     assert select_rows([3, -1, 0, 1], [3, 0, 1]) == [1, 3, -1]
 
@@ -97,15 +123,17 @@ def reference_delta(
 
 @pytest.mark.parametrize("group", ["qkv", "gate_up"])
 @pytest.mark.parametrize(
-    ("row_slots", "is_padded"),
+    ("row_slots", "is_padded", "num_runs"),
     [
-        ([0, 1, 2, -1, 1, 0, 2, 2], True),  # decode-like: padded batched matmuls
-        ([1] * 60 + [-1, 2, 0], False),  # a long group: one matmul pair per slot
-        ([2, -1, 2], True),  # one slot, not the first: its weights are gathered
+        ([0, 1, 2, -1, 1, 0, 2, 2], True, 0),  # decode-like: padded batched matmuls
+        ([1, -1] * 70 + [2], False, 0),  # an uneven group: one matmul pair per slot
+        ([2, -1, 2], True, 0),  # one slot, not the first: its weights are gathered
+        ([0, 2, 1] + [1] * 60 + [-1, 2, 0], True, 1),  # a prefill chunk as a slice, decodes padded
+        ([-1] + [2] * 16 + [0] * 20, True, 2),  # runs only: no group at all
     ],
 )
 def test_delta_of_each_form_is_each_rows_own_adapter(
-    group: str, row_slots: list[int], is_padded: bool
+    group: str, row_slots: list[int], is_padded: bool, num_runs: int
 ) -> None:
     modules = FUSED_GROUPS[group]
     stack = LoraStack(CFG, modules, 4, 8, torch.float32, torch.device("cpu"))
@@ -115,7 +143,8 @@ def test_delta_of_each_form_is_each_rows_own_adapter(
     x = torch.randn(len(row_slots), module_shape(CFG, modules[0])[1])
     base = torch.randn(len(row_slots), sum(stack.outs))
     batch = LoraBatch.of_rows(row_slots, [], torch.device("cpu"))
-    assert batch is not None and (batch.grid is not None) is is_padded
+    assert batch is not None and len(batch.runs) == num_runs
+    assert (batch.grid is not None) is (is_padded and batch.num_rows > 0)
     out = stack.add_delta(base.clone(), x, batch)
     for row, slot in enumerate(row_slots):
         delta = torch.zeros(sum(stack.outs)) if slot < 0 else reference_delta(

@@ -115,3 +115,11 @@ def test_preemptions_by_reason_add_up_to_the_total() -> None:
     }
     assert by_reason == {"kv_cache": 0, "priority": 3}
     assert found[("vllm:num_preemptions_total", (("model_name", "m"),))] == 3
+
+
+def test_lora_loads_and_evictions_are_counters() -> None:
+    stats = EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, lora_loads=5, lora_evictions=2)
+    found = samples(ServerMetrics("m", lambda: stats))
+    model = (("model_name", "m"),)
+    loads, evictions = ("kvpilot_lora_loads_total", model), ("kvpilot_lora_evictions_total", model)
+    assert (found[loads], found[evictions]) == (5, 2)

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from kvpilot.runtime.engine.model_runner import PrefillPlan, plan_step
-from kvpilot.runtime.engine.parallel import TPGroup, check_tensor_parallel, shard_config, shard_dim
+from kvpilot.runtime.engine.parallel import (
+    TPGroup,
+    check_tensor_parallel,
+    lora_shard_dim,
+    shard_config,
+    shard_dim,
+)
 from kvpilot.runtime.engine.scheduler import ScheduledSequence
 from kvpilot.runtime.engine.sequence import Sequence
 from kvpilot.runtime.models.loader import ModelConfig
@@ -125,3 +131,24 @@ def test_plan_step_is_what_every_rank_needs_in_plain_ints() -> None:
     assert plan.prefills == [PrefillPlan(1, num_tokens=16, num_computed=4, block_table=[7, 3])]
     assert plan.sample_rows == [16, 0]  # the prefill reaches its last token, then the decode
     assert pickle.loads(pickle.dumps(plan)) == plan  # what the pipe to a worker does
+
+
+@pytest.mark.parametrize(
+    ("module", "a_rows", "a_cols", "b_rows", "b_cols"),
+    [
+        # column-parallel: A [r, in] whole, B [out, r] split on its output features
+        ("q_proj", slice(0, 4), slice(0, 6), slice(3, 6), slice(0, 4)),
+        ("up_proj", slice(0, 4), slice(0, 6), slice(3, 6), slice(0, 4)),
+        # row-parallel: A split on its input features, B whole
+        ("o_proj", slice(0, 4), slice(3, 6), slice(0, 6), slice(0, 4)),
+        ("down_proj", slice(0, 4), slice(3, 6), slice(0, 6), slice(0, 4)),
+    ],
+)
+def test_lora_shard_follows_the_base_weights_split(
+    module: str, a_rows: slice, a_cols: slice, b_rows: slice, b_cols: slice
+) -> None:
+    a, b = torch.arange(24.0).view(4, 6), torch.arange(24.0).view(6, 4)  # A [r, in], B [out, r]
+    a1, b1 = TPGroup(1, 2).shard_lora(module, a, b)
+    assert a1.equal(a[a_rows, a_cols]) and b1.equal(b[b_rows, b_cols])
+    assert TPGroup(0, 1).shard_lora(module, a, b) == (a, b)
+    assert lora_shard_dim(module) in ((None, 0), (1, None))

@@ -8,6 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpilot.runtime.engine.block_manager import BlockManager
+from kvpilot.runtime.engine.lora_policy import (
+    MAX_LORA_WAIT_STEPS,
+    AdapterDemand,
+    SlotPlan,
+    plan_slots,
+)
 from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.scheduler import Scheduler, SchedulerOutput
@@ -344,3 +350,91 @@ def test_a_waiting_adapter_without_a_slot_is_passed_over_and_keeps_its_place(pol
     out = run_step(sched)
     assert "b" in planned(out) and b.lora_slot == 0
     assert later.status is SequenceStatus.RUNNING and base.status is SequenceStatus.RUNNING
+
+
+# -- which adapters get the LoRA slots (engine/lora_policy.py) ------------------------------------
+
+D = AdapterDemand
+
+
+@pytest.mark.parametrize(
+    ("demands", "running_users", "num_free", "step", "draining", "expected"),
+    [
+        ([], {}, 2, 10, None, SlotPlan()),
+        ([D(1, 1, 0), D(2, 3, 5)], {}, 1, 63, None, SlotPlan()),  # none starved: queue order
+        # waiting MAX_LORA_WAIT_STEPS: the free slots are theirs, oldest first
+        ([D(1, 1, 0), D(2, 5, 10)], {}, 2, MAX_LORA_WAIT_STEPS, None, SlotPlan((1,), None, True)),
+        ([D(2, 1, 1), D(1, 1, 0)], {}, 1, 70, None, SlotPlan((1,), None, True)),
+        # starved without a free slot: the resident adapter with the fewest running drains
+        ([D(1, 1, 0)], {7: 3, 8: 1, 9: 0}, 0, 64, None, SlotPlan((), 8, True)),
+        ([D(1, 1, 0)], {7: 3, 8: 1}, 0, 64, 7, SlotPlan((), 7, True)),  # a drain under way holds
+        ([D(1, 1, 0)], {7: 0}, 1, 64, 7, SlotPlan((1,), 7, True)),  # until the starved one is in
+        ([D(1, 1, 0)], {7: 3, 8: 2}, 0, 64, 5, SlotPlan((), 8, True)),  # 5 is gone: another
+        ([D(1, 1, 0), D(2, 1, 0)], {7: 3}, 1, 64, None, SlotPlan((1,), 7, True)),  # 2 left
+    ],
+)
+def test_slot_plan(
+    demands: list[AdapterDemand],
+    running_users: dict[int, int],
+    num_free: int,
+    step: int,
+    draining: int | None,
+    expected: SlotPlan,
+) -> None:
+    assert plan_slots(demands, running_users, num_free, step, draining) == expected
+
+
+def lora_seq(request_id: str, adapter: LoraRequest, length: int = 10) -> Sequence:
+    return Sequence(request_id, list(range(length)), SamplingParams(max_tokens=100), lora=adapter)
+
+
+def adapters(names: str) -> list[LoraRequest]:
+    return [LoraRequest(name, i, None) for i, name in enumerate(names, 1)]  # type: ignore[arg-type]
+
+
+def test_free_slots_go_in_queue_order_and_loads_are_counted() -> None:
+    a, b, c = adapters("abc")
+    slots = LoraSlots(1)
+    sched = Scheduler(BlockManager(64), 8, 256, slots)
+    first = lora_seq("a", a)
+    sched.add(first)
+    run_step(sched)
+    sched.add(lora_seq("b", b))  # first in line
+    for i in range(2):
+        sched.add(lora_seq(f"c{i}", c))
+    run_step(sched)
+    sched.finish(first, "stop")
+    out = run_step(sched)
+    assert list(planned(out)) == ["b"]
+    assert [(slot, req.name) for slot, req in out.lora_loads] == [(0, "b")]
+    assert (slots.num_loads, slots.num_evictions) == (2, 1)
+
+
+def test_a_starved_adapter_drains_a_slot_then_takes_it() -> None:
+    # One slot, a stream of a's requests keeps it busy forever; b waits. After the bound, a
+    # admits no new request, its running ones finish, and b gets the slot.
+    a, b = adapters("ab")
+    sched = Scheduler(BlockManager(256), 8, 256, LoraSlots(1))
+    assert sched.lora is not None
+    sched.lora.max_wait = 3
+    sched.add(lora_seq("a0", a))
+    run_step(sched)
+    sched.add(lora_seq("b", b))
+    started_after_drain: list[str] = []
+    for step in range(1, 12):
+        sched.add(lora_seq(f"a{step}", a))
+        out = run_step(sched)
+        if sched.lora.draining is not None:  # a's newly admitted (prefilling) requests
+            started_after_drain += [
+                s.seq.request_id for s in out.scheduled if s.seq.lora is a and s.num_new_tokens > 1
+            ]
+        for seq in list(sched.running):  # each a runs 2 steps
+            if seq.lora is a and seq.num_computed_tokens >= 11:
+                sched.finish(seq, "stop")
+        if "b" in planned(out):
+            break
+    assert "b" in planned(out), "b never got the slot"
+    assert started_after_drain == []
+    run_step(sched)
+    assert sched.lora.draining is None  # b is in: a's requests wait for b's slot as usual
+    assert {s.request_id for s in sched.waiting} == {f"a{step - 1}", f"a{step}"}

@@ -99,11 +99,6 @@ class Engine:
         self.served_name = config.served_name or model_dir.resolve().name
         tp = config.tensor_parallel_size
         check_tensor_parallel(self.model_config, tp)  # before any process starts
-        if config.enable_lora and tp > 1:
-            raise ValueError(
-                "--enable-lora does not run under tensor parallelism yet; use "
-                "--tensor-parallel-size 1"
-            )
         check_checkpoint_quantization(config, self.model_config)
         self._use_hardware(resolve_hardware(config, self.model_config))
         on_phase("kernel")
@@ -314,6 +309,7 @@ class Engine:
         bm = self.block_manager
         # Every step: the adapter names walk the whole queue, so only a LoRA server pays for it.
         lora_on = self.config.enable_lora
+        slots = self.scheduler.lora_slots
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
@@ -331,6 +327,8 @@ class Engine:
             running_lora_adapters=lora_names(self.scheduler.running) if lora_on else (),
             waiting_lora_adapters=lora_names(self.scheduler.waiting) if lora_on else (),
             max_lora=self.config.max_loras if lora_on else 0,
+            lora_loads=slots.num_loads if slots is not None else 0,
+            lora_evictions=slots.num_evictions if slots is not None else 0,
             kv_offload=None
             if self.kv_offload is None
             else self.kv_offload.stats(bm.num_lower_queried_tokens, bm.num_lower_hit_tokens),

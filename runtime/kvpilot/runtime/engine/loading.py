@@ -85,6 +85,8 @@ def load_models(
     weight_bytes = model.weight_bytes()  # per rank
     if config.enable_lora:  # the adapter slots take memory beside the weights
         weight_bytes += model.enable_lora(config.max_loras, config.max_lora_rank).num_bytes()
+        if workers is not None:  # each rank holds its shard of every slot
+            workers.enable_lora(config.max_loras, config.max_lora_rank)
     graphs_off = graphs_off_reason(
         config.enforce_eager, hardware.device, config.tensor_parallel_size
     )

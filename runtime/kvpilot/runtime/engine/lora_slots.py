@@ -36,21 +36,37 @@ class LoraSlots:
         self.num_users = [0] * num_slots
         # Slots in least-recently-used order (front first), values unused.
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
+        self.num_loads = 0  # adapters written into a slot, cumulative
+        self.num_evictions = 0  # of those, written over another resident adapter
 
     def slot_of(self, lora_id: int) -> int | None:
         return self.resident.index(lora_id) if lora_id in self.resident else None
 
+    def running_users(self) -> dict[int, int]:
+        """Each resident adapter's running sequences (0: its slot may be rewritten)."""
+        return {
+            lora_id: users
+            for lora_id, users in zip(self.resident, self.num_users, strict=True)
+            if lora_id is not None
+        }
+
+    def num_free(self) -> int:
+        """Slots a new adapter may take now."""
+        return len(self._free_slots())
+
     def can_acquire(self, lora_id: int) -> bool:
-        return self.slot_of(lora_id) is not None or self._free_slot() is not None
+        return self.slot_of(lora_id) is not None or bool(self._free_slots())
 
     def acquire(self, lora_id: int) -> tuple[int, bool]:
         """(slot, whether its weights must be loaded) for one more user of `lora_id`."""
         slot = self.slot_of(lora_id)
         is_new = slot is None
         if slot is None:
-            slot = self._free_slot()
+            slot = next(iter(self._free_slots()), None)
             if slot is None:
                 raise ValueError(f"no free LoRA slot for adapter {lora_id}; check can_acquire")
+            self.num_loads += 1
+            self.num_evictions += self.resident[slot] is not None
             self.resident[slot] = lora_id
         self.num_users[slot] += 1
         self.lru.move_to_end(slot)
@@ -61,8 +77,7 @@ class LoraSlots:
             raise ValueError(f"LoRA slot {slot} has no user to release")
         self.num_users[slot] -= 1
 
-    def _free_slot(self) -> int | None:
-        """An empty slot, else the least recently used one nobody runs on."""
+    def _free_slots(self) -> list[int]:
+        """Slots nobody runs on: empty ones first, then least recently used first."""
         free = [s for s in self.lru if self.num_users[s] == 0]
-        empty = [s for s in free if self.resident[s] is None]
-        return next(iter(empty or free), None)
+        return sorted(free, key=lambda s: self.resident[s] is not None)

@@ -254,6 +254,8 @@ class OtherRanks(Protocol):
 
     def execute(self, plan: StepPlan) -> None: ...
 
+    def load_loras(self, loads: list[tuple[int, LoraRequest]]) -> None: ...
+
 
 class DecodeGraphs(Protocol):
     """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py, which the loader sets)."""
@@ -450,6 +452,8 @@ class ModelRunner:
             raise ValueError("LoRA adapters scheduled but the model has no LoRA slots")
         for slot, request in loads:
             lora.set_slot(slot, request.adapter)
+        if self.workers is not None:  # each rank copies in its own shard
+            self.workers.load_loras(loads)
 
     def logits(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         """Run one step on every rank; logits [S + P, vocab] (float32): the items that sample,

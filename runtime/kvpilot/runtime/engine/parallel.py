@@ -71,6 +71,19 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
+def lora_shard_dim(module: str) -> tuple[int | None, int | None]:
+    """The dimensions an adapter's A [r, in] and B [out, r] split along for `module`, as its
+    base weight splits: a column-parallel module's B on its output features (A whole: every rank
+    sees the whole input); a row-parallel module's A on its input features (B whole: each rank's
+    x_r @ A_r @ B is a partial sum of the delta, added to the base's partial product before the
+    all-reduce sums both)."""
+    if module in _COLUMN_PARALLEL:
+        return None, 0
+    if module in _ROW_PARALLEL:
+        return 1, None
+    return None, None
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place among the tensor-parallel ranks."""
@@ -89,6 +102,19 @@ class TPGroup:
                 f"tensor_parallel_size {self.size} parts along dim {dim}"
             )
         return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+    def shard_lora(
+        self, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's A [r, in] and B [out, r] for `module` (views)."""
+        if self.size == 1:
+            return a, b
+        a_dim, b_dim = lora_shard_dim(module)
+        if a_dim is not None:
+            a = a.chunk(self.size, dim=a_dim)[self.rank]
+        if b_dim is not None:
+            b = b.chunk(self.size, dim=b_dim)[self.rank]
+        return a, b
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial results in place (every rank calls it with the same shape)."""

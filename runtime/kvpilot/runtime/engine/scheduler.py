@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine.block_manager import BlockManager, TierLookup
+from kvpilot.runtime.engine.lora_policy import LoraAdmission
 from kvpilot.runtime.engine.lora_slots import LoraRequest, LoraSlots
 from kvpilot.runtime.engine.sequence import Sequence, SequenceStatus
 from kvpilot.runtime.engine.stats import PREEMPTED_FOR_KV_CACHE, PREEMPTED_FOR_PRIORITY
@@ -75,6 +76,8 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
         self.lora_slots = lora_slots
+        self.lora = None if lora_slots is None else LoraAdmission(lora_slots)
+        self.num_steps = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -102,6 +105,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.num_steps += 1
         budget = self._schedule_running(out)
         if not out.is_short_of_blocks:
             self._schedule_waiting(out, budget)
@@ -151,7 +155,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """In the waiting queue's order (engine/waiting_queue.py); a sequence whose adapter has
         no slot to run in is passed over (it keeps its place) until a slot frees, so the base
-        model and resident adapters are not held up behind it."""
+        model and resident adapters are not held up behind it. Which adapters get the slots
+        that free is engine/lora_policy.py's choice, made once per step."""
+        if self.lora is not None and self.waiting:
+            self.lora.plan((seq.lora_id for seq in self.waiting), self.num_steps)
         passed_over: list[Sequence] = []
         while self.waiting:
             seq = self.waiting.peek()
@@ -210,14 +217,14 @@ class Scheduler:
     def _can_run_lora(self, seq: Sequence) -> bool:
         if seq.lora is None:
             return True
-        if self.lora_slots is None:
+        if self.lora is None:
             raise ValueError("a sequence names a LoRA adapter but LoRA is not enabled")
-        return self.lora_slots.can_acquire(seq.lora.lora_id)
+        return self.lora.can_admit(seq.lora.lora_id)
 
     def _acquire_lora(self, seq: Sequence, out: SchedulerOutput) -> None:
-        if seq.lora is None or self.lora_slots is None:
+        if seq.lora is None or self.lora is None:
             return
-        seq.lora_slot, is_new = self.lora_slots.acquire(seq.lora.lora_id)
+        seq.lora_slot, is_new = self.lora.acquire(seq.lora.lora_id)
         if is_new:
             out.lora_loads.append((seq.lora_slot, seq.lora))
 

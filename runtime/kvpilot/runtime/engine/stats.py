@@ -43,6 +43,10 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # adapters written into a LoRA slot, and those of them written over another resident
+    # adapter (engine/lora_slots.py), cumulative
+    lora_loads: int = 0
+    lora_evictions: int = 0
     kv_offload: KvOffloadCounts | None = None  # None: no KV tiers (--kv-offloading-size)
     # cumulative, by reason (PREEMPTION_REASONS); they add up to num_preemptions
     preemptions_by_reason: tuple[tuple[str, int], ...] = ()

@@ -8,6 +8,10 @@ error); then one pipe per worker carries, from rank 0:
     ("join", None)       join the process group (once every rank has loaded its shard)
     ("kv", args)         allocate the KV pool (ModelRunner.allocate_kv_cache's arguments); the
                          worker answers "ok" or an error
+    ("lora_slots", (n, r)) make room for n LoRA adapters of rank <= r (LlamaModel.enable_lora);
+                         the worker answers "ok" or an error
+    ("lora", loads)      copy adapters into slots before the next step (ModelRunner.load_loras),
+                         each whole as numpy arrays: the worker keeps its shard; no answer
     ("step", StepPlan)   run the step; no answer (the all-reduces are the handshake)
     None                 leave the process group and exit
 
@@ -32,8 +36,10 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvpilot.runtime.engine.lora_slots import LoraRequest
 from kvpilot.runtime.engine.model_runner import ModelRunner, StepPlan, load_model
 from kvpilot.runtime.engine.parallel import (
     TPGroup,
@@ -43,6 +49,7 @@ from kvpilot.runtime.engine.parallel import (
 )
 from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.models.loader import ModelConfig
+from kvpilot.runtime.models.lora_files import LoraAdapter
 
 JOIN_TIMEOUT_S = 10.0  # a worker told to stop that has not exited by then is killed
 PARENT_POLL_S = 1.0
@@ -116,6 +123,13 @@ class WorkerPool:
 
     def execute(self, plan: StepPlan) -> None:
         self._send_all(("step", plan))
+
+    def enable_lora(self, num_slots: int, max_rank: int) -> None:
+        self._send_all(("lora_slots", (num_slots, max_rank)))
+        self._wait_all("LoRA slot allocation")
+
+    def load_loras(self, loads: list[tuple[int, LoraRequest]]) -> None:
+        self._send_all(("lora", [(slot, adapter_arrays(req.adapter)) for slot, req in loads]))
 
     def _send_all(self, message: Any) -> None:
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), 1):
@@ -192,6 +206,8 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
         "join": lambda _: init_process_group(args.group, args.init_method, device),
         "kv": lambda kv_args: conn.send(_try(runner.allocate_kv_cache, *kv_args)),
         "step": runner.run_model,
+        "lora_slots": lambda args: conn.send(_try(runner.model.enable_lora, *args)),
+        "lora": lambda loads: load_lora_arrays(runner, loads),
         "threads": lambda _: conn.send(torch.get_num_threads()),
     }
     try:
@@ -229,7 +245,27 @@ def follow(conn: Connection, handlers: dict[str, Callable[[Any], object]]) -> bo
         handlers[kind](payload)
 
 
-def _try(fn: Callable[..., None], *args: Any) -> str:
+# An adapter as a worker receives it: its path, rank and (layer, module) -> (A, B) as arrays.
+AdapterArrays = tuple[str, int, dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]]
+
+
+def adapter_arrays(adapter: LoraAdapter) -> AdapterArrays:
+    """Plain arrays pickle through the pipe as bytes; tensors would go through torch's
+    shared-memory reductions (a file descriptor per tensor) for a one-off copy."""
+    weights = {key: (a.numpy(), b.numpy()) for key, (a, b) in adapter.weights.items()}
+    return adapter.path, adapter.rank, weights
+
+
+def load_lora_arrays(runner: ModelRunner, loads: list[tuple[int, AdapterArrays]]) -> None:
+    lora = runner.model.lora
+    if lora is None:
+        raise ValueError("LoRA adapters sent to a worker without LoRA slots")
+    for slot, (path, rank, arrays) in loads:
+        weights = {k: (torch.from_numpy(a), torch.from_numpy(b)) for k, (a, b) in arrays.items()}
+        lora.set_slot(slot, LoraAdapter(path, rank, weights))
+
+
+def _try(fn: Callable[..., object], *args: Any) -> str:
     try:
         fn(*args)
     except Exception as error:

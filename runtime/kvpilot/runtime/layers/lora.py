@@ -9,6 +9,9 @@ gate_up — holds k sub-modules, each with its own A and B; B is block-diagonal 
 the M rows that run an adapter, grouped into G slots, the delta is S-LoRA's / Punica's
 segmented LoRA, no per-sequence loop:
 
+    runs (a prefill chunk: MIN_RUN_ROWS rows or more of one slot, contiguous):
+        out[first:end] += x[first:end] @ A[s] @ B[s]     # slices: no gather, no index_add
+    the other rows, grouped by slot, either
     padded (decode-like steps, a few rows per slot; lora_groups.is_padding_cheap):
         u = x[grid] @ A[slots]       # [G, L, in] @ [G, in, k*R]  one batched matmul
         delta = u @ B[slots]         # [G, L, k*R] @ [G, k*R, out]
@@ -19,18 +22,27 @@ segmented LoRA, no per-sequence loop:
 Each row multiplies only its own slot's k*R columns (padding ranks below R and sub-modules an
 adapter does not target are zeros, so they add nothing), where the masked form this replaced
 ran every row through all S slots and zeroed the rest: S times the work.
+
+Under tensor parallelism each rank's stacks hold its shard of every adapter, split as the base
+weight is (engine/parallel.py, `lora_shard_dim`): column-parallel q/k/v and gate/up keep A whole
+and B's slice of the output features; row-parallel o and down keep A's slice of the input
+features and B whole, so each rank's delta is a partial sum that the base's all-reduce adds up.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpilot.runtime.engine.parallel import TPGroup
 from kvpilot.runtime.layers.lora_groups import (
     SlotGroups,
+    SlotRun,
     group_rows,
     is_padding_cheap,
     padded_rows,
     select_rows,
+    slot_runs,
+    without_runs,
 )
 from kvpilot.runtime.models.loader import ModelConfig
 from kvpilot.runtime.models.lora_files import LoraAdapter, module_shape
@@ -55,9 +67,11 @@ class LoraStack:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        group: TPGroup | None = None,
     ) -> None:
+        """`cfg`: this rank's share of the model (parallel.shard_config) under `group`."""
         shapes = [module_shape(cfg, m) for m in modules]
-        self.modules, self.max_rank = modules, max_rank
+        self.modules, self.max_rank, self.group = modules, max_rank, group or TPGroup()
         self.outs = [out for out, _ in shapes]
         self.offsets = [sum(self.outs[:j]) for j in range(len(modules))]
         self.width = len(modules) * max_rank  # columns per slot
@@ -77,7 +91,7 @@ class LoraStack:
             pair = adapter.weights.get((layer, module))
             if pair is None:
                 continue
-            a, b = pair  # [r, in], [out, r]
+            a, b = self.group.shard_lora(module, *pair)  # [r, in], [out, r] of this rank
             rank, column = a.shape[0], j * self.max_rank
             self.a[slot, :, column : column + rank] = a.t()
             out = slice(self.offsets[j], self.offsets[j] + self.outs[j])
@@ -85,7 +99,11 @@ class LoraStack:
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """out [T, out] += each adapter row's delta for x [T, in], in place."""
-        if not any(self.is_targeted[slot] for slot in batch.slots):
+        for run in batch.runs:
+            if self.is_targeted[run.slot]:
+                u = x[run.first : run.end] @ self.a[run.slot]  # [n, k*R]
+                out[run.first : run.end].addmm_(u, self.b[run.slot])
+        if batch.num_rows == 0 or not any(self.is_targeted[slot] for slot in batch.slots):
             return out
         if batch.grid is not None:
             u = torch.bmm(x[batch.grid], batch.weights(self.a))  # [G, L, k*R]
@@ -104,7 +122,12 @@ class LoraBatch:
     """One step's rows grouped by slot, as tensors on the device, made once per step and read
     by every layer; `output`: the same for the rows the last layer keeps (None: no adapter)."""
 
-    def __init__(self, groups: SlotGroups, device: torch.device) -> None:
+    def __init__(
+        self, groups: SlotGroups, device: torch.device, runs: list[SlotRun] | None = None
+    ) -> None:
+        """groups: the rows grouped by slot; runs: the rows set apart as slices (slot_runs)."""
+        self.runs = runs or []
+        self.num_rows = groups.num_rows
         self.rows = torch.tensor(groups.rows, dtype=torch.long, device=device)  # [M]
         self.slots = groups.slots  # [G]
         self.segments = [
@@ -118,7 +141,7 @@ class LoraBatch:
         self.num_slots = len(groups.slots)
         self.grid: torch.Tensor | None = None  # [G, L] when the padded form runs
         self.positions: torch.Tensor | None = None  # [M] real rows in the grid; None: all are
-        if is_padding_cheap(groups):
+        if groups.rows and is_padding_cheap(groups):
             grid, positions = padded_rows(groups)
             self.grid = torch.tensor(grid, dtype=torch.long, device=device)
             if len(positions) < self.grid.numel():
@@ -131,10 +154,11 @@ class LoraBatch:
     ) -> LoraBatch | None:
         """row_slots [T]: each row's slot, -1 for the base model; output_rows: the rows the
         last layer keeps. None when no row runs an adapter."""
-        groups = group_rows(row_slots)
-        if not groups.rows:
+        runs = slot_runs(row_slots)
+        groups = group_rows(without_runs(row_slots, runs))
+        if not groups.rows and not runs:
             return None
-        batch = cls(groups, device)
+        batch = cls(groups, device, runs)
         kept = group_rows(select_rows(row_slots, output_rows))
         batch.output = cls(kept, device) if kept.rows else None
         return batch
@@ -167,13 +191,16 @@ class LoraWeights:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        group: TPGroup | None = None,
     ) -> None:
+        """`cfg`: this rank's share of the model under tensor-parallel `group` (None: one)."""
         self.num_slots, self.max_rank, self.dtype = num_slots, max_rank, dtype
+        tp = group or TPGroup()
         self.layers = [
             LayerLora(
                 {
-                    group: LoraStack(cfg, modules, num_slots, max_rank, dtype, device)
-                    for group, modules in FUSED_GROUPS.items()
+                    name: LoraStack(cfg, modules, num_slots, max_rank, dtype, device, tp)
+                    for name, modules in FUSED_GROUPS.items()
                 },
                 layer,
             )

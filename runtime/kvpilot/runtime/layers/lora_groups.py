@@ -14,14 +14,34 @@ of small matmuls costs about as much as 40 padded rows of tiny-llama's widest pr
 against ~1.1 us a row, bf16), and a GPU's kernel launch still more. So `is_padding_cheap` keeps
 the padded form (decode steps, many slots with a few rows each) while the padding is at most
 MAX_PADDING_PER_GROUP rows per group, and a long group (a prefill chunk) runs segmented.
+
+Before grouping, a run of at least MIN_RUN_ROWS consecutive rows of one slot is set apart
+(`slot_runs`): a prefill chunk's rows are contiguous in the step's layout (decodes first, then
+each chunk whole), so it multiplies a slice of x and adds to a slice of the output, with no gather
+and no index_add; and it no longer makes the decodes' groups uneven, so they stay padded, one
+pair of batched matmuls, where one chunk beside them used to turn every group segmented (in a
+closed loop nearly every step admits a prompt).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 # Padding rows (G x L less the real ones) allowed per group before the segmented form is used.
 MAX_PADDING_PER_GROUP = 32
+# Consecutive rows of one slot that run as a slice of their own: a prefill chunk, while decode
+# rows (sorted by context length, not by slot) rarely line up that long.
+MIN_RUN_ROWS = 16
+
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Rows first..end-1, all of one slot."""
+
+    slot: int
+    first: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -79,3 +99,27 @@ def padded_rows(groups: SlotGroups) -> tuple[list[list[int]], list[int]]:
 def select_rows(row_slots: list[int], rows: list[int]) -> list[int]:
     """The slots of the rows kept (a layer's output rows), in their order."""
     return [row_slots[row] for row in rows]
+
+
+def slot_runs(row_slots: list[int]) -> list[SlotRun]:
+    """The runs of at least MIN_RUN_ROWS consecutive rows of one adapter slot, in row order,
+    but only of slots with one such run: several chunks of one adapter (a burst of prompts) run
+    cheaper as one group, one matmul pair on their gathered rows, than as a pair per chunk."""
+    runs: list[SlotRun] = []
+    first = 0
+    for row in range(1, len(row_slots) + 1):
+        if row < len(row_slots) and row_slots[row] == row_slots[first]:
+            continue
+        if row_slots[first] >= 0 and row - first >= MIN_RUN_ROWS:
+            runs.append(SlotRun(row_slots[first], first, row))
+        first = row
+    num_runs = Counter(run.slot for run in runs)
+    return [run for run in runs if num_runs[run.slot] == 1]
+
+
+def without_runs(row_slots: list[int], runs: list[SlotRun]) -> list[int]:
+    """row_slots with the runs' rows taken out of the groups (as the base model's rows are)."""
+    rest = list(row_slots)
+    for run in runs:
+        rest[run.first : run.end] = [-1] * (run.end - run.first)
+    return rest

@@ -161,7 +161,7 @@ class LlamaModel:
             return get(name).to(device=device, dtype=dtype)
 
         self.cfg, self.dtype = shard_config(cfg, group.size), dtype
-        self.group_size = group.size
+        self.group_size, self.group = group.size, group
         self.layers = [
             DecoderLayer(self.cfg, f"model.layers.{i}", get_dense, make, group)
             for i in range(cfg.num_layers)
@@ -183,13 +183,8 @@ class LlamaModel:
 
     def enable_lora(self, num_slots: int, max_rank: int) -> LoraWeights:
         """Room for `num_slots` adapters of rank up to `max_rank` in every layer (all zeros:
-        an empty slot adds nothing)."""
-        if self.group_size > 1:
-            raise ValueError(
-                "LoRA adapters do not run under tensor parallelism yet; use "
-                "--tensor-parallel-size 1"
-            )
-        self.lora = LoraWeights(self.cfg, num_slots, max_rank, self.dtype, self.device)
+        an empty slot adds nothing); under tensor parallelism, this rank's shard of each."""
+        self.lora = LoraWeights(self.cfg, num_slots, max_rank, self.dtype, self.device, self.group)
         for layer, layer_lora in zip(self.layers, self.lora.layers, strict=True):
             layer.lora = layer_lora
         return self.lora

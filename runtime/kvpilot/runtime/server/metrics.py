@@ -135,6 +135,18 @@ COUNTERS = [
         "spec_decode_accepted_tokens",
     ),
 ]
+SINGLE_COUNTERS = [  # (name, help, EngineStats field), kvpilot only
+    (
+        "kvpilot_lora_loads",
+        "LoRA adapters written into a slot (--max-loras) to run.",
+        "lora_loads",
+    ),
+    (
+        "kvpilot_lora_evictions",
+        "LoRA adapter loads that replaced another resident adapter.",
+        "lora_evictions",
+    ),
+]
 SINGLE_GAUGES = [  # (name, help, EngineStats field), under one name only
     # kvpilot only: lets tests and operators see the pool itself
     ("kvpilot_kv_cache_total_blocks", "KV-cache blocks in the pool.", "num_total_blocks"),
@@ -165,6 +177,10 @@ class EngineStatsCollector(Collector):
                 counter = CounterMetricFamily(metric, text, labels=[LABEL])
                 counter.add_metric([self.model_name], float(getattr(snap, attr)))
                 yield counter
+        for name, text, attr in SINGLE_COUNTERS:
+            counter = CounterMetricFamily(name, text, labels=[LABEL])
+            counter.add_metric([self.model_name], float(getattr(snap, attr)))
+            yield counter
         for name, text, attr in SINGLE_GAUGES:
             family = GaugeMetricFamily(name, text, labels=[LABEL])
             family.add_metric([self.model_name], float(getattr(snap, attr)))
