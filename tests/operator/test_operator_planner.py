@@ -436,14 +436,15 @@ def test_adapter_slots_count_as_weights(
     assert got.estimate.weights_bytes == without.estimate.weights_bytes + expected_slot_bytes
 
 
-def test_with_adapters_a_replica_runs_on_one_gpu_or_the_reason_says_why() -> None:
+def test_adapters_run_under_tensor_parallelism_with_their_slots_on_every_gpu() -> None:
     assert LLAMA_70B is not None
     with_lora = request(LLAMA_70B, lora_bytes=GIB)
-    assert planner.tp_degrees(with_lora, H100) == [1]
-    assert planner.tp_degrees(request(LLAMA_70B), H100) == [1, 2, 4, 8]
-    # 70B at int4 on one A100 40 GB: does not fit, and tp 2 is not tried
-    assert not planner.plan_node_type(with_lora, A100).fits
-    assert planner.plan_node_type(request(LLAMA_70B), A100).fits
-    two_gpus = request(LLAMA_70B, lora_bytes=GIB, min_gpus_per_replica=2)
-    verdict = planner.plan_node_type(two_gpus, H100)
-    assert not verdict.fits and "LoRA adapters run on one GPU" in verdict.reason
+    assert planner.tp_degrees(with_lora, H100) == planner.tp_degrees(request(LLAMA_70B), H100)
+    assert planner.tp_degrees(with_lora, H100) == [1, 2, 4, 8]
+    # 70B at int4 beside 1 GiB of slots on A100 40 GB: fits on 2 GPUs, each holding the slots
+    verdict = planner.plan_node_type(with_lora, A100)
+    without = planner.plan_node_type(request(LLAMA_70B), A100)
+    assert verdict.fits and without.fits
+    assert verdict.estimate is not None and without.estimate is not None
+    assert verdict.tensor_parallel == without.tensor_parallel
+    assert verdict.estimate.weights_bytes == without.estimate.weights_bytes + GIB

@@ -57,8 +57,8 @@ class PlanRequest:
     memory_bytes: int = 0
     # spec.runtime.kvOffload: the runtime's KV tiers run with one GPU per replica
     has_kv_offload: bool = False
-    # LoRA adapter slots (memory.lora_slot_bytes): on one GPU, the runtime runs LoRA without
-    # tensor parallelism
+    # LoRA adapter slots (memory.lora_slot_bytes), counted whole on every GPU: under tensor
+    # parallelism each rank holds its shard of them, so this is an upper bound
     lora_bytes: float = 0.0
 
     # spec.model.variants[]: (name, facts) of the same model published other ways
@@ -264,12 +264,11 @@ def adapter_slot_bytes(spec: ModelDeploymentSpec, facts: ModelFacts) -> float:
 def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
-    whole on GPU 0 beside its shard (memory.estimate counts it there). With LoRA adapters only
-    1: the runtime does not run them under tensor parallelism (nor pre-quantised checkpoints:
-    `_runs`)."""
+    whole on GPU 0 beside its shard (memory.estimate counts it there). With KV tiers only 1: the
+    runtime does not run them under tensor parallelism (nor pre-quantised checkpoints: `_runs`)."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
-    # the runtime's KV tiers copy no other rank's KV shard; its LoRA has no TP path yet
-    if request.has_kv_offload or request.lora_bytes > 0:
+    # the runtime's KV tiers copy no other rank's KV shard
+    if request.has_kv_offload:
         max_tp = min(max_tp, 1)
     return [
         tp
@@ -286,11 +285,6 @@ def _no_degree_reason(request: PlanRequest, node_type: NodeType) -> str:
         )
     if node_type.gpus_per_node < 1:
         return f"{node_type.name}: no GPUs per node"
-    if request.lora_bytes > 0:
-        return (
-            f"{node_type.name}: LoRA adapters run on one GPU (no tensor parallelism yet), and"
-            f" minGpusPerReplica is {request.min_gpus_per_replica}"
-        )
     return (
         f"{node_type.name}: no tensor-parallel degree in {request.min_gpus_per_replica}.."
         f"{min(node_type.gpus_per_node, request.max_gpus_per_replica)} divides the model's "
