@@ -43,6 +43,8 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # the adapters registered (loaded, servable), sorted: kvpilot_lora_adapter_loaded
+    loaded_lora_adapters: tuple[str, ...] = ()
     kv_offload: KvOffloadCounts | None = None  # None: no KV tiers (--kv-offloading-size)
     # cumulative, by reason (PREEMPTION_REASONS); they add up to num_preemptions
     preemptions_by_reason: tuple[tuple[str, int], ...] = ()
