@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract import metric_names
 from kvpilot.gateway.config import ConfigError, routes_from
 from kvpilot.gateway.kube import routes as kube_routes
 from kvpilot.gateway.routing import lora_affinity
@@ -15,6 +16,7 @@ from kvpilot.gateway.routing.picking import ReplicaLoad
 from kvpilot.gateway.routing.routes import Backend
 
 INFO = "vllm:lora_requests_info"
+LOADED = metric_names.LORA_ADAPTER_LOADED
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,17 @@ INFO = "vllm:lora_requests_info"
             f'{INFO}{{max_lora="0",running_lora_adapters="",waiting_lora_adapters=""}} 1\n',
             LoraState(frozenset(), frozenset(), 0),
         ),
+        (  # kvpilot says which adapters it holds
+            f'{INFO}{{max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""}} 1\n'
+            f'{LOADED}{{lora_name="a",model_name="tiny"}} 1.0\n'
+            f'{LOADED}{{lora_name="b",model_name="tiny"}} 1.0\n',
+            LoraState(frozenset({"a"}), frozenset(), 2, loaded=frozenset({"a", "b"})),
+        ),
+        (  # ... and that it holds none (the family without a sample)
+            f"# HELP {LOADED} LoRA adapters loaded.\n# TYPE {LOADED} gauge\n"
+            f'{INFO}{{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}} 1\n',
+            LoraState(frozenset(), frozenset(), 2, loaded=frozenset()),
+        ),
     ],
 )
 def test_parse_lora_info(text: str, expected: LoraState | None) -> None:
@@ -44,11 +57,14 @@ def test_parse_lora_info(text: str, expected: LoraState | None) -> None:
 A, B, C, D = (Backend(n, f"http://{n}") for n in "abcd")
 
 
-def state(running: str = "", waiting: str = "", max_lora: int = 2) -> LoraState:
+def state(
+    running: str = "", waiting: str = "", max_lora: int = 2, loaded: str | None = None
+) -> LoraState:
     def names(text: str) -> frozenset[str]:
         return frozenset(n for n in text.split(",") if n)
 
-    return LoraState(names(running), names(waiting), max_lora)
+    held = None if loaded is None else names(loaded)
+    return LoraState(names(running), names(waiting), max_lora, held)
 
 
 @pytest.mark.parametrize(
@@ -61,6 +77,15 @@ def state(running: str = "", waiting: str = "", max_lora: int = 2) -> LoraState:
         ),
         ({"a": state("x,y"), "b": state("x"), "c": state("x,y")}, [["b"], ["a", "c"]]),
         ({"a": state(max_lora=0)}, [["b", "c"], ["a"]]),  # LoRA off: never a free slot
+        (  # a replica that says it lacks the adapter is left out
+            {"a": state(loaded="x"), "b": state("x,y", loaded="sql,x,y"), "c": state()},
+            [["c"], ["b"]],
+        ),
+        ({n: state(loaded="") for n in "abc"}, [["a", "b", "c"]]),  # unless all lack it
+        (  # running it counts, whatever the loaded list says (read a moment apart)
+            {"a": state("sql", loaded=""), "b": state(loaded="sql")},
+            [["a"], ["b", "c"]],
+        ),
     ],
 )
 def test_tiers(states: dict[str, LoraState], expected: list[list[str]]) -> None:
@@ -87,6 +112,30 @@ def load(total: int, kv: float = 0.0) -> ReplicaLoad:
             {"b": state("sql")},
             ["a", "b", "c", "d"],
         ),
+        # the holders past the bound: spill to the other holders only, not to those lacking it
+        (
+            {"a": load(4), "b": load(4)},
+            {
+                "a": state(loaded="sql"),
+                "b": state(loaded="sql"),
+                "c": state(loaded=""),
+                "d": state(loaded=""),
+            },
+            ["a", "b"],
+        ),
+        # ... even when the only holder is past it (one that lacks it would answer 404)
+        (
+            {"a": load(4), "b": load(1)},
+            {
+                "a": state(loaded="sql"),
+                "b": state(loaded=""),
+                "c": state(loaded=""),
+                "d": state(loaded=""),
+            },
+            ["a"],
+        ),
+        # every replica says it lacks it (the operator is loading it): all, the 404s move on
+        ({}, {n: state(loaded="") for n in "abcd"}, ["a", "b", "c", "d"]),
     ],
 )
 def test_preferred(

@@ -1,8 +1,9 @@
 """Adapter-aware routing through real processes: a gateway in front of two tiny-llama replicas
 with LoRA, one holding adapters qv8 and mlp4, the other only mlp4, asked with the official openai
-client. An adapter is routed to its base model's replicas; a replica without it (a 404) hands the
-request to one with it; a replica running the adapter is preferred over the prompt's own
-replica; an unknown adapter is the gateway's 404."""
+client. An adapter is routed to its base model's replicas; once the gateway has read which
+adapters each replica holds (kvpilot_lora_adapter_loaded), the one that lacks it is not tried (it
+would answer 404); a replica running the adapter is preferred over the prompt's own replica; an
+unknown adapter is the gateway's 404."""
 
 from __future__ import annotations
 
@@ -94,15 +95,24 @@ def test_models_lists_the_adapters_and_an_unknown_one_is_a_404(gateway: GatewayP
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
 
 
-def test_an_adapter_one_replica_lacks_is_served_by_the_one_that_holds_it(
+def test_an_adapter_one_replica_lacks_goes_to_the_one_that_holds_it(
     gateway: GatewayProcess, replicas: list[RuntimeServer]
 ) -> None:
     holder, other = replicas
-    retries = gateway.metric("kvpilot_gateway_retries_total", reason="adapter_not_loaded")
-    for prompt in homed_on(other, replicas, 3):  # the prefix strategy tries `other` first
-        assert backend_of(gateway, "qv8", prompt) == holder.url
-    after = gateway.metric("kvpilot_gateway_retries_total", reason="adapter_not_loaded")
-    assert after > retries  # `other` answered 404 and the request moved on
+    prompts = homed_on(other, replicas, 4)  # the prefix strategy alone would try `other` first
+
+    def retries() -> float:
+        return gateway.metric("kvpilot_gateway_retries_total", reason="adapter_not_loaded")
+
+    def straight_to_holder() -> bool:
+        before = retries()
+        return backend_of(gateway, "qv8", prompts[0]) == holder.url and retries() == before
+
+    # until its first scrape of `other` (every 2 s) the gateway may try it and take its 404
+    wait_for(straight_to_holder, 30, "the gateway to know which replica holds qv8")
+    before = retries()
+    assert [backend_of(gateway, "qv8", p) for p in prompts[1:]] == [holder.url] * 3
+    assert retries() == before  # `other` was never asked
 
 
 def running_adapters(replica: RuntimeServer) -> str:

@@ -66,3 +66,25 @@ def test_a_request_counts_as_received_when_it_starts_and_as_done_when_it_ends() 
     assert count(done.kvpilot) == 0
     tracker.close()
     assert count(received.kvpilot) == count(done.kvpilot) == 1
+
+
+def test_the_lora_names_the_operator_and_the_gateway_read_are_exposed() -> None:
+    """Requests per adapter (the operator's placement reads them, adapters/pod_api) and the
+    adapters held (the gateway's picking, routing/lora_affinity), under the contract's names."""
+    stats = EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, max_lora=2, loaded_lora_adapters=("a", "b"))
+    metrics = ServerMetrics("tiny", lambda: stats)
+    metrics.record_lora_received("a", 2)
+    text = generate_latest(metrics.registry).decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    received = {
+        s.labels[metric_names.LORA_NAME_LABEL]: s.value
+        for s in samples
+        if s.name == metric_names.LORA_REQUESTS_RECEIVED
+    }
+    loaded = {
+        s.labels[metric_names.LORA_NAME_LABEL]: s.value
+        for s in samples
+        if s.name == metric_names.LORA_ADAPTER_LOADED
+    }
+    assert received == {"a": 2.0}
+    assert loaded == {"a": 1.0, "b": 1.0}

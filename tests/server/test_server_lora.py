@@ -21,6 +21,9 @@ from safetensors.torch import save_file
 
 from bench.reference.lora import MIXED_ADAPTERS, load_base, make_adapter, reference_logprobs
 from hack.devcluster.modelsources import make_hf_mirror, s3_client, upload_model
+from kvpilot.contract import metric_names
+from kvpilot.gateway.routing import lora_affinity
+from kvpilot.operator.adapters import pod_api
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support import model_sources
 from tests.support.model_sources import S3Endpoint, hf_env, s3_env
@@ -170,6 +173,26 @@ def test_lora_requests_info_reports_max_loras(lora_server: RuntimeServer) -> Non
     key = next(k for k in samples if k.startswith("vllm:lora_requests_info"))
     assert "('max_lora', '2')" in key
     assert samples[key] > 1.7e9  # the time of the reading
+
+
+def test_requests_per_adapter_and_the_adapters_held_are_counted_as_the_operator_reads_them(
+    lora_server: RuntimeServer,
+) -> None:
+    """The runtime's side of the contract the operator's placement (pod_api) and the gateway's
+    picking (lora_affinity) read: requests per adapter, one per sequence, and each adapter held."""
+    before = pod_api.parse_requests_by_adapter(metrics_text(lora_server)).get("qv8", 0.0)
+    client = client_of(lora_server)
+    client.completions.create(model="qv8", prompt="Hello", max_tokens=1, n=2)
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=1)  # the base: not counted
+    text = metrics_text(lora_server)
+    assert pod_api.parse_requests_by_adapter(text)["qv8"] == before + 2
+    state = lora_affinity.parse_lora_info(text)
+    assert state is not None and state.loaded is not None and "qv8" in state.loaded
+    assert f'{metric_names.LORA_ADAPTER_LOADED}{{lora_name="qv8",model_name="{MODEL}"}} 1.0' in text
+
+
+def metrics_text(server: RuntimeServer) -> str:
+    return httpx.get(f"{server.url}/metrics", timeout=10).text
 
 
 # -- adapters from hf:// and s3:// ---------------------------------------------------------------

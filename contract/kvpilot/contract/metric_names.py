@@ -64,3 +64,11 @@ STARTUP_PHASES = (
 # of the running and the waiting sequences, comma-separated, and max_lora (--max-loras); the value
 # is the reading's time (the newest sample wins). The gateway's adapter-aware picking reads it.
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# kvpilot only (vLLM counts no request per adapter): requests received per LoRA adapter (one per
+# sequence, as REQUEST_RECEIVED), labelled `lora_name`; the operator's adapter placement reads
+# each adapter's demand from it. As exposed (a counter's samples end in `_total`).
+LORA_REQUESTS_RECEIVED = "kvpilot_lora_requests_received_total"
+# kvpilot only: 1 per adapter the runtime has registered (loaded, servable), labelled
+# `lora_name`; the gateway prefers the replicas that hold a request's adapter.
+LORA_ADAPTER_LOADED = "kvpilot_lora_adapter_loaded"
+LORA_NAME_LABEL = "lora_name"

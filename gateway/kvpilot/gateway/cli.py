@@ -58,6 +58,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="prompt characters keying prefix affinity")  # fmt: skip
     parser.add_argument("--load-factor", type=float, default=PickPolicy.load_factor,
                         help="cap on a replica's load, times the mean")  # fmt: skip
+    parser.add_argument("--lora-affinity", choices=["on", "off"], default="on",
+                        help="prefer the replicas that hold a request's LoRA adapter (default);"
+                        " off: pick as for any model, by the strategy alone")  # fmt: skip
     parser.add_argument("--max-attempts", type=int, default=ProxyOptions.max_attempts)
     parser.add_argument("--fallback-after", type=float, default=ProxyOptions.fallback_after_s,
                         help="seconds to wait for a replica before the fallbacks")  # fmt: skip
@@ -88,8 +91,9 @@ def build_options(args: argparse.Namespace) -> ProxyOptions:
     for flag, value in numbers.items():
         if value <= 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
+    policy = PickPolicy(args.strategy, args.load_factor, lora_affinity=args.lora_affinity == "on")
     return ProxyOptions(
-        policy=PickPolicy(args.strategy, args.load_factor),
+        policy=policy,
         prefix_chars=args.prefix_chars,
         max_attempts=args.max_attempts,
         fallback_after_s=args.fallback_after,

@@ -318,7 +318,7 @@ class Gateway:
         (per model: two models' replicas never share a prefix cache). For a LoRA adapter, among
         the replicas that hold it while one is within the load bound (lora_affinity)."""
         policy = self.options.policy
-        if route.adapter_of is not None and policy.strategy != "random":
+        if route.adapter_of is not None and policy.strategy != "random" and policy.lora_affinity:
             candidates = lora_affinity.preferred(
                 route.model, candidates, self.book.loads(), self.book.lora_states(),
                 policy.load_factor, policy.kv_hot,

@@ -53,6 +53,9 @@ class PickPolicy:
     load_factor: float = 1.75  # lower spills so often with two replicas that caches thrash
     kv_hot: float = 0.95  # KV usage at which a replica counts as hot
     key_factor: float = 1.1  # cap on a replica's live prefixes for a new key, times the mean
+    # Prefer the replicas that hold a request's LoRA adapter (lora_affinity); off: an adapter's
+    # request is picked as any model's (for comparison: bench/lora_placement.py)
+    lora_affinity: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

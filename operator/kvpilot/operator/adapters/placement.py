@@ -1,15 +1,15 @@
 """Which LoRA adapters each running pod should load or unload, and what status says. Pure.
 
-Every ready pod holds every adapter of the spec: an adapter costs host memory and a fetch, not a
-slot (the runtime swaps adapters into its `--max-loras` slots per step), and then any replica
-serves any adapter, which keeps the gateway's choice free. An adapter a pod holds from another
+Each pod holds the adapters the demand-driven assignment gives it (adapters/assignment.py): hot
+ones on every pod, cold ones on few, within the pods' slots. An adapter a pod holds from another
 URI (the spec's `uri` changed) is unloaded and loaded again; one the spec no longer names is
-unloaded.
+unloaded; one that moves to another pod is unloaded from the old one only once a pod the plan
+names holds it (make before break: the gateway always has a holder to send it to).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,15 +47,42 @@ def wanted(spec: api.ModelDeploymentSpec) -> dict[str, str]:
     return {adapter.name: adapter.uri for adapter in spec.adapters}
 
 
-def decide(want: Mapping[str, str], pods: Sequence[PodAdapters]) -> list[Action]:
-    """Per pod, its unloads first (they free host memory), then its loads, in the spec's order."""
+def decide(
+    want: Mapping[str, str], plan: Mapping[str, Collection[str]], pods: Sequence[PodAdapters]
+) -> list[Action]:
+    """Per pod, its unloads first (they free host memory), then its loads, in the spec's order:
+    each pod ends with the adapters `plan` gives it (pod -> names), from the spec's URIs."""
     actions = []
     for pod in pods:
-        stale = [n for n, uri in pod.loaded.items() if want.get(n) != uri]
-        missing = [n for n in want if n in stale or n not in pod.loaded]
+        here = {name: want[name] for name in want if name in plan.get(pod.pod, ())}
+        stale = [n for n, uri in pod.loaded.items() if here.get(n) != uri]
+        missing = [n for n in here if n in stale or n not in pod.loaded]
+        stale = [n for n in stale if n in here or not _moving(n, want, plan, pods)]
         actions += [Action(pod.pod, "unload", name) for name in stale]
-        actions += [Action(pod.pod, "load", name, want[name]) for name in missing]
+        actions += [Action(pod.pod, "load", name, here[name]) for name in missing]
     return actions
+
+
+def _moving(
+    name: str,
+    want: Mapping[str, str],
+    plan: Mapping[str, Collection[str]],
+    pods: Sequence[PodAdapters],
+) -> bool:
+    """The adapter leaves a pod for others, none of which holds it from the spec's URI yet: the
+    old pod keeps it until one does."""
+    if name not in want:
+        return False
+    return not any(name in plan.get(p.pod, ()) and p.loaded.get(name) == want[name] for p in pods)
+
+
+def planned_pods(plan: Mapping[str, Collection[str]]) -> dict[str, list[str]]:
+    """adapter -> the pods the plan puts it on, sorted."""
+    pods: dict[str, list[str]] = {}
+    for pod in sorted(plan):
+        for name in plan[pod]:
+            pods.setdefault(name, []).append(pod)
+    return pods
 
 
 def after(pods: Sequence[PodAdapters], outcomes: Sequence[Outcome]) -> list[PodAdapters]:
@@ -93,12 +120,20 @@ def statuses(
     ]
 
 
-def condition(status: Sequence[api.AdapterStatus], num_pods: int, generation: int) -> api.Condition:
-    """AdaptersLoaded: True when every ready pod holds every adapter; False naming each adapter
-    some pod could not load (the others are served meanwhile)."""
+def condition(
+    status: Sequence[api.AdapterStatus],
+    plan: Mapping[str, Collection[str]],
+    num_pods: int,
+    generation: int,
+) -> api.Condition:
+    """AdaptersLoaded: True when every adapter is on the pods the plan gives it; False naming
+    each adapter some pod could not load (the others are served meanwhile)."""
     ok: Literal["True", "False", "Unknown"]
+    where = planned_pods(plan)
     failing = [s for s in status if s.message]
-    missing = [s.name for s in status if len(s.pods) < num_pods and not s.message]
+    missing = [
+        s.name for s in status if not s.message and not set(where.get(s.name, [])) <= set(s.pods)
+    ]
     if failing:
         reasons = "; ".join(f"adapter {s.name}: {s.message}" for s in failing)
         served = len(status) - len(failing)
@@ -108,10 +143,12 @@ def condition(status: Sequence[api.AdapterStatus], num_pods: int, generation: in
         ok, reason, message = "Unknown", "NoReadyPods", "no ready pod to load adapters into"
     elif missing:
         ok, reason = "False", "Loading"
-        message = f"not on every ready pod yet: {', '.join(missing)}"
+        message = f"not on every pod placed for it yet: {', '.join(missing)}"
     else:
         ok, reason = "True", "AllLoaded"
-        message = f"{len(status)} adapter(s) on each of {num_pods} ready pod(s)"
+        copies = sorted(len(s.pods) for s in status)
+        spread = f"{copies[0]}-{copies[-1]}" if copies else "0"
+        message = f"{len(status)} adapter(s), each on {spread} of {num_pods} ready pod(s)"
     return api.Condition(
         type=ADAPTERS_LOADED,
         status=ok,

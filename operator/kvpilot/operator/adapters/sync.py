@@ -9,9 +9,14 @@ change with the adapters), and every adapter, the first ones too, is loaded here
 served its adapters within a sync of becoming Ready (`nudge` from its pod event), and until then
 the gateway sends an adapter's requests to the pods that hold it (issue 34).
 
-Each sync, per ModelDeployment with LoRA: read each ready pod's /v1/models (observe), decide
-which pod loads or unloads what (placement.decide, pure), ask the pods (pod_api), and write
-status.adapters and AdaptersLoaded from what the pods answered (placement.statuses). A pod that
+Each sync, per ModelDeployment with LoRA: read each ready pod's /v1/models and its requests per
+adapter (observe; with a Prometheus URL, each adapter's request rate over the last ten minutes
+instead: adapters/demand.py), decide how many and which pods hold each adapter from its demand
+(assignment.plan, pure: hot on every pod, cold on few, within --max-cpu-loras, stable), which
+pod loads or unloads what (placement.decide, pure), ask the pods (pod_api), and write
+status.adapters (where each adapter is) and AdaptersLoaded from what the pods answered
+(placement.statuses). The plan is not stored: the next sync derives it again from where the
+adapters are and the demand, which the assignment's hysteresis keeps stable. A pod that
 refuses an adapter (a fetch that fails, a rank above --max-lora-rank) is named in the condition;
 the other adapters are loaded and served all the same, and the next sync tries again.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -31,7 +37,7 @@ from pydantic import ValidationError
 
 from kvpilot.contract import k8s, timestamps
 from kvpilot.operator import api
-from kvpilot.operator.adapters import placement, pod_api
+from kvpilot.operator.adapters import assignment, demand, placement, pod_api
 from kvpilot.operator.autoscaling.loop import key_of, pods_by_model
 from kvpilot.operator.reconcile import conditions, manifests, typed_status
 from kvpilot.operator.reconcile.controller import Controller
@@ -87,6 +93,8 @@ class AdapterSync:
 
     def __init__(self, controller: Controller, interval_s: float = SYNC_SECONDS) -> None:
         self.controller, self.interval_s = controller, interval_s
+        url = controller.config.prometheus_url
+        self.demand = demand.PrometheusDemand(url) if url else None
         self.nudged = asyncio.Event()
         # Whether the last sync found LoRA work: without it, only a nudge (a ModelDeployment with
         # LoRA changed) syncs, so a cluster without adapters pays no LIST every few seconds. A
@@ -137,15 +145,26 @@ class AdapterSync:
             return  # the reconcile pass reports an invalid spec; nothing to load from it
         bases = ready_pod_bases(pods, self.controller.config.runtime_port)
         want = placement.wanted(spec)
-        held, outcomes = await converge(client, bases, want) if spec.lora_enabled else ([], [])
+        synced: Synced | None = None
+        if spec.lora_enabled:
+            recent = await self._recent_demand(md)
+            synced = await converge(client, bases, want, slots_of(spec), recent)
+        held, outcomes = (synced.pods, synced.outcomes) if synced else ([], [])
         adapters = placement.statuses(want, held, outcomes)
         generation = int(md["metadata"].get("generation", 0))
         condition = (
-            placement.condition(adapters, len(held), generation) if spec.lora_enabled else None
+            placement.condition(adapters, synced.plan, len(held), generation) if synced else None
         )
         patch = status_patch(status, adapters, condition, timestamps.rfc3339())
         if patch is not None:
             await asyncio.to_thread(self._write, md, patch)
+
+    async def _recent_demand(self, md: Obj) -> dict[str, float] | None:
+        """Each adapter's request rate from Prometheus (None: none configured, or no answer)."""
+        if self.demand is None:
+            return None
+        meta = md["metadata"]
+        return await asyncio.to_thread(self.demand.read, meta["namespace"], meta["name"])
 
     def _model_pods(self) -> dict[tuple[str, str], list[dict[str, Any]]]:
         namespace = self.controller.config.namespace or None
@@ -172,31 +191,60 @@ class AdapterSync:
             log.debug("adapters of %s/%s: %s; next sync", meta["namespace"], meta["name"], error)
 
 
+def slots_of(spec: api.ModelDeploymentSpec) -> int:
+    """The adapters one pod holds without re-reading them from disk: --max-cpu-loras."""
+    slots = spec.lora_slots
+    return slots.max_cpu_loras or slots.max_loras
+
+
+@dataclass(frozen=True)
+class Synced:
+    """One sync of a ModelDeployment: the pods as the actions left them, each action's outcome,
+    and the plan (pod -> adapters) they carried out."""
+
+    pods: list[placement.PodAdapters]
+    outcomes: list[placement.Outcome]
+    plan: assignment.Plan
+
+
 async def converge(
-    client: httpx.AsyncClient, bases: Mapping[str, str], want: Mapping[str, str]
-) -> tuple[list[placement.PodAdapters], list[placement.Outcome]]:
-    """Observe the pods, decide, act: the pods as the actions left them, and each action's
-    outcome."""
-    observed = await observe(client, bases)
-    outcomes = await execute(client, bases, placement.decide(want, observed))
-    return placement.after(observed, outcomes), outcomes
+    client: httpx.AsyncClient,
+    bases: Mapping[str, str],
+    want: Mapping[str, str],
+    slots: int,
+    recent: Mapping[str, float] | None = None,
+) -> Synced:
+    """Observe the pods, plan from the demand (`recent` rates, else the pods' counters since
+    they started), decide, act."""
+    observed, counted = await observe(client, bases)
+    held = {p.pod: {n for n, uri in p.loaded.items() if want.get(n) == uri} for p in observed}
+    plan = assignment.plan(list(want), counted if recent is None else recent, held, slots)
+    outcomes = await execute(client, bases, placement.decide(want, plan, observed))
+    return Synced(placement.after(observed, outcomes), outcomes, plan)
 
 
 async def observe(
     client: httpx.AsyncClient, bases: Mapping[str, str]
-) -> list[placement.PodAdapters]:
-    """Each pod's adapters; a pod that does not answer is left out (not ready for loads)."""
+) -> tuple[list[placement.PodAdapters], dict[str, float]]:
+    """Each pod's adapters (a pod that does not answer is left out: not ready for loads), and
+    each adapter's requests summed over the pods (a pod whose /metrics fails counts none)."""
     names = sorted(bases)
     found = await asyncio.gather(
         *(pod_api.loaded(client, bases[n]) for n in names), return_exceptions=True
     )
-    pods = []
-    for name, loaded in zip(names, found, strict=True):
+    counted = await asyncio.gather(
+        *(pod_api.requests_by_adapter(client, bases[n]) for n in names), return_exceptions=True
+    )
+    pods: list[placement.PodAdapters] = []
+    total: dict[str, float] = {}
+    for name, loaded, counts in zip(names, found, counted, strict=True):
         if isinstance(loaded, BaseException):
             log.info("adapters of pod %s unknown: %s", name, loaded)
             continue
         pods.append(placement.PodAdapters(name, loaded))
-    return pods
+        for adapter, count in ({} if isinstance(counts, BaseException) else counts).items():
+            total[adapter] = total.get(adapter, 0.0) + count
+    return pods, total
 
 
 async def execute(

@@ -281,6 +281,11 @@ class Engine:
         """What `add_requests` takes to run under adapter `name` (LoraNotFoundError if unknown)."""
         return self._loras().request_for(name)
 
+    def _loaded_lora_names(self) -> tuple[str, ...]:
+        if self.lora_registry is None:
+            return ()
+        return tuple(sorted(entry.name for entry in self.lora_registry.adapters()))
+
     def _loras(self) -> LoraRegistry:
         if self.lora_registry is None:
             raise ValueError("LoRA adapters need the engine started with --enable-lora")
@@ -329,6 +334,7 @@ class Engine:
             max_lora=self.config.max_loras if lora_on else 0,
             lora_loads=slots.num_loads if slots is not None else 0,
             lora_evictions=slots.num_evictions if slots is not None else 0,
+            loaded_lora_adapters=self._loaded_lora_names(),
             kv_offload=None
             if self.kv_offload is None
             else self.kv_offload.stats(bm.num_lower_queried_tokens, bm.num_lower_hit_tokens),

@@ -47,6 +47,8 @@ class EngineStats:
     # adapter (engine/lora_slots.py), cumulative
     lora_loads: int = 0
     lora_evictions: int = 0
+    # the adapters registered (loaded, servable), sorted: kvpilot_lora_adapter_loaded
+    loaded_lora_adapters: tuple[str, ...] = ()
     kv_offload: KvOffloadCounts | None = None  # None: no KV tiers (--kv-offloading-size)
     # cumulative, by reason (PREEMPTION_REASONS); they add up to num_preemptions
     preemptions_by_reason: tuple[tuple[str, int], ...] = ()

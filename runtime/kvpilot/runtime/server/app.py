@@ -249,6 +249,8 @@ async def generate(
     job.lora = await state.off_loop(
         lora_serving.lora_for, handling.core_of(state), state.served_name, body.model
     )
+    if job.lora is not None:
+        state.metrics.record_lora_received(job.lora.name, len(job.choices))
     await handling.check_grammar(state, job)
     return await respond(request, state, job)
 

@@ -229,6 +229,19 @@ class InfoCollector(Collector):
         yield self._info(
             "vllm:lora_requests_info", "Running stats on LoRA requests.", lora, time.time()
         )
+        yield self._loaded(stats.loaded_lora_adapters)
+
+    def _loaded(self, names: tuple[str, ...]) -> GaugeMetricFamily:
+        """kvpilot only: 1 per registered adapter, which the gateway prefers replicas by (the
+        running/waiting lists above name only the adapters in use)."""
+        family = GaugeMetricFamily(
+            metric_names.LORA_ADAPTER_LOADED,
+            "LoRA adapters loaded (servable), one series per adapter.",
+            labels=[LABEL, metric_names.LORA_NAME_LABEL],
+        )
+        for name in names:
+            family.add_metric([self.model_name, name], 1.0)
+        return family
 
     @staticmethod
     def _info(name: str, text: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
@@ -316,6 +329,14 @@ class ServerMetrics:
         # Counted as a request reaches the engine, so the autoscaler sees arrivals (its TTFT SLO
         # forecast) before they finish; created at zero, so an idle pod says 0, not nothing.
         self.received = c("request_received", "Requests received (one per sequence).")
+        # kvpilot only, per LoRA adapter: the operator's adapter placement reads each adapter's
+        # demand from it (vLLM counts no request per adapter)
+        self.lora_received = Counter(
+            metric_names.LORA_REQUESTS_RECEIVED.removesuffix("_total"),
+            "Requests received per LoRA adapter (one per sequence).",
+            [LABEL, metric_names.LORA_NAME_LABEL],
+            registry=self.registry,
+        )
         self.success = [
             Counter(
                 name,
@@ -383,6 +404,9 @@ class ServerMetrics:
 
     def record_received(self) -> None:
         self.received.inc(1)
+
+    def record_lora_received(self, adapter: str, num_sequences: int) -> None:
+        self.lora_received.labels(self.model_name, adapter).inc(num_sequences)
 
     def record_finished(self, e2e_s: float, num_prompt: int, num_output: int, reason: str) -> None:
         self.e2e.observe(e2e_s)
