@@ -6,7 +6,9 @@ replacement pod's Ready and the first token from zero through the gateway, in on
 The runtime part starts `kvpilot-runtime serve` on tiny-llama `--runs` times per variant and
 reads each start's phases from /version (runtime/server/startup.py), beside the start the client
 observed (process spawned -> first /ready 200, polled every 0.1 s) and the first and second
-one-token requests after Ready (what a warm-up would save). Variants: `as installed` (the venv's
+one-token requests after Ready (what a warm-up would save), and the CPU seconds the process had
+used when it was Ready (its threads' user + system time from /proc: on this shared machine the
+wall clock depends on the load, the CPU time much less). Variants: `as installed` (the venv's
 bytecode as it is; a venv installed without it, with PYTHONDONTWRITEBYTECODE set, compiles
 every module, torch's 2,400 among them, from source at each start) and `bytecode cache`
 (PYTHONPYCACHEPREFIX, filled by one start that is not counted: what a venv or an image with
@@ -62,6 +64,7 @@ class Start:
 
     phases: dict[str, float]
     observed_s: float  # process spawned -> first /ready 200 seen
+    cpu_at_ready_s: float  # the process's user + system seconds (all threads) at that moment
     first_request_s: float  # the first one-token completion after Ready
     second_request_s: float
 
@@ -73,13 +76,26 @@ def one_token(url: str) -> float:
     return time.perf_counter() - started
 
 
+def cpu_seconds(proc_stat: str, ticks_per_s: int) -> float:
+    """User + system seconds of a process (all its threads) from /proc/<pid>/stat: fields 14
+    and 15, counted from the command name's closing parenthesis (the name may hold spaces)."""
+    after_name = proc_stat[proc_stat.rindex(")") + 2 :].split()
+    return (int(after_name[14 - 3]) + int(after_name[15 - 3])) / ticks_per_s
+
+
+def process_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        return cpu_seconds(stat.read(), os.sysconf("SC_CLK_TCK"))
+
+
 def one_start(env: dict[str, str]) -> Start:
     spawned = time.perf_counter()
-    with runtime_server(TINY, "--max-model-len", "256", env=env) as (url, _pid):
+    with runtime_server(TINY, "--max-model-len", "256", env=env) as (url, pid):
         observed = time.perf_counter() - spawned
+        cpu_at_ready = process_cpu_seconds(pid)
         phases = httpx.get(f"{url}/version", timeout=10).json()["startup"]["phases"]
         first, second = one_token(url), one_token(url)
-    return Start(phases, observed, first, second)
+    return Start(phases, observed, cpu_at_ready, first, second)
 
 
 def variants(work: Path) -> dict[str, dict[str, str]]:
@@ -114,6 +130,8 @@ def runtime_table(starts: dict[str, list[Start]]) -> str:
          *(median([sum(s.phases.values()) for s in runs]) for runs in starts.values())],
         ["observed: spawned -> first /ready 200",
          *(median([s.observed_s for s in runs]) for runs in starts.values())],
+        ["CPU used by then (user + system, all threads)",
+         *(median([s.cpu_at_ready_s for s in runs]) for runs in starts.values())],
         ["first 1-token request after Ready",
          *(median([s.first_request_s for s in runs]) for runs in starts.values())],
         ["second 1-token request",

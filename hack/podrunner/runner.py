@@ -85,7 +85,7 @@ class PodRunner:
                 self.tick()
             except (ApiException, urllib.error.URLError, OSError) as err:
                 print(f"podrunner: {err}", flush=True)  # the apiserver may be restarting
-            stop.wait(POLL_S)
+            stop.wait(until_next_tick(time.monotonic(), [p.next_probe for p in self.pods.values()]))
         self.shutdown()
 
     def tick(self) -> None:
@@ -495,6 +495,14 @@ def write_files(folder: Path, files: dict[str, str]) -> None:
         partial.write_text(content)
         partial.chmod(0o600)
         os.replace(partial, target)
+
+
+def until_next_tick(now: float, probes_due: list[float], poll_s: float = POLL_S) -> float:
+    """Seconds to the next tick: the poll period, or less when a probe falls due first, so a
+    starting pod's Ready follows its /ready by the probe period, not that plus a poll. Probes
+    already due (a pod still in its init containers is never probed) wait for the poll."""
+    ahead = [due - now for due in probes_due if due > now]
+    return min([poll_s, *ahead])
 
 
 def http_ok(url: str, timeout_s: float) -> bool:
