@@ -86,7 +86,7 @@ class DevCluster:
         self.write_kubeconfig(certs, ports)
         for name in PROCESSES:
             self.ensure_process(name, certs, ports)
-        self.apply_nodes()
+        self.apply_nodes(ports)
         print(
             f"==> dev cluster up in {time.monotonic() - started:.0f}s"
             f" (export KUBECONFIG={self.kubeconfig})",
@@ -378,10 +378,12 @@ class DevCluster:
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
-    def apply_nodes(self) -> None:
+    def apply_nodes(self, ports: Ports) -> None:
         """Create the fake GPU nodes (server-side apply, so re-running changes nothing)."""
         pools = nodepools.parse_pools(yaml.safe_load(NODEPOOLS.read_text()))
-        nodes = nodepools.build_nodes(pools)
+        nodes = nodepools.build_nodes(pools, nodepools.cluster_slot(ports.apiserver))
+        existing = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        nodepools.keep_pod_cidrs(nodes, existing)
         doc = {"apiVersion": "v1", "kind": "List", "items": nodes}
         self.kubectl(
             "apply",

@@ -71,7 +71,9 @@ def node_name(pool: NodePool, index: int) -> str:
     return f"{pool.name}-{index}"
 
 
-def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
+def build_node(
+    pool: NodePool, index: int, pool_index: int, cluster_slot: int = 0
+) -> dict[str, Any]:
     """One Node object; pod CIDRs are disjoint per node so pods get distinct IPs.
 
     Local-execution nodes are left to hack/podrunner (no kwok annotation); their pods'
@@ -99,8 +101,12 @@ def build_node(pool: NodePool, index: int, pool_index: int) -> dict[str, Any]:
     else:
         annotations[KWOK_ANNOTATION] = "fake"
     # Every pod IP is a loopback address, kwok's fake pods included: anything that connects to a
-    # pod (Prometheus, the operator's direct scrape) stays on this machine.
-    pod_cidr = f"127.{64 + pool_index}.{index}.0/24"
+    # pod (Prometheus, the operator's direct scrape) stays on this machine. Two dev clusters on
+    # one machine (another checkout's tests) take different slots, else their pods share IPs and
+    # one cluster's requests reach the other's pods.
+    if not 0 <= index < NODES_PER_SLOT or not 0 <= cluster_slot < CLUSTER_SLOTS:
+        raise ValueError(f"node {index} of {pool.name}, cluster slot {cluster_slot}: out of range")
+    pod_cidr = f"127.{64 + pool_index}.{cluster_slot * NODES_PER_SLOT + index}.0/24"
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -124,9 +130,26 @@ def gfd_labels(gpu: Gpu) -> dict[str, str]:
     }
 
 
-def build_nodes(pools: list[NodePool]) -> list[dict[str, Any]]:
+NODES_PER_SLOT = 16  # a pool's nodes, each with its own /24 of the pool's 127.x.0.0/16
+CLUSTER_SLOTS = 256 // NODES_PER_SLOT
+
+
+def cluster_slot(apiserver_port: int) -> int:
+    """Clusters running at once have distinct apiserver ports: most get distinct slots."""
+    return apiserver_port % CLUSTER_SLOTS
+
+
+def keep_pod_cidrs(nodes: list[dict[str, Any]], existing: list[dict[str, Any]]) -> None:
+    """A Node's podCIDR cannot change once set: a node the cluster has keeps its own (one made
+    before the slots existed, or in another slot) when `up` runs again."""
+    cidrs = {n["metadata"]["name"]: n.get("spec", {}).get("podCIDR") for n in existing}
+    for node in nodes:
+        node["spec"]["podCIDR"] = cidrs.get(node["metadata"]["name"]) or node["spec"]["podCIDR"]
+
+
+def build_nodes(pools: list[NodePool], cluster_slot: int = 0) -> list[dict[str, Any]]:
     return [
-        build_node(pool, index, pool_index)
+        build_node(pool, index, pool_index, cluster_slot)
         for pool_index, pool in enumerate(pools)
         for index in range(pool.nodes)
     ]

@@ -9,7 +9,13 @@ import pytest
 import yaml
 
 from hack.devcluster import build
-from hack.devcluster.nodepools import build_node, build_nodes, parse_pools
+from hack.devcluster.nodepools import (
+    build_node,
+    build_nodes,
+    cluster_slot,
+    keep_pod_cidrs,
+    parse_pools,
+)
 from hack.devcluster.versions import INFERENCE_POOL_CRD, KUBERNETES, NODEPOOLS, ModuleFile
 
 L4 = {
@@ -89,3 +95,22 @@ def test_module_files_are_cached_by_version_and_not_fetched_again(
     cached.write_text("kind: CustomResourceDefinition\n")
     monkeypatch.setenv("PATH", "")  # no Go: the cached copy must do
     assert build.ensure_module_file(INFERENCE_POOL_CRD) == cached
+
+
+def test_clusters_in_other_slots_give_their_pods_other_addresses() -> None:
+    pools = parse_pools(yaml.safe_load(NODEPOOLS.read_text()))
+    ours = {n["spec"]["podCIDR"] for n in build_nodes(pools, cluster_slot(6443))}
+    theirs = {n["spec"]["podCIDR"] for n in build_nodes(pools, cluster_slot(6444))}
+    assert ours and theirs and not ours & theirs
+    with pytest.raises(ValueError, match="out of range"):
+        build_node(pools[0], 16, 0)
+
+
+def test_a_node_the_cluster_has_keeps_its_pod_cidr() -> None:
+    pools = parse_pools(yaml.safe_load(NODEPOOLS.read_text()))
+    nodes = build_nodes(pools, 3)
+    first, second = nodes[0]["metadata"]["name"], nodes[1]["spec"]["podCIDR"]
+    existing = [{"metadata": {"name": first}, "spec": {"podCIDR": "127.64.0.0/24"}}]
+    keep_pod_cidrs(nodes, existing)
+    assert nodes[0]["spec"]["podCIDR"] == "127.64.0.0/24"
+    assert nodes[1]["spec"]["podCIDR"] == second
