@@ -88,8 +88,9 @@ IMAGE ?=
 images: system-deps setup
 	@$(PY) -m hack.images $(IMAGE) $(IMAGES_FLAGS)
 
+# IMAGES=1: the local pool's pods run from the images `make images` cached, not the host's venv
 cluster-up: cluster-build
-	@$(PY) -m hack.devcluster up
+	@$(PY) -m hack.devcluster up $(if $(IMAGES),--images)
 
 cluster-down: setup
 	@$(PY) -m hack.devcluster down

@@ -1,7 +1,9 @@
 """Fixtures shared by every test suite.
 
 `cluster` is a real control plane (hack/devcluster): started once per test run in a temporary
-state dir and stopped at the end — or an existing cluster when KUBECONFIG points at one.
+state dir and stopped at the end — or an existing cluster when KUBECONFIG points at one. With
+KVPILOT_DEVCLUSTER_IMAGES=1 its `local` pool runs kvpilot's pods from the images `make images`
+cached (`make cluster-up IMAGES=1`), so the cluster and e2e tests exercise what the images hold.
 `hf_endpoint` (a Hugging Face hub URL serving `kvpilot/tiny-llama`) and `s3_endpoint` (an
 S3Endpoint whose bucket holds `tiny-llama/`) are the dev cluster's model servers, run standalone.
 """
@@ -47,7 +49,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster | E
     if os.environ.get("KUBECONFIG"):
         yield ExistingCluster(Path(os.environ["KUBECONFIG"]))
         return
-    dev = DevCluster(tmp_path_factory.mktemp("devcluster"))
+    images = os.environ.get("KVPILOT_DEVCLUSTER_IMAGES") == "1"
+    dev = DevCluster(tmp_path_factory.mktemp("devcluster"), images=images)
     try:
         dev.up()
         yield dev

@@ -18,11 +18,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("command", choices=["up", "down", "status", "env", "build"])
     parser.add_argument("--state-dir", type=Path, help="default: .devcluster in the repo root")
     parser.add_argument("--apiserver-port", type=int, help="default: a free port")
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="up: the local pool runs pods of kvpilot's images from the images `make images`"
+        " cached (their filesystems, users, entrypoints), not from the host's venv",
+    )
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    cluster = DevCluster(args.state_dir, args.apiserver_port)
+    cluster = DevCluster(args.state_dir, args.apiserver_port, images=args.images)
     if args.command == "build":
         build.ensure_all(COMPONENTS)
     elif args.command == "up":

@@ -28,9 +28,12 @@ from hack.devcluster.versions import (
     KWOK,
     KWOK_STAGES,
     NODEPOOLS,
+    REPO_ROOT,
     default_state_dir,
     kube_env,
 )
+from hack.images import build as images_build
+from hack.images.spec import IMAGES
 
 # Start order; `down` stops in reverse.
 PROCESSES = (
@@ -68,9 +71,16 @@ class Ports:
 class DevCluster:
     """One dev cluster living in `state_dir` (pki, logs, pid files, etcd data, kubeconfig)."""
 
-    def __init__(self, state_dir: Path | None = None, apiserver_port: int | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path | None = None,
+        apiserver_port: int | None = None,
+        images: bool = False,
+    ) -> None:
         self.state_dir = (state_dir or default_state_dir()).resolve()
         self.requested_apiserver_port = apiserver_port
+        # The `local` pool's pods run from the images `make images` built, not the host's venv
+        self.images = images
         self.log_dir = self.state_dir / "logs"
         self.run_dir = self.state_dir / "run"
         self.kubeconfig = self.state_dir / "kubeconfig"
@@ -79,6 +89,8 @@ class DevCluster:
 
     def up(self) -> None:
         started = time.monotonic()
+        if self.images:
+            require_cached_images()
         build.ensure_all(COMPONENTS)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         certs = pki.make_pki(self.state_dir / "pki", self.log_dir.parent / "pki.log")
@@ -259,6 +271,9 @@ class DevCluster:
             "hack.podrunner",
             f"--kubeconfig={self.kubeconfig}",
             f"--log-dir={self.log_dir / 'pods'}",
+            # file:// models of this checkout (hack/closedloop.local_model_uri) load in images
+            # mode as they do from the host's venv: the node has them at the same path
+            *(["--images", f"--node-path={REPO_ROOT / 'models'}"] if self.images else []),
         ]
 
     def prometheus_argv(self, certs: pki.Pki, ports: Ports) -> list[str]:
@@ -414,3 +429,18 @@ class DevCluster:
                 for c in item.get("status", {}).get("conditions", [])
             )
         }
+
+
+def require_cached_images() -> None:
+    """Images mode runs the `local` pool from the images `make images` cached: said at `up`,
+    not as pods stuck in ErrImagePull."""
+    missing = [
+        str(images_build.layout_dir(spec))
+        for spec in IMAGES.values()
+        if not (images_build.layout_dir(spec) / "index.json").is_file()
+    ]
+    if missing:
+        raise DevClusterError(
+            f"images mode runs the local pool's pods from the images `make images` builds;"
+            f" not cached: {', '.join(missing)}: run `make images` (as root) first"
+        )

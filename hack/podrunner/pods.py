@@ -95,6 +95,13 @@ def volume_dirs(pod: dict[str, Any], pod_dir: Path, claims_dir: Path) -> dict[st
     return dirs
 
 
+def writable_volumes(pod: dict[str, Any]) -> list[str]:
+    """The volumes a container's user writes to: emptyDirs (the kubelet makes them 0777) and
+    claims (rancher's local-path-provisioner makes their directories 0777 too)."""
+    volumes = pod["spec"].get("volumes") or []
+    return [v["name"] for v in volumes if "emptyDir" in v or "persistentVolumeClaim" in v]
+
+
 def config_map_files(
     volume: dict[str, Any], data: Mapping[str, str], binary_data: Mapping[str, str | bytes]
 ) -> dict[str, bytes]:

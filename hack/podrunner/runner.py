@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
+import json
 import math
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,13 +29,17 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from hack.podrunner import apiaccess, pods
+from hack.images import build
+from hack.podrunner import apiaccess, images, pods
+from hack.podrunner.imagestore import ImageNotReadyError, ImagePullError, ImageStore, Unpacked
 from hack.podrunner.provisioner import Provisioner
 
 LOCAL_NODE_SELECTOR = "kvpilot.dev/local-execution=true"
 POLL_S = 0.5
 HEARTBEAT_S = 10.0
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0)
+ENTER_SCRIPT = Path(images.__file__).with_name("enter.py")
+HOST_TOOLS_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"  # unshare, mount: the host's own
 
 
 @dataclass
@@ -55,6 +62,9 @@ class LocalPod:
     volumes: dict[str, Path] = field(default_factory=dict)
     # When the projected volumes (the ServiceAccount token) are next filled; None: never yet.
     projected_renew_at: float | None = None
+    # Images mode: the process is `unshare`, the container is its child (PID 1 of its namespace);
+    # the container's user owns the projected files, which it could not read as root's 0600.
+    plan: images.ContainerPlan | None = None
     reported: dict[str, Any] = field(default_factory=dict)
 
 
@@ -65,8 +75,13 @@ class PodRunner:
         log_dir: Path,
         bin_dirs: list[Path],
         state_dir: Path | None = None,
+        image_store: ImageStore | None = None,
+        node_paths: tuple[Path, ...] = (),
     ) -> None:
         self.core = client.CoreV1Api(api)
+        # Images mode: containers of kvpilot's images run from the images' filesystems.
+        self.image_store = image_store
+        self.node_paths = node_paths  # seen read-only at the same path by image containers
         # Volumes live here: emptyDirs per pod, claims shared by the pods that mount them.
         self.state_dir = state_dir or log_dir.parent / "podrunner"
         self.coordination = client.CoordinationV1Api(api)
@@ -153,6 +168,9 @@ class PodRunner:
         volumes = pods.volume_dirs(pod, pod_dir, self.state_dir / "claims")
         for folder in volumes.values():
             folder.mkdir(parents=True, exist_ok=True)
+        if self.image_store is not None:  # writable by the container's user, as the kubelet's
+            for name in pods.writable_volumes(pod):
+                volumes[name].chmod(0o777)
         meta = pod["metadata"]
         for volume in pod["spec"].get("volumes") or []:
             if "configMap" in volume:
@@ -227,33 +245,109 @@ class PodRunner:
         )
 
     def launch(self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod) -> bool:
-        """The container's process, with its volumes as local directories; False when its
-        config cannot be resolved (a missing Secret: retried, as CreateContainerConfigError)."""
+        """The container's process, with its volumes as local directories (or, in images mode,
+        bind-mounted into its image's filesystem); False when its config cannot be resolved (a
+        missing Secret: retried, as CreateContainerConfigError), or its image is not there."""
         local.restart_at, local.ready, local.exit_code = None, False, None
         log = self.log_path(local)
         log.parent.mkdir(parents=True, exist_ok=True)
-        mounts = pods.container_mounts(container, local.volumes)
         # The termination log is a file the kubelet mounts into the container; here a local file.
         message_file = self.termination_file(local, container)
         message_file.parent.mkdir(parents=True, exist_ok=True)
         message_file.write_text("")
-        mounts.append((pods.termination_message_path(container), str(message_file)))
+        message_file.chmod(0o666)  # as the kubelet makes it: any container user writes it
+        ref = self.image_ref(container)
         try:
+            if ref is None or self.image_store is None:
+                argv, env = self.host_command(pod, container, local, message_file)
+            else:
+                image = self.image_store.get(ref, str(container["image"]))
+                argv, env = self.image_command(pod, container, local, image, message_file)
             if local.projected_renew_at is None:
                 self.fill_projected(pod, local)
-            own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret, mounts)
-            argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts)
+        except ImageNotReadyError as err:
+            self.wait_for_image(pod, container, local, str(err))
+            return False
+        except ImagePullError as err:
+            self.refuse(pod, container, local, str(err), "ErrImagePull")
+            return False
         except ValueError as err:
             self.refuse(pod, container, local, str(err))
             return False
-        api_env = apiaccess.api_env(self.api_server, self.write_kubeconfig(pod, local, mounts))
-        env = {**apiaccess.inherited_env(os.environ), **api_env, **own_env}
-        env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])
         with log.open("ab") as out:
             local.proc = subprocess.Popen(
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         return True
+
+    def host_command(
+        self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod, message_file: Path
+    ) -> tuple[list[str], dict[str, str]]:
+        """A local process of the host's venv: mount paths in its args and env rewritten to the
+        volumes' directories, KUBECONFIG naming its ServiceAccount's token."""
+        local.plan = None
+        mounts = pods.container_mounts(container, local.volumes)
+        mounts.append((pods.termination_message_path(container), str(message_file)))
+        own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret, mounts)
+        argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts)
+        api_env = apiaccess.api_env(self.api_server, self.write_kubeconfig(pod, local, mounts))
+        env = {**apiaccess.inherited_env(os.environ), **api_env, **own_env}
+        env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])
+        return argv, env
+
+    # -- images mode (images.py, imagestore.py, enter.py) --------------------------------------
+
+    def image_ref(self, container: dict[str, Any]) -> images.ImageRef | None:
+        if self.image_store is None:
+            return None
+        return images.parse_reference(str(container.get("image", "")), build_version())
+
+    def image_command(
+        self,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        local: LocalPod,
+        image: Unpacked,
+        message_file: Path,
+    ) -> tuple[list[str], dict[str, str]]:
+        """`unshare` running enter.py on the container's plan: the image's filesystem, the
+        pod's volumes at their mountPaths, in-cluster API access through the mounted token."""
+        mounts = [
+            *images.node_path_mounts(self.node_paths),
+            *images.volume_mounts(container, local.volumes, message_file),
+        ]
+        own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret)
+        env = {**apiaccess.api_env(self.api_server, None), **own_env}
+        container_dir = local.pod_dir / "containers" / container["name"]
+        for layer in ("upper", "work"):  # each start gets a fresh top layer, as a new container
+            shutil.rmtree(container_dir / layer, ignore_errors=True)
+        layers = images.Layers(image.rootfs, container_dir)
+        plan = images.plan(pod, container, image.as_image(), layers, mounts, env)
+        plan = replace(plan, argv=images.bind_pod_ip(plan.argv, container, local.pod_ip))
+        plan_file = container_dir / "plan.json"
+        write_files(container_dir, {plan_file.name: json.dumps(plan.to_json())})  # 0600: secrets
+        local.plan = plan
+        unshare = images.unshare_argv("unshare", sys.executable, str(ENTER_SCRIPT), str(plan_file))
+        return unshare, {"PATH": HOST_TOOLS_PATH}
+
+    def wait_for_image(
+        self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod, why: str
+    ) -> None:
+        """ContainerCreating while the image is unpacked; the next tick tries again (and
+        reports only a change: it runs every tick)."""
+        waiting = {"waiting": {"reason": "ContainerCreating", "message": why}}
+        if container in (pod["spec"].get("initContainers") or []):
+            key = "initContainerStatuses"
+            status = pods.initializing_status(
+                pod, local.pod_ip, local.num_inits_done, waiting, local.restarts
+            )
+        else:
+            key = "containerStatuses"
+            status = pods.running_status(pod, local.pod_ip, False, local.restarts, pods.now())
+            status["phase"] = "Pending"
+            status["containerStatuses"][0]["state"] = waiting
+        if local.reported.get(key) != status[key]:
+            self.report(pod, local, status)
 
     # -- the pod's API access (apiaccess.py) ---------------------------------------------------
 
@@ -271,9 +365,10 @@ class PodRunner:
             secret=self.read_secret,
         )
         lifetimes = []
+        owner = (local.plan.uid, local.plan.gid) if local.plan else None
         for volume in apiaccess.projected_volumes(pod):
             projection = apiaccess.project(volume, pod, sources)
-            write_files(local.volumes[volume["name"]], projection.files)
+            write_files(local.volumes[volume["name"]], projection.files, owner)
             if projection.token_lifetime_s is not None:
                 lifetimes.append(projection.token_lifetime_s)
         renew_after = apiaccess.renew_after_s(min(lifetimes)) if lifetimes else math.inf
@@ -328,10 +423,15 @@ class PodRunner:
         return path
 
     def refuse(
-        self, pod: dict[str, Any], container: dict[str, Any], local: LocalPod, why: str
+        self,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        local: LocalPod,
+        why: str,
+        reason: str = "CreateContainerConfigError",
     ) -> None:
         local.restart_at = time.monotonic() + RESTART_BACKOFF_S[-1]
-        waiting = {"waiting": {"reason": "CreateContainerConfigError", "message": why}}
+        waiting = {"waiting": {"reason": reason, "message": why}}
         is_init = container in (pod["spec"].get("initContainers") or [])
         if is_init:
             self.report_init(pod, local, waiting)
@@ -429,7 +529,7 @@ class PodRunner:
                 grace = float(pod["spec"].get("terminationGracePeriodSeconds", 30))
                 container = pod["spec"]["containers"][0]
                 threading.Thread(
-                    target=terminate, args=(local.proc, container, grace), daemon=True
+                    target=terminate, args=(local.proc, container, grace, local.plan), daemon=True
                 ).start()
             return
         # The process is gone: finish the deletion as the kubelet does, with grace 0.
@@ -452,7 +552,7 @@ class PodRunner:
 
     def kill(self, local: LocalPod) -> None:
         if local.proc is not None and local.proc.poll() is None:
-            terminate(local.proc, {}, 5.0)
+            terminate(local.proc, {}, 5.0, local.plan)
 
     def shutdown(self) -> None:
         """Stopping the runner stops its pods' processes (SIGTERM, then SIGKILL)."""
@@ -463,10 +563,20 @@ class PodRunner:
             thread.join()
 
 
-def terminate(proc: subprocess.Popen[bytes], container: dict[str, Any], grace_s: float) -> None:
-    """preStop hook, then SIGTERM, then SIGKILL when the grace period is over."""
+def terminate(
+    proc: subprocess.Popen[bytes],
+    container: dict[str, Any],
+    grace_s: float,
+    plan: images.ContainerPlan | None = None,
+) -> None:
+    """preStop hook, then SIGTERM, then SIGKILL when the grace period is over. In images mode
+    `proc` is `unshare`, which passes no signal on: SIGTERM goes to its child, the container's
+    PID 1; the SIGKILL to unshare takes the whole namespace (--kill-child)."""
     deadline = time.monotonic() + grace_s
     command = pods.pre_stop_command(container)
+    init_pid = namespace_init_pid(proc) if plan is not None else proc.pid
+    if command and plan is not None:  # run inside the container, as its user
+        command = images.exec_argv(init_pid or proc.pid, plan, command)
     if command:
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             subprocess.run(
@@ -475,9 +585,11 @@ def terminate(proc: subprocess.Popen[bytes], container: dict[str, Any], grace_s:
                 check=False,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
+                env=plan.env if plan is not None else None,
             )
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(init_pid or proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -485,8 +597,23 @@ def terminate(proc: subprocess.Popen[bytes], container: dict[str, Any], grace_s:
         proc.wait()
 
 
-def write_files(folder: Path, files: dict[str, str]) -> None:
-    """Each file replaced at once (write, then rename), so a reader never sees half a token."""
+def namespace_init_pid(proc: subprocess.Popen[bytes]) -> int | None:
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+    except OSError:
+        return None
+    return images.namespace_init_pid(children)
+
+
+@functools.cache
+def build_version() -> str:
+    """The tag a kvpilot image without one gets: the version `make images` builds."""
+    return build.version()
+
+
+def write_files(folder: Path, files: dict[str, str], owner: tuple[int, int] | None = None) -> None:
+    """Each file replaced at once (write, then rename), so a reader never sees half a token;
+    readable by its owner alone (the container's user, in images mode)."""
     folder.mkdir(parents=True, exist_ok=True)
     for relative, content in files.items():
         target = folder / relative
@@ -494,6 +621,8 @@ def write_files(folder: Path, files: dict[str, str]) -> None:
         partial = target.with_name(f".{target.name}.partial")
         partial.write_text(content)
         partial.chmod(0o600)
+        if owner is not None:
+            os.chown(partial, *owner)
         os.replace(partial, target)
 
 

@@ -190,6 +190,26 @@ def test_missing_go_toolchain_is_one_clear_line(tmp_path: Path) -> None:
     assert len(lines) == 1 and "Go toolchain is missing" in lines[0]
 
 
+def test_images_mode_without_the_images_is_one_clear_line(tmp_path: Path) -> None:
+    """`up --images` (make cluster-up IMAGES=1) says to build the images before it starts
+    anything, rather than leaving the local pool's pods in ErrImagePull."""
+    env = {**os.environ, "KVPILOT_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-m", "hack.devcluster", "up", "--images", "--state-dir", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "not cached" in line and "run `make images`" in line
+    assert str(tmp_path / "cache" / "images") in line
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
 READ_BOTH_SERVERS = """
 import hashlib, boto3, huggingface_hub
 path = huggingface_hub.hf_hub_download("kvpilot/tiny-llama", "config.json", cache_dir="{cache}")
