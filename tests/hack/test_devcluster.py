@@ -176,15 +176,7 @@ def test_port_in_use_is_one_clear_line(tmp_path: Path) -> None:
 def test_missing_go_toolchain_is_one_clear_line(tmp_path: Path) -> None:
     # An empty cache forces a build; a PATH without `go` must fail fast with one line.
     env = {**os.environ, "KVPILOT_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/nonexistent"}
-    done = subprocess.run(
-        [sys.executable, "-m", "hack.devcluster", "build"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    done = devcluster_cli("build", env=env)
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Go toolchain is missing" in lines[0]
@@ -194,15 +186,7 @@ def test_images_mode_without_the_images_is_one_clear_line(tmp_path: Path) -> Non
     """`up --images` (make cluster-up IMAGES=1) says to build the images before it starts
     anything, rather than leaving the local pool's pods in ErrImagePull."""
     env = {**os.environ, "KVPILOT_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [sys.executable, "-m", "hack.devcluster", "up", "--images", "--state-dir", str(tmp_path)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    done = devcluster_cli("up", "--images", "--state-dir", str(tmp_path), env=env)
     assert done.returncode == 1
     (line,) = done.stderr.strip().splitlines()
     assert "not cached" in line and "run `make images`" in line

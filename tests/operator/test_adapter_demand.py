@@ -8,15 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client import start_http_server
 
 from kvpilot.operator.adapters import demand
 from kvpilot.operator.autoscaling import metrics_reader
 from kvpilot.runtime.engine.stats import EngineStats
 from kvpilot.runtime.server.metrics import ServerMetrics
 from tests.support.kube import wait_until
-from tests.support.prometheus_process import HAS_PROMETHEUS, running_prometheus, scrape_config
-from tests.support.server_process import free_port
+from tests.support.prometheus_process import (
+    HAS_PROMETHEUS,
+    running_prometheus,
+    runtime_exporter,
+    scrape_config,
+)
 
 NAMESPACE, MODEL = "serving", "tiny-llama"
 
@@ -47,18 +50,7 @@ def test_from_vector(vector: list[dict[str, object]], expected: dict[str, float]
 
 
 def serve_runtime() -> tuple[int, ServerMetrics, Callable[[], None]]:
-    """An exporter with the runtime's own metrics module."""
-    stats = EngineStats(0, 0, 100, 50, 0.5, 0, 0, 0, max_lora=2)
-    runtime = ServerMetrics(MODEL, lambda: stats)
-    port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=runtime.registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return port, runtime, stop
+    return runtime_exporter(MODEL, EngineStats(0, 0, 100, 50, 0.5, 0, 0, 0, max_lora=2))
 
 
 @pytest.mark.skipif(not HAS_PROMETHEUS, reason="needs Debian's prometheus binary")

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-import yaml
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 from kvpilot.operator.autoscaling import metrics_reader as metrics
@@ -31,6 +29,13 @@ from kvpilot.runtime.engine.sequence import Timestamps
 from kvpilot.runtime.engine.stats import EngineStats
 from kvpilot.runtime.server.metrics import ServerMetrics
 from tests.support.kube import wait_until
+from tests.support.prometheus_process import (
+    running_prometheus,
+    runtime_exporter,
+    scrape_config,
+    started_prometheus,
+)
+from tests.support.server_process import free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="needs Debian's prometheus binary"
@@ -38,12 +43,6 @@ pytestmark = pytest.mark.skipif(
 
 NAMESPACE, MODEL = "serving", "tiny-llama"
 BOUNDS = Bounds(min_replicas=1, max_replicas=10, target_queue_length=3.0)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -109,68 +108,32 @@ def pods() -> Iterator[dict[str, Pod]]:
 
 
 def prometheus_config(pods: dict[str, Pod]) -> dict[str, Any]:
-    static = [
-        {
-            "targets": [f"127.0.0.1:{pod.port}"],
-            "labels": {
-                metrics.PROM_LABEL_NAMESPACE: NAMESPACE,
-                metrics.PROM_LABEL_POD: pod.name,
-                metrics.PROM_LABEL_MODEL: MODEL,
-                metrics.PROM_LABEL_NODE_TYPE: pod.node_type,
-            },
-        }
-        for pod in pods.values()
-    ]
-    return {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "kvpilot-pods", "static_configs": static}],
+    """Each pod with the labels kubernetes_sd relabelling gives it."""
+    labels = {
+        metrics.PROM_LABEL_NAMESPACE: NAMESPACE,
+        metrics.PROM_LABEL_MODEL: MODEL,
     }
+    return scrape_config(
+        {
+            pod.name: (
+                pod.port,
+                {
+                    **labels,
+                    metrics.PROM_LABEL_POD: pod.name,
+                    metrics.PROM_LABEL_NODE_TYPE: pod.node_type,
+                },
+            )
+            for pod in pods.values()
+        }
+    )
 
 
 @pytest.fixture()
 def prometheus(
     pods: dict[str, Pod], tmp_path: Path
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    with running_prometheus(prometheus_config(pods), tmp_path) as started:
+    with started_prometheus(prometheus_config(pods), tmp_path) as started:
         yield started
-
-
-@contextlib.contextmanager
-def running_prometheus(
-    settings: dict[str, Any], tmp_path: Path
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    config = tmp_path / "prometheus.yml"
-    config.write_text(yaml.safe_dump(settings))
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "prometheus.log").open("w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return process.poll() is not None and _fail(tmp_path)
-
-    try:
-        wait_until(ready, timeout_s=30, what="prometheus ready")
-        yield url, process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def _fail(tmp_path: Path) -> bool:
-    raise AssertionError(f"prometheus exited: {(tmp_path / 'prometheus.log').read_text()}")
 
 
 def observe(source: PrometheusMetrics, current: int = 3) -> Observations:
@@ -274,19 +237,8 @@ def test_direct_scrape_of_ready_pods(pods: dict[str, Pod]) -> None:
 
 
 def serve_runtime(running: int) -> tuple[int, ServerMetrics, Callable[[], None]]:
-    """An exporter with the runtime's own metrics module (both names of every series), its
-    engine running `running` sequences."""
-    stats = EngineStats(0, running, 100, 50, 0.5, 0, 0, 0)
-    runtime = ServerMetrics(MODEL, lambda: stats)
-    port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=runtime.registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return port, runtime, stop
+    """The runtime's exporter (both names of every series), its engine running `running`."""
+    return runtime_exporter(MODEL, EngineStats(0, running, 100, 50, 0.5, 0, 0, 0))
 
 
 def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
@@ -333,7 +285,7 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
     traffic.start()
     windows = metrics.RateWindows(short_s=4, long_s=8, minute_s=4)
     try:
-        with running_prometheus(settings, tmp_path) as (url, _process):
+        with running_prometheus(settings, tmp_path) as url:
             source = PrometheusMetrics(url, timeout_s=2.0, windows=windows)
 
             def filled() -> metrics.FleetRates | None:
@@ -423,7 +375,7 @@ def test_requests_held_at_gateways_wake_a_modeldeployment_at_zero(tmp_path: Path
     }
     bounds = Bounds(min_replicas=0, max_replicas=4, target_queue_length=2.0)
     try:
-        with running_prometheus(settings, tmp_path) as (url, _process):
+        with running_prometheus(settings, tmp_path) as url:
             source = PrometheusMetrics(url, timeout_s=2.0)
             held = holding(source, 3, "3 requests held over both gateways")
             assert held.requests_waiting == 3 and held.error == "" and held.ready_replicas == 0

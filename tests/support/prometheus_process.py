@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+from prometheus_client import start_http_server
 
+from kvpilot.runtime.engine.stats import EngineStats
+from kvpilot.runtime.server.metrics import ServerMetrics
 from tests.support.kube import wait_until
 from tests.support.server_process import free_port
 
@@ -34,6 +37,15 @@ def scrape_config(targets: dict[str, tuple[int, dict[str, str]]]) -> dict[str, A
 @contextlib.contextmanager
 def running_prometheus(settings: dict[str, Any], workdir: Path) -> Iterator[str]:
     """Prometheus with `settings` as its config; its base URL once /-/ready answers."""
+    with started_prometheus(settings, workdir) as (url, _process):
+        yield url
+
+
+@contextlib.contextmanager
+def started_prometheus(
+    settings: dict[str, Any], workdir: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As running_prometheus, with the process too, for a test that stops it midway."""
     config = workdir / "prometheus.yml"
     config.write_text(yaml.safe_dump(settings))
     log = workdir / "prometheus.log"
@@ -56,7 +68,24 @@ def running_prometheus(settings: dict[str, Any], workdir: Path) -> Iterator[str]
 
     try:
         wait_until(ready, timeout_s=30, what="prometheus ready")
-        yield url
+        yield url, process
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def runtime_exporter(
+    model: str, stats: EngineStats
+) -> tuple[int, ServerMetrics, Callable[[], None]]:
+    """The runtime's own metrics module served on a free port of 127.0.0.1, as a pod exports
+    it: (port, its metrics, stop)."""
+    runtime = ServerMetrics(model, lambda: stats)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=runtime.registry)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return port, runtime, stop
