@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hack.images.spec import IMAGES
 from hack.release import REPOSITORIES
 
 # Host devices a container gets (what runc binds into its /dev)
@@ -25,6 +26,9 @@ DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 # The host files a kubelet mounts into every container of a pod on the host's network
 HOST_FILES = ("/etc/hosts", "/etc/resolv.conf")
 _DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+# An image's init: in an image it is PID 1; on the host the runner itself starts, signals and
+# reaps a container's process, as the init would.
+INIT = ("tini", "--")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,16 @@ class ContainerPlan:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def host_entrypoint(reference: str) -> list[str]:
+    """What runs a container without `command` in the host mode: the kvpilot image's
+    Entrypoint (hack/images/spec.py) without its init; [] for an image kvpilot does not build."""
+    ref = parse_reference(reference, "")
+    if ref is None:
+        return []
+    entrypoint = list(IMAGES[ref.name].entrypoint)
+    return entrypoint[len(INIT) :] if tuple(entrypoint[: len(INIT)]) == INIT else entrypoint
 
 
 def container_command(container: Mapping[str, Any], image_config: Mapping[str, Any]) -> list[str]:

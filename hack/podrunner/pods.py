@@ -144,12 +144,18 @@ def container_argv(
     pod_ip: str,
     bin_dirs: list[Path],
     mounts: Sequence[tuple[str, str]] = (),
+    entrypoint: Sequence[str] = (),
 ) -> list[str]:
-    """command + args, the executable resolved locally, mount paths rewritten, and a serving
-    container (one with ports) bound to the pod's IP with `--host`."""
-    argv = [*(container.get("command") or []), *(container.get("args") or [])]
-    if not argv:
-        raise ValueError(f"container {container['name']} has no command: a local pod needs one")
+    """command + args (`entrypoint`, the image's, where the container has no command), the
+    executable resolved locally, mount paths rewritten, and a serving container (one with ports)
+    bound to the pod's IP with `--host`."""
+    command = container.get("command") or list(entrypoint)
+    if not command:
+        raise ValueError(
+            f"container {container['name']} has no command and its image"
+            f" {container.get('image')!r} is not one kvpilot builds: a local pod needs one"
+        )
+    argv = [*command, *(container.get("args") or [])]
     argv = [argv[0]] + [rewrite_paths(arg, mounts) for arg in argv[1:]]
     argv[0] = resolve_executable(argv[0], bin_dirs)
     if not container.get("ports"):

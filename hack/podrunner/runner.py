@@ -289,7 +289,8 @@ class PodRunner:
         mounts = pods.container_mounts(container, local.volumes)
         mounts.append((pods.termination_message_path(container), str(message_file)))
         own_env = pods.container_env(pod, container, local.pod_ip, self.read_secret, mounts)
-        argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts)
+        entrypoint = images.host_entrypoint(str(container.get("image", "")))
+        argv = pods.container_argv(container, local.pod_ip, self.bin_dirs, mounts, entrypoint)
         api_env = apiaccess.api_env(self.api_server, self.write_kubeconfig(pod, local, mounts))
         env = {**apiaccess.inherited_env(os.environ), **api_env, **own_env}
         env["PATH"] = os.pathsep.join([*map(str, self.bin_dirs), os.environ.get("PATH", "")])

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hack.podrunner import pods
+from hack.podrunner import images, pods
 
 POD: dict[str, Any] = {
     "metadata": {"name": "rt-0", "namespace": "ml", "uid": "u1"},
@@ -54,6 +54,21 @@ def test_argv_binds_the_pod_ip(container: dict[str, Any], expected_tail: list[st
     argv = pods.container_argv(container, "127.70.0.2", [Path(sys.executable).parent])
     assert Path(argv[0]).is_file()
     assert argv[-len(expected_tail) :] == expected_tail
+
+
+def test_argv_of_a_container_without_command_is_its_images_entrypoint_without_init() -> None:
+    """The operator writes args only, so the image's `tini --` stays PID 1 on a real cluster;
+    on the host the runner starts and reaps the process itself, so the init is left out."""
+    bin_dir = Path(sys.executable).parent
+    image = "ghcr.io/kvpilot/runtime:1.2.3"
+    container = {"name": "runtime", "image": image, "args": ["serve"]}
+    assert images.host_entrypoint(image) == ["kvpilot-runtime"]
+    argv = pods.container_argv(container, "127.70.0.2", [bin_dir], (), ["python3"])
+    assert argv[1:] == ["serve"] and Path(argv[0]).name.startswith("python3")
+    assert images.host_entrypoint("ghcr.io/kvpilot/operator:1.2.3") == ["kvpilot-operator"]
+    assert images.host_entrypoint("docker.io/library/busybox:1") == []
+    with pytest.raises(ValueError, match="not one kvpilot builds"):
+        pods.container_argv({"name": "c", "image": "busybox", "args": ["x"]}, "127.0.0.2", [])
 
 
 def test_argv_errors_name_the_problem() -> None:

@@ -65,9 +65,19 @@ def serving_pids(pod_ip: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "serve" in argv and pod_ip in argv and any("kvpilot-runtime" in a for a in argv):
+        serves = "serve" in argv and pod_ip in argv and any("kvpilot-runtime" in a for a in argv)
+        # tini's own argv names the server's (`tini -- kvpilot-runtime serve ...`)
+        if serves and (proc / "comm").read_text().strip() != "tini":
             found.append(int(proc.name))
     return found
+
+
+def status_field(pid: int, name: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == name:
+            return value.strip()
+    raise AssertionError(f"/proc/{pid}/status has no {name}")
 
 
 def test_a_runtime_pod_runs_from_the_image_and_answers(
@@ -95,6 +105,11 @@ def test_a_runtime_pod_runs_from_the_image_and_answers(
         assert Path(f"/proc/{pid}").stat().st_uid == UID
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         assert cmdline[0].startswith(f"{VENV}/bin/python"), cmdline
+        # the operator writes args only: the image's ENTRYPOINT puts tini at PID 1, the server
+        # is its child (tini forwards SIGTERM and reaps the server's children)
+        parent = int(status_field(pid, "PPid"))
+        assert Path(f"/proc/{parent}/comm").read_text().strip() == "tini"
+        assert status_field(parent, "NSpid").split()[-1] == "1"
     finally:
         cluster.kubectl("delete", "modeldeployment", "tiny", "-n", namespace, "--wait=false",
                         check=False)  # fmt: skip

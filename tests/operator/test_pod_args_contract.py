@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hack.images.spec import RUNTIME
 from kvpilot.contract import fetch, serve_config
 from kvpilot.contract.engine_config import SCHEDULING_POLICY_CHOICES
 from kvpilot.contract.memory import ModelFacts
@@ -43,13 +44,21 @@ URIS = ("hf://org/model@rev", "s3://models/org/model", "pvc://weights/model", "f
 def parsed_serve(container: dict[str, Any]) -> serve_config.ServeConfig:
     """What the runtime makes of the container's args (file:// checked by the parser only: the
     path exists in the pod, not here)."""
+    assert_runs_under_the_images_init(container)
     command, *args = container["args"]
-    assert (container["command"], command) == (["kvpilot-runtime"], "serve")
+    assert command == "serve"
     values = vars(serve_config.build_parser().parse_args(args))
     return serve_config.ServeConfig(**values)
 
 
+def assert_runs_under_the_images_init(container: dict[str, Any]) -> None:
+    """No `command`: the runtime image's ENTRYPOINT runs the args, so its tini is PID 1."""
+    assert "command" not in container
+    assert RUNTIME.entrypoint == ("tini", "--", "kvpilot-runtime")
+
+
 def parsed_fetch(container: dict[str, Any]) -> None:
+    assert_runs_under_the_images_init(container)
     command, *args = container["args"]
     assert command == "fetch"
     flags = dict(arg.removeprefix("--").split("=", 1) for arg in args)

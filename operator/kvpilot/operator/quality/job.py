@@ -151,8 +151,7 @@ def _eval_container(
     model_dir = manifests.model_location(spec.model).model_arg.removeprefix("file://")
     container = {
         "name": "eval",
-        "image": runtime["image"],
-        "command": ["kvpilot-runtime"],
+        "image": runtime["image"],  # its ENTRYPOINT runs kvpilot-runtime under tini
         "args": [
             "eval",
             f"--model={model_dir}",

@@ -265,7 +265,6 @@ def fetch_container(
     container: dict[str, Any] = {
         "name": "fetch-model" if draft is None else "fetch-draft-model",
         "image": spec.runtime.image or config.runtime_image,
-        "command": ["kvpilot-runtime"],
         "args": ["fetch", f"--model={uri}", f"--to={mount}", *extra_args],
         "env": container_env(spec),
         # Its one-line error becomes the pod's status message, which the operator's conditions show.
@@ -336,7 +335,8 @@ def _container(
     return {
         "name": "runtime",
         "image": spec.runtime.image or config.runtime_image,
-        "command": ["kvpilot-runtime"],
+        # No `command`: the image's ENTRYPOINT (`tini -- kvpilot-runtime`) runs these args, so
+        # tini stays PID 1, forwarding SIGTERM and reaping the server's children.
         "args": runtime_args(spec, node_plan, port, config.termination_grace_seconds),
         # A runtime that cannot start says why in its last log line; the pod status carries it
         # to the ModelDeployment's Degraded condition (conditions.pod_problem).
