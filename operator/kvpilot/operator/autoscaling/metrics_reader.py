@@ -337,8 +337,10 @@ class PrometheusMetrics:
         self.client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
         self.windows = windows
 
-    def _query(self, promql: str) -> list[dict[str, Any]]:
-        result = self.client.custom_query(query=promql)
+    def _query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """`promql` evaluated at `at` (unix seconds), or at Prometheus' now."""
+        params = None if at is None else {"time": f"{at:.3f}"}
+        result = self.client.custom_query(query=promql, params=params)
         return list(result or [])
 
     def pod_samples(self, namespace: str, model: str) -> list[PodSample]:
@@ -354,8 +356,10 @@ class PrometheusMetrics:
         return sum(float(item["value"][1]) for item in vector)
 
     def fleet_rates(self, namespace: str, model: str) -> FleetRates:
-        queries = fleet_queries(namespace, model, self.windows)
-        return FleetRates(**{field: scalar(self._query(q)) for field, q in queries.items()})
+        """The rates at one evaluation instant: a scrape landing between two of the queries
+        would otherwise make tokens per completion (and arrivals against completions) wrong."""
+        queries, at = fleet_queries(namespace, model, self.windows), time.time()
+        return FleetRates(**{field: scalar(self._query(q, at)) for field, q in queries.items()})
 
     def ttft_p95(self, namespace: str, model: str) -> float | None:
         return scalar(self._query(ttft_p95_query(namespace, model)))
