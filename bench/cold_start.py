@@ -148,10 +148,11 @@ def cluster_sections(repeats: int, requests: int) -> str:
     from hack.devcluster import DevCluster
 
     load = os.getloadavg()[0]
-    seconds, _cache = model_cache_startup.run(repeats)
-    rows = [[name, median(values), " ".join(f"{v:.2f}" for v in values)]
-            for name, values in seconds.items()]  # fmt: skip
+    runs, _cache = model_cache_startup.run(repeats)
+    rows = [[name, median([r.seconds for r in reps]), " ".join(f"{r.seconds:.2f}" for r in reps)]
+            for name, reps in runs.items()]  # fmt: skip
     replacement = markdown_table(["model reaches the pod", "replacement Ready s", "runs"], rows)
+    replacement += f"\n\nBy phase:\n\n{model_cache_startup.phases_table(runs)}"
     cluster = DevCluster(Path(tempfile.mkdtemp(prefix="kvpilot-cold-zero-")) / "cluster")
     try:
         cluster.up()
