@@ -152,7 +152,10 @@ def cluster_sections(repeats: int, requests: int) -> str:
     rows = [[name, median([r.seconds for r in reps]), " ".join(f"{r.seconds:.2f}" for r in reps)]
             for name, reps in runs.items()]  # fmt: skip
     replacement = markdown_table(["model reaches the pod", "replacement Ready s", "runs"], rows)
-    replacement += f"\n\nBy phase:\n\n{model_cache_startup.phases_table(runs)}"
+    replacement += (
+        f"\n\nBy phase (bench/pod_phases.py: a watch on the pods, the runtime's /version):\n\n"
+        f"{model_cache_startup.phases_table(runs)}\n\n{model_cache_startup.WAITS_FOR_THE_GPU}"
+    )
     cluster = DevCluster(Path(tempfile.mkdtemp(prefix="kvpilot-cold-zero-")) / "cluster")
     try:
         cluster.up()
