@@ -86,7 +86,7 @@ def replacement(watched: pod_phases.PodWatch, cluster: DevCluster, name: str) ->
     core = client.CoreV1Api(watched.core.api_client)
     deleted_at = time.time()
     core.delete_namespaced_pod(old, "default")
-    seen = watched.wait_ready({old}, timeout_s=300)
+    seen = watched.wait_ready(deleted_at, timeout_s=300)
     process_created, engine_ready = pod_phases.runtime_startup(seen.pod)
     assert seen.ready is not None  # wait_ready returns a pod seen Ready
     return Replacement(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,19 +118,24 @@ class PodWatch:
             if self.stop.is_set():
                 return
 
-    def wait_ready(self, other_than: set[str], timeout_s: float) -> PodSeen:
-        """The first pod not in `other_than`, and not being deleted, to be seen Ready."""
+    def wait_ready(self, created_after: float, timeout_s: float) -> PodSeen:
+        """The first pod created after `created_after` (unix s) to be seen Ready."""
         deadline = time.monotonic() + timeout_s
         with self.changed:
             while True:
-                for name, seen in self.seen.items():
-                    deleting = seen.pod.get("metadata", {}).get("deletionTimestamp")
-                    if name not in other_than and seen.ready and not deleting:
-                        return seen
+                found = first_ready(self.seen.values(), created_after)
+                if found is not None:
+                    return found
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{self.selector}: no new pod Ready within {timeout_s} s")
                 self.changed.wait(left)
+
+
+def first_ready(seen: Iterable[PodSeen], created_after: float) -> PodSeen | None:
+    """A replacement: a pod first seen after the delete (an older one, Ready or not, is not)."""
+    new = [s for s in seen if s.created is not None and s.created >= created_after and s.ready]
+    return min(new, key=lambda s: s.ready or 0.0, default=None)
 
 
 def runtime_startup(pod: dict[str, Any]) -> tuple[float, float]:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.pod_phases import PHASES, PodSeen, observe, phases
+from bench.pod_phases import PHASES, PodSeen, first_ready, observe, phases
 
 PENDING: dict[str, Any] = {"metadata": {"name": "p"}, "spec": {}, "status": {}}
 BOUND = {**PENDING, "spec": {"nodeName": "local-0"}}
@@ -55,3 +55,21 @@ def test_phases_are_the_gaps_between_the_steps_from_the_delete() -> None:
 def test_phases_refuse_a_pod_not_seen_at_every_step() -> None:
     with pytest.raises(ValueError, match="not seen at every step"):
         phases(100.0, PodSeen(created=100.1), 101.2, 103.5)
+
+
+@pytest.mark.parametrize(
+    ("seen", "expected"),
+    [
+        ([], None),
+        ([PodSeen(created=90.0, ready=95.0)], None),  # the old pod, Ready before the delete
+        ([PodSeen(created=90.0, ready=95.0), PodSeen(created=100.5)], None),  # new, not Ready
+        ([PodSeen(created=90.0, ready=95.0), PodSeen(created=100.5, ready=104.0)], 1),
+        # two new pods (a rollout): the first to be Ready
+        ([PodSeen(created=100.2, ready=106.0), PodSeen(created=100.5, ready=104.0)], 1),
+    ],
+)
+def test_the_replacement_is_a_pod_created_after_the_delete(
+    seen: list[PodSeen], expected: int | None
+) -> None:
+    found = first_ready(seen, created_after=100.0)
+    assert found is (None if expected is None else seen[expected])
