@@ -54,7 +54,12 @@ NOTES = (
     "(startupProbe) where the startup probe was /health every 10 s, then readiness every 5 s: on "
     "a kubelet that put up to 15 s between the engine's Ready and the pod's; the dev cluster's "
     "pod runner probed every second while not ready already, so the cluster figures here do not "
-    "show it."
+    "show it. The pod runner ticked every 0.5 s only: a pod bound to its node waited up to 0.5 s "
+    "to start, an init container's successor up to 1 s, a deleted pod's object (and so the GPU "
+    "its replacement waits for) up to 0.5 s after its process had exited; it now ticks on a pod "
+    "watch per node and on each container process's exit (the replacement's `scheduled -> "
+    "process created` was 0.22-0.55 s with the model cached, at loads of 12-16, on the commit "
+    "before)."
 )
 
 
