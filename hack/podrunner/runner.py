@@ -1,6 +1,9 @@
 """The pod runner's loop: heartbeat local nodes, start/probe/restart/stop their pods' processes.
 
-Polling (every POLL_S) rather than watching keeps it small and self-healing; it is a test and demo
+Each tick reads the whole state afresh (every POLL_S), which keeps it small and self-healing; it
+ticks at once when a pod of a local node changes (a watch per node) or a container's process
+exits, as the kubelet acts on its pod watch and its container events, so a pod bound to the node,
+an init container done or an old pod's process gone costs no poll period. It is a test and demo
 stand-in for the kubelet, not a kubelet.
 """
 
@@ -26,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubernetes import client
+from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
+from urllib3.exceptions import HTTPError
 
 from hack.images import build
 from hack.podrunner import apiaccess, images, pods
@@ -91,16 +95,24 @@ class PodRunner:
         # The runner is also the dev cluster's storage: it serves the default StorageClass.
         self.provisioner = Provisioner(api, self.state_dir / "claims")
         self.last_heartbeat = 0.0
+        # Set by a local node's pod watch or an exited process: the loop ticks without waiting.
+        self.wake = threading.Event()
+        self.watched_nodes: set[str] = set()
+        self.stop = threading.Event()
 
     # -- loop ----------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
+        self.stop = stop
+        threading.Thread(target=self.wake_on_stop, daemon=True).start()
         while not stop.is_set():
+            self.wake.clear()  # before the tick: a change during it brings the next one
             try:
                 self.tick()
             except (ApiException, urllib.error.URLError, OSError) as err:
                 print(f"podrunner: {err}", flush=True)  # the apiserver may be restarting
-            stop.wait(until_next_tick(time.monotonic(), [p.next_probe for p in self.pods.values()]))
+            probes_due = [p.next_probe for p in self.pods.values()]
+            self.wake.wait(until_next_tick(time.monotonic(), probes_due))
         self.shutdown()
 
     def tick(self) -> None:
@@ -108,6 +120,9 @@ class PodRunner:
         nodes = [
             self.as_dict(n) for n in self.core.list_node(label_selector=LOCAL_NODE_SELECTOR).items
         ]
+        for name in {n["metadata"]["name"] for n in nodes} - self.watched_nodes:
+            self.watched_nodes.add(name)
+            threading.Thread(target=self.watch_node_pods, args=(name,), daemon=True).start()
         if time.monotonic() - self.last_heartbeat >= HEARTBEAT_S:
             for node in nodes:
                 self.heartbeat(node["metadata"]["name"])
@@ -121,6 +136,34 @@ class PodRunner:
                 self.sync(doc, node["spec"]["podCIDR"])
         for uid in set(self.pods) - seen:  # force-deleted from the API: stop the process
             self.kill(self.pods.pop(uid))
+
+    def wake_on_stop(self) -> None:
+        self.stop.wait()
+        self.wake.set()
+
+    def watch_node_pods(self, node_name: str) -> None:
+        """Wake the loop whenever a pod of this node changes (created, bound here, deleted)."""
+        while not self.stop.is_set():
+            try:
+                for _event in watch.Watch().stream(
+                    self.core.list_pod_for_all_namespaces,
+                    field_selector=f"spec.nodeName={node_name}",
+                    timeout_seconds=300,
+                    deserialize=False,  # only that it changed: the tick reads the pods
+                ):
+                    self.wake.set()
+            except (ApiException, HTTPError, OSError):
+                self.stop.wait(1.0)  # the apiserver may be restarting; the poll goes on
+
+    def wake_on_exit(self, proc: subprocess.Popen[bytes]) -> None:
+        """A thread waiting for the process: its exit ticks the loop (a crash restarted, an init
+        container's successor started, a deleted pod's object removed, each without a poll)."""
+
+        def wait() -> None:
+            proc.wait()
+            self.wake.set()
+
+        threading.Thread(target=wait, daemon=True).start()
 
     def as_dict(self, obj: object) -> dict[str, Any]:
         """Plain camelCase dicts, as in the API's JSON: easier to read than the client's models."""
@@ -179,9 +222,11 @@ class PodRunner:
 
     def sync_running(self, pod: dict[str, Any], local: LocalPod) -> None:
         inits = pod["spec"].get("initContainers") or []
-        if local.num_inits_done < len(inits):
-            self.sync_init(pod, inits[local.num_inits_done], local)
-            return
+        while local.num_inits_done < len(inits):  # one done: the next starts in this tick
+            num_done = local.num_inits_done
+            self.sync_init(pod, inits[num_done], local)
+            if local.num_inits_done == num_done:
+                return
         container = pod["spec"]["containers"][0]
         if local.restart_at is not None:  # crashed: restart once the back-off is over
             if time.monotonic() >= local.restart_at:
@@ -278,6 +323,7 @@ class PodRunner:
             local.proc = subprocess.Popen(
                 argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
+        self.wake_on_exit(local.proc)
         return True
 
     def host_command(

@@ -1,11 +1,17 @@
 """The pod runner's tick timing (hack/podrunner/runner.py): it polls every POLL_S, and wakes
-sooner when a pod's readiness probe falls due before the next poll."""
+sooner when a pod's readiness probe falls due before the next poll, or a container's process
+exits."""
 
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
+from pathlib import Path
 
-from hack.podrunner.runner import until_next_tick
+import pytest
+from kubernetes import client
+
+from hack.podrunner.runner import PodRunner, until_next_tick
 
 
 @pytest.mark.parametrize(
@@ -21,3 +27,16 @@ from hack.podrunner.runner import until_next_tick
 )
 def test_until_next_tick(now: float, probes_due: list[float], seconds: float) -> None:
     assert until_next_tick(now, probes_due, poll_s=0.5) == pytest.approx(seconds)
+
+
+def test_a_container_process_exit_wakes_the_loop(tmp_path: Path) -> None:
+    runner = PodRunner(client.ApiClient(), tmp_path / "logs", [])  # no API call is made
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    runner.wake_on_exit(proc)
+    assert not runner.wake.wait(0.2)  # still running: the loop waits for its poll
+    assert proc.stdin is not None
+    proc.stdin.close()  # the process reads EOF and exits
+    assert runner.wake.wait(30)
+    assert proc.poll() == 0  # the waiting thread reaped it; the tick reads its exit code
