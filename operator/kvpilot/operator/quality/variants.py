@@ -95,50 +95,88 @@ def verdict(
         return Verdict({}, (), (), unmeasured, ())
     ref_level = admission.reference_level(reference)
     keys = Keys(spec.model.uri, evaluation.metric, observed.dataset_key, ref_level)
-    measured, admitted, excluded, waiting, failed = {}, [], [], [], []
-    jobs, done, records = [], [], {}
-    for variant in spec.model.variants:
-        cached = admission.parse_record(observed.records.get(keys.record(variant), ""))
-        run = None if cached else observed.runs.get(keys.job(variant))
-        outcome = cached or _outcome(run, variant, spec.model.uri, now)
-        if isinstance(outcome, api.QualityMeasurement):
-            measured[variant.name] = outcome
-            if run is not None:
-                done.append(run.job)
-                records[keys.record(variant)] = outcome.model_dump_json(by_alias=True)
-        elif isinstance(outcome, str) and run is not None:
-            tried = admission.attempt(run)
-            minutes = quality_job.retry_delay_seconds(tried) // 60
-            failed.append(
-                f"variant {variant.name}: {outcome} [attempt {tried}, next in {minutes} min]"
-            )
-            records[keys.failures(variant)] = str(tried)
-        elif run is None and reference is not None:
-            tried = 1 + admission.failed_attempts(observed.records, keys.failures(variant))
-            jobs.append(
-                quality_job.build_eval_job(
-                    md, spec, "", reference, keys.digest, config, tried, variant
-                )
-            )
-        judged = judge(variant, measured.get(variant.name), evaluation.max_quality_loss)
-        if isinstance(judged, tuple):
-            admitted.append(judged)
-        elif variant.name in measured:
-            excluded.append(judged)
-        elif not any(f.startswith(f"variant {variant.name}:") for f in failed):
-            waiting.append(judged)
+    reads = [_read(variant, keys, observed, now) for variant in spec.model.variants]
+    judged = [
+        (r, judge(r.variant, r.measured, evaluation.max_quality_loss))
+        for r in reads
+        if not r.failure
+    ]
+    missing = [r for r in reads if r.measured is None and r.run is None]
     return Verdict(
-        measured, tuple(admitted), tuple(excluded), tuple(waiting), tuple(failed),
-        tuple(jobs), tuple(done), records,
-    )  # fmt: skip
+        measured={r.variant.name: r.measured for r in reads if r.measured is not None},
+        admitted=tuple(j for _, j in judged if isinstance(j, tuple)),
+        excluded=tuple(j for r, j in judged if isinstance(j, str) and r.measured is not None),
+        waiting=tuple(j for r, j in judged if isinstance(j, str) and r.measured is None),
+        failed=tuple(_failure_text(r) for r in reads if r.failure),
+        jobs_to_create=()
+        if reference is None
+        else tuple(
+            _eval_job(md, spec, r.variant, reference, keys, observed, config) for r in missing
+        ),
+        jobs_to_delete=tuple(r.run.job for r in reads if r.measured and r.run is not None),
+        new_records=_new_records(reads, keys),
+    )
 
 
-def _outcome(
-    run: admission.EvalRun | None, variant: api.ModelVariant, uri: str, now: str
-) -> api.QualityMeasurement | str | None:
+@dataclass(frozen=True)
+class _Read:
+    """What this pass found for one variant: its measurement, the Job it read (None: none, or
+    the measurement was cached), and why that Job failed for good."""
+
+    variant: api.ModelVariant
+    measured: api.QualityMeasurement | None = None
+    run: admission.EvalRun | None = None
+    failure: str = ""
+
+
+def _read(variant: api.ModelVariant, keys: Keys, observed: admission.Observed, now: str) -> _Read:
+    cached = admission.parse_record(observed.records.get(keys.record(variant), ""))
+    if cached is not None:
+        return _Read(variant, cached)
+    run = observed.runs.get(keys.job(variant))
     if run is None:
-        return None
-    return admission.job_outcome(run, "", uri, now, variant=variant.name)
+        return _Read(variant)
+    outcome = admission.job_outcome(run, "", keys.uri, now, variant=variant.name)
+    if isinstance(outcome, api.QualityMeasurement):
+        return _Read(variant, outcome, run)
+    return _Read(variant, None, run, outcome or "")
+
+
+def _failure_text(read: _Read) -> str:
+    tried = admission.attempt(read.run) if read.run is not None else 1
+    minutes = quality_job.retry_delay_seconds(tried) // 60
+    return f"variant {read.variant.name}: {read.failure} [attempt {tried}, next in {minutes} min]"
+
+
+def _new_records(reads: list[_Read], keys: Keys) -> dict[str, str]:
+    """The measurements read from Jobs, and the attempt each failed Job was."""
+    records = {
+        keys.record(r.variant): r.measured.model_dump_json(by_alias=True)
+        for r in reads
+        if r.measured is not None and r.run is not None
+    }
+    failed = {
+        keys.failures(r.variant): str(admission.attempt(r.run))
+        for r in reads
+        if r.failure and r.run is not None
+    }
+    return {**records, **failed}
+
+
+def _eval_job(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    variant: api.ModelVariant,
+    reference: NodePlan,
+    keys: Keys,
+    observed: admission.Observed,
+    config: OperatorConfig,
+) -> manifests.Manifest:
+    """The next attempt at measuring `variant`: one more than the failed Jobs recorded."""
+    attempt = 1 + admission.failed_attempts(observed.records, keys.failures(variant))
+    return quality_job.build_eval_job(
+        md, spec, "", reference, keys.digest, config, attempt, variant
+    )
 
 
 def fold(base: admission.Assessment, variants: Verdict) -> admission.Assessment:
