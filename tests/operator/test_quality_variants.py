@@ -11,10 +11,12 @@ import pytest
 
 from kvpilot.operator import api
 from kvpilot.operator.planning import planner
+from kvpilot.operator.planning.model_facts import facts_from_config_json
 from kvpilot.operator.quality import admission, variants
 from kvpilot.operator.quality import job as quality_job
 from kvpilot.operator.reconcile import desired_state, typed_status
 from tests.operator.test_planner_prequantized import AWQ, BF16, CONFIG, L4, T4, request
+from tests.support.checkpoint_configs import QWEN25_7B
 from tests.support.quality_fixtures import DIGEST, NOW, failed_pod, job
 
 URI = "hf://Qwen/Qwen2.5-7B-Instruct"  # in the catalog: nothing to read for it
@@ -148,6 +150,9 @@ def test_an_unmeasured_variant_gets_its_job_and_is_not_served() -> None:
     ]
     assert fetch_variant["envFrom"] == [{"secretRef": {"name": "awq-token"}}]
     assert {"name": quality_job.VARIANT_VOLUME, "emptyDir": {}} in pod["volumes"]
+    variant_mount = {"name": quality_job.VARIANT_VOLUME, "mountPath": quality_job.VARIANT_MOUNT}
+    assert variant_mount in fetch_variant["volumeMounts"]
+    assert {"name": "model", "mountPath": "/mnt/models"} not in fetch_variant["volumeMounts"]
     (container,) = pod["containers"]
     assert "--quantization=" in container["args"]
     assert f"--checkpoint=awq={quality_job.VARIANT_MOUNT}" in container["args"]
@@ -206,6 +211,37 @@ def test_a_variant_over_budget_or_failed_is_not_served_and_the_condition_says_wh
     assert "variant awq: BackoffLimitExceeded: 401 [attempt 1" in verdict.condition.message
     assert verdict.new_records == {KEYS.failures(AWQ_VARIANT): "1"}
     assert verdict.jobs_to_create == ()  # the failed Job stays until its TTL
+
+
+# A compressed-tensors int8 checkpoint of the same model: int8 is a level the unmeasured
+# fallback admits, so only the gate keeps it from being served before it is measured.
+CT_INT8 = facts_from_config_json(
+    QWEN25_7B
+    | {
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                }
+            },
+            "ignore": ["lm_head"],
+        }
+    },
+    lambda: 0,
+    "variant",
+    "",
+)
+
+
+def test_before_the_eval_set_is_read_no_variant_is_served() -> None:
+    assert CT_INT8.checkpoint is not None and CT_INT8.checkpoint.level == "int8"
+    facts: dict[str, desired_state.Read] = {"awq": CT_INT8}  # here an int8 checkpoint
+    observed = desired_state.Observed(node_types=(L4, T4), variant_facts=facts, now=NOW)
+    desired = desired_state.desire(md(), CONFIG, observed)
+    assert desired.error is None and {e.variant for e in desired.plan} == {""}
 
 
 def test_a_variant_alone_within_budget_is_enough_to_plan() -> None:

@@ -270,10 +270,13 @@ def _assess_quality(
     observed: Observed,
 ) -> admission.Assessment:
     """The levels quality admits; without an eval set (or before anything was read), the
-    category's."""
+    category's. With an eval set, a variant is served only once measured (none before)."""
     evaluation = observed.quality
     if spec.quantization.evaluation is None or evaluation is None:
-        return admission.Assessment(admission.admit(spec.quantization, {}))
+        unmeasured = admission.admit(spec.quantization, {})
+        if spec.quantization.evaluation is not None:
+            unmeasured = dataclasses.replace(unmeasured, variants=())
+        return admission.Assessment(unmeasured)
     windows = quality_job.EVAL_WINDOW_TOKENS
     reference = planner.reference_plan(request, observed.node_types, windows)
     levels = admission.assess(md, spec, evaluation, reference, config, observed.now)
