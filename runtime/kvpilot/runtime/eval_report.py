@@ -26,23 +26,21 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 def format_table(result: dict[str, Any]) -> str:
     base, kv_name, metric = result["baseline"], result["kv_cache_dtype"], result["metric"]
     suffix = "" if kv_name == "auto" else f"+{kv_name}"  # e.g. none+fp8: that level, fp8 KV
+    rows = [(level + suffix, row) for level, row in result["levels"].items()]
+    # a checkpoint as NAME (its level); its format is in --json
+    rows += [(f"{name} ({row['level']})", row) for name, row in result["checkpoints"].items()]
+    width = max([9, *(len(label) for label, _ in rows)])
     lines = [
         f"model {result['model']}  dataset {result['dataset']}  samples {result['num_samples']}  "
         f"tokens {result['num_tokens']}  KV cache {kv_name} "
         f"(baseline: {base['quantization']}, KV auto)",
-        f"{'level':<9} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{base['quantization']:<9} {base['value']:>11.4g} {'-':>10} "
+        f"{'level':<{width}} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
+        f"{base['quantization']:<{width}} {base['value']:>11.4g} {'-':>10} "
         f"{base['weight_bytes'] / 2**20:>11.2f}",
     ]
-    for level, row in result["levels"].items():
+    for label, row in rows:
         lines.append(
-            f"{level + suffix:<9} {row['value']:>11.4g} {row['relative_loss']:>+9.2%} "
-            f"{row['weight_bytes'] / 2**20:>11.2f}"
-        )
-    for name, row in result["checkpoints"].items():  # NAME (its level): the format is in --json
-        label = f"{name} ({row['level']})"
-        lines.append(
-            f"{label:<9} {row['value']:>11.4g} {row['relative_loss']:>+9.2%} "
+            f"{label:<{width}} {row['value']:>11.4g} {row['relative_loss']:>+9.2%} "
             f"{row['weight_bytes'] / 2**20:>11.2f}"
         )
     return "\n".join(lines)
