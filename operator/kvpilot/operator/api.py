@@ -1088,9 +1088,14 @@ class PlanEntry(_Model):
 
 
 class QualityMeasurement(_Model):
-    """One level measured on the eval set by `kvpilot-runtime eval` (quality/admission.py)."""
+    """One level, or one spec.model.variants[] checkpoint, measured on the eval set by
+    `kvpilot-runtime eval` (quality/admission.py)."""
 
-    level: str
+    level: str = Field(description="the level measured; a variant's: the level it runs at")
+    variant: str = Field(
+        default="",
+        description="the spec.model.variants[] name measured; empty: kvpilot's level of spec.model",
+    )
     metric: str
     value: float
     relative_loss: float = Field(description="percent worse than the unquantised model")

@@ -2,7 +2,7 @@
 
     kvpilot-runtime eval --model models/tiny-llama --dataset models/tiny-llama/eval.txt \
         --quantization bf16,int8,int4 [--metric perplexity|agreement|exact-match] \
-        [--kv-cache-dtype fp8] [--json] [--summary-file PATH]
+        [--kv-cache-dtype fp8] [--checkpoint NAME=PATH ...] [--json] [--summary-file PATH]
 
 Metrics, all from one teacher-forced pass per level over the same tokens:
 - perplexity (text): relative loss = ppl(level) / ppl(none) - 1.
@@ -19,6 +19,10 @@ format alone, or with `--kv-cache-dtype fp8` (levels may include `none`) the wei
 KV storage. The relative loss of the chosen metric is the number the operator gates
 `quantization.maxQualityLoss` on. Every token but a window's first reads its context back from
 the paged KV cache, as a decode does.
+
+`--checkpoint NAME=PATH` also scores another published checkpoint of the model (a pre-quantised
+variant) against the same baseline, in the same compute dtype (eval_checkpoints.py): its row,
+under `checkpoints`, compares with the levels'.
 """
 
 from __future__ import annotations
@@ -49,12 +53,19 @@ from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine import machine_files
 from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.engine.sizing import resolve_device
+from kvpilot.runtime.eval_checkpoints import (
+    candidate_config,
+    checkpoint_format,
+    checkpoint_level,
+    parse_candidates,
+)
+from kvpilot.runtime.eval_report import format_table, summary
 from kvpilot.runtime.layers import kv_cache
 from kvpilot.runtime.layers.attention import AttentionMetadata, PrefillSpan, chunk_mask
 from kvpilot.runtime.layers.kv_cache import resolve_kv_cache_dtype
 from kvpilot.runtime.layers.quant import resolve_int8_kernel
 from kvpilot.runtime.models.llama import LlamaModel
-from kvpilot.runtime.models.loader import load_model_config, resolve_dtype
+from kvpilot.runtime.models.loader import ModelConfig, load_model_config, resolve_dtype
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 METRICS = ("perplexity", "agreement", "exact-match")
@@ -216,9 +227,26 @@ def evaluate_level(
 ) -> Scores:
     """The level's scores, with the kernels `serve` would run on this machine (the eval Job
     runs on the node type it measures for), `--int8-kernel` included."""
-    cfg = load_model_config(model_dir)
+    settings = (dtype_name, device_name, kv_cache_dtype, int8_kernel)
+    return evaluate_checkpoint(
+        model_dir, load_model_config(model_dir), quantization, samples, settings
+    )
+
+
+def evaluate_checkpoint(
+    model_dir: Path,
+    cfg: ModelConfig,
+    quantization: str,
+    samples: list[Sample],
+    settings: tuple[str, str, str, str],
+    dtype_of: ModelConfig | None = None,
+) -> Scores:
+    """`settings`: dtype, device, KV-cache dtype and int8 kernel names. `dtype_of`: the config
+    whose torch_dtype `--dtype auto` resolves from (the baseline's, for a candidate checkpoint:
+    every row in the same compute dtype)."""
+    dtype_name, device_name, kv_cache_dtype, int8_kernel = settings
     device = resolve_device(device_name)
-    dtype = resolve_dtype(dtype_name, cfg.torch_dtype, device)
+    dtype = resolve_dtype(dtype_name, (dtype_of or cfg).torch_dtype, device)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
     kernel = resolve_int8_kernel(int8_kernel, device, machine_files.cpu_supports_int8_dot())
     model = load_model(model_dir, cfg, quantization, dtype, device, int8_kernel=kernel)
@@ -267,6 +295,8 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown quantization {unknown}; expected among {QUANTIZATION_CHOICES}")
     cfg = load_model_config(model_dir)
+    # Checked before the baseline's minutes are spent: a wrong candidate fails at once.
+    candidates = [(c, candidate_config(c, cfg)) for c in parse_candidates(args.checkpoint, levels)]
     max_length = min(args.max_length, cfg.max_position_embeddings)
     samples = samples_for(args.metric, dataset, Tokenizer(model_dir), max_length)
     if not samples:
@@ -274,12 +304,38 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
     base = evaluate_level(
         model_dir, args.baseline, samples, args.dtype, args.device, int8_kernel=args.int8_kernel
     )
-    result: dict[str, Any] = {
-        "model": str(model_dir),
+    result = result_header(args, dataset, len(samples), base)
+    kv_name = args.kv_cache_dtype
+    settings = (args.dtype, args.device, kv_name, args.int8_kernel)
+    for level in levels:
+        measured = (
+            base
+            if level == args.baseline and kv_name == "auto"
+            else evaluate_checkpoint(model_dir, cfg, level, samples, settings)
+        )
+        result["levels"][level] = level_row(args.metric, measured, base, len(samples))
+    for candidate, candidate_cfg in candidates:
+        measured = evaluate_checkpoint(
+            candidate.path, candidate_cfg, "none", samples, settings, dtype_of=cfg
+        )
+        result["checkpoints"][candidate.name] = {
+            "path": str(candidate.path),
+            "level": checkpoint_level(candidate_cfg),
+            "format": checkpoint_format(candidate_cfg),
+            **level_row(args.metric, measured, base, len(samples)),
+        }
+    return result
+
+
+def result_header(
+    args: argparse.Namespace, dataset: Path, num_samples: int, base: Scores
+) -> dict[str, Any]:
+    return {
+        "model": args.model,
         "dataset": args.dataset,
         "dataset_digest": dataset_digest(dataset),
         "metric": args.metric,
-        "num_samples": len(samples),
+        "num_samples": num_samples,
         "num_tokens": base.num_targets,
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -287,53 +343,11 @@ def measure(args: argparse.Namespace, dataset: Path) -> dict[str, Any]:
         "baseline": {
             "quantization": args.baseline,
             "kv_cache_dtype": "auto",
-            **level_row(args.metric, base, base, len(samples)),
+            **level_row(args.metric, base, base, num_samples),
         },
         "levels": {},
+        "checkpoints": {},
     }
-    kv_name = args.kv_cache_dtype
-    for level in levels:
-        measured = (
-            base
-            if level == args.baseline and kv_name == "auto"
-            else evaluate_level(
-                model_dir, level, samples, args.dtype, args.device, kv_name, args.int8_kernel
-            )
-        )
-        result["levels"][level] = level_row(args.metric, measured, base, len(samples))
-    return result
-
-
-def summary(result: dict[str, Any]) -> dict[str, Any]:
-    """What a Job's termination message carries back to the operator (well under its 4 KiB)."""
-    keep = ("value", "relative_loss", "weight_bytes")
-    return {
-        "metric": result["metric"],
-        "dataset_digest": result["dataset_digest"],
-        "num_samples": result["num_samples"],
-        "baseline": result["baseline"]["value"],
-        "reference": result["baseline"]["quantization"],
-        "levels": {k: {f: v[f] for f in keep} for k, v in result["levels"].items()},
-    }
-
-
-def format_table(result: dict[str, Any]) -> str:
-    base, kv_name, metric = result["baseline"], result["kv_cache_dtype"], result["metric"]
-    suffix = "" if kv_name == "auto" else f"+{kv_name}"  # e.g. none+fp8: that level, fp8 KV
-    lines = [
-        f"model {result['model']}  dataset {result['dataset']}  samples {result['num_samples']}  "
-        f"tokens {result['num_tokens']}  KV cache {kv_name} "
-        f"(baseline: {base['quantization']}, KV auto)",
-        f"{'level':<9} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{base['quantization']:<9} {base['value']:>11.4g} {'-':>10} "
-        f"{base['weight_bytes'] / 2**20:>11.2f}",
-    ]
-    for level, row in result["levels"].items():
-        lines.append(
-            f"{level + suffix:<9} {row['value']:>11.4g} {row['relative_loss']:>+9.2%} "
-            f"{row['weight_bytes'] / 2**20:>11.2f}"
-        )
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -356,6 +370,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=QUANTIZATION_CHOICES,
         help="the reference the loss is relative to: the unquantised weights (none), or where"
         " they fit no GPU the largest level that does (the operator's reference level)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also score this checkpoint of the same model (e.g. an AWQ or compressed-tensors"
+        " variant, loaded as serve loads it) against the same baseline; repeatable",
     )
     parser.add_argument("--max-length", type=int, default=512, help="tokens per window")
     parser.add_argument("--dtype", default="float32", help="compute dtype for every level")

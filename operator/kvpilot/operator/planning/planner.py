@@ -63,6 +63,9 @@ class PlanRequest:
 
     # spec.model.variants[]: (name, facts) of the same model published other ways
     variants: tuple[tuple[str, ModelFacts], ...] = ()
+    # The quality gate's (source, level) pairs ("" = spec.model; quality/variants.py): only
+    # these are candidates; None: every source at every allowed level (no eval set)
+    admitted: tuple[tuple[str, str], ...] | None = None
 
     def candidates(self) -> list[Candidate]:
         """What a node type may serve, best first: for each allowed level in preference order,
@@ -74,6 +77,7 @@ class PlanRequest:
             for level in self.quantizations
             for name, facts in sources
             if _own_level(facts) is None or rank_level(_own_level(facts) or "") == level
+            if self.admitted is None or (name, level) in self.admitted
         ]
 
     def __post_init__(self) -> None:
@@ -436,6 +440,8 @@ def reference_plan(
         reference = dataclasses.replace(
             request,
             quantizations=(level,),
+            variants=(),  # the reference is spec.model's own weights
+            admitted=None,
             max_context_length=tokens,
             target_concurrency=1,
             prefer="quality",
@@ -451,8 +457,15 @@ def status_entries(
     replicas: Sequence[int],
     losses: Mapping[str, float] | None = None,
 ) -> list[PlanEntry]:
-    """`losses`: measured quality loss (percent) per level, shown next to each entry's level."""
+    """`losses`: measured quality loss (percent) per level, shown next to each entry's level;
+    a variant's under `variant:NAME` (quality_losses)."""
     return [_entry(p, n, losses or {}) for p, n in zip(plans, replicas, strict=True)]
+
+
+def loss_key(variant: str, level: str) -> str:
+    """The key of status_entries' `losses`: a level, or a variant (whose level is not kvpilot's,
+    so its loss is its own)."""
+    return f"variant:{variant}" if variant else level
 
 
 def _entry(p: NodePlan, replicas: int, losses: Mapping[str, float]) -> PlanEntry:
@@ -471,8 +484,7 @@ def _entry(p: NodePlan, replicas: int, losses: Mapping[str, float]) -> PlanEntry
             "pricePerHour": round(p.price_per_replica_hour, 4) if p.fits else 0.0,
             "replicas": replicas,
             "variant": p.variant,
-            # measured for spec.model's own levels (a variant's level is not kvpilot's)
-            "qualityLoss": losses.get(p.quantization) if p.fits and not p.variant else None,
+            "qualityLoss": losses.get(loss_key(p.variant, p.quantization)) if p.fits else None,
             "reason": "" if p.fits else p.reason,
         }
     )

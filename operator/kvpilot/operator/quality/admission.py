@@ -60,6 +60,9 @@ class Admission:
     levels: tuple[str, ...]  # admitted, in the user's preference order
     pending: tuple[str, ...] = ()  # not measured yet: the category decided for them
     excluded: tuple[str, ...] = ()  # "int4: +3.10% > 0.50%"
+    # spec.model.variants[] the planner may serve, as (name, level measured); None: not gated
+    # (no eval set), every variant may be planned (quality/variants.py)
+    variants: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -182,16 +185,17 @@ def cached(
 
 
 def job_outcome(
-    run: EvalRun, level: str, uri: str, now: str
+    run: EvalRun, level: str, uri: str, now: str, variant: str = ""
 ) -> api.QualityMeasurement | str | None:
-    """The Job's measurement, why it failed for good (its last pod's log tail), or None while it
-    runs (or retries)."""
+    """The Job's measurement (of `level`, or of the checkpoint `variant`), why it failed for good
+    (its last pod's log tail), or None while it runs (or retries)."""
     job_status = run.job.get("status") or {}
     finished = {
         c.get("type"): c for c in job_status.get("conditions") or [] if c.get("status") == "True"
     }
     if "Complete" in finished:
-        return _measurement(run, level, uri, now) or "the eval Job finished without a summary"
+        found = _measurement(run, level, uri, now, variant)
+        return found or "the eval Job finished without a summary"
     if "Failed" in finished:
         why = finished["Failed"].get("message") or finished["Failed"].get("reason") or "failed"
         tail = log_tail(run.pods)
@@ -199,16 +203,20 @@ def job_outcome(
     return None
 
 
-def _measurement(run: EvalRun, level: str, uri: str, now: str) -> api.QualityMeasurement | None:
-    """From the succeeded pod's termination message: the eval's JSON summary (evaluate.summary)."""
+def _measurement(
+    run: EvalRun, level: str, uri: str, now: str, variant: str = ""
+) -> api.QualityMeasurement | None:
+    """From the succeeded pod's termination message: the eval's JSON summary (eval_report.summary);
+    a variant's row is under `checkpoints`, with the level it runs at."""
     for pod in run.pods:
         if (pod.get("status") or {}).get("phase") != "Succeeded":
             continue
         try:
             summary = json.loads(terminated(pod).get("message") or "")
-            row = summary["levels"][level]
+            row = summary["checkpoints"][variant] if variant else summary["levels"][level]
             return api.QualityMeasurement(
-                level=level,
+                level=str(row["level"]) if variant else level,
+                variant=variant,
                 metric=summary["metric"],
                 value=round(float(row["value"]), 6),
                 relative_loss=round(100 * float(row["relative_loss"]), 4),

@@ -37,6 +37,11 @@ FIRST_RETRY_SECONDS = 600
 MAX_RETRY_SECONDS = 6 * 3600
 EVAL_WINDOW_TOKENS = 512  # the eval's --max-length: the reference node must hold one window
 DATASET_VOLUME = "eval-dataset"
+ANNOTATION_VARIANT = "kvpilot.dev/variant"  # on a variant's eval Job: its name
+# A spec.model.variants[] checkpoint the eval scores beside spec.model, fetched by its own init
+# container as a serving pod fetches it (the variant's URI and Secret).
+VARIANT_MOUNT = "/mnt/variant-model"
+VARIANT_VOLUME = "variant-model"
 
 
 def retry_delay_seconds(attempt: int) -> int:
@@ -51,6 +56,13 @@ def cache_name(uri: str) -> str:
 def job_name(uri: str, level: str, metric: str, digest: str, reference: str = "bf16") -> str:
     against = [] if reference == "bf16" else [reference]  # bf16: the names Jobs always had
     return f"kvpilot-eval-{manifests.spec_hash([uri, level, metric, digest, *against])}"
+
+
+def variant_job_name(
+    uri: str, variant: api.ModelVariant, metric: str, digest: str, reference: str = "bf16"
+) -> str:
+    """A variant's eval Job: named by the variant's name and URI too (a new URI, a new Job)."""
+    return job_name(uri, f"variant:{variant.name}:{variant.uri}", metric, digest, reference)
 
 
 @dataclass(frozen=True)
@@ -97,21 +109,30 @@ def build_eval_job(
     digest: str,
     config: OperatorConfig,
     attempt: int = 1,
+    variant: api.ModelVariant | None = None,
 ) -> manifests.Manifest:
     """The eval Job for one level: the runtime pod's template with the eval as its container.
     `digest`: the dataset's key (quality.dataset_key), which names the Job. `node_plan`: the
     reference node (planner.reference_plan); its level is the one losses are relative to.
-    `attempt`: 1 + the failed Jobs of this measurement so far; sets the Job's TTL."""
+    `attempt`: 1 + the failed Jobs of this measurement so far; sets the Job's TTL. `variant`:
+    measure that spec.model.variants[] checkpoint instead of a level (`level` is then "")."""
     evaluation = _evaluation(spec)
     reference = node_plan.quantization
-    name = job_name(spec.model.uri, level, evaluation.metric, digest, reference)
+    name = (
+        job_name(spec.model.uri, level, evaluation.metric, digest, reference)
+        if variant is None
+        else variant_job_name(spec.model.uri, variant, evaluation.metric, digest, reference)
+    )
     delivery = dataset_delivery(evaluation.dataset)
     template = runtime_pod_template(spec, node_plan, config)
     pod = template["spec"]
     runtime = pod["containers"][0]
-    pod["containers"] = [_eval_container(spec, (level, reference), runtime, delivery)]
+    container = _eval_container(spec, (level, reference), runtime, delivery)
+    pod["containers"] = [container]
     pod["restartPolicy"] = "Never"
     pod["volumes"] = [*pod.get("volumes", []), *delivery.volumes]
+    if variant is not None:
+        _add_variant(pod, container, spec, variant, config)
     labels = {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)}
     template["metadata"]["labels"] = {**template["metadata"].get("labels", {}), **labels}
     return {
@@ -128,6 +149,7 @@ def build_eval_job(
                 ANNOTATION_ATTEMPT: str(attempt),
                 "kvpilot.dev/model-uri": spec.model.uri,
                 "kvpilot.dev/dataset-digest": digest,
+                **({} if variant is None else {ANNOTATION_VARIANT: variant.name}),
             },
         },
         "spec": {
@@ -173,6 +195,30 @@ def _eval_container(
     if delivery.needs_credentials and spec.model.secret_ref is not None:
         container["envFrom"] = [{"secretRef": {"name": spec.model.secret_ref.name}}]
     return container
+
+
+def _add_variant(
+    pod: dict[str, Any],
+    container: dict[str, Any],
+    spec: api.ModelDeploymentSpec,
+    variant: api.ModelVariant,
+    config: OperatorConfig,
+) -> None:
+    """The eval scores the variant (`--checkpoint NAME=PATH`) and no level of spec.model; an init
+    container fetches it as a serving pod would (manifests.fetch_container with the variant's URI
+    and Secret, spec.model's if it has none) into a volume of its own."""
+    fetch = manifests.fetch_container(
+        spec.model_copy(update={"model": spec.model.variant(variant.name)}), config
+    )
+    fetch["name"] = "fetch-variant"
+    fetch["args"] = ["fetch", f"--model={variant.uri}", f"--to={VARIANT_MOUNT}"]
+    fetch["volumeMounts"][-1] = {"name": VARIANT_VOLUME, "mountPath": VARIANT_MOUNT}
+    pod["initContainers"] = [*pod.get("initContainers", []), fetch]
+    pod["volumes"].append({"name": VARIANT_VOLUME, "emptyDir": {}})
+    mount = {"name": VARIANT_VOLUME, "mountPath": VARIANT_MOUNT, "readOnly": True}
+    container["volumeMounts"].append(mount)
+    args = [a for a in container["args"] if not a.startswith("--quantization=")]
+    container["args"] = [*args, "--quantization=", f"--checkpoint={variant.name}={VARIANT_MOUNT}"]
 
 
 def _evaluation(spec: api.ModelDeploymentSpec) -> api.Evaluation:

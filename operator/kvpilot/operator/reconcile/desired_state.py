@@ -23,6 +23,7 @@ from kvpilot.operator.planning import planner
 from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.quality import admission
 from kvpilot.operator.quality import job as quality_job
+from kvpilot.operator.quality import variants as quality_variants
 from kvpilot.operator.reconcile import conditions, manifests, model_cache, typed_status
 
 Obj = Mapping[str, Any]
@@ -128,16 +129,16 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
             return Desired(error="; ".join([_one_line(error), *unread]), needs_retry=True)
         return Desired(error=_one_line(error), is_invalid_spec=True)
     verdict = _assess_quality(md, spec, request, config, observed)
-    if not verdict.admission.levels:
+    if not verdict.admission.levels and not verdict.admission.variants:
         excluded = "; ".join(verdict.admission.excluded)
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
     request = dataclasses.replace(
         request,
-        quantizations=verdict.admission.levels,
+        **gated_candidates(spec, verdict.admission),
         measured_cost=measured_cost(observed.status),
     )
-    losses = {m.level: m.relative_loss for m in verdict.measurements}
+    losses = {planner.loss_key(m.variant, m.level): m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, observed.node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
     if not any(p.fits for p in plans):
@@ -210,11 +211,19 @@ def variants(
                 " another way"
             )
         found.append((variant.name, read))
-    if found and spec.quantization.evaluation is not None:
-        raise ValueError(
-            "spec.quantization.evaluation with spec.model.variants is not supported yet: remove one"
-        )
     return tuple(found)
+
+
+def gated_candidates(spec: api.ModelDeploymentSpec, verdict: admission.Admission) -> dict[str, Any]:
+    """The PlanRequest fields quality sets: the admitted levels; with an eval set and variants,
+    also which (source, level) pairs may be planned, so a variant serves only at the level it
+    was measured within budget and kvpilot's own levels only where admitted."""
+    if verdict.variants is None:
+        return {"quantizations": verdict.levels}
+    variant_levels = {level for _, level in verdict.variants}
+    levels = [q for q in spec.quantization.allowed if q in verdict.levels or q in variant_levels]
+    own = [("", q) for q in verdict.levels]
+    return {"quantizations": tuple(levels), "admitted": (*own, *verdict.variants)}
 
 
 def _draft(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts | None:
@@ -261,13 +270,20 @@ def _assess_quality(
     observed: Observed,
 ) -> admission.Assessment:
     """The levels quality admits; without an eval set (or before anything was read), the
-    category's."""
+    category's. With an eval set, a variant is served only once measured (none before)."""
     evaluation = observed.quality
     if spec.quantization.evaluation is None or evaluation is None:
-        return admission.Assessment(admission.admit(spec.quantization, {}))
+        unmeasured = admission.admit(spec.quantization, {})
+        if spec.quantization.evaluation is not None:
+            unmeasured = dataclasses.replace(unmeasured, variants=())
+        return admission.Assessment(unmeasured)
     windows = quality_job.EVAL_WINDOW_TOKENS
     reference = planner.reference_plan(request, observed.node_types, windows)
-    return admission.assess(md, spec, evaluation, reference, config, observed.now)
+    levels = admission.assess(md, spec, evaluation, reference, config, observed.now)
+    if not spec.model.variants:
+        return levels
+    measured = quality_variants.verdict(md, spec, evaluation, reference, config, observed.now)
+    return quality_variants.fold(levels, measured)
 
 
 def _replicas(
