@@ -109,19 +109,34 @@ def client_share(requests: Iterable[ClientRequest], window: Window, target_s: fl
     return Share(met / len(inside), float(len(inside)))
 
 
-def cold_starts(pods: Iterable[Mapping[str, Any]], since: float, now: float) -> list[Window]:
-    """Each runtime pod created at or after `since`: creation to its Ready condition's
-    lastTransitionTime, or to `now` while it is not Ready. Oldest first."""
+def cold_starts(pods: Iterable[Mapping[str, Any]], since: float) -> list[Window]:
+    """Each runtime pod created at or after `since` that became Ready: creation to its Ready
+    condition's lastTransitionTime, oldest first. A pod never Ready (unschedulable: the pool is
+    full) is no cold start that ends: `never_ready` counts those."""
     found = []
     for pod in pods:
         created = timestamps.unix(pod["metadata"]["creationTimestamp"])
-        if created < since:
-            continue
-        ready = [c for c in pod.get("status", {}).get("conditions", []) if c["type"] == "Ready"]
-        is_ready = bool(ready) and ready[0]["status"] == "True"
-        end = timestamps.unix(ready[0]["lastTransitionTime"]) if is_ready else now
-        found.append(Window(created, max(created, end)))
+        ready = _ready_since(pod)
+        if created >= since and ready is not None:
+            found.append(Window(created, max(created, ready)))
     return sorted(found, key=lambda w: w.start)
+
+
+def never_ready(pods: Iterable[Mapping[str, Any]], since: float) -> int:
+    """Pods created at or after `since` that are not Ready."""
+    return sum(
+        1
+        for pod in pods
+        if timestamps.unix(pod["metadata"]["creationTimestamp"]) >= since
+        and _ready_since(pod) is None
+    )
+
+
+def _ready_since(pod: Mapping[str, Any]) -> float | None:
+    for condition in pod.get("status", {}).get("conditions", []):
+        if condition["type"] == "Ready" and condition["status"] == "True":
+            return timestamps.unix(condition["lastTransitionTime"])
+    return None
 
 
 @dataclass(frozen=True)

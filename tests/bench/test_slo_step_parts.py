@@ -16,6 +16,7 @@ from bench.slo_step_common import (
     cold_starts,
     histogram_share,
     merged,
+    never_ready,
     split,
     step_arrivals,
     ttft_target,
@@ -150,10 +151,12 @@ def test_cold_starts_of_the_pods_created_during_the_run() -> None:
     pods = [
         pod("2027-01-15T07:59:00Z", "2027-01-15T07:59:09Z"),  # before the run: not counted
         pod("2027-01-15T08:01:00Z", "2027-01-15T08:01:07Z"),
-        pod("2027-01-15T08:00:30Z", "2027-01-15T08:00:30Z", status="False"),  # not Ready yet
+        pod("2027-01-15T08:00:30Z", "2027-01-15T08:00:30Z", status="False"),  # not Ready
+        pod("2027-01-15T08:00:20Z", None),  # Pending: no Ready condition at all
+        pod("2027-01-15T08:00:10Z", "2027-01-15T08:00:21Z"),
     ]
-    found = cold_starts(pods, since=T0, now=T0 + 200)
-    assert found == [Window(T0 + 30, T0 + 200), Window(T0 + 60, T0 + 67)]
+    assert cold_starts(pods, since=T0) == [Window(T0 + 10, T0 + 21), Window(T0 + 60, T0 + 67)]
+    assert never_ready(pods, since=T0) == 2
 
 
 @pytest.mark.parametrize(
