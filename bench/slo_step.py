@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -350,8 +349,7 @@ def decision_table(run: Run) -> str:
     moves the figures in the reason is left out), from status.autoscaling.lastDecision."""
     rows, last = [], ("", -1, -1, -1)
     for sample in run.samples:
-        kind = (re.sub(r"\d+(\.\d+)?", "#", sample.decision), sample.desired, sample.replicas,
-                sample.ready)  # fmt: skip
+        kind = (step.reason_kind(sample.decision), sample.desired, sample.replicas, sample.ready)
         if not sample.decided_at or kind == last:
             continue
         last = kind

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,3 +181,9 @@ def verdict(
             unexcused.append(window)
         used |= overlapping
     return Verdict(missed, unexcused, len(used))
+
+
+def reason_kind(reason: str) -> str:
+    """A decision's reason without its figures or a queue that comes and goes: two ticks of the
+    same kind of decision read the same, so a report lists only where the kind changed."""
+    return re.sub(r"\d+(\.\d+)?", "#", re.sub(r", \d+ waiting", "", reason))

@@ -17,6 +17,7 @@ from bench.slo_step_common import (
     histogram_share,
     merged,
     never_ready,
+    reason_kind,
     split,
     step_arrivals,
     ttft_target,
@@ -205,3 +206,19 @@ def test_verdict(
         used,
     )
     assert found.held is held
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("hold at 2: SLO ttft 5s p95: arrivals 0.57/s (30s); 2.0 slots",
+         "hold at 2: SLO ttft 5s p95: arrivals 0.61/s (30s); 2.0 slots", True),
+        ("hold at 2: SLO ttft 5s p95: arrivals 0.50/s (30s), 2 waiting; 2.0 slots",
+         "hold at 2: SLO ttft 5s p95: arrivals 0.64/s (30s); 2.0 slots", True),
+        ("hold at 2: SLO ttft 5s p95: arrivals 0.5/s (30s)",
+         "hold at 2: guard queue 3.50/replica vs target 2 (SLO sizing 5)", False),
+        ("scale up 1->2: SLO", "hold at 2: SLO", False),
+    ],
+)  # fmt: skip
+def test_reason_kind(a: str, b: str, same: bool) -> None:
+    assert (reason_kind(a) == reason_kind(b)) is same
