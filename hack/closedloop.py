@@ -149,16 +149,22 @@ def zero_autoscaling(idle_s: int) -> dict[str, Any]:
 
 
 def start_zero_gateway(cluster: DevCluster, name: str, idle_s: int, fallback_after_s: int) -> str:
-    """CRDs, the operator, the chart's gateway (`helm install`, release `<name>-gw` in the default
-    namespace: two gateway pods on the `local` pool watching the cluster), a tiny-llama
-    ModelDeployment `name` that may go to zero, and a proxy in front of the gateway's Service
-    (`stop_zero_gateway` undoes it all, also when a step here fails: an operator left running
-    would hold the leader-election Lease and act in later tests); the proxy's base URL once the
-    gateway answers."""
+    """`start_gateway` with a tiny-llama ModelDeployment `name` that may go to zero."""
     md = tiny_llama(name, 4, zero_autoscaling(idle_s))  # refuses a checkout pods cannot read
     # The CRD defaults spec.routing.fallbackAfterSeconds (30 s), which the gateway takes over its
     # own --fallback-after: a cold start that may take longer says so here.
     md["spec"]["routing"] = {"fallbackAfterSeconds": fallback_after_s}
+    return start_gateway(cluster, md)
+
+
+def start_gateway(cluster: DevCluster, md: dict[str, Any]) -> str:
+    """CRDs, the operator, the chart's gateway (`helm install`, release `<name>-gw` in the default
+    namespace: two gateway pods on the `local` pool watching the cluster), the ModelDeployment
+    `md` (named `name`), and a proxy in front of the gateway's Service (`stop_zero_gateway`
+    undoes it all, also when a step here fails: an operator left running would hold the
+    leader-election Lease and act in later tests); the proxy's base URL once the gateway
+    answers."""
+    name = md["metadata"]["name"]
     apply_crds(cluster)
     start_operator(cluster, f"{name}-operator", 2)
     try:
@@ -184,3 +190,17 @@ def stop_zero_gateway(cluster: DevCluster, name: str) -> None:
     cluster.stop_process(f"{name}-operator")
     uninstall = ["uninstall", zero_release(name), "--wait", "--timeout", "60s"]
     chart.helm(cluster, *uninstall, "--namespace", "default", check=False)
+
+
+def md_status(cluster: DevCluster, name: str) -> dict[str, Any]:
+    """The ModelDeployment's status; {} while it has none or does not exist."""
+    out = cluster.kubectl("get", "modeldeployment", name, "-o", "json", check=False)
+    return dict(json.loads(out.stdout).get("status", {})) if out.returncode == 0 else {}
+
+
+def model_pods(cluster: DevCluster, name: str) -> list[dict[str, Any]]:
+    """The ModelDeployment's runtime pods (label kvpilot.dev/model)."""
+    out = cluster.kubectl(
+        "get", "pods", "-l", f"kvpilot.dev/model={name}", "-o", "json", check=False
+    )
+    return list(json.loads(out.stdout)["items"]) if out.returncode == 0 else []
