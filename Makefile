@@ -7,7 +7,7 @@ comma := ,
 LOCK_ARGS ?=
 
 .PHONY: help setup system-deps lint test unit bench llama-server crds cluster-build cluster-up cluster-down \
-        lock lock-check \
+        lock lock-check gptq-refs \
         cluster-env demo demo-down images
 
 help:
@@ -21,6 +21,8 @@ help:
 	@echo "                 llama.cpp's llama-server for bench.engine_peer, ~5 min on 2 cores;"
 	@echo "                 BENCH_SKIP=engine_peer leaves that benchmark out)"
 	@echo "make llama-server  build (or find) the cached llama-server the peer benchmark runs"
+	@echo "make gptq-refs   write (once per GPTQModel version) the GPTQ/AWQ checkpoints GPTQModel makes for"
+	@echo "                 tests/runtime/test_rt_gptq_awq.py, in its own tool venv (hack/gptq_tools.sh)"
 	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
 	@echo "make images      build the operator and runtime OCI images without Docker (as root: mmdebstrap,"
 	@echo "                 umoci; IMAGE=kvpilot-operator builds one) into ~/.cache/kvpilot/images/"
@@ -53,7 +55,14 @@ cluster-build: setup
 unit: setup
 	$(PY) -m pytest -q -m "not slow and not cluster and not e2e and not kind" $(PYTEST_ARGS)
 
-test: lint cluster-build
+# GPTQModel is no dependency of the project: its tool venv (hack/gptq_tools.sh) writes tiny-llama's
+# GPTQ/AWQ checkpoints and their dequantised reference once per (its version, the writer, the
+# model) into ~/.cache/kvpilot/gptq-refs, which tests/runtime/test_rt_gptq_awq.py reads. Offline
+# on a cold cache it says so and those tests skip; a GPTQModel failure fails the set-up.
+gptq-refs: setup
+	@$(PY) -m bench.reference.gptq_awq
+
+test: lint cluster-build gptq-refs
 	@echo "==> pytest (the tests start their own control plane, runtime processes and Prometheus)"
 	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
 

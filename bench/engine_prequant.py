@@ -13,8 +13,9 @@ before timing). Decode: bench.engine_quant's measure (tokens per CPU-second, bf1
 torch thread). The int4 checkpoint is written by compressed-tensors (bench/reference/
 prequantized.py) into a temporary directory: tiny-llama channel-wise (every linear layer; its
 688 MLP features take no group of 128), the compute-bound Llama in groups of 128. GPTQ (act-order,
-group 128) and AWQ (group 128) checkpoints are written by GPTQModel (bench/reference/gptq_awq.py;
-calibrated on 8 paragraphs of eval.txt); AWQ leaves tiny-llama's MLP 16-bit (its scale search
+group 128) and AWQ (group 128) checkpoints are written by GPTQModel in its own tool venv, once, into
+~/.cache/kvpilot/gptq-refs (bench/reference/gptq_awq.py; calibrated on 8 paragraphs of
+eval.txt); AWQ leaves tiny-llama's MLP 16-bit (its scale search
 needs features that divide by 64).
 """
 
@@ -117,9 +118,11 @@ def write_checkpoints(
     written = {}
     for fmt in formats:
         variant = VARIANTS[fmt][compute_bound]
-        out = Path(scratch) / f"{source.name}-{variant}"
-        writer = prequantized if fmt == "compressed-tensors" else gptq_awq
-        written[LABELS[variant]] = writer.write_checkpoint(out, variant, source)
+        if fmt == "compressed-tensors":
+            out = Path(scratch) / f"{source.name}-{variant}"
+            written[LABELS[variant]] = prequantized.write_checkpoint(out, variant, source)
+        else:  # GPTQModel's, from the reference cache (its tool venv writes it the first time)
+            written[LABELS[variant]] = gptq_awq.reference_checkpoint(variant, source)
     return written
 
 
@@ -176,8 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     formats = args.formats.split(",")
     if unknown := set(formats) - set(VARIANTS):
         parser.error(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
-    if {"gptq", "awq"} & set(formats) and not gptq_awq.is_available():
-        parser.error("GPTQ/AWQ checkpoints are written by GPTQModel: pip install gptqmodel")
     setup_threads()
     rows, perplexities = [], []
     with tempfile.TemporaryDirectory(prefix="kvpilot-prequant-") as scratch:

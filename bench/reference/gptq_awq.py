@@ -1,119 +1,141 @@
 """GPTQ and AWQ tiny-llama checkpoints written by GPTQModel itself, and their reference.
 
-`write_checkpoint` runs GPTQModel (the maintained successor of AutoGPTQ and AutoAWQ; it
-quantises on CPU) in a child process: GPTQ with its Hessian-based rounding, act-order or not,
-and AWQ with its activation-aware scale search, calibrated on paragraphs of
-models/tiny-llama/eval.txt, saved with config.json's `quantization_config` as GPTQModel writes it.
-`dequantized_model` is the reference: the same checkpoint loaded by GPTQModel's pure-torch
-modules, each matrix dequantised by GPTQModel's own code (`TorchLinear.dequantize_weight`,
-AWQ's `dequantize_gemm`) into transformers' Llama in float32. Nothing of kvpilot's reader is
-used on either side.
+GPTQModel (the maintained successor of AutoGPTQ and AutoAWQ; it quantises on CPU) is not a
+dependency of the project: it runs in a tool venv of its own (hack/gptq_tools.sh, cached under
+~/.cache/kvpilot/tools by version), in a child process, and never in the project's venv. The
+child (bench/reference/gptq_awq_writer.py) writes, per variant, the checkpoint and the reference:
+
+- `checkpoint/`: GPTQ with its Hessian-based rounding, act-order or not, or AWQ with its
+  activation-aware scale search, calibrated on paragraphs of models/tiny-llama/eval.txt, saved
+  with config.json's `quantization_config` as GPTQModel writes it;
+- `reference.safetensors`: every tensor of that checkpoint with each quantised matrix [out, in]
+  dequantised (float32) by GPTQModel's own pure-torch modules (`TorchLinear.dequantize_weight`,
+  AWQ's `dequantize_gemm`). Nothing of kvpilot's reader is used on either side.
+
+Both are written once per (GPTQModel's pinned requirements, the writer, the source model) into
+~/.cache/kvpilot/gptq-refs/<key>/<variant>/, atomically (a temporary directory renamed into
+place), so the tests and the benchmark read them from there.
 
 AWQ's scale and clip search needs each layer's input and output features to divide by 64,
 which tiny-llama's MLP (688 features) does not: the AWQ variants quantise attention only (a
 GPTQModel `-:` dynamic skip), the MLP stays 16-bit.
 
-python -m bench.reference.gptq_awq OUT VARIANT   # writes one checkpoint (the child process)
+python -m bench.reference.gptq_awq [VARIANT...]   # fills the cache (make test's set-up)
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
-import torch
+from bench.reference.gptq_awq_writer import BENCH_VARIANTS, VARIANTS
 
-from bench.reference.models import TINY_LLAMA
+ROOT = Path(__file__).resolve().parents[2]
+TINY_LLAMA = ROOT / "models" / "tiny-llama"  # bench.reference.models's, without importing kvpilot
+TOOL_SCRIPT = ROOT / "hack" / "gptq_tools.sh"
+TOOL_PINS = ROOT / "hack" / "gptq-requirements.txt"
+WRITER = Path(__file__).with_name("gptq_awq_writer.py")
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "gptq-g128": dict(method="gptq", group_size=128, desc_act=False, sym=True),
-    "gptq-g64-desc": dict(method="gptq", group_size=64, desc_act=True, sym=True),
-    "gptq-g32-asym-v2": dict(method="gptq", group_size=32, desc_act=False, sym=False, v2=True),
-    "gptq-channel-desc": dict(method="gptq", group_size=-1, desc_act=True, sym=True),
-    "awq-g64-zp": dict(method="awq", group_size=64, sym=False),  # zero_point: true
-    "awq-g128": dict(method="awq", group_size=128, sym=True),  # zero_point: false
-}
-# bench.engine_prequant's: act-order at the engine's group size, and AWQ on every linear layer
-# (for models whose features divide by 128).
-BENCH_VARIANTS: dict[str, dict[str, Any]] = {
-    "gptq-g128-desc": dict(method="gptq", group_size=128, desc_act=True, sym=True),
-    "awq-g128-all": dict(method="awq", group_size=128, skip_mlp=False),
-}
-NUM_CALIBRATION_SAMPLES = 8
+WRITE_TIMEOUT_S = 1800
 
 
-def is_available() -> bool:
+class GptqToolUnavailableError(RuntimeError):
+    """GPTQModel's tool venv could not be made (e.g. no network to PyPI on a cold cache)."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
+
+
+def reference_key(source: Path) -> str:
+    """GPTQModel's pinned requirements, the writer and every file of the source model."""
+    digest = hashlib.sha256()
+    for path in [TOOL_PINS, WRITER, *sorted(p for p in source.iterdir() if p.is_file())]:
+        digest.update(path.name.encode())
+        with path.open("rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def reference_checkpoint(variant: str, source: Path = TINY_LLAMA) -> Path:
+    """The checkpoint GPTQModel wrote for `variant` of `source` (its reference.safetensors
+    beside it), from the cache, written first if missing. Raises GptqToolUnavailableError when
+    the tool venv cannot be made; a failure of GPTQModel itself raises RuntimeError."""
+    if variant not in VARIANTS and variant not in BENCH_VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {_all_variants()}")
+    parent = cache_root() / "gptq-refs" / f"{source.name}-{reference_key(source)}"
+    done = parent / variant
+    if not done.is_dir():
+        parent.mkdir(parents=True, exist_ok=True)
+        with (parent / f"{variant}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another run writing it now: wait, then reuse it
+            if not done.is_dir():
+                _write_into_cache(done, variant, source)
+    return done / "checkpoint"
+
+
+def _write_into_cache(done: Path, variant: str, source: Path) -> None:
+    python = tool_python()
+    scratch = Path(tempfile.mkdtemp(prefix=f".{variant}-", dir=done.parent))
+    scratch.chmod(0o755)  # mkdtemp's 0700 would stay on the cached variant
     try:
-        import gptqmodel  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        print(f"==> GPTQModel writes {variant} of {source.name} into {done}", file=sys.stderr)
+        started = time.monotonic()
+        env = {**os.environ, "GPTQMODEL_CPU_WORKERS": "2", "CUDA_VISIBLE_DEVICES": ""}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        command = [python, "-m", "bench.reference.gptq_awq_writer", str(scratch), variant]
+        ran = subprocess.run(  # in scratch: GPTQModel writes its logs/ into the working directory
+            [*command, str(source)], cwd=scratch, env=env, capture_output=True, text=True,
+            check=False, timeout=WRITE_TIMEOUT_S,
+        )  # fmt: skip
+        if ran.returncode != 0:
+            raise RuntimeError(f"GPTQModel failed to write {variant}:\n{ran.stderr[-4000:]}")
+        shutil.rmtree(scratch / "logs", ignore_errors=True)
+        os.rename(scratch, done)  # atomic: a reader sees the whole variant or none of it
+        print(f"==> {variant} written in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path:
-    """GPTQModel in a child process: its thread pools and logging stay out of the caller."""
-    root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "GPTQMODEL_CPU_WORKERS": "2", "CUDA_VISIBLE_DEVICES": ""}
-    env["PYTHONPATH"] = path
-    command = [sys.executable, "-m", "bench.reference.gptq_awq", str(out), variant, str(source)]
-    out.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(  # in `out`: GPTQModel writes its logs/ into the working directory
-        command, check=False, cwd=out, env=env, capture_output=True, text=True, timeout=900
+def tool_python() -> str:
+    """hack/gptq_tools.sh's python (it makes the tool venv the first time, its progress lines
+    passed on as they come)."""
+    script = subprocess.Popen(
+        ["bash", str(TOOL_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"GPTQModel failed to write {variant}:\n{done.stderr[-4000:]}")
-    return out
+    assert script.stdout is not None and script.stderr is not None
+    tail: deque[str] = deque(maxlen=15)
+    for line in script.stderr:
+        sys.stderr.write(line)
+        tail.append(line)
+    python = script.stdout.read().strip()  # one line: stdout cannot fill its pipe meanwhile
+    if script.wait() != 0:
+        raise GptqToolUnavailableError(
+            f"GPTQModel's tool venv could not be made (hack/gptq_tools.sh exited "
+            f"{script.returncode}; it needs PyPI the first time):\n{''.join(tail)}"
+        )
+    return python
 
 
-def _quantize(out: Path, variant: str, source: Path) -> None:
-    from gptqmodel import AWQConfig, GPTQConfig, GPTQModel
-    from gptqmodel.quantization import FORMAT
-
-    spec = {**VARIANTS, **BENCH_VARIANTS}[variant]
-    common = dict(bits=4, group_size=spec["group_size"], offload_to_disk=False, device="cpu")
-    config: Any
-    if spec["method"] == "gptq":
-        fmt = FORMAT.GPTQ_V2 if spec.get("v2") else FORMAT.GPTQ
-        config = GPTQConfig(**common, desc_act=spec["desc_act"], sym=spec["sym"], format=fmt)
-    else:
-        skips: dict[str, Any] | None = {r"-:.*mlp\..*": {}} if spec.get("skip_mlp", True) else None
-        config = AWQConfig(**common, sym=spec.get("sym", True), dynamic=skips)
-    paragraphs = (TINY_LLAMA / "eval.txt").read_text().split("\n\n")  # same tokenizer
-    calibration = [p for p in paragraphs if len(p) > 200][:NUM_CALIBRATION_SAMPLES]
-    model = GPTQModel.load(str(source), config)
-    model.quantize(calibration, batch_size=NUM_CALIBRATION_SAMPLES)
-    model.save(str(out))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(source / name, out / name)
-
-
-def dequantized_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+def dequantized_state_dict(checkpoint: Path) -> dict[str, Any]:
     """Every tensor of the checkpoint, each quantised module's weight [out, in] dequantised by
-    GPTQModel's own pure-torch modules (float32)."""
-    from gptqmodel import BACKEND, GPTQModel
-    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    GPTQModel's own pure-torch modules (float32), as the tool venv saved it."""
+    from safetensors.torch import load_file
 
-    model = GPTQModel.load(str(checkpoint), device="cpu", backend=BACKEND.TORCH)
-    state: dict[str, torch.Tensor] = {}
-    for name, module in model.model.named_modules():
-        if not hasattr(module, "qweight"):
-            continue
-        if hasattr(module, "g_idx"):  # GPTQ: [in, out], g_idx and the v1 zero offset applied
-            weight = module.dequantize_weight()
-        else:
-            args = (module.qweight, module.qzeros, module.scales, module.bits, module.group_size)
-            weight = dequantize_gemm(*args)
-        state[f"{name}.weight"] = weight.t().float()
-    for name, tensor in model.model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if f"{module}.weight" not in state and name.endswith(("weight", "bias")):
-            state[name] = tensor.float()
-    return state
+    reference = checkpoint.parent / "reference.safetensors"
+    if not reference.is_file():
+        raise FileNotFoundError(f"{reference}: not written; use reference_checkpoint(variant)")
+    return load_file(str(reference))
 
 
 def dequantized_model(checkpoint: Path) -> Any:
@@ -128,7 +150,21 @@ def dequantized_model(checkpoint: Path) -> Any:
     return model.float().eval()
 
 
+def _all_variants() -> str:
+    return ", ".join([*VARIANTS, *BENCH_VARIANTS])
+
+
+def main(argv: list[str]) -> int:
+    if unknown := set(argv) - set(VARIANTS) - set(BENCH_VARIANTS):
+        print(f"unknown variants {sorted(unknown)}; choose from {_all_variants()}", file=sys.stderr)
+        return 2
+    try:
+        for variant in argv or list(VARIANTS):
+            print(f"==> {variant}: {reference_checkpoint(variant).parent}", file=sys.stderr)
+    except GptqToolUnavailableError as error:  # the tests that need them skip, saying the same
+        print(f"==> (GPTQ/AWQ references not built, their tests skip: {error})", file=sys.stderr)
+    return 0
+
+
 if __name__ == "__main__":
-    _quantize(
-        Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]) if len(sys.argv) > 3 else TINY_LLAMA
-    )
+    sys.exit(main(sys.argv[1:]))

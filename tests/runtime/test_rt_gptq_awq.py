@@ -13,13 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.reference.gptq_awq import (
-    VARIANTS,
-    dequantized_model,
-    dequantized_state_dict,
-    write_checkpoint,
-)
-from bench.reference.gptq_awq import is_available as gptqmodel_available
+from bench.reference.gptq_awq import VARIANTS, dequantized_model, dequantized_state_dict
 from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
 from kvpilot.contract.checkpoint_quant import parse_quantization_config
 from kvpilot.runtime.engine.engine import Engine
@@ -37,12 +31,14 @@ from kvpilot.runtime.layers.prequant import dequantize, read_matrix
 from kvpilot.runtime.layers.quant import Int4Weight
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
-from tests.support.prequant_reference import LOGIT_TOLERANCE, PROMPTS, hf_perplexity
+from tests.support.prequant_reference import (
+    LOGIT_TOLERANCE,
+    PROMPTS,
+    gptqmodel_checkpoint,
+    hf_perplexity,
+)
 
 CPU = torch.device("cpu")
-NEEDS_GPTQMODEL = pytest.mark.skipif(
-    not gptqmodel_available(), reason="GPTQModel writes the checkpoints: pip install gptqmodel"
-)
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
         "checkpoint_format": "gptq", "lm_head": False, "pack_dtype": "int32"}  # fmt: skip
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
@@ -130,15 +126,8 @@ def test_act_order_makes_groups_consecutive(
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def get(variant: str) -> Path:
-        if variant not in made:
-            made[variant] = write_checkpoint(tmp_path_factory.mktemp(variant), variant)
-        return made[variant]
-
-    return get
+def checkpoints() -> Callable[[str], Path]:
+    return gptqmodel_checkpoint  # from the reference cache; `make test`'s set-up fills it
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +143,6 @@ def references() -> Callable[[Path], Any]:
 
 
 @pytest.mark.slow
-@NEEDS_GPTQMODEL
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matrices_equal_gptqmodels_dequantisation(
     checkpoints: Callable[[str], Path], variant: str
@@ -180,7 +168,6 @@ def _names(path: Path) -> set[str]:
 
 
 @pytest.mark.slow
-@NEEDS_GPTQMODEL
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_and_greedy_tokens_match_transformers(
     checkpoints: Callable[[str], Path],
@@ -202,7 +189,6 @@ def test_logits_and_greedy_tokens_match_transformers(
 
 
 @pytest.mark.slow
-@NEEDS_GPTQMODEL
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_perplexity_within_half_a_percent_of_transformers(
     checkpoints: Callable[[str], Path],

@@ -11,24 +11,20 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from bench.reference.gptq_awq import dequantized_model, is_available, write_checkpoint
+from bench.reference.gptq_awq import dequantized_model
 from bench.reference.models import hf_greedy
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
+from tests.support.prequant_reference import gptqmodel_checkpoint
 from tests.support.server_process import MODEL, RuntimeServer
 
-pytestmark = [
-    pytest.mark.slow,  # starts runtime processes or loads a model
-    pytest.mark.skipif(
-        not is_available(), reason="GPTQModel writes the checkpoint: pip install gptqmodel"
-    ),
-]
+pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
 
 PROMPT = "The for statement"
 
 
 @pytest.fixture(scope="module")
-def gptq_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("gptq-g64-desc"), "gptq-g64-desc")
+def gptq_checkpoint() -> Path:
+    return gptqmodel_checkpoint("gptq-g64-desc")
 
 
 def test_gptq_checkpoint_serves_transformers_greedy_text(
