@@ -6,6 +6,7 @@ perplexity)."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,12 @@ from typing import Any
 import pytest
 import torch
 
-from bench.reference.gptq_awq import VARIANTS, dequantized_model, dequantized_state_dict
+from bench.reference.gptq_awq import (
+    VARIANTS,
+    dequantized_model,
+    dequantized_state_dict,
+    reference_key,
+)
 from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
 from kvpilot.contract.checkpoint_quant import parse_quantization_config
 from kvpilot.runtime.engine.engine import Engine
@@ -123,6 +129,24 @@ def test_act_order_makes_groups_consecutive(
         return
     perm = act_order_permutation(*args)
     assert (None if perm is None else perm.tolist()) == expected
+
+
+@pytest.mark.parametrize(
+    ("change", "same_key"),
+    [
+        (lambda model: None, True),  # a copy elsewhere: the directory's path is not in the key
+        (lambda model: (model / "eval.txt").write_text("other calibration text"), False),
+        (lambda model: (model / "config.json").write_bytes(b"{}"), False),
+        (lambda model: (model / "extra.json").write_text("{}"), False),
+    ],
+)
+def test_reference_cache_key_follows_the_models_files(
+    tmp_path: Path, tiny_llama_dir: Path, change: Callable[[Path], object], same_key: bool
+) -> None:
+    """A variant is written again when what GPTQModel reads changes, and only then."""
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "tiny-llama")
+    change(model)
+    assert (reference_key(model) == reference_key(tiny_llama_dir)) == same_key
 
 
 @pytest.fixture(scope="module")
