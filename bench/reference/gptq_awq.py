@@ -107,9 +107,16 @@ def _write_into_cache(done: Path, variant: str, source: Path) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+_tool_failed: list[
+    GptqToolUnavailableError
+] = []  # once per process: offline, every test skips at once
+
+
 def tool_python() -> str:
     """hack/gptq_tools.sh's python (it makes the tool venv the first time, its progress lines
     passed on as they come)."""
+    if _tool_failed:
+        raise _tool_failed[0]
     script = subprocess.Popen(
         ["bash", str(TOOL_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -120,10 +127,13 @@ def tool_python() -> str:
         tail.append(line)
     python = script.stdout.read().strip()  # one line: stdout cannot fill its pipe meanwhile
     if script.wait() != 0:
-        raise GptqToolUnavailableError(
-            f"GPTQModel's tool venv could not be made (hack/gptq_tools.sh exited "
-            f"{script.returncode}; it needs PyPI the first time):\n{''.join(tail)}"
+        _tool_failed.append(
+            GptqToolUnavailableError(
+                f"GPTQModel's tool venv could not be made (hack/gptq_tools.sh exited "
+                f"{script.returncode}; it needs PyPI the first time):\n{''.join(tail)}"
+            )
         )
+        raise _tool_failed[0]
     return python
 
 
@@ -162,7 +172,8 @@ def main(argv: list[str]) -> int:
         for variant in argv or list(VARIANTS):
             print(f"==> {variant}: {reference_checkpoint(variant).parent}", file=sys.stderr)
     except GptqToolUnavailableError as error:  # the tests that need them skip, saying the same
-        print(f"==> (GPTQ/AWQ references not built, their tests skip: {error})", file=sys.stderr)
+        why = str(error).splitlines()[0]  # the script's own lines were printed as they came
+        print(f"==> (GPTQ/AWQ references not built, their tests skip: {why})", file=sys.stderr)
     return 0
 
 

@@ -6,7 +6,10 @@ perplexity)."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,6 +150,23 @@ def test_reference_cache_key_follows_the_models_files(
     model = shutil.copytree(tiny_llama_dir, tmp_path / "tiny-llama")
     change(model)
     assert (reference_key(model) == reference_key(tiny_llama_dir)) == same_key
+
+
+@pytest.mark.slow
+def test_references_offline_on_a_cold_cache_say_why_and_write_nothing(tmp_path: Path) -> None:
+    """`make gptq-refs` without PyPI and an empty cache: the set-up goes on (the tests skip with
+    the same reason) and no half-written variant is left behind."""
+    env = {**os.environ, "KVPILOT_CACHE_DIR": str(tmp_path), "UV_OFFLINE": "1", "PIP_NO_INDEX": "1"}
+    command = [sys.executable, "-m", "bench.reference.gptq_awq", "gptq-g128"]
+    root = Path(__file__).resolve().parents[2]
+    ran = subprocess.run(
+        command, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "GPTQ/AWQ references not built, their tests skip" in ran.stderr
+    assert "it needs PyPI the first time" in ran.stderr
+    written = [p.name for p in (tmp_path / "gptq-refs").glob("*/*") if p.is_dir()]
+    assert written == []
 
 
 @pytest.fixture(scope="module")
