@@ -44,6 +44,7 @@ TINY_LLAMA = ROOT / "models" / "tiny-llama"  # bench.reference.models's, without
 TOOL_SCRIPT = ROOT / "hack" / "gptq_tools.sh"
 TOOL_PINS = ROOT / "hack" / "gptq-requirements.txt"
 WRITER = Path(__file__).with_name("gptq_awq_writer.py")
+CALIBRATION_TEXT = TINY_LLAMA / "eval.txt"  # what the writer calibrates on, whatever the model
 
 WRITE_TIMEOUT_S = 1800
 
@@ -57,9 +58,11 @@ def cache_root() -> Path:
 
 
 def reference_key(source: Path) -> str:
-    """GPTQModel's pinned requirements, the writer and every file of the source model."""
+    """GPTQModel's pinned requirements, the writer, its calibration text (tiny-llama's, also
+    for bench.engine_prequant's other model) and every file of the source model."""
     digest = hashlib.sha256()
-    for path in [TOOL_PINS, WRITER, *sorted(p for p in source.iterdir() if p.is_file())]:
+    model_files = sorted(p for p in source.iterdir() if p.is_file())
+    for path in [TOOL_PINS, WRITER, CALIBRATION_TEXT, *model_files]:
         digest.update(path.name.encode())
         with path.open("rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
