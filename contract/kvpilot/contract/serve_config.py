@@ -17,6 +17,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvpilot.contract.adapter_cache import AdapterDirs
 from kvpilot.contract.engine_config import EngineConfig, option
 from kvpilot.contract.model_source import ModelSource, parse_model_uri
 
@@ -80,6 +81,17 @@ class ServeConfig(EngineConfig):
         "LoRA adapters loaded at start (with --enable-lora), each NAME=PATH or vLLM's JSON "
         '{"name": NAME, "path": PATH}; PATH a local PEFT adapter directory',
     )
+    # Set by the operator (adapter_cache.py says how an entry and a claim's path are named).
+    lora_cache_dir: str | None = option(
+        None,
+        "a directory of adapters fetched ahead, one per URI (the operator's model cache): an "
+        "hf:// or s3:// adapter found there is read from it instead of fetched",
+    )
+    lora_claims_dir: str | None = option(
+        None,
+        "where pvc:// adapters' claims are mounted, each at its name: pvc://CLAIM/PATH is read "
+        "from DIR/CLAIM/PATH (without it pvc:// adapters are refused)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,6 +143,10 @@ class ServeConfig(EngineConfig):
     def lora_adapters(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, path) pairs."""
         return [parse_lora_module(text) for text in self.lora_modules]
+
+    @property
+    def adapter_dirs(self) -> AdapterDirs:
+        return AdapterDirs(self.lora_cache_dir, self.lora_claims_dir)
 
     @property
     def request_seq_limit(self) -> int:
