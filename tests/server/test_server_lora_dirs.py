@@ -1,6 +1,6 @@
 """Adapters the runtime reads without fetching them, through a real server: an hf:// adapter
 found in --lora-cache-dir (the operator's model cache), and pvc://CLAIM/PATH under
---lora-claims-dir (where the operator mounts the claim), at start and through vLLM's load
+--lora-claims (where the operator mounts the claim), at start and through vLLM's load
 endpoint. No hub answers here, so an adapter that is not in the cache is a 400 naming its URI."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def server(start_server: Callable[..., RuntimeServer], dirs: dict[str, Path]) ->
         return start_server(
             "--max-model-len", "256", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
             "--attention-backend", "sdpa", "--dtype", "float32",
-            f"--lora-cache-dir={dirs['cache']}", f"--lora-claims-dir={dirs['claims']}",
+            f"--lora-cache-dir={dirs['cache']}", f"--lora-claims=loras={dirs['claims'] / 'loras'}",
             "--lora-modules", f"qv8={dirs['plain'] / 'qv8'}", "pvc-ko2=pvc://loras/tenant/ko2",
         )  # fmt: skip
 
@@ -89,6 +89,7 @@ def test_a_pvc_adapter_is_read_under_its_claims_mount(
         ("hf://kvpilot/not-cached", "hf://kvpilot/not-cached"),  # not in the cache: fetched
         ("pvc://loras/../etc", "may not contain '..'"),
         ("pvc://loras/tenant/none", "pvc://loras/tenant/none"),
+        ("pvc://unmounted/qv8", "claim 'unmounted' is not mounted in this pod"),
     ],
 )
 def test_adapters_it_cannot_read_are_400s_naming_the_uri(

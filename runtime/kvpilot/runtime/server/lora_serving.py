@@ -5,9 +5,9 @@ read from), and /v1/load_lora_adapter and /v1/unload_lora_adapter change the set
 
 An adapter's path is a local directory, file://, hf://ORG/NAME[@REV] or s3://BUCKET/PREFIX,
 fetched as the model is (contract/fetch.py), unless --lora-cache-dir holds it already (the
-operator's model cache); or pvc://CLAIM/PATH, read under --lora-claims-dir where the operator
-mounts the claim (contract/adapter_cache.py). Everything here reads files or the network, so the
-server calls it off its event loop.
+operator's model cache); or pvc://CLAIM/PATH, read where the operator mounts the claim
+(--lora-claims CLAIM=DIR; contract/adapter_cache.py). Everything here reads files or the
+network, so the server calls it off its event loop.
 """
 
 from __future__ import annotations
@@ -34,17 +34,12 @@ def runtime_updates_allowed(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def local_adapter_dir(uri: str, dirs: AdapterDirs = NO_DIRS) -> str:
-    """The adapter as a local directory: pvc:// under --lora-claims-dir; hf:// and s3:// from
-    --lora-cache-dir's entry when it holds one, else fetched; ValueError naming the URI when it
-    cannot be."""
+    """The adapter as a local directory: pvc:// under its claim's --lora-claims mount; hf://
+    and s3:// from --lora-cache-dir's entry when it holds one, else fetched; ValueError naming
+    the URI when it cannot be."""
     source = parse_model_uri(uri)
     if source.scheme == "pvc":
-        if dirs.claims_dir is None:
-            raise ValueError(
-                f"{uri}: pvc:// adapters are read where the kvpilot operator mounts their claims"
-                " (--lora-claims-dir, not given); pass the adapter's path instead"
-            )
-        return claim_path(dirs.claims_dir, source)
+        return claim_path(dirs.claims, source)
     entry = dirs.cache_entry(uri) if source.is_fetched else None
     if entry is not None and os.path.isdir(entry):
         return entry  # fetched once into the shared cache by the operator's fill Job
