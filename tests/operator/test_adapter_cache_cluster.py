@@ -1,6 +1,8 @@
 """LoRA adapters through the model cache on the `local` pool (real processes): two s3://
 adapters of a cached tiny-llama with two replicas are each fetched once, by a Job, into the
-cache's claim; the pods read them from there (their logs show no fetch) and serve them."""
+cache's claim; the pods read them from there (their logs show no fetch) and serve them. And a
+pvc:// adapter: its claim (bound by the dev cluster's provisioner, filled by a Job) mounted
+read-only in the pod, the runtime reading the adapter there."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import pytest
 
 from bench.reference.lora import MIXED_ADAPTERS, load_base, make_adapter
 from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
+from hack.devcluster.nodepools import NODE_TYPE_LABEL
 from kvpilot.operator.adapters import cache_fill
+from kvpilot.operator.config import OperatorConfig
 from tests.support.operator_cluster import (
     TINY_FACTS,
     Operator,
@@ -104,3 +108,69 @@ def test_adapters_of_a_cached_model_are_fetched_once_into_the_cache_and_read_fro
         assert answer(holder, name) != answer(holder, "tiny")
     args = next(iter(replicas.values()))["spec"]["containers"][0]["args"]
     assert "--lora-cache-dir=/mnt/models/.adapters" in args
+
+
+def fill_claim_job(cluster: Any, claim: str, uri: str, to: str) -> dict[str, Any]:
+    """A Job that fetches `uri` into `to` on `claim` with the runtime's own fetch (how a user
+    fills a claim with adapters: any writer would do)."""
+    endpoints = {
+        k: v for k, v in model_server_env(cluster).items() if k.endswith(("ENDPOINT_URL", "REGION"))
+    }
+    container = {
+        "name": "fill",
+        "image": OperatorConfig().runtime_image,
+        "command": ["kvpilot-runtime"],
+        "args": ["fetch", f"--model={uri}", f"--to=/data/{to}"],
+        "env": [{"name": k, "value": v} for k, v in endpoints.items()],
+        "envFrom": [{"secretRef": {"name": "model-creds"}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    pod = {
+        "restartPolicy": "Never",
+        "nodeSelector": {NODE_TYPE_LABEL: "local"},  # a node whose pods run for real
+        "tolerations": [{"operator": "Exists"}],
+        "containers": [container],
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}],
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"fill-{claim}"},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod}},
+    }
+
+
+def test_a_pvc_adapter_is_read_from_the_claim_mounted_read_only(
+    cluster: Any, operator: Operator, namespace: str, tmp_path: Path
+) -> None:
+    uris = upload_adapters(cluster, namespace, tmp_path)
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "loras"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    apply_doc(cluster, namespace, claim)
+    apply_doc(cluster, namespace, fill_claim_job(cluster, "loras", uris["all16"], "tenant/all16"))
+
+    def filled() -> bool:
+        job = get(cluster, "job", "fill-loras", "-n", namespace)
+        found = {c["type"] for c in (job.get("status") or {}).get("conditions") or []}
+        assert "Failed" not in found, job["status"]
+        return "Complete" in found
+
+    wait_for(filled, "the claim filled", operator, timeout=180)
+    md = tiny_llama_from("hf://kvpilot/tiny-llama", cluster, "model-creds", TINY_FACTS)
+    md["spec"]["lora"] = {"maxLoras": 2, "maxLoraRank": 16}
+    md["spec"]["adapters"] = [{"name": "tenant", "uri": "pvc://loras/tenant/all16"}]
+    apply_doc(cluster, namespace, md)
+    wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=240)
+    where = wait_for(lambda: all_loaded(cluster, namespace), "adapter loaded", operator, 120)
+
+    (pod,) = pods(cluster, namespace, "tiny")
+    assert where == {"tenant": [pod["metadata"]["name"]]}
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "lora-claim-0")
+    assert volume["persistentVolumeClaim"] == {"claimName": "loras", "readOnly": True}
+    assert "--lora-claims=loras=/mnt/lora-claims/loras" in pod["spec"]["containers"][0]["args"]
+    assert answer(pod, "tenant") != answer(pod, "tiny")
+    assert f"fetching {uris['all16']}" not in pod_log(cluster, namespace, pod)
