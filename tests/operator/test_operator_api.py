@@ -375,7 +375,7 @@ def test_kv_offload_crd_rules_say_what_the_models_say() -> None:
     [
         ({"name": "a=b", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
         ({"name": "-sql", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
-        ({"name": "sql", "uri": "pvc://claim/a"}, "uri", api.ADAPTER_URI_FORMS),
+        ({"name": "sql", "uri": "pvc://My_Claim/a"}, "uri", api.ADAPTER_URI_FORMS),
         ({"name": "sql", "uri": "org/a"}, "uri", api.ADAPTER_URI_FORMS),
     ],
 )

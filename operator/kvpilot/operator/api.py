@@ -70,10 +70,14 @@ MAX_ADAPTERS = 256
 # An adapter's name is a model name clients send and a --lora-modules NAME=PATH key: no `=`,
 # no whitespace, no leading or trailing punctuation.
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/-]*[A-Za-z0-9])?$"
-# The runtime fetches an adapter itself when it loads it (hf://, s3://) or reads a path it can
-# see (file://, e.g. a local pool's host directory); pvc:// would need a volume in the pod
-# template, and a template change restarts the pods, which adapters exist to avoid.
-ADAPTER_URI_PATTERN = r"^(hf://[^/\s]+/[^\s]+|s3://[^\s]+|file:///[^\s]*)$"
+# The runtime fetches an adapter itself when it loads it (hf://, s3://; or from the model cache),
+# reads a path it can see (file://, e.g. a local pool's host directory), or reads a pvc:// claim
+# the pods mount read-only: a claim new to the spec is a new volume in the pod template, so it
+# rolls the pods once; more adapters on claims already mounted do not.
+ADAPTER_URI_PATTERN = (
+    r"^(hf://[^/\s]+/[^\s]+|s3://[^\s]+|file:///[^\s]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
+)
 MAX_CASCADE_RULES = 8
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
@@ -130,8 +134,8 @@ MODEL_URI_FORMS = (
 )
 DRAFT_URI_FORMS = "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
 ADAPTER_URI_FORMS = (
-    "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or file:///PATH (a PEFT adapter directory;"
-    " pvc:// is not accepted for adapters: copy the adapter to s3:// or use the node's path)"
+    "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH (a PEFT"
+    " adapter directory)"
 )
 EVAL_DATASET_URI_FORMS = (
     "one file: hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
@@ -917,8 +921,10 @@ class Adapter(_Model):
     )
     uri: AdapterUri = Field(
         max_length=1024,
-        description="hf://org/name[@revision], s3://bucket/prefix or file:///path of a PEFT"
-        " adapter directory (adapter_config.json and adapter_model.safetensors)",
+        description="hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or"
+        " file:///path of a PEFT adapter directory (adapter_config.json and"
+        " adapter_model.safetensors); a pvc:// claim is mounted read-only in the pods (a claim"
+        " new to the spec rolls them once)",
     )
     secret_ref: SecretRef | None = Field(
         default=None,
