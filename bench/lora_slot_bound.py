@@ -15,8 +15,9 @@ request is replaced by the next of the Zipf draw (bench.engine_lora.zipf_names).
 - pause, round robin: the same, the adapters least recently run first.
 
 Rows per step over the concurrency is the ceiling of the throughput ratio to the base model when
-a step costs the same whatever its rows, as tiny-llama's CPU decode step nearly does
-(docs/benchmarks.md, engine_lora: ~100 steps/s at 11.6 rows and at 31).
+a step with adapters costs what a base step of all the rows does, as on tiny-llama's CPU decode
+steps (docs/benchmarks.md, engine_lora: the Zipf run's steps of 11.6 rows over up to 8 adapters
+ran at about the base run's steps per second with 31 rows).
 """
 
 from __future__ import annotations
