@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads
-from bench.engine_quant import decode_tokens_per_second, verdict
+from bench.engine_quant import decode_tokens_per_second, greedy, verdict
 from bench.reference import gptq_awq, prequantized
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
@@ -104,6 +104,38 @@ def measure(
             rates[name] = max(rates[name], rate)
             engine.shutdown()
     return [_row(label, name, loads, rates) for name in checkpoints]
+
+
+def op_rows(label: str, source: Path, checkpoints: dict[str, Path]) -> list[list[object]]:
+    cases = {OWN: (source, "int4", False), OWN_HEAD: (source, "int4", True)}
+    cases |= {name: (path, "none", False) for name, path in checkpoints.items()}
+    return [[label, name, *ops_per_decode_step(*case)] for name, case in cases.items()]
+
+
+PROFILED_STEPS = 8
+COUNTED_OPS = {  # column -> torch.profiler's op name
+    "int4 matmuls": "aten::_weight_int4pack_mm_for_cpu",
+    "bf16 matmuls": "aten::mm",
+    "gathers": "aten::index_select",
+}
+
+
+def ops_per_decode_step(path: Path, level: str, embedding_16_bit: bool) -> list[object]:
+    """What one decode step runs (torch.profiler, concurrency 1): counts, not times, so a
+    shared machine does not blur where a checkpoint's step differs from the own int4's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = make_engine(path, level, embedding_16_bit)
+    engine.add_request(list(range(10, 42)), greedy(2 + PROFILED_STEPS), "profiled")
+    engine.step()  # the prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_STEPS):
+            engine.step()
+    engine.shutdown()
+    counts = {event.key: event.count for event in prof.key_averages()}
+    aten = sum(n for key, n in counts.items() if key.startswith("aten::"))
+    columns = [counts.get(op, 0) for op in COUNTED_OPS.values()] + [aten]
+    return [f"{n / PROFILED_STEPS:g}" for n in columns]
 
 
 def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]) -> list[object]:
@@ -206,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if {"gptq", "awq"} & set(formats) and not gptq_awq.is_available():
         parser.error("GPTQ/AWQ checkpoints are written by GPTQModel: pip install gptqmodel")
     setup_threads()
-    rows, perplexities = [], []
+    rows, perplexities, ops = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvpilot-prequant-") as scratch:
         models = [("tiny-llama (4 M)", MODEL, False)]
         if not args.tiny_only:
@@ -214,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, source, compute_bound in models:
             checkpoints = write_checkpoints(Path(scratch), source, formats, compute_bound)
             rows += measure(label, source, checkpoints, args)
+            ops += op_rows(label, source, checkpoints)
             if not compute_bound:
                 perplexities = perplexity_rows(checkpoints)
     table = markdown_table(
@@ -230,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoint / own with bf16 embedding (like with like)",
         ],
         rows,
+    )
+    op_table = markdown_table(
+        ["model", "weights", *(f"{c} per decode step" for c in COUNTED_OPS), "aten ops per step"],
+        ops,
     )
     quality = markdown_table(
         [
@@ -256,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows at load). AWQ on tiny-llama quantises attention only (GPTQModel's scale search "
         "leaves its MLP bf16, the checkpoint's choice), so it decodes slower.\n\n"
         + table
+        + f"\n\nWhat a decode step runs (torch.profiler over {PROFILED_STEPS} steps at "
+        "concurrency 1; op counts, which a shared machine does not blur):\n\n"
+        + op_table
         + "\n\nPerplexity on models/tiny-llama/eval.txt (512-token windows, float32): transformers "
         "on the checkpoint as GPTQModel dequantises it, against kvpilot serving it packed.\n\n"
         + (quality if perplexities else "(no GPTQ/AWQ checkpoint in this run)")
