@@ -499,7 +499,9 @@ class QuantizationPolicy(_Model):
     )
     evaluation: Evaluation | None = Field(
         default=None,
-        description="measure each level on this eval set and admit it by its measured loss",
+        description="measure each level (and each of spec.model.variants) on this eval set"
+        " against spec.model unquantised, and admit it by its measured loss; spec.model must be"
+        " a 16-bit checkpoint (list pre-quantised ones under spec.model.variants)",
     )
 
     @model_validator(mode="after")

@@ -176,13 +176,20 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
 
 
 def check_prequantized(spec: api.ModelDeploymentSpec, facts: ModelFacts) -> None:
-    """A pre-quantised spec.model fixes its level, so there is no level left to measure."""
-    if facts.checkpoint is not None and spec.quantization.evaluation is not None:
-        raise ValueError(
-            f"spec.quantization.evaluation measures kvpilot's own levels of a 16-bit checkpoint,"
-            f" and spec.model is pre-quantised ({facts.checkpoint.description}), which fixes"
-            " its level: remove spec.quantization.evaluation"
-        )
+    """The quality gate measures every loss against spec.model unquantised: a pre-quantised
+    spec.model leaves it no 16-bit baseline (nor a level of its own to measure), so the spec is
+    refused with the arrangement that works: the 16-bit checkpoint as spec.model, the
+    pre-quantised one as a variant (measured against it, and served where it wins)."""
+    if facts.checkpoint is None or spec.quantization.evaluation is None:
+        return
+    method = facts.checkpoint.description.split()[0]  # e.g. awq: a DNS label, a variant's name
+    raise ValueError(
+        f"spec.quantization.evaluation needs a 16-bit spec.model as its baseline, and"
+        f" spec.model ({spec.model.uri}) is pre-quantised ({facts.checkpoint.description}):"
+        " put the model's 16-bit checkpoint in spec.model.uri and this one under"
+        f" spec.model.variants (e.g. {{name: {method}, uri: {spec.model.uri}}}),"
+        " or remove spec.quantization.evaluation to serve it unmeasured"
+    )
 
 
 # What makes two checkpoints one model: the shapes the KV cache and the served API depend on.
