@@ -184,10 +184,6 @@ class ModelCache(_Model):
 
 MAX_VARIANTS = 8
 _VARIANTS_UNIQUE = "spec.model.variants: each name once"
-_VARIANTS_NO_CACHE = (
-    "cache with variants is not supported yet (the cache holds one URI): remove cache, or the"
-    " variants"
-)
 
 
 class ModelVariant(_Model):
@@ -217,10 +213,6 @@ class ModelSource(_Model):
                 "!has(self.cache) || self.uri.startsWith('hf://') || self.uri.startsWith('s3://')",
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already",
             ),
-            (
-                "!has(self.cache) || !has(self.variants) || size(self.variants) == 0",
-                _VARIANTS_NO_CACHE,
-            ),
         )
     )
 
@@ -244,7 +236,9 @@ class ModelSource(_Model):
     head_dim: int | None = Field(default=None, ge=1, le=4096)
     vocab_size: int | None = Field(default=None, ge=1)
     cache: ModelCache | None = Field(
-        default=None, description="fetch once into a shared volume instead of once per pod"
+        default=None,
+        description="fetch once into a shared volume instead of once per pod; each of variants"
+        " is fetched into a volume of its own, keyed by its URI as spec.model's is",
     )
     variants: list[ModelVariant] = Field(
         default_factory=list,
@@ -264,13 +258,12 @@ class ModelSource(_Model):
         names = [v.name for v in self.variants]
         if len(set(names)) < len(names):
             raise ValueError(_VARIANTS_UNIQUE)
-        if self.cache is not None and self.variants:
-            raise ValueError(_VARIANTS_NO_CACHE)
         return self
 
     def variant(self, name: str) -> ModelSource:
         """The source a node type planned with variant `name` serves ("": this one): its URI
-        and Secret, this one's served name (clients ask for one model)."""
+        and Secret, this one's served name (clients ask for one model), and this one's cache
+        settings (a variant is cached in a claim of its own, keyed by its URI)."""
         if not name:
             return self
         found = next(v for v in self.variants if v.name == name)
@@ -278,6 +271,7 @@ class ModelSource(_Model):
             uri=found.uri,
             served_name=served_name(self),
             secret_ref=found.secret_ref or self.secret_ref,
+            cache=self.cache,
         )
 
 
@@ -1188,6 +1182,9 @@ class CacheStatus(_Model):
     """The model cache as the fill Job reports it."""
 
     claim_name: str
+    variant: str = Field(
+        default="", description="the spec.model.variants[] it holds; '': spec.model"
+    )
     phase: Literal["Pending", "Downloading", "Cached", "Failed"]
     bytes: int | None = None
     files: int | None = None
@@ -1246,6 +1243,11 @@ class ModelDeploymentStatus(_Model):
     endpoint: str = ""
     autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
     cache: CacheStatus | None = None
+    variant_caches: list[CacheStatus] = Field(
+        default_factory=list,
+        max_length=MAX_VARIANTS,
+        description="with spec.model.cache, each variant's cache (status.cache is spec.model's)",
+    )
     cost: CostStatus | None = None
     quality: list[QualityMeasurement] = Field(default_factory=list)
     adapters: list[AdapterStatus] = Field(default_factory=list, max_length=MAX_ADAPTERS)
