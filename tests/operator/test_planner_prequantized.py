@@ -260,7 +260,6 @@ def test_a_variants_pods_fetch_its_uri_with_its_secret_under_the_models_name() -
             {"variants": [{"name": "a", "uri": "hf://o/a"}, {"name": "a", "uri": "hf://o/b"}]},
             "each name once",
         ),
-        ({"cache": {}, "variants": [{"name": "a", "uri": "hf://o/a"}]}, "cache with variants"),
         ({"variants": [{"name": "a", "uri": "pvc://claim/a"}]}, "hf://ORG/NAME"),
     ],
 )

@@ -188,10 +188,6 @@ class ModelCache(_Model):
 
 MAX_VARIANTS = 8
 _VARIANTS_UNIQUE = "spec.model.variants: each name once"
-_VARIANTS_NO_CACHE = (
-    "cache with variants is not supported yet (the cache holds one URI): remove cache, or the"
-    " variants"
-)
 
 
 class ModelVariant(_Model):
@@ -221,10 +217,6 @@ class ModelSource(_Model):
                 "!has(self.cache) || self.uri.startsWith('hf://') || self.uri.startsWith('s3://')",
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already",
             ),
-            (
-                "!has(self.cache) || !has(self.variants) || size(self.variants) == 0",
-                _VARIANTS_NO_CACHE,
-            ),
         )
     )
 
@@ -248,7 +240,9 @@ class ModelSource(_Model):
     head_dim: int | None = Field(default=None, ge=1, le=4096)
     vocab_size: int | None = Field(default=None, ge=1)
     cache: ModelCache | None = Field(
-        default=None, description="fetch once into a shared volume instead of once per pod"
+        default=None,
+        description="fetch once into a shared volume instead of once per pod; each of variants"
+        " is fetched into a volume of its own, keyed by its URI as spec.model's is",
     )
     variants: list[ModelVariant] = Field(
         default_factory=list,
@@ -268,13 +262,12 @@ class ModelSource(_Model):
         names = [v.name for v in self.variants]
         if len(set(names)) < len(names):
             raise ValueError(_VARIANTS_UNIQUE)
-        if self.cache is not None and self.variants:
-            raise ValueError(_VARIANTS_NO_CACHE)
         return self
 
     def variant(self, name: str) -> ModelSource:
         """The source a node type planned with variant `name` serves ("": this one): its URI
-        and Secret, this one's served name (clients ask for one model)."""
+        and Secret, this one's served name (clients ask for one model), and this one's cache
+        settings (a variant is cached in a claim of its own, keyed by its URI)."""
         if not name:
             return self
         found = next(v for v in self.variants if v.name == name)
@@ -282,6 +275,7 @@ class ModelSource(_Model):
             uri=found.uri,
             served_name=served_name(self),
             secret_ref=found.secret_ref or self.secret_ref,
+            cache=self.cache,
         )
 
 
@@ -503,7 +497,9 @@ class QuantizationPolicy(_Model):
     )
     evaluation: Evaluation | None = Field(
         default=None,
-        description="measure each level on this eval set and admit it by its measured loss",
+        description="measure each level (and each of spec.model.variants) on this eval set"
+        " against spec.model unquantised, and admit it by its measured loss; spec.model must be"
+        " a 16-bit checkpoint (list pre-quantised ones under spec.model.variants)",
     )
 
     @model_validator(mode="after")
@@ -1192,6 +1188,9 @@ class CacheStatus(_Model):
     """The model cache as the fill Job reports it."""
 
     claim_name: str
+    variant: str = Field(
+        default="", description="the spec.model.variants[] it holds; '': spec.model"
+    )
     phase: Literal["Pending", "Downloading", "Cached", "Failed"]
     bytes: int | None = None
     files: int | None = None
@@ -1250,6 +1249,11 @@ class ModelDeploymentStatus(_Model):
     endpoint: str = ""
     autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
     cache: CacheStatus | None = None
+    variant_caches: list[CacheStatus] = Field(
+        default_factory=list,
+        max_length=MAX_VARIANTS,
+        description="with spec.model.cache, each variant's cache (status.cache is spec.model's)",
+    )
     cost: CostStatus | None = None
     quality: list[QualityMeasurement] = Field(default_factory=list)
     adapters: list[AdapterStatus] = Field(default_factory=list, max_length=MAX_ADAPTERS)
