@@ -29,6 +29,7 @@ from pydantic_core import core_schema
 from kvpilot.contract import resource
 from kvpilot.contract.dataset_source import parse_dataset_uri
 from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.contract.model_source import FETCHED_SCHEMES
 from kvpilot.contract.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kvpilot.operator.autoscaling.policy import Bounds
 
@@ -905,6 +906,13 @@ class Routing(_Model):
 
 _CPU_LORAS_BELOW = "lora.maxCpuLoras must be >= lora.maxLoras"
 _ADAPTER_IS_BASE = "spec.adapters: an adapter's name is the base model's served name"
+FETCHED_PREFIXES = tuple(f"{scheme}://" for scheme in FETCHED_SCHEMES)
+_ADAPTERS_CACHE_VARIANTS = (
+    "spec.adapters with hf:// or s3:// URIs, spec.model.cache and spec.model.variants together:"
+    " the adapters are fetched into spec.model's cache, which the pods of a node type serving a"
+    " variant do not mount; remove spec.model.cache or the variants, or give the adapters as"
+    " pvc:// or file:// URIs"
+)
 
 
 class Adapter(_Model):
@@ -991,6 +999,12 @@ class ModelDeploymentSpec(_Model):
                 " || self.adapters.all(a, a.name != self.model.servedName)",
                 _ADAPTER_IS_BASE,
             ),
+            (
+                "!has(self.adapters) || !has(self.model.cache) || !has(self.model.variants)"
+                " || size(self.model.variants) == 0 || !self.adapters.exists(a,"
+                " a.uri.startsWith('hf://') || a.uri.startsWith('s3://'))",
+                _ADAPTERS_CACHE_VARIANTS,
+            ),
         ),
     )
 
@@ -1013,6 +1027,14 @@ class ModelDeploymentSpec(_Model):
         default=None,
         description="the pods' adapter slots; LoRA is on when this or adapters is given",
     )
+
+    @model_validator(mode="after")
+    def _adapters_cache_one_claim(self) -> ModelDeploymentSpec:
+        """Adapters are filled into spec.model's cache claim only (adapters/cache_fill.py)."""
+        fetched = any(a.uri.startswith(FETCHED_PREFIXES) for a in self.adapters)
+        if fetched and self.model.cache is not None and self.model.variants:
+            raise ValueError(_ADAPTERS_CACHE_VARIANTS)
+        return self
 
     @model_validator(mode="after")
     def _adapter_names(self) -> ModelDeploymentSpec:
