@@ -1,6 +1,6 @@
 """`make images`: the OCI images of hack/images/spec.py, built without a container engine.
 
-    python -m hack.images [kvpilot-operator] [kvpilot-runtime] [--out DIR]
+    python -m hack.images [kvpilot-operator] [kvpilot-runtime] [kvpilot-runtime-cpu] [--out DIR]
 
 Per image: a Debian root filesystem (mmdebstrap, essential variant plus the spec's packages), the
 locked virtualenv installed into it from uv.lock by uv running inside it (customize.sh), the
@@ -255,8 +255,9 @@ def build_stage_kernels(spec: ImageSpec, stage: Path, env: dict[str, str], work:
     root = work / "kernel-stage"
     subprocess.run(kernel_stage_command(spec, root), env=env, check=True)
     inside = "/tmp/kvpilot-kernels"
-    python = ["chroot", str(root), "env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
-              "HOME=/root", f"SOURCE_DATE_EPOCH={env['SOURCE_DATE_EPOCH']}",
+    # the image's PATH: torch's cpp_extension runs the venv's ninja by name
+    python = ["chroot", str(root), "env", "-i", f"PATH={spec.env['PATH']}", "HOME=/root",
+              f"SOURCE_DATE_EPOCH={env['SOURCE_DATE_EPOCH']}",
               f"{specs.VENV}/bin/python"]  # fmt: skip
     subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True)
     try:
