@@ -18,7 +18,7 @@ from kvpilot.operator.reconcile import (
     manifests,
     typed_status,
 )
-from tests.operator.test_planner_prequantized import AWQ, CONFIG, L4, T4
+from tests.support.prequant_plans import AWQ, CONFIG, L4, T4
 from tests.support.quality_fixtures import DIGEST, NOW
 
 URI = "hf://Qwen/Qwen2.5-7B-Instruct"  # in the catalog: nothing to read for it

@@ -14,12 +14,11 @@ from openai import OpenAI
 from bench.reference.prequantized import write_checkpoint
 from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
 from kvpilot.operator.reconcile import manifests
-from tests.operator.test_model_cache_cluster import fill_pods
-from tests.operator.test_variants_cluster import NUM_TOKENS, PROMPT, in_process_greedy
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,
     apply_secret,
+    fill_pods,
     get,
     model_server_env,
     pod_url,
@@ -28,6 +27,7 @@ from tests.support.operator_cluster import (
     tiny_llama_from,
     wait_for,
 )
+from tests.support.variants_cluster import NUM_TOKENS, PROMPT, in_process_greedy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 BUCKET = "models"

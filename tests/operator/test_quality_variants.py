@@ -15,8 +15,8 @@ from kvpilot.operator.planning.model_facts import facts_from_config_json
 from kvpilot.operator.quality import admission, variants
 from kvpilot.operator.quality import job as quality_job
 from kvpilot.operator.reconcile import desired_state, typed_status
-from tests.operator.test_planner_prequantized import AWQ, BF16, CONFIG, L4, T4, request
 from tests.support.checkpoint_configs import QWEN25_7B
+from tests.support.prequant_plans import AWQ, BF16, CONFIG, L4, T4, request
 from tests.support.quality_fixtures import DIGEST, NOW, failed_pod, job
 
 URI = "hf://Qwen/Qwen2.5-7B-Instruct"  # in the catalog: nothing to read for it

@@ -14,12 +14,6 @@ from bench.reference.prequantized import write_checkpoint
 from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
 from kvpilot.operator.quality import job as quality_job
 from kvpilot.operator.reconcile import manifests
-from tests.operator.test_quality_variants_cluster import (
-    EVAL_CHARS,
-    METRIC,
-    measured,
-    measured_variant_tiny,
-)
 from tests.support.operator_cluster import (
     ROOT,
     Operator,
@@ -29,6 +23,12 @@ from tests.support.operator_cluster import (
     wait_for,
 )
 from tests.support.quality_cluster import eval_jobs
+from tests.support.variants_cluster import (
+    EVAL_CHARS,
+    METRIC,
+    measured,
+    measured_variant_tiny,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 BUCKET = "models"
