@@ -15,8 +15,9 @@ every module, torch's 2,400 among them, from source at each start) and `bytecode
 compiled bytecode gives).
 
 The cluster part (the dev cluster's `local` pool: pods are real processes on this machine) runs
-bench.model_cache_startup (a replica's pod deleted, its replacement timed to Ready, model from the
-cache and fetched per pod) and bench.gateway_scale_from_zero (requests held by the gateway while
+bench.model_cache_startup (a replica's pod deleted, its replacement timed to Ready, then a
+scale-up onto a free GPU timed from the write of the replicas to the new pod's Ready; model from
+the cache and fetched per pod) and bench.gateway_scale_from_zero (requests held by the gateway while
 the model wakes from zero pods, to the first streamed token).
 """
 
@@ -153,7 +154,8 @@ def cluster_sections(repeats: int, requests: int) -> str:
     from hack.devcluster import DevCluster
 
     load = os.getloadavg()[0]
-    runs, _cache = model_cache_startup.run(repeats)
+    results = model_cache_startup.run(repeats)
+    runs = results.replacements
     rows = [[name, median([r.seconds for r in reps]), " ".join(f"{r.seconds:.2f}" for r in reps)]
             for name, reps in runs.items()]  # fmt: skip
     replacement = markdown_table(["model reaches the pod", "replacement Ready s", "runs"], rows)
@@ -174,6 +176,9 @@ def cluster_sections(repeats: int, requests: int) -> str:
     return (
         f"The dev cluster's part began at a load average of {load:.1f}.\n\n"
         f"Replacement pod on the `local` pool ({repeats} runs, interleaved):\n\n{replacement}\n\n"
+        f"Scale-up onto a free GPU on the `local` pool ({repeats} runs per variant, interleaved, "
+        f"after the replacements):\n\n"
+        f"{model_cache_startup.scale_up_report(results.scale_ups)}\n\n"
         f"First token from zero through the gateway:\n\n"
         f"{gateway_scale_from_zero.report(held, marks)}"
     )

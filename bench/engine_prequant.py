@@ -10,12 +10,14 @@ checkpoint (goal: within 0.5%).
 Load time: wall-clock seconds of `Engine(...)` (config, tokenizer, weights read and packed, KV
 pool allocated), best of `--rounds` alternating rounds, files in the page cache (each loaded once
 before timing). Decode: bench.engine_quant's measure (tokens per CPU-second, bf16 compute, one
-torch thread). The int4 checkpoint is written by compressed-tensors (bench/reference/
-prequantized.py) into a temporary directory: tiny-llama channel-wise (every linear layer; its
-688 MLP features take no group of 128), the compute-bound Llama in groups of 128. GPTQ (act-order,
-group 128) and AWQ (group 128) checkpoints are written by GPTQModel in its own tool venv, once, into
-~/.cache/kvpilot/gptq-refs (bench/reference/gptq_awq.py; calibrated on 8 paragraphs of
-eval.txt); AWQ leaves tiny-llama's MLP 16-bit (its scale search
+torch thread), against the engine's own int4 and, like with like, against its own int4 with the
+embedding and lm_head left bf16 as the checkpoints leave them. The int4 checkpoint is written
+by compressed-tensors (bench/reference/prequantized.py) into a temporary directory: tiny-llama
+channel-wise (every linear layer; its 688 MLP features take no group of 128), the compute-bound
+Llama in groups of 128. GPTQ (act-order, group 128) and AWQ (group 128) checkpoints are written
+by GPTQModel in its own tool venv, once, into ~/.cache/kvpilot/gptq-refs
+(bench/reference/gptq_awq.py; calibrated on 8 paragraphs of eval.txt); AWQ leaves tiny-llama's
+MLP 16-bit (its scale search
 needs features that divide by 64).
 """
 
@@ -28,19 +30,21 @@ import time
 from pathlib import Path
 
 from bench.engine_common import MODEL, compute_bound_llama, setup_threads
-from bench.engine_quant import decode_tokens_per_second, verdict
+from bench.engine_quant import decode_tokens_per_second, greedy, verdict
 from bench.reference import gptq_awq, prequantized
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.layers.quant import make_weight
+from kvpilot.runtime.models.loader import open_weights
 
 LOAD_RATIO_TARGET = 0.35  # checkpoint load time / quantise-at-start load time (issue 39)
 DECODE_RATIO_TARGET = 1.0  # checkpoint decode tok/s / own int4's
 PERPLEXITY_TARGET = 0.005  # |ours / transformers' - 1| on the same checkpoint
 
 
-def make_engine(path: Path, quantization: str) -> Engine:
-    return Engine(
+def make_engine(path: Path, quantization: str, embedding_16_bit: bool = False) -> Engine:
+    engine = Engine(
         EngineConfig(
             model=str(path),
             quantization=quantization,
@@ -51,6 +55,22 @@ def make_engine(path: Path, quantization: str) -> Engine:
             kv_cache_memory=64 * 2**20,
         )
     )
+    return keep_embedding_16_bit(engine, path) if embedding_16_bit else engine
+
+
+def keep_embedding_16_bit(engine: Engine, source: Path) -> Engine:
+    """The engine's own int4 with the embedding (tied: the lm_head too) put back in bf16, as
+    the checkpoints' quantisers leave it (they quantise Linear modules, lm_head is left out):
+    the like-with-like baseline for their decode speed. Swapped after the engine started (no
+    flag does it), so only its decode speed is measured."""
+    model = engine.runner.model
+    with open_weights(source) as read:
+        embed, head = read("model.embed_tokens.weight"), read("lm_head.weight")
+    if embed is None:
+        raise ValueError(f"{source}: no model.embed_tokens.weight")
+    model.embed = make_weight(embed, "none", model.dtype, rows_needed=True)
+    model.lm_head = model.embed if head is None else make_weight(head, "none", model.dtype)
+    return engine
 
 
 def load_seconds(path: Path, quantization: str) -> float:
@@ -62,29 +82,66 @@ def load_seconds(path: Path, quantization: str) -> float:
 
 
 OWN = "own int4"
+OWN_HEAD = "own int4, bf16 embedding"
 
 
 def measure(
     label: str, source: Path, checkpoints: dict[str, Path], args: argparse.Namespace
 ) -> list[list[object]]:
-    """One row per checkpoint, each against the same model quantised at start (`own int4`)."""
-    cases = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
-    for path, level in cases.values():  # warm the page cache and the kernels' first use
+    """One row per checkpoint, each against the same model quantised at start (`own int4`),
+    and its decode against that with the embedding left bf16 as the checkpoints leave it."""
+    loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
+    for path, level in loaded.values():  # warm the page cache and the kernels' first use
         load_seconds(path, level)
-    loads = {name: float("inf") for name in cases}
-    rates = dict.fromkeys(cases, 0.0)
+    loads = dict.fromkeys(loaded, float("inf"))
+    rates = dict.fromkeys([OWN_HEAD, *loaded], 0.0)
     for _ in range(args.rounds):
-        for name, (path, level) in cases.items():
-            loads[name] = min(loads[name], load_seconds(path, level))
-            engine = make_engine(path, level)
+        for name in rates:
+            path, level = loaded.get(name, (source, "int4"))
+            if name in loads:
+                loads[name] = min(loads[name], load_seconds(path, level))
+            engine = make_engine(path, level, embedding_16_bit=name == OWN_HEAD)
             rate = decode_tokens_per_second(engine, 1, args.decode_steps)
             rates[name] = max(rates[name], rate)
             engine.shutdown()
     return [_row(label, name, loads, rates) for name in checkpoints]
 
 
+def op_rows(label: str, source: Path, checkpoints: dict[str, Path]) -> list[list[object]]:
+    cases = {OWN: (source, "int4", False), OWN_HEAD: (source, "int4", True)}
+    cases |= {name: (path, "none", False) for name, path in checkpoints.items()}
+    return [[label, name, *ops_per_decode_step(*case)] for name, case in cases.items()]
+
+
+PROFILED_STEPS = 8
+COUNTED_OPS = {  # column -> torch.profiler's op name
+    "int4 matmuls": "aten::_weight_int4pack_mm_for_cpu",
+    "bf16 matmuls": "aten::mm",
+    "gathers": "aten::index_select",
+}
+
+
+def ops_per_decode_step(path: Path, level: str, embedding_16_bit: bool) -> list[object]:
+    """What one decode step runs (torch.profiler, concurrency 1): counts, not times, so a
+    shared machine does not blur where a checkpoint's step differs from the own int4's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = make_engine(path, level, embedding_16_bit)
+    engine.add_request(list(range(10, 42)), greedy(2 + PROFILED_STEPS), "profiled")
+    engine.step()  # the prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(PROFILED_STEPS):
+            engine.step()
+    engine.shutdown()
+    counts = {event.key: event.count for event in prof.key_averages()}
+    aten = sum(n for key, n in counts.items() if key.startswith("aten::"))
+    columns = [counts.get(op, 0) for op in COUNTED_OPS.values()] + [aten]
+    return [f"{n / PROFILED_STEPS:g}" for n in columns]
+
+
 def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]) -> list[object]:
     load_ratio, decode_ratio = loads[name] / loads[OWN], rates[name] / rates[OWN]
+    like_ratio = rates[name] / rates[OWN_HEAD]
     return [
         label,
         name,
@@ -92,8 +149,10 @@ def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]
         f"{loads[name]:.2f}",
         f"{load_ratio:.2f}x ({verdict(load_ratio <= LOAD_RATIO_TARGET)})",
         f"{rates[OWN]:.1f}",
+        f"{rates[OWN_HEAD]:.1f}",
         f"{rates[name]:.1f}",
         f"{decode_ratio:.2f}x ({verdict(decode_ratio >= DECODE_RATIO_TARGET)})",
+        f"{like_ratio:.2f}x ({verdict(like_ratio >= DECODE_RATIO_TARGET)})",
     ]
 
 
@@ -180,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(formats) - set(VARIANTS):
         parser.error(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     setup_threads()
-    rows, perplexities = [], []
+    rows, perplexities, ops = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvpilot-prequant-") as scratch:
         models = [("tiny-llama (4 M)", MODEL, False)]
         if not args.tiny_only:
@@ -188,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, source, compute_bound in models:
             checkpoints = write_checkpoints(Path(scratch), source, formats, compute_bound)
             rows += measure(label, source, checkpoints, args)
+            ops += op_rows(label, source, checkpoints)
             if not compute_bound:
                 perplexities = perplexity_rows(checkpoints)
     table = markdown_table(
@@ -198,10 +258,16 @@ def main(argv: list[str] | None = None) -> int:
             "load: checkpoint (s)",
             f"checkpoint / at start (target <= {LOAD_RATIO_TARGET})",
             "decode tok/s: own int4",
+            "decode tok/s: own int4, bf16 embedding",
             "decode tok/s: checkpoint",
             f"checkpoint / own (target >= {DECODE_RATIO_TARGET})",
+            "checkpoint / own with bf16 embedding (like with like)",
         ],
         rows,
+    )
+    op_table = markdown_table(
+        ["model", "weights", *(f"{c} per decode step" for c in COUNTED_OPS), "aten ops per step"],
+        ops,
     )
     quality = markdown_table(
         [
@@ -217,12 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         f"best of {args.rounds} alternating rounds, files in the page cache. Decode: tokens per "
         f"CPU-second at concurrency 1, bf16 compute, {args.decode_steps} timed steps, best of "
         f"{args.rounds}. All run the same int4 kernels; a checkpoint's values are repacked at "
-        "load, never requantised. The checkpoints leave the tied embedding and lm_head in bf16 "
-        "(the quantisers quantise Linear modules; lm_head is left out), where the engine's own "
-        "int4 level packs it too: the logits matmul reads 4x the bytes, which is most of the "
-        "decode gap. GPTQ act-order adds one gather of each layer's input per step. AWQ on "
-        "tiny-llama quantises attention only (its MLP stays bf16, so it decodes slower).\n\n"
+        "load, never requantised. The checkpoints leave the tied embedding and lm_head in bf16: "
+        "the quantisers quantise Linear modules and leave lm_head out (the checkpoint's own "
+        "choice; the engine serves it as stored), where the engine's own int4 level packs it "
+        "too, so the logits matmul reads 4x the bytes. The like-with-like baseline is the "
+        "engine's own int4 with its embedding put back in bf16 (`keep_embedding_16_bit`): "
+        "compressed-tensors and AWQ then run the same ops per step (torch.profiler: 16 int4 "
+        "matmuls and one bf16 matmul on tiny-llama). GPTQ act-order adds a gather of the input "
+        "of q/k/v, o_proj and gate/up per layer (down_proj's permutation is folded into gate/up's "
+        "rows at load). AWQ on tiny-llama quantises attention only (GPTQModel's scale search "
+        "leaves its MLP bf16, the checkpoint's choice), so it decodes slower.\n\n"
         + table
+        + f"\n\nWhat a decode step runs (torch.profiler over {PROFILED_STEPS} steps at "
+        "concurrency 1; op counts, which a shared machine does not blur):\n\n"
+        + op_table
         + "\n\nPerplexity on models/tiny-llama/eval.txt (512-token windows, float32): transformers "
         "on the checkpoint as GPTQModel dequantises it, against kvpilot serving it packed.\n\n"
         + (quality if perplexities else "(no GPTQ/AWQ checkpoint in this run)")

@@ -1,7 +1,8 @@
-"""A replacement pod's start-up, phase by phase: when a watch on the model's pods first saw each
-step of the new pod (created, bound to a node, container running, Ready) and, in between, when
-its runtime process was created and when its engine was ready (the runtime's /version: the
-kernel's creation time of the process and its start-up phases, which add up to its /ready).
+"""A new pod's start-up (a replacement, or a scale-up's), phase by phase: when a watch on the
+model's pods first saw each step of the new pod (created, bound to a node, container running,
+Ready) and, in between, when its runtime process was created and when its engine was ready (the
+runtime's /version: the kernel's creation time of the process and its start-up phases, which
+add up to its /ready).
 
 All of it is wall-clock time on the one machine that runs the dev cluster, so the bench, the
 pod runner and the runtime share a clock. A watch, not a poll: each step is seen within the
@@ -30,6 +31,16 @@ PHASES = (
     "process created -> engine ready",  # the runtime's own start-up (/version's phases)
     "engine ready -> pod Ready",  # the probe that sees it, the status update, the watch
 )
+# A scale-up onto a free GPU: the same path from the write of the ModelDeployment's replicas.
+SCALE_UP_PHASES = (
+    # the operator's reconcile, its write of the Deployment, the Deployment and ReplicaSet
+    # controllers
+    "written -> created",
+    "created -> scheduled",  # kube-scheduler's binding, with no wait for a GPU
+    *PHASES[2:],
+)
+# The phases that make up the new pod's own start, whatever created it.
+OWN_START_PHASES = PHASES[2:]
 
 
 @dataclass
@@ -67,15 +78,28 @@ def observe(seen: PodSeen, pod: dict[str, Any], at: float) -> None:
             setattr(seen, step, at)
 
 
+def is_settled(pods: Iterable[dict[str, Any]], count: int) -> bool:
+    """Exactly `count` pods, each Ready and none being deleted: a replica count reached, and a
+    GPU given up by a scale-down free again (the pod's object gone, not only its process)."""
+    pods = list(pods)
+    deleting = any((p.get("metadata") or {}).get("deletionTimestamp") for p in pods)
+    return len(pods) == count and not deleting and all(is_ready(p) for p in pods)
+
+
 def phases(
-    deleted_at: float, seen: PodSeen, process_created_at: float, engine_ready_at: float
+    started_at: float,
+    seen: PodSeen,
+    process_created_at: float,
+    engine_ready_at: float,
+    names: tuple[str, ...] = PHASES,
 ) -> dict[str, float]:
-    """PHASES' seconds for one replacement: the steps in order, from the old pod's deletion."""
+    """Seconds of each phase in `names` for one new pod: the steps in order, from `started_at`
+    (the old pod's deletion for PHASES, the replicas' write for SCALE_UP_PHASES)."""
     steps = [seen.created, seen.scheduled, process_created_at, engine_ready_at, seen.ready]
     if any(step is None for step in steps):
-        raise ValueError(f"the replacement was not seen at every step: {steps}")
-    ends = [deleted_at, *(float(step) for step in steps if step is not None)]
-    return {name: ends[i + 1] - ends[i] for i, name in enumerate(PHASES)}
+        raise ValueError(f"the new pod was not seen at every step: {steps}")
+    ends = [started_at, *(float(step) for step in steps if step is not None)]
+    return {name: ends[i + 1] - ends[i] for i, name in enumerate(names)}
 
 
 class PodWatch:
@@ -118,6 +142,12 @@ class PodWatch:
             if self.stop.is_set():
                 return
 
+    def is_deleted(self, name: str) -> bool:
+        """Whether the watch has seen pod `name` marked for deletion (or never seen it)."""
+        with self.changed:
+            seen = self.seen.get(name)
+            return seen is None or bool(seen.pod.get("metadata", {}).get("deletionTimestamp"))
+
     def wait_ready(self, created_after: float, timeout_s: float) -> PodSeen:
         """The first pod created after `created_after` (unix s) to be seen Ready."""
         deadline = time.monotonic() + timeout_s
@@ -133,7 +163,8 @@ class PodWatch:
 
 
 def first_ready(seen: Iterable[PodSeen], created_after: float) -> PodSeen | None:
-    """A replacement: a pod first seen after the delete (an older one, Ready or not, is not)."""
+    """A replacement or a scale-up's pod: one first seen after the delete or the write (an older
+    one, Ready or not, is not)."""
     new = [s for s in seen if s.created is not None and s.created >= created_after and s.ready]
     return min(new, key=lambda s: s.ready or 0.0, default=None)
 

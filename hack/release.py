@@ -32,6 +32,9 @@ REPOSITORIES = {
     "kvpilot-operator": f"{REGISTRY}/operator",
     "kvpilot-runtime": f"{REGISTRY}/runtime",
 }
+# Variants pushed to another image's repository under a tag suffix, as vLLM (vllm-openai:<v>,
+# the CPU build as its own tag) and KServe users expect: ghcr.io/kvpilot/runtime:0.1.0-cpu.
+VARIANT_TAGS = {"kvpilot-runtime-cpu": ("kvpilot-runtime", "cpu")}
 CHART_REPOSITORY = f"oci://{REGISTRY}/charts"
 
 
@@ -79,13 +82,16 @@ def outputs(tag: str) -> dict[str, str]:
 
 def image_references(package_version: str) -> list[tuple[Path, str]]:
     """Each image's OCI layout (as `make images` leaves it) and the reference it is pushed to."""
-    if set(REPOSITORIES) != set(IMAGES):
+    pushed = {**{name: (repository, package_version) for name, repository in REPOSITORIES.items()},
+              **{name: (REPOSITORIES[base], f"{package_version}-{suffix}")
+                 for name, (base, suffix) in VARIANT_TAGS.items()}}  # fmt: skip
+    if set(pushed) != set(IMAGES):
         raise ReleaseError(
-            f"hack/release.py pushes {sorted(REPOSITORIES)}, the images are {sorted(IMAGES)}"
+            f"hack/release.py pushes {sorted(pushed)}, the images are {sorted(IMAGES)}"
         )
     return [
-        (build.layout_dir(IMAGES[name]), f"{repository}:{package_version}")
-        for name, repository in sorted(REPOSITORIES.items())
+        (build.layout_dir(IMAGES[name]), f"{repository}:{tag}")
+        for name, (repository, tag) in sorted(pushed.items())
     ]
 
 

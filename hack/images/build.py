@@ -1,6 +1,6 @@
 """`make images`: the OCI images of hack/images/spec.py, built without a container engine.
 
-    python -m hack.images [kvpilot-operator] [kvpilot-runtime] [--out DIR]
+    python -m hack.images [kvpilot-operator] [kvpilot-runtime] [kvpilot-runtime-cpu] [--out DIR]
 
 Per image: a Debian root filesystem (mmdebstrap, essential variant plus the spec's packages), the
 locked virtualenv installed into it from uv.lock by uv running inside it (customize.sh), the
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fcntl
+import fnmatch
 import functools
 import hashlib
 import json
@@ -70,30 +71,61 @@ def rfc3339(epoch: int) -> str:
     return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def apt_sources() -> list[str]:
-    suites = [f"deb {specs.DEBIAN_MIRROR} {suite} main" for suite in specs.DEBIAN_SUITES]
-    security = f"deb {specs.DEBIAN_SECURITY_MIRROR} {specs.DEBIAN_RELEASE}-security main"
+def apt_sources(spec: ImageSpec) -> list[str]:
+    suites = [f"deb {specs.DEBIAN_MIRROR} {suite} main" for suite in spec.debian_suites]
+    security = f"deb {specs.DEBIAN_SECURITY_MIRROR} {spec.debian_release}-security main"
     return [*suites, security]
 
 
 def mmdebstrap_command(spec: ImageSpec, tarball: Path) -> list[str]:
     """The root filesystem as one reproducible tar: essential packages (no apt, no compilers)
     plus the spec's, documentation left out, the venv and user added by customize.sh."""
+    return _mmdebstrap(spec, spec.debian_packages, "tar", tarball)
+
+
+def kernel_stage_command(spec: ImageSpec, root: Path) -> list[str]:
+    """The build stage of a spec with kernel_build_packages: the image's root filesystem (the
+    same hook, so the same venv and torch) plus a compiler and torch's headers, as a directory
+    the kernels are built in (build_stage_kernels); it never becomes a layer."""
+    packages = (*spec.debian_packages, *spec.kernel_build_packages)
+    return _mmdebstrap(spec, packages, "directory", root)
+
+
+def _mmdebstrap(spec: ImageSpec, packages: tuple[str, ...], fmt: str, out: Path) -> list[str]:
     dpkg = [f"--dpkgopt=path-exclude={path}" for path in specs.DPKG_PATH_EXCLUDES]
     dpkg += [f"--dpkgopt=path-include={path}" for path in specs.DPKG_PATH_INCLUDES]
     return [
         "mmdebstrap",
         "--mode=root",
         "--variant=essential",
-        "--format=tar",
-        f"--include={','.join(spec.debian_packages)}",
+        f"--format={fmt}",
+        f"--include={','.join(packages)}",
         *dpkg,
         "--skip=output/dev",  # the container runtime makes /dev; nodes in a layer break rootless
         f'--customize-hook=bash {HOOK} "$1"',
-        specs.DEBIAN_RELEASE,
-        str(tarball),
-        *apt_sources(),
+        spec.debian_release,
+        str(out),
+        *apt_sources(spec),
     ]
+
+
+def not_installed_names(spec: ImageSpec, locked_names: list[str]) -> list[str]:
+    """uv.lock's package names that the spec's not_installed patterns leave out, sorted."""
+    patterns = spec.not_installed
+    return sorted(n for n in set(locked_names) if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+
+
+def lock_package_names() -> list[str]:
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    return [str(package["name"]) for package in lock.get("package", [])]
+
+
+def export_args(spec: ImageSpec) -> list[str]:
+    """`uv export` of the spec's extras' pins, less what it does not install."""
+    extras = [arg for extra in spec.extras for arg in ("--extra", extra)]
+    names = not_installed_names(spec, lock_package_names()) if spec.not_installed else []
+    omitted = [arg for name in names for arg in ("--no-emit-package", name)]
+    return ["export", "--frozen", "--quiet", "--no-emit-project", *extras, *omitted]
 
 
 # How an image is made, apart from kvpilot's own sources: a change to any of these is what CI
@@ -102,8 +134,9 @@ def mmdebstrap_command(spec: ImageSpec, tarball: Path) -> list[str]:
 # the image's own (its extras' pins, as `uv export` gives them): a dev dependency added to
 # uv.lock is not a new image.
 RECIPE = (
-    "operator/Dockerfile", "runtime/Dockerfile", ".python-version", "hack/uv-requirements.txt",
-    "hack/images/build.py", "hack/images/spec.py", "hack/images/customize.sh",
+    "operator/Dockerfile", "runtime/Dockerfile", "runtime/Dockerfile.cpu", ".python-version",
+    "hack/uv-requirements.txt", "hack/images/build.py", "hack/images/spec.py",
+    "hack/images/customize.sh",
 )  # fmt: skip
 RECIPE_LABEL = "dev.kvpilot.image.recipe"
 
@@ -131,9 +164,7 @@ def _tree_recipe_digest(name: str) -> str:
 
 def locked_requirements(spec: ImageSpec) -> str:
     """The spec's extras' pins from uv.lock, with hashes, as the image installs them."""
-    extras = [arg for extra in spec.extras for arg in ("--extra", extra)]
-    argv = ["bash", str(ROOT / "hack" / "uv.sh"), "export", "--frozen", "--quiet",
-            "--no-emit-project", "--no-header", *extras]  # fmt: skip
+    argv = ["bash", str(ROOT / "hack" / "uv.sh"), *export_args(spec), "--no-header"]
     return subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True).stdout
 
 
@@ -190,30 +221,52 @@ def stage_inputs(spec: ImageSpec, stage: Path, epoch: int) -> str:
     """uv, the locked requirements of the spec's extras (hashes included) and the kvpilot wheel
     into `stage`; returns the wheel's file name."""
     shutil.copy2(uv_binary(), stage / "uv")
-    extras = [arg for extra in spec.extras for arg in ("--extra", extra)]
-    uv("export", "--frozen", "--quiet", "--no-emit-project", *extras,
-       "--output-file", str(stage / "requirements.txt"))  # fmt: skip
+    uv(*export_args(spec), "--output-file", str(stage / "requirements.txt"))
     os.environ["SOURCE_DATE_EPOCH"] = str(epoch)  # the wheel's zip timestamps
     uv("build", "--wheel", "--quiet", "--out-dir", str(stage / "wheel"))
     (wheel,) = (stage / "wheel").glob("kvpilot-*.whl")
     shutil.move(wheel, stage / wheel.name)
-    for level in spec.kernel_levels:
-        build_kernel(level, stage / "kernels")
+    if not spec.kernel_build_packages:
+        for level in spec.kernel_levels:
+            build_kernel([sys.executable], level, stage / "kernels", cwd=ROOT)
     return wheel.name
 
 
-def build_kernel(level: str, out: Path) -> None:
-    """The paged-attention kernel for one portable level, built by this venv's torch (uv.lock's,
-    the image's too) on this Debian release (the image's glibc), one process per level; only
-    the library and its mark go into the image."""
-    argv = [sys.executable, "-m", "kvpilot.runtime.layers.paged_kernel", "--portable", level,
-            "--out", str(out)]  # fmt: skip
-    subprocess.run(argv, check=True, cwd=ROOT)
+def build_kernel(
+    python: list[str], level: str, out: Path, seen_as: str | None = None, cwd: Path | None = None
+) -> None:
+    """The paged-attention kernel for one portable level, built by `python`'s torch: this venv's
+    (uv.lock's, the image's too, on the image's Debian release) or the build stage's (chrooted:
+    it sees `out` as `seen_as`), one process per level; only the library and its mark go into
+    the image."""
+    argv = [*python, "-m", "kvpilot.runtime.layers.paged_kernel", "--portable", level,
+            "--out", seen_as or str(out)]  # fmt: skip
+    subprocess.run(argv, check=True, cwd=cwd)
     for built in out.iterdir() if out.is_dir() else ():
         keep = {"built", (built / "built").read_text().strip()}
         for path in built.iterdir():
             if path.name not in keep:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def build_stage_kernels(spec: ImageSpec, stage: Path, env: dict[str, str], work: Path) -> None:
+    """The kernels of a spec with kernel_build_packages, built in its build stage's root
+    filesystem by the image's own python and torch, into stage/kernels; the stage is removed."""
+    root = work / "kernel-stage"
+    subprocess.run(kernel_stage_command(spec, root), env=env, check=True)
+    inside = "/tmp/kvpilot-kernels"
+    # the image's PATH: torch's cpp_extension runs the venv's ninja by name
+    python = ["chroot", str(root), "env", "-i", f"PATH={spec.env['PATH']}", "HOME=/root",
+              f"SOURCE_DATE_EPOCH={env['SOURCE_DATE_EPOCH']}",
+              f"{specs.VENV}/bin/python"]  # fmt: skip
+    subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True)
+    try:
+        for level in spec.kernel_levels:
+            build_kernel(python, level, root / inside.lstrip("/"), seen_as=inside)
+        shutil.copytree(root / inside.lstrip("/"), stage / "kernels")
+    finally:
+        subprocess.run(["umount", str(root / "proc")], check=False)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def hook_env(spec: ImageSpec, stage: Path, wheel: str, epoch: int) -> dict[str, str]:
@@ -228,6 +281,7 @@ def hook_env(spec: ImageSpec, stage: Path, wheel: str, epoch: int) -> dict[str, 
         "KVPILOT_OWNED_DIRS": " ".join(d for d in (spec.home, *spec.owned_dirs) if d),
         "KVPILOT_UID": str(specs.UID),
         "KVPILOT_COMPILE_BYTECODE": "1" if spec.compile_bytecode else "",
+        "KVPILOT_SYSTEM_SITE_PACKAGES": "1" if spec.system_site_packages else "",
         "VENV": specs.VENV,
     }
 
@@ -277,6 +331,8 @@ def build(spec: ImageSpec, out: Path | None = None) -> Path:
         wheel = stage_inputs(spec, work / "stage", epoch)
         tarball = work / "rootfs.tar"
         env = hook_env(spec, work / "stage", wheel, epoch)
+        if spec.kernel_build_packages:
+            build_stage_kernels(spec, work / "stage", env, work)
         subprocess.run(mmdebstrap_command(spec, tarball), env=env, check=True)
         pack(spec, tarball, work / "layout", epoch, source)
         shutil.rmtree(layout, ignore_errors=True)

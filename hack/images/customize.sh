@@ -4,6 +4,7 @@
 # the venv's interpreter, scripts and pyvenv.cfg name the image's own paths, not the host's.
 # Inputs from hack/images/build.py: KVPILOT_IMAGE_STAGE (uv, requirements.txt, the kvpilot wheel,
 # kernels/ when the image ships the prebuilt paged-attention kernel), KVPILOT_COMPILE_BYTECODE,
+# KVPILOT_SYSTEM_SITE_PACKAGES (the venv sees Debian's dist-packages: the CPU image's torch),
 # KVPILOT_WHEEL, KVPILOT_PASSWD_LINE, KVPILOT_GROUP_LINE, KVPILOT_OWNED_DIRS, KVPILOT_UID, VENV,
 # UV_CACHE_DIR (the host's uv cache: warm machines download nothing) and SOURCE_DATE_EPOCH.
 set -euo pipefail
@@ -23,7 +24,8 @@ in_root() {
     UV_CACHE_DIR=$build/uv-cache UV_LINK_MODE=copy UV_PYTHON_DOWNLOADS=never UV_NO_PROGRESS=1 \
     SSL_CERT_FILE=$build/ca.crt SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" "$@"
 }
-in_root "$build/uv" venv --quiet --python /usr/bin/python3 "$VENV"
+in_root "$build/uv" venv --quiet --python /usr/bin/python3 \
+  ${KVPILOT_SYSTEM_SITE_PACKAGES:+--system-site-packages} "$VENV"
 in_root "$build/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes \
   ${KVPILOT_COMPILE_BYTECODE:+--compile-bytecode} "$build/requirements.txt"
 # From a flat index (no direct_url.json naming a file the image lacks). --refresh-package: a

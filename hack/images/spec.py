@@ -7,13 +7,16 @@ the tests, so a change here is a change to both images' contract.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The Debian release of both Dockerfiles' base (python:3.11.x-slim-bookworm): its python3 is the
 # interpreter of .python-version, the one uv.lock's wheels are installed for.
 DEBIAN_RELEASE = "bookworm"
 DEBIAN_PYTHON = "3.11"  # bookworm's python3
-DEBIAN_SUITES = (DEBIAN_RELEASE, f"{DEBIAN_RELEASE}-updates")
+# The CPU runtime's release: trixie ships a CPU-only torch (python3-torch, built for its python3),
+# which PyPI's Linux torch is not (it links NVIDIA's CUDA wheels, GBs). uv.lock has cp313 wheels.
+CPU_DEBIAN_RELEASE = "trixie"
+CPU_DEBIAN_PYTHON = "3.13"  # trixie's python3
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_SECURITY_MIRROR = "http://deb.debian.org/debian-security"
 VENV = "/opt/venv"
@@ -57,10 +60,29 @@ class ImageSpec:
     # The venv's bytecode compiled at build (as pip does in the Dockerfile): a start imports
     # torch from .pyc, not from source (PYTHONDONTWRITEBYTECODE keeps a pod from writing it)
     compile_bytecode: bool = False
+    debian_release: str = DEBIAN_RELEASE
+    debian_python: str = DEBIAN_PYTHON  # the release's python3: the venv's interpreter
+    # Locked packages left out of the venv (fnmatch patterns over uv.lock's names): Debian's
+    # packages bring them (torch), or nothing on this image loads them (CUDA's wheels)
+    not_installed: tuple[str, ...] = ()
+    # The venv sees Debian's dist-packages (python3-torch) after its own site-packages
+    system_site_packages: bool = False
+    # A build stage's extra Debian packages (a compiler, torch's headers): the kernels are built
+    # in a root filesystem with them against the image's own torch, and only the kernels ship.
+    # Empty: the kernels are built by the host venv's torch (uv.lock's, the image's too).
+    kernel_build_packages: tuple[str, ...] = ()
 
     @property
     def debian_packages(self) -> tuple[str, ...]:
         return (*self.base_packages, *self.dockerfile_packages)
+
+    @property
+    def debian_suites(self) -> tuple[str, ...]:
+        return (self.debian_release, f"{self.debian_release}-updates")
+
+    @property
+    def site_packages(self) -> str:
+        return f"{VENV}/lib/python{self.debian_python}/site-packages"
 
     @property
     def user(self) -> str:
@@ -96,7 +118,8 @@ OPERATOR = ImageSpec(
     exposed_ports=(8080, 9090),
 )
 
-# runtime/Dockerfile's image: the same packages, user, entrypoint, environment and port, on the
+# runtime/Dockerfile's image, `kvpilot-runtime` (released as ghcr.io/kvpilot/runtime:<version>),
+# the CUDA variant: the same packages, user, entrypoint, environment and port, on the
 # same Debian release and Python. PyPI's Linux torch wheel depends on NVIDIA's CUDA wheels, so they
 # come too (uv.lock pins that torch): the one image serves on CPU and on NVIDIA GPUs.
 RUNTIME = ImageSpec(
@@ -125,4 +148,23 @@ RUNTIME = ImageSpec(
     compile_bytecode=True,
 )
 
-IMAGES = {spec.name: spec for spec in (OPERATOR, RUNTIME)}
+# runtime/Dockerfile.cpu's image, `kvpilot-runtime-cpu` (released as
+# ghcr.io/kvpilot/runtime:<version>-cpu), the CPU variant: Debian trixie's CPU-only torch
+# (python3-torch 2.6) under the locked venv (system site-packages, without torch, triton and
+# NVIDIA's wheels), the kernels built against that torch in a build stage with g++ and
+# libtorch-dev, which the image itself lacks. Same user, entrypoint, command, env and port.
+RUNTIME_CPU = replace(
+    RUNTIME,
+    name="kvpilot-runtime-cpu",
+    dockerfile="runtime/Dockerfile.cpu",
+    dockerfile_packages=("python3", "python3-torch", "ca-certificates", "tini"),
+    base_packages=(),  # debian:trixie-slim brings nothing else the image needs
+    debian_release=CPU_DEBIAN_RELEASE,
+    debian_python=CPU_DEBIAN_PYTHON,
+    not_installed=("torch", "triton", "nvidia-*"),
+    system_site_packages=True,
+    kernel_build_packages=("g++", "libtorch-dev"),
+)
+
+IMAGES = {spec.name: spec for spec in (OPERATOR, RUNTIME, RUNTIME_CPU)}
+RUNTIMES = (RUNTIME, RUNTIME_CPU)

@@ -1,4 +1,5 @@
-"""A replacement pod's phases from what a watch saw (bench/pod_phases.py), table-tested."""
+"""A new pod's phases from what a watch saw (bench/pod_phases.py), table-tested: a replacement's
+and a scale-up's, and when a model's pods have settled at a count."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ from typing import Any
 
 import pytest
 
-from bench.pod_phases import PHASES, PodSeen, first_ready, observe, phases
+from bench.pod_phases import (
+    PHASES,
+    SCALE_UP_PHASES,
+    PodSeen,
+    first_ready,
+    is_settled,
+    observe,
+    phases,
+)
 
 PENDING: dict[str, Any] = {"metadata": {"name": "p"}, "spec": {}, "status": {}}
 BOUND = {**PENDING, "spec": {"nodeName": "local-0"}}
@@ -52,6 +61,14 @@ def test_phases_are_the_gaps_between_the_steps_from_the_delete() -> None:
     assert sum(got.values()) == pytest.approx(104.0 - 100.0)  # the total, in parts
 
 
+def test_a_scale_up_s_phases_start_at_the_write_of_the_replicas() -> None:
+    seen = PodSeen(created=50.4, scheduled=50.5, running=50.7, ready=53.0)
+    got = phases(50.0, seen, process_created_at=50.6, engine_ready_at=52.6, names=SCALE_UP_PHASES)
+    assert list(got) == ["written -> created", *PHASES[1:]]
+    assert list(got.values()) == pytest.approx([0.4, 0.1, 0.1, 2.0, 0.4])
+    assert sum(got.values()) == pytest.approx(53.0 - 50.0)
+
+
 def test_phases_refuse_a_pod_not_seen_at_every_step() -> None:
     with pytest.raises(ValueError, match="not seen at every step"):
         phases(100.0, PodSeen(created=100.1), 101.2, 103.5)
@@ -73,3 +90,26 @@ def test_the_replacement_is_a_pod_created_after_the_delete(
 ) -> None:
     found = first_ready(seen, created_after=100.0)
     assert found is (None if expected is None else seen[expected])
+
+
+DELETING = {**READY, "metadata": {"name": "p", "deletionTimestamp": "2026-12-06T23:40:00Z"}}
+
+
+@pytest.mark.parametrize(
+    ("pods", "count", "expected"),
+    [
+        ([], 0, True),  # scaled to 0 and the pod's object gone: its GPU is free
+        ([DELETING], 0, False),  # still being deleted: its GPU is not free yet
+        ([READY], 1, True),
+        ([READY], 0, False),
+        ([READY, READY], 1, False),  # a scale-down not begun
+        ([READY, DELETING], 1, False),  # a scale-down not finished
+        ([READY, NOT_READY], 2, False),  # a scale-up not Ready yet
+        ([READY, BOUND], 2, False),
+        ([READY, READY], 2, True),
+    ],
+)
+def test_settled_is_the_count_all_ready_and_none_being_deleted(
+    pods: list[dict[str, Any]], count: int, expected: bool
+) -> None:
+    assert is_settled(pods, count) is expected

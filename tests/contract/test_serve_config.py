@@ -104,6 +104,8 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
         "enable_lora": True, "max_loras": 3, "max_lora_rank": 32, "max_cpu_loras": 5,
         "enforce_eager": True,
         "lora_modules": ("a=/adapters/a", '{"name": "b", "path": "/adapters/b"}'),
+        "lora_cache_dir": "/mnt/models/.adapters",
+        "lora_claims": ("loras=/mnt/lora-claims/loras", "more=/mnt/lora-claims/more"),
         # KV tiers need prefix caching and one rank: round-tripped in the test below
         "kv_offloading_size": None, "kv_offloading_backend": "native",
         "kv_offloading_disk_path": None, "kv_offloading_disk_size": None,

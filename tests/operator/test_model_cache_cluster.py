@@ -13,6 +13,7 @@ from tests.support.operator_cluster import (
     apply_doc,
     apply_secret,
     complete,
+    fill_pods,
     get,
     pods,
     ready_check,
@@ -30,11 +31,6 @@ def cached_tiny(cluster: Any, name: str, replicas: int, **cache: Any) -> dict[st
     md["spec"]["model"]["cache"] = {"size": "1Gi", **cache}
     md["spec"]["autoscaling"] = {"mode": "off", "replicas": replicas}
     return md
-
-
-def fill_pods(cluster: Any, namespace: str, claim: str) -> list[dict[str, Any]]:
-    selector = f"kvpilot.dev/model-cache={claim}"
-    return get(cluster, "pods", "-n", namespace, "-l", selector)["items"]
 
 
 def exists(cluster: Any, namespace: str, kind: str, name: str) -> bool:

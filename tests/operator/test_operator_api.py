@@ -118,8 +118,8 @@ def test_examples_parse_and_resolve(path: Path) -> None:
     assert len(doc["metadata"]["name"]) <= crdgen.MAX_NAME_LENGTH
 
 
-def test_there_are_sixteen_invalid_examples_each_naming_its_field() -> None:
-    assert len(INVALID) == 16
+def test_there_are_seventeen_invalid_examples_each_naming_its_field() -> None:
+    assert len(INVALID) == 17
     for path in INVALID:
         assert "the error names: spec" in path.read_text().splitlines()[0], path
 
@@ -375,7 +375,7 @@ def test_kv_offload_crd_rules_say_what_the_models_say() -> None:
     [
         ({"name": "a=b", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
         ({"name": "-sql", "uri": "hf://org/a"}, "name", api.ADAPTER_NAME_FORMS),
-        ({"name": "sql", "uri": "pvc://claim/a"}, "uri", api.ADAPTER_URI_FORMS),
+        ({"name": "sql", "uri": "pvc://My_Claim/a"}, "uri", api.ADAPTER_URI_FORMS),
         ({"name": "sql", "uri": "org/a"}, "uri", api.ADAPTER_URI_FORMS),
     ],
 )
@@ -408,3 +408,29 @@ def test_adapter_names_and_slots_are_checked(spec: dict[str, Any], says: str) ->
     lists = _schema_at(("spec", "adapters"))
     assert lists["x-kubernetes-list-type"] == "map"  # the apiserver refuses a name twice too
     assert lists["x-kubernetes-list-map-keys"] == ["name"]
+
+
+@pytest.mark.parametrize(
+    ("adapter_uri", "cache", "refused"),
+    [
+        ("hf://example/sql-lora", {"size": "20Gi"}, True),
+        ("s3://loras/sql", {"size": "20Gi"}, True),
+        ("pvc://loras/sql", {"size": "20Gi"}, False),  # read where it is, never cached
+        ("hf://example/sql-lora", None, False),  # fetched by each pod
+    ],
+)
+def test_cached_adapters_and_variants_need_one_claim(
+    adapter_uri: str, cache: dict[str, str] | None, refused: bool
+) -> None:
+    model: dict[str, Any] = {
+        "uri": "hf://Qwen/Qwen2.5-7B-Instruct",
+        "variants": [{"name": "awq", "uri": "hf://Qwen/Qwen2.5-7B-Instruct-AWQ"}],
+    }
+    if cache is not None:
+        model["cache"] = cache
+    spec = {"model": model, "adapters": [{"name": "sql", "uri": adapter_uri}]}
+    if refused:
+        with pytest.raises(ValidationError, match="which the pods of a node type serving a"):
+            api.parse_spec(spec)
+    else:
+        assert api.parse_spec(spec).adapters[0].uri == adapter_uri

@@ -19,7 +19,6 @@ import pytest
 from kvpilot.contract import checkpoint_quant, memory, serve_config
 from kvpilot.contract.memory import GIB, ModelFacts
 from kvpilot.operator import api
-from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import planner
 from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.planning.model_facts import UnservableCheckpointError, facts_from_config_json
@@ -31,42 +30,25 @@ from tests.support.checkpoint_configs import (
     QWEN25_7B_PARAMETERS,
     TINYLLAMA,
 )
+from tests.support.prequant_plans import (
+    AWQ,
+    BF16,
+    CONFIG,
+    GTX_10GB,
+    L4,
+    T4,
+    T4X4,
+    no_header_read,
+    pool,
+    request,
+)
 
 MD = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
-CONFIG = OperatorConfig(runtime_image="registry.local/kvpilot-runtime:test")
 KV = 2 * 28 * 4 * 128 * 2 * 8192 * 8
 QUANTIZED = 28 * QWEN25_7B_LAYER
 AWQ_WEIGHTS = QUANTIZED * (0.5 + 4 / 128) + (QWEN25_7B_PARAMETERS - QUANTIZED) * 2
 BF16_WEIGHTS = QWEN25_7B_PARAMETERS * 2.0
 INT4_WEIGHTS = QWEN25_7B_PARAMETERS * (0.5 + 4 / 128)
-
-
-def no_header_read() -> int:
-    raise AssertionError("a pre-quantised checkpoint's parameters come from its shapes")
-
-
-AWQ = facts_from_config_json(QWEN25_7B_AWQ, no_header_read, "model", "")
-BF16 = facts_from_config_json(QWEN25_7B, lambda: QWEN25_7B_PARAMETERS, "model", "")
-
-
-def pool(name: str, mib: int, gpus: int = 1) -> NodeType:
-    return NodeType(name, "", mib, gpus, 1.0, {"t": name}, ("n",), (gpus,))
-
-
-GTX_10GB = pool("rtx3080-10gb", 10240)  # usable 9.0 GiB
-T4 = pool("t4-16gb", 15360)  # usable 13.5 GiB
-L4 = pool("l4-24gb", 23034)  # usable 20.2 GiB
-T4X4 = pool("t4x4-16gb", 15360, 4)
-
-
-def request(facts: ModelFacts, levels: tuple[str, ...], **overrides: Any) -> planner.PlanRequest:
-    return planner.PlanRequest(
-        facts=facts,
-        quantizations=levels,
-        max_context_length=8192,
-        target_concurrency=8,
-        **overrides,
-    )
 
 
 def per_gpu(weights: float) -> float:
@@ -260,7 +242,6 @@ def test_a_variants_pods_fetch_its_uri_with_its_secret_under_the_models_name() -
             {"variants": [{"name": "a", "uri": "hf://o/a"}, {"name": "a", "uri": "hf://o/b"}]},
             "each name once",
         ),
-        ({"cache": {}, "variants": [{"name": "a", "uri": "hf://o/a"}]}, "cache with variants"),
         ({"variants": [{"name": "a", "uri": "pvc://claim/a"}]}, "hf://ORG/NAME"),
     ],
 )

@@ -14,10 +14,13 @@ import pytest
 import yaml
 
 from hack.images.spec import RUNTIME
-from kvpilot.contract import fetch, serve_config
+from hack.podrunner import pods as podrunner_pods
+from kvpilot.contract import adapter_cache, fetch, serve_config
 from kvpilot.contract.engine_config import SCHEDULING_POLICY_CHOICES
 from kvpilot.contract.memory import ModelFacts
+from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.operator import api
+from kvpilot.operator.adapters import cache_fill
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import planner
 from kvpilot.operator.planning.inventory import NodeType
@@ -311,3 +314,89 @@ def test_the_specs_policies_are_the_runtimes_and_no_other_is_accepted() -> None:
     assert typing.get_args(api.SchedulingPolicy) == SCHEDULING_POLICY_CHOICES
     with pytest.raises(ValueError, match="schedulingPolicy"):
         api.parse_spec({"model": {"uri": URIS[0]}, "serving": {"schedulingPolicy": "lifo"}})
+
+
+@pytest.mark.parametrize("uri", [u for u in URIS if u.startswith(("hf://", "s3://"))])
+def test_with_the_model_cache_adapters_are_fetched_into_it_and_read_from_the_pods_mount(
+    uri: str,
+) -> None:
+    """The adapter fill Job writes where the runtime's --lora-cache-dir looks for the entry,
+    inside the claim the pod mounts."""
+    spec = api.parse_spec(
+        {"model": {"uri": uri, "cache": {}}, "adapters": ADAPTERS, "lora": {"maxLoras": 2}}
+    )
+    model_job = model_cache.build_fill_job(MD, spec, plan(1, "bf16"), CONFIG)
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    dirs = parsed_serve(pod["spec"]["containers"][0]).adapter_dirs
+    assert cache_fill.cached_uris(spec) == [ADAPTERS[0]["uri"], ADAPTERS[1]["uri"]]  # not file://
+    for adapter in ADAPTERS[:2]:
+        job = cache_fill.build_job(MD, spec, adapter["uri"], model_job)
+        fill = job["spec"]["template"]["spec"]["containers"][0]
+        parsed_fetch(fill)
+        to = next(a.removeprefix("--to=") for a in fill["args"] if a.startswith("--to="))
+        assert to == dirs.cache_entry(adapter["uri"])
+        (mount,) = [m for m in fill["volumeMounts"] if to.startswith(m["mountPath"] + "/")]
+        claim = next(v for v in pod["spec"]["volumes"] if v["name"] == "model")
+        assert claim["persistentVolumeClaim"]["claimName"] == manifests.cache_claim_name(uri)
+        assert (
+            next(
+                v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+            )["persistentVolumeClaim"]["claimName"]
+            == claim["persistentVolumeClaim"]["claimName"]
+        )
+    secret = cache_fill.build_job(MD, spec, ADAPTERS[1]["uri"], model_job)
+    assert secret["spec"]["template"]["spec"]["containers"][0]["envFrom"] == [
+        {"secretRef": {"name": "s3"}}
+    ]
+
+
+def test_without_the_model_cache_the_runtime_looks_in_no_cache() -> None:
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "adapters": ADAPTERS})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    assert parsed_serve(pod["spec"]["containers"][0]).lora_cache_dir is None
+    assert cache_fill.cached_uris(spec) == []
+
+
+def test_pvc_adapters_claims_are_mounted_read_only_where_the_runtime_reads_them() -> None:
+    adapters = [
+        {"name": "a", "uri": "pvc://loras/tenant-a"},
+        {"name": "b", "uri": "pvc://loras/tenant-b"},  # one claim, one mount
+        {"name": "c", "uri": "pvc://other-loras"},
+        {"name": "d", "uri": "hf://org/d"},
+    ]
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "adapters": adapters})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    dirs = parsed_serve(container).adapter_dirs
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]
+        for v in pod["spec"]["volumes"]
+        if v["name"].startswith("lora-claim-")
+    }
+    assert sorted(c["claimName"] for c in claims.values()) == ["loras", "other-loras"]
+    assert all(c["readOnly"] for c in claims.values())
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["name"] in claims}
+    for adapter in adapters[:3]:
+        source = parse_model_uri(adapter["uri"])
+        path = adapter_cache.claim_path(dirs.claims, source)
+        (mount,) = [m for p, m in mounts.items() if (path + "/").startswith(p + "/")]
+        assert mount["readOnly"] and claims[mount["name"]]["claimName"] == source.location
+    # the local pool's pod runner rewrites the flag's directories to the claims' directories
+    as_run = {"metadata": {"namespace": "ns"}, "spec": pod["spec"]}
+    local = podrunner_pods.volume_dirs(as_run, Path("/pod"), Path("/claims"))
+    rewritten = [
+        podrunner_pods.rewrite_paths(arg, podrunner_pods.container_mounts(container, local))
+        for arg in container["args"]
+        if arg.startswith("--lora-claims=")
+    ]
+    assert rewritten == [
+        "--lora-claims=loras=/claims/ns/loras",
+        "--lora-claims=other-loras=/claims/ns/other-loras",
+    ]
+
+
+def test_without_pvc_adapters_no_claim_is_mounted() -> None:
+    spec = api.parse_spec({"model": {"uri": URIS[0]}, "adapters": ADAPTERS})
+    pod = manifests.build_deployment(MD, spec, plan(1, "bf16"), 1, CONFIG)["spec"]["template"]
+    assert not any(v["name"].startswith("lora-claim-") for v in pod["spec"]["volumes"])
+    assert parsed_serve(pod["spec"]["containers"][0]).lora_claims == ()

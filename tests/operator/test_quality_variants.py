@@ -15,8 +15,8 @@ from kvpilot.operator.planning.model_facts import facts_from_config_json
 from kvpilot.operator.quality import admission, variants
 from kvpilot.operator.quality import job as quality_job
 from kvpilot.operator.reconcile import desired_state, typed_status
-from tests.operator.test_planner_prequantized import AWQ, BF16, CONFIG, L4, T4, request
 from tests.support.checkpoint_configs import QWEN25_7B
+from tests.support.prequant_plans import AWQ, BF16, CONFIG, L4, T4, request
 from tests.support.quality_fixtures import DIGEST, NOW, failed_pod, job
 
 URI = "hf://Qwen/Qwen2.5-7B-Instruct"  # in the catalog: nothing to read for it
@@ -250,3 +250,33 @@ def test_a_variant_alone_within_budget_is_enough_to_plan() -> None:
     desired = desire(LEVELS, done, allowed=("int4", "int8"), budget=0.2)
     assert desired.error is None
     assert {(e.variant, e.quantization) for e in desired.plan} == {("awq", "int4")}
+
+
+# A pre-quantised spec.model leaves the gate no 16-bit baseline: with an eval set the spec is
+# refused saying how to list the checkpoints; without one it is served as published.
+@pytest.mark.parametrize(
+    ("with_evaluation", "refused"),
+    [(True, True), (False, False)],
+)
+def test_a_pre_quantised_spec_model_under_the_gate_is_refused_saying_to_list_it_as_a_variant(
+    with_evaluation: bool, refused: bool
+) -> None:
+    awq_model = md(allowed=("int4", "int8", "bf16"))
+    awq_model["spec"]["model"] = {"uri": AWQ_VARIANT.uri}
+    if not with_evaluation:
+        del awq_model["spec"]["quantization"]["evaluation"]
+    quality = admission.Observed(DIGEST, records=LEVELS, runs={})
+    observed = desired_state.Observed(node_types=(T4,), source_facts=AWQ, quality=quality, now=NOW)
+    desired = desired_state.desire(awq_model, CONFIG, observed)
+    if not refused:
+        assert desired.error is None and desired.plan[0].quantization == "int4"
+        return
+    assert desired.is_invalid_spec and not desired.needs_retry
+    assert AWQ.checkpoint is not None
+    assert desired.error == (
+        "spec.quantization.evaluation needs a 16-bit spec.model as its baseline, and spec.model"
+        f" ({AWQ_VARIANT.uri}) is pre-quantised ({AWQ.checkpoint.description}): put the model's"
+        " 16-bit checkpoint in spec.model.uri and this one under spec.model.variants (e.g."
+        f" {{name: awq, uri: {AWQ_VARIANT.uri}}}), or remove spec.quantization.evaluation to"
+        " serve it unmeasured"
+    )

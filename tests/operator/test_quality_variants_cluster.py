@@ -21,40 +21,13 @@ from tests.support.operator_cluster import (
     apply_doc,
     apply_secret,
     model_server_env,
-    tiny_llama_from,
     wait_for,
 )
-from tests.support.quality_cluster import condition, eval_jobs, status
+from tests.support.quality_cluster import condition, status
+from tests.support.variants_cluster import EVAL_CHARS, METRIC, measured, measured_variant_tiny
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 BUCKET = "models"
-LEVELS = ["int4", "int8"]  # int4 preferred: the variant (pre-quantised) before kvpilot's own
-METRIC = "agreement"  # ranks the levels on few tokens (test_quality_cluster.py says why)
-EVAL_CHARS = 4000  # few tokens: each eval Job is quick on a CPU
-
-
-def measured_variant_tiny(cluster: Any, variant_uri: str, max_loss: float) -> dict[str, Any]:
-    md = tiny_llama_from("s3://models/tiny-llama", cluster, "model-creds")
-    md["spec"]["model"]["variants"] = [{"name": "ct-int4", "uri": variant_uri}]
-    md["spec"]["autoscaling"] = {"mode": "off", "replicas": 0}  # the plan is what is tested
-    md["spec"]["quantization"] = {
-        "allowed": LEVELS,
-        "evaluation": {
-            "dataset": {"configMap": "tiny-eval", "key": "eval.txt"},
-            "metric": METRIC,
-            "maxQualityLoss": max_loss,
-        },
-    }
-    return md
-
-
-def measured(cluster: Any, namespace: str) -> dict[str, Any]:
-    now = status(cluster, namespace, "tiny")
-    found = condition(now, "QualityMeasured")
-    if found.get("status") != "True":
-        jobs = [(j["metadata"]["name"], j.get("status")) for j in eval_jobs(cluster, namespace)]
-        raise AssertionError(f"QualityMeasured: {found}; jobs: {jobs}")
-    return now
 
 
 def test_the_variant_is_measured_and_the_plan_follows_the_gate(

@@ -152,7 +152,7 @@ def test_the_autoscalers_own_keys_are_kept() -> None:
 @pytest.mark.parametrize(
     ("part", "raw", "expected"),
     [
-        ("cache", {"cache": CACHED}, {**CACHED, "message": ""}),
+        ("cache", {"cache": CACHED}, {**CACHED, "message": "", "variant": ""}),
         ("autoscaling", {"autoscaling": AUTOSCALING}, {**AUTOSCALING, "metrics": {}}),
         ("cost", {"cost": COST}, {**COST, "currency": "USD", "reason": "", "nodeTypes": {}}),
         # no nulls: in a merge patch one would delete, and in a list the apiserver prunes it

@@ -5,21 +5,14 @@ the official client with the greedy text the runtime gives that checkpoint in-pr
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 from openai import OpenAI
 
-from bench.reference.models import run_all
 from bench.reference.prequantized import write_checkpoint
 from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
-from kvpilot.contract import serve_config
-from kvpilot.runtime.engine.engine import Engine
-from kvpilot.runtime.engine.sampling import SamplingParams
-from kvpilot.runtime.models.tokenizer_files import Tokenizer
-from kvpilot.runtime.server.lifecycle import engine_config
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,
@@ -32,23 +25,10 @@ from tests.support.operator_cluster import (
     tiny_llama_from,
     wait_for,
 )
+from tests.support.variants_cluster import NUM_TOKENS, PROMPT, in_process_greedy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 BUCKET = "models"
-PROMPT = "The for statement"
-NUM_TOKENS = 12
-
-
-def in_process_greedy(checkpoint: Path, pod_args: list[str]) -> str:
-    """The runtime's greedy text for PROMPT on `checkpoint`, its engine built here from the
-    pod's own `serve` flags, as the runtime builds it (a small KV cache: one request)."""
-    flags = serve_config.build_parser().parse_args(pod_args[1:])  # --model: the pod's path
-    config = engine_config(serve_config.ServeConfig(**vars(flags)), str(checkpoint))
-    config = dataclasses.replace(config, kv_cache_memory=16 * 2**20)
-    tokenizer = Tokenizer(checkpoint)
-    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0)
-    (tokens,) = run_all(Engine(config), [tokenizer.encode(PROMPT)], params).values()
-    return tokenizer.decode(tokens)
 
 
 def test_the_int4_variant_is_planned_fetched_and_serves_its_greedy_text(

@@ -21,11 +21,15 @@ from hack import release
 from hack.images import build
 from hack.images.spec import (
     BASE_PATH,
+    CPU_DEBIAN_PYTHON,
+    CPU_DEBIAN_RELEASE,
     DEBIAN_PYTHON,
     DEBIAN_RELEASE,
     IMAGES,
     OPERATOR,
     RUNTIME,
+    RUNTIME_CPU,
+    RUNTIMES,
     UID,
     VENV,
     ImageSpec,
@@ -137,15 +141,70 @@ def test_debian_packages_are_those_the_dockerfiles_install() -> None:
     assert "python3" in OPERATOR.debian_packages
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("spec", [OPERATOR, RUNTIME], ids=lambda spec: spec.name)
 def test_the_base_is_the_debian_release_and_the_python_of_the_build(spec: ImageSpec) -> None:
     """python:<X.Y>.z-slim-<release>: the daemonless build's Debian release, whose python3 is
     X.Y, the version in .python-version that uv.lock's wheels are installed for."""
+    assert (spec.debian_release, spec.debian_python) == (DEBIAN_RELEASE, DEBIAN_PYTHON)
     base = Dockerfile(ROOT / spec.dockerfile).base_image()
     match = re.fullmatch(r"python:(\d+\.\d+)\.\d+-slim-([a-z]+)(@sha256:[0-9a-f]{64})?", base)
     assert match, base
     assert match.group(2) == DEBIAN_RELEASE
     assert match.group(1) == DEBIAN_PYTHON == release.python_version()
+
+
+def test_the_cpu_runtime_is_debian_trixies_torch_under_the_locked_venv() -> None:
+    """runtime/Dockerfile.cpu is debian:trixie-slim (whose python3 runs Debian's python3-torch,
+    not python:slim's own interpreter), the venv made with system site-packages; the daemonless
+    build takes the same release and leaves torch, triton and NVIDIA's wheels out of the venv."""
+    dockerfile = Dockerfile(ROOT / RUNTIME_CPU.dockerfile)
+    base = dockerfile.base_image()
+    assert re.fullmatch(rf"debian:{CPU_DEBIAN_RELEASE}-slim(@sha256:[0-9a-f]{{64}})?", base), base
+    assert RUNTIME_CPU.debian_release == CPU_DEBIAN_RELEASE
+    assert RUNTIME_CPU.debian_python == CPU_DEBIAN_PYTHON
+    runs = " ".join(dockerfile.instructions("RUN"))
+    assert f"python3 -m venv --system-site-packages {VENV}" in runs
+    assert RUNTIME_CPU.system_site_packages and "python3-torch" in RUNTIME_CPU.debian_packages
+    pins = build.locked_requirements(RUNTIME_CPU)
+    names = {line.split("==")[0] for line in pins.splitlines() if "==" in line}
+    assert not {n for n in names if n in ("torch", "triton") or n.startswith("nvidia-")}, names
+    assert {"safetensors", "tokenizers", "ninja", "fastapi"} <= names  # the rest of the extra
+    # the build stage compiles, the image does not
+    assert not set(RUNTIME_CPU.kernel_build_packages) & set(RUNTIME_CPU.debian_packages)
+    assert RUNTIME_CPU.kernel_levels == RUNTIME.kernel_levels
+
+
+def test_not_installed_patterns_pick_lock_names() -> None:
+    """The spec's fnmatch patterns over uv.lock's names (a table): exact names, globs, none."""
+    locked = ["torch", "triton", "nvidia-cublas", "nvidia-nccl-cu13", "numpy", "torchvision"]
+    cases = [
+        ((), []),
+        (("torch",), ["torch"]),
+        (("nvidia-*",), ["nvidia-cublas", "nvidia-nccl-cu13"]),
+        (("torch", "triton", "nvidia-*"),
+         ["nvidia-cublas", "nvidia-nccl-cu13", "torch", "triton"]),
+    ]  # fmt: skip
+    from dataclasses import replace
+
+    for patterns, expected in cases:
+        spec = replace(RUNTIME_CPU, not_installed=patterns)
+        assert build.not_installed_names(spec, locked) == expected, patterns
+
+
+def test_each_image_is_built_from_its_own_release() -> None:
+    """apt sources and the mmdebstrap suite follow the spec's release; the CPU image's build
+    stage adds the compiler and torch's headers, and its final root filesystem has neither."""
+    assert build.apt_sources(RUNTIME)[0].endswith(f" {DEBIAN_RELEASE} main")
+    cpu_sources = build.apt_sources(RUNTIME_CPU)
+    assert all(CPU_DEBIAN_RELEASE in line for line in cpu_sources), cpu_sources
+    final = build.mmdebstrap_command(RUNTIME_CPU, Path("/tmp/x.tar"))
+    stage = build.kernel_stage_command(RUNTIME_CPU, Path("/tmp/stage"))
+    assert CPU_DEBIAN_RELEASE in final and "--format=tar" in final
+    assert "--format=directory" in stage
+    (final_include,) = [a for a in final if a.startswith("--include=")]
+    (stage_include,) = [a for a in stage if a.startswith("--include=")]
+    assert "g++" not in final_include.split("=", 1)[1].split(",")
+    assert {"g++", "libtorch-dev"} <= set(stage_include.split("=", 1)[1].split(","))
 
 
 def test_the_dockerfile_parser_follows_the_stage_chain() -> None:
@@ -204,6 +263,7 @@ def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
     assert "torch==" in build.locked_requirements(RUNTIME)
     assert "torch==" not in build.locked_requirements(OPERATOR)
     assert build.tree_recipe_digest(RUNTIME) != build.tree_recipe_digest(OPERATOR)
+    assert build.tree_recipe_digest(RUNTIME_CPU) != build.tree_recipe_digest(RUNTIME)
 
 
 def test_rfc3339_is_utc() -> None:
@@ -257,15 +317,25 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
     assert not forbidden, forbidden[:20]
     scripts = {name.rsplit("/", 1)[-1] for name in names if name.startswith("opt/venv/bin/")}
     assert spec.entrypoint[-1] in scripts
-    site = f"opt/venv/lib/python{DEBIAN_PYTHON}/site-packages"
+    site = spec.site_packages.lstrip("/")
     assert f"{site}/kvpilot/{spec.extras[0]}/__init__.py" in names
     assert (f"{site}/torch/__init__.py" in names) == (spec is RUNTIME)
+    debian_torch = "usr/lib/python3/dist-packages/torch/__init__.py"
+    assert (debian_torch in names) == (spec is RUNTIME_CPU)  # Debian's CPU-only torch
+    if spec is RUNTIME_CPU:
+        assert not [n for n in names if n.startswith(f"{site}/nvidia/")]
+        assert size_mb <= 1500, "issue 37's goal: runtime CPU image at most 1.5 GB compressed"
     for owned in (spec.home, *spec.owned_dirs):
         if owned:
             assert names[owned.lstrip("/")] == (UID, UID), owned
     if has_this_recipe(spec):  # nothing compiled at pod start (older recipes predate these)
-        pyc = any(n.startswith(f"{site}/torch/__pycache__/__init__.cpython-") for n in names)
-        assert pyc == spec.compile_bytecode  # torch's import from source is seconds per start
+        # torch's import from source is seconds per start: its bytecode ships (the venv's,
+        # or Debian's, which python3-torch's postinst compiles)
+        torch_dir = (
+            "usr/lib/python3/dist-packages/torch" if spec is RUNTIME_CPU else f"{site}/torch"
+        )
+        pyc = any(n.startswith(f"{torch_dir}/__pycache__/__init__.cpython-") for n in names)
+        assert pyc == spec.compile_bytecode
         kernels = "opt/venv/share/kvpilot/kernels/"
         levels = {n.removeprefix(kernels).rsplit("-", 1)[0]
                   for n in names if n.startswith(kernels) and n.endswith("/built")}  # fmt: skip
@@ -273,7 +343,7 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
         assert levels <= set(spec.kernel_levels) and ("x86-64-v3" in levels) == bool(
             spec.kernel_levels
         ), levels
-    if spec is RUNTIME:
+    if spec in RUNTIMES:
         assert "usr/bin/tini" in names
     else:
         assert size_mb <= 200, "issue 37's goal: operator image at most 200 MB compressed"
@@ -290,11 +360,13 @@ def built_from_this_tree(image: oci_images.Image) -> bool:
 
 
 @pytest.mark.slow
-def test_built_image_is_reproducible_from_the_same_inputs(scratch: Path) -> None:
-    """A second build of the operator image from the same commit, lock and Debian archive gives
-    the same manifest digest as the cached one (SOURCE_DATE_EPOCH, sorted tar, clamped mtimes).
-    Needs what `make images` needs: root, mmdebstrap and umoci, Debian's archive and PyPI."""
-    image = oci_images.cached(OPERATOR)
+@pytest.mark.parametrize("spec", [OPERATOR, RUNTIME_CPU], ids=lambda spec: spec.name)
+def test_built_image_is_reproducible_from_the_same_inputs(spec: ImageSpec, scratch: Path) -> None:
+    """A second build of the image from the same commit, lock and Debian archive gives the same
+    manifest digest as the cached one (SOURCE_DATE_EPOCH, sorted tar, clamped mtimes; the CPU
+    image's kernels too, built in its build stage). Needs what `make images` needs: root,
+    mmdebstrap and umoci, Debian's archive and PyPI. The CPU image's rebuild takes ~10 min."""
+    image = oci_images.cached(spec)
     oci_images.require_root_tools()
     if shutil.which("mmdebstrap") is None:
         pytest.skip("mmdebstrap is not installed: `make system-deps` (as root)")
@@ -302,7 +374,7 @@ def test_built_image_is_reproducible_from_the_same_inputs(scratch: Path) -> None
         pytest.skip(f"the cached image is from {revision_of(image)}, the tree is "
                     f"{build.revision()}: `make images` first (a dirty tree's images are not "
                     "compared)")  # fmt: skip
-    rebuilt = oci_images.read(build.build(OPERATOR, scratch))
+    rebuilt = oci_images.read(build.build(spec, scratch))
     assert rebuilt.manifest_digest == image.manifest_digest
 
 
@@ -334,10 +406,13 @@ def test_operator_image_entrypoint_runs_as_its_user(scratch: Path) -> None:
 
 
 @pytest.mark.slow
-def test_runtime_image_serves_a_completion_under_tini(tmp_path: Path, scratch: Path) -> None:
+@pytest.mark.parametrize("spec", RUNTIMES, ids=lambda spec: spec.name)
+def test_runtime_image_serves_a_completion_under_tini(
+    spec: ImageSpec, tmp_path: Path, scratch: Path
+) -> None:
     """The unpacked runtime image's entrypoint (tini, PID 1) serves tiny-llama, bind-mounted at
     /models/model as the operator mounts a model, and answers the official client."""
-    image = oci_images.cached(RUNTIME)
+    image = oci_images.cached(spec)
     oci_images.require_root_tools()
     rootfs = oci_images.unpack(image, scratch / "bundle")
     port = free_port()
@@ -363,7 +438,7 @@ def test_runtime_image_serves_a_completion_under_tini(tmp_path: Path, scratch: P
         assert completion.choices[0].text and completion.usage is not None
         assert completion.usage.completion_tokens == 4
         engine = httpx.get(f"http://127.0.0.1:{port}/version", timeout=10).json()["engine"]
-        if has_this_recipe(RUNTIME):  # with no compiler in the image: the prebuilt kernel
+        if has_this_recipe(spec):  # with no compiler in the image: the prebuilt kernel
             assert engine["attention_backend"] == "paged", engine["attention_source"]
         (init,) = child_pids(process.pid)  # unshare's child: PID 1 of the image's namespace
         assert cmdline(init).split()[:2] == ["tini", "--"], cmdline(init)

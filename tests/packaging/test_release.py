@@ -107,7 +107,9 @@ def test_images_are_pushed_where_the_chart_and_the_operator_pull_them() -> None:
     version = release.version()
     pushed = {layout.name: reference for layout, reference in release.image_references(version)}
     assert set(pushed) == set(IMAGES)
-    assert all(reference.endswith(f":{version}") for reference in pushed.values())
+    assert pushed["kvpilot-runtime-cpu"] == f"{release.REGISTRY}/runtime:{version}-cpu"
+    assert all(reference.endswith(f":{version}") for name, reference in pushed.items()
+               if name != "kvpilot-runtime-cpu")  # fmt: skip
     assert build.version() == version  # the layouts' tag (`make images`)
     assert pushed["kvpilot-runtime"] == DEFAULT_RUNTIME_IMAGE
     helm = require(HELM.path("helm"))
@@ -141,6 +143,8 @@ def test_the_workflow_names_no_version_of_its_own() -> None:
     ):
         assert command in runs, command  # fmt: skip
     assert workflow["jobs"]["release"]["permissions"]["id-token"] == "write"  # keyless signing
+    # layouts are tagged <version>; a variant's reference tag (<version>-cpu) is not the layout's
+    assert '"oci:$layout:$VERSION"' in runs
 
 
 def test_the_python_version_is_one() -> None:

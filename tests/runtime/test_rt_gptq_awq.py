@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from bench.reference.gptq_awq import (
     VARIANTS,
@@ -31,13 +32,20 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import samples_for, score
 from kvpilot.runtime.layers.packed_int4 import (
     AWQ_ORDER,
+    ActOrderParts,
     PermutedWeight,
     act_order_permutation,
     unpack_awq,
     unpack_int32,
 )
-from kvpilot.runtime.layers.prequant import dequantize, read_matrix
-from kvpilot.runtime.layers.quant import Int4Weight
+from kvpilot.runtime.layers.prequant import (
+    Int8Parts,
+    Matrix,
+    dequantize,
+    fold_input_order,
+    read_matrix,
+)
+from kvpilot.runtime.layers.quant import Int4Parts, Int4Weight
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.prequant_reference import (
@@ -169,6 +177,49 @@ def test_references_offline_on_a_cold_cache_say_why_and_write_nothing(tmp_path: 
     assert written == []
 
 
+def _int4_parts(out_features: int, in_features: int) -> Int4Parts:
+    groups = in_features // 8
+    return Int4Parts(
+        torch.randint(0, 16, (out_features, in_features), dtype=torch.int32),
+        torch.rand(out_features, groups).bfloat16(),
+        torch.randn(out_features, groups).bfloat16(),
+        8,
+        in_features,
+    )
+
+
+def _gate_up(kind: str, intermediate: int, hidden: int) -> Matrix:
+    if kind == "dense":
+        return torch.randn(2 * intermediate, hidden)
+    if kind == "int8":
+        values = torch.randint(-127, 128, (2 * intermediate, hidden), dtype=torch.int8)
+        return Int8Parts(values, torch.rand(2 * intermediate) / 127)
+    parts = _int4_parts(2 * intermediate, hidden)
+    return parts if kind == "int4" else ActOrderParts(parts, torch.randperm(hidden))
+
+
+def _mlp(gate_up: Matrix, down: Matrix, x: torch.Tensor) -> torch.Tensor:
+    gate, up = (x @ dequantize(gate_up).t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ dequantize(down).t()
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "act-order"])
+def test_act_order_down_proj_folds_into_gate_up(kind: str) -> None:
+    """down_proj's act-order permutation moves into gate/up's output rows (both halves alike):
+    the MLP computes the same function, and down_proj is left with no input to gather."""
+    torch.manual_seed(0)
+    hidden, intermediate = 16, 24
+    gate_up = _gate_up(kind, intermediate, hidden)
+    down = ActOrderParts(_int4_parts(hidden, intermediate), torch.randperm(intermediate))
+    folded_gate_up, folded_down, order = fold_input_order(gate_up, down, 2)
+    assert isinstance(folded_down, Int4Parts) and order is not None
+    assert torch.equal(order, down.perm)
+    assert type(folded_gate_up) is type(gate_up)  # still packed as the checkpoint packed it
+    x = torch.randn(3, hidden)
+    torch.testing.assert_close(_mlp(folded_gate_up, folded_down, x), _mlp(gate_up, down, x))
+    assert fold_input_order(gate_up, down.parts, 2) == (gate_up, down.parts, None)
+
+
 @pytest.fixture(scope="module")
 def checkpoints() -> Callable[[str], Path]:
     return gptqmodel_checkpoint  # from the reference cache; `make test`'s set-up fills it
@@ -224,9 +275,38 @@ def test_logits_and_greedy_tokens_match_transformers(
     for prompt, logits in zip(PROMPTS, our_logits(path, PROMPTS, [5]), strict=True):
         torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=LOGIT_TOLERANCE, rtol=0)
     engine = make_engine(path)
-    stored = engine.runner.model.layers[0].qkv.weight
-    is_act_order = VARIANTS[variant].get("desc_act") and VARIANTS[variant]["group_size"] > 0
-    assert isinstance(stored, PermutedWeight if is_act_order else Int4Weight)  # kept packed
+    layer = engine.runner.model.layers[0]
+    is_act_order = bool(VARIANTS[variant].get("desc_act")) and VARIANTS[variant]["group_size"] > 0
+    assert isinstance(layer.qkv.weight, PermutedWeight if is_act_order else Int4Weight)
+    assert not isinstance(layer.down.weight, PermutedWeight)  # act-order folded into gate/up
+    assert (layer.mlp_order is not None) == is_act_order
+    ours = run_all(engine, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
+    for index, prompt in enumerate(PROMPTS):
+        assert ours[str(index)] == hf_greedy(hf, prompt, 12)
+
+
+@pytest.mark.slow
+def test_lora_slots_put_back_the_checkpoints_mlp_order(
+    checkpoints: Callable[[str], Path],
+    references: Callable[[Path], Any],
+    make_engine: Callable[..., Engine],
+) -> None:
+    """Adapters are trained on the checkpoint's order of the MLP's features: with LoRA slots a
+    folded act-order MLP multiplies in that order again, and still answers as transformers."""
+    path = checkpoints("gptq-g64-desc")
+    engine = make_engine(path, enable_lora=True)
+    layer = engine.runner.model.layers[0]
+    assert layer.mlp_order is None and isinstance(layer.down.weight, PermutedWeight)
+    cfg, mlp = load_model_config(path), "model.layers.0.mlp"
+    with open_weights(path) as read:
+        gate, up, down = (
+            dequantize(read_matrix(read, f"{mlp}.{m}_proj", cfg.checkpoint_quant))
+            for m in ("gate", "up", "down")
+        )
+    for linear, ref in ((layer.gate_up, torch.cat([gate, up])), (layer.down, down)):
+        stored = linear.weight.dequantize(torch.float32)  # through the kernel: bf16 precision
+        torch.testing.assert_close(stored, ref, rtol=0, atol=ref.abs().max().item() / 128)
+    hf = references(path)
     ours = run_all(engine, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
     for index, prompt in enumerate(PROMPTS):
         assert ours[str(index)] == hf_greedy(hf, prompt, 12)

@@ -214,3 +214,9 @@ def reconciles(metrics_port: int) -> float:
         if sample.name == "kvpilot_operator_reconcile_total"
         and sample.labels["outcome"] == "success"
     )
+
+
+def fill_pods(cluster: Any, namespace: str, claim: str) -> list[dict[str, Any]]:
+    """The pods of the Job that fills the model cache `claim`."""
+    selector = f"kvpilot.dev/model-cache={claim}"
+    return get(cluster, "pods", "-n", namespace, "-l", selector)["items"]

@@ -17,6 +17,7 @@ from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvpilot.contract.adapter_cache import AdapterDirs, parse_claims
 from kvpilot.contract.engine_config import EngineConfig, option
 from kvpilot.contract.model_source import ModelSource, parse_model_uri
 
@@ -80,6 +81,17 @@ class ServeConfig(EngineConfig):
         "LoRA adapters loaded at start (with --enable-lora), each NAME=PATH or vLLM's JSON "
         '{"name": NAME, "path": PATH}; PATH a local PEFT adapter directory',
     )
+    # Set by the operator (adapter_cache.py says how an entry and a claim's path are named).
+    lora_cache_dir: str | None = option(
+        None,
+        "a directory of adapters fetched ahead, one per URI (the operator's model cache): an "
+        "hf:// or s3:// adapter found there is read from it instead of fetched",
+    )
+    lora_claims: tuple[str, ...] = option(
+        (),
+        "where pvc:// adapters' claims are mounted, each CLAIM=DIR: pvc://CLAIM/PATH is read "
+        "from DIR/PATH (a claim not listed: the adapter is refused)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,6 +126,7 @@ class ServeConfig(EngineConfig):
             if not ok:
                 raise ValueError(message)
         self._check_lora_modules()
+        parse_claims(self.lora_claims)  # ValueError naming a malformed one
 
     def _check_lora_modules(self) -> None:
         names = [name for name, _ in self.lora_adapters]
@@ -131,6 +144,10 @@ class ServeConfig(EngineConfig):
     def lora_adapters(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, path) pairs."""
         return [parse_lora_module(text) for text in self.lora_modules]
+
+    @property
+    def adapter_dirs(self) -> AdapterDirs:
+        return AdapterDirs(self.lora_cache_dir, parse_claims(self.lora_claims))
 
     @property
     def request_seq_limit(self) -> int:
@@ -230,8 +247,9 @@ def parse_args(argv: list[str]) -> ServeConfig:
         )
     if source.scheme == "file":
         values["model"] = _local_dir(source)
-    if "lora_modules" in values:
-        values["lora_modules"] = tuple(values["lora_modules"])
+    for name in ("lora_modules", "lora_claims"):
+        if name in values:
+            values[name] = tuple(values[name])
     values.setdefault(
         "served_name", source.name if source.is_fetched else Path(values["model"]).name
     )

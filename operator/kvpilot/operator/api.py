@@ -29,6 +29,7 @@ from pydantic_core import core_schema
 from kvpilot.contract import resource
 from kvpilot.contract.dataset_source import parse_dataset_uri
 from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.contract.model_source import FETCHED_SCHEMES
 from kvpilot.contract.speculative_config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from kvpilot.operator.autoscaling.policy import Bounds
 
@@ -70,10 +71,14 @@ MAX_ADAPTERS = 256
 # An adapter's name is a model name clients send and a --lora-modules NAME=PATH key: no `=`,
 # no whitespace, no leading or trailing punctuation.
 ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._:/-]*[A-Za-z0-9])?$"
-# The runtime fetches an adapter itself when it loads it (hf://, s3://) or reads a path it can
-# see (file://, e.g. a local pool's host directory); pvc:// would need a volume in the pod
-# template, and a template change restarts the pods, which adapters exist to avoid.
-ADAPTER_URI_PATTERN = r"^(hf://[^/\s]+/[^\s]+|s3://[^\s]+|file:///[^\s]*)$"
+# The runtime fetches an adapter itself when it loads it (hf://, s3://; or from the model cache),
+# reads a path it can see (file://, e.g. a local pool's host directory), or reads a pvc:// claim
+# the pods mount read-only: a claim new to the spec is a new volume in the pod template, so it
+# rolls the pods once; more adapters on claims already mounted do not.
+ADAPTER_URI_PATTERN = (
+    r"^(hf://[^/\s]+/[^\s]+|s3://[^\s]+|file:///[^\s]*"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?)$"
+)
 MAX_CASCADE_RULES = 8
 
 # The autoscaling policy's tuned defaults (policy.Bounds, measured in bench/autoscaler_sim.py) are
@@ -130,8 +135,8 @@ MODEL_URI_FORMS = (
 )
 DRAFT_URI_FORMS = "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
 ADAPTER_URI_FORMS = (
-    "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or file:///PATH (a PEFT adapter directory;"
-    " pvc:// is not accepted for adapters: copy the adapter to s3:// or use the node's path)"
+    "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH (a PEFT"
+    " adapter directory)"
 )
 EVAL_DATASET_URI_FORMS = (
     "one file: hf://ORG/NAME[@REV]/PATH (hf://datasets/ORG/NAME/PATH for a dataset repo),"
@@ -184,10 +189,6 @@ class ModelCache(_Model):
 
 MAX_VARIANTS = 8
 _VARIANTS_UNIQUE = "spec.model.variants: each name once"
-_VARIANTS_NO_CACHE = (
-    "cache with variants is not supported yet (the cache holds one URI): remove cache, or the"
-    " variants"
-)
 
 
 class ModelVariant(_Model):
@@ -217,10 +218,6 @@ class ModelSource(_Model):
                 "!has(self.cache) || self.uri.startsWith('hf://') || self.uri.startsWith('s3://')",
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already",
             ),
-            (
-                "!has(self.cache) || !has(self.variants) || size(self.variants) == 0",
-                _VARIANTS_NO_CACHE,
-            ),
         )
     )
 
@@ -244,7 +241,9 @@ class ModelSource(_Model):
     head_dim: int | None = Field(default=None, ge=1, le=4096)
     vocab_size: int | None = Field(default=None, ge=1)
     cache: ModelCache | None = Field(
-        default=None, description="fetch once into a shared volume instead of once per pod"
+        default=None,
+        description="fetch once into a shared volume instead of once per pod; each of variants"
+        " is fetched into a volume of its own, keyed by its URI as spec.model's is",
     )
     variants: list[ModelVariant] = Field(
         default_factory=list,
@@ -264,13 +263,12 @@ class ModelSource(_Model):
         names = [v.name for v in self.variants]
         if len(set(names)) < len(names):
             raise ValueError(_VARIANTS_UNIQUE)
-        if self.cache is not None and self.variants:
-            raise ValueError(_VARIANTS_NO_CACHE)
         return self
 
     def variant(self, name: str) -> ModelSource:
         """The source a node type planned with variant `name` serves ("": this one): its URI
-        and Secret, this one's served name (clients ask for one model)."""
+        and Secret, this one's served name (clients ask for one model), and this one's cache
+        settings (a variant is cached in a claim of its own, keyed by its URI)."""
         if not name:
             return self
         found = next(v for v in self.variants if v.name == name)
@@ -278,6 +276,7 @@ class ModelSource(_Model):
             uri=found.uri,
             served_name=served_name(self),
             secret_ref=found.secret_ref or self.secret_ref,
+            cache=self.cache,
         )
 
 
@@ -499,7 +498,9 @@ class QuantizationPolicy(_Model):
     )
     evaluation: Evaluation | None = Field(
         default=None,
-        description="measure each level on this eval set and admit it by its measured loss",
+        description="measure each level (and each of spec.model.variants) on this eval set"
+        " against spec.model unquantised, and admit it by its measured loss; spec.model must be"
+        " a 16-bit checkpoint (list pre-quantised ones under spec.model.variants)",
     )
 
     @model_validator(mode="after")
@@ -905,6 +906,13 @@ class Routing(_Model):
 
 _CPU_LORAS_BELOW = "lora.maxCpuLoras must be >= lora.maxLoras"
 _ADAPTER_IS_BASE = "spec.adapters: an adapter's name is the base model's served name"
+FETCHED_PREFIXES = tuple(f"{scheme}://" for scheme in FETCHED_SCHEMES)
+_ADAPTERS_CACHE_VARIANTS = (
+    "spec.adapters with hf:// or s3:// URIs, spec.model.cache and spec.model.variants together:"
+    " the adapters are fetched into spec.model's cache, which the pods of a node type serving a"
+    " variant do not mount; remove spec.model.cache or the variants, or give the adapters as"
+    " pvc:// or file:// URIs"
+)
 
 
 class Adapter(_Model):
@@ -917,8 +925,10 @@ class Adapter(_Model):
     )
     uri: AdapterUri = Field(
         max_length=1024,
-        description="hf://org/name[@revision], s3://bucket/prefix or file:///path of a PEFT"
-        " adapter directory (adapter_config.json and adapter_model.safetensors)",
+        description="hf://org/name[@revision], s3://bucket/prefix, pvc://claim/path or"
+        " file:///path of a PEFT adapter directory (adapter_config.json and"
+        " adapter_model.safetensors); a pvc:// claim is mounted read-only in the pods (a claim"
+        " new to the spec rolls them once)",
     )
     secret_ref: SecretRef | None = Field(
         default=None,
@@ -989,6 +999,12 @@ class ModelDeploymentSpec(_Model):
                 " || self.adapters.all(a, a.name != self.model.servedName)",
                 _ADAPTER_IS_BASE,
             ),
+            (
+                "!has(self.adapters) || !has(self.model.cache) || !has(self.model.variants)"
+                " || size(self.model.variants) == 0 || !self.adapters.exists(a,"
+                " a.uri.startsWith('hf://') || a.uri.startsWith('s3://'))",
+                _ADAPTERS_CACHE_VARIANTS,
+            ),
         ),
     )
 
@@ -1011,6 +1027,14 @@ class ModelDeploymentSpec(_Model):
         default=None,
         description="the pods' adapter slots; LoRA is on when this or adapters is given",
     )
+
+    @model_validator(mode="after")
+    def _adapters_cache_one_claim(self) -> ModelDeploymentSpec:
+        """Adapters are filled into spec.model's cache claim only (adapters/cache_fill.py)."""
+        fetched = any(a.uri.startswith(FETCHED_PREFIXES) for a in self.adapters)
+        if fetched and self.model.cache is not None and self.model.variants:
+            raise ValueError(_ADAPTERS_CACHE_VARIANTS)
+        return self
 
     @model_validator(mode="after")
     def _adapter_names(self) -> ModelDeploymentSpec:
@@ -1186,6 +1210,9 @@ class CacheStatus(_Model):
     """The model cache as the fill Job reports it."""
 
     claim_name: str
+    variant: str = Field(
+        default="", description="the spec.model.variants[] it holds; '': spec.model"
+    )
     phase: Literal["Pending", "Downloading", "Cached", "Failed"]
     bytes: int | None = None
     files: int | None = None
@@ -1244,6 +1271,11 @@ class ModelDeploymentStatus(_Model):
     endpoint: str = ""
     autoscaling: AutoscalingStatus = Field(default_factory=AutoscalingStatus)
     cache: CacheStatus | None = None
+    variant_caches: list[CacheStatus] = Field(
+        default_factory=list,
+        max_length=MAX_VARIANTS,
+        description="with spec.model.cache, each variant's cache (status.cache is spec.model's)",
+    )
     cost: CostStatus | None = None
     quality: list[QualityMeasurement] = Field(default_factory=list)
     adapters: list[AdapterStatus] = Field(default_factory=list, max_length=MAX_ADAPTERS)

@@ -125,20 +125,26 @@ def condition(
     plan: Mapping[str, Collection[str]],
     num_pods: int,
     generation: int,
+    fetching: Collection[str] = (),
 ) -> api.Condition:
     """AdaptersLoaded: True when every adapter is on the pods the plan gives it; False naming
-    each adapter some pod could not load (the others are served meanwhile)."""
+    each adapter some pod could not load (the others are served meanwhile), or else each one
+    still `fetching` into the model cache (adapters/cache_fill.py)."""
     ok: Literal["True", "False", "Unknown"]
     where = planned_pods(plan)
-    failing = [s for s in status if s.message]
+    failing = [s for s in status if s.message and s.name not in fetching]
+    waiting = [s for s in status if s.name in fetching]
     missing = [
         s.name for s in status if not s.message and not set(where.get(s.name, [])) <= set(s.pods)
     ]
     if failing:
         reasons = "; ".join(f"adapter {s.name}: {s.message}" for s in failing)
-        served = len(status) - len(failing)
+        served = len(status) - len(failing) - len(waiting)
         ok, reason = "False", "AdapterLoadFailed"
         message = f"{reasons} ({served} other adapter(s) served)"
+    elif waiting:
+        ok, reason = "False", "FetchingIntoCache"
+        message = "; ".join(f"adapter {s.name}: {s.message}" for s in waiting)
     elif num_pods == 0:
         ok, reason, message = "Unknown", "NoReadyPods", "no ready pod to load adapters into"
     elif missing:

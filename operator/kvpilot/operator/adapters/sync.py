@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from kvpilot.contract import k8s, timestamps
 from kvpilot.operator import api
-from kvpilot.operator.adapters import assignment, demand, placement, pod_api
+from kvpilot.operator.adapters import assignment, cache_fill, demand, placement, pod_api
 from kvpilot.operator.autoscaling.loop import key_of, pods_by_model
 from kvpilot.operator.reconcile import conditions, manifests, typed_status
 from kvpilot.operator.reconcile.controller import Controller
@@ -145,19 +145,52 @@ class AdapterSync:
             return  # the reconcile pass reports an invalid spec; nothing to load from it
         bases = ready_pod_bases(pods, self.controller.config.runtime_port)
         want = placement.wanted(spec)
+        gate = await asyncio.to_thread(self._cache_gate, md, spec, want)
         synced: Synced | None = None
         if spec.lora_enabled:
             recent = await self._recent_demand(md)
-            synced = await converge(client, bases, want, slots_of(spec), recent)
+            synced = await converge(client, bases, gate.ready, slots_of(spec), recent)
         held, outcomes = (synced.pods, synced.outcomes) if synced else ([], [])
-        adapters = placement.statuses(want, held, outcomes)
+        adapters = with_waiting(want, placement.statuses(gate.ready, held, outcomes), gate)
         generation = int(md["metadata"].get("generation", 0))
+        fetching = set(gate.waiting) - gate.failed
         condition = (
-            placement.condition(adapters, synced.plan, len(held), generation) if synced else None
+            placement.condition(adapters, synced.plan, len(held), generation, fetching)
+            if synced
+            else None
         )
         patch = status_patch(status, adapters, condition, timestamps.rfc3339())
         if patch is not None:
             await asyncio.to_thread(self._write, md, patch)
+
+    def _cache_gate(
+        self, md: Obj, spec: api.ModelDeploymentSpec, want: dict[str, str]
+    ) -> cache_fill.Gate:
+        """With the model cache: each hf:// or s3:// adapter's fill Job, made if missing (once
+        the model's own fill Job exists, whose node and mounts it takes), and which adapters
+        the pods may load now (their Job Complete); without it every adapter may be loaded."""
+        uris = cache_fill.cached_uris(spec)
+        if not uris:
+            return cache_fill.Gate(dict(want), {}, frozenset())
+        namespace, claim = md["metadata"]["namespace"], cache_fill.claim_of(spec)
+        selector = f"{cache_fill.LABEL_ADAPTER_CACHE}={claim}"
+        found = k8s.list_objects(self.controller.client, "batch/v1", "Job", namespace, selector)
+        jobs = {job["metadata"]["name"]: job for job in found}
+        missing = [uri for uri in uris if cache_fill.job_name(claim, uri) not in jobs]
+        if missing:
+            self._make_fill_jobs(md, spec, missing)
+        return cache_fill.gate(want, uris, jobs, claim)
+
+    def _make_fill_jobs(self, md: Obj, spec: api.ModelDeploymentSpec, uris: list[str]) -> None:
+        """The adapters' fill Jobs, beside the model's (none yet: the next sync, once the
+        reconcile pass has made it)."""
+        namespace, claim = md["metadata"]["namespace"], cache_fill.claim_of(spec)
+        model_job = k8s.get(self.controller.client, "batch/v1", "Job", namespace, claim)
+        if model_job is None:
+            return
+        for uri in uris:
+            log.info("fetching adapter %s into the model cache %s/%s", uri, namespace, claim)
+            k8s.create(self.controller.client, cache_fill.build_job(md, spec, uri, model_job))
 
     async def _recent_demand(self, md: Obj) -> dict[str, float] | None:
         """Each adapter's request rate from Prometheus (None: none configured, or no answer)."""
@@ -189,6 +222,19 @@ class AdapterSync:
             if error.status not in (404, 409):
                 raise
             log.debug("adapters of %s/%s: %s; next sync", meta["namespace"], meta["name"], error)
+
+
+def with_waiting(
+    want: Mapping[str, str], loaded: Sequence[api.AdapterStatus], gate: cache_fill.Gate
+) -> list[api.AdapterStatus]:
+    """status.adapters in the spec's order: the loadable ones as the pods hold them, and those
+    waiting for the model cache on no pod, saying why."""
+    by_name = {s.name: s for s in loaded}
+    waiting = {
+        name: api.AdapterStatus(name=name, uri=want[name], message=why)
+        for name, why in gate.waiting.items()
+    }
+    return [by_name.get(name) or waiting[name] for name in want]
 
 
 def slots_of(spec: api.ModelDeploymentSpec) -> int:

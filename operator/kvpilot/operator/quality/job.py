@@ -204,17 +204,21 @@ def _add_variant(
     variant: api.ModelVariant,
     config: OperatorConfig,
 ) -> None:
-    """The eval scores the variant (`--checkpoint NAME=PATH`) and no level of spec.model; an init
-    container fetches it as a serving pod would (manifests.fetch_container with the variant's URI
-    and Secret, spec.model's if it has none) into a volume of its own."""
-    fetch = manifests.fetch_container(
-        spec.model_copy(update={"model": spec.model.variant(variant.name)}), config
-    )
-    fetch["name"] = "fetch-variant"
-    fetch["args"] = ["fetch", f"--model={variant.uri}", f"--to={VARIANT_MOUNT}"]
-    fetch["volumeMounts"][-1] = {"name": VARIANT_VOLUME, "mountPath": VARIANT_MOUNT}
-    pod["initContainers"] = [*pod.get("initContainers", []), fetch]
-    pod["volumes"].append({"name": VARIANT_VOLUME, "emptyDir": {}})
+    """The eval scores the variant (`--checkpoint NAME=PATH`) and no level of spec.model. With
+    spec.model.cache it reads the variant's cache claim (filled as a serving pod of it reads it);
+    else an init container fetches it as a serving pod would (manifests.fetch_container with the
+    variant's URI and Secret, spec.model's if it has none) into a volume of its own."""
+    source = spec.model.variant(variant.name)
+    if source.cache is not None:
+        claim = {"claimName": manifests.cache_claim_name(source.uri), "readOnly": True}
+        pod["volumes"].append({"name": VARIANT_VOLUME, "persistentVolumeClaim": claim})
+    else:
+        fetch = manifests.fetch_container(spec.model_copy(update={"model": source}), config)
+        fetch["name"] = "fetch-variant"
+        fetch["args"] = ["fetch", f"--model={variant.uri}", f"--to={VARIANT_MOUNT}"]
+        fetch["volumeMounts"][-1] = {"name": VARIANT_VOLUME, "mountPath": VARIANT_MOUNT}
+        pod["initContainers"] = [*pod.get("initContainers", []), fetch]
+        pod["volumes"].append({"name": VARIANT_VOLUME, "emptyDir": {}})
     mount = {"name": VARIANT_VOLUME, "mountPath": VARIANT_MOUNT, "readOnly": True}
     container["volumeMounts"].append(mount)
     args = [a for a in container["args"] if not a.startswith("--quantization=")]

@@ -109,13 +109,14 @@ class Controller:
         # inference-pool-crd handler passes those again when the CRD arrives later.
         wants_pool = spec is not None and spec.routing.endpoint_picker_ref is not None
         has_pool_crd = wants_pool and k8s.has_crd(self.client, INFERENCE_POOL_CRD)
-        cache, job = self._read_cache(md, spec, status.cache)
+        caches = self._read_caches(md, spec, status)
         observed = desired_state.Observed(  # read in this order: the API calls keep theirs
             node_types=tuple(node_types),
             has_pod_monitor_crd=has_crd,
             has_inference_pool_crd=has_pool_crd,
             source_facts=self._source_facts(md, spec, None if spec is None else spec.model),
-            cache=cache,
+            cache=caches[""][0] if "" in caches else None,
+            variant_caches={n: cache for n, (cache, _) in caches.items() if n},
             quality=quality_io.observe(self.client, md, spec),
             now=timestamps.rfc3339(),
             status=status,
@@ -127,16 +128,18 @@ class Controller:
         desired = desired_state.desire(md, self.config, observed)
         own = [p for p in pods if _belongs_to(p, meta["namespace"], meta["name"])]
         problems = tuple(p["status"]["problem"] for p in own if p["status"].get("problem"))
-        owners = {
-            o.get("uid") for o in ((job or {}).get("metadata") or {}).get("ownerReferences") or []
-        }
         wants_owner = any(c["metadata"]["ownerReferences"] for c in desired.cache_children)
+        jobs = [(cache.claim_name, job) for cache, job in caches.values()]
         return dataclasses.replace(
             desired,
             missing_fallbacks=self._missing(meta["namespace"], desired.fallback_names),
             pod_problems=problems,
-            cache_missing=job is None,
-            cache_needs_owner=job is not None and wants_owner and meta["uid"] not in owners,
+            caches_missing=frozenset(name for name, job in jobs if job is None),
+            caches_needing_owner=frozenset(
+                name
+                for name, job in jobs
+                if job is not None and wants_owner and meta["uid"] not in _owner_uids(job)
+            ),
         )
 
     def _missing(self, namespace: str, names: Iterable[str]) -> tuple[str, ...]:
@@ -148,16 +151,29 @@ class Controller:
             if k8s.get(self.client, k8s.MD_API_VERSION, resource.KIND, namespace, name) is None
         )
 
-    def _read_cache(
-        self, md: Obj, spec: api.ModelDeploymentSpec | None, old: api.CacheStatus | None
-    ) -> tuple[api.CacheStatus | None, dict[str, Any] | None]:
-        """The model cache's state and its fill Job (None: not made yet); (None, None) when the
-        spec asks for no cache (or is invalid: desire reports it). `old`: status.cache."""
+    def _read_caches(
+        self, md: Obj, spec: api.ModelDeploymentSpec | None, status: api.ModelDeploymentStatus
+    ) -> dict[str, tuple[api.CacheStatus, dict[str, Any] | None]]:
+        """Each cache's state and fill Job (None: not made yet) by source ("": spec.model, else
+        the variant's name: model_cache.sources); {} when the spec asks for no cache (or is
+        invalid: desire reports it)."""
         if spec is None or spec.model.cache is None:
-            return None, None
-        namespace, name = md["metadata"]["namespace"], manifests.cache_claim_name(spec.model.uri)
+            return {}
+        old = {c.claim_name: c for c in [*filter(None, [status.cache]), *status.variant_caches]}
+        found = {}
+        for name, source in model_cache.sources(spec):
+            claim = manifests.cache_claim_name(source.model.uri)
+            cache, job = self._read_cache(md["metadata"]["namespace"], claim, old.get(claim))
+            found[name] = (cache.model_copy(update={"variant": name}), job)
+        return found
+
+    def _read_cache(
+        self, namespace: str, name: str, old: api.CacheStatus | None
+    ) -> tuple[api.CacheStatus, dict[str, Any] | None]:
+        """The cache `name`'s state and its fill Job (None: not made yet). `old`: as the status
+        last reported it."""
         job = k8s.get(self.client, "batch/v1", "Job", namespace, name)
-        if job is not None and old is not None and old.phase == "Cached" and old.claim_name == name:
+        if job is not None and old is not None and old.phase == "Cached":
             return old, job  # final: no need to read the pods
         selector = f"{model_cache.LABEL_CACHE}={name}"
         pods = (
@@ -265,9 +281,9 @@ class Controller:
         """Create the model cache's claim and fill Job if absent; with deleteWithModel, add this
         ModelDeployment to the owners of a cache another one made."""
         for child in desired.cache_children:
-            if desired.cache_missing:
+            if child["metadata"]["name"] in desired.caches_missing:
                 k8s.create(self.client, child)
-            elif desired.cache_needs_owner:
+            elif child["metadata"]["name"] in desired.caches_needing_owner:
                 k8s.add_owner_reference(self.client, child, child["metadata"]["ownerReferences"][0])
 
     def _delete_pod_monitor(self, md: Obj) -> None:
@@ -357,3 +373,7 @@ def controller_owner(obj: Obj) -> str | None:
         if ref.get("kind") == "ModelDeployment" and ref.get("controller"):
             return str(ref["name"])
     return None
+
+
+def _owner_uids(obj: Obj) -> set[str]:
+    return {o.get("uid") for o in (obj.get("metadata") or {}).get("ownerReferences") or []}

@@ -50,14 +50,20 @@ def pool_users(mds: Iterable[Obj]) -> list[Key]:
 
 
 def cache_users(mds: Iterable[Obj], namespace: str, claim: str) -> list[Key]:
-    """The ModelDeployments in `namespace` whose model cache is `claim`."""
+    """The ModelDeployments in `namespace` with a model cache `claim`: spec.model's or a
+    variant's (each cached under its own URI)."""
     return [
         _key(md)
         for md in mds
         if md["metadata"]["namespace"] == namespace
         and _spec(md, "model", "cache") is not None
-        and manifests.cache_claim_name(_spec(md, "model", "uri")) == claim
+        and claim in {manifests.cache_claim_name(uri) for uri in _cached_uris(md)}
     ]
+
+
+def _cached_uris(md: Obj) -> list[str]:
+    variants = _spec(md, "model", "variants") or []
+    return [_spec(md, "model", "uri"), *(v.get("uri", "") for v in variants)]
 
 
 def eval_users(mds: Iterable[Obj], namespace: str, cache: str) -> list[Key]:

@@ -41,14 +41,18 @@ class Desired:
     num_unplaceable: int = 0
     quantization: str = ""
     pod_problems: tuple[str, ...] = ()  # conditions.pod_problem of this ModelDeployment's pods
-    # The model cache's claim and fill Job, created if absent and never patched
-    # (reconcile/model_cache.py)
+    # The model caches' claims and fill Jobs (spec.model's and each variant's), created if
+    # absent and never patched (reconcile/model_cache.py)
     cache_children: list[manifests.Manifest] = field(default_factory=list)
-    cache: api.CacheStatus | None = None
-    # Set by the controller from what it read: the fill Job is absent (create the cache), or
-    # exists without this ModelDeployment among its owners while deleteWithModel asks for it.
-    cache_missing: bool = False
-    cache_needs_owner: bool = False
+    cache: api.CacheStatus | None = None  # spec.model's (status.cache)
+    variant_caches: tuple[api.CacheStatus, ...] = ()  # each variant's (status.variantCaches)
+    # The cache the conditions report: the first not Cached of those a fitting node type serves
+    serving_cache: api.CacheStatus | None = None
+    # Set by the controller from what it read, by claim name: the fill Job is absent (create the
+    # cache), or exists without this ModelDeployment among its owners while deleteWithModel
+    # asks for it.
+    caches_missing: frozenset[str] = frozenset()
+    caches_needing_owner: frozenset[str] = frozenset()
     # spec.routing's ModelDeployment fallbacks, and those of them the controller did not find
     fallback_names: tuple[str, ...] = ()
     missing_fallbacks: tuple[str, ...] = ()
@@ -96,8 +100,10 @@ class Observed:
     # As `source_facts`, per spec.model.variants[] name (always read: a catalog entry does not
     # say how a checkpoint is quantised).
     variant_facts: Mapping[str, Read] = field(default_factory=dict)
-    # The model cache as its fill Job reports it; replicas wait at zero until it is Cached.
+    # The model cache as its fill Job reports it, and each variant's by name; a node type's
+    # replicas wait at zero until the cache of what it serves is Cached.
     cache: api.CacheStatus | None = None
+    variant_caches: Mapping[str, api.CacheStatus] = field(default_factory=dict)
     # The eval set's digest, cached measurements and eval Jobs (spec.quantization.evaluation);
     # None before anything was read (the category decides the levels).
     quality: admission.Observed | None = None
@@ -145,11 +151,15 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         reasons = "; ".join(p.reason for p in plans) or "the cluster has no GPU node types"
         return Desired(plan=entries_if_none, error=f"no node type fits: {reasons}", quality=verdict)
     replicas = _replicas(spec, plans, observed.status.autoscaling)
-    first_fitting = next(p for p in plans if p.fits)
-    cache_children = model_cache.children(md, spec, facts.parameters, first_fitting, config)
-    cache = observed.cache
-    if cache_children and (cache is None or cache.phase != "Cached"):
-        replicas = [0] * len(plans)  # nothing to load yet: the cache is still being filled
+    parameters = {"": facts.parameters, **{n: f.parameters for n, f in request.variants}}
+    cache_children = model_cache.all_children(md, spec, parameters, plans, config)
+    caches = {"": observed.cache, **observed.variant_caches} if cache_children else {}
+    if cache_children:  # nothing to load yet where the cache of what it serves is being filled
+        replicas = [
+            n if _is_cached(caches.get(p.variant)) else 0
+            for p, n in zip(plans, replicas, strict=True)
+        ]
+        verdict = _hold_evals_until_cached(verdict, caches)
     children = manifests.build_all(
         md,
         spec,
@@ -162,7 +172,9 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     return Desired(
         fallback_names=fallback_deployments(spec),
         cache_children=cache_children,
-        cache=cache if cache_children else None,
+        cache=caches.get(""),
+        variant_caches=tuple(c for n, c in caches.items() if n and c is not None),
+        serving_cache=_serving_cache(plans, caches),
         children=children,
         plan=planner.status_entries(plans, replicas, losses),
         summary=_summary(plans, replicas) + _unread_note(observed.source_facts),
@@ -175,14 +187,53 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     )
 
 
+def _is_cached(cache: api.CacheStatus | None) -> bool:
+    return cache is not None and cache.phase == "Cached"
+
+
+def _serving_cache(
+    plans: Sequence[planner.NodePlan], caches: Mapping[str, api.CacheStatus | None]
+) -> api.CacheStatus | None:
+    """The cache the conditions report: the first not Cached of those a fitting node type
+    serves (its replicas wait for it), else the first served one; a variant no node type serves
+    is filled for its eval Job and reported in status.variantCaches only."""
+    served = [caches.get(p.variant) for p in plans if p.fits and p.variant in caches]
+    waiting = [c for c in served if not _is_cached(c)]
+    if waiting:
+        return waiting[0] or api.CacheStatus(claim_name="", phase="Pending", message="not read")
+    return served[0] if served else None
+
+
+def _hold_evals_until_cached(
+    verdict: admission.Assessment, caches: Mapping[str, api.CacheStatus | None]
+) -> admission.Assessment:
+    """An eval Job reads spec.model (its baseline) and, for a variant, the variant from their
+    caches: it is made only once they are Cached, or it would read an empty volume and fail
+    (retried only after its back-off). The fill Job's end passes the ModelDeployment again."""
+
+    def ready(job: manifests.Manifest) -> bool:
+        variant = job["metadata"]["annotations"].get(quality_job.ANNOTATION_VARIANT, "")
+        return _is_cached(caches.get("")) and _is_cached(caches.get(variant))
+
+    held = tuple(j for j in verdict.jobs_to_create if ready(j))
+    return dataclasses.replace(verdict, jobs_to_create=held)
+
+
 def check_prequantized(spec: api.ModelDeploymentSpec, facts: ModelFacts) -> None:
-    """A pre-quantised spec.model fixes its level, so there is no level left to measure."""
-    if facts.checkpoint is not None and spec.quantization.evaluation is not None:
-        raise ValueError(
-            f"spec.quantization.evaluation measures kvpilot's own levels of a 16-bit checkpoint,"
-            f" and spec.model is pre-quantised ({facts.checkpoint.description}), which fixes"
-            " its level: remove spec.quantization.evaluation"
-        )
+    """The quality gate measures every loss against spec.model unquantised: a pre-quantised
+    spec.model leaves it no 16-bit baseline (nor a level of its own to measure), so the spec is
+    refused with the arrangement that works: the 16-bit checkpoint as spec.model, the
+    pre-quantised one as a variant (measured against it, and served where it wins)."""
+    if facts.checkpoint is None or spec.quantization.evaluation is None:
+        return
+    method = facts.checkpoint.description.split()[0]  # e.g. awq: a DNS label, a variant's name
+    raise ValueError(
+        f"spec.quantization.evaluation needs a 16-bit spec.model as its baseline, and"
+        f" spec.model ({spec.model.uri}) is pre-quantised ({facts.checkpoint.description}):"
+        " put the model's 16-bit checkpoint in spec.model.uri and this one under"
+        f" spec.model.variants (e.g. {{name: {method}, uri: {spec.model.uri}}}),"
+        " or remove spec.quantization.evaluation to serve it unmeasured"
+    )
 
 
 # What makes two checkpoints one model: the shapes the KV cache and the served API depend on.
@@ -422,6 +473,7 @@ PASS_FIELDS = frozenset(
         "quantization",
         "endpoint",
         "cache",
+        "variant_caches",
     }
 )
 
@@ -450,6 +502,7 @@ def build_status(
         quantization=desired.quantization,
         endpoint=manifests.endpoint(md, config) if desired.error is None else "",
         cache=desired.cache,
+        variant_caches=list(desired.variant_caches),
         quality=list(verdict.measurements) if verdict is not None and measuring else [],
     )
     return typed_status.wire(status, include=PASS_FIELDS | ({"quality"} if measuring else set()))
@@ -471,7 +524,7 @@ def _merged_conditions(
         desired.num_unplaceable,
         generation,
         desired.pod_problems,
-        desired.cache,
+        desired.serving_cache,
     )
     routing = fallbacks_condition(desired, generation)
     new += [routing] if routing is not None else []

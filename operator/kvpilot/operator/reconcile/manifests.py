@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.contract import resource, serve_config
+from kvpilot.contract import adapter_cache, resource, serve_config
 from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.contract.resource import LABEL_MODEL, LABEL_NODE_TYPE
 from kvpilot.operator import api
@@ -41,6 +41,7 @@ DRAFT_VOLUME = "draft-model"
 CACHE_MOUNT = "/var/cache/kvpilot"
 KV_DISK_MOUNT = "/var/lib/kvpilot/kv-offload"  # spec.runtime.kvOffload.disk's volume
 KV_DISK_VOLUME = "kv-offload"
+LORA_CLAIMS_MOUNT = "/mnt/lora-claims"  # pvc:// adapters' claims, each at its name under it
 # An emptyDir disk tier's sizeLimit over its budget: each block file's header, and the one file
 # being written under a temporary name, are not counted in the runtime's budget.
 KV_DISK_HEADROOM = 1.05
@@ -239,7 +240,35 @@ def lora_values(spec: api.ModelDeploymentSpec) -> dict[str, Any]:
         "max_loras": slots.max_loras,
         "max_lora_rank": slots.max_lora_rank,
         "max_cpu_loras": slots.max_cpu_loras,
+        # with the model cache, the adapters' fill Jobs put them in its claim (adapters/cache_fill)
+        "lora_cache_dir": None
+        if spec.model.cache is None
+        else f"{MODEL_MOUNT}/{adapter_cache.CACHE_SUBDIR}",
+        "lora_claims": tuple(f"{c}={LORA_CLAIMS_MOUNT}/{c}" for c in adapter_claims(spec)),
     }
+
+
+def adapter_claims(spec: api.ModelDeploymentSpec) -> list[str]:
+    """The claims pvc:// adapters name, sorted: each mounted read-only at LORA_CLAIMS_MOUNT/CLAIM
+    (a claim new to the spec changes the template, so it rolls the pods; its adapters do not)."""
+    sources = (parse_model_uri(a.uri) for a in spec.adapters)
+    return sorted({s.location for s in sources if s.scheme == "pvc"})
+
+
+def adapter_claim_volumes(
+    spec: api.ModelDeploymentSpec,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pvc:// adapters' claims as the pod's volumes and the runtime's read-only mounts."""
+    claims = adapter_claims(spec)
+    volumes = [
+        {"name": f"lora-claim-{i}", "persistentVolumeClaim": {"claimName": c, "readOnly": True}}
+        for i, c in enumerate(claims)
+    ]
+    mounts = [
+        {"name": f"lora-claim-{i}", "mountPath": f"{LORA_CLAIMS_MOUNT}/{c}", "readOnly": True}
+        for i, c in enumerate(claims)
+    ]
+    return volumes, mounts
 
 
 def adapter_secret(spec: api.ModelDeploymentSpec) -> str | None:
@@ -331,6 +360,7 @@ def _container(
     model_mounts = [*model_location(spec.model).mounts, *(draft.mounts if draft else [])]
     if kv_disk_volume(spec.runtime.kv_offload) is not None:
         model_mounts.append({"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT})
+    model_mounts += adapter_claim_volumes(spec)[1]
     port = config.runtime_port
     return {
         "name": "runtime",
@@ -401,6 +431,7 @@ def pod_spec(
             *model.volumes,
             *(draft.volumes if draft else []),
             *filter(None, [kv_disk_volume(spec.runtime.kv_offload)]),
+            *adapter_claim_volumes(spec)[0],
         ],
     }
     fetches = [fetch_container(spec, config)] if model.needs_fetch else []

@@ -110,6 +110,38 @@ def children(
     return [build_claim(md, spec, parameters), build_fill_job(md, spec, node_plan, config)]
 
 
+def sources(spec: api.ModelDeploymentSpec) -> list[tuple[str, api.ModelDeploymentSpec]]:
+    """What is cached, each as the spec its claim and fill Job are built from: spec.model ("")
+    and every variant (its URI and Secret as spec.model, `manifests.served_spec`). Every variant
+    is filled, served or not: its eval Job reads it from the cache, and a node type whose plan
+    turns to it then starts from local storage."""
+    return [
+        ("", spec),
+        *(
+            (v.name, spec.model_copy(update={"model": spec.model.variant(v.name)}))
+            for v in spec.model.variants
+        ),
+    ]
+
+
+def all_children(
+    md: Obj,
+    spec: api.ModelDeploymentSpec,
+    parameters: Mapping[str, int],
+    plans: Sequence[NodePlan],
+    config: OperatorConfig,
+) -> list[manifests.Manifest]:
+    """Every source's cache (`sources`); [] without spec.model.cache. `parameters`: per source
+    name, its parameter count (the claim's default size). A fill Job runs where a node type
+    serving its source was planned, else where the first fitting one was."""
+    fitting = [p for p in plans if p.fits]
+    found: list[manifests.Manifest] = []
+    for name, source in sources(spec):
+        node_plan = next((p for p in fitting if p.variant == name), fitting[0])
+        found += children(md, source, parameters[name], node_plan, config)
+    return found
+
+
 def status(claim_name: str, job: Obj | None, pods: Sequence[Obj]) -> api.CacheStatus:
     """The cache as its fill Job and the Job's pods report it."""
     if job is None:

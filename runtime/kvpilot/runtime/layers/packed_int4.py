@@ -162,6 +162,27 @@ class PermutedWeight(Weight):
         return self.weight.num_bytes() + self.perm.numel() * self.perm.element_size()
 
 
+class OutputPermutedWeight(Weight):
+    """A matrix whose output features are stored in another order (prequant.fold_input_order):
+    output i is stored row `order[i]`; gathered back to the checkpoint's order at each step."""
+
+    def __init__(self, weight: Weight, order: torch.Tensor) -> None:
+        self.weight, self.order = weight, order
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.weight.linear(x).index_select(-1, self.order)
+        return out if bias is None else out + bias
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.dequantize(dtype)[self.order]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.rows(self.order[ids], dtype)
+
+    def num_bytes(self) -> int:
+        return self.weight.num_bytes() + self.order.numel() * self.order.element_size()
+
+
 def store_act_order(matrix: ActOrderParts, device: torch.device) -> PermutedWeight:
     parts = matrix.parts
     moved = Int4Parts(

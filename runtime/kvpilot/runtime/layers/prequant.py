@@ -56,7 +56,15 @@ class Int8Parts:
 
 # A dense matrix, or one the checkpoint quantised (GPTQ/AWQ: layers/packed_int4.py).
 Matrix = torch.Tensor | Int4Parts | Int8Parts | ActOrderParts
-__all__ = ["Matrix", "concat", "dequantize", "read_matrix", "store", "unpack_int32"]
+__all__ = [
+    "Matrix",
+    "concat",
+    "dequantize",
+    "fold_input_order",
+    "read_matrix",
+    "store",
+    "unpack_int32",
+]
 
 
 def read_matrix(read: Read, module: str, quant: CheckpointQuant | None) -> Matrix:
@@ -154,6 +162,50 @@ def _concat_act_order(matrices: list[ActOrderParts]) -> Matrix:
         return torch.cat([dequantize(m) for m in matrices])
     fused = concat([m.parts for m in matrices])
     return ActOrderParts(fused, first) if isinstance(fused, Int4Parts) else fused
+
+
+def fold_input_order(
+    producer: Matrix, consumer: Matrix, num_chunks: int
+) -> tuple[Matrix, Matrix, torch.Tensor | None]:
+    """GPTQ act-order stores `consumer` (down_proj) with its input features in group order,
+    which costs a gather of its input at every step (PermutedWeight). When that input is made
+    feature by feature from `producer`'s outputs (gate/up fused, `num_chunks` = 2: silu(gate) *
+    up is elementwise), the producer writes them in that order instead: its rows are permuted
+    once here and the step gathers nothing. Returns (producer, consumer, the order of the
+    features between them: feature i is the checkpoint's order[i]; None: the checkpoint's)."""
+    if not isinstance(consumer, ActOrderParts):
+        return producer, consumer, None
+    order = consumer.perm
+    rows = torch.cat([order + chunk * order.numel() for chunk in range(num_chunks)])
+    if _num_rows(producer) != rows.numel():
+        raise ValueError(f"{_num_rows(producer)} outputs cannot feed {order.numel()} inputs")
+    return permute_rows(producer, rows), consumer.parts, order
+
+
+def _num_rows(matrix: Matrix) -> int:
+    if isinstance(matrix, torch.Tensor):
+        return matrix.shape[0]
+    if isinstance(matrix, ActOrderParts):
+        return matrix.parts.values.shape[0]
+    return matrix.values.shape[0]
+
+
+def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
+    """The matrix with output feature i taken from the checkpoint's output rows[i]."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix[rows]
+    if isinstance(matrix, Int8Parts):
+        return Int8Parts(matrix.values[rows], matrix.scale[rows])
+    if isinstance(matrix, ActOrderParts):  # its rows move, its input order stays
+        parts = permute_rows(matrix.parts, rows)
+        return ActOrderParts(parts, matrix.perm) if isinstance(parts, Int4Parts) else parts
+    return Int4Parts(
+        matrix.values[rows],
+        matrix.scale[rows],
+        matrix.zero[rows],
+        matrix.group_size,
+        matrix.in_features,
+    )
 
 
 def dequantize(matrix: Matrix) -> torch.Tensor:

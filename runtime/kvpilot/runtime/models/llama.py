@@ -18,7 +18,8 @@ from kvpilot.runtime.engine.parallel import TPGroup, shard_config
 from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.layers.lora import LayerLora, LoraBatch, LoraWeights
-from kvpilot.runtime.layers.prequant import concat, read_matrix, store
+from kvpilot.runtime.layers.packed_int4 import OutputPermutedWeight, PermutedWeight
+from kvpilot.runtime.layers.prequant import Matrix, concat, fold_input_order, read_matrix, store
 from kvpilot.runtime.layers.quant import Weight, make_weight
 from kvpilot.runtime.layers.rotary import (
     apply_rotary,
@@ -62,21 +63,37 @@ class DecoderLayer:
         cfg: ModelConfig,
         prefix: str,
         get: GetTensor,
-        make: Callable[..., Linear],  # (module names, bias) -> their fused matrix, stored
+        read: Callable[[list[str]], Matrix],  # module names -> their fused matrix
+        store: Callable[..., Linear],  # (matrix, bias) -> stored for the step
         group: TPGroup,
     ):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         names = [f"{attn}.{p}_proj" for p in "qkv"]
         bias = torch.cat([get(f"{n}.bias") for n in names]) if cfg.has_qkv_bias else None
-        self.qkv = make(names, bias)
-        self.o = make([f"{attn}.o_proj"], None)
-        self.gate_up = make([f"{mlp}.gate_proj", f"{mlp}.up_proj"])
-        self.down = make([f"{mlp}.down_proj"])
+        self.qkv = store(read(names), bias)
+        self.o = store(read([f"{attn}.o_proj"]))
+        gate_up, down, self.mlp_order = fold_input_order(
+            read([f"{mlp}.gate_proj", f"{mlp}.up_proj"]), read([f"{mlp}.down_proj"]), 2
+        )
+        self.gate_up, self.down = store(gate_up), store(down)
         self.qk_norm = qk_norm_weight(cfg, attn, get) if cfg.has_qk_norm else None
         self.input_norm = get(f"{prefix}.input_layernorm.weight")
         self.post_attn_norm = get(f"{prefix}.post_attention_layernorm.weight")
         self.cfg, self.group = cfg, group
         self.lora: LayerLora | None = None  # set by LlamaModel.enable_lora
+
+    def restore_checkpoint_order(self) -> None:
+        """Adapters are trained on the checkpoint's order of the MLP's intermediate features:
+        a folded act-order MLP (mlp_order) gathers back to it, one gather on each side per
+        step, as it did unfolded (PermutedWeight) plus one."""
+        if self.mlp_order is None:
+            return
+        order = self.mlp_order.to(self.input_norm.device)
+        inverse = torch.argsort(order)
+        outputs = torch.cat([inverse, inverse + inverse.numel()])  # gate's, then up's
+        self.gate_up.weight = OutputPermutedWeight(self.gate_up.weight, outputs)
+        self.down.weight = PermutedWeight(self.down.weight, order)
+        self.mlp_order = None
 
     def project(
         self, group: str, linear: Linear, x: torch.Tensor, lora: LoraBatch | None
@@ -151,9 +168,11 @@ class LlamaModel:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return tensor
 
-        def make(modules: list[str], bias: torch.Tensor | None = None) -> Linear:
-            """The linear modules' matrices fused along the output dimension, stored."""
-            matrix = concat([read_matrix(find, m, cfg.checkpoint_quant) for m in modules])
+        def read(modules: list[str]) -> Matrix:
+            """The linear modules' matrices fused along the output dimension."""
+            return concat([read_matrix(find, m, cfg.checkpoint_quant) for m in modules])
+
+        def store_linear(matrix: Matrix, bias: torch.Tensor | None = None) -> Linear:
             stored = store(matrix, quantization, dtype, device, int8_kernel=int8_kernel)
             return Linear(stored, bias, dtype)
 
@@ -163,7 +182,7 @@ class LlamaModel:
         self.cfg, self.dtype = shard_config(cfg, group.size), dtype
         self.group_size, self.group = group.size, group
         self.layers = [
-            DecoderLayer(self.cfg, f"model.layers.{i}", get_dense, make, group)
+            DecoderLayer(self.cfg, f"model.layers.{i}", get_dense, read, store_linear, group)
             for i in range(cfg.num_layers)
         ]
         embed = get("model.embed_tokens.weight").to(device)
@@ -172,7 +191,7 @@ class LlamaModel:
         if tied:
             self.lm_head = self.embed
         else:
-            self.lm_head = make(["lm_head"]).weight
+            self.lm_head = store_linear(read(["lm_head"])).weight
         self.norm = get_dense("model.norm.weight")
         inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = cos_sin_table(inv_freq, cfg.max_position_embeddings)
@@ -187,6 +206,7 @@ class LlamaModel:
         self.lora = LoraWeights(self.cfg, num_slots, max_rank, self.dtype, self.device, self.group)
         for layer, layer_lora in zip(self.layers, self.lora.layers, strict=True):
             layer.lora = layer_lora
+            layer.restore_checkpoint_order()
         return self.lora
 
     def weight_bytes(self) -> int:

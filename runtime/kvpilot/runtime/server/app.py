@@ -224,7 +224,12 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
         check_request(request, state, None)
         core = handling.core_of(state)
         await state.off_loop(
-            lora_serving.load, core, state.served_name, body.lora_name, body.lora_path
+            lora_serving.load,
+            core,
+            state.served_name,
+            body.lora_name,
+            body.lora_path,
+            state.config.adapter_dirs,
         )
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

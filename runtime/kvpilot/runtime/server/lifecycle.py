@@ -205,7 +205,9 @@ class ServerState:
         """--lora-modules, each fetched and checked: one that cannot be served fails the start."""
         for name, uri in self.config.lora_adapters:
             try:
-                lora_serving.load(core, self.config.served_name, name, uri)
+                lora_serving.load(
+                    core, self.config.served_name, name, uri, self.config.adapter_dirs
+                )
             except ApiError as exc:
                 raise ValueError(f"--lora-modules {name}={uri}: {exc.message}") from exc
 

@@ -4,8 +4,10 @@ read from), and /v1/load_lora_adapter and /v1/unload_lora_adapter change the set
 (present, as in vLLM, only when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true).
 
 An adapter's path is a local directory, file://, hf://ORG/NAME[@REV] or s3://BUCKET/PREFIX,
-fetched as the model is (contract/fetch.py). Everything here reads files or the network, so the
-server calls it off its event loop.
+fetched as the model is (contract/fetch.py), unless --lora-cache-dir holds it already (the
+operator's model cache); or pvc://CLAIM/PATH, read where the operator mounts the claim
+(--lora-claims CLAIM=DIR; contract/adapter_cache.py). Everything here reads files or the
+network, so the server calls it off its event loop.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from kvpilot.contract.adapter_cache import AdapterDirs, claim_path
 from kvpilot.contract.fetch import FetchError, fetch
 from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.runtime.engine.engine import Engine
@@ -22,6 +25,7 @@ from kvpilot.runtime.models.lora_files import LoraError
 from kvpilot.runtime.server.errors import ApiError
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+NO_DIRS = AdapterDirs()
 
 
 def runtime_updates_allowed(env: Mapping[str, str] = os.environ) -> bool:
@@ -29,25 +33,31 @@ def runtime_updates_allowed(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(RUNTIME_UPDATES_ENV, "").strip().lower() in ("1", "true")
 
 
-def local_adapter_dir(uri: str) -> str:
-    """The adapter as a local directory, hf:// and s3:// fetched first; ValueError naming the
-    URI when it cannot be (pvc:// is for the operator to mount)."""
+def local_adapter_dir(uri: str, dirs: AdapterDirs = NO_DIRS) -> str:
+    """The adapter as a local directory: pvc:// under its claim's --lora-claims mount; hf://
+    and s3:// from --lora-cache-dir's entry when it holds one, else fetched; ValueError naming
+    the URI when it cannot be."""
     source = parse_model_uri(uri)
     if source.scheme == "pvc":
-        raise ValueError(f"{uri}: pvc:// is mounted by the kvpilot operator; pass the path")
+        return claim_path(dirs.claims, source)
+    entry = dirs.cache_entry(uri) if source.is_fetched else None
+    if entry is not None and os.path.isdir(entry):
+        return entry  # fetched once into the shared cache by the operator's fill Job
     if source.is_fetched:
         return str(fetch(source, None).path)
     return source.location if source.scheme == "file" else uri
 
 
-def load(core: Engine, base_name: str, name: str, uri: str) -> LoraRequest:
+def load(
+    core: Engine, base_name: str, name: str, uri: str, dirs: AdapterDirs = NO_DIRS
+) -> LoraRequest:
     """Register adapter `name`; ApiError 400 naming the cause when it cannot be served."""
     if name == base_name:
         raise ApiError(
             400, f"lora_name {name!r} is the base model's name; choose another", "lora_name"
         )
     try:
-        return core.load_lora(name, local_adapter_dir(uri), uri)
+        return core.load_lora(name, local_adapter_dir(uri, dirs), uri)
     except (LoraError, ValueError, FetchError) as exc:  # the adapter; its URI; its download
         raise ApiError(
             400, f"cannot load LoRA adapter {name!r} from {uri}: {exc}", "lora_path"

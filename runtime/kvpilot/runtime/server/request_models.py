@@ -414,7 +414,9 @@ class LoadLoraAdapterRequest(_Request):
 
     checks_not_honoured: ClassVar[bool] = True
     lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1, description="directory, file://, hf:// or s3:// URI")
+    lora_path: str = Field(
+        min_length=1, description="directory, file://, hf://, s3:// or pvc:// URI"
+    )
 
 
 class UnloadLoraAdapterRequest(_Request):
