@@ -73,6 +73,7 @@ def test_the_lora_names_the_operator_and_the_gateway_read_are_exposed() -> None:
     adapters held (the gateway's picking, routing/lora_affinity), under the contract's names."""
     stats = EngineStats(0, 0, 8, 8, 0.0, 0, 0, 0, max_lora=2, loaded_lora_adapters=("a", "b"))
     metrics = ServerMetrics("tiny", lambda: stats)
+    metrics.start_lora_series("b")  # loaded, no request yet: 0, so rate() sees its first
     metrics.record_lora_received("a", 2)
     text = generate_latest(metrics.registry).decode()
     samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
@@ -86,5 +87,5 @@ def test_the_lora_names_the_operator_and_the_gateway_read_are_exposed() -> None:
         for s in samples
         if s.name == metric_names.LORA_ADAPTER_LOADED
     }
-    assert received == {"a": 2.0}
+    assert received == {"a": 2.0, "b": 0.0}
     assert loaded == {"a": 1.0, "b": 1.0}

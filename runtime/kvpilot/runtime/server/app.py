@@ -231,6 +231,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
             body.lora_path,
             state.config.adapter_dirs,
         )
+        state.metrics.start_lora_series(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses=ERRORS)

@@ -210,6 +210,7 @@ class ServerState:
                 )
             except ApiError as exc:
                 raise ValueError(f"--lora-modules {name}={uri}: {exc.message}") from exc
+            self.metrics.start_lora_series(name)
 
     async def close(self) -> None:
         self.prompt_pool.shutdown(wait=False, cancel_futures=True)

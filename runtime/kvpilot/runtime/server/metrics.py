@@ -405,6 +405,12 @@ class ServerMetrics:
     def record_received(self) -> None:
         self.received.inc(1)
 
+    def start_lora_series(self, adapter: str) -> None:
+        """The adapter's request counter at zero from its load: Prometheus' rate() counts a
+        series' first scrape as its start, so requests counted before it would never show as
+        demand."""
+        self.lora_received.labels(self.model_name, adapter)
+
     def record_lora_received(self, adapter: str, num_sequences: int) -> None:
         self.lora_received.labels(self.model_name, adapter).inc(num_sequences)
 
