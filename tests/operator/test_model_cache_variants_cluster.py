@@ -11,44 +11,31 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from bench.reference.prequantized import write_checkpoint
-from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
 from kvpilot.operator.reconcile import manifests
 from tests.support.operator_cluster import (
     Operator,
     apply_doc,
-    apply_secret,
     fill_pods,
     get,
-    model_server_env,
     pod_url,
     pods,
     ready_check,
     tiny_llama_from,
     wait_for,
 )
-from tests.support.variants_cluster import NUM_TOKENS, PROMPT, in_process_greedy
+from tests.support.variants_cluster import NUM_TOKENS, PROMPT, in_process_greedy, int4_variant_in_s3
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-BUCKET = "models"
 MODEL_URI = "s3://models/tiny-llama"
 
 
 def test_a_cached_variant_is_filled_once_and_served_from_its_own_claim(
     cluster: Any, operator: Operator, namespace: str, tmp_path: Path
 ) -> None:
-    env = model_server_env(cluster)
-    s3 = S3Endpoint(
-        env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], BUCKET
-    )
-    int4 = write_checkpoint(tmp_path / "int4", "int4-g128")  # compressed-tensors itself
-    prefix = f"{namespace}/tiny-int4"
-    upload_model(s3_client(s3), BUCKET, int4, prefix + "/")
-    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    apply_secret(cluster, namespace, "model-creds", {k: env[k] for k in keys})
+    int4 = int4_variant_in_s3(cluster, namespace, tmp_path)
 
     md = tiny_llama_from(MODEL_URI, cluster, "model-creds")  # facts read at source
-    variant_uri = f"s3://{BUCKET}/{prefix}"
+    variant_uri = int4.uri
     md["spec"]["model"]["variants"] = [{"name": "ct-int4", "uri": variant_uri}]
     md["spec"]["model"]["cache"] = {"size": "1Gi"}
     md["spec"]["quantization"] = {"allowed": ["int4"]}  # the pre-quantised source ranks first
@@ -79,4 +66,4 @@ def test_a_cached_variant_is_filled_once_and_served_from_its_own_claim(
         model="tiny", prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0
     )
     pod_args = pod["spec"]["containers"][0]["args"]
-    assert completion.choices[0].text == in_process_greedy(int4, pod_args)
+    assert completion.choices[0].text == in_process_greedy(int4.local, pod_args)

@@ -13,41 +13,29 @@ from typing import Any
 
 import pytest
 
-from bench.reference.prequantized import write_checkpoint
-from hack.devcluster.modelsources import S3Endpoint, s3_client, upload_model
 from tests.support.operator_cluster import (
-    ROOT,
     Operator,
     apply_doc,
-    apply_secret,
-    model_server_env,
     wait_for,
 )
 from tests.support.quality_cluster import condition, status
-from tests.support.variants_cluster import EVAL_CHARS, METRIC, measured, measured_variant_tiny
+from tests.support.variants_cluster import (
+    METRIC,
+    eval_set_config_map,
+    int4_variant_in_s3,
+    measured,
+    measured_variant_tiny,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-BUCKET = "models"
 
 
 def test_the_variant_is_measured_and_the_plan_follows_the_gate(
     cluster: Any, operator: Operator, namespace: str, tmp_path: Path
 ) -> None:
-    env = model_server_env(cluster)
-    s3 = S3Endpoint(
-        env["AWS_ENDPOINT_URL"], env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], BUCKET
-    )
-    int4 = write_checkpoint(tmp_path / "int4", "int4-g128")  # compressed-tensors itself
-    prefix = f"{namespace}/tiny-int4"
-    upload_model(s3_client(s3), BUCKET, int4, prefix + "/")
-    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
-    apply_secret(cluster, namespace, "model-creds", {k: env[k] for k in keys})
-    dataset = tmp_path / "eval.txt"
-    dataset.write_text((ROOT / "models" / "tiny-llama" / "eval.txt").read_text()[:EVAL_CHARS])
-    cluster.kubectl(
-        "create", "configmap", "tiny-eval", "-n", namespace, f"--from-file=eval.txt={dataset}"
-    )
-    variant_uri = f"s3://{BUCKET}/{prefix}"
+    int4 = int4_variant_in_s3(cluster, namespace, tmp_path)
+    eval_set_config_map(cluster, namespace, tmp_path)
+    variant_uri = int4.uri
     apply_doc(cluster, namespace, measured_variant_tiny(cluster, variant_uri, max_loss=100))
 
     now = wait_for(lambda: measured(cluster, namespace), "measured", operator, timeout=1200)
