@@ -22,7 +22,7 @@ from tests.support.operator_cluster import (
     tiny_llama_from,
     wait_for,
 )
-from tests.support.quality_cluster import condition, eval_jobs, status
+from tests.support.quality_cluster import condition, eval_jobs, status, under_the_gate
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 URI = "hf://kvpilot/tiny-llama"
@@ -45,16 +45,7 @@ def eval_set(tmp_path: Path) -> Path:
 def measured_tiny(cluster: Any, name: str, max_loss: float) -> dict[str, Any]:
     md = tiny_llama_from(URI, cluster, "model-creds", TINY_FACTS)
     md["metadata"]["name"] = name
-    md["spec"]["autoscaling"] = {"mode": "off", "replicas": 0}  # the plan is what is tested
-    md["spec"]["quantization"] = {
-        "allowed": LEVELS,
-        "evaluation": {
-            "dataset": {"configMap": "tiny-eval", "key": "eval.txt"},
-            "metric": METRIC,
-            "maxQualityLoss": max_loss,
-        },
-    }
-    return md
+    return under_the_gate(md, LEVELS, METRIC, max_loss)
 
 
 def is_measured(cluster: Any, namespace: str, name: str) -> dict[str, Any]:

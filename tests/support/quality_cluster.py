@@ -20,3 +20,20 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def eval_jobs(cluster: Any, namespace: str) -> list[dict[str, Any]]:
     return list(get(cluster, "jobs", "-n", namespace, "-l", "kvpilot.dev/quality-eval")["items"])
+
+
+def under_the_gate(
+    md: dict[str, Any], levels: list[str], metric: str, max_loss: float
+) -> dict[str, Any]:
+    """`md` with its levels measured on ConfigMap tiny-eval (key eval.txt) and no replicas: the
+    plan is what these tests look at."""
+    md["spec"]["autoscaling"] = {"mode": "off", "replicas": 0}
+    md["spec"]["quantization"] = {
+        "allowed": levels,
+        "evaluation": {
+            "dataset": {"configMap": "tiny-eval", "key": "eval.txt"},
+            "metric": metric,
+            "maxQualityLoss": max_loss,
+        },
+    }
+    return md

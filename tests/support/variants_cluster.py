@@ -17,7 +17,7 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from kvpilot.runtime.server.lifecycle import engine_config
 from tests.support.operator_cluster import ROOT, apply_secret, model_server_env, tiny_llama_from
-from tests.support.quality_cluster import condition, eval_jobs, status
+from tests.support.quality_cluster import condition, eval_jobs, status, under_the_gate
 
 BUCKET = "models"
 PROMPT = "The for statement"
@@ -44,16 +44,7 @@ EVAL_CHARS = 4000  # few tokens: each eval Job is quick on a CPU
 def measured_variant_tiny(cluster: Any, variant_uri: str, max_loss: float) -> dict[str, Any]:
     md = tiny_llama_from("s3://models/tiny-llama", cluster, "model-creds")
     md["spec"]["model"]["variants"] = [{"name": "ct-int4", "uri": variant_uri}]
-    md["spec"]["autoscaling"] = {"mode": "off", "replicas": 0}  # the plan is what is tested
-    md["spec"]["quantization"] = {
-        "allowed": LEVELS,
-        "evaluation": {
-            "dataset": {"configMap": "tiny-eval", "key": "eval.txt"},
-            "metric": METRIC,
-            "maxQualityLoss": max_loss,
-        },
-    }
-    return md
+    return under_the_gate(md, LEVELS, METRIC, max_loss)
 
 
 def measured(cluster: Any, namespace: str) -> dict[str, Any]:
