@@ -7,12 +7,15 @@ helm with `go install`. Progress is printed while each build runs; a failure is 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hack.devcluster.errors import DevClusterError
@@ -95,11 +98,28 @@ def require_go() -> str:
     return go
 
 
+@contextmanager
+def build_lock(component: Component) -> Iterator[None]:
+    """Held while `component` is built: two clones (or two tests) building the same component
+    at once each wiped the other's staging directory, and one failed with "produced no ..."."""
+    lock = component.bin_dir.with_name(component.bin_dir.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_built(component: Component) -> None:
     """Build `component` unless the cache already holds it (an atomic rename publishes it)."""
     if component.is_built():
         return
     require_go()
+    with build_lock(component):
+        if not component.is_built():  # the holder of the lock before us built it
+            build(component)
+
+
+def build(component: Component) -> None:
     logs = cache_dir() / "build-logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{component.name}-{component.version}.log"
