@@ -7,17 +7,16 @@ unchanged)."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from bench.reference.lora import MIXED_ADAPTERS, load_base, make_adapter
+from bench.reference.lora import MIXED_ADAPTERS
 from hack import closedloop
 from hack.devcluster import chart
-from hack.devcluster.versions import REPO_ROOT
+from tests.support.adapters import local_pool_adapters
 from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.e2e]
@@ -27,14 +26,9 @@ RELEASE = "lora-gw"
 
 @pytest.fixture(scope="module")
 def adapter_uris() -> Iterator[dict[str, str]]:
-    """Four PEFT adapters of tiny-llama, as file:// URIs the `local` pool's pods can read (not
-    under /tmp, which their scratch emptyDir hides)."""
-    root = REPO_ROOT / ".devcluster" / "lora-e2e"
-    base = load_base()
-    for spec in MIXED_ADAPTERS:
-        make_adapter(base, spec, root / spec.name)
-    yield {spec.name: closedloop.local_model_uri(root / spec.name) for spec in MIXED_ADAPTERS}
-    shutil.rmtree(root, ignore_errors=True)
+    """Four PEFT adapters of tiny-llama, as file:// URIs the `local` pool's pods can read."""
+    with local_pool_adapters(MIXED_ADAPTERS, "lora-e2e") as uris:
+        yield uris
 
 
 def manifest(adapters: dict[str, str]) -> dict[str, Any]:

@@ -16,9 +16,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from bench.reference.lora import MIXED_ADAPTERS, load_base, make_adapter
+from bench.reference.lora import MIXED_ADAPTERS
 from kvpilot.contract import serve_config
 from kvpilot.gateway.routing.picking import ring_order
+from tests.support.adapters import write_adapters
 from tests.support.gateway_process import GatewayProcess, start_servers
 from tests.support.server_process import MODEL, RuntimeServer, wait_for
 
@@ -30,11 +31,8 @@ ARGS = ["--max-model-len", "2048", "--enable-lora", "--max-loras", "2", "--max-l
 
 @pytest.fixture(scope="module")
 def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base, root = load_base(), tmp_path_factory.mktemp("adapters")
     wanted = [spec for spec in MIXED_ADAPTERS if spec.name in ("qv8", "mlp4")]
-    for spec in wanted:
-        make_adapter(base, spec, root / spec.name)
-    return {spec.name: root / spec.name for spec in wanted}
+    return write_adapters(wanted, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")

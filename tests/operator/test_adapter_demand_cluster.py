@@ -6,7 +6,6 @@ window) can put the hot adapter on both new pods, and it does."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.reference.lora import AdapterSpec, load_base, make_adapter
+from bench.reference.lora import AdapterSpec
 from hack import closedloop
 from kvpilot.contract import metric_names
+from tests.support.adapters import local_pool_adapters
 from tests.support.operator_cluster import (
     ROOT,
     TINY_FACTS,
@@ -48,13 +48,9 @@ def prometheus_operator(cluster: Any, crds: None, tmp_path: Path) -> Iterator[Op
 
 @pytest.fixture
 def adapter_uris(namespace: str) -> Iterator[dict[str, str]]:
-    """The adapters as file:// URIs the `local` pool's pods read (not under /tmp)."""
-    root = ROOT / ".devcluster" / f"lora-demand-{namespace}"
-    base = load_base()
-    for spec in ADAPTERS:
-        make_adapter(base, spec, root / spec.name)
-    yield {spec.name: closedloop.local_model_uri(root / spec.name) for spec in ADAPTERS}
-    shutil.rmtree(root, ignore_errors=True)
+    """The adapters as file:// URIs the `local` pool's pods read."""
+    with local_pool_adapters(ADAPTERS, f"lora-demand-{namespace}") as uris:
+        yield uris
 
 
 def tiny_with_adapters(uris: dict[str, str]) -> dict[str, Any]:

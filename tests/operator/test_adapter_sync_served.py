@@ -13,9 +13,10 @@ import openai
 import pytest
 from openai import OpenAI
 
-from bench.reference.lora import MIXED_ADAPTERS, load_base, make_adapter
+from bench.reference.lora import MIXED_ADAPTERS
 from kvpilot.contract import serve_config
 from kvpilot.operator.adapters import placement, pod_api, sync
+from tests.support.adapters import write_adapters
 from tests.support.gateway_process import start_servers
 from tests.support.server_process import RuntimeServer
 
@@ -28,10 +29,8 @@ POD_ARGS = ["--max-model-len", "256", "--enable-lora", "--max-loras", "2", "--ma
 
 @pytest.fixture(scope="module")
 def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    base, root = load_base(), tmp_path_factory.mktemp("adapters")
-    for spec in MIXED_ADAPTERS:
-        make_adapter(base, spec, root / spec.name)
-    return {spec.name: f"file://{root / spec.name}" for spec in MIXED_ADAPTERS}
+    dirs = write_adapters(MIXED_ADAPTERS, tmp_path_factory.mktemp("adapters"))
+    return {name: f"file://{path}" for name, path in dirs.items()}
 
 
 @pytest.fixture

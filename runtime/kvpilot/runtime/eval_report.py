@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The right-aligned columns (the metric, rel. loss, weight MiB): one width each for the header
+# and every row, so a value ends under its column's title.
+COLUMN_WIDTHS = (11, 10, 11)
+
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
     """What a Job's termination message carries back to the operator (well under its 4 KiB)."""
@@ -30,17 +34,18 @@ def format_table(result: dict[str, Any]) -> str:
     # a checkpoint as NAME (its level); its format is in --json
     rows += [(f"{name} ({row['level']})", row) for name, row in result["checkpoints"].items()]
     width = max([9, *(len(label) for label, _ in rows)])
+    value_w, loss_w, mib_w = COLUMN_WIDTHS
     lines = [
         f"model {result['model']}  dataset {result['dataset']}  samples {result['num_samples']}  "
         f"tokens {result['num_tokens']}  KV cache {kv_name} "
         f"(baseline: {base['quantization']}, KV auto)",
-        f"{'level':<{width}} {metric:>11} {'rel. loss':>10} {'weight MiB':>11}",
-        f"{base['quantization']:<{width}} {base['value']:>11.4g} {'-':>10} "
-        f"{base['weight_bytes'] / 2**20:>11.2f}",
+        f"{'level':<{width}} {metric:>{value_w}} {'rel. loss':>{loss_w}} {'weight MiB':>{mib_w}}",
+        f"{base['quantization']:<{width}} {base['value']:>{value_w}.4g} {'-':>{loss_w}} "
+        f"{base['weight_bytes'] / 2**20:>{mib_w}.2f}",
     ]
     for label, row in rows:
         lines.append(
-            f"{label:<{width}} {row['value']:>11.4g} {row['relative_loss']:>+9.2%} "
-            f"{row['weight_bytes'] / 2**20:>11.2f}"
+            f"{label:<{width}} {row['value']:>{value_w}.4g} {row['relative_loss']:>+{loss_w}.2%} "
+            f"{row['weight_bytes'] / 2**20:>{mib_w}.2f}"
         )
     return "\n".join(lines)

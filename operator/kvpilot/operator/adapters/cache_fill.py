@@ -22,7 +22,7 @@ from typing import Any
 from kvpilot.contract.adapter_cache import CACHE_SUBDIR, entry_name
 from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.operator import api
-from kvpilot.operator.reconcile import manifests, model_cache
+from kvpilot.operator.reconcile import jobs, manifests, model_cache
 
 Obj = Mapping[str, Any]
 # On an adapter fill Job and its pods: the claim it fills (not model_cache.LABEL_CACHE, whose
@@ -60,27 +60,17 @@ def build_job(md: Obj, spec: api.ModelDeploymentSpec, uri: str, model_job: Obj) 
     claim = claim_of(spec)
     name = job_name(claim, uri)
     fetch = _fetch_container(spec, uri, model_job)
-    template = model_job["spec"]["template"]
-    pod = copy.deepcopy(dict(template["spec"]))
+    pod = copy.deepcopy(dict(model_job["spec"]["template"]["spec"]))
     pod["containers"] = [fetch]
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": md["metadata"]["namespace"],
-            "labels": {
-                LABEL_ADAPTER_CACHE: claim,
-                manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY,
-            },
-            "annotations": {ANNOTATION_ADAPTER_URI: uri},
-            "ownerReferences": model_cache.owner_references(md, _cache(spec)),
-        },
-        "spec": {
-            "backoffLimit": model_cache.FILL_BACKOFF_LIMIT,
-            "template": {"metadata": {"labels": {LABEL_ADAPTER_CACHE: claim}}, "spec": pod},
-        },
-    }
+    return jobs.build_job(
+        name,
+        md["metadata"]["namespace"],
+        {LABEL_ADAPTER_CACHE: claim},
+        {ANNOTATION_ADAPTER_URI: uri},
+        {"spec": pod},  # not the model Job's pod labels, which model_cache.status reads by
+        backoff_limit=model_cache.FILL_BACKOFF_LIMIT,
+        owners=model_cache.owner_references(md, _cache(spec)),
+    )
 
 
 def _fetch_container(spec: api.ModelDeploymentSpec, uri: str, model_job: Obj) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from kvpilot.contract.dataset_source import parse_dataset_uri
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning.planner import NodePlan
-from kvpilot.operator.reconcile import manifests
+from kvpilot.operator.reconcile import jobs, manifests
 
 Obj = Mapping[str, Any]
 
@@ -129,35 +129,27 @@ def build_eval_job(
     runtime = pod["containers"][0]
     container = _eval_container(spec, (level, reference), runtime, delivery)
     pod["containers"] = [container]
-    pod["restartPolicy"] = "Never"
     pod["volumes"] = [*pod.get("volumes", []), *delivery.volumes]
     if variant is not None:
         _add_variant(pod, container, spec, variant, config)
-    labels = {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)}
-    template["metadata"]["labels"] = {**template["metadata"].get("labels", {}), **labels}
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": md["metadata"]["namespace"],
-            "labels": {**labels, manifests.LABEL_MANAGED_BY: manifests.MANAGED_BY},
-            "annotations": {
-                ANNOTATION_LEVEL: level,
-                ANNOTATION_NODE_TYPE: node_plan.node_type.name,
-                ANNOTATION_REFERENCE: reference,
-                ANNOTATION_ATTEMPT: str(attempt),
-                "kvpilot.dev/model-uri": spec.model.uri,
-                "kvpilot.dev/dataset-digest": digest,
-                **({} if variant is None else {ANNOTATION_VARIANT: variant.name}),
-            },
-        },
-        "spec": {
-            "backoffLimit": EVAL_BACKOFF_LIMIT,
-            "ttlSecondsAfterFinished": retry_delay_seconds(attempt),
-            "template": template,
-        },
+    annotations = {
+        ANNOTATION_LEVEL: level,
+        ANNOTATION_NODE_TYPE: node_plan.node_type.name,
+        ANNOTATION_REFERENCE: reference,
+        ANNOTATION_ATTEMPT: str(attempt),
+        "kvpilot.dev/model-uri": spec.model.uri,
+        "kvpilot.dev/dataset-digest": digest,
+        **({} if variant is None else {ANNOTATION_VARIANT: variant.name}),
     }
+    return jobs.build_job(
+        name,
+        md["metadata"]["namespace"],
+        {LABEL_EVAL: name, LABEL_CACHE: cache_name(spec.model.uri)},
+        annotations,
+        template,
+        backoff_limit=EVAL_BACKOFF_LIMIT,
+        ttl_seconds=retry_delay_seconds(attempt),
+    )
 
 
 def _eval_container(
@@ -171,30 +163,28 @@ def _eval_container(
     # bf16 is the checkpoint unquantised, the eval's default baseline (`none`)
     baseline = [] if reference == "bf16" else [f"--baseline={reference}"]
     model_dir = manifests.model_location(spec.model).model_arg.removeprefix("file://")
-    container = {
-        "name": "eval",
-        "image": runtime["image"],  # its ENTRYPOINT runs kvpilot-runtime under tini
-        "args": [
-            "eval",
-            f"--model={model_dir}",
-            f"--dataset={delivery.arg}",
-            f"--metric={_evaluation(spec).metric}",
-            f"--quantization={level}",
-            f"--max-length={EVAL_WINDOW_TOKENS}",
-            "--dtype=auto",  # the compute dtype `serve` uses on that device
-            "--summary-file=/dev/termination-log",
-            *baseline,
-        ],
-        "env": copy.deepcopy(runtime.get("env", [])),
-        # The summary is the termination message; a failure's log tail is, instead.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": copy.deepcopy(runtime.get("resources", {})),
-        "securityContext": copy.deepcopy(runtime.get("securityContext", {})),
-        "volumeMounts": [*copy.deepcopy(runtime.get("volumeMounts", [])), *delivery.mounts],
-    }
-    if delivery.needs_credentials and spec.model.secret_ref is not None:
-        container["envFrom"] = [{"secretRef": {"name": spec.model.secret_ref.name}}]
-    return container
+    args = [
+        "eval",
+        f"--model={model_dir}",
+        f"--dataset={delivery.arg}",
+        f"--metric={_evaluation(spec).metric}",
+        f"--quantization={level}",
+        f"--max-length={EVAL_WINDOW_TOKENS}",
+        "--dtype=auto",  # the compute dtype `serve` uses on that device
+        "--summary-file=/dev/termination-log",
+        *baseline,
+    ]
+    secret = spec.model.secret_ref if delivery.needs_credentials else None
+    return manifests.task_container(
+        "eval",
+        runtime["image"],
+        args,
+        copy.deepcopy(runtime.get("env", [])),
+        [*copy.deepcopy(runtime.get("volumeMounts", [])), *delivery.mounts],
+        secret=None if secret is None else secret.name,
+        resources=copy.deepcopy(runtime.get("resources", {})),
+        security=copy.deepcopy(runtime.get("securityContext", {})),
+    )
 
 
 def _add_variant(

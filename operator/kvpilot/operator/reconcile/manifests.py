@@ -291,23 +291,48 @@ def fetch_container(
         if draft is None
         else (draft.uri, DRAFT_VOLUME, DRAFT_MOUNT)
     )
+    mounts = [
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+        {"name": "tmp", "mountPath": SCRATCH_MOUNT},
+        {"name": volume, "mountPath": mount},
+    ]
+    return task_container(
+        "fetch-model" if draft is None else "fetch-draft-model",
+        spec.runtime.image or config.runtime_image,
+        ["fetch", f"--model={uri}", f"--to={mount}", *extra_args],
+        container_env(spec),
+        mounts,
+        secret=None if spec.model.secret_ref is None else spec.model.secret_ref.name,
+    )
+
+
+def task_container(
+    name: str,
+    image: str,
+    args: list[str],
+    env: list[dict[str, Any]],
+    mounts: list[dict[str, Any]],
+    *,
+    secret: str | None = None,
+    resources: dict[str, Any] | None = None,
+    security: dict[str, Any] = CONTAINER_SECURITY,
+) -> dict[str, Any]:
+    """A container that runs one `kvpilot-runtime` subcommand (`args`) to completion: a fetch
+    (an init container, a cache fill Job's) or an eval Job's. `secret`: a Secret whose keys are
+    its environment (tokens never appear in the spec)."""
     container: dict[str, Any] = {
-        "name": "fetch-model" if draft is None else "fetch-draft-model",
-        "image": spec.runtime.image or config.runtime_image,
-        "args": ["fetch", f"--model={uri}", f"--to={mount}", *extra_args],
-        "env": container_env(spec),
-        # Its one-line error becomes the pod's status message, which the operator's conditions show.
+        "name": name,
+        "image": image,  # no `command`: its ENTRYPOINT runs kvpilot-runtime under tini
+        "args": args,
+        "env": env,
+        # Its --summary-file=/dev/termination-log, or on a failure its log's one-line error, is
+        # the pod's termination message, which the operator reads back (status, conditions).
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": CONTAINER_SECURITY,
-        "volumeMounts": [
-            {"name": "cache", "mountPath": CACHE_MOUNT},
-            {"name": "tmp", "mountPath": SCRATCH_MOUNT},
-            {"name": volume, "mountPath": mount},
-        ],
+        **({} if resources is None else {"resources": resources}),
+        "securityContext": security,
+        "volumeMounts": mounts,
     }
-    if spec.model.secret_ref is not None:
-        container["envFrom"] = [{"secretRef": {"name": spec.model.secret_ref.name}}]
-    return container
+    return {**container, **_secret_env(secret)}
 
 
 def container_env(spec: api.ModelDeploymentSpec) -> list[dict[str, str]]:

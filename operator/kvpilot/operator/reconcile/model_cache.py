@@ -21,7 +21,7 @@ from kvpilot.contract import timestamps
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning.planner import NodePlan
-from kvpilot.operator.reconcile import manifests
+from kvpilot.operator.reconcile import jobs, manifests
 
 Obj = Mapping[str, Any]
 
@@ -75,26 +75,25 @@ def build_fill_job(
     # reads it back; a failure's one-line error comes from the log (FallbackToLogsOnError).
     fetch = manifests.fetch_container(spec, config, "--summary-file=/dev/termination-log")
     pod = {
-        "metadata": {"labels": {LABEL_CACHE: name}},
-        "spec": {
-            "restartPolicy": "Never",
-            "nodeSelector": dict(node_plan.node_type.node_selector),
-            "tolerations": copy.deepcopy(manifests.GPU_TOLERATIONS),
-            "enableServiceLinks": False,
-            "securityContext": copy.deepcopy(manifests.POD_SECURITY),
-            "containers": [fetch],
-            "volumes": [
-                *copy.deepcopy(manifests.SCRATCH_VOLUMES),
-                {"name": "model", "persistentVolumeClaim": {"claimName": name}},
-            ],
-        },
+        "nodeSelector": dict(node_plan.node_type.node_selector),
+        "tolerations": copy.deepcopy(manifests.GPU_TOLERATIONS),
+        "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(manifests.POD_SECURITY),
+        "containers": [fetch],
+        "volumes": [
+            *copy.deepcopy(manifests.SCRATCH_VOLUMES),
+            {"name": "model", "persistentVolumeClaim": {"claimName": name}},
+        ],
     }
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": _metadata(md, spec, name),
-        "spec": {"backoffLimit": FILL_BACKOFF_LIMIT, "template": pod},
-    }
+    return jobs.build_job(
+        name,
+        md["metadata"]["namespace"],
+        {LABEL_CACHE: name},
+        {ANNOTATION_URI: spec.model.uri},
+        {"spec": pod},
+        backoff_limit=FILL_BACKOFF_LIMIT,
+        owners=owner_references(md, _cache(spec)),
+    )
 
 
 def children(
