@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from hack.devcluster import build
+from hack.devcluster import build, imagesmode
 from hack.devcluster.cluster import DevCluster
 from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import COMPONENTS, bin_path_entries
@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
         path = ":".join(str(p) for p in bin_path_entries())
         print(f"export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}")
         print(f'export PATH={shlex.quote(path)}:"$PATH"')
-        for key, value in cluster.client_env().items():
+        # images mode: KVPILOT_RUNTIME_IMAGE, for an operator run from this shell
+        exported = {**cluster.client_env(), **imagesmode.operator_env(cluster.state_dir)}
+        for key, value in exported.items():
             print(f"export {key}={shlex.quote(value)}")
     return 0
 

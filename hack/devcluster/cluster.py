@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from hack.devcluster import build, modelsources, nodepools, pki, procs, prometheus
+from hack.devcluster import build, imagesmode, modelsources, nodepools, pki, procs, prometheus
 from hack.devcluster.errors import DevClusterError
 from hack.devcluster.versions import (
     COMPONENTS,
@@ -32,8 +32,7 @@ from hack.devcluster.versions import (
     default_state_dir,
     kube_env,
 )
-from hack.images import build as images_build
-from hack.images.spec import OPERATOR, RUNTIME
+from hack.images.spec import OPERATOR
 
 # Start order; `down` stops in reverse.
 PROCESSES = (
@@ -81,6 +80,7 @@ class DevCluster:
         self.requested_apiserver_port = apiserver_port
         # The `local` pool's pods run from the images `make images` built, not the host's venv
         self.images = images
+        self.pre_pull: tuple[str, ...] = ()  # images mode: the images the runner unpacks first
         self.log_dir = self.state_dir / "logs"
         self.run_dir = self.state_dir / "run"
         self.kubeconfig = self.state_dir / "kubeconfig"
@@ -89,10 +89,13 @@ class DevCluster:
 
     def up(self) -> None:
         started = time.monotonic()
-        if self.images:
-            require_cached_images()
+        runtime = imagesmode.runtime_image() if self.images else None
         build.ensure_all(COMPONENTS)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.runtime_image_file.unlink(missing_ok=True)
+        if runtime is not None:  # read by `env`: the operators started beside the cluster
+            self.runtime_image_file.write_text(runtime[1] + "\n")
+            self.pre_pull = (OPERATOR.name, runtime[0])
         certs = pki.make_pki(self.state_dir / "pki", self.log_dir.parent / "pki.log")
         ports = self.ports()
         self.write_kubeconfig(certs, ports)
@@ -114,6 +117,7 @@ class DevCluster:
         shutil.rmtree(self.state_dir / "prometheus-data", ignore_errors=True)
         modelsources.stop(self.state_dir)
         (self.state_dir / "ports.json").unlink(missing_ok=True)
+        self.runtime_image_file.unlink(missing_ok=True)
 
     def start_process(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
         """Run a process beside the cluster (the operator, a service proxy) that `down` stops."""
@@ -274,6 +278,7 @@ class DevCluster:
             # file:// models of this checkout (hack/closedloop.local_model_uri) load in images
             # mode as they do from the host's venv: the node has them at the same path
             *(["--images", f"--node-path={REPO_ROOT / 'models'}"] if self.images else []),
+            *[f"--pre-pull={name}" for name in self.pre_pull],
         ]
 
     def prometheus_argv(self, certs: pki.Pki, ports: Ports) -> list[str]:
@@ -369,8 +374,14 @@ class DevCluster:
         self.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
 
     @property
+    def runtime_image_file(self) -> Path:
+        return self.state_dir / imagesmode.RUNTIME_IMAGE_FILE
+
+    @property
     def env(self) -> dict[str, str]:
-        return kube_env(self.kubeconfig)
+        """kubectl's and helm's environment, and an operator's: in images mode it names the
+        runtime image the cluster runs (imagesmode.py)."""
+        return {**kube_env(self.kubeconfig), **imagesmode.operator_env(self.state_dir)}
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
@@ -429,18 +440,3 @@ class DevCluster:
                 for c in item.get("status", {}).get("conditions", [])
             )
         }
-
-
-def require_cached_images() -> None:
-    """Images mode runs the `local` pool from the images `make images` cached: said at `up`,
-    not as pods stuck in ErrImagePull."""
-    missing = [
-        str(images_build.layout_dir(spec))
-        for spec in (OPERATOR, RUNTIME)  # what the chart's defaults run; not the CPU variant
-        if not (images_build.layout_dir(spec) / "index.json").is_file()
-    ]
-    if missing:
-        raise DevClusterError(
-            f"images mode runs the local pool's pods from the images `make images` builds;"
-            f" not cached: {', '.join(missing)}: run `make images` (as root) first"
-        )

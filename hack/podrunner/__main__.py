@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--node-path", type=Path, action="append", default=[],
                         help="images mode: a host directory every container sees read-only at"
                         " the same path (repeatable)")  # fmt: skip
+    parser.add_argument("--pre-pull", action="append", default=[], choices=sorted(IMAGES),
+                        help="images mode: an image to unpack first, as a node pre-pulls what"
+                        " it will run (repeatable; default: every cached image)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -54,7 +57,7 @@ def image_store(args: argparse.Namespace) -> ImageStore | None:
     if not args.images:
         return None
     store = ImageStore(args.images_dir, args.unpack_dir or default_unpack_dir())
-    for name in IMAGES:
+    for name in args.pre_pull or IMAGES:  # one at a time: the first pods wait on the first
         # unpacking, or not cached: a pod that names it says so in its status
         with contextlib.suppress(ImageNotReadyError, ValueError):
             store.get(ImageRef(name, build.version(), None), name)

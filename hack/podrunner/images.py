@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hack.images.spec import IMAGES
-from hack.release import REPOSITORIES
+from hack.release import REPOSITORIES, VARIANT_TAGS
 
 # Host devices a container gets (what runc binds into its /dev)
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
@@ -40,8 +40,12 @@ class ImageRef:
 
 def parse_reference(reference: str, default_tag: str) -> ImageRef | None:
     """The kvpilot image a pod's `image` names (a released repository, ghcr.io/kvpilot/runtime,
-    or the build's own name, kvpilot-runtime), with its tag; None for any other image (which
-    the runner runs from the host's venv, as without images mode)."""
+    or the build's own name, kvpilot-runtime or kvpilot-runtime-cpu), with its version; None for
+    any other image (which the runner runs from the host's venv, as without images mode).
+
+    A variant's tag suffix names its own layout, as the release pushes it
+    (ghcr.io/kvpilot/runtime:0.1.0-cpu is kvpilot-runtime-cpu, version 0.1.0). An unknown suffix
+    stays in the tag, where no layout is cached: the pull fails with pull_hint's message."""
     digest_match = _DIGEST.search(reference)
     digest = digest_match.group(0)[1:] if digest_match else None
     rest = _DIGEST.sub("", reference)
@@ -49,8 +53,35 @@ def parse_reference(reference: str, default_tag: str) -> ImageRef | None:
     if ":" in rest.rsplit("/", 1)[-1]:
         repository, tag = rest.rsplit(":", 1)
     names = {repo: name for name, repo in REPOSITORIES.items()}
-    name = names.get(repository) or (repository if repository in REPOSITORIES else None)
-    return ImageRef(name, tag, digest) if name else None
+    name = names.get(repository) or (repository if repository in IMAGES else None)
+    if name is None:
+        return None
+    for variant, (base, suffix) in VARIANT_TAGS.items():
+        if name == base and tag.endswith(f"-{suffix}"):
+            return ImageRef(variant, tag.removesuffix(f"-{suffix}"), digest)
+    return ImageRef(name, tag, digest)
+
+
+def pull_hint(ref: ImageRef, version: str) -> str:
+    """What to build for an image whose layout is not cached, `version` being the one this
+    checkout's `make images` builds."""
+    base, _, suffix = ref.tag.partition("-")
+    if suffix:
+        known = [f":{version}"] + [
+            f":{version}-{s} ({variant})"
+            for variant, (b, s) in VARIANT_TAGS.items()
+            if b == ref.name
+        ]
+        return (
+            f"no kvpilot image is tagged -{suffix} (kvpilot builds {ref.name} as"
+            f" {', '.join(known)}): name one of those"
+        )
+    if base != version:
+        return (
+            f"this checkout builds version {version}, not {base}: name {ref.name}'s :{version}"
+            f" tag, or run `make images IMAGE={ref.name}` (as root) in a checkout of v{base}"
+        )
+    return f"build it with `make images IMAGE={ref.name}` (as root)"
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class ImageStore:
         if not (layout / "index.json").is_file():
             raise ImagePullError(
                 f"image {reference} is not in the build cache (no OCI layout at {layout}):"
-                " build it with `make images` (as root)"
+                f" {images.pull_hint(ref, build.version())}"
             )
         digest, manifest = build.manifest(layout)
         if ref.digest is not None and ref.digest != digest:

@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 
+from hack.images import build
 from hack.images.spec import OPERATOR, RUNTIME
 from hack.podrunner import enter, images, pods
 from hack.podrunner.images import ImageRef, Mount
+from hack.podrunner.imagestore import ImagePullError, ImageStore
 
 DIGEST = "sha256:" + "ab" * 32
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nkvpilot:x:10001:10001::/home/kvpilot:/usr/sbin/nologin\n"
 GROUP = "root:x:0:\nkvpilot:x:10001:\n"
+CPU = "kvpilot-runtime-cpu"
 
 
 @pytest.mark.parametrize(
@@ -26,6 +29,16 @@ GROUP = "root:x:0:\nkvpilot:x:10001:\n"
         (f"ghcr.io/kvpilot/runtime:0.2.0@{DIGEST}", ImageRef("kvpilot-runtime", "0.2.0", DIGEST)),
         (f"ghcr.io/kvpilot/runtime@{DIGEST}", ImageRef("kvpilot-runtime", "9.9.9", DIGEST)),
         ("kvpilot-runtime:0.1.0", ImageRef("kvpilot-runtime", "0.1.0", None)),
+        # the CPU variant: released under the runtime's repository with a -cpu tag
+        ("ghcr.io/kvpilot/runtime:0.1.0-cpu", ImageRef("kvpilot-runtime-cpu", "0.1.0", None)),
+        (f"ghcr.io/kvpilot/runtime:0.2.0-cpu@{DIGEST}", ImageRef(CPU, "0.2.0", DIGEST)),
+        ("kvpilot-runtime-cpu:0.1.0", ImageRef("kvpilot-runtime-cpu", "0.1.0", None)),
+        ("kvpilot-runtime-cpu", ImageRef("kvpilot-runtime-cpu", "9.9.9", None)),
+        ("kvpilot-runtime:0.1.0-cpu", ImageRef("kvpilot-runtime-cpu", "0.1.0", None)),
+        # a suffix kvpilot does not build stays in the tag: no layout is cached under it
+        ("ghcr.io/kvpilot/runtime:0.1.0-rocm", ImageRef("kvpilot-runtime", "0.1.0-rocm", None)),
+        ("ghcr.io/kvpilot/operator:0.1.0-cpu", ImageRef("kvpilot-operator", "0.1.0-cpu", None)),
+        ("ghcr.io/kvpilot/runtime-cpu:0.1.0", None),  # not a repository the release pushes
         ("localhost:5000/kvpilot/runtime:0.1.0", None),  # a registry's port is no tag
         ("ghcr.io/kvpilot/runtime-extra:0.1.0", None),
         ("example.invalid/probe-app:test", None),
@@ -36,6 +49,53 @@ def test_kvpilot_images_are_known_by_repository_or_build_name(
     reference: str, expected: ImageRef | None
 ) -> None:
     assert images.parse_reference(reference, "9.9.9") == expected
+
+
+@pytest.mark.parametrize(
+    ("reference", "expected"),
+    [
+        (
+            "ghcr.io/kvpilot/runtime:0.1.0-cpu",
+            "build it with `make images IMAGE=kvpilot-runtime-cpu`",
+        ),
+        ("kvpilot-runtime", "build it with `make images IMAGE=kvpilot-runtime` (as root)"),
+        (
+            "ghcr.io/kvpilot/runtime:0.0.9-cpu",
+            "this checkout builds version 0.1.0, not 0.0.9: name kvpilot-runtime-cpu's :0.1.0 tag,"
+            " or run `make images IMAGE=kvpilot-runtime-cpu` (as root) in a checkout of v0.0.9",
+        ),
+        (
+            "ghcr.io/kvpilot/runtime:0.1.0-rocm",
+            "no kvpilot image is tagged -rocm (kvpilot builds kvpilot-runtime as :0.1.0,"
+            " :0.1.0-cpu (kvpilot-runtime-cpu)): name one of those",
+        ),
+        (
+            "ghcr.io/kvpilot/operator:0.1.0-cpu",
+            "no kvpilot image is tagged -cpu (kvpilot builds kvpilot-operator as :0.1.0)",
+        ),
+    ],
+)
+def test_an_image_not_cached_says_what_to_build(reference: str, expected: str) -> None:
+    ref = images.parse_reference(reference, "0.1.0")
+    assert ref is not None
+    assert expected in images.pull_hint(ref, "0.1.0")
+
+
+def test_the_store_refuses_an_uncached_variant_with_what_to_build(tmp_path: Path) -> None:
+    store = ImageStore(tmp_path / "images", tmp_path / "unpacked")
+    reference = f"ghcr.io/kvpilot/runtime:{build.version()}-cpu"
+    ref = images.parse_reference(reference, build.version())
+    assert ref is not None
+    try:
+        with pytest.raises(ImagePullError) as raised:
+            store.get(ref, reference)
+    finally:
+        store.shutdown()
+    layout = tmp_path / "images" / build.version() / CPU
+    assert str(raised.value) == (
+        f"image {reference} is not in the build cache (no OCI layout at {layout}):"
+        f" build it with `make images IMAGE={CPU}` (as root)"
+    )
 
 
 RUNTIME_CONFIG = {"Entrypoint": list(RUNTIME.entrypoint), "Cmd": list(RUNTIME.cmd)}

@@ -13,6 +13,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from hack import release
+from hack.podrunner import images as podrunner_images
+from hack.podrunner.images import ImageRef
 from kvpilot.operator import cli, config, lease, observability
 from kvpilot.operator.autoscaling import metrics_reader as operator_metrics
 from kvpilot.runtime.engine.stats import EngineStats
@@ -270,6 +273,28 @@ def test_configmap_is_a_config_the_operator_accepts(helm_bin: Path) -> None:
     assert node_type.price_per_hour == pytest.approx(1.006)
     defaults = config.from_mapping(config_yaml(render(helm_bin)), env={})
     assert defaults.prometheus_url == "" and defaults.node_types == ()
+
+
+def test_a_cpu_only_cluster_names_the_cpu_runtime_image(helm_bin: Path) -> None:
+    """`config.runtimeVariant=cpu`: the operator's parser reads the CPU variant's released
+    reference (what hack/release.py pushes kvpilot-runtime-cpu as, and what images mode runs
+    from its layout); with runtimeImage set too, helm refuses rather than dropping one."""
+    cpu = config.from_mapping(config_yaml(render(helm_bin, {"config.runtimeVariant": "cpu"})), {})
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert cpu.runtime_image == f"ghcr.io/kvpilot/runtime:{app_version}-cpu"
+    pushed = {layout.name: ref for layout, ref in release.image_references(app_version)}
+    assert cpu.runtime_image == pushed["kvpilot-runtime-cpu"]
+    assert podrunner_images.parse_reference(cpu.runtime_image, "") == ImageRef(
+        "kvpilot-runtime-cpu", app_version, None
+    )
+    default = config.from_mapping(config_yaml(render(helm_bin)), {})
+    assert default.runtime_image == pushed["kvpilot-runtime"]
+    both = {"config.runtimeVariant": "cpu", "config.runtimeImage": "registry.local/runtime:1"}
+    refused = helm(helm_bin, "template", "kvpilot", str(CHART), *set_args(both), check=False)
+    assert refused.returncode != 0 and "name the variant's image there" in refused.stderr
+    unknown = {"config.runtimeVariant": "rocm"}
+    refused = helm(helm_bin, "template", "kvpilot", str(CHART), *set_args(unknown), check=False)
+    assert refused.returncode != 0 and "runtimeVariant" in refused.stderr
 
 
 def test_config_change_rolls_the_pods(helm_bin: Path) -> None:

@@ -1,6 +1,7 @@
 """The dev cluster in images mode (`make cluster-up IMAGES=1`): a ModelDeployment on the `local`
-pool whose pods — the fetch init container and the runtime — run from the runtime image
-`make images` cached, not from the host's venv, become Ready and answer a completion.
+pool whose pods — the fetch init container and the runtime — run from the CPU runtime image
+`make images` cached (the local pool has no GPUs; hack/devcluster/imagesmode.py), not from the
+host's venv, become Ready and answer a completion.
 
 Its own dev cluster (the session's runs the host's venv); skipped where the images are not cached
 or there is no root, as tests/packaging/test_images.py is. Images are unpacked into
@@ -18,7 +19,8 @@ import pytest
 
 from hack.closedloop import apply_crds
 from hack.devcluster import DevCluster
-from hack.images.spec import IMAGES, UID, VENV
+from hack.images import build
+from hack.images.spec import CPU_DEBIAN_RELEASE, OPERATOR, RUNTIME_CPU, UID, VENV
 from hack.podrunner.__main__ import UNPACK_DIR_ENV
 from tests.support import oci_images
 from tests.support.operator_cluster import (
@@ -37,7 +39,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def image_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    for spec in IMAGES.values():
+    for spec in (OPERATOR, RUNTIME_CPU):  # what the cluster runs; the CUDA runtime may be absent
         oci_images.cached(spec)
     oci_images.require_root_tools()
     if os.environ.get("KUBECONFIG"):
@@ -94,6 +96,9 @@ def test_a_runtime_pod_runs_from_the_image_and_answers(
         # a first start unpacks the runtime image (GBs) before its pod can run
         wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=600)
         (pod,) = pods(cluster, namespace, "tiny")
+        # the operator beside the cluster names the CPU variant (DevCluster.env)
+        images = {c["image"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]}
+        assert images == {f"ghcr.io/kvpilot/runtime:{build.version()}-cpu"}
         (init,) = pod["status"]["initContainerStatuses"]
         assert init["name"] == "fetch-model" and init["state"]["terminated"]["exitCode"] == 0
         assert complete(pod)["usage"]["completion_tokens"] == 4
@@ -102,6 +107,8 @@ def test_a_runtime_pod_runs_from_the_image_and_answers(
         # chrooted into its own overlay of the image, as the image's user, the image's venv
         assert root.endswith("/containers/runtime/root"), root
         assert Path(f"/proc/{pid}/root{VENV}/bin/kvpilot-runtime").is_file()
+        os_release = Path(f"/proc/{pid}/root/etc/os-release").read_text()
+        assert f"VERSION_CODENAME={CPU_DEBIAN_RELEASE}" in os_release  # the CPU image's Debian
         assert Path(f"/proc/{pid}").stat().st_uid == UID
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         assert cmdline[0].startswith(f"{VENV}/bin/python"), cmdline

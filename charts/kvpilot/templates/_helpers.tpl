@@ -37,9 +37,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The default runtime image: config.runtimeImage, else the release's runtime at the chart's
+appVersion, tagged -<config.runtimeVariant> for a variant (cpu: for clusters without GPUs). */}}
+{{- define "kvpilot.runtimeImage" -}}
+{{- $variant := .Values.config.runtimeVariant | default "" -}}
+{{- if and $variant .Values.config.runtimeImage -}}
+{{- fail "config.runtimeVariant picks a tag of the default runtime image: with config.runtimeImage set, name the variant's image there instead" -}}
+{{- end -}}
+{{- $tag := .Chart.AppVersion -}}
+{{- if $variant -}}{{- $tag = printf "%s-%s" $tag $variant -}}{{- end -}}
+{{- .Values.config.runtimeImage | default (printf "ghcr.io/kvpilot/runtime:%s" $tag) -}}
+{{- end -}}
+
 {{/* The operator's config.yaml, exactly the keys operator/kvpilot/operator/config.py accepts. */}}
 {{- define "kvpilot.config" -}}
-runtimeImage: {{ .Values.config.runtimeImage | default (printf "ghcr.io/kvpilot/runtime:%s" .Chart.AppVersion) | quote }}
+runtimeImage: {{ include "kvpilot.runtimeImage" . | quote }}
 prometheusUrl: {{ .Values.config.prometheusUrl | quote }}
 autoscalerIntervalSeconds: {{ .Values.config.autoscalerIntervalSeconds }}
 spillAfterSeconds: {{ .Values.config.spillAfterSeconds }}
