@@ -1108,7 +1108,11 @@ class PlanEntry(_Model):
     quality_loss: float | None = Field(
         default=None, description="the level's measured loss in percent; null: not measured"
     )
-    reason: str = ""
+    reason: str = Field(
+        default="",
+        description="why nothing fits; where it fits and several sources fit its level, why"
+        " this one won (fewer GPUs, fewer weight bytes, a lower measured loss, or listed first)",
+    )
 
 
 class QualityMeasurement(_Model):

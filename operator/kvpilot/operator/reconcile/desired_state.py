@@ -139,12 +139,13 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         excluded = "; ".join(verdict.admission.excluded)
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
+    losses = {planner.loss_key(m.variant, m.level): m.relative_loss for m in verdict.measurements}
     request = dataclasses.replace(
         request,
         **gated_candidates(spec, verdict.admission),
         measured_cost=measured_cost(observed.status),
+        losses=tuple(losses.items()),
     )
-    losses = {planner.loss_key(m.variant, m.level): m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, observed.node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
     if not any(p.fits for p in plans):
