@@ -19,7 +19,7 @@ from kvpilot.contract import catalog
 from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.planning import planner
+from kvpilot.operator.planning import model_facts, planner
 from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.quality import admission
 from kvpilot.operator.quality import job as quality_job
@@ -178,7 +178,9 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         serving_cache=_serving_cache(plans, caches),
         children=children,
         plan=planner.status_entries(plans, replicas, losses),
-        summary=_summary(plans, replicas) + _unread_note(observed.source_facts),
+        summary=_summary(plans, replicas)
+        + _unread_note(observed.source_facts)
+        + model_facts.local_source_note(spec.model),
         num_unplaceable=sum(
             max(0, n - p.num_free_slots()) for p, n in zip(plans, replicas, strict=True)
         ),
