@@ -48,6 +48,7 @@ B = "variant awq"
         (fit(A, 1, 5.0, -0.5, 0), fit(B, 1, 5.0, None, 1), A, "measured loss -0.50% vs not"),
         (fit(A, 1, 5.0, 1.0, 0), fit(B, 1, 5.0, 1.0, 1), A, "listed first"),
         (fit(A, 1, 5.0, None, 0), fit(B, 1, 5.0, None, 1), A, "listed first"),
+        (fit(A, 1, 0.002, None, 0), fit(B, 1, 0.004, None, 1), A, "weights 2.0 vs 4.1 MiB"),
     ],
 )
 def test_the_cheapest_source_wins_and_the_reason_names_what_decided(

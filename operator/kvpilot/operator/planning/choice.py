@@ -51,10 +51,15 @@ def _decided_by(winner: Fit, other: Fit) -> str:
     if winner.tensor_parallel != other.tensor_parallel:
         return f"{winner.tensor_parallel} vs {other.tensor_parallel} GPUs per replica"
     if winner.weights_bytes != other.weights_bytes:
-        return (
-            f"weights {gib(winner.weights_bytes):.2f} vs {gib(other.weights_bytes):.2f} GiB per GPU"
-        )
+        return f"weights {_sizes(winner.weights_bytes, other.weights_bytes)} per GPU"
     if winner.loss != other.loss:
         theirs = "not measured" if other.loss is None else f"{other.loss:+.2f}%"
         return f"measured loss {winner.loss:+.2f}% vs {theirs}"
     return "listed first"
+
+
+def _sizes(a: float, b: float) -> str:
+    """Two sizes in one unit: GiB, or MiB below 1 GiB (a tiny model's 0.00 vs 0.00 says nothing)."""
+    if max(a, b) >= 2**30:
+        return f"{gib(a):.2f} vs {gib(b):.2f} GiB"
+    return f"{a / 2**20:.1f} vs {b / 2**20:.1f} MiB"
