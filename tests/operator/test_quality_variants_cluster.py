@@ -55,6 +55,7 @@ def test_the_variant_is_measured_and_the_plan_follows_the_gate(
     # A budget between the variant's loss and kvpilot's int4's: the variant serves int4.
     assert variant["relativeLoss"] < rows["int4"]["relativeLoss"]
     budget = round((variant["relativeLoss"] + rows["int4"]["relativeLoss"]) / 2, 4)
+    patch_budget(cluster, namespace, budget)
     now = wait_for(
         lambda: re_planned(cluster, namespace, budget, "ct-int4"), "the variant served", operator
     )
@@ -67,6 +68,7 @@ def test_the_variant_is_measured_and_the_plan_follows_the_gate(
     # is); the condition says why.
     assert rows["int8"]["relativeLoss"] < variant["relativeLoss"]
     budget = round((rows["int8"]["relativeLoss"] + variant["relativeLoss"]) / 2, 4)
+    patch_budget(cluster, namespace, budget)
     now = wait_for(
         lambda: re_planned(cluster, namespace, budget, ""), "re-planned without it", operator
     )
@@ -76,11 +78,13 @@ def test_the_variant_is_measured_and_the_plan_follows_the_gate(
     assert (plan["variant"], plan["quantization"]) == ("", "int8")
 
 
-def re_planned(cluster: Any, namespace: str, budget: float, variant: str) -> dict[str, Any]:
-    """The status once the plan serves `variant` under maxQualityLoss `budget` (patched here
-    each try: a merge patch of the same value is a no-op)."""
+def patch_budget(cluster: Any, namespace: str, budget: float) -> None:
     patch = {"spec": {"quantization": {"evaluation": {"maxQualityLoss": budget}}}}
     cluster.kubectl("patch", "md", "tiny", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+
+
+def re_planned(cluster: Any, namespace: str, budget: float, variant: str) -> dict[str, Any]:
+    """The status once the plan serves `variant` under maxQualityLoss `budget`."""
     now = status(cluster, namespace, "tiny")
     plan = (now.get("plan") or [{}])[0]
     budget_seen = f"budget {budget:g}%" in condition(now, "QualityMeasured").get("message", "")
