@@ -2,7 +2,8 @@
 
 For each node type: the first level in the user's preference order, and for it the smallest
 tensor-parallel degree (1, 2, 4, 8, within the GPUs of one node), such that weights + KV cache for
-`maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU. The
+`maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU; where
+several sources (spec.model, spec.model.variants[]) fit at that level, the cheapest (choice.py). The
 numbers come from `kvpilot.contract.memory`, the module the runtime sizes its KV pool with, so what
 the operator promises is what the pod will allocate. When nothing fits, the cheapest option tried is
 reported with its numbers.
