@@ -11,6 +11,7 @@ import pytest
 from kvpilot.operator import api
 from kvpilot.operator.quality import admission
 from kvpilot.operator.quality import job as quality_job
+from kvpilot.operator.quality import variants as quality_variants
 from kvpilot.operator.reconcile import (
     conditions,
     dependents,
@@ -28,20 +29,42 @@ AWQ_CLAIM = manifests.cache_claim_name(AWQ_URI)
 EVALUATION = {
     "dataset": {"configMap": "eval", "key": "eval.txt"},
     "metric": "perplexity",
-    "maxQualityLoss": 100,
+    "maxQualityLoss": 2,
+}
+AWQ_VARIANT = api.ModelVariant(name="awq", uri=AWQ_URI)  # its record key: name and URI
+
+
+def measurement(level: str, loss: float, variant: str = "") -> str:
+    return api.QualityMeasurement(
+        level=level,
+        variant=variant,
+        metric="perplexity",
+        value=10.0,
+        relative_loss=loss,
+        dataset_digest=DIGEST,
+    ).model_dump_json(by_alias=True)
+
+
+# The gate measured everything: kvpilot's own int4 is over the 2% budget, the AWQ checkpoint
+# within, so a T4 (where bf16 does not fit) serves awq and an L4 bf16. Without the gate kvpilot's
+# int4 would win on a T4: it holds fewer weight bytes (planning/choice.py).
+MEASURED = {
+    admission.record_key("bf16", "perplexity", DIGEST): measurement("bf16", 0.0),
+    admission.record_key("int4", "perplexity", DIGEST): measurement("int4", 3.0),
+    quality_variants.Keys(URI, "perplexity", DIGEST).record(AWQ_VARIANT): measurement(
+        "int4", 1.0, "awq"
+    ),
 }
 
 
-def md(evaluation: bool = False) -> dict[str, Any]:
+def md() -> dict[str, Any]:
     model = {
         "uri": URI,
         "secretRef": {"name": "hf"},
         "cache": {},
         "variants": [{"name": "awq", "uri": AWQ_URI, "secretRef": {"name": "awq-token"}}],
     }
-    quantization: dict[str, Any] = {"allowed": ["bf16", "int4"]}  # a T4 serves awq, an L4 bf16
-    if evaluation:
-        quantization["evaluation"] = EVALUATION
+    quantization: dict[str, Any] = {"allowed": ["bf16", "int4"], "evaluation": EVALUATION}
     spec = {
         "model": model,
         "serving": {"maxContextLength": 8192},
@@ -56,8 +79,9 @@ def cache(claim: str, phase: str) -> api.CacheStatus:
     return api.CacheStatus(claim_name=claim, phase=phase)  # type: ignore[arg-type]
 
 
-def desire(model_phase: str, awq_phase: str, evaluation: bool = False) -> desired_state.Desired:
-    quality = admission.Observed(DIGEST, records={}, runs={}) if evaluation else None
+def desire(model_phase: str, awq_phase: str, measured: bool = True) -> desired_state.Desired:
+    """`measured`: the gate's records hold every measurement (else none: eval Jobs to make)."""
+    quality = admission.Observed(DIGEST, records=MEASURED if measured else {}, runs={})
     observed = desired_state.Observed(
         node_types=(L4, T4),
         variant_facts={"awq": AWQ},
@@ -66,7 +90,7 @@ def desire(model_phase: str, awq_phase: str, evaluation: bool = False) -> desire
         quality=quality,
         now=NOW,
     )
-    return desired_state.desire(md(evaluation), CONFIG, observed)
+    return desired_state.desire(md(), CONFIG, observed)
 
 
 def deployments(desired: desired_state.Desired) -> dict[str, dict[str, Any]]:
@@ -165,7 +189,7 @@ def test_the_variants_pods_read_its_uri_from_its_cache_without_fetching() -> Non
 def test_a_variants_eval_job_reads_it_from_its_cache_once_filled(
     model_phase: str, awq_phase: str, variant_job_made: bool
 ) -> None:
-    desired = desire(model_phase, awq_phase, evaluation=True)
+    desired = desire(model_phase, awq_phase, measured=False)
     assert desired.quality is not None
     made = [
         j

@@ -118,8 +118,8 @@ def test_examples_parse_and_resolve(path: Path) -> None:
     assert len(doc["metadata"]["name"]) <= crdgen.MAX_NAME_LENGTH
 
 
-def test_there_are_seventeen_invalid_examples_each_naming_its_field() -> None:
-    assert len(INVALID) == 17
+def test_there_are_eighteen_invalid_examples_each_naming_its_field() -> None:
+    assert len(INVALID) == 18
     for path in INVALID:
         assert "the error names: spec" in path.read_text().splitlines()[0], path
 
@@ -283,6 +283,22 @@ def _schema_at(path: tuple[str, ...]) -> dict[str, Any]:
     for name in path:
         node = node["properties"][name]
     return dict(node)
+
+
+@pytest.mark.parametrize("uri", ["file:///models/qwen-awq", "pvc://models/qwen-awq"])
+def test_a_variant_the_operator_cannot_read_is_refused_saying_what_to_do(uri: str) -> None:
+    """Both sides say why (the operator plans a variant by its config.json) and what works."""
+    model = {"uri": "hf://Qwen/Qwen2.5-7B-Instruct", "variants": [{"name": "awq", "uri": uri}]}
+    with pytest.raises(ValidationError) as info:
+        api.parse_spec({"model": model})
+    (error,) = info.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == "model.variants.0.uri"
+    assert error["msg"] == f"Value error, must be {api.VARIANT_URI_FORMS}"
+    assert "cannot read a node's file:// path" in error["msg"]
+    assert "upload the checkpoint to S3, or serve it as spec.model (file:///PATH" in error["msg"]
+    items = _schema_at(("spec", "model", "variants"))["items"]["properties"]["uri"]
+    (rule,) = items["x-kubernetes-validations"]
+    assert rule["message"] == f"must be {api.VARIANT_URI_FORMS}"
 
 
 @pytest.mark.parametrize(

@@ -170,17 +170,18 @@ def test_an_unsupported_checkpoint_names_the_field() -> None:
 
 
 # spec.model the bf16 checkpoint, spec.model.variants [awq]: per node type the first allowed
-# level in preference order where something fits, a pre-quantised variant before kvpilot's own
-# quantisation of the same level.
+# level in preference order where something fits, and within it the cheapest source
+# (planning/choice.py): kvpilot's own int4 packs the embeddings and lm_head too, so it beats the
+# AWQ checkpoint on weight bytes wherever both fit (tests/operator/test_planner_variant_choice.py).
 @pytest.mark.parametrize(
     ("levels", "node_type", "variant", "level", "tp", "weights"),
     [
         (("bf16", "int8", "int4"), L4, "", "bf16", 1, BF16_WEIGHTS),
         (("bf16", "int8", "int4"), T4, "", "int8", 1, QWEN25_7B_PARAMETERS * 1.0),
-        (("bf16", "int4"), T4, "awq", "int4", 1, AWQ_WEIGHTS),
+        (("bf16", "int4"), T4, "", "int4", 1, INT4_WEIGHTS),  # 3.77 GiB < AWQ's 5.26
         (("bf16", "int4"), GTX_10GB, "", "int4", 1, INT4_WEIGHTS),  # AWQ's 10.0 GiB > 9.0
         (("bf16", "int4"), T4X4, "", "bf16", 2, BF16_WEIGHTS / 2),
-        (("int4",), T4X4, "awq", "int4", 1, AWQ_WEIGHTS),
+        (("int4",), T4X4, "", "int4", 1, INT4_WEIGHTS),
     ],
 )
 def test_the_planner_chooses_per_node_type_among_the_variants_and_its_levels(
@@ -199,7 +200,9 @@ def test_the_planner_chooses_per_node_type_among_the_variants_and_its_levels(
 
 
 def test_status_names_the_variant_and_no_loss_measured_for_kvpilots_level() -> None:
-    plans = planner.plan(request(BF16, ("bf16", "int4"), variants=(("awq", AWQ),)), [T4, L4])
+    admitted = (("", "bf16"), ("awq", "int4"))  # the gate kept kvpilot's int4 out
+    req = request(BF16, ("bf16", "int4"), variants=(("awq", AWQ),), admitted=admitted)
+    plans = planner.plan(req, [T4, L4])
     entries = planner.status_entries(plans, [1, 1], losses={"int4": 2.0, "bf16": 0.0})
     by_type = {e.node_type: e for e in entries}
     assert (by_type["l4-24gb"].variant, by_type["l4-24gb"].quality_loss) == ("", 0.0)
@@ -262,15 +265,18 @@ def desire(variant_facts: dict[str, desired_state.Read], **spec: Any) -> desired
     return desired_state.desire(md, CONFIG, observed)
 
 
-def test_a_pass_serves_the_variant_that_fits_and_says_so() -> None:
+def test_a_pass_serves_the_cheapest_source_of_the_level_and_says_why() -> None:
+    # bf16 does not fit a T4; at int4 both fit, and kvpilot's own int4 of spec.model holds fewer
+    # weight bytes than the AWQ checkpoint (which keeps its embeddings and lm_head at 16 bits)
     desired = desire({"awq": AWQ}, quantization={"allowed": ["bf16", "int4"]})
     assert desired.error is None
     (entry,) = desired.plan
-    assert (entry.variant, entry.quantization, entry.fits) == ("awq", "int4", True)
+    assert (entry.variant, entry.quantization, entry.fits) == ("", "int4", True)
+    assert entry.reason == "spec.model over variant awq (weights 3.77 vs 5.26 GiB per GPU)"
     (deployment,) = [c for c in desired.children if c["kind"] == "Deployment"]
     (fetch,) = deployment["spec"]["template"]["spec"]["initContainers"]
-    assert "--model=hf://Qwen/Qwen2.5-7B-Instruct-AWQ" in fetch["args"]
-    assert "t4-16gb: variant awq int4 on 1 GPU(s)" in desired.summary
+    assert "--model=hf://Qwen/Qwen2.5-7B-Instruct" in fetch["args"]
+    assert "t4-16gb: int4 on 1 GPU(s)" in desired.summary
 
 
 def test_a_variant_of_another_architecture_is_an_invalid_spec_naming_the_fields() -> None:

@@ -50,8 +50,10 @@ def test_which_sources_the_operator_reads(uri: str, facts: dict[str, int], expec
     assert needs_reading(model) is expected
 
 
-def desire(read: desired_state.Read | None, allowed: list[str]) -> desired_state.Desired:
-    model = {"uri": URI, **STATED}
+def desire(
+    read: desired_state.Read | None, allowed: list[str], uri: str = URI
+) -> desired_state.Desired:
+    model = {"uri": uri, **STATED}
     spec = {"model": model, "serving": {"maxContextLength": 8192}}
     md = MD | {"spec": spec | {"quantization": {"allowed": allowed}}}
     observed = desired_state.Observed(node_types=(L4,), source_facts=read)
@@ -121,3 +123,30 @@ def test_stated_facts_win_for_the_architecture_and_config_json_gives_the_checkpo
         128,
     )
     assert facts.checkpoint == AWQ.checkpoint
+
+
+LOCAL_NOTE = "planned from spec.model's facts as a 16-bit checkpoint: the operator does not read"
+
+
+# A file:// or pvc:// spec.model is not read (a node's path, a claim): the Planned message says
+# it was planned as 16-bit and where a pre-quantised checkpoint must come from instead.
+@pytest.mark.parametrize(
+    ("uri", "read", "scheme"),
+    [
+        ("file:///models/qwen-awq", None, "file"),
+        ("pvc://models/qwen-awq", None, "pvc"),
+        (URI, AWQ, None),  # read: planned at its own level, nothing to say
+        ("hf://Qwen/Qwen2.5-7B-Instruct", None, None),  # the catalog's: a 16-bit checkpoint
+    ],
+)
+def test_a_local_source_is_planned_as_16_bit_and_the_planned_message_says_so(
+    uri: str, read: ModelFacts | None, scheme: str | None
+) -> None:
+    desired = desire(read, ["bf16", "int8", "int4"], uri)
+    assert desired.error is None
+    if scheme is None:
+        assert LOCAL_NOTE not in desired.summary
+        return
+    assert desired.plan[0].quantization == "bf16"
+    assert f"{LOCAL_NOTE} {scheme}:// sources" in desired.summary
+    assert desired.summary.endswith("serve such a checkpoint from hf:// or s3://, where it is read")

@@ -134,6 +134,13 @@ MODEL_URI_FORMS = (
     " Face id such as Qwen/Qwen2.5-7B-Instruct is hf://Qwen/Qwen2.5-7B-Instruct)"
 )
 DRAFT_URI_FORMS = "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+# The operator plans a variant by its config.json (its quantisation and bytes), which it reads
+# only from hf:// and s3://: a node's file:// path or a claim is not mounted in the operator.
+VARIANT_URI_FORMS = (
+    f"{DRAFT_URI_FORMS}: the operator reads a variant's config.json to plan it and cannot read"
+    " a node's file:// path or a pvc:// claim; upload the checkpoint to S3, or serve it as"
+    " spec.model (file:///PATH, with layers, kvHeads, headDim and parameters stated)"
+)
 ADAPTER_URI_FORMS = (
     "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH (a PEFT"
     " adapter directory)"
@@ -144,6 +151,7 @@ EVAL_DATASET_URI_FORMS = (
 )
 ModelUri = Annotated[str, _UriForms(URI_PATTERN, MODEL_URI_FORMS)]
 DraftUri = Annotated[str, _UriForms(DRAFT_URI_PATTERN, DRAFT_URI_FORMS)]
+VariantUri = Annotated[str, _UriForms(DRAFT_URI_PATTERN, VARIANT_URI_FORMS)]
 AdapterUri = Annotated[str, _UriForms(ADAPTER_URI_PATTERN, ADAPTER_URI_FORMS)]
 ADAPTER_NAME_FORMS = (
     "a model name of letters, digits and . _ : / -, starting and ending with a letter or digit"
@@ -200,7 +208,7 @@ class ModelVariant(_Model):
         max_length=63,
         description="how status.plan[].variant names it, e.g. awq",
     )
-    uri: DraftUri = Field(
+    uri: VariantUri = Field(
         max_length=1024,
         description="hf://org/name or s3://bucket/path: the operator reads its config.json",
     )
@@ -1108,7 +1116,11 @@ class PlanEntry(_Model):
     quality_loss: float | None = Field(
         default=None, description="the level's measured loss in percent; null: not measured"
     )
-    reason: str = ""
+    reason: str = Field(
+        default="",
+        description="why nothing fits; where it fits and several sources fit its level, why"
+        " this one won (fewer GPUs, fewer weight bytes, a lower measured loss, or listed first)",
+    )
 
 
 class QualityMeasurement(_Model):

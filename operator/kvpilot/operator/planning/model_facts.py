@@ -112,6 +112,21 @@ def facts_from_config_json(
         raise ValueError(f"cannot read the {which}'s config.json: {error}{note}") from error
 
 
+def local_source_note(model: api.ModelSource) -> str:
+    """The Planned message's note for a file:// or pvc:// spec.model the catalog lacks: the
+    operator cannot read its config.json (a node's path, a claim), so it plans the stated facts
+    as a 16-bit checkpoint and cannot know whether it is pre-quantised; '' for other sources."""
+    source = parse_model_uri(model.uri)
+    if source.is_fetched or catalog.lookup(model.uri) is not None:
+        return ""
+    return (
+        "; planned from spec.model's facts as a 16-bit checkpoint: the operator does not read"
+        f" {source.scheme}:// sources, so a pre-quantised one (quantization_config in its"
+        " config.json) is not planned at its own level and bytes, and its pods refuse another"
+        " level at start; serve such a checkpoint from hf:// or s3://, where it is read"
+    )
+
+
 def needs_reading(model: api.ModelSource) -> bool:
     """The source can be read from here and the catalog lacks it. Architecture facts stated in
     the spec do not spare the read: they do not say whether the checkpoint is pre-quantised,

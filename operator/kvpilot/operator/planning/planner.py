@@ -2,7 +2,8 @@
 
 For each node type: the first level in the user's preference order, and for it the smallest
 tensor-parallel degree (1, 2, 4, 8, within the GPUs of one node), such that weights + KV cache for
-`maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU. The
+`maxContextLength x targetConcurrency` + overhead fit in `gpu memory x utilisation` per GPU; where
+several sources (spec.model, spec.model.variants[]) fit at that level, the cheapest (choice.py). The
 numbers come from `kvpilot.contract.memory`, the module the runtime sizes its KV pool with, so what
 the operator promises is what the pod will allocate. When nothing fits, the cheapest option tried is
 reported with its numbers.
@@ -23,6 +24,7 @@ from kvpilot.contract import memory
 from kvpilot.contract.memory import MemoryEstimate, ModelFacts
 from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
 from kvpilot.operator.autoscaling.spread import spread_replicas
+from kvpilot.operator.planning import choice
 from kvpilot.operator.planning.inventory import NodeType
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -66,16 +68,21 @@ class PlanRequest:
     # The quality gate's (source, level) pairs ("" = spec.model; quality/variants.py): only
     # these are candidates; None: every source at every allowed level (no eval set)
     admitted: tuple[tuple[str, str], ...] | None = None
+    # The gate's measured losses (percent) by loss_key: among sources that fit at one level and
+    # tie on GPUs and weight bytes, the lower measured loss wins (choice.py)
+    losses: tuple[tuple[str, float], ...] = ()
 
     def candidates(self) -> list[Candidate]:
-        """What a node type may serve, best first: for each allowed level in preference order,
-        the pre-quantised checkpoints of that level (calibrated, and they fix their level: the
-        runtime does not re-quantise them), then the 16-bit ones quantised by kvpilot."""
-        sources = sorted([("", self.facts), *self.variants], key=lambda s: s[1].checkpoint is None)
+        """What a node type may serve: for each allowed level in preference order, the
+        pre-quantised checkpoints of that level (they fix their level: the runtime does not
+        re-quantise them), then the 16-bit ones quantised by kvpilot. Which of one level's
+        candidates wins where several fit is choice.py's (real cost, not this order)."""
+        sources = [("", self.facts), *self.variants]
+        ranked = sorted(enumerate(sources), key=lambda s: s[1][1].checkpoint is None)
         return [
-            Candidate(name, facts, _own_level(facts) or level)
+            Candidate(name, facts, _own_level(facts) or level, order)
             for level in self.quantizations
-            for name, facts in sources
+            for order, (name, facts) in ranked
             if _own_level(facts) is None or rank_level(_own_level(facts) or "") == level
             if self.admitted is None or (name, level) in self.admitted
         ]
@@ -124,6 +131,11 @@ class Candidate:
     variant: str  # "": spec.model
     facts: ModelFacts
     quantization: str  # the runtime's --quantization
+    order: int = 0  # spec order: 0 spec.model, i + 1 spec.model.variants[i]
+
+    @property
+    def label(self) -> str:
+        return f"variant {self.variant}" if self.variant else "spec.model"
 
 
 def _own_level(facts: ModelFacts) -> str | None:
@@ -168,6 +180,7 @@ class NodePlan:
     reason: str = ""
     memory_bytes: int = 0  # the container's memory request (PlanRequest.memory_bytes)
     variant: str = ""  # the spec.model.variants[] name served; "": spec.model
+    choice: str = ""  # why this source won where several fit (choice.explain); "": alone
 
     @property
     def price_per_replica_hour(self) -> float:
@@ -199,10 +212,10 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
     options = [(c, tp) for c in request.candidates() for tp in degrees if _runs(c, tp)]
     if not options:
         return NodePlan(node_type, fits=False, reason=_no_candidate_reason(request, node_type))
-    for candidate, tp in options:
-        estimate = _estimate(request, node_type, candidate, tp)
-        if estimate.fits:
-            return _fitting(request, node_type, candidate, tp, estimate)
+    for level in dict.fromkeys(rank_level(c.quantization) for c, _ in options):
+        fits = _fits_at(request, node_type, [o for o in options if _level_of(o) == level])
+        if fits:
+            return _chosen(request, node_type, fits)
     # The last option is the smallest footprint tried: the closest miss, worth reporting.
     candidate, tp = options[-1]
     estimate = _estimate(request, node_type, candidate, tp)
@@ -217,6 +230,44 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
         + (_ONE_GPU_FOR_TIERS if request.has_kv_offload and node_type.gpus_per_node > 1 else ""),
         variant=candidate.variant,
     )
+
+
+def _level_of(option: tuple[Candidate, int]) -> str:
+    return rank_level(option[0].quantization)
+
+
+_Fitting = tuple[Candidate, int, MemoryEstimate]
+
+
+def _fits_at(
+    request: PlanRequest, node_type: NodeType, options: Sequence[tuple[Candidate, int]]
+) -> list[_Fitting]:
+    """Each of one level's candidates at the fewest GPUs it fits on (none: it fits nowhere)."""
+    found: dict[int, _Fitting] = {}
+    for candidate, tp in options:
+        if candidate.order in found:
+            continue
+        estimate = _estimate(request, node_type, candidate, tp)
+        if estimate.fits:
+            found[candidate.order] = (candidate, tp, estimate)
+    return list(found.values())
+
+
+def _chosen(request: PlanRequest, node_type: NodeType, fitting: Sequence[_Fitting]) -> NodePlan:
+    """The cheapest of the sources that fit at one level (choice.py), saying why."""
+    losses = dict(request.losses)
+    fits = [
+        choice.Fit(
+            c.label, tp, e.weights_bytes, losses.get(loss_key(c.variant, c.quantization)), c.order
+        )
+        for c, tp, e in fitting
+    ]
+    winner = choice.best(fits)
+    candidate, tp, estimate = fitting[fits.index(winner)]
+    found = _fitting(request, node_type, candidate, tp, estimate)
+    why = choice.explain(winner, fits)
+    reason = f"{found.reason}; {why}" if why else found.reason
+    return dataclasses.replace(found, choice=why, reason=reason)
 
 
 def _runs(candidate: Candidate, tp: int) -> bool:
@@ -485,6 +536,6 @@ def _entry(p: NodePlan, replicas: int, losses: Mapping[str, float]) -> PlanEntry
             "replicas": replicas,
             "variant": p.variant,
             "qualityLoss": losses.get(loss_key(p.variant, p.quantization)) if p.fits else None,
-            "reason": "" if p.fits else p.reason,
+            "reason": p.choice if p.fits else p.reason,
         }
     )

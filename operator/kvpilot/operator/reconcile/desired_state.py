@@ -19,7 +19,7 @@ from kvpilot.contract import catalog
 from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
-from kvpilot.operator.planning import planner
+from kvpilot.operator.planning import model_facts, planner
 from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.quality import admission
 from kvpilot.operator.quality import job as quality_job
@@ -139,12 +139,13 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         excluded = "; ".join(verdict.admission.excluded)
         why = f"no allowed level is within evaluation.maxQualityLoss: {excluded}"
         return Desired(error=why, is_invalid_spec=True, quality=verdict)
+    losses = {planner.loss_key(m.variant, m.level): m.relative_loss for m in verdict.measurements}
     request = dataclasses.replace(
         request,
         **gated_candidates(spec, verdict.admission),
         measured_cost=measured_cost(observed.status),
+        losses=tuple(losses.items()),
     )
-    losses = {planner.loss_key(m.variant, m.level): m.relative_loss for m in verdict.measurements}
     plans = planner.plan(request, observed.node_types)
     entries_if_none = planner.status_entries(plans, [0] * len(plans), losses)
     if not any(p.fits for p in plans):
@@ -177,7 +178,9 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
         serving_cache=_serving_cache(plans, caches),
         children=children,
         plan=planner.status_entries(plans, replicas, losses),
-        summary=_summary(plans, replicas) + _unread_note(observed.source_facts),
+        summary=_summary(plans, replicas)
+        + _unread_note(observed.source_facts)
+        + model_facts.local_source_note(spec.model),
         num_unplaceable=sum(
             max(0, n - p.num_free_slots()) for p, n in zip(plans, replicas, strict=True)
         ),

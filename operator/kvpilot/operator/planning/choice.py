@@ -1,0 +1,65 @@
+"""Which source a node type serves when several fit at the level it runs (DESIGN.md §3.3). Pure.
+
+The level is the user's preference (quantization.allowed, the quality gate); within it the
+sources compete on real cost: the fewest GPUs per replica, then the fewest weight bytes (a
+checkpoint's real bytes: int4 with its group scales, the modules it leaves at 16 bits; kvpilot's
+own int4 also packs the embeddings and lm_head, so it is often the smallest), then the lower loss
+the quality gate measured (a measured one before an unmeasured one: its quality is known), then
+spec order (spec.model, then spec.model.variants[] as listed). `explain` says which of these
+decided, so status.plan[].reason shows why a source won.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpilot.contract.memory import gib
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One source that fits a node type at the level being decided."""
+
+    label: str  # "spec.model" or "variant NAME"
+    tensor_parallel: int
+    weights_bytes: float  # per GPU
+    loss: float | None  # percent, measured by the quality gate; None: not measured
+    order: int  # 0: spec.model; i + 1: spec.model.variants[i]
+
+    def key(self) -> tuple[int, float, float, int]:
+        loss = math.inf if self.loss is None else self.loss
+        return (self.tensor_parallel, self.weights_bytes, loss, self.order)
+
+
+def best(fits: Sequence[Fit]) -> Fit:
+    """The cheapest by `Fit.key`; ValueError when nothing fits."""
+    if not fits:
+        raise ValueError("no source fits")
+    return min(fits, key=Fit.key)
+
+
+def explain(winner: Fit, fits: Sequence[Fit]) -> str:
+    """'' when the winner was alone; else, for each other source, what decided against it, e.g.
+    `spec.model over variant awq (weights 3.77 vs 5.26 GiB per GPU)`."""
+    others = [f"{f.label} ({_decided_by(winner, f)})" for f in fits if f.label != winner.label]
+    return f"{winner.label} over {', '.join(others)}" if others else ""
+
+
+def _decided_by(winner: Fit, other: Fit) -> str:
+    if winner.tensor_parallel != other.tensor_parallel:
+        return f"{winner.tensor_parallel} vs {other.tensor_parallel} GPUs per replica"
+    if winner.weights_bytes != other.weights_bytes:
+        return f"weights {_sizes(winner.weights_bytes, other.weights_bytes)} per GPU"
+    if winner.loss != other.loss:
+        theirs = "not measured" if other.loss is None else f"{other.loss:+.2f}%"
+        return f"measured loss {winner.loss:+.2f}% vs {theirs}"
+    return "listed first"
+
+
+def _sizes(a: float, b: float) -> str:
+    """Two sizes in one unit: GiB, or MiB below 1 GiB (a tiny model's 0.00 vs 0.00 says nothing)."""
+    if max(a, b) >= 2**30:
+        return f"{gib(a):.2f} vs {gib(b):.2f} GiB"
+    return f"{a / 2**20:.1f} vs {b / 2**20:.1f} MiB"
