@@ -1,6 +1,7 @@
 """Which source a node type serves when several fit at its level (planning/choice.py): the
-fewest GPUs per replica, then the fewest weight bytes, then the lower measured loss, then spec
-order; and status.plan[].reason says which of these decided.
+fewest GPUs per replica, then a source of known quality (measured, or served as published) before
+kvpilot's own unmeasured quantisation, then the fewest weight bytes, then the lower measured loss,
+then spec order; and status.plan[].reason says which of these decided.
 
 Qwen2.5-7B on a T4 (usable 13.5 GiB, maxContextLength 8192 x 8): bf16 does not fit; at int4
 kvpilot's own quantisation of the bf16 checkpoint holds 3.77 GiB of weights, the AWQ and GPTQ
@@ -29,8 +30,10 @@ GPTQ_CONFIG = QWEN25_7B | {
 GPTQ = facts_from_config_json(GPTQ_CONFIG, no_header_read, "variant gptq", "")
 
 
-def fit(label: str, tp: int, gib: float, loss: float | None, order: int) -> choice.Fit:
-    return choice.Fit(label, tp, gib * GIB, loss, order)
+def fit(
+    label: str, tp: int, gib: float, loss: float | None, order: int, *, rtn: bool = False
+) -> choice.Fit:
+    return choice.Fit(label, tp, gib * GIB, loss, order, quantized_by_kvpilot=rtn)
 
 
 A = "spec.model"
@@ -49,6 +52,12 @@ B = "variant awq"
         (fit(A, 1, 5.0, 1.0, 0), fit(B, 1, 5.0, 1.0, 1), A, "listed first"),
         (fit(A, 1, 5.0, None, 0), fit(B, 1, 5.0, None, 1), A, "listed first"),
         (fit(A, 1, 0.002, None, 0), fit(B, 1, 0.004, None, 1), A, "weights 2.0 vs 4.1 MiB"),
+        # kvpilot's int4 of the bf16 weights, unmeasured, against a published checkpoint
+        (fit(A, 1, 3.77, None, 0, rtn=True), fit(B, 1, 5.26, None, 1), B, "served as published"),
+        (fit(A, 2, 3.77, None, 0, rtn=True), fit(B, 4, 5.26, None, 1), A, "2 vs 4 GPUs"),
+        # ... measured by the gate: the cheapest within the budget
+        (fit(A, 1, 3.77, 0.5, 0, rtn=True), fit(B, 1, 5.26, None, 1), A, "weights 3.77 vs 5.26"),
+        (fit(A, 1, 3.77, 0.5, 0, rtn=True), fit(B, 1, 5.26, 0.2, 1), A, "weights 3.77 vs 5.26"),
     ],
 )
 def test_the_cheapest_source_wins_and_the_reason_names_what_decided(
@@ -77,8 +86,15 @@ BOTH = (("awq", AWQ), ("gptq", GPTQ))
     ("admitted", "losses", "served", "reason"),
     [
         (
-            None,  # no eval set: kvpilot's int4 holds the fewest bytes
+            None,  # no eval set: the published checkpoints before kvpilot's unmeasured int4
             {},
+            "awq",
+            "variant awq over variant gptq (listed first), spec.model (served as published;"
+            " kvpilot's own quantisation of it is not measured)",
+        ),
+        (
+            (("", "int4"), ("awq", "int4"), ("gptq", "int4")),  # all measured, within budget
+            {"int4": 1.5, "variant:awq": 1.2, "variant:gptq": 0.8},
             "",
             "spec.model over variant awq (weights 3.77 vs 5.26 GiB per GPU),"
             " variant gptq (weights 3.77 vs 5.26 GiB per GPU)",

@@ -106,7 +106,7 @@ def test_judge(loss: float | None, level: str, judged: tuple[str, str] | str) ->
 @pytest.mark.parametrize(
     ("admitted", "node_type", "served"),
     [
-        (None, T4, ("", "int4")),  # no eval set: every source; kvpilot's int4 is the smallest
+        (None, T4, ("awq", "int4")),  # no eval set: every source; the published one first
         ((("", "int8"), ("awq", "int4")), T4, ("awq", "int4")),
         ((("", "int8"), ("", "int4")), T4, ("", "int4")),  # the variant not measured
         ((("", "int8"),), T4, ("", "int8")),  # neither int4 within budget

@@ -1,9 +1,7 @@
-"""spec.model.variants[] served end to end on the `local` pool (real processes): a
-compressed-tensors int4 checkpoint of tiny-llama (made here with the real library) as spec.model
-and tiny-llama in bf16 as a variant, both in the dev cluster's S3 store. At int4 the planner
-serves the cheaper source (planning/choice.py): kvpilot's own int4 of the bf16 variant, which also
-packs the embeddings and lm_head; its pod fetches the variant's URI and answers the official
-client with the greedy text the runtime gives that checkpoint in-process."""
+"""spec.model.variants[] served end to end on the `local` pool (real processes): tiny-llama in
+bf16 and a compressed-tensors int4 checkpoint of it, made here with the real library, both in the
+dev cluster's S3 store; the planner serves the int4 variant, whose pod fetches its URI and answers
+the official client with the greedy text the runtime gives that checkpoint in-process."""
 
 from __future__ import annotations
 
@@ -23,34 +21,26 @@ from tests.support.operator_cluster import (
     tiny_llama_from,
     wait_for,
 )
-from tests.support.variants_cluster import (
-    BF16_LOCAL,
-    BF16_URI,
-    NUM_TOKENS,
-    PROMPT,
-    in_process_greedy,
-    int4_variant_in_s3,
-)
+from tests.support.variants_cluster import NUM_TOKENS, PROMPT, in_process_greedy, int4_variant_in_s3
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def test_the_cheaper_variant_is_planned_fetched_and_serves_its_greedy_text(
+def test_the_int4_variant_is_planned_fetched_and_serves_its_greedy_text(
     cluster: Any, operator: Operator, namespace: str, tmp_path: Path
 ) -> None:
     int4 = int4_variant_in_s3(cluster, namespace, tmp_path)
 
-    md = tiny_llama_from(int4.uri, cluster, "model-creds")  # facts read at source
-    variant_uri = BF16_URI
-    md["spec"]["model"]["variants"] = [{"name": "bf16", "uri": variant_uri}]
-    # int4 alone: both sources run at it; the bf16 one quantised by kvpilot holds fewer bytes
+    md = tiny_llama_from("s3://models/tiny-llama", cluster, "model-creds")  # facts read at source
+    variant_uri = int4.uri
+    md["spec"]["model"]["variants"] = [{"name": "ct-int4", "uri": variant_uri}]
+    # int4 alone: the planner ranks a pre-quantised int4 source before quantising the bf16 one
     md["spec"]["quantization"] = {"allowed": ["int4"]}
     apply_doc(cluster, namespace, md)
     wait_for(ready_check(cluster, namespace, "tiny"), "tiny Ready", operator, timeout=300)
 
     (plan,) = get(cluster, "modeldeployment", "tiny", "-n", namespace)["status"]["plan"]
-    assert (plan["nodeType"], plan["variant"], plan["quantization"]) == ("local", "bf16", "int4")
-    assert plan["reason"].startswith("variant bf16 over spec.model (weights ")
+    assert (plan["nodeType"], plan["variant"], plan["quantization"]) == ("local", "ct-int4", "int4")
     (pod,) = pods(cluster, namespace, "tiny")
     (fetch,) = pod["spec"]["initContainers"]
     assert f"--model={variant_uri}" in fetch["args"]
@@ -62,4 +52,4 @@ def test_the_cheaper_variant_is_planned_fetched_and_serves_its_greedy_text(
         model="tiny", prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0
     )
     pod_args = pod["spec"]["containers"][0]["args"]
-    assert completion.choices[0].text == in_process_greedy(BF16_LOCAL, pod_args)
+    assert completion.choices[0].text == in_process_greedy(int4.local, pod_args)

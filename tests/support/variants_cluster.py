@@ -20,9 +20,6 @@ from tests.support.operator_cluster import ROOT, apply_secret, model_server_env,
 from tests.support.quality_cluster import condition, eval_jobs, status, under_the_gate
 
 BUCKET = "models"
-# tiny-llama in bf16: here, and in the dev cluster's S3 store
-BF16_LOCAL = ROOT / "models" / "tiny-llama"
-BF16_URI = f"s3://{BUCKET}/tiny-llama"
 PROMPT = "The for statement"
 NUM_TOKENS = 12
 
@@ -39,7 +36,7 @@ def in_process_greedy(checkpoint: Path, pod_args: list[str]) -> str:
     return tokenizer.decode(tokens)
 
 
-LEVELS = ["int4", "int8"]  # int4 preferred: of its sources, the cheapest the gate admits
+LEVELS = ["int4", "int8"]  # int4 preferred: the variant (pre-quantised) before kvpilot's own
 METRIC = "agreement"  # ranks the levels on few tokens (test_quality_cluster.py says why)
 EVAL_CHARS = 4000  # few tokens: each eval Job is quick on a CPU
 

@@ -258,7 +258,12 @@ def _chosen(request: PlanRequest, node_type: NodeType, fitting: Sequence[_Fittin
     losses = dict(request.losses)
     fits = [
         choice.Fit(
-            c.label, tp, e.weights_bytes, losses.get(loss_key(c.variant, c.quantization)), c.order
+            c.label,
+            tp,
+            e.weights_bytes,
+            losses.get(loss_key(c.variant, c.quantization)),
+            c.order,
+            quantized_by_kvpilot=c.facts.checkpoint is None and c.quantization != "bf16",
         )
         for c, tp, e in fitting
     ]
