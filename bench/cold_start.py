@@ -60,7 +60,15 @@ NOTES = (
     "its replacement waits for) up to 0.5 s after its process had exited; it now ticks on a pod "
     "watch per node and on each container process's exit (the replacement's `scheduled -> "
     "process created` was 0.22-0.55 s with the model cached, at loads of 12-16, on the commit "
-    "before)."
+    "before). The imports run with the garbage collector paused, and what they made is frozen "
+    "after (server/startup.py, collector_paused): on the commit before, ~530 collections "
+    "traversed torch's growing heap during the imports; interleaved against it, the import's "
+    "CPU went from 2.23 to 1.85 s (medians of 5, load 9-11) and an idle server's SIGTERM -> "
+    "exit, which a replacement waiting for the old pod's GPU waits for, from 1.6-1.9 to "
+    "0.8-0.9 s (load 7-11). jinja2 is imported at the first chat request. The pod runner runs "
+    "probes that fall due before its tick's API lists, on their period's ticks, as a kubelet's "
+    "probe worker does (before, each probe waited for the lists and each late one pushed the "
+    "later ones back)."
 )
 
 

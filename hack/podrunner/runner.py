@@ -58,6 +58,7 @@ class LocalPod:
     started_at: str = ""
     ready: bool = False
     next_probe: float = 0.0
+    last_read: dict[str, Any] = field(default_factory=dict)  # the pod as the last tick read it
     restart_at: float | None = None
     terminating: bool = False
     exit_code: int | None = None
@@ -108,6 +109,7 @@ class PodRunner:
         while not stop.is_set():
             self.wake.clear()  # before the tick: a change during it brings the next one
             try:
+                self.probe_due()
                 self.tick()
             except (ApiException, urllib.error.URLError, OSError) as err:
                 print(f"podrunner: {err}", flush=True)  # the apiserver may be restarting
@@ -136,6 +138,17 @@ class PodRunner:
                 self.sync(doc, node["spec"]["podCIDR"])
         for uid in set(self.pods) - seen:  # force-deleted from the API: stop the process
             self.kill(self.pods.pop(uid))
+
+    def probe_due(self) -> None:
+        """The probes due now, on the pods as last read, before the tick lists them afresh: a
+        kubelet's probe workers keep their own period and wait for no list of the node's pods."""
+        now = time.monotonic()
+        for local in list(self.pods.values()):
+            running = local.proc is not None and local.proc.poll() is None
+            # next_probe 0: never probed yet; the first probe is the tick's, after the start
+            due = 0.0 < local.next_probe <= now
+            if running and due and local.last_read and not local.terminating:
+                self.probe(local.last_read, local.last_read["spec"]["containers"][0], local)
 
     def wake_on_stop(self) -> None:
         self.stop.wait()
@@ -228,6 +241,7 @@ class PodRunner:
             if local.num_inits_done == num_done:
                 return
         container = pod["spec"]["containers"][0]
+        local.last_read = pod
         if local.restart_at is not None:  # crashed: restart once the back-off is over
             if time.monotonic() >= local.restart_at:
                 local.restarts += 1
@@ -539,7 +553,8 @@ class PodRunner:
         probe = container.get("readinessProbe")
         url = pods.probe_url(probe, container, local.pod_ip)
         period = float((probe or {}).get("periodSeconds", 10))
-        local.next_probe = time.monotonic() + (period if local.ready else min(period, 1.0))
+        period = period if local.ready else min(period, 1.0)
+        local.next_probe = next_probe_at(local.next_probe, time.monotonic(), period)
         ready = url is None or http_ok(url, float((probe or {}).get("timeoutSeconds", 1)))
         if ready != local.ready:
             local.ready = ready
@@ -679,6 +694,16 @@ def until_next_tick(now: float, probes_due: list[float], poll_s: float = POLL_S)
     already due (a pod still in its init containers is never probed) wait for the poll."""
     ahead = [due - now for due in probes_due if due > now]
     return min([poll_s, *ahead])
+
+
+def next_probe_at(due: float, now: float, period_s: float) -> float:
+    """When a probe run at `now` (due at `due`; 0: never run) is next due: on its own period's
+    ticks, as a kubelet's probe ticker, so a late run does not push every later probe back; ticks
+    missed while it was late are skipped, as a Go ticker drops them."""
+    if due <= 0.0:
+        return now + period_s
+    num_periods = max(1, math.floor((now - due) / period_s) + 1)
+    return due + num_periods * period_s
 
 
 def http_ok(url: str, timeout_s: float) -> bool:

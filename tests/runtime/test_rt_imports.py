@@ -32,6 +32,7 @@ NOT_ON_THE_SERVE_PATH = {
     "huggingface_hub": "only an hf:// model is fetched with it (contract/fetch.py, imported then)",
     "boto3": "only an s3:// model is fetched with it",
     "llguidance.torch": "compiles a function at import; grammar_mask uses llguidance.numpy",
+    "jinja2": "the chat template's engine: imported at the first chat request (chat_template.py)",
     "kubernetes": "the operator's and the gateway's client, not the runtime's",
     "kvpilot.operator": "another process",
     "kvpilot.gateway": "another process",

@@ -1,12 +1,21 @@
 """The start-up's pure parts (server/startup.py): the critical path over overlapping phases, the
-process's age from /proc, and the log line."""
+process's age from /proc, the log line, and the collector paused for the imports."""
 
 from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
 
 import pytest
 
 from kvpilot.contract.metric_names import STARTUP_PHASES
-from kvpilot.runtime.server.startup import StartupClock, critical_path, describe, process_age
+from kvpilot.runtime.server.startup import (
+    StartupClock,
+    collector_paused,
+    critical_path,
+    describe,
+    process_age,
+)
 
 ALL_AT_ONE_SECOND_APART = {phase: float(i + 1) for i, phase in enumerate(STARTUP_PHASES)}
 
@@ -77,3 +86,39 @@ def test_describe() -> None:
 def test_this_process_started_before_its_clock() -> None:
     clock = StartupClock.of_this_process()
     assert clock.started_at < clock.now()
+
+
+@pytest.fixture
+def collector_state() -> Iterator[None]:
+    """Whatever a test does to the collector, the session's goes back as it was."""
+    was_enabled = gc.isenabled()
+    yield
+    gc.unfreeze()
+    (gc.enable if was_enabled else gc.disable)()
+
+
+def num_young_collections() -> int:
+    return int(gc.get_stats()[0]["collections"])
+
+
+@pytest.mark.usefixtures("collector_state")
+@pytest.mark.parametrize("enabled_before", [True, False], ids=["enabled", "disabled"])
+def test_the_collector_is_paused_then_what_was_made_is_frozen(enabled_before: bool) -> None:
+    (gc.enable if enabled_before else gc.disable)()
+    gc.unfreeze()
+    before = num_young_collections()
+    with collector_paused():
+        assert not gc.isenabled()
+        made = [[i] for i in range(10 * gc.get_threshold()[0])]  # ten thresholds' worth
+        during = num_young_collections()
+    assert during == before  # enabled, it would have collected ten times
+    assert gc.isenabled() is enabled_before  # as it was
+    assert gc.get_freeze_count() >= len(made)  # the lists made are out of later collections
+
+
+@pytest.mark.usefixtures("collector_state")
+def test_the_collector_comes_back_when_an_import_fails() -> None:
+    gc.enable()
+    with pytest.raises(ImportError), collector_paused():
+        raise ImportError("no module named torch")
+    assert gc.isenabled()
