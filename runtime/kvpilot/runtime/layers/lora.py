@@ -77,6 +77,8 @@ def expand(u: torch.Tensor, b: torch.Tensor, piece_modules: torch.Tensor) -> tor
     row's u through its group's B, piece by piece (the module docstring)."""
     num_groups, num_rows, _ = u.shape
     _, num_pieces, rank, width = b.shape
+    if num_pieces == 1:  # o, down: one sub-module, B whole
+        return torch.bmm(u, b[:, 0]).flatten(0, 1)
     u = u.view(num_groups, num_rows, -1, rank).index_select(2, piece_modules)  # [G, L, P, R]
     u = u.transpose(1, 2).reshape(num_groups * num_pieces, num_rows, rank)
     delta = torch.bmm(u, b.view(num_groups * num_pieces, rank, width))  # [G*P, L, w]
