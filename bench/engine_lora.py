@@ -19,6 +19,7 @@ checked against the model, registered), wall time.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     setup_threads()
+    load_start = os.getloadavg()[0]
     n = args.num_requests
     zipf = zipf_names(n)
     # name -> (--max-loras of the engine it runs on, each request's adapter)
@@ -198,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name].append(result)
         base_macs, lora_macs = multiply_adds(engines[NUM_MIXED])
         slot_mib = slot_bytes(engines[NUM_MIXED]) / 2**20
-    body = report(args, runs, results, median(load_ms), (base_macs, lora_macs), slot_mib)
+    loads = (load_start, os.getloadavg()[0])
+    body = report(args, runs, results, median(load_ms), (base_macs, lora_macs), slot_mib, loads)
     command = " ".join(["python -m bench.engine_lora", *argv])
     write_section("engine_lora", "Engine: multi-LoRA", command, body)
     print(body)
@@ -212,6 +215,7 @@ def report(
     load_p50_ms: float,
     macs: tuple[int, int],
     slot_mib: float,
+    load: tuple[float, float],
 ) -> str:
     base_name, mixed_name, qv_name, zipf_name, wide_name = runs
     tps = {name: [r.tokens_per_s for r in rounds] for name, rounds in results.items()}
@@ -258,10 +262,17 @@ def report(
         f"{'met' if load_p50_ms <= 100 else 'not met'}).  \n"
         f"Why: the segmented LoRA multiplies each token through its own adapter only, "
         f"{macs[1] / 1e6:.2f} M multiply-adds against the base model's {macs[0] / 1e6:.2f} M; "
-        "the rest is the small matmuls' overhead: a decode step's padded form is one pair of "
-        "batched bf16 matmuls over 8 slots of ~4 rows each per projection, which on this CPU "
-        "takes about twice the base projection's time (a 32-row qkv: ~330 us against ~150 us); "
-        "a prompt's rows run as a slice beside them (lora_groups.slot_runs).\n"
+        "the rest is reading the adapters' weights for a few rows each: a decode step's padded "
+        f"form, one batched shrink and one batched expand over {NUM_MIXED} slots of ~4 rows "
+        f"each per projection, reads every slot's A and B, {NUM_MIXED} x {macs[1] / 1e6:.2f} M "
+        f"values against the base weights' {macs[0] / 1e6:.2f} M read once for all "
+        f"{args.concurrency} rows, and "
+        "small batched bf16 matmuls read theirs no faster than the base's. B is kept compact "
+        "(layers/lora.py: each sub-module's own R x out, not the block-diagonal k·R x out of "
+        "the fused qkv and gate_up, which read 1.5x the values). A prompt's rows run as a "
+        "slice beside them (lora_groups.slot_runs).  \n"
+        f"Load average (1 min) at the start and at the end: {load[0]:.1f}, {load[1]:.1f} "
+        "(2 cores, shared: the ratios are of interleaved runs).\n"
     )
 
 

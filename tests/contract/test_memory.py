@@ -161,8 +161,8 @@ def test_lora_widths_estimated_from_the_parameter_count_are_near_the_real_ones()
     estimated = memory.lora_slot_bytes(unknown, 4, 16)
     real = memory.lora_slot_bytes(known, 4, 16)
     assert real <= estimated <= 1.2 * real  # an overestimate, never an underestimate here
-    # 4 slots of rank 16 on the 8B: 32 layers x 16 x (7h + 4q + 6kv + 5i) x 2 bytes x 4
-    assert real == 4 * 16 * 32 * 2 * (7 * 4096 + 4 * 4096 + 6 * 1024 + 5 * 14336)
+    # 4 slots of rank 16 on the 8B: 32 layers x 16 x (7h + 2q + 2kv + 3i) x 2 bytes x 4
+    assert real == 4 * 16 * 32 * 2 * (7 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336)
 
 
 def test_lora_slots_count_as_weights_in_the_estimate() -> None:

@@ -413,10 +413,10 @@ LLAMA_8B = catalog.lookup("hf://meta-llama/Llama-3.1-8B-Instruct")
     ("lora", "expected_slot_bytes"),
     [
         (None, 0),
-        # 4 slots x rank 16 x 32 layers x 2 bytes x (7h + 4q + 6kv + 5i), h = q = 4096,
+        # 4 slots x rank 16 x 32 layers x 2 bytes x (7h + 2q + 2kv + 3i), h = q = 4096,
         # kv = 1024, i = 14336
-        ({}, 1 * 16 * 32 * 2 * (7 * 4096 + 4 * 4096 + 6 * 1024 + 5 * 14336)),
-        ({"maxLoras": 4, "maxLoraRank": 64}, 4 * 64 * 32 * 2 * (11 * 4096 + 6 * 1024 + 5 * 14336)),
+        ({}, 1 * 16 * 32 * 2 * (7 * 4096 + 2 * 4096 + 2 * 1024 + 3 * 14336)),
+        ({"maxLoras": 4, "maxLoraRank": 64}, 4 * 64 * 32 * 2 * (9 * 4096 + 2 * 1024 + 3 * 14336)),
     ],
 )
 def test_adapter_slots_count_as_weights(

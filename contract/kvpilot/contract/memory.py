@@ -176,11 +176,12 @@ def lora_dims(model: ModelFacts) -> tuple[int, int, int, int]:
 def lora_slot_bytes(model: ModelFacts, num_slots: int, max_rank: int, dtype_bytes: int = 2) -> int:
     """What the runtime allocates for `num_slots` adapters of rank up to `max_rank` (--max-loras,
     --max-lora-rank) in every layer, for all seven projections whether an adapter targets them
-    or not: per fused projection A [in, k x R] and B [k x R, out] per slot (layers/lora.py), so
-    per layer R x (7 h + 4 q + 6 kv + 5 i) values: qkv 3R(h + q + 2kv), o R(q + h), gate_up
-    2R(h + 2i), down R(i + h)."""
+    or not: per fused projection of k sub-modules A [in, k x R] (one shared input) and B R x out
+    (each sub-module's own [R, out_j], no block-diagonal zeros; layers/lora.py), so per layer
+    R x (7 h + 2 q + 2 kv + 3 i) values: qkv R(3h + q + 2kv), o R(q + h), gate_up 2R(h + i),
+    down R(i + h)."""
     hidden, query, kv, inter = lora_dims(model)
-    per_rank = 7 * hidden + 4 * query + 6 * kv + 5 * inter
+    per_rank = 7 * hidden + 2 * query + 2 * kv + 3 * inter
     return num_slots * max_rank * per_rank * model.layers * dtype_bytes
 
 

@@ -4,19 +4,26 @@ skip LoRA entirely.
 
 The base projection runs as ever (dense, int8 or int4: layers/quant.py), and the adapters add
 their delta to its output, so how the base is stored does not matter. A projection's stacks are
-A [S, in, k*R] and B [S, k*R, out] for S slots of rank up to R (each fused projection — qkv,
-gate_up — holds k sub-modules, each with its own A and B; B is block-diagonal over them). For
-the M rows that run an adapter, grouped into G slots, the delta is S-LoRA's / Punica's
-segmented LoRA, no per-sequence loop:
+A [S, in, k*R] and B [S, P, R, w] for S slots of rank up to R: each fused projection — qkv,
+gate_up — holds k sub-modules, each with its own A and B. The k A's share the input, so they
+sit side by side and one shrink serves them all (vLLM's packed qkv / gate_up LoRA). B is kept
+compact, without the zeros of a block-diagonal [k*R, out]: the output's columns are cut in P
+pieces of width w = gcd of the sub-modules' widths (`output_pieces`; qkv's q, k, v of 256, 64,
+64 give w = 64, P = 6), each piece holding its sub-module's [R, w] slice of B^T, so the expand
+is one batched matmul over (slot, piece), the rank-R columns of u of each piece's sub-module
+against it (`expand`). That multiplies R x out per row, not k*R x out: on tiny-llama a third of
+qkv's expand and half of gate_up's, the latter the widest LoRA matmul of a step. For the M rows
+that run an adapter, grouped into G slots, the delta is S-LoRA's / Punica's segmented LoRA, no
+per-sequence loop:
 
     runs (a prefill chunk: MIN_RUN_ROWS rows or more of one slot, contiguous):
-        out[first:end] += x[first:end] @ A[s] @ B[s]     # slices: no gather, no index_add
+        out[first:end] += expand(x[first:end] @ A[s], B[s])   # slices: no gather, no index_add
     the other rows, grouped by slot, either
     padded (decode-like steps, a few rows per slot; lora_groups.is_padding_cheap):
-        u = x[grid] @ A[slots]       # [G, L, in] @ [G, in, k*R]  one batched matmul
-        delta = u @ B[slots]         # [G, L, k*R] @ [G, k*R, out]
+        u = x[grid] @ A[slots]          # [G, L, in] @ [G, in, k*R]  one batched matmul
+        delta = expand(u, B[slots])     # [G*P, L, R] @ [G*P, R, w]  one batched matmul
     segmented (one group far longer than the others: a prefill chunk):
-        delta[group g] = x[rows_g] @ A[s_g] @ B[s_g]   for each of the G <= --max-loras slots
+        delta[group g] = expand(x[rows_g] @ A[s_g], B[s_g])   for each of the G slots
     out.index_add_(0, rows, delta)   # [M, out] back to the rows' places
 
 Each row multiplies only its own slot's k*R columns (padding ranks below R and sub-modules an
@@ -30,6 +37,8 @@ features and B whole, so each rank's delta is a partial sum that the base's all-
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -56,8 +65,29 @@ FUSED_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def output_pieces(outs: list[int]) -> tuple[int, list[int]]:
+    """outs: the sub-modules' output widths, in output order -> (w, [P] each piece's
+    sub-module): the output cut in pieces of one width w, the widest that divides every one."""
+    width = math.gcd(*outs)
+    return width, [j for j, out in enumerate(outs) for _ in range(out // width)]
+
+
+def expand(u: torch.Tensor, b: torch.Tensor, piece_modules: torch.Tensor) -> torch.Tensor:
+    """u [G, L, k*R] (each sub-module's R columns in turn), b [G, P, R, w] -> [G*L, P*w]: each
+    row's u through its group's B, piece by piece (the module docstring)."""
+    num_groups, num_rows, _ = u.shape
+    _, num_pieces, rank, width = b.shape
+    if num_pieces == 1:  # o, down: one sub-module, B whole
+        return torch.bmm(u, b[:, 0]).flatten(0, 1)
+    u = u.view(num_groups, num_rows, -1, rank).index_select(2, piece_modules)  # [G, L, P, R]
+    u = u.transpose(1, 2).reshape(num_groups * num_pieces, num_rows, rank)
+    delta = torch.bmm(u, b.view(num_groups * num_pieces, rank, width))  # [G*P, L, w]
+    delta = delta.view(num_groups, num_pieces, num_rows, width).transpose(1, 2)
+    return delta.reshape(num_groups * num_rows, num_pieces * width)
+
+
 class LoraStack:
-    """One fused projection's A and B over all slots: A [S, in, k*R], B [S, k*R, out_total]."""
+    """One fused projection's A and B over all slots: A [S, in, k*R], B [S, P, R, w]."""
 
     def __init__(
         self,
@@ -73,11 +103,15 @@ class LoraStack:
         shapes = [module_shape(cfg, m) for m in modules]
         self.modules, self.max_rank, self.group = modules, max_rank, group or TPGroup()
         self.outs = [out for out, _ in shapes]
-        self.offsets = [sum(self.outs[:j]) for j in range(len(modules))]
-        self.width = len(modules) * max_rank  # columns per slot
+        self.width = len(modules) * max_rank  # columns of A per slot
         in_features = shapes[0][1]
+        self.piece_width, pieces = output_pieces(self.outs)
+        self.piece_modules = torch.tensor(pieces, dtype=torch.long, device=device)  # [P]
+        self.first_piece = [pieces.index(j) for j in range(len(modules))]
         self.a = torch.zeros(num_slots, in_features, self.width, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, self.width, sum(self.outs), dtype=dtype, device=device)
+        self.b = torch.zeros(
+            num_slots, len(pieces), max_rank, self.piece_width, dtype=dtype, device=device
+        )
         # Per slot: whether its adapter targets any of these modules. PEFT's default targets
         # (q_proj, v_proj) leave o, gate_up and down all zeros: a step skips them.
         self.is_targeted = [False] * num_slots
@@ -94,28 +128,35 @@ class LoraStack:
             a, b = self.group.shard_lora(module, *pair)  # [r, in], [out, r] of this rank
             rank, column = a.shape[0], j * self.max_rank
             self.a[slot, :, column : column + rank] = a.t()
-            out = slice(self.offsets[j], self.offsets[j] + self.outs[j])
-            self.b[slot, column : column + rank, out] = b.t()
+            pieces = b.t().reshape(rank, -1, self.piece_width).transpose(0, 1)  # [n, r, w]
+            first = self.first_piece[j]
+            self.b[slot, first : first + pieces.shape[0], :rank] = pieces
 
     def add_delta(self, out: torch.Tensor, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
         """out [T, out] += each adapter row's delta for x [T, in], in place."""
         for run in batch.runs:
             if self.is_targeted[run.slot]:
                 u = x[run.first : run.end] @ self.a[run.slot]  # [n, k*R]
-                out[run.first : run.end].addmm_(u, self.b[run.slot])
+                delta = self.expand(u[None], self.b[run.slot : run.slot + 1])  # [n, out]
+                out[run.first : run.end].add_(delta)
         if batch.num_rows == 0 or not any(self.is_targeted[slot] for slot in batch.slots):
             return out
         if batch.grid is not None:
             u = torch.bmm(x[batch.grid], batch.weights(self.a))  # [G, L, k*R]
-            delta = torch.bmm(u, batch.weights(self.b)).flatten(0, 1)  # [G*L, out]
+            delta = self.expand(u, batch.weights(self.b))  # [G*L, out]
             if batch.positions is not None:  # drop the padding rows
                 delta = delta[batch.positions]
         else:
             x_rows = x[batch.rows]  # [M, in], grouped by slot
             delta = x_rows.new_empty(x_rows.shape[0], out.shape[1])  # [M, out]
             for slot, first, end in batch.segments:
-                torch.mm(x_rows[first:end] @ self.a[slot], self.b[slot], out=delta[first:end])
+                u = x_rows[first:end] @ self.a[slot]  # [n, k*R]
+                delta[first:end] = self.expand(u[None], self.b[slot : slot + 1])
         return out.index_add_(0, batch.rows, delta)
+
+    def expand(self, u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """u [G, L, k*R] through b [G, P, R, w] -> [G*L, out]."""
+        return expand(u, b, self.piece_modules)
 
 
 class LoraBatch:
