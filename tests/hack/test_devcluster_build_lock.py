@@ -27,4 +27,3 @@ def test_a_second_build_of_the_same_component_waits_for_the_first(
         assert not entered.wait(0.3), "the second build ran while the first held the lock"
     assert entered.wait(5), "the second build never ran after the first released the lock"
     other.join()
-
