@@ -222,8 +222,8 @@ def uv_binary() -> Path:
     return cache_dir() / "tools" / f"uv-{hashlib.sha256(pins).hexdigest()[:16]}" / "bin" / "uv"
 
 
-def uv(*args: str) -> None:
-    subprocess.run(["bash", str(ROOT / "hack" / "uv.sh"), *args], cwd=ROOT, check=True)
+def uv(*args: str, env: Mapping[str, str] | None = None) -> None:
+    subprocess.run(["bash", str(ROOT / "hack" / "uv.sh"), *args], cwd=ROOT, check=True, env=env)
 
 
 def build_kernel(
@@ -472,6 +472,12 @@ def base_layer(spec: ImageSpec, cache: LayerCache) -> tuple[layers.Layer, Path]:
     return layer, cache.tree(key)
 
 
+def write_requirements(spec: ImageSpec, stage: Path) -> None:
+    """The spec's locked pins into stage/requirements.txt, without uv's header, which names the
+    output's path: the venv layer's key reads this file."""
+    (stage / "requirements.txt").write_text(locked_requirements(spec))
+
+
 def venv_inputs(spec: ImageSpec, stage: Path) -> dict[str, bytes]:
     env = step_env(spec, stage, 0)
     flags = [env[key] for key in ("KVPILOT_COMPILE_BYTECODE", "KVPILOT_SYSTEM_SITE_PACKAGES",
@@ -595,9 +601,10 @@ def app_layer(
 
 
 def build_wheel(stage: Path, epoch: int) -> str:
-    """The kvpilot wheel into `stage` (its zip timestamps SOURCE_DATE_EPOCH); its file name."""
-    os.environ["SOURCE_DATE_EPOCH"] = str(epoch)
-    uv("build", "--wheel", "--quiet", "--out-dir", str(stage / "wheel"))
+    """The kvpilot wheel into `stage` (its zip timestamps `epoch`); its file name. The epoch goes
+    to uv alone: the layers' own timestamps (layer_epoch) read SOURCE_DATE_EPOCH as the user's."""
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch)}
+    uv("build", "--wheel", "--quiet", "--out-dir", str(stage / "wheel"), env=env)
     (wheel,) = (stage / "wheel").glob("kvpilot-*.whl")
     shutil.move(wheel, stage / wheel.name)
     return wheel.name
@@ -678,7 +685,7 @@ def build(
         stage = work / "stage"
         stage.mkdir()
         shutil.copy2(uv_binary(), stage / "uv")
-        uv(*export_args(spec), "--output-file", str(stage / "requirements.txt"))
+        write_requirements(spec, stage)
         wheel = build_wheel(stage, epoch)
         base = base_layer(spec, cache)
         venv = venv_layer(spec, cache, base, stage, work)

@@ -214,7 +214,7 @@ def test_each_image_is_built_from_its_own_release() -> None:
     assert {"g++", "libtorch-dev"} <= set(stage_include.split("=", 1)[1].split(","))
 
 
-def test_layer_keys_name_no_path_of_this_machine() -> None:
+def test_layer_keys_name_no_path_of_this_machine(tmp_path: Path) -> None:
     """The base and venv keys are made of the recipe, not of where the tree or cache lies: two
     clones (and a cold cache) compute the same keys, and a change to kvpilot's sources is in
     neither (only the app layer's wheel holds them)."""
@@ -222,6 +222,11 @@ def test_layer_keys_name_no_path_of_this_machine() -> None:
         inputs = build.base_inputs(spec)
         assert not any(str(ROOT).encode() in value for value in inputs.values()), spec.name
         assert b"kvpilot" in inputs["user"] and spec.debian_release.encode() in inputs["mmdebstrap"]
+    stages = [tmp_path / "one", tmp_path / "two"]
+    for stage in stages:
+        stage.mkdir()
+        build.write_requirements(OPERATOR, stage)
+    assert build.venv_inputs(OPERATOR, stages[0]) == build.venv_inputs(OPERATOR, stages[1])
     stage_inputs = build.kernel_inputs(RUNTIME_CPU)
     assert set(build.KERNEL_SOURCES) <= set(stage_inputs)
     assert not any(str(ROOT).encode() in value for value in stage_inputs.values())
