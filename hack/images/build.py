@@ -409,20 +409,24 @@ def overlay(lowers: list[Path], upper: Path, work: Path) -> Iterator[Path]:
     lower = ":".join(str(path) for path in lowers)
     options = f"lowerdir={lower},upperdir={upper},workdir={scratch}"
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], check=True)
-    mounts = [merged]
     try:
         subprocess.run(["mount", "-t", "proc", "proc", str(merged / "proc")], check=True)
-        mounts.append(merged / "proc")
         subprocess.run(["mount", "--bind", "/dev", str(merged / "dev")], check=True)
-        mounts.append(merged / "dev")
         yield merged
     finally:
-        for mount in reversed(mounts):
-            subprocess.run(["umount", str(mount)], check=False)
+        unmount_all(merged)
         shutil.rmtree(scratch, ignore_errors=True)
     gone = removals(upper)
     if gone:
         raise SystemExit(f"a layer's step removed files of the layers below: {gone[:10]}")
+
+
+def unmount_all(path: Path) -> None:
+    """`path` and every mount below it (a step interrupted with uv's cache still bind-mounted),
+    detached lazily when busy: a later rmtree of the work directory must never reach into the
+    host's uv or apt cache through a mount left behind."""
+    if subprocess.run(["umount", "-R", str(path)], check=False, capture_output=True).returncode:
+        subprocess.run(["umount", "-R", "-l", str(path)], check=False, capture_output=True)
 
 
 def step_env(spec: ImageSpec, stage: Path, epoch: int, wheel: str = "") -> dict[str, str]:
@@ -466,8 +470,7 @@ def base_layer(spec: ImageSpec, cache: LayerCache) -> tuple[layers.Layer, Path]:
             try:
                 subprocess.run(mmdebstrap_command(spec, tree, apt), env=env, check=True)
             finally:  # a failed mmdebstrap may leave the apt cache mounted in the tree
-                subprocess.run(["umount", str(tree / "var/cache/apt/archives")],
-                               check=False, capture_output=True)  # fmt: skip
+                unmount_all(tree / "var/cache/apt/archives")
             layer = cache.put(entry, "base", tree, epoch, BASE_EXCLUDES)
     return layer, cache.tree(key)
 
@@ -558,25 +561,26 @@ def build_stage_kernels(
     kvpilot wheel) by the image's own python and torch, into `out`; the stage is removed."""
     root = work / "kernel-stage"
     apt = cache.apt_archives(spec.debian_release)
-    try:
-        subprocess.run(kernel_stage_command(spec, root, apt), env=env, check=True)
-    finally:
-        subprocess.run(["umount", str(root / "var/cache/apt/archives")],
-                       check=False, capture_output=True)  # fmt: skip
-    for step in ("venv", "app"):
-        subprocess.run(["bash", str(HOOK), step, str(root)], env=env, check=True)
     inside = "/tmp/kvpilot-kernels"
     # the image's PATH: torch's cpp_extension runs the venv's ninja by name
     python = ["chroot", str(root), "env", "-i", f"PATH={spec.env['PATH']}", "HOME=/root",
               f"SOURCE_DATE_EPOCH={env['SOURCE_DATE_EPOCH']}",
               f"{specs.VENV}/bin/python"]  # fmt: skip
-    subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True)
     try:
+        try:
+            subprocess.run(kernel_stage_command(spec, root, apt), env=env, check=True)
+        finally:
+            unmount_all(root / "var/cache/apt/archives")
+        subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True)
+        subprocess.run(["mount", "--bind", "/dev", str(root / "dev")], check=True)
+        for step in ("venv", "app"):
+            subprocess.run(["bash", str(HOOK), step, str(root)], env=env, check=True)
         for level in spec.kernel_levels:
             build_kernel(python, level, root / inside.lstrip("/"), seen_as=inside)
         shutil.copytree(root / inside.lstrip("/"), out, dirs_exist_ok=True)
     finally:
-        subprocess.run(["umount", str(root / "proc")], check=False)
+        for mount in ("tmp/kvpilot-build/uv-cache", "proc", "dev"):
+            unmount_all(root / mount)
         shutil.rmtree(root, ignore_errors=True)
 
 
