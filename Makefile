@@ -25,7 +25,8 @@ help:
 	@echo "                 tests/runtime/test_rt_gptq_awq.py, in its own tool venv (hack/gptq_tools.sh)"
 	@echo "make crds        regenerate crds/ from the pydantic API models (and deploy/base)"
 	@echo "make images      build the operator and runtime OCI images without Docker (as root: mmdebstrap,"
-	@echo "                 umoci; IMAGE=kvpilot-operator builds one) into ~/.cache/kvpilot/images/"
+	@echo "                 umoci; IMAGE=kvpilot-operator builds one) into ~/.cache/kvpilot/images/, from"
+	@echo "                 cached layers (base, venv, kernels, app); IMAGES_FLAGS=--refresh rebuilds all"
 	@echo "make cluster-up / cluster-down / cluster-env   the local control plane (hack/devcluster)"
 
 system-deps:
@@ -92,6 +93,8 @@ crds: setup
 
 # Container images without a Docker engine (hack/images: mmdebstrap, the locked venv, umoci), as
 # OCI layouts under ~/.cache/kvpilot/images/<version>/; IMAGE=kvpilot-operator builds just one.
+# Layers are cached by their own inputs (~/.cache/kvpilot/layers): a source change repacks only
+# the app layer; IMAGES_FLAGS=--refresh rebuilds every layer (Debian's security updates).
 # The Dockerfiles describe the same images for `docker build` (tests/packaging/test_images.py).
 IMAGE ?=
 images: system-deps setup

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from hack import release
-from hack.images import build
+from hack.images import build, layers
 from hack.images.spec import (
     BASE_PATH,
     CPU_DEBIAN_PYTHON,
@@ -193,18 +193,43 @@ def test_not_installed_patterns_pick_lock_names() -> None:
 
 def test_each_image_is_built_from_its_own_release() -> None:
     """apt sources and the mmdebstrap suite follow the spec's release; the CPU image's build
-    stage adds the compiler and torch's headers, and its final root filesystem has neither."""
+    stage adds the compiler and torch's headers, and its base layer has neither. Both keep
+    their .debs in the layer cache's apt directory, unmounted before the user step and
+    mmdebstrap's cleanup (which would empty it), so the image holds none."""
     assert build.apt_sources(RUNTIME)[0].endswith(f" {DEBIAN_RELEASE} main")
     cpu_sources = build.apt_sources(RUNTIME_CPU)
     assert all(CPU_DEBIAN_RELEASE in line for line in cpu_sources), cpu_sources
-    final = build.mmdebstrap_command(RUNTIME_CPU, Path("/tmp/x.tar"))
-    stage = build.kernel_stage_command(RUNTIME_CPU, Path("/tmp/stage"))
-    assert CPU_DEBIAN_RELEASE in final and "--format=tar" in final
-    assert "--format=directory" in stage
+    apt = Path("/cache/apt/trixie")
+    final = build.mmdebstrap_command(RUNTIME_CPU, Path("/tmp/tree"), apt)
+    stage = build.kernel_stage_command(RUNTIME_CPU, Path("/tmp/stage"), apt)
+    for argv in (final, stage):
+        assert CPU_DEBIAN_RELEASE in argv and "--format=directory" in argv
+        hooks = [a for a in argv if a.startswith(("--setup-hook=", "--customize-hook="))]
+        assert f"mount --bind {apt} " in hooks[0] and "umount" in hooks[1], hooks
+        assert hooks[2].endswith('customize.sh user "$1"'), hooks
+        assert {"--skip=download/empty", "--skip=essential/unlink"} <= set(argv)
     (final_include,) = [a for a in final if a.startswith("--include=")]
     (stage_include,) = [a for a in stage if a.startswith("--include=")]
     assert "g++" not in final_include.split("=", 1)[1].split(",")
     assert {"g++", "libtorch-dev"} <= set(stage_include.split("=", 1)[1].split(","))
+
+
+def test_layer_keys_name_no_path_of_this_machine(tmp_path: Path) -> None:
+    """The base and venv keys are made of the recipe, not of where the tree or cache lies: two
+    clones (and a cold cache) compute the same keys, and a change to kvpilot's sources is in
+    neither (only the app layer's wheel holds them)."""
+    for spec in SPECS:
+        inputs = build.base_inputs(spec)
+        assert not any(str(ROOT).encode() in value for value in inputs.values()), spec.name
+        assert b"kvpilot" in inputs["user"] and spec.debian_release.encode() in inputs["mmdebstrap"]
+    stages = [tmp_path / "one", tmp_path / "two"]
+    for stage in stages:
+        stage.mkdir()
+        build.write_requirements(OPERATOR, stage)
+    assert build.venv_inputs(OPERATOR, stages[0]) == build.venv_inputs(OPERATOR, stages[1])
+    stage_inputs = build.kernel_inputs(RUNTIME_CPU)
+    assert set(build.KERNEL_SOURCES) <= set(stage_inputs)
+    assert not any(str(ROOT).encode() in value for value in stage_inputs.values())
 
 
 def test_the_dockerfile_parser_follows_the_stage_chain() -> None:
@@ -229,17 +254,25 @@ def test_the_dockerfile_parser_follows_the_stage_chain() -> None:
             path.unlink()
 
 
-def test_umoci_config_carries_the_spec() -> None:
-    args = build.umoci_config_args(RUNTIME, "2024-01-01T00:00:00Z", "abc")
-    assert "--config.user=10001:10001" in args
-    assert [a for a in args if a.startswith("--config.entrypoint=")] == [
-        "--config.entrypoint=tini", "--config.entrypoint=--", "--config.entrypoint=kvpilot-runtime"
-    ]  # fmt: skip
-    assert "--config.exposedports=8000/tcp" in args and "--config.volume=/models" in args
-    assert "--created=2024-01-01T00:00:00Z" in args and "--no-history" in args
-    assert [a for a in args if a.startswith("--config.env=")] == sorted(
-        a for a in args if a.startswith("--config.env=")
-    )
+def test_the_config_carries_the_spec_and_the_layers() -> None:
+    stack = [
+        layers.Layer(name, f"sha256:{i}", f"sha256:d{i}", i, f"made {name}")
+        for i, name in enumerate(("base", "venv", "kernels", "app"))
+    ]
+    config = build.spec_config(RUNTIME, "2024-01-01T00:00:00Z", "abc", stack)
+    run = config["config"]
+    assert run["User"] == "10001:10001"
+    assert run["Entrypoint"] == ["tini", "--", "kvpilot-runtime"]
+    assert run["ExposedPorts"] == {"8000/tcp": {}} and run["Volumes"] == {"/models": {}}
+    assert run["Env"] == sorted(run["Env"]) == RUNTIME.env_list()
+    assert run["Labels"]["org.opencontainers.image.revision"] == "abc"
+    assert config["created"] == "2024-01-01T00:00:00Z"
+    assert config["rootfs"]["diff_ids"] == ["sha256:d0", "sha256:d1", "sha256:d2", "sha256:d3"]
+    assert [h["created_by"] for h in config["history"]] == [
+        f"made {n}" for n in ("base", "venv", "kernels", "app")
+    ]
+    operator = build.spec_config(OPERATOR, "2024-01-01T00:00:00Z", "abc", stack[:2])
+    assert "Volumes" not in operator["config"]  # none declared: none in the config
 
 
 def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
@@ -257,8 +290,8 @@ def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
     assert all(build.recipe_digest(other) != same for other in changed)
     assert all((ROOT / path).is_file() for path in build.RECIPE)
     assert {spec.dockerfile for spec in SPECS} <= set(build.RECIPE)
-    args = build.umoci_config_args(RUNTIME, "2024-01-01T00:00:00Z", "abc")
-    assert f"--config.label={build.RECIPE_LABEL}={build.tree_recipe_digest(RUNTIME)}" in args
+    labels = build.config_labels(RUNTIME, "abc")
+    assert labels[build.RECIPE_LABEL] == build.tree_recipe_digest(RUNTIME)
     # each image's own pins: the operator's lack torch, so the two recipes differ
     assert "torch==" in build.locked_requirements(RUNTIME)
     assert "torch==" not in build.locked_requirements(OPERATOR)
@@ -362,8 +395,10 @@ def built_from_this_tree(image: oci_images.Image) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [OPERATOR, RUNTIME_CPU], ids=lambda spec: spec.name)
 def test_built_image_is_reproducible_from_the_same_inputs(spec: ImageSpec, scratch: Path) -> None:
-    """A second build of the image from the same commit, lock and Debian archive gives the same
-    manifest digest as the cached one (SOURCE_DATE_EPOCH, sorted tar, clamped mtimes; the CPU
+    """A second build of the image from the same commit, lock and Debian archive, every layer
+    rebuilt in an empty layer cache (the .debs and uv's wheels downloaded again), gives the same
+    layers and manifest digest as the cached one, which reused whatever layers its cache held
+    (SOURCE_DATE_EPOCH and each layer's own timestamp, sorted tar, clamped mtimes; the CPU
     image's kernels too, built in its build stage). Needs what `make images` needs: root,
     mmdebstrap and umoci, Debian's archive and PyPI. The CPU image's rebuild takes ~10 min."""
     image = oci_images.cached(spec)
@@ -374,7 +409,10 @@ def test_built_image_is_reproducible_from_the_same_inputs(spec: ImageSpec, scrat
         pytest.skip(f"the cached image is from {revision_of(image)}, the tree is "
                     f"{build.revision()}: `make images` first (a dirty tree's images are not "
                     "compared)")  # fmt: skip
-    rebuilt = oci_images.read(build.build(spec, scratch))
+    rebuilt = oci_images.read(build.build(spec, scratch, layer_cache=scratch / "layers"))
+    assert [layer["digest"] for layer in rebuilt.layers] == [
+        layer["digest"] for layer in image.layers
+    ]
     assert rebuilt.manifest_digest == image.manifest_digest
 
 
