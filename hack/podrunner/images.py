@@ -66,6 +66,11 @@ def pull_hint(ref: ImageRef, version: str) -> str:
     """What to build for an image whose layout is not cached, `version` being the one this
     checkout's `make images` builds."""
     base, _, suffix = ref.tag.partition("-")
+    if base != version:  # first: another version's tag is not built here, whatever its suffix
+        return (
+            f"this checkout builds version {version}, not {base}: name {ref.name}'s :{version}"
+            f" tag, or run `make images IMAGE={ref.name}` (as root) in a checkout of v{base}"
+        )
     if suffix:
         known = [f":{version}"] + [
             f":{version}-{s} ({variant})"
@@ -75,11 +80,6 @@ def pull_hint(ref: ImageRef, version: str) -> str:
         return (
             f"no kvpilot image is tagged -{suffix} (kvpilot builds {ref.name} as"
             f" {', '.join(known)}): name one of those"
-        )
-    if base != version:
-        return (
-            f"this checkout builds version {version}, not {base}: name {ref.name}'s :{version}"
-            f" tag, or run `make images IMAGE={ref.name}` (as root) in a checkout of v{base}"
         )
     return f"build it with `make images IMAGE={ref.name}` (as root)"
 

@@ -69,6 +69,10 @@ def test_kvpilot_images_are_known_by_repository_or_build_name(
             "no kvpilot image is tagged -rocm (kvpilot builds kvpilot-runtime as :0.1.0,"
             " :0.1.0-cpu (kvpilot-runtime-cpu)): name one of those",
         ),
+        (  # another version first, whatever its suffix
+            "ghcr.io/kvpilot/operator:0.0.9-rocm",
+            "this checkout builds version 0.1.0, not 0.0.9: name kvpilot-operator's :0.1.0 tag",
+        ),
         (
             "ghcr.io/kvpilot/operator:0.1.0-cpu",
             "no kvpilot image is tagged -cpu (kvpilot builds kvpilot-operator as :0.1.0)",

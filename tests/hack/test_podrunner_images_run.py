@@ -101,7 +101,8 @@ def test_a_container_runs_from_the_image_as_its_user_with_its_volumes(
 
 
 def test_an_image_that_is_not_cached_says_to_build_it(store: ImageStore) -> None:
-    with pytest.raises(ImagePullError, match=r"not in the build cache .* `make images`"):
+    builds = r"not in the build cache .* this checkout builds version .* `make images IMAGE="
+    with pytest.raises(ImagePullError, match=builds):
         store.get(images.ImageRef(OPERATOR.name, "0.0.0-absent", None), "ghcr.io/kvpilot/op")
     pinned = images.ImageRef(OPERATOR.name, build.version(), "sha256:" + "0" * 64)
     with pytest.raises(ImagePullError, match="not the digest the pod names"):
