@@ -178,8 +178,14 @@ def runtime_pid(pod_ip: str) -> int:
     out = subprocess.run(
         ["pgrep", "-f", "--", pattern], capture_output=True, text=True, check=False
     )
-    pids = [int(p) for p in out.stdout.split()]
-    assert len(pids) == 1, f"expected one runtime process on {pod_ip}, found {pids}"
+    # In images mode (KVPILOT_DEVCLUSTER_IMAGES=1) the image's tini is the container's PID 1 with
+    # the same args, and the server its child: the server is the process to kill.
+    pids = [int(p) for p in out.stdout.split() if Path(f"/proc/{p}/comm").read_text() != "tini\n"]
+    shown = subprocess.run(
+        ["ps", "-o", "pid,ppid,comm,args", "-p", ",".join(map(str, pids)) or "0"],
+        capture_output=True, text=True, check=False,
+    ).stdout  # fmt: skip
+    assert len(pids) == 1, f"expected one runtime process on {pod_ip}, found:\n{shown}"
     return pids[0]
 
 
