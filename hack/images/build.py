@@ -299,6 +299,18 @@ class LayerCache:
     def tree(self, key: str) -> Path:
         return self.root / key / "tree"
 
+    def settled_tree(self, key: str, epoch: int) -> Path:
+        """`key`'s cached tree with the mtimes its layer's tar holds (clamped to `epoch`), once.
+        A step above copies up the directories it writes into (/opt/venv, ...) with their
+        mtimes: a tree built minutes ago and one reused from an earlier commit's build would
+        otherwise give the layer above different bytes."""
+        tree = self.tree(key)
+        marker = self.root / key / "mtimes-clamped"
+        if not marker.is_file():
+            clamp_mtimes(tree, epoch)
+            marker.write_text(f"{epoch}\n")
+        return tree
+
     def apt_archives(self, release: str) -> Path:
         path = self.root / "apt" / release
         (path / "partial").mkdir(parents=True, exist_ok=True)
@@ -335,6 +347,18 @@ class LayerCache:
         (entry / "layer.json").write_text(json.dumps(layer.to_json(), indent=2) + "\n")
         print(f"    layer {name}: {digest} {size / 1e6:.1f} MB", flush=True)
         return layer
+
+
+def clamp_mtimes(tree: Path, epoch: int) -> None:
+    """Every entry of `tree` newer than `epoch` gets `epoch` as its mtime (as tar's
+    --clamp-mtime packs it); symlinks themselves, not what they point at."""
+    for directory, dirs, files in os.walk(tree):
+        for name in (*dirs, *files):
+            path = os.path.join(directory, name)
+            if os.lstat(path).st_mtime > epoch:
+                os.utime(path, (epoch, epoch), follow_symlinks=False)
+    if tree.lstat().st_mtime > epoch:
+        os.utime(tree, (epoch, epoch), follow_symlinks=False)
 
 
 def tar_command(tree: Path, epoch: int, excludes: tuple[str, ...] = ()) -> list[str]:
@@ -472,7 +496,7 @@ def base_layer(spec: ImageSpec, cache: LayerCache) -> tuple[layers.Layer, Path]:
             finally:  # a failed mmdebstrap may leave the apt cache mounted in the tree
                 unmount_all(tree / "var/cache/apt/archives")
             layer = cache.put(entry, "base", tree, epoch, BASE_EXCLUDES)
-    return layer, cache.tree(key)
+    return layer, cache.settled_tree(key, epoch)
 
 
 def write_requirements(spec: ImageSpec, stage: Path) -> None:
@@ -504,7 +528,7 @@ def venv_layer(
                 env = step_env(spec, stage, epoch)
                 subprocess.run(["bash", str(HOOK), "venv", str(root)], env=env, check=True)
             layer = cache.put(entry, "venv", tree, epoch)
-    return layer, cache.tree(key)
+    return layer, cache.settled_tree(key, epoch)
 
 
 def kernel_inputs(spec: ImageSpec) -> dict[str, bytes]:

@@ -129,3 +129,21 @@ def test_an_overlay_step_lands_in_the_upper_directory_and_may_not_remove(
         build.overlay([lower], tmp_path / "upper2", tmp_path / "work2") as merged,
     ):
         (merged / "opt" / "venv" / "b.py").unlink()
+
+
+def test_a_cached_tree_gets_the_mtimes_its_layer_holds(tmp_path: Path) -> None:
+    """build.clamp_mtimes: what a step above copies up from a cached tree (its directories)
+    carries the same mtimes whether the tree was built minutes ago or for an earlier commit."""
+    tree = tmp_path / "tree"
+    (tree / "opt" / "venv").mkdir(parents=True)
+    old, new = tree / "opt" / "old", tree / "opt" / "venv" / "new"
+    old.write_text("o")
+    new.write_text("n")
+    (tree / "link").symlink_to("/nonexistent")  # not followed
+    epoch = 1_700_000_000
+    os.utime(old, (epoch - 100, epoch - 100))
+    build.clamp_mtimes(tree, epoch)
+    mtimes = {p.relative_to(tree).as_posix(): int(p.lstat().st_mtime) for p in tree.rglob("*")}
+    assert mtimes == {"opt": epoch, "opt/venv": epoch, "opt/old": epoch - 100,
+                      "opt/venv/new": epoch, "link": epoch}  # fmt: skip
+    assert int(tree.lstat().st_mtime) == epoch
