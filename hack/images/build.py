@@ -165,16 +165,6 @@ RECIPE = (
 RECIPE_LABEL = "dev.kvpilot.image.recipe"
 
 
-def recipe_digest(files: Mapping[str, bytes]) -> str:
-    """SHA-256 over the recipe's files, by path (sorted), each path and its length framed."""
-    digest = hashlib.sha256()
-    for path in sorted(files):
-        content = files[path]
-        digest.update(f"{path}\0{len(content)}\0".encode())
-        digest.update(content)
-    return digest.hexdigest()
-
-
 def tree_recipe_digest(spec: ImageSpec) -> str:
     return _tree_recipe_digest(spec.name)
 
@@ -183,7 +173,7 @@ def tree_recipe_digest(spec: ImageSpec) -> str:
 def _tree_recipe_digest(name: str) -> str:
     files = {path: (ROOT / path).read_bytes() for path in RECIPE}
     files["requirements.txt"] = locked_requirements(specs.IMAGES[name]).encode()
-    return recipe_digest(files)
+    return layers.framed_digest(files)
 
 
 def locked_requirements(spec: ImageSpec) -> str:

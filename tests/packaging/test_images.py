@@ -279,15 +279,15 @@ def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
     """`make images --if-changed` (CI) rebuilds when a Dockerfile, the lock or the build changes:
     the digest follows every byte and every path, never the order files are listed in."""
     files = {"runtime/Dockerfile": b"FROM x\n", "uv.lock": b"pins"}
-    same = build.recipe_digest(files)
-    assert build.recipe_digest(dict(reversed(list(files.items())))) == same
+    same = layers.framed_digest(files)
+    assert layers.framed_digest(dict(reversed(list(files.items())))) == same
     changed = [
         {**files, "uv.lock": b"pins2"},
         {**files, "runtime/Dockerfile": b"FROM y\n"},
         {"runtime/Dockerfile": b"FROM x\npins", "uv.lock": b""},  # bytes moved across files
         {"operator/Dockerfile": b"FROM x\n", "uv.lock": b"pins"},  # another path
     ]
-    assert all(build.recipe_digest(other) != same for other in changed)
+    assert all(layers.framed_digest(other) != same for other in changed)
     assert all((ROOT / path).is_file() for path in build.RECIPE)
     assert {spec.dockerfile for spec in SPECS} <= set(build.RECIPE)
     labels = build.config_labels(RUNTIME, "abc")
