@@ -65,23 +65,21 @@ def parse_reference(reference: str, default_tag: str) -> ImageRef | None:
 def pull_hint(ref: ImageRef, version: str) -> str:
     """What to build for an image whose layout is not cached, `version` being the one this
     checkout's `make images` builds."""
+    if ref.tag == version:  # this checkout's own tag (a pre-release one too: 0.2.0-rc1)
+        return f"build it with `make images IMAGE={ref.name}` (as root)"
     base, _, suffix = ref.tag.partition("-")
     if base != version:  # first: another version's tag is not built here, whatever its suffix
         return (
             f"this checkout builds version {version}, not {base}: name {ref.name}'s :{version}"
             f" tag, or run `make images IMAGE={ref.name}` (as root) in a checkout of v{base}"
         )
-    if suffix:
-        known = [f":{version}"] + [
-            f":{version}-{s} ({variant})"
-            for variant, (b, s) in VARIANT_TAGS.items()
-            if b == ref.name
-        ]
-        return (
-            f"no kvpilot image is tagged -{suffix} (kvpilot builds {ref.name} as"
-            f" {', '.join(known)}): name one of those"
-        )
-    return f"build it with `make images IMAGE={ref.name}` (as root)"
+    known = [f":{version}"] + [
+        f":{version}-{s} ({variant})" for variant, (b, s) in VARIANT_TAGS.items() if b == ref.name
+    ]
+    return (
+        f"no kvpilot image is tagged -{suffix} (kvpilot builds {ref.name} as"
+        f" {', '.join(known)}): name one of those"
+    )
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,13 @@ def test_an_image_not_cached_says_what_to_build(reference: str, expected: str) -
     assert expected in images.pull_hint(ref, "0.1.0")
 
 
+def test_a_pre_release_version_is_its_own_tag_not_a_variant() -> None:
+    ref = images.parse_reference("ghcr.io/kvpilot/runtime:0.2.0-rc1", "0.2.0-rc1")
+    assert ref is not None
+    hint = images.pull_hint(ref, "0.2.0-rc1")
+    assert hint == "build it with `make images IMAGE=kvpilot-runtime` (as root)"
+
+
 def test_the_store_refuses_an_uncached_variant_with_what_to_build(tmp_path: Path) -> None:
     store = ImageStore(tmp_path / "images", tmp_path / "unpacked")
     reference = f"ghcr.io/kvpilot/runtime:{build.version()}-cpu"
