@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from hack.devcluster import versions
-from hack.images import build
+from hack.images import checkout
 from hack.images.spec import IMAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def image_references(package_version: str) -> list[tuple[Path, str]]:
             f"hack/release.py pushes {sorted(pushed)}, the images are {sorted(IMAGES)}"
         )
     return [
-        (build.layout_dir(IMAGES[name]), f"{repository}:{tag}")
+        (checkout.layout_dir(IMAGES[name]), f"{repository}:{tag}")
         for name, (repository, tag) in sorted(pushed.items())
     ]
 

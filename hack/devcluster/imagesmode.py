@@ -13,7 +13,7 @@ from pathlib import Path
 # so either package may be the one still initialising when the other imports it.
 from hack import release
 from hack.devcluster.errors import DevClusterError
-from hack.images import build as images_build
+from hack.images import checkout as images_checkout
 from hack.images.spec import IMAGES, OPERATOR, RUNTIME, RUNTIME_CPU
 
 # In the state directory while the cluster is up in images mode: the runtime image's reference
@@ -48,20 +48,20 @@ def cached_images() -> set[str]:
     return {
         name
         for name, spec in IMAGES.items()
-        if (images_build.layout_dir(spec) / "index.json").is_file()
+        if (images_checkout.layout_dir(spec) / "index.json").is_file()
     }
 
 
 def runtime_image() -> tuple[str, str]:
     """The runtime image's name and released reference for `up --images`, printing why when it is
     not the CPU variant; DevClusterError when the images are not cached."""
-    layouts = {name: images_build.layout_dir(spec) for name, spec in IMAGES.items()}
+    layouts = {name: images_checkout.layout_dir(spec) for name, spec in IMAGES.items()}
     name, note = choose_runtime(cached_images(), layouts)
     if note:
         print(note, flush=True)
     references = {
         layout.name: reference
-        for layout, reference in release.image_references(images_build.version())
+        for layout, reference in release.image_references(images_checkout.version())
     }
     return name, references[name]
 

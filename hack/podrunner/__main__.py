@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kubernetes import config
 
-from hack.images import build
+from hack.images import checkout
 from hack.images.spec import IMAGES
 from hack.podrunner.images import ImageRef
 from hack.podrunner.imagestore import ImageNotReadyError, ImageStore
@@ -25,7 +25,7 @@ UNPACK_DIR_ENV = "KVPILOT_IMAGES_UNPACK_DIR"
 
 def default_unpack_dir() -> Path:
     """Where images are unpacked, once per manifest digest: beside the build cache's layouts."""
-    return Path(os.environ.get(UNPACK_DIR_ENV) or build.cache_dir() / "images-unpacked")
+    return Path(os.environ.get(UNPACK_DIR_ENV) or checkout.cache_dir() / "images-unpacked")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run containers of kvpilot's images (ghcr.io/kvpilot/runtime, .../operator) from"
         " the images `make images` cached, not from the host's venv",
     )
-    parser.add_argument("--images-dir", type=Path, default=build.cache_dir() / "images",
+    parser.add_argument("--images-dir", type=Path, default=checkout.cache_dir() / "images",
                         help="make images' layouts: <dir>/<version>/<image>")  # fmt: skip
     parser.add_argument("--unpack-dir", type=Path, default=None,
                         help=f"unpacked images (default: ${UNPACK_DIR_ENV}, else beside the"
@@ -60,7 +60,7 @@ def image_store(args: argparse.Namespace) -> ImageStore | None:
     for name in args.pre_pull or IMAGES:  # one at a time: the first pods wait on the first
         # unpacking, or not cached: a pod that names it says so in its status
         with contextlib.suppress(ImageNotReadyError, ValueError):
-            store.get(ImageRef(name, build.version(), None), name)
+            store.get(ImageRef(name, checkout.version(), None), name)
     return store
 
 

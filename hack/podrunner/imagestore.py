@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hack.images import build
+from hack.images import checkout, oci_layout
 from hack.podrunner import images
 from hack.podrunner.images import ImageRef
 
@@ -68,9 +68,9 @@ class ImageStore:
         if not (layout / "index.json").is_file():
             raise ImagePullError(
                 f"image {reference} is not in the build cache (no OCI layout at {layout}):"
-                f" {images.pull_hint(ref, build.version())}"
+                f" {images.pull_hint(ref, checkout.version())}"
             )
-        digest, manifest = build.manifest(layout)
+        digest, manifest = oci_layout.manifest(layout)
         if ref.digest is not None and ref.digest != digest:
             raise ImagePullError(
                 f"image {reference}: the cached {ref.name}:{ref.tag} is {digest}, not the digest"
@@ -79,7 +79,7 @@ class ImageStore:
         bundle = self.unpack_dir / digest.removeprefix("sha256:")
         if not (bundle / UNPACKED_MARK).is_file():
             self.unpack_later(layout, ref, bundle)
-        config = json.loads(build.blob(layout, manifest["config"]["digest"]).read_text())
+        config = json.loads(oci_layout.blob(layout, manifest["config"]["digest"]).read_text())
         rootfs = bundle / "rootfs"
         etc = rootfs / "etc"
         return Unpacked(rootfs, dict(config.get("config") or {}), _read(etc / "passwd"),
@@ -134,13 +134,13 @@ def apply_layers(layout: Path, rootfs: Path) -> None:
     """Each layer in order, as the OCI image spec applies them: its whiteouts delete what the
     layers below hold, then its files are extracted (owners kept). GNU tar, not `umoci unpack`:
     umoci also hashes every file into an mtree, for a repack the runner never does."""
-    _, manifest = build.manifest(layout)
+    _, manifest = oci_layout.manifest(layout)
     rootfs.mkdir(parents=True)
     for index, layer in enumerate(manifest["layers"]):
         media_type = str(layer["mediaType"])
         if media_type not in LAYER_TYPES:
             raise ImagePullError(f"{layout}: layer media type {media_type} is not supported")
-        blob = build.blob(layout, layer["digest"])
+        blob = oci_layout.blob(layout, layer["digest"])
         if index > 0:  # nothing lies below the first layer: no need to read it twice
             listed = subprocess.run(["tar", "-tf", str(blob)], check=True, capture_output=True)
             apply_whiteouts(rootfs, images.whiteouts(listed.stdout.decode().splitlines()))

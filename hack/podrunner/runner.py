@@ -33,7 +33,7 @@ from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 from urllib3.exceptions import HTTPError
 
-from hack.images import build
+from hack.images import checkout
 from hack.podrunner import apiaccess, images, pods
 from hack.podrunner.imagestore import ImageNotReadyError, ImagePullError, ImageStore, Unpacked
 from hack.podrunner.provisioner import Provisioner
@@ -670,7 +670,7 @@ def namespace_init_pid(proc: subprocess.Popen[bytes]) -> int | None:
 @functools.cache
 def build_version() -> str:
     """The tag a kvpilot image without one gets: the version `make images` builds."""
-    return build.version()
+    return checkout.version()
 
 
 def write_files(folder: Path, files: dict[str, str], owner: tuple[int, int] | None = None) -> None:

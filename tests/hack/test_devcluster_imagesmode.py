@@ -11,7 +11,7 @@ import pytest
 
 from hack.devcluster import DevCluster, imagesmode
 from hack.devcluster.errors import DevClusterError
-from hack.images import build
+from hack.images import checkout
 from hack.podrunner import images
 from hack.podrunner.__main__ import parse_args
 from kvpilot.operator import config
@@ -62,12 +62,12 @@ def test_the_runtime_image_is_the_released_reference_images_mode_runs(
     cached layout it chose; the operator's own config parser reads it from the cluster's env."""
     monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path))
     for name in (OPERATOR, CPU):
-        layout = tmp_path / "images" / build.version() / name
+        layout = tmp_path / "images" / checkout.version() / name
         layout.mkdir(parents=True)
         (layout / "index.json").write_text("{}")
     name, reference = imagesmode.runtime_image()
-    assert (name, reference) == (CPU, f"ghcr.io/kvpilot/runtime:{build.version()}-cpu")
-    assert images.parse_reference(reference, "") == images.ImageRef(CPU, build.version(), None)
+    assert (name, reference) == (CPU, f"ghcr.io/kvpilot/runtime:{checkout.version()}-cpu")
+    assert images.parse_reference(reference, "") == images.ImageRef(CPU, checkout.version(), None)
     cluster = DevCluster(tmp_path / "state", images=True)
     assert imagesmode.OPERATOR_ENV not in cluster.env  # not up in images mode
     cluster.state_dir.mkdir()

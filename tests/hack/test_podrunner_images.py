@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hack.images import build
+from hack.images import checkout
 from hack.images.spec import OPERATOR, RUNTIME
 from hack.podrunner import enter, images, pods
 from hack.podrunner.images import ImageRef, Mount
@@ -94,15 +94,15 @@ def test_a_pre_release_version_is_its_own_tag_not_a_variant() -> None:
 
 def test_the_store_refuses_an_uncached_variant_with_what_to_build(tmp_path: Path) -> None:
     store = ImageStore(tmp_path / "images", tmp_path / "unpacked")
-    reference = f"ghcr.io/kvpilot/runtime:{build.version()}-cpu"
-    ref = images.parse_reference(reference, build.version())
+    reference = f"ghcr.io/kvpilot/runtime:{checkout.version()}-cpu"
+    ref = images.parse_reference(reference, checkout.version())
     assert ref is not None
     try:
         with pytest.raises(ImagePullError) as raised:
             store.get(ref, reference)
     finally:
         store.shutdown()
-    layout = tmp_path / "images" / build.version() / CPU
+    layout = tmp_path / "images" / checkout.version() / CPU
     assert str(raised.value) == (
         f"image {reference} is not in the build cache (no OCI layout at {layout}):"
         f" build it with `make images IMAGE={CPU}` (as root)"

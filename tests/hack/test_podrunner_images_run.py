@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hack.images import build
+from hack.images import checkout
 from hack.images.spec import OPERATOR, UID
 from hack.podrunner import images
 from hack.podrunner.imagestore import ImageNotReadyError, ImagePullError, ImageStore, Unpacked
@@ -39,7 +39,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ImageStore]:
     oci_images.cached(OPERATOR)
     oci_images.require_root_tools()
     unpack_dir = tmp_path_factory.mktemp("unpacked")
-    found = ImageStore(build.cache_dir() / "images", unpack_dir)
+    found = ImageStore(checkout.cache_dir() / "images", unpack_dir)
     yield found
     found.shutdown()
     shutil.rmtree(unpack_dir, ignore_errors=True)
@@ -60,7 +60,7 @@ def unpacked(store: ImageStore, ref: images.ImageRef) -> Unpacked:
 def test_a_container_runs_from_the_image_as_its_user_with_its_volumes(
     store: ImageStore, tmp_path: Path
 ) -> None:
-    image = unpacked(store, images.ImageRef(OPERATOR.name, build.version(), None))
+    image = unpacked(store, images.ImageRef(OPERATOR.name, checkout.version(), None))
     assert (image.rootfs / "opt" / "venv").is_dir() and "kvpilot:x:10001" in image.passwd
     scratch, data = tmp_path / "scratch", tmp_path / "data"
     scratch.mkdir(mode=0o777)
@@ -104,6 +104,6 @@ def test_an_image_that_is_not_cached_says_to_build_it(store: ImageStore) -> None
     builds = r"not in the build cache .* this checkout builds version .* `make images IMAGE="
     with pytest.raises(ImagePullError, match=builds):
         store.get(images.ImageRef(OPERATOR.name, "0.0.0-absent", None), "ghcr.io/kvpilot/op")
-    pinned = images.ImageRef(OPERATOR.name, build.version(), "sha256:" + "0" * 64)
+    pinned = images.ImageRef(OPERATOR.name, checkout.version(), "sha256:" + "0" * 64)
     with pytest.raises(ImagePullError, match="not the digest the pod names"):
         store.get(pinned, "ghcr.io/kvpilot/operator@sha256:000")

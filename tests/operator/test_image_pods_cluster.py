@@ -19,7 +19,7 @@ import pytest
 
 from hack.closedloop import apply_crds
 from hack.devcluster import DevCluster
-from hack.images import build
+from hack.images import checkout
 from hack.images.spec import CPU_DEBIAN_RELEASE, OPERATOR, RUNTIME_CPU, UID, VENV
 from hack.podrunner.__main__ import UNPACK_DIR_ENV
 from tests.support import oci_images
@@ -98,7 +98,7 @@ def test_a_runtime_pod_runs_from_the_image_and_answers(
         (pod,) = pods(cluster, namespace, "tiny")
         # the operator beside the cluster names the CPU variant (DevCluster.env)
         images = {c["image"] for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]}
-        assert images == {f"ghcr.io/kvpilot/runtime:{build.version()}-cpu"}
+        assert images == {f"ghcr.io/kvpilot/runtime:{checkout.version()}-cpu"}
         (init,) = pod["status"]["initContainerStatuses"]
         assert init["name"] == "fetch-model" and init["state"]["terminated"]["exitCode"] == 0
         assert complete(pod)["usage"]["completion_tokens"] == 4

@@ -1,6 +1,7 @@
-"""The daemonless images' layers (hack/images/layers.py and build.py's packing): keys that move
-with each layer's own inputs and nothing else, reproducible layer blobs, OCI documents that name
-them, and an overlay step that may add and change files but not remove them."""
+"""The daemonless images' layers (hack/images/layers.py, layer_cache.py's packing, steps.py's
+overlay): keys that move with each layer's own inputs and nothing else, reproducible layer
+blobs, OCI documents that name them, and an overlay step that may add and change files but not
+remove them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hack.images import build, layers
+from hack.images import layer_cache, layers, steps
 
 INPUTS = {"requirements.txt": b"numpy==2.0\n", "customize.sh": b"echo venv\n"}
 BASE = "sha256:base"
@@ -82,9 +83,9 @@ def test_a_packed_tree_is_the_same_blob_whenever_it_is_packed(tmp_path: Path) ->
     names neither a file nor a time; the diff_id is the tar's digest; excludes leave paths out."""
     tree = make_tree(tmp_path)
     epoch = 1_700_000_000
-    first = build.pack_tree(tree, tmp_path / "1.tar.gz", epoch, ("./dev/*",))
+    first = layer_cache.pack_tree(tree, tmp_path / "1.tar.gz", epoch, ("./dev/*",))
     os.utime(tree / "opt" / "venv" / "a.py")  # now: later than the epoch
-    second = build.pack_tree(tree, tmp_path / "2.tar.gz", epoch, ("./dev/*",))
+    second = layer_cache.pack_tree(tree, tmp_path / "2.tar.gz", epoch, ("./dev/*",))
     assert first == second
     digest, diff_id, size = first
     blob = (tmp_path / "1.tar.gz").read_bytes()
@@ -97,7 +98,7 @@ def test_a_packed_tree_is_the_same_blob_whenever_it_is_packed(tmp_path: Path) ->
     assert all(m.mtime <= epoch and m.uid == 0 == m.gid for m in members.values())
     assert list(members) == sorted(members)
     (tree / "opt" / "venv" / "a.py").write_text("x = 2\n")
-    assert build.pack_tree(tree, tmp_path / "3.tar.gz", epoch)[1] != diff_id
+    assert layer_cache.pack_tree(tree, tmp_path / "3.tar.gz", epoch)[1] != diff_id
 
 
 def root_with_overlayfs() -> None:
@@ -117,7 +118,7 @@ def test_an_overlay_step_lands_in_the_upper_directory_and_may_not_remove(
     lower = make_tree(tmp_path)
     (lower / "proc").mkdir()
     upper = tmp_path / "upper"
-    with build.overlay([lower], upper, tmp_path / "work") as merged:
+    with steps.overlay([lower], upper, tmp_path / "work") as merged:
         (merged / "opt" / "venv" / "new.py").write_text("y = 1\n")
         (merged / "opt" / "venv" / "a.py").write_text("x = 2\n")
         assert (merged / "proc" / "self").exists()  # a chroot's /proc
@@ -126,13 +127,13 @@ def test_an_overlay_step_lands_in_the_upper_directory_and_may_not_remove(
     assert (lower / "opt" / "venv" / "a.py").read_text() == "x = 1\n"  # the lower is untouched
     with (
         pytest.raises(SystemExit, match="removed files"),
-        build.overlay([lower], tmp_path / "upper2", tmp_path / "work2") as merged,
+        steps.overlay([lower], tmp_path / "upper2", tmp_path / "work2") as merged,
     ):
         (merged / "opt" / "venv" / "b.py").unlink()
 
 
 def test_a_cached_tree_gets_the_mtimes_its_layer_holds(tmp_path: Path) -> None:
-    """build.clamp_mtimes: what a step above copies up from a cached tree (its directories)
+    """layer_cache.clamp_mtimes: what a step above copies up from a cached tree (its directories)
     carries the same mtimes whether the tree was built minutes ago or for an earlier commit."""
     tree = tmp_path / "tree"
     (tree / "opt" / "venv").mkdir(parents=True)
@@ -142,7 +143,7 @@ def test_a_cached_tree_gets_the_mtimes_its_layer_holds(tmp_path: Path) -> None:
     (tree / "link").symlink_to("/nonexistent")  # not followed
     epoch = 1_700_000_000
     os.utime(old, (epoch - 100, epoch - 100))
-    build.clamp_mtimes(tree, epoch)
+    layer_cache.clamp_mtimes(tree, epoch)
     mtimes = {p.relative_to(tree).as_posix(): int(p.lstat().st_mtime) for p in tree.rglob("*")}
     assert mtimes == {"opt": epoch, "opt/venv": epoch, "opt/old": epoch - 100,
                       "opt/venv/new": epoch, "link": epoch}  # fmt: skip

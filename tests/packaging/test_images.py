@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 
 from hack import release
-from hack.images import build, layers
+from hack.images import build, builders, checkout, layers, oci_layout, recipe
 from hack.images.spec import (
     BASE_PATH,
     CPU_DEBIAN_PYTHON,
@@ -165,7 +165,7 @@ def test_the_cpu_runtime_is_debian_trixies_torch_under_the_locked_venv() -> None
     runs = " ".join(dockerfile.instructions("RUN"))
     assert f"python3 -m venv --system-site-packages {VENV}" in runs
     assert RUNTIME_CPU.system_site_packages and "python3-torch" in RUNTIME_CPU.debian_packages
-    pins = build.locked_requirements(RUNTIME_CPU)
+    pins = recipe.locked_requirements(RUNTIME_CPU)
     names = {line.split("==")[0] for line in pins.splitlines() if "==" in line}
     assert not {n for n in names if n in ("torch", "triton") or n.startswith("nvidia-")}, names
     assert {"safetensors", "tokenizers", "ninja", "fastapi"} <= names  # the rest of the extra
@@ -188,7 +188,7 @@ def test_not_installed_patterns_pick_lock_names() -> None:
 
     for patterns, expected in cases:
         spec = replace(RUNTIME_CPU, not_installed=patterns)
-        assert build.not_installed_names(spec, locked) == expected, patterns
+        assert layers.not_installed_names(spec, locked) == expected, patterns
 
 
 def test_each_image_is_built_from_its_own_release() -> None:
@@ -196,12 +196,12 @@ def test_each_image_is_built_from_its_own_release() -> None:
     stage adds the compiler and torch's headers, and its base layer has neither. Both keep
     their .debs in the layer cache's apt directory, unmounted before the user step and
     mmdebstrap's cleanup (which would empty it), so the image holds none."""
-    assert build.apt_sources(RUNTIME)[0].endswith(f" {DEBIAN_RELEASE} main")
-    cpu_sources = build.apt_sources(RUNTIME_CPU)
+    assert layers.apt_sources(RUNTIME)[0].endswith(f" {DEBIAN_RELEASE} main")
+    cpu_sources = layers.apt_sources(RUNTIME_CPU)
     assert all(CPU_DEBIAN_RELEASE in line for line in cpu_sources), cpu_sources
     apt = Path("/cache/apt/trixie")
-    final = build.mmdebstrap_command(RUNTIME_CPU, Path("/tmp/tree"), apt)
-    stage = build.kernel_stage_command(RUNTIME_CPU, Path("/tmp/stage"), apt)
+    final = layers.mmdebstrap_command(RUNTIME_CPU, Path("/tmp/tree"), apt)
+    stage = layers.kernel_stage_command(RUNTIME_CPU, Path("/tmp/stage"), apt)
     for argv in (final, stage):
         assert CPU_DEBIAN_RELEASE in argv and "--format=directory" in argv
         hooks = [a for a in argv if a.startswith(("--setup-hook=", "--customize-hook="))]
@@ -219,16 +219,21 @@ def test_layer_keys_name_no_path_of_this_machine(tmp_path: Path) -> None:
     clones (and a cold cache) compute the same keys, and a change to kvpilot's sources is in
     neither (only the app layer's wheel holds them)."""
     for spec in SPECS:
-        inputs = build.base_inputs(spec)
+        inputs = builders.base_inputs(spec)
         assert not any(str(ROOT).encode() in value for value in inputs.values()), spec.name
         assert b"kvpilot" in inputs["user"] and spec.debian_release.encode() in inputs["mmdebstrap"]
     stages = [tmp_path / "one", tmp_path / "two"]
     for stage in stages:
         stage.mkdir()
-        build.write_requirements(OPERATOR, stage)
-    assert build.venv_inputs(OPERATOR, stages[0]) == build.venv_inputs(OPERATOR, stages[1])
-    stage_inputs = build.kernel_inputs(RUNTIME_CPU)
-    assert set(build.KERNEL_SOURCES) <= set(stage_inputs)
+        builders.write_requirements(OPERATOR, stage)
+    assert builders.venv_inputs(OPERATOR, stages[0]) == builders.venv_inputs(OPERATOR, stages[1])
+    for stage in stages:  # the app layer's: the wheel's bytes, wherever it was built
+        (stage / "kvpilot-0-py3-none-any.whl").write_bytes(b"a wheel")
+    wheel = "kvpilot-0-py3-none-any.whl"
+    assert builders.app_inputs(stages[0], wheel) == builders.app_inputs(stages[1], wheel)
+    assert builders.app_inputs(stages[0], wheel)["wheel"] == b"a wheel"
+    stage_inputs = builders.kernel_inputs(RUNTIME_CPU)
+    assert set(builders.KERNEL_SOURCES) <= set(stage_inputs)
     assert not any(str(ROOT).encode() in value for value in stage_inputs.values())
 
 
@@ -259,7 +264,7 @@ def test_the_config_carries_the_spec_and_the_layers() -> None:
         layers.Layer(name, f"sha256:{i}", f"sha256:d{i}", i, f"made {name}")
         for i, name in enumerate(("base", "venv", "kernels", "app"))
     ]
-    config = build.spec_config(RUNTIME, "2024-01-01T00:00:00Z", "abc", stack)
+    config = oci_layout.spec_config(RUNTIME, "2024-01-01T00:00:00Z", "abc", stack)
     run = config["config"]
     assert run["User"] == "10001:10001"
     assert run["Entrypoint"] == ["tini", "--", "kvpilot-runtime"]
@@ -271,7 +276,7 @@ def test_the_config_carries_the_spec_and_the_layers() -> None:
     assert [h["created_by"] for h in config["history"]] == [
         f"made {n}" for n in ("base", "venv", "kernels", "app")
     ]
-    operator = build.spec_config(OPERATOR, "2024-01-01T00:00:00Z", "abc", stack[:2])
+    operator = oci_layout.spec_config(OPERATOR, "2024-01-01T00:00:00Z", "abc", stack[:2])
     assert "Volumes" not in operator["config"]  # none declared: none in the config
 
 
@@ -288,20 +293,22 @@ def test_the_recipe_digest_moves_with_the_recipe_alone() -> None:
         {"operator/Dockerfile": b"FROM x\n", "uv.lock": b"pins"},  # another path
     ]
     assert all(layers.framed_digest(other) != same for other in changed)
-    assert all((ROOT / path).is_file() for path in build.RECIPE)
-    assert {spec.dockerfile for spec in SPECS} <= set(build.RECIPE)
-    labels = build.config_labels(RUNTIME, "abc")
-    assert labels[build.RECIPE_LABEL] == build.tree_recipe_digest(RUNTIME)
+    assert all((ROOT / path).is_file() for path in recipe.RECIPE)
+    package = ROOT / "hack" / "images"  # every module of the build is the recipe, new ones too
+    assert {f"hack/images/{p.name}" for p in package.iterdir() if p.is_file()} <= set(recipe.RECIPE)
+    assert {spec.dockerfile for spec in SPECS} <= set(recipe.RECIPE)
+    labels = oci_layout.config_labels(RUNTIME, "abc")
+    assert labels[recipe.RECIPE_LABEL] == recipe.tree_recipe_digest(RUNTIME)
     # each image's own pins: the operator's lack torch, so the two recipes differ
-    assert "torch==" in build.locked_requirements(RUNTIME)
-    assert "torch==" not in build.locked_requirements(OPERATOR)
-    assert build.tree_recipe_digest(RUNTIME) != build.tree_recipe_digest(OPERATOR)
-    assert build.tree_recipe_digest(RUNTIME_CPU) != build.tree_recipe_digest(RUNTIME)
+    assert "torch==" in recipe.locked_requirements(RUNTIME)
+    assert "torch==" not in recipe.locked_requirements(OPERATOR)
+    assert recipe.tree_recipe_digest(RUNTIME) != recipe.tree_recipe_digest(OPERATOR)
+    assert recipe.tree_recipe_digest(RUNTIME_CPU) != recipe.tree_recipe_digest(RUNTIME)
 
 
 def test_rfc3339_is_utc() -> None:
-    assert build.rfc3339(0) == "1970-01-01T00:00:00Z"
-    assert build.rfc3339(1700000000) == "2023-11-14T22:13:20Z"
+    assert layers.rfc3339(0) == "1970-01-01T00:00:00Z"
+    assert layers.rfc3339(1700000000) == "2023-11-14T22:13:20Z"
 
 
 # ---- the built images (where `make images` cached them) ------------------------------------------
@@ -328,10 +335,10 @@ def test_built_config_is_the_spec(spec: ImageSpec) -> None:
     assert sorted(run_config["ExposedPorts"]) == sorted(f"{p}/tcp" for p in spec.exposed_ports)
     assert sorted(run_config.get("Volumes") or {}) == sorted(spec.volumes)
     assert image.config["os"] == "linux" and image.config["architecture"] == "amd64"
-    layout = build.layout_dir(spec)
-    assert build.cached_recipe_digest(layout) == run_config["Labels"].get(build.RECIPE_LABEL)
+    layout = checkout.layout_dir(spec)
+    assert oci_layout.cached_recipe_digest(layout) == run_config["Labels"].get(recipe.RECIPE_LABEL)
     if built_from_this_tree(image):  # a cached image of another commit may have another recipe
-        assert build.cached_recipe_digest(layout) == build.tree_recipe_digest(spec)
+        assert oci_layout.cached_recipe_digest(layout) == recipe.tree_recipe_digest(spec)
 
 
 @pytest.mark.slow
@@ -389,7 +396,7 @@ def revision_of(image: oci_images.Image) -> str:
 
 def built_from_this_tree(image: oci_images.Image) -> bool:
     built_from = revision_of(image)
-    return built_from == build.revision() and not built_from.endswith("-dirty")
+    return built_from == checkout.revision() and not built_from.endswith("-dirty")
 
 
 @pytest.mark.slow
@@ -407,7 +414,7 @@ def test_built_image_is_reproducible_from_the_same_inputs(spec: ImageSpec, scrat
         pytest.skip("mmdebstrap is not installed: `make system-deps` (as root)")
     if not built_from_this_tree(image):
         pytest.skip(f"the cached image is from {revision_of(image)}, the tree is "
-                    f"{build.revision()}: `make images` first (a dirty tree's images are not "
+                    f"{checkout.revision()}: `make images` first (a dirty tree's images are not "
                     "compared)")  # fmt: skip
     rebuilt = oci_images.read(build.build(spec, scratch, layer_cache=scratch / "layers"))
     assert [layer["digest"] for layer in rebuilt.layers] == [
@@ -488,7 +495,9 @@ def test_runtime_image_serves_a_completion_under_tini(
 
 def has_this_recipe(spec: ImageSpec) -> bool:
     """The cached image was built by this tree's recipe (older ones may lack what it adds)."""
-    return build.cached_recipe_digest(build.layout_dir(spec)) == build.tree_recipe_digest(spec)
+    return oci_layout.cached_recipe_digest(checkout.layout_dir(spec)) == recipe.tree_recipe_digest(
+        spec
+    )
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

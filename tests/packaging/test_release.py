@@ -15,7 +15,7 @@ import yaml
 
 from hack import release
 from hack.devcluster.versions import ACTIONLINT, HELM, HELM_VERSION
-from hack.images import build
+from hack.images import checkout
 from hack.images.spec import DEBIAN_PYTHON, IMAGES
 from kvpilot.operator.config import DEFAULT_RUNTIME_IMAGE
 from tests.support.helm_chart import CHART, find, render, require
@@ -110,7 +110,7 @@ def test_images_are_pushed_where_the_chart_and_the_operator_pull_them() -> None:
     assert pushed["kvpilot-runtime-cpu"] == f"{release.REGISTRY}/runtime:{version}-cpu"
     assert all(reference.endswith(f":{version}") for name, reference in pushed.items()
                if name != "kvpilot-runtime-cpu")  # fmt: skip
-    assert build.version() == version  # the layouts' tag (`make images`)
+    assert checkout.version() == version  # the layouts' tag (`make images`)
     assert pushed["kvpilot-runtime"] == DEFAULT_RUNTIME_IMAGE
     helm = require(HELM.path("helm"))
     objects = render(helm)

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from hack.images import build
+from hack.images import checkout, oci_layout
 from hack.images.spec import ImageSpec
 
 
@@ -47,23 +47,25 @@ class Image:
     def members(self) -> Iterator[tarfile.TarInfo]:
         """Every entry of every layer, read as a stream (the runtime's layer is GBs)."""
         for layer in self.layers:
-            with tarfile.open(build.blob(self.layout, layer["digest"]), mode="r|gz") as archive:
+            with tarfile.open(
+                oci_layout.blob(self.layout, layer["digest"]), mode="r|gz"
+            ) as archive:
                 yield from archive
 
 
 def read(layout: Path) -> Image:
     index = json.loads((layout / "index.json").read_text())
     (entry,) = index["manifests"]
-    digest, manifest = build.manifest(layout)
+    digest, manifest = oci_layout.manifest(layout)
     config_digest = manifest["config"]["digest"]
-    config = json.loads(build.blob(layout, config_digest).read_text())
+    config = json.loads(oci_layout.blob(layout, config_digest).read_text())
     tag = entry["annotations"]["org.opencontainers.image.ref.name"]
     return Image(layout, tag, digest, manifest, config)
 
 
 def cached(spec: ImageSpec) -> Image:
     """The image `make images` left in the build cache, or a skip that says how to build it."""
-    layout = build.layout_dir(spec)
+    layout = checkout.layout_dir(spec)
     if not (layout / "index.json").is_file():
         pytest.skip(f"no {spec.name} image at {layout}: build it with `make images` (as root)")
     return read(layout)
