@@ -296,6 +296,7 @@ def test_a_variant_the_operator_cannot_read_is_refused_saying_what_to_do(uri: st
     assert error["msg"] == f"Value error, must be {api.VARIANT_URI_FORMS}"
     assert "cannot read a node's file:// path" in error["msg"]
     assert "upload the checkpoint to S3, or serve it as spec.model (file:///PATH" in error["msg"]
+    assert "with configMapRef naming a ConfigMap that holds its config.json" in error["msg"]
     items = _schema_at(("spec", "model", "variants"))["items"]["properties"]["uri"]
     (rule,) = items["x-kubernetes-validations"]
     assert rule["message"] == f"must be {api.VARIANT_URI_FORMS}"

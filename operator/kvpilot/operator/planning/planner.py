@@ -21,6 +21,7 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from kvpilot.contract import memory
+from kvpilot.contract.checkpoint_quant import SIXTEEN_BIT
 from kvpilot.contract.memory import MemoryEstimate, ModelFacts
 from kvpilot.operator.api import ModelDeploymentSpec, PlanEntry, allowed_quantizations
 from kvpilot.operator.autoscaling.spread import spread_replicas
@@ -138,6 +139,11 @@ class Candidate:
         return f"variant {self.variant}" if self.variant else "spec.model"
 
 
+def checkpoint_kind(facts: ModelFacts) -> str:
+    """How the checkpoint stores its weights, as the runtime's --expect-checkpoint names it."""
+    return SIXTEEN_BIT if facts.checkpoint is None else facts.checkpoint.kind
+
+
 def _own_level(facts: ModelFacts) -> str | None:
     return None if facts.checkpoint is None else facts.checkpoint.level
 
@@ -181,6 +187,9 @@ class NodePlan:
     memory_bytes: int = 0  # the container's memory request (PlanRequest.memory_bytes)
     variant: str = ""  # the spec.model.variants[] name served; "": spec.model
     choice: str = ""  # why this source won where several fit (choice.explain); "": alone
+    # How the served checkpoint stores its weights (checkpoint_quant.CHECKPOINT_KINDS, e.g.
+    # awq-int4): the pod's --expect-checkpoint where the plan came from a given config.json
+    checkpoint: str = SIXTEEN_BIT
 
     @property
     def price_per_replica_hour(self) -> float:
@@ -229,6 +238,7 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
         f" {estimate.describe()}"
         + (_ONE_GPU_FOR_TIERS if request.has_kv_offload and node_type.gpus_per_node > 1 else ""),
         variant=candidate.variant,
+        checkpoint=checkpoint_kind(candidate.facts),
     )
 
 
@@ -404,6 +414,7 @@ def _fitting(
         f" {estimate.describe()}",
         memory_bytes=request.memory_bytes,
         variant=candidate.variant,
+        checkpoint=checkpoint_kind(candidate.facts),
     )
 
 

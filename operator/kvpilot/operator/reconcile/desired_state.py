@@ -124,11 +124,13 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     try:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
-        facts = catalog.resolve(spec.model, _read(observed.source_facts))
+        facts = model_facts_of(spec, observed.source_facts)
         check_prequantized(spec, facts)
         draft = _draft(spec, observed.draft_facts)
         request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
         request = dataclasses.replace(request, variants=variants(spec, facts, observed))
+    except ConfigMapUnreadError as error:
+        return Desired(error=_one_line(error), needs_retry=True)
     except (ValidationError, ValueError) as error:
         unread = [why for why in sources if isinstance(why, str)]
         if unread:  # the source may answer later: try again
@@ -293,6 +295,20 @@ def _draft(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts | Non
             " from its config.json"
         )
     return found
+
+
+class ConfigMapUnreadError(ValueError):
+    """spec.model.configMapRef's config.json could not be read or is refused: the plan fails
+    (the stated facts' 16-bit plan would start pods that refuse, or misserve, the checkpoint)
+    and is retried, as the ConfigMap may be created or fixed."""
+
+
+def model_facts_of(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts:
+    """spec.model's facts: stated, the catalog's, or read (catalog.resolve); with a configMapRef
+    only once its config.json was read (ConfigMapUnreadError)."""
+    if spec.model.config_map_ref is not None and not isinstance(read, ModelFacts):
+        raise ConfigMapUnreadError(read or f"{model_facts.CONFIG_MAP_FIELD}: not read yet")
+    return catalog.resolve(spec.model, _read(read))
 
 
 def _unread_note(source_facts: Read | None) -> str:
