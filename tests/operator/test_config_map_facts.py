@@ -11,16 +11,21 @@ out) all hold 28 layers' projections x (0.5 + 4/128) + the rest x 2 = 5.26 GiB; 
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import yaml
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from kvpilot.contract import checkpoint_quant, serve_config
+from hack.devcluster.versions import KUBERNETES
+from kvpilot.contract import checkpoint_quant, memory, serve_config
 from kvpilot.contract.memory import ModelFacts
 from kvpilot.operator import api, crdgen
 from kvpilot.operator.planning import model_facts
+from kvpilot.operator.planning.inventory import NodeType
 from kvpilot.operator.planning.model_facts import facts_from_config_map
 from kvpilot.operator.reconcile import desired_state
 from tests.support.checkpoint_configs import (
@@ -31,6 +36,7 @@ from tests.support.checkpoint_configs import (
     QWEN25_7B_LAYER,
     QWEN25_7B_PARAMETERS,
 )
+from tests.support.helm_chart import require
 from tests.support.prequant_plans import CONFIG, L4
 
 MD = {"metadata": {"name": "m", "namespace": "ns", "uid": "u"}}
@@ -273,3 +279,48 @@ def test_a_local_source_with_a_config_map_has_no_16_bit_note() -> None:
     model = api.ModelSource.model_validate({"uri": URI, "configMapRef": {"name": "c"}})
     assert model_facts.local_source_note(model) == ""
     assert "configMapRef" in model_facts.local_source_note(api.ModelSource(uri=URI))
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "local-checkpoint"
+LOCAL = NodeType("local", "", 16384, 1, 0.0, {"t": "local"}, ("n",), (1,))
+# tiny-llama int4 by compressed-tensors (group 128, down_proj and lm_head left out, embeddings
+# tied): per layer q 256x256, k and v 256x64, o 256x256, gate and up 256x688 at 0.5 + 4/128
+TINY_QUANTIZED = 4 * (2 * 256 * 256 + 2 * 256 * 64 + 2 * 256 * 688)
+TINY_PARAMETERS = 3_819_776
+
+
+def test_the_kustomize_example_is_planned_at_its_checkpoints_int4() -> None:
+    """examples/local-checkpoint: the ConfigMap kustomize generates from config.json (that
+    checkpoint's own, as bench.reference.prequantized writes it) is what the model names."""
+    kustomization = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())
+    md = yaml.safe_load((EXAMPLE / "modeldeployment.yaml").read_text())
+    (generator,) = kustomization["configMapGenerator"]
+    spec = api.parse_spec(md["spec"])
+    assert spec.model.config_map_ref == api.ConfigMapKeyRef(name=generator["name"])
+    data = {name: (EXAMPLE / name).read_text() for name in generator["files"]}
+    facts = facts_from_config_map(data, spec.model.config_map_ref, "ns")
+    assert facts.parameters == TINY_PARAMETERS  # the shapes count what the safetensors hold
+    md["metadata"] |= {"namespace": "ns", "uid": "u"}
+    observed = desired_state.Observed(node_types=(LOCAL,), source_facts=facts)
+    desired = desired_state.desire(md, CONFIG, observed)
+    (entry,) = desired.plan
+    assert (entry.quantization, entry.fits) == ("int4", True)
+    weights = TINY_QUANTIZED * (0.5 + 4 / 128) + (TINY_PARAMETERS - TINY_QUANTIZED) * 2
+    assert memory.model_weight_bytes(facts, "int4") == pytest.approx(weights)  # status: 0.00 GiB
+    flags = pod_flags(desired)
+    assert (flags.quantization, flags.expect_checkpoint) == ("int4", "compressed-tensors-int4")
+
+
+def test_kustomize_writes_the_generated_config_maps_name_into_the_model() -> None:
+    kubectl = require(Path(KUBERNETES.path("kubectl")))
+    out = subprocess.run(
+        [str(kubectl), "kustomize", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    config_map, md = sorted(yaml.safe_load_all(out), key=lambda o: o["kind"])
+    assert config_map["metadata"]["name"].startswith("tiny-llama-int4-config-")  # hashed
+    assert md["spec"]["model"]["configMapRef"]["name"] == config_map["metadata"]["name"]
+    assert json.loads(config_map["data"]["config.json"])["quantization_config"]
