@@ -226,11 +226,14 @@ class FakeCoreV1:
     """CoreV1Api's read_namespaced_config_map on a dict of ConfigMaps by (namespace, name)."""
 
     found: ClassVar[dict[tuple[str, str], dict[str, str]]] = {}
+    forbidden: ClassVar[bool] = False
 
     def __init__(self, client: Any) -> None:
         pass
 
     def read_namespaced_config_map(self, name: str, namespace: str) -> Any:
+        if self.forbidden:
+            raise ApiException(status=403, reason="Forbidden")
         if (namespace, name) not in self.found:
             raise ApiException(status=404, reason="Not Found")
         return type("V1ConfigMap", (), {"data": self.found[namespace, name]})()
@@ -248,6 +251,23 @@ def test_the_reader_reads_the_config_map_each_time(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(FakeCoreV1, "found", {("ns", "qwen-config"): config_map(QWEN25_7B_AWQ)})
     checkpoint = reader.read_config_map("ns", REF).checkpoint
     assert checkpoint is not None and checkpoint.kind == "awq-int4"
+    monkeypatch.setattr(FakeCoreV1, "forbidden", True)
+    with pytest.raises(ValueError, match="may not read ConfigMap qwen-config in namespace ns"):
+        reader.read_config_map("ns", REF)
+
+
+def test_a_local_pre_quantised_model_under_the_gate_is_told_to_upload_it_as_a_variant() -> None:
+    evaluation = {"dataset": {"configMap": "eval", "key": "eval.txt"}, "maxQualityLoss": 2.0}
+    model = {"uri": URI, "configMapRef": {"name": REF.name}}
+    spec = {"model": model, "quantization": {"evaluation": evaluation}}
+    observed = desired_state.Observed(node_types=(L4,), source_facts=read(QWEN25_7B_AWQ))
+    desired = desired_state.desire(MD | {"spec": spec}, CONFIG, observed)
+    assert desired.is_invalid_spec
+    assert (
+        "put the model's 16-bit checkpoint in spec.model.uri and this one uploaded to S3 (a"
+        " variant is read from hf:// or s3://) under spec.model.variants (e.g. {name: awq, uri:"
+        " s3://BUCKET/awq})"
+    ) in str(desired.error)
 
 
 @pytest.mark.parametrize(

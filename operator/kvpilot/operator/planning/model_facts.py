@@ -70,6 +70,11 @@ class ModelFactsReader:
                 ref.name, namespace
             )
         except ApiException as error:
+            if error.status == 403:  # an operator installed without the chart's rights
+                raise ValueError(
+                    f"{CONFIG_MAP_FIELD}: the operator may not read ConfigMap {ref.name} in"
+                    f" namespace {namespace}: grant it get on configmaps (the chart does)"
+                ) from error
             if error.status != 404:
                 raise
             return facts_from_config_map(None, ref, namespace)

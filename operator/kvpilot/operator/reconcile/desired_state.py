@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from kvpilot.contract import catalog
 from kvpilot.contract.memory import ModelFacts
+from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import model_facts, planner
@@ -232,11 +233,15 @@ def check_prequantized(spec: api.ModelDeploymentSpec, facts: ModelFacts) -> None
     if facts.checkpoint is None or spec.quantization.evaluation is None:
         return
     method = facts.checkpoint.description.split()[0]  # e.g. awq: a DNS label, a variant's name
+    # A file:// or pvc:// one (planned from spec.model.configMapRef) cannot be a variant as it is
+    is_local = not parse_model_uri(spec.model.uri).is_fetched
+    uri = f"s3://BUCKET/{method}" if is_local else spec.model.uri
+    upload = " uploaded to S3 (a variant is read from hf:// or s3://)" if is_local else ""
     raise ValueError(
         f"spec.quantization.evaluation needs a 16-bit spec.model as its baseline, and"
         f" spec.model ({spec.model.uri}) is pre-quantised ({facts.checkpoint.description}):"
-        " put the model's 16-bit checkpoint in spec.model.uri and this one under"
-        f" spec.model.variants (e.g. {{name: {method}, uri: {spec.model.uri}}}),"
+        f" put the model's 16-bit checkpoint in spec.model.uri and this one{upload} under"
+        f" spec.model.variants (e.g. {{name: {method}, uri: {uri}}}),"
         " or remove spec.quantization.evaluation to serve it unmeasured"
     )
 
