@@ -26,6 +26,9 @@ from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.contract.remote_config import count_parameters, read_config_json
 from kvpilot.operator import api
 
+# Where a file:// or pvc:// model's config.json comes from (a node's path, a claim: not here)
+CONFIG_MAP_FIELD = "spec.model.configMapRef"
+
 
 class UnservableCheckpointError(ValueError):
     """The source was read, and the runtime would refuse its checkpoint (its
@@ -175,9 +178,6 @@ def facts_from_config_map(
         ) from error
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
-
-
-CONFIG_MAP_FIELD = "spec.model.configMapRef"
 
 
 def local_source_note(model: api.ModelSource) -> str:
