@@ -92,7 +92,7 @@ def test_every_field_is_a_flag_and_to_args_round_trips(model_dir: Path) -> None:
     """The operator's writer and the runtime's parser agree on every field."""
     values = {
         "model": str(model_dir), "served_name": "m", "quantization": "int8", "dtype": "float16",
-        "int8_kernel": "w8a16", "attention_backend": "sdpa",
+        "int8_kernel": "w8a16", "attention_backend": "sdpa", "expect_checkpoint": "awq-int4",
         "device": "cpu", "max_model_len": 99, "max_num_seqs": 5, "max_num_batched_tokens": 77,
         "kv_cache_memory": 4096, "enable_prefix_caching": False, "seed": 3,
         "tensor_parallel_size": 2, "kv_cache_dtype": "fp8", "host": "127.0.0.2", "port": 9001,

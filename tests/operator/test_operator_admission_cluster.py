@@ -36,7 +36,7 @@ def test_invalid_modeldeployments_are_rejected_naming_the_field(
     cluster: Any, crds: None, namespace: str
 ) -> None:
     files = sorted((EXAMPLES / "invalid").glob("*.yaml"))
-    assert len(files) == 18
+    assert len(files) == 19
     for path in files:
         field = path.read_text().splitlines()[0].split("the error names: ")[1].strip()
         done = cluster.kubectl("apply", "-n", namespace, "-f", str(path), check=False)

@@ -118,8 +118,8 @@ def test_examples_parse_and_resolve(path: Path) -> None:
     assert len(doc["metadata"]["name"]) <= crdgen.MAX_NAME_LENGTH
 
 
-def test_there_are_eighteen_invalid_examples_each_naming_its_field() -> None:
-    assert len(INVALID) == 18
+def test_there_are_nineteen_invalid_examples_each_naming_its_field() -> None:
+    assert len(INVALID) == 19
     for path in INVALID:
         assert "the error names: spec" in path.read_text().splitlines()[0], path
 
@@ -296,6 +296,7 @@ def test_a_variant_the_operator_cannot_read_is_refused_saying_what_to_do(uri: st
     assert error["msg"] == f"Value error, must be {api.VARIANT_URI_FORMS}"
     assert "cannot read a node's file:// path" in error["msg"]
     assert "upload the checkpoint to S3, or serve it as spec.model (file:///PATH" in error["msg"]
+    assert "with configMapRef naming a ConfigMap that holds its config.json" in error["msg"]
     items = _schema_at(("spec", "model", "variants"))["items"]["properties"]["uri"]
     (rule,) = items["x-kubernetes-validations"]
     assert rule["message"] == f"must be {api.VARIANT_URI_FORMS}"

@@ -15,19 +15,10 @@ import pytest
 from kvpilot.contract.memory import GIB
 from kvpilot.operator.planning import choice, planner
 from kvpilot.operator.planning.model_facts import facts_from_config_json
-from tests.support.checkpoint_configs import QWEN25_7B
+from tests.support.checkpoint_configs import QWEN25_7B_GPTQ
 from tests.support.prequant_plans import AWQ, BF16, T4, no_header_read, request
 
-GPTQ_CONFIG = QWEN25_7B | {
-    "quantization_config": {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": 128,
-        "desc_act": False,
-        "sym": True,
-    }
-}
-GPTQ = facts_from_config_json(GPTQ_CONFIG, no_header_read, "variant gptq", "")
+GPTQ = facts_from_config_json(QWEN25_7B_GPTQ, no_header_read, "variant gptq", "")
 
 
 def fit(

@@ -5,6 +5,7 @@ crash-looping pod on a GPU node."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import typing
 from pathlib import Path
@@ -16,6 +17,7 @@ import yaml
 from hack.images.spec import RUNTIME
 from hack.podrunner import pods as podrunner_pods
 from kvpilot.contract import adapter_cache, fetch, serve_config
+from kvpilot.contract.checkpoint_quant import CHECKPOINT_KINDS
 from kvpilot.contract.engine_config import SCHEDULING_POLICY_CHOICES
 from kvpilot.contract.memory import ModelFacts
 from kvpilot.contract.model_source import parse_model_uri
@@ -92,6 +94,21 @@ def test_every_plan_shape_parses_in_the_runtime(
     assert config.served_name == "model"
     for init in pod_spec.get("initContainers", []):
         parsed_fetch(init)
+
+
+@pytest.mark.parametrize("kind", CHECKPOINT_KINDS)
+@pytest.mark.parametrize("uri", [u for u in URIS if u.startswith(("pvc://", "file://"))])
+def test_a_model_planned_from_a_config_map_expects_its_checkpoint(uri: str, kind: str) -> None:
+    """Planned from spec.model.configMapRef's config.json: the pod names the checkpoint kind
+    planned, in a flag the runtime parses; other pods keep the args they had."""
+    model = {"uri": uri, "configMapRef": {"name": "model-config"}}
+    node_plan = dataclasses.replace(plan(1, "int4"), checkpoint=kind)
+    for spec, expected in [
+        (api.parse_spec({"model": model}), kind),
+        (api.parse_spec({"model": {"uri": uri}}), None),
+    ]:
+        pod = manifests.build_deployment(MD, spec, node_plan, 1, CONFIG)["spec"]["template"]
+        assert parsed_serve(pod["spec"]["containers"][0]).expect_checkpoint == expected
 
 
 @pytest.mark.parametrize("uri", [u for u in URIS if u.startswith(("hf://", "s3://"))])

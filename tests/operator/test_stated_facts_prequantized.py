@@ -128,8 +128,8 @@ def test_stated_facts_win_for_the_architecture_and_config_json_gives_the_checkpo
 LOCAL_NOTE = "planned from spec.model's facts as a 16-bit checkpoint: the operator does not read"
 
 
-# A file:// or pvc:// spec.model is not read (a node's path, a claim): the Planned message says
-# it was planned as 16-bit and where a pre-quantised checkpoint must come from instead.
+# A file:// or pvc:// spec.model is not read (a node's path, a claim): without a configMapRef the
+# Planned message says it was planned as 16-bit and how to give the operator its config.json.
 @pytest.mark.parametrize(
     ("uri", "read", "scheme"),
     [
@@ -149,4 +149,6 @@ def test_a_local_source_is_planned_as_16_bit_and_the_planned_message_says_so(
         return
     assert desired.plan[0].quantization == "bf16"
     assert f"{LOCAL_NOTE} {scheme}:// sources" in desired.summary
-    assert desired.summary.endswith("serve such a checkpoint from hf:// or s3://, where it is read")
+    assert desired.summary.endswith(
+        "give its config.json in a ConfigMap that spec.model.configMapRef names, where it is read"
+    )

@@ -25,6 +25,37 @@ QWEN25_7B_AWQ = QWEN25_7B | {
         "zero_point": True,
     }
 }
+# A GPTQ 4-bit checkpoint of the same model (what AutoGPTQ / GPTQModel write)
+QWEN25_7B_GPTQ = QWEN25_7B | {
+    "quantization_config": {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": False,
+        "sym": True,
+    }
+}
+# ... and as llm-compressor writes a W4A16 one: pack-quantized int4, group 128, lm_head left out
+QWEN25_7B_CT_INT4 = QWEN25_7B | {
+    "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "type": "int",
+                    "num_bits": 4,
+                    "strategy": "group",
+                    "group_size": 128,
+                    "symmetric": True,
+                },
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+}
 TINYLLAMA: dict[str, Any] = {
     "model_type": "llama",
     "hidden_size": 2048,

@@ -89,7 +89,8 @@ kopf = the framework (watches, progress annotations, peering), k8s.py = our API 
   verbs: [get, list, watch, create, patch, delete]
 # quality evaluation (spec.quantization.evaluation, quality_io.py): the eval set's ConfigMap is
 # read by name, the measurement cache (a ConfigMap per model) created and merged into; eval Jobs
-# (above) are deleted once read
+# (above) are deleted once read. spec.model.configMapRef's ConfigMap (a file:// or pvc://
+# checkpoint's config.json) is read by name too (model_facts.py)
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, patch]

@@ -35,6 +35,18 @@ AWQ_VERSIONS = ("gemm",)
 # The module kinds compressed-tensors' targets name; every matrix this engine quantises is one.
 LINEAR_TARGETS = ("Linear",)
 FIELD = "quantization_config"
+# How a checkpoint's weights are stored, as --expect-checkpoint names it (checkpoint_kind): the
+# operator plans a file:// or pvc:// model from a config.json the user gives it
+# (spec.model.configMapRef), and its pods refuse a checkpoint of another kind at start.
+SIXTEEN_BIT = "16-bit"
+CHECKPOINT_KINDS = (
+    SIXTEEN_BIT,
+    "compressed-tensors-int4",
+    "compressed-tensors-int8",
+    "compressed-tensors-fp8",
+    "gptq-int4",
+    "awq-int4",
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,14 @@ class CheckpointQuant:
     def level(self) -> str:
         """The engine level of the quantised layers (one for the whole checkpoint)."""
         return self.groups[0][1].level
+
+    @property
+    def kind(self) -> str:
+        """The method and the stored format of its quantised modules, e.g. `awq-int4` or
+        `compressed-tensors-fp8` (one of CHECKPOINT_KINDS)."""
+        scheme = self.groups[0][1]
+        stored = "fp8" if scheme.type == "float" else f"int{scheme.num_bits}"
+        return f"{self.method}-{stored}"
 
     def describe(self) -> str:
         schemes = sorted({scheme.describe() for _, scheme in self.groups})
@@ -281,3 +301,25 @@ def check_prequantized_parallel(quant: CheckpointQuant | None, tensor_parallel_s
             f"--tensor-parallel-size {tensor_parallel_size} with a pre-quantised checkpoint "
             f"({quant.describe()}) is not supported; run it with --tensor-parallel-size 1"
         )
+
+
+def checkpoint_kind(quant: CheckpointQuant | None) -> str:
+    """One of CHECKPOINT_KINDS: `16-bit` for a checkpoint without a quantization_config."""
+    return SIXTEEN_BIT if quant is None else quant.kind
+
+
+def check_expected_checkpoint(expected: str | None, quant: CheckpointQuant | None) -> None:
+    """--expect-checkpoint against the checkpoint loaded: a pod planned for one kind (from the
+    config.json the operator was given) must not serve another, e.g. quantise a 16-bit
+    checkpoint to int4 itself where a calibrated AWQ one was planned. None: not checked."""
+    found = checkpoint_kind(quant)
+    if expected is None or expected == found:
+        return
+    what = f"{FIELD} {quant.describe()}" if quant is not None else f"no {FIELD}"
+    raise ValueError(
+        f"--expect-checkpoint {expected}: the checkpoint at --model is {found} ({what} in its"
+        " config.json); it was planned from another config.json than its own (the operator"
+        " plans a file:// or pvc:// model from spec.model.configMapRef's ConfigMap): put this"
+        " checkpoint's config.json in that ConfigMap, or point spec.model.uri at the checkpoint"
+        " it describes"
+    )

@@ -42,6 +42,7 @@ def read_checkpoint_weights(config: dict[str, Any]) -> CheckpointWeights | None:
     return CheckpointWeights(
         level=quant.level,
         description=quant.describe(),
+        kind=quant.kind,
         quantized_parameters=sum(n_in * n_out for (n_in, n_out), _ in quantized),
         quantized_bytes=sum(n_in * n_out * scheme_bytes(s) for (n_in, n_out), s in quantized),
     )

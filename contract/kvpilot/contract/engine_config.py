@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.contract.checkpoint_quant import CHECKPOINT_KINDS
 from kvpilot.contract.speculative_config import SpeculativeConfig
 from kvpilot.contract.speculative_config import parse_config as parse_speculative_config
 
@@ -40,6 +41,13 @@ class EngineConfig:
     model: str = field(metadata={"help": "local path to an HF-format checkpoint directory"})
     served_name: str | None = option(None, "model id clients send (default: the model's name)")
     quantization: str = option("none", "weight quantisation", QUANTIZATION_CHOICES)
+    expect_checkpoint: str | None = option(
+        None,
+        "refuse to start unless the checkpoint's weights are stored this way (16-bit: no "
+        "quantization_config in config.json); the operator passes it where it planned from a "
+        "config.json it was given rather than read at the source (spec.model.configMapRef)",
+        CHECKPOINT_KINDS,
+    )
     int8_kernel: str = option(
         "auto",
         "the int8 level's matmul: w8a8 quantises each activation row to int8 too (torch._int_mm,"
@@ -141,6 +149,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         _check_choice("int8_kernel", self.int8_kernel, INT8_KERNEL_CHOICES)
+        if self.expect_checkpoint is not None:
+            _check_choice("expect_checkpoint", self.expect_checkpoint, CHECKPOINT_KINDS)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKEND_CHOICES)

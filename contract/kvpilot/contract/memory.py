@@ -51,6 +51,7 @@ class CheckpointWeights:
 
     level: str  # the --quantization it runs with: int4, int8, or none (fp8, dequantised at load)
     description: str  # e.g. "awq int4 (awq-gemm, group 128)"
+    kind: str  # its method and stored format (checkpoint_quant.CHECKPOINT_KINDS), e.g. awq-int4
     quantized_parameters: int
     quantized_bytes: float
 

@@ -139,7 +139,13 @@ DRAFT_URI_FORMS = "hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
 VARIANT_URI_FORMS = (
     f"{DRAFT_URI_FORMS}: the operator reads a variant's config.json to plan it and cannot read"
     " a node's file:// path or a pvc:// claim; upload the checkpoint to S3, or serve it as"
-    " spec.model (file:///PATH, with layers, kvHeads, headDim and parameters stated)"
+    " spec.model (file:///PATH with configMapRef naming a ConfigMap that holds its config.json)"
+)
+# The operator reads an hf:// or s3:// model's config.json itself (what the pods fetch); a node's
+# file:// path or a claim it cannot read, so for those the user gives it in a ConfigMap.
+CONFIG_MAP_REF_IS_LOCAL = (
+    "configMapRef is for file:// and pvc:// models: an hf:// or s3:// model's config.json is"
+    " read from the source; remove configMapRef"
 )
 ADAPTER_URI_FORMS = (
     "hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH (a PEFT"
@@ -169,6 +175,13 @@ class _Model(BaseModel):
 
 class SecretRef(_Model):
     name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+
+
+class ConfigMapKeyRef(_Model):
+    """One key of a ConfigMap in the ModelDeployment's namespace."""
+
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    key: str = Field(default="config.json", pattern=SECRET_KEY_PATTERN, max_length=253)
 
 
 class ModelCache(_Model):
@@ -226,6 +239,11 @@ class ModelSource(_Model):
                 "!has(self.cache) || self.uri.startsWith('hf://') || self.uri.startsWith('s3://')",
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already",
             ),
+            (
+                "!has(self.configMapRef) || self.uri.startsWith('file://')"
+                " || self.uri.startsWith('pvc://')",
+                CONFIG_MAP_REF_IS_LOCAL,
+            ),
         )
     )
 
@@ -248,6 +266,14 @@ class ModelSource(_Model):
     kv_heads: int | None = Field(default=None, ge=1, le=1024)
     head_dim: int | None = Field(default=None, ge=1, le=4096)
     vocab_size: int | None = Field(default=None, ge=1)
+    config_map_ref: ConfigMapKeyRef | None = Field(
+        default=None,
+        description="file:// and pvc:// only: a ConfigMap in this namespace holding the"
+        " checkpoint's config.json (key default config.json), which the operator cannot read"
+        " from a node's path or a claim; it plans the model from it (architecture, and a"
+        " pre-quantised checkpoint's own level and bytes) as it plans an hf:// one from"
+        " the source, and its pods refuse a checkpoint of another kind",
+    )
     cache: ModelCache | None = Field(
         default=None,
         description="fetch once into a shared volume instead of once per pod; each of variants"
@@ -268,6 +294,8 @@ class ModelSource(_Model):
             raise ValueError(
                 "cache applies to hf:// and s3:// models; pvc:// and file:// are local already"
             )
+        if self.config_map_ref is not None and not self.uri.startswith(("file://", "pvc://")):
+            raise ValueError(CONFIG_MAP_REF_IS_LOCAL)
         names = [v.name for v in self.variants]
         if len(set(names)) < len(names):
             raise ValueError(_VARIANTS_UNIQUE)

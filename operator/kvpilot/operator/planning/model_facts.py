@@ -1,15 +1,18 @@
-"""Architecture facts of hf:// and s3:// models the catalog lacks, read at the source.
+"""Architecture facts of hf:// and s3:// models the catalog lacks, read at the source, and of
+file:// and pvc:// models from the config.json their spec.model.configMapRef names.
 
 Only config.json and the safetensors headers are read (runtime/remote_config.py), with the
 endpoints of the ModelDeployment's `spec.runtime.env` and the Secret its `spec.model.secretRef`
 names — what its pods would use. Facts are kept per (namespace, URI): a model's architecture does
-not change under a URI the user did not change, so a re-plan costs no network.
+not change under a URI the user did not change, so a re-plan costs no network. A ConfigMap is read
+each pass (one GET): it may be created or fixed after the ModelDeployment.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,9 @@ from kvpilot.contract.memory import ModelFacts
 from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.contract.remote_config import count_parameters, read_config_json
 from kvpilot.operator import api
+
+# Where a file:// or pvc:// model's config.json comes from (a node's path, a claim: not here)
+CONFIG_MAP_FIELD = "spec.model.configMapRef"
 
 
 class UnservableCheckpointError(ValueError):
@@ -58,6 +64,24 @@ class ModelFactsReader:
                 config, lambda: count_parameters(source, env), which, note
             )
         return self._known[key]
+
+    def read_config_map(self, namespace: str, ref: api.ConfigMapKeyRef) -> ModelFacts:
+        """The facts of the config.json spec.model.configMapRef names (facts_from_config_map);
+        ValueError naming the field and what to do."""
+        try:
+            found = k8s_client.CoreV1Api(self.client).read_namespaced_config_map(
+                ref.name, namespace
+            )
+        except ApiException as error:
+            if error.status == 403:  # an operator installed without the chart's rights
+                raise ValueError(
+                    f"{CONFIG_MAP_FIELD}: the operator may not read ConfigMap {ref.name} in"
+                    f" namespace {namespace}: grant it get on configmaps (the chart does)"
+                ) from error
+            if error.status != 404:
+                raise
+            return facts_from_config_map(None, ref, namespace)
+        return facts_from_config_map(found.data or {}, ref, namespace)
 
     def _env(
         self, namespace: str, spec: api.ModelDeploymentSpec, ref: api.SecretRef | None, where: str
@@ -112,18 +136,64 @@ def facts_from_config_json(
         raise ValueError(f"cannot read the {which}'s config.json: {error}{note}") from error
 
 
+def facts_from_config_map(
+    data: Mapping[str, str] | None, ref: api.ConfigMapKeyRef, namespace: str
+) -> ModelFacts:
+    """Facts from the config.json in spec.model.configMapRef's ConfigMap (`data`; None: the
+    ConfigMap is not there), planned as a read one is: the architecture, and a pre-quantised
+    checkpoint's level and bytes. Parameters come from the shapes (the operator cannot read a
+    node's safetensors headers). ValueError naming the field and what to do, for a missing
+    ConfigMap or key, a value that is not a JSON object, or a checkpoint the runtime refuses."""
+    where = f"{CONFIG_MAP_FIELD} (ConfigMap {ref.name}, key {ref.key})"
+    create = (
+        f"kubectl create configmap {ref.name} -n {namespace}"
+        f" --from-file={ref.key}=CHECKPOINT/config.json"
+    )
+    if data is None:
+        raise ValueError(
+            f"{where}: ConfigMap {ref.name} not found in namespace {namespace}: {create}"
+        )
+    if ref.key not in data:
+        keys = ", ".join(sorted(data)) or "none"
+        raise ValueError(
+            f"{where}: the ConfigMap has no key {ref.key} (its keys: {keys}): set"
+            f" {CONFIG_MAP_FIELD}.key, or {create}"
+        )
+    try:
+        config = json.loads(data[ref.key])
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{where}: not JSON ({error}): it must hold the checkpoint's config.json"
+        ) from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: not a JSON object: it must hold the checkpoint's config.json")
+    try:
+        return facts_from_config_json(
+            config, lambda: checkpoint_weights.architecture_parameters(config), "model", ""
+        )
+    except UnservableCheckpointError as error:
+        raise ValueError(
+            f"{where}: {error}; serve a checkpoint the runtime supports (or, if this is not the"
+            " checkpoint's own config.json, put that one in the ConfigMap)"
+        ) from error
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from error
+
+
 def local_source_note(model: api.ModelSource) -> str:
-    """The Planned message's note for a file:// or pvc:// spec.model the catalog lacks: the
-    operator cannot read its config.json (a node's path, a claim), so it plans the stated facts
-    as a 16-bit checkpoint and cannot know whether it is pre-quantised; '' for other sources."""
+    """The Planned message's note for a file:// or pvc:// spec.model the catalog lacks and no
+    configMapRef describes: the operator cannot read its config.json (a node's path, a claim),
+    so it plans the stated facts as a 16-bit checkpoint and cannot know whether it is
+    pre-quantised; '' for other sources."""
     source = parse_model_uri(model.uri)
-    if source.is_fetched or catalog.lookup(model.uri) is not None:
+    if source.is_fetched or catalog.lookup(model.uri) is not None or model.config_map_ref:
         return ""
     return (
         "; planned from spec.model's facts as a 16-bit checkpoint: the operator does not read"
         f" {source.scheme}:// sources, so a pre-quantised one (quantization_config in its"
         " config.json) is not planned at its own level and bytes, and its pods refuse another"
-        " level at start; serve such a checkpoint from hf:// or s3://, where it is read"
+        " level at start; give its config.json in a ConfigMap that spec.model.configMapRef"
+        " names, where it is read"
     )
 
 

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from kvpilot.contract import memory
+from kvpilot.contract.checkpoint_quant import SIXTEEN_BIT
 from kvpilot.contract.memory import MemoryEstimate, ModelFacts
 from kvpilot.operator.api import ModelDeploymentSpec
 from kvpilot.operator.planning import choice
@@ -48,6 +49,7 @@ __all__ = [
     "PlanRequest",
     "adapter_slot_bytes",
     "assign_replicas",
+    "checkpoint_kind",
     "cost_rank",
     "desired_total",
     "estimated_cost",
@@ -105,6 +107,7 @@ def plan_node_type(request: PlanRequest, node_type: NodeType) -> NodePlan:
         f" {estimate.describe()}"
         + (_ONE_GPU_FOR_TIERS if request.has_kv_offload and node_type.gpus_per_node > 1 else ""),
         variant=candidate.variant,
+        checkpoint=checkpoint_kind(candidate.facts),
     )
 
 
@@ -171,6 +174,11 @@ def _no_candidate_reason(request: PlanRequest, node_type: NodeType) -> str:
         f"{node_type.name}: a pre-quantised checkpoint runs on one GPU (its packed tensors are"
         f" not split), and minGpusPerReplica is {request.min_gpus_per_replica}"
     )
+
+
+def checkpoint_kind(facts: ModelFacts) -> str:
+    """How the checkpoint stores its weights, as the runtime's --expect-checkpoint names it."""
+    return SIXTEEN_BIT if facts.checkpoint is None else facts.checkpoint.kind
 
 
 def _describe(facts: ModelFacts) -> str:
@@ -272,6 +280,7 @@ def _fitting(
         f" {estimate.describe()}",
         memory_bytes=request.memory_bytes,
         variant=candidate.variant,
+        checkpoint=checkpoint_kind(candidate.facts),
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.contract import memory
+from kvpilot.contract.checkpoint_quant import SIXTEEN_BIT
 from kvpilot.contract.memory import MemoryEstimate
 from kvpilot.operator.api import PlanEntry
 from kvpilot.operator.autoscaling.spread import spread_replicas
@@ -38,6 +39,9 @@ class NodePlan:
     memory_bytes: int = 0  # the container's memory request (PlanRequest.memory_bytes)
     variant: str = ""  # the spec.model.variants[] name served; "": spec.model
     choice: str = ""  # why this source won where several fit (choice.explain); "": alone
+    # How the served checkpoint stores its weights (checkpoint_quant.CHECKPOINT_KINDS, e.g.
+    # awq-int4): the pod's --expect-checkpoint where the plan came from a given config.json
+    checkpoint: str = SIXTEEN_BIT
 
     @property
     def price_per_replica_hour(self) -> float:

@@ -185,10 +185,20 @@ class Controller:
         self, md: Obj, spec: api.ModelDeploymentSpec | None, model: api.ModelSource | None
     ) -> desired_state.Read | None:
         """Facts read from an uncatalogued model's config.json (spec.model, or the draft
-        model), or why they could not be."""
-        if spec is None or model is None or not model_facts.needs_reading(model):
+        model), or from the ConfigMap spec.model.configMapRef names, or why they could not be."""
+        if spec is None or model is None:
+            return None
+        if model.config_map_ref is not None:
+            return self._read_config_map(md, model.config_map_ref)
+        if not model_facts.needs_reading(model):
             return None
         return self._read_facts(md, spec, model.uri)
+
+    def _read_config_map(self, md: Obj, ref: api.ConfigMapKeyRef) -> desired_state.Read:
+        try:
+            return self.facts.read_config_map(md["metadata"]["namespace"], ref)
+        except ValueError as error:  # the ConfigMap may be created or fixed: retried
+            return str(error)
 
     def _variant_facts(
         self, md: Obj, spec: api.ModelDeploymentSpec | None

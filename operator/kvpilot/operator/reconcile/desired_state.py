@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from kvpilot.contract import catalog
 from kvpilot.contract.memory import ModelFacts
+from kvpilot.contract.model_source import parse_model_uri
 from kvpilot.operator import api
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.planning import model_facts, planner
@@ -124,11 +125,13 @@ def desire(md: Obj, config: OperatorConfig, observed: Observed) -> Desired:
     try:
         spec = api.parse_spec(md.get("spec") or {})
         api.check_routing(md["metadata"]["name"], spec)
-        facts = catalog.resolve(spec.model, _read(observed.source_facts))
+        facts = model_facts_of(spec, observed.source_facts)
         check_prequantized(spec, facts)
         draft = _draft(spec, observed.draft_facts)
         request = planner.PlanRequest.from_spec(spec, facts, draft=draft)
         request = dataclasses.replace(request, variants=variants(spec, facts, observed))
+    except ConfigMapUnreadError as error:
+        return Desired(error=_one_line(error), needs_retry=True)
     except (ValidationError, ValueError) as error:
         unread = [why for why in sources if isinstance(why, str)]
         if unread:  # the source may answer later: try again
@@ -230,11 +233,15 @@ def check_prequantized(spec: api.ModelDeploymentSpec, facts: ModelFacts) -> None
     if facts.checkpoint is None or spec.quantization.evaluation is None:
         return
     method = facts.checkpoint.description.split()[0]  # e.g. awq: a DNS label, a variant's name
+    # A file:// or pvc:// one (planned from spec.model.configMapRef) cannot be a variant as it is
+    is_local = not parse_model_uri(spec.model.uri).is_fetched
+    uri = f"s3://BUCKET/{method}" if is_local else spec.model.uri
+    upload = " uploaded to S3 (a variant is read from hf:// or s3://)" if is_local else ""
     raise ValueError(
         f"spec.quantization.evaluation needs a 16-bit spec.model as its baseline, and"
         f" spec.model ({spec.model.uri}) is pre-quantised ({facts.checkpoint.description}):"
-        " put the model's 16-bit checkpoint in spec.model.uri and this one under"
-        f" spec.model.variants (e.g. {{name: {method}, uri: {spec.model.uri}}}),"
+        f" put the model's 16-bit checkpoint in spec.model.uri and this one{upload} under"
+        f" spec.model.variants (e.g. {{name: {method}, uri: {uri}}}),"
         " or remove spec.quantization.evaluation to serve it unmeasured"
     )
 
@@ -293,6 +300,20 @@ def _draft(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts | Non
             " from its config.json"
         )
     return found
+
+
+class ConfigMapUnreadError(ValueError):
+    """spec.model.configMapRef's config.json could not be read or is refused: the plan fails
+    (the stated facts' 16-bit plan would start pods that refuse, or misserve, the checkpoint)
+    and is retried, as the ConfigMap may be created or fixed."""
+
+
+def model_facts_of(spec: api.ModelDeploymentSpec, read: Read | None) -> ModelFacts:
+    """spec.model's facts: stated, the catalog's, or read (catalog.resolve); with a configMapRef
+    only once its config.json was read (ConfigMapUnreadError)."""
+    if spec.model.config_map_ref is not None and not isinstance(read, ModelFacts):
+        raise ConfigMapUnreadError(read or f"{model_facts.CONFIG_MAP_FIELD}: not read yet")
+    return catalog.resolve(spec.model, _read(read))
 
 
 def _unread_note(source_facts: Read | None) -> str:

@@ -188,8 +188,20 @@ def runtime_args(
         "scheduling_policy": None
         if spec.serving.scheduling_policy == "fcfs"
         else spec.serving.scheduling_policy,
+        "expect_checkpoint": expected_checkpoint(spec, node_plan),
     }
     return ["serve", *serve_config.to_args(values)]
+
+
+def expected_checkpoint(spec: api.ModelDeploymentSpec, node_plan: NodePlan) -> str | None:
+    """The kind of checkpoint the pod must find (its --expect-checkpoint) where the plan came
+    from a config.json the user gave (spec.model.configMapRef), not from the checkpoint the pod
+    loads: planned as AWQ int4, a 16-bit checkpoint there would be quantised to int4 at load and
+    served as something never planned. None elsewhere (what was read is what is fetched), so
+    other pods keep the args they had."""
+    if spec.model.config_map_ref is None or node_plan.variant:
+        return None
+    return node_plan.checkpoint
 
 
 def kv_offload_values(offload: api.KvOffload | None) -> dict[str, object]:

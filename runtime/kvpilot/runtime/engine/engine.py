@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.contract.checkpoint_quant import (
+    check_expected_checkpoint,
     check_prequantized_parallel,
     resolve_quantization,
 )
@@ -80,7 +81,9 @@ def lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
 
 def check_checkpoint_quantization(config: EngineConfig, model_config: ModelConfig) -> None:
     """A pre-quantised checkpoint against the flags, before any process starts: a conflicting
-    --quantization or tensor parallelism is refused (contract/checkpoint_quant.py)."""
+    --quantization or tensor parallelism, or a checkpoint other than --expect-checkpoint's
+    kind, is refused (contract/checkpoint_quant.py)."""
+    check_expected_checkpoint(config.expect_checkpoint, model_config.checkpoint_quant)
     resolve_quantization(config.quantization, model_config.checkpoint_quant)
     check_prequantized_parallel(model_config.checkpoint_quant, config.tensor_parallel_size)
 
