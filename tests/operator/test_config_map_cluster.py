@@ -5,6 +5,9 @@ retry; the same ConfigMap over the 16-bit tiny-llama makes its pod refuse to sta
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,16 @@ def local_tiny(uri: str) -> dict[str, Any]:
     return md
 
 
+@pytest.fixture
+def node_dir() -> Iterator[Path]:
+    """A directory a pod's process can read at its own path in both pool modes: under the
+    checkout's models/ (images mode mounts it as a node path), not under /tmp, where the runtime
+    container mounts an emptyDir (the pod would see that, as on a real node)."""
+    path = Path(tempfile.mkdtemp(prefix=".test-", dir=ROOT / "models"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def create_config_map(cluster: Any, namespace: str, checkpoint: Path) -> None:
     config = f"--from-file=config.json={checkpoint / 'config.json'}"
     cluster.kubectl("create", "configmap", CONFIG_MAP, "-n", namespace, config)
@@ -53,9 +66,9 @@ def planned(cluster: Any, namespace: str) -> dict[str, Any]:
 
 
 def test_a_local_int4_checkpoint_is_planned_from_its_config_map_and_served(
-    cluster: Any, operator: Operator, namespace: str, tmp_path: Path
+    cluster: Any, operator: Operator, namespace: str, node_dir: Path
 ) -> None:
-    int4 = write_checkpoint(tmp_path / "int4", "int4-g128")
+    int4 = write_checkpoint(node_dir / "int4", "int4-g128")
     apply_doc(cluster, namespace, local_tiny(f"file://{int4}"))
 
     def waiting_for_the_config_map() -> str:
@@ -86,11 +99,11 @@ def test_a_local_int4_checkpoint_is_planned_from_its_config_map_and_served(
 
 
 def test_a_config_map_of_another_checkpoint_makes_the_pod_refuse_to_start(
-    cluster: Any, operator: Operator, namespace: str, tmp_path: Path
+    cluster: Any, operator: Operator, namespace: str, node_dir: Path
 ) -> None:
     """Planned as compressed-tensors int4, the 16-bit tiny-llama would be quantised to int4 by
     the runtime itself under --quantization int4 alone: --expect-checkpoint refuses it."""
-    int4 = write_checkpoint(tmp_path / "int4", "int4-g128")
+    int4 = write_checkpoint(node_dir / "int4", "int4-g128")
     create_config_map(cluster, namespace, int4)
     apply_doc(cluster, namespace, local_tiny(f"file://{ROOT / 'models' / 'tiny-llama'}"))
 
