@@ -69,14 +69,42 @@ CASES = [
         5,
         "in 30s",
     ),
-    # 9 waiting / 70 s lead = +0.13/s: 4.13/s -> 82.6 + 15.0 = 97.5 > 96 -> 3 (9 waiting on 2
-    # replicas is inside the queue target's band: no guard)
+    # 9 waiting / 70 s lead = +0.13/s: 4.13/s -> 82.6 + 15.0 = 97.5 > 96 -> 3, but 2 hold it
+    # less the 10% up band (3.7/s -> 74.3 + 14.2 = 88.5); 9 waiting on 2 replicas is inside the
+    # queue target's band: no guard
     (
-        "the queue is a backlog to clear within the lead",
+        "a queue that a sizing just over the fleet asks for holds within the up band",
         busy(waiting=9.0),
         settled(),
+        2,
+        "9 waiting; 48.0 slots, 400 tokens/request; sized 3, 2 hold it less 10%",
+    ),
+    # 40 waiting / 70 s = +0.57/s: 4.57/s -> 91.4 + 15.7 -> 3, and 2 do not hold it less 10%
+    # (4.11/s: 82.3 + 14.9 > 96). 40 waiting on 2 (20 per replica) is over the queue target:
+    # the guard asks ceil(2 x 100 / 60) = 4, more than the sizing
+    (
+        "the queue is a backlog to clear within the lead",
+        busy(waiting=40.0),
+        settled(),
+        4,
+        "guard queue",
+    ),
+    # 3.95/s sizes 2 (79 + 14.6 = 93.6 <= 96) but not with 10% to spare (4.35/s: 87 + 15.3)
+    (
+        "a scale-down goes only to a fleet with room to spare",
+        busy(ready=3, short=3.95, long=3.95),
+        settled(replicas=3),
         3,
-        "9 waiting",
+        "hold at 3: SLO ttft 2s p95: arrivals 3.95/s (30s), 3.95/s (120s); 48.0 slots, "
+        "400 tokens/request; sized 2, 3 with 10% to spare",
+    ),
+    # 3.5/s: 70 + 13.8 = 83.8, and 3.85/s with the margin: 77 + 14.4 = 91.4 <= 96 -> 2
+    (
+        "a scale-down to a fleet that holds the demand with room to spare",
+        busy(ready=3, short=3.5, long=3.5),
+        settled(replicas=3),
+        2,
+        "scale down 3->2: SLO ttft 2s p95",
     ),
     # 2/s now, 6/s over 2 minutes: the long window holds the fleet of 3 (120 + 18 -> 3)
     (
@@ -133,6 +161,20 @@ def test_slo_table(
     decision = decide(observations, BOUNDS, state, NOW)
     assert decision.replicas == replicas, decision.reason
     assert reason in decision.reason
+
+
+@pytest.mark.parametrize(("replicas", "sized_by_rate"), [(2, "3 at 4.2/s"), (3, "2 at 4.0/s")])
+def test_noise_around_a_replica_boundary_changes_nothing(replicas: int, sized_by_rate: str) -> None:
+    """Arrival rates within a few percent of 4/s, where 2 replicas stop holding the demand (at
+    4.06/s): without hysteresis the sizing says 3 at 4.2/s and 2 at 4.0/s; with it, a fleet of
+    2 and a fleet of 3 both stay as they are, tick after tick."""
+    state = settled(replicas=replicas)
+    for tick, rate in enumerate([4.0, 4.2, 3.9, 4.3, 4.0, 4.1, 3.95, 4.2]):
+        now = NOW + 10.0 * tick
+        seen = replace(busy(ready=replicas, short=rate, long=rate), sampled_at=now)
+        decision = decide(seen, BOUNDS, state, now)
+        assert decision.replicas == replicas, (sized_by_rate, decision.reason)
+        state = decision.state
 
 
 def test_without_an_slo_the_new_metrics_change_nothing() -> None:

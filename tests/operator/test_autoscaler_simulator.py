@@ -242,6 +242,18 @@ def test_the_fleet_view_has_the_rates_prometheus_would_give() -> None:
     assert view.ttft_p95_s is not None and view.ttft_p95_s < 1.0
 
 
+def test_the_first_decision_reads_arrival_rates_over_the_trace_only() -> None:
+    """Windows reaching back before t = 0 count only the time the trace covers: the fleet is
+    taken to have run at its first load before the trace, so steady load reads as steady."""
+    trace = traces.steady(duration_s=300.0, rate=6.0, seed=1)
+    watcher = _ScaleTo(2)
+    simulate(trace, watcher, CAPACITY, replace(SETTINGS, initial_replicas=2))
+    first = watcher.views[0]  # at 60 s: the 120 s window holds 60 s of the trace
+    assert first.now == SETTINGS.first_decision_s
+    assert first.arrivals_long_per_s == pytest.approx(np.sum(trace.arrival_s <= 60.0) / 60.0)
+    assert first.arrivals_long_per_s == pytest.approx(6.0, rel=0.2)
+
+
 def test_kvpilot_slo_is_the_real_policy_learning_from_the_metrics() -> None:
     slo_bounds = replace(BOUNDS, ttft_slo_s=SLO_S, slo_percentile=99.0)
     kvpilot = policies.build("kvpilot_slo", burst(), CAPACITY, SETTINGS, slo_bounds)

@@ -38,7 +38,10 @@ from typing import Any
 ASSUMED_REQUEST_TOKENS = 1024.0
 # Below this KV usage a replica's cache says too little about the KV a sequence takes.
 MIN_KV_USAGE_TO_LEARN = 0.05
-LEARNING_WEIGHT = 0.3  # weight of a new observation in the exponential average
+# Weight of a new observation in the exponential average: about 13 ticks (2 minutes) of memory.
+# The slots and tokens a request describe the traffic's mix, which moves slowly; at 0.3 their
+# noise alone moved the SLO sizing across a replica boundary on steady load.
+LEARNING_WEIGHT = 0.15
 # Shrinks the step time's slope towards flat while the batch has varied little (a ridge term, in
 # sequences squared): the slope then moves smoothly as evidence comes, instead of jumping.
 BATCH_SPREAD_PRIOR = 1.0

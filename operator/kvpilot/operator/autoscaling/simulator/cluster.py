@@ -316,11 +316,15 @@ class Simulation:
         )
 
     def _arrivals(self, t: float, window_s: float) -> float:
-        """Arrivals per second over the window ending at t (before t = 0: none)."""
+        """Arrivals per second over the window ending at t. A window reaching back before t = 0
+        counts only the time the trace covers: the fleet is taken to have run before the trace
+        at its first load, as `first_decision_s` assumes (a rate over empty history before
+        t = 0 would read the first minute as a rise)."""
         count = bisect.bisect_right(self.arrival, t) - bisect.bisect_right(
             self.arrival, t - window_s
         )
-        return count / window_s
+        covered = min(window_s, t)
+        return count / covered if covered > 0 else 0.0
 
     def _tokens_per_s(self, t: float) -> float:
         """The token counter's rate over RATE_WINDOW_S, from the samples (as rate() would)."""
