@@ -6,7 +6,7 @@ as on the 7B-class models LoRA is served on, and the matmuls set a step's time).
 
     .venv/bin/python -m bench.engine_lora [--models tiny-llama,compute-bound]
         [--num-requests 96] [--output-tokens 32] [--cb-num-requests 64]
-        [--cb-output-tokens 16] [--concurrency 32] [--rounds 3]
+        [--cb-output-tokens 16] [--concurrency 32] [--rounds 3] [--ab]
 
 Throughput: `--num-requests` requests of 64-token prompts (`--cb-num-requests` on the
 compute-bound model, whose steps are ~30x slower: fewer, shorter requests keep a run within
@@ -18,6 +18,9 @@ Zipf(1) over 100 all-projection adapters, all registered and held in host memory
 (`--max-cpu-loras`), with `--max-loras 8` (adapters wait for a slot, slots are reloaded), then
 the same with `--max-loras 32`. The five run in turn in each of `--rounds` rounds and each
 ratio is the median over rounds: a shared machine's load drifts between runs.
+`--ab` adds a sixth run, the 8-adapter mix on the engine's LoRA prefill path as it was before
+one adapter's chunks were laid out side by side and expanded by an addmm per sub-module
+(model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved with the rest.
 Load: the p50 of 20 `Engine.load_lora` calls of a rank-16 adapter from local disk (read,
 checked against the model, registered), wall time.
 """
@@ -32,6 +35,8 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -60,7 +65,9 @@ from bench.reference.lora import (
 )
 from bench.report import markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.runtime.engine import model_runner
 from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.layers import lora as lora_layer
 from kvpilot.runtime.models.lora_files import module_shape
 
 NUM_MIXED = 8  # adapters in the mixed batch, and --max-loras
@@ -211,9 +218,25 @@ def load_times_ms(engine: Engine, path: Path) -> list[float]:
 Runs = dict[str, tuple[int, list[str | None]]]  # name -> (--max-loras, each request's adapter)
 
 
-def make_runs(num_requests: int) -> Runs:
+OLD_PATH_RUN = f"{NUM_MIXED} adapters mixed (all projections), the path before (--ab)"
+
+
+@contextmanager
+def lora_path(is_old: bool) -> Iterator[None]:
+    """The engine's LoRA prefill path as it was before the chunks were laid out by slot and
+    a run's expand became an addmm per sub-module (is_old), through their private switches."""
+    saved = model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND
+    model_runner._GROUP_PREFILLS_BY_SLOT = lora_layer._ADDMM_EXPAND = not is_old
+    try:
+        yield
+    finally:
+        model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND = saved
+
+
+def make_runs(num_requests: int, with_ab: bool) -> Runs:
     n, zipf = num_requests, zipf_names(num_requests)
-    return {
+    ab: Runs = {OLD_PATH_RUN: (NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)])}
+    runs: Runs = {
         "base model": (NUM_MIXED, [None] * n),
         f"{NUM_MIXED} adapters mixed (rank 16, all projections)": (
             NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)],
@@ -226,12 +249,13 @@ def make_runs(num_requests: int) -> Runs:
         ),
         f"the same Zipf mix, --max-loras {WIDE_SLOTS}": (WIDE_SLOTS, zipf),
     }  # fmt: skip
+    return runs | ab if with_ab else runs
 
 
 def measure(case: ModelCase, args: argparse.Namespace) -> str:
     """The five runs interleaved over `--rounds` on `case`'s model, and the load time: the
     report's text for this model."""
-    runs = make_runs(case.num_requests)
+    runs = make_runs(case.num_requests, args.ab)
     results: dict[str, list[RunResult]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         base = load_base(case.path, case.adapter_dtype)
@@ -250,14 +274,30 @@ def measure(case: ModelCase, args: argparse.Namespace) -> str:
         load_ms = load_times_ms(engines[NUM_MIXED], all_paths[0])
         for _ in range(args.rounds):
             for name, (slots, names) in runs.items():
-                result = run_closed_loop(
-                    engines[slots], names, case.output_tokens, args.concurrency
-                )
+                with lora_path(is_old=name == OLD_PATH_RUN):
+                    result = run_closed_loop(
+                        engines[slots], names, case.output_tokens, args.concurrency
+                    )
                 results[name].append(result)
         macs = multiply_adds(engines[NUM_MIXED])
         slot_mib = slot_bytes(engines[NUM_MIXED]) / 2**20
         num_layers = engines[NUM_MIXED].model_config.num_layers
     return report(case, args, runs, results, median(load_ms), macs, slot_mib, num_layers)
+
+
+ZIPF_NOTE = (
+    f"\nWhy the Zipf mix with --max-loras {NUM_MIXED} runs fewer rows: a step runs only the "
+    "sequences of resident adapters, and a slot frees when its adapter's last running sequence "
+    "ends (free slots go in queue order, engine/lora_policy.py, a starved adapter first), so "
+    "the long tail waits: see 'running per step'. In this closed loop that is a bound whatever "
+    "the choice (bench.lora_slot_bound): a long-tail adapter's slot serves about one request "
+    "per request lifetime, so the completions, and with them the new requests, follow the "
+    "tail's rate. Where a step's time is set by the base model's matmuls (the compute-bound "
+    "model) rather than by Python, fewer rows make a step cheaper, so the ratio suffers less. "
+    "B is kept compact (layers/lora.py: each sub-module's own R x out, not a block-diagonal "
+    "k·R x out); a slot's prefill rows are one run of rows multiplied as a slice "
+    "(lora_groups.slot_runs, model_runner.batch_layout).\n"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cb-output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--ab", action="store_true", help="also the 8-adapter mix on the path before, interleaved"
+    )
     args = parser.parse_args(argv)
     setup_threads()
     load_start = os.getloadavg()[0]
@@ -279,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.concurrency} in flight (closed loop); {args.rounds} interleaved rounds, "
         "medians.\n\n"
         + "\n".join(bodies)
+        + ZIPF_NOTE
         + f"\nLoad average (1 min) at the start and at the end: {load_start:.1f}, "
         f"{os.getloadavg()[0]:.1f} (2 cores, shared: the ratios are of interleaved runs).\n"
     )
@@ -298,7 +342,7 @@ def report(
     slot_mib: float,
     num_layers: int,
 ) -> str:
-    base_name, mixed_name, qv_name, zipf_name, wide_name = runs
+    base_name, mixed_name, qv_name, zipf_name, wide_name, *_ = runs
     tps = {name: [r.tokens_per_s for r in rounds] for name, rounds in results.items()}
     errors = {name: sum(r.num_errors for r in rounds) for name, rounds in results.items()}
     ratios = {
@@ -335,7 +379,19 @@ def report(
         f"model's {macs[0] / 1e6:.2f} M ({macs[1] / macs[0]:.1%}); a decode step reads every "
         f"slot's A and B for its few rows, {NUM_MIXED} x {macs[1] / 1e6:.2f} M values against "
         f"the base weights' {macs[0] / 1e6:.2f} M read once for all {args.concurrency} rows "
-        f"({NUM_MIXED * macs[1] / macs[0]:.2f}x).\n"
+        f"({NUM_MIXED * macs[1] / macs[0]:.2f}x).\n" + ab_note(runs, tps, mixed_name)
+    )
+
+
+def ab_note(runs: Runs, tps: dict[str, list[float]], mixed_name: str) -> str:
+    if OLD_PATH_RUN not in runs:
+        return ""
+    gain = median([n / o for n, o in zip(tps[mixed_name], tps[OLD_PATH_RUN], strict=True)])
+    return (
+        f"A/B (--ab): the {NUM_MIXED}-adapter mix runs {gain:.2f}x the tokens/s of the path "
+        "before (prefill chunks in batch order, so one adapter's chunks were gathered as a "
+        "group; each slot's expand one batched matmul, its rows x out product copied from "
+        "piece order and added), median over rounds of the runs' ratio.\n"
     )
 
 
