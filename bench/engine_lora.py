@@ -1,17 +1,26 @@
 """Multi-LoRA: a batch mixing 8 adapters, and a Zipf mix over 100, against the base model alone;
-adapter load time.
+adapter load time. On two models: tiny-llama (hidden 256, 4 layers: 8 adapter slots hold
+about as many values as the base's layers, and Python sets a step's time) and the compute-bound
+random Llama of engine_common (hidden 1024, 16 layers, ~245 M: an adapter is ~2% of the base,
+as on the 7B-class models LoRA is served on, and the matmuls set a step's time).
 
-    .venv/bin/python -m bench.engine_lora [--num-requests 96] [--concurrency 32]
-        [--output-tokens 32] [--rounds 3]
+    .venv/bin/python -m bench.engine_lora [--models tiny-llama,compute-bound]
+        [--num-requests 96] [--output-tokens 32] [--cb-num-requests 64]
+        [--cb-output-tokens 16] [--concurrency 32] [--rounds 3] [--ab]
 
-Throughput: `--num-requests` requests of 64-token prompts, greedy, `--concurrency` in flight
-(closed loop: a new request joins as one finishes), through the engine in-process. Five runs:
+Throughput: `--num-requests` requests of 64-token prompts (`--cb-num-requests` on the
+compute-bound model, whose steps are ~30x slower: fewer, shorter requests keep a run within
+minutes on a shared CPU), greedy, `--concurrency` in flight (closed loop: a new request joins
+as one finishes), through the engine in-process. Five runs per model:
 the base model; round-robin over 8 random rank-16 adapters targeting every projection
 (`--max-loras 8`, so one step holds all 8), then over 8 targeting q/v only; requests drawn
 Zipf(1) over 100 all-projection adapters, all registered and held in host memory
 (`--max-cpu-loras`), with `--max-loras 8` (adapters wait for a slot, slots are reloaded), then
 the same with `--max-loras 32`. The five run in turn in each of `--rounds` rounds and each
 ratio is the median over rounds: a shared machine's load drifts between runs.
+`--ab` adds a sixth run, the 8-adapter mix on the engine's LoRA prefill path as it was before
+one adapter's chunks were laid out side by side and expanded by an addmm per sub-module
+(model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved with the rest.
 Load: the p50 of 20 `Engine.load_lora` calls of a rank-16 adapter from local disk (read,
 checked against the model, registered), wall time.
 """
@@ -19,30 +28,46 @@ checked against the model, registered), wall time.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from statistics import mean
+from typing import Any
+
+import torch
 
 from bench.engine_common import (
+    MODEL,
     clock,
+    compute_bound_llama,
     corpus_ids,
     fmt_ratio,
     greedy,
-    make_engine,
     median,
     setup_threads,
     threads_note,
 )
-from bench.reference.lora import ALL_MODULES, AdapterSpec, load_base, make_adapter
+from bench.reference.lora import (
+    ALL_MODULES,
+    AdapterSpec,
+    load_base,
+    peft_model,
+    save_random_adapter,
+)
 from bench.report import markdown_table, write_section
+from kvpilot.contract.engine_config import EngineConfig
+from kvpilot.runtime.engine import model_runner
 from kvpilot.runtime.engine.engine import Engine
+from kvpilot.runtime.layers import lora as lora_layer
 from kvpilot.runtime.models.lora_files import module_shape
 
 NUM_MIXED = 8  # adapters in the mixed batch, and --max-loras
@@ -127,26 +152,57 @@ def slot_bytes(engine: Engine) -> float:
     return lora.num_bytes() / lora.num_slots
 
 
+@dataclass(frozen=True)
+class ModelCase:
+    label: str  # as the report names it
+    path: Path
+    num_requests: int
+    output_tokens: int
+    adapter_dtype: torch.dtype  # of the base PEFT wraps: the adapters' files
+
+
+def model_cases(args: argparse.Namespace) -> list[ModelCase]:
+    cases = {
+        "tiny-llama": lambda: ModelCase(
+            "tiny-llama (hidden 256, 4 layers)", MODEL, args.num_requests,
+            args.output_tokens, torch.float32,
+        ),
+        "compute-bound": lambda: ModelCase(
+            "compute-bound random Llama (hidden 1024, 16 layers, ~245 M)",
+            compute_bound_llama(), args.cb_num_requests, args.cb_output_tokens, torch.bfloat16,
+        ),
+    }  # fmt: skip
+    names = args.models.split(",")
+    unknown = [name for name in names if name not in cases]
+    if unknown:
+        raise ValueError(f"--models: unknown {unknown}; choose among {sorted(cases)}")
+    return [cases[name]() for name in names]
+
+
 def make_adapters(
-    tmp: Path, prefix: str, count: int, targets: tuple[str, ...] = ALL_MODULES
+    base: Any, tmp: Path, prefix: str, count: int, targets: tuple[str, ...] = ALL_MODULES
 ) -> list[Path]:
-    base = load_base()
+    """`count` random rank-16 adapters made with peft, seeds 0..count-1: one PEFT model
+    refilled per adapter (the same files as reference.make_adapter's, without a copy of the
+    base each)."""
+    model = peft_model(copy.deepcopy(base), AdapterSpec(prefix, 16, targets, 32))
     paths = [tmp / f"{prefix}{i}" for i in range(count)]
     for i, path in enumerate(paths):
-        make_adapter(base, AdapterSpec(path.name, 16, targets, 32, seed=i), path)
+        save_random_adapter(model, i, path)
     return paths
 
 
-def lora_engine(max_loras: int, paths: list[Path]) -> Engine:
-    """An engine with every adapter registered twice, as a{i} and z{i} (other ids: the Zipf
-    run reloads slots rather than sharing the mixed run's), all held in host memory."""
-    engine = make_engine(
-        enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_num_seqs=64,
-        max_model_len=256, enable_prefix_caching=False, max_cpu_loras=2 * NUM_ZIPF + NUM_LOADS,
+def lora_engine(case: ModelCase, max_loras: int, adapters: dict[str, Path]) -> Engine:
+    """An engine with `adapters` (name -> directory) registered, all held in host memory."""
+    engine = Engine(
+        EngineConfig(
+            model=str(case.path), device="auto", enable_lora=True, max_loras=max_loras,
+            max_lora_rank=16, max_num_seqs=64, max_model_len=256,
+            enable_prefix_caching=False, max_cpu_loras=len(adapters) + NUM_LOADS,
+        )
     )  # fmt: skip
-    for i, path in enumerate(paths):
-        engine.load_lora(f"a{i}", str(path))
-        engine.load_lora(f"z{i}", str(path))
+    for name, path in adapters.items():
+        engine.load_lora(name, str(path))
     return engine
 
 
@@ -159,20 +215,28 @@ def load_times_ms(engine: Engine, path: Path) -> list[float]:
     return times
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args(argv)
-    setup_threads()
-    load_start = os.getloadavg()[0]
-    n = args.num_requests
-    zipf = zipf_names(n)
-    # name -> (--max-loras of the engine it runs on, each request's adapter)
-    runs: dict[str, tuple[int, list[str | None]]] = {
+Runs = dict[str, tuple[int, list[str | None]]]  # name -> (--max-loras, each request's adapter)
+
+
+OLD_PATH_RUN = f"{NUM_MIXED} adapters mixed (all projections), the path before (--ab)"
+
+
+@contextmanager
+def lora_path(is_old: bool) -> Iterator[None]:
+    """The engine's LoRA prefill path as it was before the chunks were laid out by slot and
+    a run's expand became an addmm per sub-module (is_old), through their private switches."""
+    saved = model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND
+    model_runner._GROUP_PREFILLS_BY_SLOT = lora_layer._ADDMM_EXPAND = not is_old
+    try:
+        yield
+    finally:
+        model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND = saved
+
+
+def make_runs(num_requests: int, with_ab: bool) -> Runs:
+    n, zipf = num_requests, zipf_names(num_requests)
+    ab: Runs = {OLD_PATH_RUN: (NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)])}
+    runs: Runs = {
         "base model": (NUM_MIXED, [None] * n),
         f"{NUM_MIXED} adapters mixed (rank 16, all projections)": (
             NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)],
@@ -185,23 +249,86 @@ def main(argv: list[str] | None = None) -> int:
         ),
         f"the same Zipf mix, --max-loras {WIDE_SLOTS}": (WIDE_SLOTS, zipf),
     }  # fmt: skip
+    return runs | ab if with_ab else runs
+
+
+def measure(case: ModelCase, args: argparse.Namespace) -> str:
+    """The five runs interleaved over `--rounds` on `case`'s model, and the load time: the
+    report's text for this model."""
+    runs = make_runs(case.num_requests, args.ab)
     results: dict[str, list[RunResult]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_adapters(Path(tmp), "a", NUM_ZIPF)
-        engines = {slots: lora_engine(slots, paths) for slots in (NUM_MIXED, WIDE_SLOTS)}
-        load_ms = load_times_ms(engines[NUM_MIXED], paths[0])
-        for i, path in enumerate(make_adapters(Path(tmp), "q", NUM_MIXED, QV_MODULES)):
-            engines[NUM_MIXED].load_lora(f"q{i}", str(path))
+        base = load_base(case.path, case.adapter_dtype)
+        all_paths = make_adapters(base, Path(tmp), "a", NUM_ZIPF)
+        qv_paths = make_adapters(base, Path(tmp), "q", NUM_MIXED, QV_MODULES)
+        del base
+        # Other names for the Zipf run's adapters: it reloads slots rather than sharing the
+        # mixed run's.
+        zipf = {f"z{i}": path for i, path in enumerate(all_paths)}
+        mixed = {f"a{i}": all_paths[i] for i in range(NUM_MIXED)}
+        mixed |= {f"q{i}": path for i, path in enumerate(qv_paths)}
+        engines = {
+            NUM_MIXED: lora_engine(case, NUM_MIXED, mixed | zipf),
+            WIDE_SLOTS: lora_engine(case, WIDE_SLOTS, zipf),
+        }
+        load_ms = load_times_ms(engines[NUM_MIXED], all_paths[0])
         for _ in range(args.rounds):
             for name, (slots, names) in runs.items():
-                result = run_closed_loop(
-                    engines[slots], names, args.output_tokens, args.concurrency
-                )
+                with lora_path(is_old=name == OLD_PATH_RUN):
+                    result = run_closed_loop(
+                        engines[slots], names, case.output_tokens, args.concurrency
+                    )
                 results[name].append(result)
-        base_macs, lora_macs = multiply_adds(engines[NUM_MIXED])
+        macs = multiply_adds(engines[NUM_MIXED])
         slot_mib = slot_bytes(engines[NUM_MIXED]) / 2**20
-    loads = (load_start, os.getloadavg()[0])
-    body = report(args, runs, results, median(load_ms), (base_macs, lora_macs), slot_mib, loads)
+        num_layers = engines[NUM_MIXED].model_config.num_layers
+    return report(case, args, runs, results, median(load_ms), macs, slot_mib, num_layers)
+
+
+ZIPF_NOTE = (
+    f"\nWhy the Zipf mix with --max-loras {NUM_MIXED} runs fewer rows: a step runs only the "
+    "sequences of resident adapters, and a slot frees when its adapter's last running sequence "
+    "ends (free slots go in queue order, engine/lora_policy.py, a starved adapter first), so "
+    "the long tail waits: see 'running per step'. In this closed loop that is a bound whatever "
+    "the choice (bench.lora_slot_bound): a long-tail adapter's slot serves about one request "
+    "per request lifetime, so the completions, and with them the new requests, follow the "
+    "tail's rate. On the compute-bound model as well: a decode step there reads all the base "
+    "weights whatever its rows (a few dozen rows are memory-bound), so a step of a third of "
+    f"the rows costs most of a full one. With --max-loras {WIDE_SLOTS} every row runs, but a "
+    f"step holds up to {WIDE_SLOTS} adapters, and a decode step reads the A and B of each "
+    "(see 'a decode step reads every slot's A and B' above, with that many slots). "
+    "B is kept compact (layers/lora.py: each sub-module's own R x out, not a block-diagonal "
+    "k·R x out); a slot's prefill rows are one run of rows multiplied as a slice "
+    "(lora_groups.slot_runs, model_runner.batch_layout).\n"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny-llama,compute-bound")
+    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--cb-num-requests", type=int, default=64)
+    parser.add_argument("--cb-output-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--ab", action="store_true", help="also the 8-adapter mix on the path before, interleaved"
+    )
+    args = parser.parse_args(argv)
+    setup_threads()
+    load_start = os.getloadavg()[0]
+    bodies = [measure(case, args) for case in model_cases(args)]
+    body = (
+        f"{threads_note()} Engine in-process, CPU time; 64-token prompts, greedy, "
+        f"{args.concurrency} in flight (closed loop); {args.rounds} interleaved rounds, "
+        "medians.\n\n"
+        + "\n".join(bodies)
+        + ZIPF_NOTE
+        + f"\nLoad average (1 min) at the start and at the end: {load_start:.1f}, "
+        f"{os.getloadavg()[0]:.1f} (2 cores, shared: the ratios are of interleaved runs).\n"
+    )
     command = " ".join(["python -m bench.engine_lora", *argv])
     write_section("engine_lora", "Engine: multi-LoRA", command, body)
     print(body)
@@ -209,15 +336,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(
+    case: ModelCase,
     args: argparse.Namespace,
-    runs: dict[str, tuple[int, list[str | None]]],
+    runs: Runs,
     results: dict[str, list[RunResult]],
     load_p50_ms: float,
     macs: tuple[int, int],
     slot_mib: float,
-    load: tuple[float, float],
+    num_layers: int,
 ) -> str:
-    base_name, mixed_name, qv_name, zipf_name, wide_name = runs
+    base_name, mixed_name, qv_name, zipf_name, wide_name, *_ = runs
     tps = {name: [r.tokens_per_s for r in rounds] for name, rounds in results.items()}
     errors = {name: sum(r.num_errors for r in rounds) for name, rounds in results.items()}
     ratios = {
@@ -234,45 +362,39 @@ def report(
     ]  # fmt: skip
     num_distinct = len(set(runs[zipf_name][1]))
     return (
-        f"{threads_note()} Model: tiny-llama; {args.num_requests} requests, "
-        f"{args.concurrency} in flight (closed loop), {PROMPT_TOKENS}-token prompts, "
-        f"{args.output_tokens} greedy tokens each; engine in-process, CPU time; "
-        f"{args.rounds} interleaved rounds, medians.\n\n"
+        f"### {case.label}\n\n{case.num_requests} requests, {case.output_tokens} greedy "
+        "tokens each.\n\n"
         + markdown_table(
             ["batch", "output tokens/s", "/ base", "running per step", "slot loads", "errors"], rows
         )
         + f"\n\n{NUM_MIXED} adapters mixed / base: {fmt_ratio(ratios[mixed_name], 0.75)}; "
         f"q/v only: {fmt_ratio(ratios[qv_name], 0.75)} (a projection no adapter of the step "
         "targets is skipped).  \n"
-        f"Zipf mix over {NUM_ZIPF} adapters ({num_distinct} distinct in {args.num_requests} "
+        f"Zipf mix over {NUM_ZIPF} adapters ({num_distinct} distinct in {case.num_requests} "
         f"requests) / base: {fmt_ratio(ratios[zipf_name], 0.6)}; errors: "
-        f"{errors[zipf_name]}. A step runs only the sequences of resident adapters, and a slot "
-        "frees when its adapter's last running sequence ends (free slots go in queue order, "
-        "engine/lora_policy.py, a starved adapter first), so the long tail waits: "
-        "see 'running per step'. In this closed loop that is a bound whatever the choice: a "
-        "long-tail adapter's slot serves about one request per request lifetime, so the "
-        "completions, and with them the new requests, follow the tail's rate (Little's law: "
-        "running ~ the tail's slots / the tail's share of requests, about 2x the slots here). "
-        f"With --max-loras {WIDE_SLOTS} every sequence in flight runs: "
+        f"{errors[zipf_name]}. With --max-loras {WIDE_SLOTS} every sequence in flight runs: "
         f"{ratios[wide_name]:.2f}x, errors: {errors[wide_name]}; a slot costs "
-        f"{slot_mib:.2f} MiB here, and a token's LoRA work does not grow with the slots, but a "
-        "step's does with the adapters in it (more groups, more slots loaded).  \n"
-        f"Adapter load from local disk (rank 16, 7 projections x 4 layers), p50 of {NUM_LOADS}: "
-        f"{load_p50_ms:.1f} ms (target <= 100 ms: "
+        f"{slot_mib:.2f} MiB here.  \n"
+        f"Adapter load from local disk (rank 16, 7 projections x {num_layers} layers), p50 of "
+        f"{NUM_LOADS}: {load_p50_ms:.1f} ms (target <= 100 ms: "
         f"{'met' if load_p50_ms <= 100 else 'not met'}).  \n"
-        f"Why: the segmented LoRA multiplies each token through its own adapter only, "
-        f"{macs[1] / 1e6:.2f} M multiply-adds against the base model's {macs[0] / 1e6:.2f} M; "
-        "the rest is reading the adapters' weights for a few rows each: a decode step's padded "
-        f"form, one batched shrink and one batched expand over {NUM_MIXED} slots of ~4 rows "
-        f"each per projection, reads every slot's A and B, {NUM_MIXED} x {macs[1] / 1e6:.2f} M "
-        f"values against the base weights' {macs[0] / 1e6:.2f} M read once for all "
-        f"{args.concurrency} rows, and "
-        "small batched bf16 matmuls read theirs no faster than the base's. B is kept compact "
-        "(layers/lora.py: each sub-module's own R x out, not the block-diagonal k·R x out of "
-        "the fused qkv and gate_up, which read 1.5x the values). A prompt's rows run as a "
-        "slice beside them (lora_groups.slot_runs).  \n"
-        f"Load average (1 min) at the start and at the end: {load[0]:.1f}, {load[1]:.1f} "
-        "(2 cores, shared: the ratios are of interleaved runs).\n"
+        f"Per token, its adapter's {macs[1] / 1e6:.2f} M multiply-adds against the base "
+        f"model's {macs[0] / 1e6:.2f} M ({macs[1] / macs[0]:.1%}); a decode step reads every "
+        f"slot's A and B for its few rows, {NUM_MIXED} x {macs[1] / 1e6:.2f} M values against "
+        f"the base weights' {macs[0] / 1e6:.2f} M read once for all {args.concurrency} rows "
+        f"({NUM_MIXED * macs[1] / macs[0]:.2f}x).\n" + ab_note(runs, tps, mixed_name)
+    )
+
+
+def ab_note(runs: Runs, tps: dict[str, list[float]], mixed_name: str) -> str:
+    if OLD_PATH_RUN not in runs:
+        return ""
+    gain = median([n / o for n, o in zip(tps[mixed_name], tps[OLD_PATH_RUN], strict=True)])
+    return (
+        f"A/B (--ab): the {NUM_MIXED}-adapter mix runs {gain:.2f}x the tokens/s of the path "
+        "before (prefill chunks in batch order, so one adapter's chunks were gathered as a "
+        "group; each slot's expand one batched matmul, its rows x out product copied from "
+        "piece order and added), median over rounds of the runs' ratio.\n"
     )
 
 

@@ -44,6 +44,13 @@ def load_base(model_dir: Path = TINY_LLAMA, dtype: torch.dtype = torch.float32) 
 def make_adapter(base: Any, spec: AdapterSpec, path: Path, scale: float = 0.05) -> Any:
     """Save a random adapter of `spec` for `base` at `path`; the PEFT model that applies it
     (on its own copy of the base) is the reference."""
+    model = peft_model(copy.deepcopy(base), spec)
+    save_random_adapter(model, spec.seed, path, scale)
+    return model.eval()
+
+
+def peft_model(base: Any, spec: AdapterSpec) -> Any:
+    """`base` (changed in place) wrapped by PEFT with an adapter of `spec`'s shape."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -54,14 +61,19 @@ def make_adapter(base: Any, spec: AdapterSpec, path: Path, scale: float = 0.05) 
         init_lora_weights=False,
         lora_dropout=0.0,
     )
-    model = get_peft_model(copy.deepcopy(base), config)
-    generator = torch.Generator().manual_seed(spec.seed)
+    return get_peft_model(base, config)
+
+
+def save_random_adapter(model: Any, seed: int, path: Path, scale: float = 0.05) -> None:
+    """Fill `model`'s LoRA weights with random values of `seed` and save the adapter at `path`:
+    one PEFT model writes many adapters of one shape (a benchmark's hundred on a large base,
+    where a copy of the base per adapter would take minutes)."""
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * scale)
     model.save_pretrained(str(path))
-    return model.eval()
 
 
 def reference_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:

@@ -78,6 +78,29 @@ def test_batch_layout_puts_decodes_first_by_length() -> None:
     assert [i.seq.request_id for i in batch_layout(batch)] == ["d5", "d30", "p1", "p2"]
 
 
+def test_batch_layout_puts_one_adapters_prefill_chunks_side_by_side() -> None:
+    """Chunks by LoRA slot, the base model's first, else in batch order: a slot's chunks make
+    one run of rows (layers/lora_groups.slot_runs). Decode rows keep their length order."""
+    batch: list[ScheduledSequence] = []
+    for name, slot, num_new in [("a", 1, 9), ("d", 1, 1), ("b", 0, 4), ("c", 1, 5), ("e", -1, 3)]:
+        seq = Sequence(name, list(range(num_new + 2)))
+        seq.num_computed_tokens, seq.lora_slot = 2, slot
+        batch.append(ScheduledSequence(seq, num_new))
+    assert [i.seq.request_id for i in batch_layout(batch)] == ["d", "e", "b", "a", "c"]
+
+
+def test_plan_of_reordered_chunks_samples_in_batch_order_with_each_rows_slot() -> None:
+    batch: list[ScheduledSequence] = []
+    for name, slot, num_tokens in [("a", 1, 3), ("b", 0, 2), ("c", -1, 4)]:
+        seq = Sequence(name, list(range(10 * len(batch), 10 * len(batch) + num_tokens)))
+        seq.block_table, seq.lora_slot = [len(batch)], slot
+        batch.append(ScheduledSequence(seq, num_tokens))  # a whole prompt: it samples
+    plan = plan_step(batch)  # rows: c (4), b (2), a (3)
+    assert plan.input_ids == [20, 21, 22, 23, 10, 11, 0, 1, 2]
+    assert plan.lora_slots == [-1] * 4 + [0] * 2 + [1] * 3
+    assert plan.sample_rows == [8, 5, 3]  # each one's last row, in batch order: a, b, c
+
+
 def test_proposals_become_decode_rows_with_growing_context() -> None:
     """A decode with two proposals is three decode rows (context 6, 7, 8), sorted among the
     plain decodes by context length, and all three are sampled, in order."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench.reference.models import TINY_LLAMA
+from kvpilot.runtime.layers import lora
 from kvpilot.runtime.layers.lora import FUSED_GROUPS, LoraBatch, LoraStack
 from kvpilot.runtime.layers.lora_groups import (
     SlotGroups,
@@ -121,6 +122,7 @@ def reference_delta(
     return torch.cat(parts)
 
 
+@pytest.mark.parametrize("is_addmm", [True, False])  # the path bench.engine_lora --ab compares
 @pytest.mark.parametrize("group", ["qkv", "gate_up"])
 @pytest.mark.parametrize(
     ("row_slots", "is_padded", "num_runs"),
@@ -133,8 +135,14 @@ def reference_delta(
     ],
 )
 def test_delta_of_each_form_is_each_rows_own_adapter(
-    group: str, row_slots: list[int], is_padded: bool, num_runs: int
+    group: str,
+    row_slots: list[int],
+    is_padded: bool,
+    num_runs: int,
+    is_addmm: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(lora, "_ADDMM_EXPAND", is_addmm)
     modules = FUSED_GROUPS[group]
     stack = LoraStack(CFG, modules, 4, 8, torch.float32, torch.device("cpu"))
     adapters = {slot: random_adapter(rank, slot) for slot, rank in [(0, 8), (1, 4), (2, 2)]}

@@ -46,6 +46,10 @@ CUDA_DECODE_GROUP_SEQS = 16
 PROMPT_LOGITS_ROWS = 256  # prompt positions scored per logits matrix (prompt_logprobs)
 
 
+# Private switch for bench.engine_lora's A/B only: False keeps the prefill chunks in batch order.
+_GROUP_PREFILLS_BY_SLOT = True
+
+
 def load_model(
     model_dir: Path,
     cfg: ModelConfig,
@@ -86,10 +90,17 @@ def is_decode(item: ScheduledSequence) -> bool:
 
 def batch_layout(batch: list[ScheduledSequence]) -> list[ScheduledSequence]:
     """The order of the chunks in the flat token batch: decodes first, by context length (their
-    rows, proposals included, are sorted again in `decode_rows`), then the prefill chunks."""
+    rows, proposals included, are sorted again in `decode_rows`), then the prefill chunks by
+    LoRA slot (the base model's first, else in batch order): one adapter's chunks side by side
+    make one run of rows, which its LoRA delta multiplies as a slice, without a gather and a
+    scatter (layers/lora_groups.slot_runs). Everything after reads the rows in this order: the
+    sampled rows are mapped back to batch order (`StepPlan.sample_rows`)."""
     decodes = [item for item in batch if is_decode(item)]
     decodes.sort(key=lambda item: item.seq.num_computed_tokens)
-    return decodes + [item for item in batch if not is_decode(item)]
+    prefills = [item for item in batch if not is_decode(item)]
+    if _GROUP_PREFILLS_BY_SLOT:
+        prefills.sort(key=lambda item: item.seq.lora_slot)
+    return decodes + prefills
 
 
 def decode_rows(decodes: list[ScheduledSequence]) -> list[tuple[ScheduledSequence, int]]:
