@@ -245,3 +245,24 @@ def test_a_tpot_target_caps_each_replicas_batch(
 def test_an_invalid_slo_is_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         Bounds(**bad)  # type: ignore[arg-type]
+
+
+def test_the_down_window_keeps_the_rate_seen_not_the_trend_extrapolated() -> None:
+    # asks for 11.1/s (6 replicas) but remembers 8/s: 160 + 20.8 in flight -> 4
+    decision = decide(busy(short=8.0, long=6.0), BOUNDS, settled(), NOW)
+    assert decision.replicas == 6, decision.reason
+    assert decision.reason.endswith("; down window keeps 4")
+    assert decision.state.recommendations[-1] == (NOW, 4)
+
+
+def test_a_drained_queue_is_not_held_for_a_down_window() -> None:
+    # the queue guard asks for 4 over the SLO sizing of 3, and the window remembers the 3
+    guarded = decide(busy(waiting=50.0), BOUNDS, settled(), NOW)
+    assert guarded.replicas == 4, guarded.reason
+    assert "(SLO sizing 3; down window keeps 3)" in guarded.reason
+    # 70 s later the queue is gone and 4/s needs 3 with room to spare: down to 3 once the
+    # change has settled, where remembering the guard's 4 would hold 4 for the 120 s window
+    later = replace(busy(ready=4), sampled_at=NOW + 70.0)
+    decision = decide(later, BOUNDS, guarded.state, NOW + 70.0)
+    assert decision.replicas == 3, decision.reason
+    assert decision.reason.startswith("scale down 4->3: SLO ttft 2s p95")

@@ -23,8 +23,10 @@ rate forecast one measured cold start ahead (`forecast`), in sequences in flight
 replica holds inside the SLO (`replica_capacity`, seeded by the planner and learned from the
 replicas' own metrics, kept in the state). The queue and KV signals stay as guards that can only
 add replicas, and only once the pods asked for are ready (until then the forecast has sized for
-the queue already). Without arrival rates, or before any request has completed, the SLO signal
-has nothing to size from and the guards alone decide, as without an SLO.
+the queue already). The down window remembers the sizing for the arrival rate seen, not the
+trend's extrapolation nor a guard's count, which ask again at every tick while they last.
+Without arrival rates, or before any request has completed, the SLO signal has nothing to size
+from and the guards alone decide, as without an SLO.
 
 All memory between decisions lives in `PolicyState`, which round-trips through a plain dict kept in
 the ModelDeployment's `status.autoscaling`, so an operator restart loses nothing.
@@ -261,24 +263,29 @@ def decide(
         reason = f"scale to zero: idle for {idle_for:.0f}s >= {limit:.0f}s"
         return _finish(current, 0, reason, replace(state, recommendations=()), now)
     raw, why = recommend(observations, bounds)
+    seen = raw
     if bounds.ttft_slo_s is not None:
         steady = _settled(now, state.last_scale_time, RATE_WINDOW_S)
         capacity = _learn(observations, state.capacity or prior, steady)
         state = replace(state, capacity=capacity)
-        raw, why = _slo_recommend(observations, bounds, capacity, (raw, why))
+        raw, why, seen = _slo_recommend(observations, bounds, capacity, (raw, why))
     floor = _floor(bounds, current)
     wanted = clamp(raw, floor, bounds.max_replicas)
     # Like the HPA, a policy without history (new object, lost status) starts from the current
     # count, so it cannot scale down before a full window has passed.
     seed = state.recommendations or ((now, current),)
     history = _record(seed, now, wanted, _longest_window(bounds))
+    # The down window remembers what the load seen asks for (`_slo_recommend`); with no up
+    # window, a need that lasts asks again at the next tick.
+    kept = clamp(seen, floor, bounds.max_replicas)
+    remembered = history if kept == wanted else _record(seed, now, kept, _longest_window(bounds))
     settled = _settled(now, state.last_scale_time, _settle_s(bounds))
     stabilised = _stabilise(current, history, bounds, now, settled)
     limited = _rate_limit(current, stabilised, bounds)
     final = clamp(limited, floor, bounds.max_replicas)
     steps = (current, raw, wanted, stabilised, limited, final)
     reason = _explain(steps, why, bounds, settled)
-    return _finish(current, final, reason, replace(state, recommendations=history), now)
+    return _finish(current, final, reason, replace(state, recommendations=remembered), now)
 
 
 def wake(
@@ -378,12 +385,20 @@ def _slo_recommend(
     bounds: Bounds,
     capacity: ReplicaCapacity | None,
     guard: tuple[int, str],
-) -> tuple[int, str]:
+) -> tuple[int, str, int]:
     """Replicas for the demand forecast one cold start ahead, the guards (queue, KV) only adding
-    to it; the guards alone while the SLO signal has nothing to size from."""
+    to it; the guards alone while the SLO signal has nothing to size from. Also the count the
+    down window is to remember: the sizing for the arrival rate seen, without the trend's
+    extrapolation and without the guards.
+
+    Both are asked for again at every tick while they last (scale-up has no window), and a
+    spike's fleet must not be held for a whole down window by an extrapolation that did not come
+    true, nor by a guard's backlog once it has drained. Held by them, a fleet stayed at the
+    maximum for two minutes after each spike (bench.autoscaler_sim, spikes and flash)."""
     short, long = observations.arrivals_short_per_s, observations.arrivals_long_per_s
     if capacity is None or short is None or long is None:
-        return guard[0], f"{guard[1]} (no SLO sizing: no arrival rates or capacity)"
+        why = f"{guard[1]} (no SLO sizing: no arrival rates or capacity)"
+        return guard[0], why, guard[0]
     cold_start = observations.cold_start_s
     lead = (COLD_START_PRIOR_S if cold_start is None else cold_start) + DECISION_INTERVAL_S
     rates = forecast.ArrivalRates(short, long)
@@ -395,8 +410,13 @@ def _slo_recommend(
     current = observations.current_replicas
     banded = _slo_band(ahead.demand_per_s, sized, z, current)
     if banded is None:
-        return guard[0], f"{guard[1]} (no SLO sizing: no request has completed yet)"
+        why = f"{guard[1]} (no SLO sizing: no request has completed yet)"
+        return guard[0], why, guard[0]
     wanted, band_note = banded
+    seen = wanted
+    if ahead.trend_per_s2 > 0:
+        at_seen_rate = _slo_band(short + ahead.backlog_per_s, sized, z, current)
+        seen = wanted if at_seen_rate is None else at_seen_rate[0]
     why = (
         f"SLO {_slo_terms(bounds)}: {ahead.reason}; "
         f"{sized.slots:.1f} slots{_tpot_cap(capacity, sized)}, "
@@ -405,8 +425,13 @@ def _slo_recommend(
     # While pods start, the queue is the one the forecast already sized for; the guards speak
     # for what it missed once the fleet it asked for is ready.
     if guard[0] > max(wanted, current) and observations.ready_replicas >= current:
-        return guard[0], f"guard {guard[1]} (SLO sizing {wanted})"
-    return wanted, why
+        return guard[0], f"guard {guard[1]} (SLO sizing {wanted}{_kept(seen, guard[0])})", seen
+    return wanted, why + _kept(seen, wanted), seen
+
+
+def _kept(seen: int, asked: int) -> str:
+    """The note that the down window remembers less than is asked for now."""
+    return f"; down window keeps {seen}" if seen < asked else ""
 
 
 def _slo_band(

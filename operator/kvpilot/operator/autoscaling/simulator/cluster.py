@@ -48,6 +48,7 @@ class FleetView:
     kv_usage: float  # mean over ready pods, 0-1
     kv_usage_1m: float  # the same averaged over the last minute of samples (avg_over_time)
     utilisation: float  # mean over ready pods of running / slots, capped at 1
+    held: int = 0  # of waiting, at the gateway (no replica was ready when they arrived)
     running_1m: float = 0.0  # running on ready pods, averaged like kv_usage_1m
     arrivals_short_per_s: float = 0.0  # over ARRIVALS_SHORT_S, at the gateway
     arrivals_long_per_s: float = 0.0  # over ARRIVALS_LONG_S
@@ -302,6 +303,7 @@ class Simulation:
             replicas=ready + len(self.starting),
             ready=ready,
             waiting=sum(len(r.waiting) for r in serving) + len(self.gateway),
+            held=len(self.gateway),
             running=running,
             kv_usage=kv,
             kv_usage_1m=kv_1m if ready else 0.0,

@@ -73,6 +73,7 @@ class KvpilotPolicy:
             current_replicas=view.replicas,
             ready_replicas=view.ready,
             requests_waiting=view.waiting,
+            requests_held=view.held,
             requests_running=view.running,
             kv_cache_usage=view.kv_usage_1m,
             sampled_at=view.now,
