@@ -6,7 +6,12 @@ import math
 
 import pytest
 
-from kvpilot.operator.autoscaling.forecast import ArrivalRates, forecast, significant_trend
+from kvpilot.operator.autoscaling.forecast import (
+    ArrivalRates,
+    forecast,
+    significant_fall,
+    significant_trend,
+)
 
 LEAD_S = 70.0  # a 60 s cold start plus a 10 s tick
 
@@ -22,7 +27,10 @@ CASES = [
     ("a significant rise is extrapolated over the lead", 8.0, 6.0, 0.0, 8.0 + 2 / 45 * 70, 2 / 45),
     # a step from 2 to 14/s seen at 14 (short) and 5 (long): x2 cap at 28
     ("a step's extrapolation is capped at twice the rate", 14.0, 5.0, 0.0, 28.0, 9 / 45),
-    ("falling: the long window holds the fleet (slow down)", 2.0, 6.0, 0.0, 6.0, 0.0),
+    # 5.0 vs 6.0 is 2.6 sd (sd 0.39): a quiet half-minute, not a fall
+    ("a fall within noise: the long window holds the fleet", 5.0, 6.0, 0.0, 6.0, 0.0),
+    # 2.0 vs 6.0 is 10 sd: the load has left; the long window would hold it for two minutes
+    ("a fall beyond noise: the short window's rate", 2.0, 6.0, 0.0, 2.0, 0.0),
     ("no traffic at all", 0.0, 0.0, 0.0, 0.0, 0.0),
 ]
 
@@ -59,6 +67,23 @@ def test_significance_is_in_standard_deviations_of_poisson_noise() -> None:
     sd = math.sqrt(4.0 * (1 / 30 - 1 / 120))  # 0.316
     assert significant_trend(rates, significance=1.0 / sd - 0.01) > 0
     assert significant_trend(rates, significance=1.0 / sd + 0.01) == 0
+
+
+@pytest.mark.parametrize(
+    ("short", "long", "falling"),
+    [(2.0, 6.0, True), (5.0, 6.0, False), (6.0, 6.0, False), (8.0, 6.0, False), (0.0, 0.0, False)],
+)
+def test_a_fall_is_flagged_only_beyond_noise(short: float, long: float, falling: bool) -> None:
+    ahead = forecast(ArrivalRates(short, long), 0.0, LEAD_S)
+    assert ahead.falling is falling
+    assert ("falling" in ahead.reason) is falling
+
+
+def test_a_fall_is_measured_in_standard_deviations_like_a_rise() -> None:
+    rates = ArrivalRates(3.0, 4.0)
+    sd = math.sqrt(4.0 * (1 / 30 - 1 / 120))  # 0.316
+    assert significant_fall(rates, significance=1.0 / sd - 0.01)
+    assert not significant_fall(rates, significance=1.0 / sd + 0.01)
 
 
 @pytest.mark.parametrize(

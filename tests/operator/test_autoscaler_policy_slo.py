@@ -106,13 +106,22 @@ CASES = [
         2,
         "scale down 3->2: SLO ttft 2s p95",
     ),
-    # 2/s now, 6/s over 2 minutes: the long window holds the fleet of 3 (120 + 18 -> 3)
+    # 5/s now, 6/s over 2 minutes (2.6 sd): a quiet half-minute; the long window holds the
+    # fleet of 3 (120 + 18 -> 3)
     (
-        "falling: the long window holds",
-        busy(ready=3, short=2.0, long=6.0),
+        "a fall within noise: the long window holds",
+        busy(ready=3, short=5.0, long=6.0),
         settled(replicas=3),
         3,
-        "hold at 3",
+        "hold at 3: SLO ttft 2s p95: arrivals 5.00/s (30s), 6.00/s (120s); 48.0",
+    ),
+    # 2/s now, 6/s over 2 minutes (10 sd): the load has left; sized for 2/s (40 + 10.4 -> 2)
+    (
+        "a fall beyond noise: sized for the short window's rate",
+        busy(ready=3, short=2.0, long=6.0),
+        settled(replicas=3),
+        2,
+        "scale down 3->2: SLO ttft 2s p95: arrivals 2.00/s (30s), 6.00/s (120s), falling",
     ),
     # 50 waiting on 2 ready (25 > 4 x 1.2 per replica): the queue guard asks 2 x 110 / 60 -> 4,
     # above the SLO sizing (2 + backlog 0.7/s -> 2)
@@ -266,3 +275,75 @@ def test_a_drained_queue_is_not_held_for_a_down_window() -> None:
     decision = decide(later, BOUNDS, guarded.state, NOW + 70.0)
     assert decision.replicas == 3, decision.reason
     assert decision.reason.startswith("scale down 4->3: SLO ttft 2s p95")
+
+
+def _after_a_spike(
+    short: float, cold_start_s: float | None, asked_ago_s: float, bounds: Bounds = BOUNDS
+) -> str:
+    """The reason of a decision on 3 ready replicas that the sizing (2/s or 3.5/s: 2 replicas)
+    would shrink, 3 having been asked for `asked_ago_s` ago (inside the 120 s down window)."""
+    state = PolicyState(recommendations=((NOW - asked_ago_s, 3),), capacity=LEARNED)
+    seen = busy(ready=3, short=short, long=6.0 if short < 3.0 else short, cold_start_s=cold_start_s)
+    return decide(seen, bounds, state, NOW).reason
+
+
+# (case id, short rate, cold start, seconds since 3 were asked for, bounds, reason starts with)
+DOWN_WINDOW_CASES = [
+    # a 5 s cold start: 15 s lead, x 2 = 30 s, and 3 were asked for 40 s ago
+    ("a fall beyond noise: two leads' window", 2.0, 5.0, 40.0, BOUNDS, "scale down 3->2"),
+    (
+        "a fall beyond noise: inside two leads, held",
+        2.0,
+        5.0,
+        20.0,
+        BOUNDS,
+        "hold at 3: wants 2, 30s down window not passed",
+    ),
+    # 3.5/s on 3.5/s: no fall, the sizing alone wants 2; the user's 120 s window holds
+    (
+        "no fall: the user's window whole",
+        3.5,
+        5.0,
+        40.0,
+        BOUNDS,
+        "hold at 3: wants 2, 120s down window not passed",
+    ),
+    # the 60 s cold start assumed before one is measured: 2 x 70 s is past the user's 120 s
+    (
+        "a fall with a long cold start: the user's window caps",
+        2.0,
+        None,
+        100.0,
+        BOUNDS,
+        "hold at 3: wants 2, 120s down window not passed",
+    ),
+    # a user's 20 s window is shorter than two leads (30 s): the user's word wins
+    (
+        "a user's shorter window stays",
+        2.0,
+        5.0,
+        25.0,
+        replace(BOUNDS, scale_down_stabilization_seconds=20.0),
+        "scale down 3->2",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("short", "cold_start_s", "asked_ago_s", "bounds", "reason"),
+    [case[1:] for case in DOWN_WINDOW_CASES],
+    ids=[case[0] for case in DOWN_WINDOW_CASES],
+)
+def test_a_fall_shortens_the_down_window_to_two_leads(
+    short: float, cold_start_s: float | None, asked_ago_s: float, bounds: Bounds, reason: str
+) -> None:
+    assert _after_a_spike(short, cold_start_s, asked_ago_s, bounds).startswith(reason)
+
+
+def test_a_shortened_window_keeps_the_users_history() -> None:
+    """Recommendations are kept for the user's window, so the whole window applies again once
+    arrivals stop falling."""
+    state = PolicyState(recommendations=((NOW - 100.0, 3),), capacity=LEARNED)
+    falling = busy(ready=3, short=2.0, long=6.0, cold_start_s=5.0)
+    decision = decide(replace(falling, current_replicas=4), BOUNDS, state, NOW)
+    assert (NOW - 100.0, 3) in decision.state.recommendations

@@ -12,8 +12,11 @@ and a long one that remembers the recent past.
   long, over the distance between the windows' centres) extrapolated over the lead time.
   Extrapolation is capped at `max_growth` x the short rate, so one step cannot ask for the whole
   cluster.
-- Slow, safe down: a falling rate is never extrapolated, and the long window keeps the fleet
-  for the recent past until the load has been low for the whole of it.
+- Down: a falling rate is never extrapolated. A fall within Poisson noise keeps the long
+  window's rate (the fleet for the recent past); a fall beyond it (`SIGNIFICANCE` standard
+  deviations, as for a rise) provisions for the short window's rate, since the load has left:
+  the long window would hold a spike's fleet for up to two minutes after the spike
+  (bench.autoscaler_sim, spikes and flash crowd). The policy also shortens its down window then.
 - The queue: requests already waiting are a backlog to clear within one lead time, on top of
   what keeps arriving (waiting grows whenever arrivals exceed service, so a growing queue raises
   the demand by itself).
@@ -56,6 +59,7 @@ class Forecast:
     backlog_per_s: float  # extra service rate that clears the queue within the lead time
     trend_per_s2: float  # the significant trend, 0 when it is noise or falling
     reason: str
+    falling: bool = False  # the short window's rate is below the long one's beyond noise
 
     @property
     def demand_per_s(self) -> float:
@@ -76,9 +80,12 @@ def forecast(
     if lead_s < 0 or waiting < 0:
         raise ValueError("lead time and waiting must be >= 0")
     trend = significant_trend(rates, significance)
+    falling = trend == 0 and significant_fall(rates, significance)
     if trend > 0:
         seen = rates.short_per_s
         ahead = min(seen + trend * lead_s, seen * max_growth)
+    elif falling:
+        ahead = rates.short_per_s
     else:
         ahead = rates.long_per_s
     backlog = waiting / max(lead_s, 1.0)
@@ -88,19 +95,31 @@ def forecast(
     )
     if trend > 0:
         reason += f", rising {trend:.3f}/s2 -> {ahead:.2f}/s in {lead_s:.0f}s"
+    if falling:
+        reason += ", falling"
     if waiting > 0:
         reason += f", {waiting:g} waiting"
-    return Forecast(ahead, backlog, trend, reason)
+    return Forecast(ahead, backlog, trend, reason, falling)
 
 
 def significant_trend(rates: ArrivalRates, significance: float) -> float:
-    """The rising trend in requests/s per second, or 0 when falling or within Poisson noise.
-
-    For nested windows the difference of the two rates has variance rate x (1/short - 1/long)
-    under a steady Poisson load (the shared arrivals cancel)."""
+    """The rising trend in requests/s per second, or 0 when falling or within Poisson noise
+    (`_noise_sd`)."""
     rise = rates.short_per_s - rates.long_per_s
-    variance = rates.long_per_s * (1 / rates.short_window_s - 1 / rates.long_window_s)
-    if rise <= significance * math.sqrt(variance):
+    if rise <= significance * _noise_sd(rates):
         return 0.0
     centres_apart_s = (rates.long_window_s - rates.short_window_s) / 2
     return rise / centres_apart_s
+
+
+def significant_fall(rates: ArrivalRates, significance: float) -> bool:
+    """Whether the short window's rate is below the long one's by more than `significance`
+    standard deviations of Poisson noise: the load has left, not a quiet half-minute."""
+    return rates.long_per_s - rates.short_per_s > significance * _noise_sd(rates)
+
+
+def _noise_sd(rates: ArrivalRates) -> float:
+    """The standard deviation of short minus long under a steady Poisson load at the long
+    window's rate: for nested windows the shared arrivals cancel, leaving rate x (1/short -
+    1/long)."""
+    return math.sqrt(rates.long_per_s * (1 / rates.short_window_s - 1 / rates.long_window_s))
