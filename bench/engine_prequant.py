@@ -5,20 +5,22 @@ tiny-llama's perplexity on models/tiny-llama/eval.txt against transformers on th
 checkpoint (goal: within 0.5%).
 
     .venv/bin/python -m bench.engine_prequant [--rounds 3] [--decode-steps 16] [--tiny-only]
-        [--formats compressed-tensors,gptq,awq]
+        [--formats compressed-tensors,compressed-tensors-lm-head,gptq,gptq-lm-head,awq]
+        [--compute-bound-formats ...]
 
 Load time: wall-clock seconds of `Engine(...)` (config, tokenizer, weights read and packed, KV
 pool allocated), best of `--rounds` alternating rounds, files in the page cache (each loaded once
 before timing). Decode: bench.engine_quant's measure (tokens per CPU-second, bf16 compute, one
 torch thread), against the engine's own int4 and, like with like, against its own int4 with the
-embedding and lm_head left bf16 as the checkpoints leave them. The int4 checkpoint is written
-by compressed-tensors (bench/reference/prequantized.py) into a temporary directory: tiny-llama
-channel-wise (every linear layer; its 688 MLP features take no group of 128), the compute-bound
-Llama in groups of 128. GPTQ (act-order, group 128) and AWQ (group 128) checkpoints are written
-by GPTQModel in its own tool venv, once, into ~/.cache/kvpilot/gptq-refs
-(bench/reference/gptq_awq.py; calibrated on 8 paragraphs of eval.txt); AWQ leaves tiny-llama's
-MLP 16-bit (its scale search
-needs features that divide by 64).
+embedding (and the lm_head, where the checkpoint leaves it bf16) put back in bf16. The int4
+checkpoints are written by compressed-tensors (bench/reference/prequantized.py) into a temporary
+directory: tiny-llama channel-wise (every linear layer; its 688 MLP features take no group of
+128), the compute-bound Llama in groups of 128; the `-lm-head` formats quantise the lm_head too,
+the model untied first. GPTQ (act-order, group 128; `gptq-lm-head` with `lm_head: true`) and AWQ
+(group 128) checkpoints are written by GPTQModel in its own tool venv, once, into
+~/.cache/kvpilot/gptq-refs (bench/reference/gptq_awq.py; calibrated on 8 paragraphs of
+eval.txt); AWQ leaves tiny-llama's MLP 16-bit (its scale search needs features that divide by
+64).
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.layers.quant import make_weight
 from kvpilot.runtime.models.loader import open_weights
 
+NONE = (False, False)  # nothing put back in bf16
 LOAD_RATIO_TARGET = 0.35  # checkpoint load time / quantise-at-start load time (issue 39)
 DECODE_RATIO_TARGET = 1.0  # checkpoint decode tok/s / own int4's
 PERPLEXITY_TARGET = 0.005  # |ours / transformers' - 1| on the same checkpoint
 
 
-def make_engine(path: Path, quantization: str, embedding_16_bit: bool = False) -> Engine:
+def make_engine(path: Path, quantization: str, sixteen_bit: tuple[bool, bool] = NONE) -> Engine:
+    """`sixteen_bit`: (embedding, lm_head) put back in bf16 after the engine started."""
     engine = Engine(
         EngineConfig(
             model=str(path),
@@ -55,21 +59,25 @@ def make_engine(path: Path, quantization: str, embedding_16_bit: bool = False) -
             kv_cache_memory=64 * 2**20,
         )
     )
-    return keep_embedding_16_bit(engine, path) if embedding_16_bit else engine
+    return keep_16_bit(engine, path, *sixteen_bit) if any(sixteen_bit) else engine
 
 
-def keep_embedding_16_bit(engine: Engine, source: Path) -> Engine:
-    """The engine's own int4 with the embedding (tied: the lm_head too) put back in bf16, as
-    the checkpoints' quantisers leave it (they quantise Linear modules, lm_head is left out):
-    the like-with-like baseline for their decode speed. Swapped after the engine started (no
-    flag does it), so only its decode speed is measured."""
+def keep_16_bit(engine: Engine, source: Path, embedding: bool, lm_head: bool) -> Engine:
+    """The engine's own int4 with the embedding, and the lm_head if `lm_head`, put back in bf16
+    as the checkpoints hold them (their quantisers pack Linear modules only, the lm_head too
+    where asked, never the embedding): the like-with-like baseline for their decode speed.
+    Swapped after the engine started (no flag does it), so only its decode speed is measured."""
     model = engine.runner.model
     with open_weights(source) as read:
         embed, head = read("model.embed_tokens.weight"), read("lm_head.weight")
-    if embed is None:
-        raise ValueError(f"{source}: no model.embed_tokens.weight")
+    if embed is None or not embedding:
+        raise ValueError(f"{source}: no model.embed_tokens.weight, or nothing to put back")
+    own_head = model.lm_head  # tied: the int4 embedding's matrix, which it multiplies by
     model.embed = make_weight(embed, "none", model.dtype, rows_needed=True)
-    model.lm_head = model.embed if head is None else make_weight(head, "none", model.dtype)
+    if lm_head:
+        model.lm_head = model.embed if head is None else make_weight(head, "none", model.dtype)
+    else:
+        model.lm_head = own_head
     return engine
 
 
@@ -82,25 +90,35 @@ def load_seconds(path: Path, quantization: str) -> float:
 
 
 OWN = "own int4"
-OWN_HEAD = "own int4, bf16 embedding"
+# The like-with-like baselines: the engine's own int4 with what a checkpoint keeps bf16 put back
+# in bf16, (embedding, lm_head), so that both read the same bytes per step.
+BASELINES = {
+    "own int4, bf16 embedding and lm_head": (True, True),  # for a checkpoint with a bf16 lm_head
+    "own int4, bf16 embedding": (True, False),  # for one whose lm_head it quantised
+}
+
+
+def like_with_like(name: str) -> str:
+    return list(BASELINES)[int(name.endswith(HEAD_SUFFIX))]
 
 
 def measure(
     label: str, source: Path, checkpoints: dict[str, Path], args: argparse.Namespace
 ) -> list[list[object]]:
     """One row per checkpoint, each against the same model quantised at start (`own int4`),
-    and its decode against that with the embedding left bf16 as the checkpoints leave it."""
+    and its decode against that with the embedding (and lm_head) left bf16 as it leaves them."""
     loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
     for path, level in loaded.values():  # warm the page cache and the kernels' first use
         load_seconds(path, level)
     loads = dict.fromkeys(loaded, float("inf"))
-    rates = dict.fromkeys([OWN_HEAD, *loaded], 0.0)
+    baselines = sorted({like_with_like(name) for name in checkpoints}, key=list(BASELINES).index)
+    rates = dict.fromkeys([*baselines, *loaded], 0.0)
     for _ in range(args.rounds):
         for name in rates:
             path, level = loaded.get(name, (source, "int4"))
             if name in loads:
                 loads[name] = min(loads[name], load_seconds(path, level))
-            engine = make_engine(path, level, embedding_16_bit=name == OWN_HEAD)
+            engine = make_engine(path, level, BASELINES.get(name, NONE))
             rate = decode_tokens_per_second(engine, 1, args.decode_steps)
             rates[name] = max(rates[name], rate)
             engine.shutdown()
@@ -108,8 +126,9 @@ def measure(
 
 
 def op_rows(label: str, source: Path, checkpoints: dict[str, Path]) -> list[list[object]]:
-    cases = {OWN: (source, "int4", False), OWN_HEAD: (source, "int4", True)}
-    cases |= {name: (path, "none", False) for name, path in checkpoints.items()}
+    cases = {OWN: (source, "int4", NONE)}
+    cases |= {name: (source, "int4", kept) for name, kept in BASELINES.items()}
+    cases |= {name: (path, "none", NONE) for name, path in checkpoints.items()}
     return [[label, name, *ops_per_decode_step(*case)] for name, case in cases.items()]
 
 
@@ -121,12 +140,12 @@ COUNTED_OPS = {  # column -> torch.profiler's op name
 }
 
 
-def ops_per_decode_step(path: Path, level: str, embedding_16_bit: bool) -> list[object]:
+def ops_per_decode_step(path: Path, level: str, sixteen_bit: tuple[bool, bool]) -> list[object]:
     """What one decode step runs (torch.profiler, concurrency 1): counts, not times, so a
     shared machine does not blur where a checkpoint's step differs from the own int4's."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = make_engine(path, level, embedding_16_bit)
+    engine = make_engine(path, level, sixteen_bit)
     engine.add_request(list(range(10, 42)), greedy(2 + PROFILED_STEPS), "profiled")
     engine.step()  # the prefill
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -141,7 +160,8 @@ def ops_per_decode_step(path: Path, level: str, embedding_16_bit: bool) -> list[
 
 def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]) -> list[object]:
     load_ratio, decode_ratio = loads[name] / loads[OWN], rates[name] / rates[OWN]
-    like_ratio = rates[name] / rates[OWN_HEAD]
+    baseline = like_with_like(name)
+    like_ratio = rates[name] / rates[baseline]
     return [
         label,
         name,
@@ -149,23 +169,29 @@ def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]
         f"{loads[name]:.2f}",
         f"{load_ratio:.2f}x ({verdict(load_ratio <= LOAD_RATIO_TARGET)})",
         f"{rates[OWN]:.1f}",
-        f"{rates[OWN_HEAD]:.1f}",
         f"{rates[name]:.1f}",
-        f"{decode_ratio:.2f}x ({verdict(decode_ratio >= DECODE_RATIO_TARGET)})",
-        f"{like_ratio:.2f}x ({verdict(like_ratio >= DECODE_RATIO_TARGET)})",
+        f"**{decode_ratio:.2f}x ({verdict(decode_ratio >= DECODE_RATIO_TARGET)})**",
+        f"{baseline}: {rates[baseline]:.1f}",
+        f"{like_ratio:.2f}x",
     ]
 
 
 # Per format, the variant written for tiny-llama and for the compute-bound Llama.
 VARIANTS = {
     "compressed-tensors": ("int4-channel", "int4-g128-all"),
+    "compressed-tensors-lm-head": ("int4-channel-head", "int4-g128-all-head"),
     "gptq": ("gptq-g128-desc", "gptq-g128-desc"),
+    "gptq-lm-head": ("gptq-g128-desc-head", "gptq-g128-desc-head"),
     "awq": ("awq-g128", "awq-g128-all"),
 }
+HEAD_SUFFIX = ", lm_head int4"  # the label of a checkpoint that quantised its lm_head
 LABELS = {
     "int4-channel": "compressed-tensors int4 channel",
+    "int4-channel-head": "compressed-tensors int4 channel" + HEAD_SUFFIX,
     "int4-g128-all": "compressed-tensors int4 g128",
+    "int4-g128-all-head": "compressed-tensors int4 g128" + HEAD_SUFFIX,
     "gptq-g128-desc": "GPTQ g128 desc_act",
+    "gptq-g128-desc-head": "GPTQ g128 desc_act" + HEAD_SUFFIX,
     "awq-g128": "AWQ g128 (attention only)",
     "awq-g128-all": "AWQ g128",
 }
@@ -177,7 +203,7 @@ def write_checkpoints(
     written = {}
     for fmt in formats:
         variant = VARIANTS[fmt][compute_bound]
-        if fmt == "compressed-tensors":
+        if fmt.startswith("compressed-tensors"):
             out = Path(scratch) / f"{source.name}-{variant}"
             written[LABELS[variant]] = prequantized.write_checkpoint(out, variant, source)
         else:  # GPTQModel's, from the reference cache (its tool venv writes it the first time)
@@ -234,22 +260,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--tiny-only", action="store_true", help="skip the compute-bound model")
     parser.add_argument("--formats", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument(
+        "--compute-bound-formats", help="comma-separated; default: --formats (GPTQModel's AWQ "
+        "and GPTQ on that model take long on a CPU)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    formats = args.formats.split(",")
-    if unknown := set(formats) - set(VARIANTS):
-        parser.error(f"--formats: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    formats = _formats(parser, "--formats", args.formats)
+    bound_formats = _formats(parser, "--compute-bound-formats", args.compute_bound_formats)
     setup_threads()
     rows, perplexities, ops = [], [], []
     with tempfile.TemporaryDirectory(prefix="kvpilot-prequant-") as scratch:
-        models = [("tiny-llama (4 M)", MODEL, False)]
+        models = [("tiny-llama (4 M)", MODEL, formats, False)]
         if not args.tiny_only:
-            models.append(("compute-bound (~245 M)", compute_bound_llama(), True))
-        for label, source, compute_bound in models:
-            checkpoints = write_checkpoints(Path(scratch), source, formats, compute_bound)
+            bound = ("compute-bound (~245 M)", compute_bound_llama())
+            models.append((*bound, bound_formats or formats, True))
+        for label, source, model_formats, compute_bound in models:
+            checkpoints = write_checkpoints(Path(scratch), source, model_formats, compute_bound)
             rows += measure(label, source, checkpoints, args)
             ops += op_rows(label, source, checkpoints)
             if not compute_bound:
                 perplexities = perplexity_rows(checkpoints)
+    body = _body(args, rows, ops, perplexities)
+    write_section(
+        "engine_prequant",
+        "Engine: pre-quantised int4 checkpoints (compressed-tensors, GPTQ, AWQ) vs quantising",
+        command_line("bench.engine_prequant", argv),
+        body,
+    )
+    print(body)
+    return 0
+
+
+def _formats(parser: argparse.ArgumentParser, flag: str, value: str | None) -> list[str]:
+    formats = value.split(",") if value else []
+    if unknown := set(formats) - set(VARIANTS):
+        parser.error(f"{flag}: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    return formats
+
+
+def _body(
+    args: argparse.Namespace,
+    rows: list[list[object]],
+    ops: list[list[object]],
+    perplexities: list[list[object]],
+) -> str:
     table = markdown_table(
         [
             "model",
@@ -258,10 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             "load: checkpoint (s)",
             f"checkpoint / at start (target <= {LOAD_RATIO_TARGET})",
             "decode tok/s: own int4",
-            "decode tok/s: own int4, bf16 embedding",
             "decode tok/s: checkpoint",
-            f"checkpoint / own (target >= {DECODE_RATIO_TARGET})",
-            "checkpoint / own with bf16 embedding (like with like)",
+            f"checkpoint / own int4 (target >= {DECODE_RATIO_TARGET})",
+            "like-with-like baseline: decode tok/s",
+            "checkpoint / like with like",
         ],
         rows,
     )
@@ -278,37 +332,35 @@ def main(argv: list[str] | None = None) -> int:
         ],
         perplexities,
     )
-    body = (
+    return (
         "Load: wall seconds of the engine's start (weights read and packed, KV pool allocated), "
         f"best of {args.rounds} alternating rounds, files in the page cache. Decode: tokens per "
         f"CPU-second at concurrency 1, bf16 compute, {args.decode_steps} timed steps, best of "
         f"{args.rounds}. All run the same int4 kernels; a checkpoint's values are repacked at "
-        "load, never requantised. The checkpoints leave the tied embedding and lm_head in bf16: "
-        "the quantisers quantise Linear modules and leave lm_head out (the checkpoint's own "
-        "choice; the engine serves it as stored), where the engine's own int4 level packs it "
-        "too, so the logits matmul reads 4x the bytes. The like-with-like baseline is the "
-        "engine's own int4 with its embedding put back in bf16 (`keep_embedding_16_bit`): "
-        "compressed-tensors and AWQ then run the same ops per step (torch.profiler: 16 int4 "
-        "matmuls and one bf16 matmul on tiny-llama). GPTQ act-order adds a gather of the input "
-        "of q/k/v, o_proj and gate/up per layer (down_proj's permutation is folded into gate/up's "
-        "rows at load). AWQ on tiny-llama quantises attention only (GPTQModel's scale search "
-        "leaves its MLP bf16, the checkpoint's choice), so it decodes slower.\n\n"
+        "load, never requantised. The engine's own int4 packs the tied embedding, so its lm_head "
+        "too. The published checkpoints usually leave the lm_head bf16 (llm-compressor's "
+        "recipes put it in `ignore`, GPTQ's `lm_head` defaults to false): the rows without "
+        f"`{HEAD_SUFFIX.lstrip(', ')}` are such checkpoints, served as stored, whose logits "
+        "matmul reads 4x the own int4's bytes. The rows with it quantised the lm_head too "
+        "(compressed-tensors with lm_head among its targets, GPTQModel `lm_head=True`); tiny-llama "
+        "and the compute-bound model tie it to the embedding, so they were untied first, as "
+        "llm-compressor does (GPTQModel refuses a tied one): the embedding stays bf16 beside "
+        "an int4 lm_head. The like-with-like baseline is the engine's own int4 with what the "
+        "checkpoint keeps bf16 put back in bf16 (`keep_16_bit`): the embedding and lm_head, or "
+        "the embedding alone. GPTQ act-order adds a gather of the input of q/k/v, o_proj and "
+        "gate/up per layer (down_proj's permutation is folded into gate/up's rows at load; the "
+        "lm_head's input too where it was written with act-order, which the GPTQ lm_head "
+        "rows' was not). AWQ on tiny-llama quantises attention only "
+        "(GPTQModel's scale search leaves its MLP bf16, the checkpoint's choice).\n\n"
         + table
         + f"\n\nWhat a decode step runs (torch.profiler over {PROFILED_STEPS} steps at "
         "concurrency 1; op counts, which a shared machine does not blur):\n\n"
         + op_table
         + "\n\nPerplexity on models/tiny-llama/eval.txt (512-token windows, float32): transformers "
-        "on the checkpoint as GPTQModel dequantises it, against kvpilot serving it packed.\n\n"
+        "on the checkpoint as GPTQModel dequantises it, against kvpilot serving it packed "
+        "(compressed-tensors': tests/runtime/test_rt_prequant.py).\n\n"
         + (quality if perplexities else "(no GPTQ/AWQ checkpoint in this run)")
     )
-    write_section(
-        "engine_prequant",
-        "Engine: pre-quantised int4 checkpoints (compressed-tensors, GPTQ, AWQ) vs quantising",
-        command_line("bench.engine_prequant", argv),
-        body,
-    )
-    print(body)
-    return 0
 
 
 if __name__ == "__main__":

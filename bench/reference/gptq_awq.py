@@ -18,7 +18,9 @@ place), so the tests and the benchmark read them from there.
 
 AWQ's scale and clip search needs each layer's input and output features to divide by 64,
 which tiny-llama's MLP (688 features) does not: the AWQ variants quantise attention only (a
-GPTQModel `-:` dynamic skip), the MLP stays 16-bit.
+GPTQModel `-:` dynamic skip), the MLP stays 16-bit. The `-head` variants quantise the lm_head too,
+the model untied first (bench/reference/gptq_lm_head_writer.py says why); their key hashes that
+writer as well.
 
 python -m bench.reference.gptq_awq [VARIANT...]   # fills the cache (make test's set-up)
 """
@@ -37,13 +39,24 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from bench.reference.gptq_awq_writer import BENCH_VARIANTS, VARIANTS
+from bench.reference import gptq_awq_writer, gptq_lm_head_writer
+from bench.reference.gptq_awq_writer import BENCH_VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = ROOT / "models" / "tiny-llama"  # bench.reference.models's, without importing kvpilot
 TOOL_SCRIPT = ROOT / "hack" / "gptq_tools.sh"
 TOOL_PINS = ROOT / "hack" / "gptq-requirements.txt"
 WRITER = Path(__file__).with_name("gptq_awq_writer.py")
+HEAD_WRITER = Path(__file__).with_name("gptq_lm_head_writer.py")
+# The tests' variants (tiny-llama), those that quantise the lm_head too included.
+VARIANTS = {**gptq_awq_writer.VARIANTS, **gptq_lm_head_writer.VARIANTS}
+
+
+def writer_files(variant: str) -> list[Path]:
+    """The writer modules that write `variant`, the child process's first."""
+    return [WRITER, HEAD_WRITER] if variant in gptq_lm_head_writer.VARIANTS else [WRITER]
+
+
 CALIBRATION_TEXT = TINY_LLAMA / "eval.txt"  # what the writer calibrates on, whatever the model
 
 WRITE_TIMEOUT_S = 1800
@@ -57,12 +70,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVPILOT_CACHE_DIR", Path.home() / ".cache" / "kvpilot"))
 
 
-def reference_key(source: Path) -> str:
-    """GPTQModel's pinned requirements, the writer, its calibration text (tiny-llama's, also
-    for bench.engine_prequant's other model) and every file of the source model."""
+def reference_key(source: Path, writers: list[Path] | None = None) -> str:
+    """GPTQModel's pinned requirements, the writers (default: gptq_awq_writer.py alone), its
+    calibration text (tiny-llama's, also for bench.engine_prequant's other model) and every
+    file of the source model."""
     digest = hashlib.sha256()
     model_files = sorted(p for p in source.iterdir() if p.is_file())
-    for path in [TOOL_PINS, WRITER, CALIBRATION_TEXT, *model_files]:
+    for path in [TOOL_PINS, *(writers or [WRITER]), CALIBRATION_TEXT, *model_files]:
         digest.update(path.name.encode())
         with path.open("rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -76,7 +90,8 @@ def reference_checkpoint(variant: str, source: Path = TINY_LLAMA) -> Path:
     the tool venv cannot be made; a failure of GPTQModel itself raises RuntimeError."""
     if variant not in VARIANTS and variant not in BENCH_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; choose from {_all_variants()}")
-    parent = cache_root() / "gptq-refs" / f"{source.name}-{reference_key(source)}"
+    key = reference_key(source, writer_files(variant))
+    parent = cache_root() / "gptq-refs" / f"{source.name}-{key}"
     done = parent / variant
     if not done.is_dir():
         parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +111,8 @@ def _write_into_cache(done: Path, variant: str, source: Path) -> None:
         started = time.monotonic()
         env = {**os.environ, "GPTQMODEL_CPU_WORKERS": "2", "CUDA_VISIBLE_DEVICES": ""}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        command = [python, "-m", "bench.reference.gptq_awq_writer", str(scratch), variant]
+        writer = f"bench.reference.{writer_files(variant)[-1].stem}"
+        command = [python, "-m", writer, str(scratch), variant]
         ran = subprocess.run(  # in scratch: GPTQModel writes its logs/ into the working directory
             [*command, str(source)], cwd=scratch, env=env, capture_output=True, text=True,
             check=False, timeout=WRITE_TIMEOUT_S,
@@ -152,14 +168,21 @@ def dequantized_state_dict(checkpoint: Path) -> dict[str, Any]:
 
 
 def dequantized_model(checkpoint: Path) -> Any:
-    """transformers' Llama (float32) on GPTQModel's dequantised weights."""
+    """transformers' Llama (float32) on GPTQModel's dequantised weights, tied as the checkpoint
+    says (the `-head` variants' are not)."""
+    import json
+
     from transformers import AutoConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(AutoConfig.from_pretrained(TINY_LLAMA))
+    config = AutoConfig.from_pretrained(TINY_LLAMA)
+    tied = json.loads((checkpoint / "config.json").read_text()).get("tie_word_embeddings", False)
+    config.tie_word_embeddings = tied
+    model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(dequantized_state_dict(checkpoint), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head: tied to the embedding
+    if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
         raise ValueError(f"reference: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    if tied:  # the lm_head is the embedding's matrix
+        model.tie_weights()
     return model.float().eval()
 
 

@@ -3,10 +3,15 @@
 `write_checkpoint` quantises tiny-llama's linear layers round-to-nearest (weight scales from each
 channel's or group's min/max, compressed-tensors' `calculate_qparams`), compresses them with
 compressed-tensors' `ModelCompressor` in the scheme's format and saves config.json with its
-`quantization_config`, as llm-compressor would. `decompressed_model` is the reference: the same
-checkpoint decompressed by compressed-tensors' own compressors into transformers' Llama (float32),
-which is also what transformers' loader does; transformers 5.24 cannot load an asymmetric
-pack-quantized checkpoint itself (its zero point's packed shape is refused as a size mismatch).
+`quantization_config`, as llm-compressor would. The lm_head is left out (`ignore`), as
+llm-compressor's recipes do, except in the `-head` variants: those quantise it too, and since
+tiny-llama ties it to the embedding they untie the model first, as llm-compressor does when its
+targets take in the lm_head (`untie_word_embeddings`: the embedding stays 16-bit, the lm_head is
+a copy of it, quantised, and config.json says `tie_word_embeddings: false`).
+`decompressed_model` is the reference: the same checkpoint decompressed by compressed-tensors' own
+compressors into transformers' Llama (float32), which is also what transformers' loader does;
+transformers 5.24 cannot load an asymmetric pack-quantized checkpoint itself (its zero point's
+packed shape is refused as a size mismatch).
 """
 
 from __future__ import annotations
@@ -39,8 +44,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Every linear layer, for models whose features divide by 128 (bench.engine_prequant).
     "int4-g128-all": dict(num_bits=4, strategy="group", group_size=128),
     "int8-channel": dict(num_bits=8, strategy="channel"),
+    # The lm_head quantised too (the model untied first).
+    "int4-channel-head": dict(num_bits=4, strategy="channel", lm_head=True),
+    "int4-g32-asym-head": dict(
+        num_bits=4,
+        strategy="group",
+        group_size=32,
+        symmetric=False,
+        ignore=[DOWN_PROJ],
+        lm_head=True,
+    ),
+    "int8-channel-head": dict(num_bits=8, strategy="channel", lm_head=True),
+    "int4-g128-all-head": dict(num_bits=4, strategy="group", group_size=128, lm_head=True),
 }
-TINY_LLAMA_VARIANTS = [name for name in VARIANTS if name != "int4-g128-all"]
+COMPUTE_BOUND_ONLY = ("int4-g128-all", "int4-g128-all-head")  # 688 MLP features: no group of 128
+TINY_LLAMA_VARIANTS = [name for name in VARIANTS if name not in COMPUTE_BOUND_ONLY]
 
 
 def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path:
@@ -55,7 +73,8 @@ def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path
 
     spec = dict(VARIANTS[variant])
     fmt = spec.pop("format", "pack-quantized")
-    ignore = ["lm_head", *spec.pop("ignore", [])]
+    lm_head = spec.pop("lm_head", False)
+    ignore = [*([] if lm_head else ["lm_head"]), *spec.pop("ignore", [])]
     activations = spec.pop("activations", False)
     weights = QuantizationArgs(**spec)
     inputs = (
@@ -66,6 +85,8 @@ def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    if lm_head:
+        _untie_word_embeddings(model)
     apply_quantization_config(model, config, show_progress=False)
     for module in model.modules():
         if hasattr(module, "weight_scale"):
@@ -77,6 +98,14 @@ def write_checkpoint(out: Path, variant: str, source: Path = TINY_LLAMA) -> Path
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(source / name, out / name)
     return out
+
+
+def _untie_word_embeddings(model: Any) -> None:
+    """What llm-compressor does before it quantises a tied lm_head: each of the embedding and
+    the lm_head gets its own copy of the matrix, and the config says they are no longer tied."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        module.weight = torch.nn.Parameter(module.weight.data.clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
 
 
 def _set_qparams(module: Any) -> None:
@@ -121,14 +150,17 @@ def decompressed_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def decompressed_model(checkpoint: Path) -> Any:
-    """transformers' Llama (float32) on the decompressed weights."""
+    """transformers' Llama (float32) on the decompressed weights, tied as the checkpoint says."""
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(TINY_LLAMA)
+    tied = json.loads((checkpoint / "config.json").read_text()).get("tie_word_embeddings", False)
+    config.tie_word_embeddings = tied
     model = LlamaForCausalLM(config)
     state = {n: t.float() for n, t in decompressed_state_dict(checkpoint).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head: tied to the embedding
+    if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
         raise ValueError(f"reference: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
+    if tied:  # the lm_head is the embedding's matrix
+        model.tie_weights()
     return model.float().eval()

@@ -89,6 +89,19 @@ def test_which_node_types_each_fits_and_its_bytes_per_replica(
         assert "pre-quantised awq int4 (awq-gemm, group 128" in plan.reason
 
 
+def test_an_lm_head_the_checkpoint_quantised_is_planned_packed() -> None:
+    """AWQ with `lm_head: true`: its 3584 x 152064 lm_head at 0.5 + 4/128 bytes a parameter, not
+    2: 5.26 - 0.75 = 4.51 GiB of weights."""
+    config = QWEN25_7B_AWQ | {
+        "quantization_config": QWEN25_7B_AWQ["quantization_config"] | {"lm_head": True}
+    }
+    facts = facts_from_config_json(config, no_header_read, "model", "")
+    weights = AWQ_WEIGHTS - 3584 * 152064 * (2 - (0.5 + 4 / 128))
+    plan = planner.plan_node_type(request(facts, ("int4",)), L4)
+    assert plan.fits and plan.estimate is not None
+    assert plan.estimate.weights_bytes == pytest.approx(weights)
+
+
 def test_bf16_splits_over_two_gpus_where_the_awq_checkpoint_runs_on_one() -> None:
     bf16 = planner.plan_node_type(request(BF16, ("bf16",)), T4X4)
     assert (bf16.fits, bf16.quantization, bf16.tensor_parallel) == (True, "bf16", 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,9 +21,11 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from bench.reference.gptq_awq import (
     VARIANTS,
+    WRITER,
     dequantized_model,
     dequantized_state_dict,
     reference_key,
+    writer_files,
 )
 from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
 from kvpilot.contract.checkpoint_quant import parse_quantization_config
@@ -45,12 +48,13 @@ from kvpilot.runtime.layers.prequant import (
     fold_input_order,
     read_matrix,
 )
-from kvpilot.runtime.layers.quant import Int4Parts, Int4Weight
+from kvpilot.runtime.layers.quant import DenseWeight, Int4Parts, Int4Weight
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.prequant_reference import (
     LOGIT_TOLERANCE,
     PROMPTS,
+    assert_greedy_matches,
     gptqmodel_checkpoint,
     hf_perplexity,
 )
@@ -91,7 +95,8 @@ def test_supported_configs(base: dict[str, Any], changes: dict[str, Any], descri
         (GPTQ, {"group_size": 16}, "group_size: 16 is not supported"),
         (GPTQ, {"checkpoint_format": "marlin"},
          'checkpoint_format: "marlin" is not supported; supported: gptq, gptq_v2'),
-        (GPTQ, {"lm_head": True}, "quantization_config.lm_head: True is not supported"),
+        (GPTQ, {"lm_head": "yes"},
+         'quantization_config.lm_head: "yes" is not supported; supported: True, False'),
         (GPTQ, {"pack_dtype": "int16"}, 'pack_dtype: "int16" is not supported'),
         (GPTQ, {"dynamic": {r"+:.*down_proj": {"bits": 8}}},
          r'dynamic.+:.*down_proj: {'),
@@ -158,6 +163,34 @@ def test_reference_cache_key_follows_the_models_files(
     model = shutil.copytree(tiny_llama_dir, tmp_path / "tiny-llama")
     change(model)
     assert (reference_key(model) == reference_key(tiny_llama_dir)) == same_key
+
+
+def test_the_lm_head_variants_have_a_key_of_their_own(tiny_llama_dir: Path) -> None:
+    """The `-head` variants' writer is hashed into their key alone: adding it left the key of
+    the others (what a warm cache holds) as it was."""
+    assert writer_files("gptq-g128") == [WRITER]
+    assert reference_key(tiny_llama_dir) == reference_key(tiny_llama_dir, [WRITER])
+    head_key = reference_key(tiny_llama_dir, writer_files("gptq-g128-desc-head"))
+    assert head_key != reference_key(tiny_llama_dir)
+
+
+@pytest.mark.parametrize(
+    ("lm_head", "tensors", "message"),
+    [
+        (True, {"lm_head.weight": torch.zeros(8, 8)},
+         "missing tensor 'lm_head.qweight' (its quantization_config.lm_head is true)"),
+        (False, {"lm_head.qweight": torch.zeros(1, 8, dtype=torch.int32)},
+         "missing tensor 'lm_head.weight'"),
+    ],
+)  # fmt: skip
+def test_the_lm_head_is_read_as_the_config_says(
+    lm_head: bool, tensors: dict[str, torch.Tensor], message: str
+) -> None:
+    """`lm_head` decides, not the tensors (as for the decoder's modules a quantiser skipped):
+    the planner counted the lm_head's bytes by it."""
+    quant = parse_quantization_config({"quantization_config": GPTQ | {"lm_head": lm_head}})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_matrix(tensors.get, "lm_head", quant)
 
 
 @pytest.mark.slow
@@ -275,14 +308,23 @@ def test_logits_and_greedy_tokens_match_transformers(
     for prompt, logits in zip(PROMPTS, our_logits(path, PROMPTS, [5]), strict=True):
         torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=LOGIT_TOLERANCE, rtol=0)
     engine = make_engine(path)
-    layer = engine.runner.model.layers[0]
+    model = engine.runner.model
+    layer = model.layers[0]
     is_act_order = bool(VARIANTS[variant].get("desc_act")) and VARIANTS[variant]["group_size"] > 0
-    assert isinstance(layer.qkv.weight, PermutedWeight if is_act_order else Int4Weight)
+    packed = PermutedWeight if is_act_order else Int4Weight
+    assert isinstance(layer.qkv.weight, packed)
     assert not isinstance(layer.down.weight, PermutedWeight)  # act-order folded into gate/up
     assert (layer.mlp_order is not None) == is_act_order
+    # `lm_head: true`: the checkpoint's packed lm_head (its own scheme: dynamic.lm_head) beside
+    # its (untied) bf16 embedding
+    quant = load_model_config(path).checkpoint_quant
+    head = quant.scheme_for("lm_head") if quant is not None else None
+    assert (head is not None) == variant.endswith("-head")
+    stored = DenseWeight if head is None else PermutedWeight if head.desc_act else Int4Weight
+    assert (type(model.lm_head), type(model.embed)) == (stored, DenseWeight)
     ours = run_all(engine, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
     for index, prompt in enumerate(PROMPTS):
-        assert ours[str(index)] == hf_greedy(hf, prompt, 12)
+        assert_greedy_matches(hf, prompt, ours[str(index)])
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
+from bench.reference.models import hf_logits, our_logits, run_all
 from bench.reference.prequantized import (
     TINY_LLAMA_VARIANTS,
     decompressed_model,
@@ -33,7 +33,12 @@ from kvpilot.runtime.layers.prequant import dequantize, read_matrix, unpack_int3
 from kvpilot.runtime.layers.quant import DenseWeight, Int4Weight, Int8DynamicWeight, Int8Weight
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
-from tests.support.prequant_reference import LOGIT_TOLERANCE, PROMPTS, hf_perplexity
+from tests.support.prequant_reference import (
+    LOGIT_TOLERANCE,
+    PROMPTS,
+    assert_greedy_matches,
+    hf_perplexity,
+)
 
 pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
 
@@ -208,10 +213,20 @@ def test_logits_and_greedy_tokens_match_transformers(
     assert isinstance(stored, EXPECTED_STORAGE[variant.split("-", maxsplit=1)[0]])  # kept packed
     ours = run_all(engine, PROMPTS, SamplingParams(max_tokens=12, temperature=0))
     for index, prompt in enumerate(PROMPTS):
-        assert ours[str(index)] == hf_greedy(hf, prompt, 12)
+        assert_greedy_matches(hf, prompt, ours[str(index)])
 
 
-@pytest.mark.parametrize("variant", ["fp8-channel", "int4-g128", "int4-g32-asym", "int8-channel"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "fp8-channel",
+        "int4-g128",
+        "int4-g32-asym",
+        "int8-channel",
+        "int4-channel-head",
+        "int4-g32-asym-head",
+    ],
+)
 def test_perplexity_within_half_a_percent_of_transformers(
     checkpoints: Callable[[str], Path], tiny_llama_dir: Path, variant: str
 ) -> None:
@@ -243,6 +258,40 @@ def test_int4_checkpoint_is_packed_as_the_int4_level_packs(
     own_int4 = linear_bytes(make_engine(quantization="int4"))
     assert linear_bytes(make_engine(checkpoints("int4-channel"))) == own_int4
     assert own_int4 < 0.3 * linear_bytes(make_engine(quantization="bf16"))
+
+
+@pytest.mark.parametrize(
+    ("variant", "stored"),
+    [("int4-channel-head", Int4Weight), ("int8-channel-head", (Int8Weight, Int8DynamicWeight))],
+)
+def test_a_quantised_lm_head_is_served_packed_beside_a_16_bit_embedding(
+    checkpoints: Callable[[str], Path],
+    make_engine: Callable[..., Engine],
+    variant: str,
+    stored: type | tuple[type, ...],
+) -> None:
+    """The checkpoint's lm_head as stored (its packed tensors, not the embedding's matrix), the
+    embedding it unties from kept 16-bit, as the checkpoint holds them both."""
+    model = make_engine(checkpoints(variant)).runner.model
+    assert isinstance(model.lm_head, stored) and isinstance(model.embed, DenseWeight)
+    assert model.lm_head is not model.embed
+    bf16_head = model.embed.num_bytes()  # the same [vocab, hidden] matrix at 2 bytes
+    assert model.lm_head.num_bytes() < (0.55 if "int8" in variant else 0.3) * bf16_head
+
+
+def test_a_tied_model_with_a_quantised_lm_head_is_refused(
+    checkpoints: Callable[[str], Path], tmp_path: Path, make_engine: Callable[..., Engine]
+) -> None:
+    """The lm_head-quantised checkpoint said to be tied (as compressed-tensors' ModelCompressor
+    saves a tied model it was not told to untie): which matrix the logits use is not said, so
+    it is refused before any weight is read, naming the field."""
+    source = checkpoints("int4-channel-head")
+    for name in source.iterdir():
+        (tmp_path / name.name).write_bytes(name.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"quantization_config.ignore: \[\] quantises lm_head"):
+        make_engine(tmp_path)
 
 
 def test_engine_refuses_a_conflicting_flag_and_tensor_parallelism(

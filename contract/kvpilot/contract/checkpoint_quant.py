@@ -11,9 +11,14 @@ Supported: `quant_method: compressed-tensors` (what llm-compressor writes) with,
 GPTQ (`quant_method: gptq`, 4 bits, group size 32/64/128 or -1, with or without desc_act,
 `checkpoint_format` gptq or gptq_v2) and AWQ (`quant_method: awq`, 4 bits, group size 32/64/128,
 with or without zero points, `version: gemm`) run as int4 too; a module without `qweight` (left
-out by the quantiser) is read as a 16-bit matrix. Anything else (3-bit or 8-bit GPTQ, act-order in
+out by the quantiser) is read as a 16-bit matrix. A quantised lm_head (GPTQ/AWQ `lm_head: true`,
+GPTQModel's `dynamic.lm_head` entry giving its bits and group size; compressed-tensors with
+lm_head targeted and not in `ignore`) is served as stored, as vLLM does, where the model keeps an
+lm_head of its own: with `tie_word_embeddings: true` the checkpoint would hold the embedding's
+matrix twice, differently, which is refused (the quantisers untie first: llm-compressor does it
+itself, GPTQModel refuses a tied one). Anything else (3-bit or 8-bit GPTQ, act-order in
 compressed-tensors, quantised activations on an int scheme, a KV-cache scheme, sparsity,
-transforms, GPTQ's per-module `dynamic` overrides, a quantised lm_head) is refused with the field
+transforms, GPTQ's per-module `dynamic` overrides but the lm_head's) is refused with the field
 and value named, never served with its scales ignored.
 Pure and torch-free (the operator plans with it, too: contract/checkpoint_weights.py); the
 runtime's layers/prequant.py reads the tensors a scheme describes.
@@ -21,11 +26,13 @@ runtime's layers/prequant.py reads the tensors a scheme describes.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_METHODS = ("compressed-tensors", "gptq", "awq")
+PACKED_INT4_METHODS = ("gptq", "awq")  # modules stored as qweight/qzeros/scales (packed_int4.py)
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 INT_FORMATS = {4: ("pack-quantized",), 8: ("pack-quantized", "naive-quantized")}
 INT4_GROUP_SIZES = (32, 64, 128)  # what the engine's int4 kernels take (tinygemm and its CPU twin)
@@ -35,6 +42,7 @@ AWQ_VERSIONS = ("gemm",)
 # The module kinds compressed-tensors' targets name; every matrix this engine quantises is one.
 LINEAR_TARGETS = ("Linear",)
 FIELD = "quantization_config"
+LM_HEAD = "lm_head"  # the module (and, for GPTQ/AWQ, the field) of the output projection
 # How a checkpoint's weights are stored, as --expect-checkpoint names it (checkpoint_kind): the
 # operator plans a file:// or pvc:// model from a config.json the user gives it
 # (spec.model.configMapRef), and its pods refuse a checkpoint of another kind at start.
@@ -75,10 +83,13 @@ class WeightScheme:
         return f"{kind} ({self.format}, {grouping}{zeros}{order})"
 
 
+Group = tuple[tuple[str, ...], WeightScheme]  # (targets, scheme)
+
+
 @dataclass(frozen=True)
 class CheckpointQuant:
     method: str
-    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme), in order
+    groups: tuple[Group, ...]  # in order: a module takes the first group that targets it
     ignore: tuple[str, ...]
 
     def scheme_for(self, module: str) -> WeightScheme | None:
@@ -129,9 +140,10 @@ def parse_quantization_config(config: dict[str, Any]) -> CheckpointQuant | None:
     if method not in SUPPORTED_METHODS:
         raise ValueError(_unsupported("quant_method", method, SUPPORTED_METHODS))
     if method == "gptq":
-        return _packed_int4(method, _parse_gptq(qc), qc)
+        return _check_tied_head(config, _packed_int4(method, _parse_gptq(qc), qc))
     if method == "awq":
-        return _packed_int4(method, _parse_awq(qc), qc)
+        _check_skips_only(qc.get("dynamic"))
+        return _check_tied_head(config, _packed_int4(method, _parse_awq(qc), qc))
     _check_empty(qc, ("kv_cache_scheme", "sparsity_config", "transform_config"))
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
@@ -149,7 +161,29 @@ def parse_quantization_config(config: dict[str, Any]) -> CheckpointQuant | None:
             f"{FIELD}.config_groups mixes levels {sorted(levels)}; one level per checkpoint "
             "is supported"
         )
-    return CheckpointQuant(str(method), groups, tuple(qc.get("ignore") or ()))
+    quant = CheckpointQuant(str(method), groups, tuple(qc.get("ignore") or ()))
+    return _check_tied_head(config, quant)
+
+
+def _check_tied_head(config: dict[str, Any], quant: CheckpointQuant) -> CheckpointQuant:
+    """A tied model's lm_head is its embedding: a checkpoint that quantises the lm_head of one
+    holds that matrix twice (the embedding 16-bit, the lm_head packed), and which one the logits
+    use is not said: transformers 5 fails to load such a compressed-tensors checkpoint, vLLM's
+    tied Llama skips the `lm_head.*` tensors, and llm-compressor unties a tied model before it
+    quantises its lm_head. So it is refused, naming the field that quantises the lm_head."""
+    if not config.get("tie_word_embeddings", False) or quant.scheme_for(LM_HEAD) is None:
+        return quant
+    if quant.method in PACKED_INT4_METHODS:
+        field, leave_out = f"{FIELD}.lm_head: true", "lm_head: false"
+    else:
+        ignored = json.dumps(list(quant.ignore))
+        field, leave_out = f"{FIELD}.ignore: {ignored} quantises lm_head", "lm_head in ignore"
+    raise ValueError(
+        f"{field} with tie_word_embeddings: true is not supported: the checkpoint's lm_head "
+        "would be a second, quantised copy of the embedding; untie the model before quantising "
+        "(tie_word_embeddings: false and an lm_head of its own, as llm-compressor does) or leave "
+        f"the lm_head out ({leave_out})"
+    )
 
 
 def _parse_group(
@@ -210,34 +244,64 @@ def _parse_weights(where: str, weights: dict[str, Any], fmt: str) -> WeightSchem
 
 
 def _packed_int4(method: str, scheme: WeightScheme, qc: dict[str, Any]) -> CheckpointQuant:
-    """GPTQ and AWQ: one scheme for every linear module that has a `qweight`; the others
-    (`modules_to_not_convert`, GPTQModel's `-:` dynamic skips) were written as 16-bit `weight`
-    tensors, which layers/packed_int4.py reads as such: the tensors say which is which."""
-    del qc  # nothing in it names the modules more reliably than their tensors
-    return CheckpointQuant(method, ((LINEAR_TARGETS, scheme),), ())
+    """GPTQ and AWQ: one scheme for every decoder linear module that has a `qweight`; the
+    others (`modules_to_not_convert`, GPTQModel's `-:` dynamic skips) were written as 16-bit
+    `weight` tensors, which layers/packed_int4.py reads as such: the tensors say which is which.
+    The lm_head is the config's to say (`lm_head`, as vLLM reads it): false ignores it; true
+    quantises it as the rest, or as GPTQ's `dynamic.lm_head` says (_parse_gptq_head)."""
+    lm_head = qc.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        raise ValueError(_unsupported("lm_head", lm_head, (True, False)))
+    head = _parse_gptq_head(qc) if lm_head and method == "gptq" else None
+    groups: tuple[Group, ...] = ((LINEAR_TARGETS, scheme),)
+    if head is not None:  # first: scheme_for takes the first group that targets a module
+        groups = (((LM_HEAD,), head), *groups)
+    return CheckpointQuant(method, groups, () if lm_head else (LM_HEAD,))
 
 
-def _parse_gptq(qc: dict[str, Any]) -> WeightScheme:
-    """AutoGPTQ's / GPTQModel's / transformers' GPTQConfig as config.json holds it."""
-    _check_choice("bits", qc.get("bits"), (4,))
+def _parse_gptq(qc: dict[str, Any], where: str = "") -> WeightScheme:
+    """AutoGPTQ's / GPTQModel's / transformers' GPTQConfig as config.json holds it. `where`:
+    the prefix of a per-module override's fields (`dynamic.lm_head.`)."""
+    _check_choice(f"{where}bits", qc.get("bits"), (4,))
     group_size = qc.get("group_size", 128)
-    _check_choice("group_size", group_size, GPTQ_GROUP_SIZES)
+    _check_choice(f"{where}group_size", group_size, GPTQ_GROUP_SIZES)
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
     _check_choice("checkpoint_format", fmt, GPTQ_FORMATS)
     _check_choice("pack_dtype", qc.get("pack_dtype", "int32"), ("int32",))
-    _check_choice("lm_head", bool(qc.get("lm_head", False)), (False,))
-    _check_skips_only(qc.get("dynamic"))
+    _check_skips_only(qc.get("dynamic"), allowed=(LM_HEAD,))
     size = None if group_size == -1 else int(group_size)
     strategy = "channel" if size is None else "group"
     symmetric, desc_act = bool(qc.get("sym", True)), bool(qc.get("desc_act", False))
     return WeightScheme("int", 4, strategy, size, symmetric, str(fmt), desc_act)
 
 
-def _check_skips_only(dynamic: Any) -> None:
+# What a GPTQModel `dynamic` override may set: how the module is stored, and `mse`, a setting of
+# the quantiser's search that leaves no trace in the tensors.
+GPTQ_OVERRIDES = ("bits", "group_size", "sym", "desc_act", "mse")
+
+
+def _parse_gptq_head(qc: dict[str, Any]) -> WeightScheme | None:
+    """GPTQModel quantises the lm_head as its `dynamic.lm_head` entry says, the rest of the
+    config filling what it leaves out; its default entry is 8 bits in groups of 32, which no
+    kernel here reads packed (refused, naming the field), so a 4-bit lm_head is asked for:
+    `dynamic={"lm_head": {"bits": 4, "group_size": 128}}`. None: no entry."""
+    override = (qc.get("dynamic") or {}).get(LM_HEAD)
+    if override is None:
+        return None
+    where = f"dynamic.{LM_HEAD}"
+    if not isinstance(override, dict):
+        raise ValueError(_unsupported(where, override, ("an object",)))
+    if unknown := sorted(set(override) - set(GPTQ_OVERRIDES)):
+        raise ValueError(_unsupported(f"{where}.{unknown[0]}", override[unknown[0]], ("absent",)))
+    return _parse_gptq({**qc, **override, "dynamic": None}, f"{where}.")
+
+
+def _check_skips_only(dynamic: Any, allowed: tuple[str, ...] = ()) -> None:
     """GPTQModel's `dynamic`: `-:<regex>` entries leave modules unquantised (their tensors say
-    so); `+:`/plain entries change bits or group size per module, which is not supported."""
+    so); `+:`/plain entries change bits or group size per module, which is not supported but
+    for the `allowed` modules' (GPTQ's lm_head: _parse_gptq_head reads it)."""
     for pattern in dynamic or {}:
-        if not str(pattern).startswith("-:"):
+        if not str(pattern).startswith("-:") and pattern not in allowed:
             raise ValueError(_unsupported(f"dynamic.{pattern}", dynamic[pattern], ("-:<regex>",)))
 
 
@@ -250,7 +314,6 @@ def _parse_awq(qc: dict[str, Any]) -> WeightScheme:
     _check_choice("version", version, AWQ_VERSIONS)
     # zero_point false (symmetric) still stores `qzeros` (each 8) in the GEMM layout: both read.
     symmetric = not qc.get("zero_point", True)
-    _check_skips_only(qc.get("dynamic"))
     return WeightScheme("int", 4, "group", int(str(group_size)), symmetric, "awq-gemm")
 
 

@@ -14,7 +14,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvpilot.contract.checkpoint_quant import FIELD, CheckpointQuant, WeightScheme
+from kvpilot.contract.checkpoint_quant import (
+    FIELD,
+    PACKED_INT4_METHODS,
+    CheckpointQuant,
+    WeightScheme,
+)
 from kvpilot.contract.checkpoint_quant import parse_quantization_config as parse
 from kvpilot.contract.memory import (
     INT4_GROUP_SIZE,
@@ -25,7 +30,6 @@ from kvpilot.contract.memory import (
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_PACKED_INT4_METHODS = ("gptq", "awq")  # lm_head is never packed (their `lm_head: false`)
 
 
 def read_checkpoint_weights(config: dict[str, Any]) -> CheckpointWeights | None:
@@ -49,18 +53,15 @@ def read_checkpoint_weights(config: dict[str, Any]) -> CheckpointWeights | None:
 
 
 def _scheme(quant: CheckpointQuant, module: str, qc: dict[str, Any]) -> WeightScheme | None:
-    """The module's scheme as the runtime reads it. GPTQ/AWQ pack every linear module but the
-    lm_head, AWQ's `modules_to_not_convert` (a substring, as transformers matches them) and
-    GPTQModel's `dynamic` `-:<regex>` skips (the only entries the parser accepts)."""
-    if quant.method not in _PACKED_INT4_METHODS:
+    """The module's scheme as the runtime reads it. GPTQ/AWQ pack every linear module but
+    AWQ's `modules_to_not_convert` (a substring, as transformers matches them) and GPTQModel's
+    `dynamic` `-:<regex>` skips (the only entries the parser accepts); the lm_head where their
+    `lm_head` is true (scheme_for says)."""
+    if quant.method not in PACKED_INT4_METHODS:
         return quant.scheme_for(module)
     skipped = qc.get("modules_to_not_convert") or ()
-    skip_patterns = [str(p)[2:] for p in qc.get("dynamic") or {}]
-    if (
-        module == "lm_head"
-        or any(s in module for s in skipped)
-        or any(re.match(p, module) for p in skip_patterns)
-    ):
+    skip_patterns = [str(p)[2:] for p in qc.get("dynamic") or {} if str(p).startswith("-:")]
+    if any(s in module for s in skipped) or any(re.match(p, module) for p in skip_patterns):
         return None
     return quant.scheme_for(module)
 

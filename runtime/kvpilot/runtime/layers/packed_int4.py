@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 - the torch convention
 
-from kvpilot.contract.checkpoint_quant import WeightScheme
+from kvpilot.contract.checkpoint_quant import FIELD, LM_HEAD, WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
 from kvpilot.runtime.layers.quant import INT4_MID, Int4Parts, Int4Weight, Weight
 
@@ -72,9 +72,14 @@ def _need(read: Read, name: str) -> torch.Tensor:
 def read_packed_int4(
     read: Read, module: str, scheme: WeightScheme
 ) -> torch.Tensor | Int4Parts | ActOrderParts:
-    """Module `module` of a GPTQ or AWQ checkpoint; a dense matrix where the quantiser left the
-    module out (it wrote `weight`, not `qweight`)."""
+    """Module `module` of a GPTQ or AWQ checkpoint; a dense matrix where the quantiser left a
+    decoder module out (it wrote `weight`, not `qweight`). The lm_head is quantised only where
+    the config says so (`lm_head: true`), and then must be."""
     qweight = read(f"{module}.qweight")
+    if qweight is None and module == LM_HEAD:
+        raise ValueError(
+            f"checkpoint is missing tensor '{LM_HEAD}.qweight' (its {FIELD}.lm_head is true)"
+        )
     if qweight is None:
         return _need(read, f"{module}.weight")
     scale = _need(read, f"{module}.scales").float().t()  # [out, groups]
