@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
+from kvpilot.contract import metric_names
 from kvpilot.gateway.cli import build_options, parse_args
 from kvpilot.gateway.flow.gate import QUEUE_FULL, QUEUE_TIMEOUT, Admission, FlowGate, FlowOptions
 from kvpilot.gateway.flow.tenancy import Tenancy
 from kvpilot.gateway.metrics import GatewayMetrics
-from kvpilot.gateway.routing.routes import Backend, Route, RouteTable
+from kvpilot.gateway.routing.routes import Backend, Route, RouteTable, ScaleTarget
 
 CHAT, BATCH = Tenancy("chat", 0), Tenancy("batch", 0)
 FAR = 1e9  # a deadline that does not pass
@@ -125,6 +126,65 @@ async def test_a_full_tenant_queue_is_refused() -> None:
     labels = {"model": "m", "tenant": "batch", "priority": "0"}
     assert metrics.registry.get_sample_value("kvpilot_gateway_flow_refusals_total", labels) == 1
     queued.cancel()
+
+
+def deployment_demand(metrics: GatewayMetrics, model: str = "m") -> tuple[float, float]:
+    """(queued, arrived) as the operator's autoscaler reads them: by the ModelDeployment."""
+    labels = {"md_namespace": "prod", "md_name": "m-md", "model": model}
+    get = metrics.registry.get_sample_value
+    queued = get(metric_names.GATEWAY_REQUESTS_QUEUED, labels)
+    arrived = get(metric_names.GATEWAY_REQUESTS_ARRIVED, labels)
+    return queued or 0.0, arrived or 0.0
+
+
+@in_loop
+async def test_the_queue_and_its_arrivals_are_exported_by_the_modeldeployment() -> None:
+    # Flow control keeps the surplus here, where the runtime's waiting gauge and received
+    # counter never see it: the operator reads these as the demand the replicas have not seen.
+    flow, plain, metrics = gate(max_waiting=1)
+    route = Route("m", plain.backends, scale_target=ScaleTarget("prod", "m-md"))
+    first = await flow.enter(route, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    assert deployment_demand(metrics) == (0, 1)  # sent at once: arrived, not queued
+    second = asyncio.ensure_future(flow.enter(route, BATCH, 10, FAR))
+    await asyncio.sleep(0)
+    assert deployment_demand(metrics) == (1, 2)
+    assert await flow.enter(route, BATCH, 10, FAR) == QUEUE_FULL
+    assert deployment_demand(metrics) == (1, 3)  # refused, yet demand all the same
+    deadline = asyncio.get_running_loop().time() + 0.05
+    assert await flow.enter(route, CHAT, 10, deadline) == QUEUE_TIMEOUT
+    assert deployment_demand(metrics) == (1, 4)  # the timed-out one left the gauge
+    flow.leave(first, 1, 1)
+    admitted = await second
+    assert isinstance(admitted, Admission) and deployment_demand(metrics) == (0, 4)
+    flow.leave(admitted, 1, 1)
+
+
+@in_loop
+async def test_an_adapters_demand_goes_to_its_base_models_deployment() -> None:
+    flow, plain, metrics = gate()
+    target = ScaleTarget("prod", "m-md")
+    base = Route("m", plain.backends, scale_target=target)
+    adapter = Route("sql", plain.backends, scale_target=target, adapter_of="m")
+    first = await flow.enter(base, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    queued = asyncio.ensure_future(flow.enter(adapter, CHAT, 10, FAR))
+    await asyncio.sleep(0)
+    assert deployment_demand(metrics, "sql") == (1, 1)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    assert deployment_demand(metrics, "sql") == (0, 1)
+
+
+@in_loop
+async def test_a_route_without_a_modeldeployment_exports_no_deployment_demand() -> None:
+    flow, route, metrics = gate()  # the static config's routes have no scale target
+    first = await flow.enter(route, BATCH, 10, FAR)
+    assert isinstance(first, Admission)
+    exported = {s.name for m in metrics.registry.collect() for s in m.samples}
+    assert metric_names.GATEWAY_REQUESTS_ARRIVED not in exported
+    flow.leave(first, 1, 1)
 
 
 @pytest.mark.parametrize(

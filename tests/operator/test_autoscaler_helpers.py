@@ -248,9 +248,45 @@ def test_fleet_queries_sum_the_first_name_per_pod_over_the_pods(
     assert '"kvpilot_' in parts[0]
 
 
+# (FleetRates field, window): the gateways' arrivals, by the ModelDeployment's md_* labels
+GATEWAY_FLEET_QUERIES = [
+    ("gateway_arrivals_short_per_s", "[30s]"),
+    ("gateway_arrivals_long_per_s", "[2m]"),
+]
+
+
+@pytest.mark.parametrize(("field", "window"), GATEWAY_FLEET_QUERIES)
+def test_the_gateways_arrivals_are_summed_by_the_modeldeployment(field: str, window: str) -> None:
+    assert metrics.fleet_queries("prod", 'we"ird')[field] == (
+        'sum(rate({__name__="kvpilot_gateway_requests_arrived_total",md_namespace="prod",'
+        f'md_name="we\\"ird"}}{window}))'
+    )
+
+
 def test_every_fleet_rate_has_a_query() -> None:
     fields = set(metrics.FleetRates.__dataclass_fields__)
-    assert set(metrics.fleet_queries("prod", "m")) == fields == {f for f, *_ in FLEET_QUERIES}
+    tested = {f for f, *_ in FLEET_QUERIES} | {f for f, _ in GATEWAY_FLEET_QUERIES}
+    assert set(metrics.fleet_queries("prod", "m")) == fields == tested
+
+
+# (case, the replicas' received rate, the gateways', the rate to size for)
+ARRIVALS_SEEN = [
+    ("flow control caps what the replicas receive", 4.0, 9.0, 9.0),
+    ("traffic around the gateway reaches the replicas only", 6.0, 2.0, 6.0),
+    ("no gateway routes to the ModelDeployment", 4.0, None, 4.0),
+    ("vLLM pods (no received counter) behind a gateway", None, 5.0, 5.0),
+    ("neither", None, None, None),
+]
+
+
+@pytest.mark.parametrize(("case", "runtime", "gateway", "seen"), ARRIVALS_SEEN)
+def test_the_arrival_rate_is_the_larger_of_the_replicas_and_the_gateways(
+    case: str, runtime: float | None, gateway: float | None, seen: float | None
+) -> None:
+    assert metrics.arrivals_seen(runtime, gateway) == seen, case
+    rates = metrics.FleetRates(runtime, runtime, 2.5, 300.0, 12.0, gateway, gateway)
+    observed = aggregate([sample("a", running=10)], 1, NOW, rates=rates)
+    assert observed.arrivals_short_per_s == observed.arrivals_long_per_s == seen
 
 
 @pytest.mark.parametrize(
@@ -333,6 +369,22 @@ def test_held_query_sums_the_gateways_gauge_by_the_modeldeployment() -> None:
     assert 'namespace="prod"' not in metrics.held_query("prod", "m").replace("md_namespace", "")
 
 
+def test_queued_query_sums_the_gateways_fair_queues_by_the_modeldeployment() -> None:
+    assert metrics.queued_query("prod", "m") == (
+        'sum({__name__="kvpilot_gateway_requests_queued",md_namespace="prod",md_name="m"})'
+    )
+
+
+def test_requests_in_the_gateways_fair_queues_are_queue_demand() -> None:
+    # Flow control keeps the replicas' own queues short: 1 waiting there, 6 at the gateways.
+    seen = aggregate([sample("a", waiting=1, running=4)], 1, NOW, requests_held=2,
+                     requests_queued=6)  # fmt: skip
+    assert (seen.requests_waiting, seen.requests_held, seen.requests_queued) == (9, 2, 6)
+    assert seen.to_dict()["requestsQueued"] == 6
+    zero = aggregate([], 0, NOW, requests_queued=3)  # a fleet just scaled to zero, say
+    assert (zero.requests_waiting, zero.requests_queued) == (3, 3)
+
+
 def test_held_requests_are_queue_demand_even_at_zero_replicas() -> None:
     zero = aggregate([], 0, NOW, requests_held=3)
     assert (zero.requests_waiting, zero.requests_held, zero.error) == (3, 3, "")
@@ -344,3 +396,4 @@ def test_held_requests_are_queue_demand_even_at_zero_replicas() -> None:
     assert running.to_dict()["requestsHeld"] == 2
     # nothing held: what it was before
     assert aggregate([], 0, NOW) == replace(zero, requests_waiting=0, requests_held=0)
+    assert running.requests_queued == 0 and running.to_dict()["requestsQueued"] == 0

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
+from kvpilot.gateway.metrics import GatewayMetrics
 from kvpilot.operator.autoscaling import metrics_reader as metrics
 from kvpilot.operator.autoscaling.metrics_reader import PrometheusMetrics, observe_pods
 from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
@@ -325,27 +326,34 @@ def test_fleet_rates_from_the_runtimes_counters(tmp_path: Path) -> None:
     assert everyone is not None and everyone.share == 1.0
 
 
-def serve_gateway(held: dict[tuple[str, str, str], float]) -> tuple[int, Gauge, Callable[[], None]]:
-    """A gateway replica's exporter: kvpilot_gateway_requests_held per (md_namespace, md_name,
-    model), as kvpilot-gateway exports it."""
-    registry = CollectorRegistry()
-    gauge = Gauge(
-        "kvpilot_gateway_requests_held",
-        "requests held",
-        ["md_namespace", "md_name", "model"],
-        registry=registry,
-    )
+def serve_gateway(
+    held: dict[tuple[str, str, str], float],
+) -> tuple[int, GatewayMetrics, Callable[[], None]]:
+    """A gateway replica's exporter: kvpilot-gateway's own metrics (names, labels, types), its
+    held gauge set per (md_namespace, md_name, model)."""
+    gateway = GatewayMetrics()
     for labels, value in held.items():
-        gauge.labels(*labels).set(value)
+        gateway.held.labels(*labels).set(value)
     port = free_port()
-    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=gateway.registry)
 
     def stop() -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
 
-    return port, gauge, stop
+    return port, gateway, stop
+
+
+def gateway_scrape(ports: dict[str, int]) -> list[dict[str, Any]]:
+    """Gateway pods as the relabelling labels them: their own namespace and pod name."""
+    return [
+        {
+            "targets": [f"127.0.0.1:{port}"],
+            "labels": {metrics.PROM_LABEL_NAMESPACE: "kvpilot-system", metrics.PROM_LABEL_POD: pod},
+        }
+        for pod, port in ports.items()
+    ]
 
 
 def holding(source: PrometheusMetrics, count: float, what: str) -> Observations:
@@ -362,13 +370,7 @@ def test_requests_held_at_gateways_wake_a_modeldeployment_at_zero(tmp_path: Path
     ours = (NAMESPACE, MODEL, "tiny-llama")
     first_port, first, stop_first = serve_gateway({ours: 2, ("other", MODEL, "tiny-llama"): 50})
     second_port, second, stop_second = serve_gateway({ours: 1, (NAMESPACE, "other", "x"): 40})
-    static = [
-        {
-            "targets": [f"127.0.0.1:{port}"],
-            "labels": {metrics.PROM_LABEL_NAMESPACE: "kvpilot-system", metrics.PROM_LABEL_POD: pod},
-        }
-        for port, pod in ((first_port, "gateway-a"), (second_port, "gateway-b"))
-    ]
+    static = gateway_scrape({"gateway-a": first_port, "gateway-b": second_port})
     settings = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "kvpilot-gateway", "static_configs": static}],
@@ -383,10 +385,73 @@ def test_requests_held_at_gateways_wake_a_modeldeployment_at_zero(tmp_path: Path
             assert up.replicas == 2, up.reason  # ceil(3 held / 2 per replica), from zero
             assert "3 waiting, 0 ready" in up.reason
 
-            first.labels(*ours).set(0)
-            second.labels(*ours).set(0)
+            first.held.labels(*ours).set(0)
+            second.held.labels(*ours).set(0)
             drained = holding(source, 0, "nothing held")
             assert decide(drained, bounds, PolicyState(), time.time()).replicas == 0
     finally:
         stop_first()
         stop_second()
+
+
+def test_the_gateways_fair_queue_and_arrivals_size_a_saturated_fleet(tmp_path: Path) -> None:
+    # Flow control on: the replica (the runtime's own exporter) receives 2 requests a second,
+    # all it serves, and queues nothing; the gateway (its own metrics) sees 6 a second arrive
+    # and keeps 12 in its fair queue. The operator reads the queue as waiting demand and the
+    # gateway's arrivals as the rate, where the runtime's figures alone show a fleet at ease.
+    runtime_port, runtime, stop_runtime = serve_runtime(running=10)
+    gateway_port, gateway, stop_gateway = serve_gateway({})
+    ours = (NAMESPACE, MODEL, "tiny-llama")
+    gateway.queued.labels(*ours).set(12)
+    gateway.arrived.labels(*ours)  # at zero, so that the first increments count in rate()
+    pod_labels = {
+        metrics.PROM_LABEL_NAMESPACE: NAMESPACE,
+        metrics.PROM_LABEL_POD: "pod-a",
+        metrics.PROM_LABEL_MODEL: MODEL,
+        metrics.PROM_LABEL_NODE_TYPE: "h100",
+    }
+    static = [{"targets": [f"127.0.0.1:{runtime_port}"], "labels": pod_labels}]
+    settings = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": "kvpilot-pods", "static_configs": static},
+            {"job_name": "kvpilot-gateway",
+             "static_configs": gateway_scrape({"gateway-a": gateway_port})},
+        ],
+    }  # fmt: skip
+    done = threading.Event()
+
+    def arrive() -> None:
+        while not done.wait(0.5):
+            gateway.arrived.labels(*ours).inc(3)
+            runtime.record_received()
+
+    traffic = threading.Thread(target=arrive, daemon=True)
+    traffic.start()
+    windows = metrics.RateWindows(short_s=4, long_s=8, minute_s=4)
+    try:
+        with running_prometheus(settings, tmp_path) as url:
+            source = PrometheusMetrics(url, timeout_s=2.0, windows=windows)
+
+            def filled() -> Observations | None:
+                time.sleep(0.5)
+                seen = source.observe(NAMESPACE, MODEL, current_replicas=1, slo_ttft_s=2.0)
+                long = seen.arrivals_long_per_s or 0.0
+                return seen if long > 4.5 and seen.requests_queued == 12 else None
+
+            seen = wait_until(filled, timeout_s=30, what="the gateway's arrivals and queue")
+            runtime_only = source.fleet_rates(NAMESPACE, MODEL)
+    finally:
+        done.set()
+        stop_runtime()
+        stop_gateway()
+    assert seen.requests_waiting == 12 and seen.ready_replicas == 1  # 0 at the replica
+    assert seen.arrivals_short_per_s is not None and 4.5 < seen.arrivals_short_per_s < 7.5
+    runtime_rate = runtime_only.arrivals_long_per_s
+    assert runtime_rate is not None and runtime_rate < 2.5  # what the runtime alone shows
+    gateway_rate = runtime_only.gateway_arrivals_long_per_s
+    assert gateway_rate is not None and gateway_rate > 4.5
+    # The queue guard sees 12 waiting on one replica (target 4): a running slot for each.
+    bounds = Bounds(min_replicas=1, max_replicas=10)
+    up = decide(seen, bounds, PolicyState(), time.time())
+    assert up.replicas == 3 and "12 waiting" in up.reason, up.reason  # ceil((10 + 12) / 10)

@@ -72,3 +72,19 @@ LORA_REQUESTS_RECEIVED = "kvpilot_lora_requests_received_total"
 # `lora_name`; the gateway prefers the replicas that hold a request's adapter.
 LORA_ADAPTER_LOADED = "kvpilot_lora_adapter_loaded"
 LORA_NAME_LABEL = "lora_name"
+
+# kvpilot-gateway's demand that no replica has seen yet, which the operator's autoscaler adds to
+# the runtime's own figures. Labelled with the ModelDeployment a request is for (`md_namespace`,
+# `md_name`, plus the served `model`): Prometheus' relabelling sets `namespace` and `pod` to the
+# gateway pod's own. Only routes discovered from ModelDeployments carry them (static config: none).
+GATEWAY_MD_NAMESPACE_LABEL = "md_namespace"
+GATEWAY_MD_NAME_LABEL = "md_name"
+# Requests held for a model with no ready replica (scale from zero), a gauge.
+GATEWAY_REQUESTS_HELD = "kvpilot_gateway_requests_held"
+# Requests waiting in the fair queue while the model's replicas are saturated (flow control,
+# `--max-in-flight-per-replica`), a gauge: the runtime's waiting gauge never sees them.
+GATEWAY_REQUESTS_QUEUED = "kvpilot_gateway_requests_queued"
+# Requests that reached the fair queue, whether they went at once, waited, were refused or timed
+# out (a counter, as exposed): under flow control the runtime's received counter counts only the
+# ones let through, capped at the rate the replicas serve.
+GATEWAY_REQUESTS_ARRIVED = "kvpilot_gateway_requests_arrived_total"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvpilot.contract import metric_names
+
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -17,10 +19,25 @@ class GatewayMetrics:
             ["model", "target", "code"], registry=r,
         )  # fmt: skip
         # md_namespace/md_name, not namespace: Prometheus relabels namespace/pod to the gateway's.
+        # The operator's autoscaler reads these three (contract.metric_names) as demand that no
+        # replica has seen yet.
+        deployment = [
+            metric_names.GATEWAY_MD_NAMESPACE_LABEL, metric_names.GATEWAY_MD_NAME_LABEL, "model"
+        ]  # fmt: skip
         self.held = Gauge(
-            "kvpilot_gateway_requests_held",
+            metric_names.GATEWAY_REQUESTS_HELD,
             "Requests held for a model with no ready replica (scale from zero).",
-            ["md_namespace", "md_name", "model"], registry=r,
+            deployment, registry=r,
+        )  # fmt: skip
+        self.queued = Gauge(
+            metric_names.GATEWAY_REQUESTS_QUEUED,
+            "Requests waiting in the fair queue while the model's replicas are saturated.",
+            deployment, registry=r,
+        )  # fmt: skip
+        self.arrived = Counter(
+            metric_names.GATEWAY_REQUESTS_ARRIVED.removesuffix("_total"),
+            "Requests that reached the fair queue (sent at once, queued, refused or timed out).",
+            deployment, registry=r,
         )  # fmt: skip
         self.retries = Counter(
             "kvpilot_gateway_retries", "Requests retried on another replica, by reason.",

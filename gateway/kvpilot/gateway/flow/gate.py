@@ -66,6 +66,9 @@ class Admission:
     # Whose replicas' queue it waits in: `model`, or a LoRA adapter's base model, whose replicas
     # serve the base and every adapter alike (one limit for all of them).
     queue: str
+    # The ModelDeployment's labels (md_namespace, md_name, model) for the demand the operator
+    # reads (contract.metric_names.GATEWAY_*); None for a route without one (static config).
+    deployment: tuple[str, str, str] | None = None
     ttft_seen: bool = False
 
     @property
@@ -98,7 +101,12 @@ class FlowGate:
             queue = FairQueue(self.options.max_waiting_per_tenant, self.options.weights)
             self._queues[replicas_of] = queue
         ticket = Ticket(tenancy.tenant, tenancy.priority, tenancy.weight, estimate)
-        admission = Admission(ticket, tenancy, route.model, time.perf_counter(), replicas_of)
+        target = route.scale_target
+        deployment = None if target is None else (target.namespace, target.name, route.model)
+        admission = Admission(ticket, tenancy, route.model, time.perf_counter(), replicas_of,
+                              deployment)  # fmt: skip
+        if deployment is not None:  # refused ones too: demand the replicas did not take
+            self.metrics.arrived.labels(*deployment).inc()
         started = queue.arrive(ticket, self.capacity(route), route.takes_priority)
         if started is None:
             self.metrics.flow_refusals.labels(*admission.labels).inc()
@@ -117,8 +125,11 @@ class FlowGate:
         loop = asyncio.get_running_loop()
         ticket, waiter = admission.ticket, loop.create_future()
         self._waiters[ticket] = waiter
-        gauge = self.metrics.flow_waiting.labels(*admission.labels)
-        gauge.inc()
+        gauges = [self.metrics.flow_waiting.labels(*admission.labels)]
+        if admission.deployment is not None:
+            gauges.append(self.metrics.queued.labels(*admission.deployment))
+        for gauge in gauges:
+            gauge.inc()
         try:
             await asyncio.wait({waiter}, timeout=max(deadline - loop.time(), 0.0))
         except asyncio.CancelledError:
@@ -128,7 +139,8 @@ class FlowGate:
                 queue.leave(ticket)
             raise
         finally:
-            gauge.dec()
+            for gauge in gauges:
+                gauge.dec()
             self._waiters.pop(ticket, None)
         if ticket.state != RUNNING:
             queue.leave(ticket)

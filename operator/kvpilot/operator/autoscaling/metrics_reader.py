@@ -16,6 +16,13 @@ A TTFT SLO also needs the fleet's rates (`FleetRates`): arrivals over the foreca
 and completions, output tokens and the running count over the minute the KV mean covers, summed
 over the ModelDeployment's pods. Only Prometheus keeps the history a rate needs, so the direct
 scrape leaves them out and the policy then sizes on the queue and KV signals alone.
+
+kvpilot-gateway holds demand the replicas have not seen: requests held while no replica is ready,
+and, with flow control (`--max-in-flight-per-replica`), requests waiting in its fair queue while
+the replicas are saturated. Both join the queue (`requests_waiting`). Under flow control the
+runtime's received counter counts only what the gateway let through, which is capped at the rate
+the replicas serve; the gateways count every request that reached their queue, so the arrival
+rate the SLO sizing reads is the larger of the two (`arrivals_seen`).
 """
 
 from __future__ import annotations
@@ -58,12 +65,16 @@ REQUEST_SUCCESS = metric_names.REQUEST_SUCCESS.in_prometheus
 GENERATION_TOKENS = metric_names.GENERATION_TOKENS.in_prometheus
 # Requests received (a counter): the arrival rate a TTFT SLO's forecast reads.
 REQUEST_RECEIVED = metric_names.REQUEST_RECEIVED.in_prometheus
-# Requests kvpilot-gateway holds for a ModelDeployment that has no replica to take them (scale
-# from zero, saturation). The gateway labels them with the ModelDeployment it wakes, not with
-# `namespace`: the scrape's relabelling sets `namespace`/`pod` to the gateway pod's own.
-HELD = "kvpilot_gateway_requests_held"
-PROM_LABEL_MD_NAMESPACE = "md_namespace"
-PROM_LABEL_MD_NAME = "md_name"
+# kvpilot-gateway's demand for a ModelDeployment that no replica has seen: held while it has no
+# replica to take them (scale from zero), queued while its replicas are saturated (flow control),
+# and every request that reached the fair queue (a counter). The gateway labels them with the
+# ModelDeployment, not with `namespace`: the scrape's relabelling sets `namespace`/`pod` to the
+# gateway pod's own.
+HELD = metric_names.GATEWAY_REQUESTS_HELD
+QUEUED = metric_names.GATEWAY_REQUESTS_QUEUED
+GATEWAY_ARRIVED = metric_names.GATEWAY_REQUESTS_ARRIVED
+PROM_LABEL_MD_NAMESPACE = metric_names.GATEWAY_MD_NAMESPACE_LABEL
+PROM_LABEL_MD_NAME = metric_names.GATEWAY_MD_NAME_LABEL
 
 KV_AVERAGE = "1m"
 # What a failed or unreachable Prometheus query raises through prometheus_api_client.
@@ -85,13 +96,17 @@ class RateWindows:
 @dataclass(frozen=True)
 class FleetRates:
     """Per-second rates and minute means summed over a ModelDeployment's pods, for a TTFT SLO's
-    sizing; None where Prometheus has no series (a vLLM pod exports no arrivals counter)."""
+    sizing; None where Prometheus has no series (a vLLM pod exports no arrivals counter). The
+    gateway's arrivals are summed over the gateway replicas (None: no kvpilot-gateway routes to
+    the ModelDeployment)."""
 
     arrivals_short_per_s: float | None = None
     arrivals_long_per_s: float | None = None
     completions_per_s: float | None = None
     tokens_per_s: float | None = None
     requests_running_1m: float | None = None
+    gateway_arrivals_short_per_s: float | None = None
+    gateway_arrivals_long_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -118,20 +133,24 @@ def aggregate(
     rates: FleetRates = FleetRates(),
     slo_attainment: float | None = None,
     tpot_attainment: float | None = None,
+    requests_queued: float = 0.0,
 ) -> Observations:
     """Observations from per-pod samples: only ready pods (when `ready_pods` is given) with
-    samples at most `max_age_s` old count as capacity. `requests_held` (held at gateways) join
-    the queue: they are demand no replica has seen yet, the only demand at zero replicas. The
-    fleet's `rates` and the SLO's attainment go along only when there are fresh samples."""
+    samples at most `max_age_s` old count as capacity. `requests_held` and `requests_queued`
+    (held, or in the fair queue, at gateways) join the queue: they are demand no replica has
+    seen yet, held the only demand at zero replicas. The fleet's `rates` and the SLO's
+    attainment go along only when there are fresh samples."""
     usable = [s for s in samples if ready_pods is None or s.pod in ready_pods]
     fresh = [s for s in usable if now - s.sampled_at <= max_age_s]
+    unseen = requests_held + requests_queued
     if not fresh:
         if current_replicas == 0:
             # Nothing runs, so there is nothing to measure: an honest zero, not missing data.
             return Observations(
                 current_replicas=0,
-                requests_waiting=requests_held,
+                requests_waiting=unseen,
                 requests_held=requests_held,
+                requests_queued=requests_queued,
                 sampled_at=now,
                 ttft_p95_s=ttft_p95_s,
             )
@@ -142,20 +161,41 @@ def aggregate(
     return Observations(
         current_replicas=current_replicas,
         ready_replicas=len(fresh),
-        requests_waiting=sum(s.waiting for s in fresh) + requests_held,
+        requests_waiting=sum(s.waiting for s in fresh) + unseen,
         requests_held=requests_held,
+        requests_queued=requests_queued,
         requests_running=sum(s.running for s in fresh),
         kv_cache_usage=sum(s.kv_cache_usage for s in fresh) / len(fresh),
         sampled_at=min(s.sampled_at for s in fresh),
         ttft_p95_s=ttft_p95_s,
-        arrivals_short_per_s=rates.arrivals_short_per_s,
-        arrivals_long_per_s=rates.arrivals_long_per_s,
+        arrivals_short_per_s=arrivals_seen(
+            rates.arrivals_short_per_s, rates.gateway_arrivals_short_per_s
+        ),
+        arrivals_long_per_s=arrivals_seen(
+            rates.arrivals_long_per_s, rates.gateway_arrivals_long_per_s
+        ),
         completions_per_s=rates.completions_per_s,
         tokens_per_s=rates.tokens_per_s,
         requests_running_1m=rates.requests_running_1m,
         ttft_slo_attainment=slo_attainment,
         tpot_slo_attainment=tpot_attainment,
     )
+
+
+def arrivals_seen(runtime_per_s: float | None, gateway_per_s: float | None) -> float | None:
+    """The arrival rate to size for: the larger of the replicas' received counter and the
+    gateways' (None where neither has a series).
+
+    Under flow control the replicas receive only what the gateway lets through, at most what
+    they serve, so their rate cannot show a load beyond the fleet; the gateways count every
+    request that reached their queue, those refused or timed out too. Traffic that bypasses the
+    gateway (a client calling the Service) reaches only the replicas' counter, and a retry on
+    another replica counts twice there: the larger never counts a request twice, and is exact
+    whenever either path carries all the traffic. Not the queue's growth: the fair queue is
+    bounded per tenant (a full one refuses), so it stops growing while the overload goes on,
+    and the queue already sizes as a backlog to clear (`forecast`)."""
+    found = [rate for rate in (runtime_per_s, gateway_per_s) if rate is not None]
+    return max(found) if found else None
 
 
 def aggregate_by_node_type(
@@ -269,6 +309,8 @@ def fleet_queries(
         "completions_per_s": fleet_query(REQUEST_SUCCESS, namespace, model, "rate", minute),
         "tokens_per_s": fleet_query(GENERATION_TOKENS, namespace, model, "rate", minute),
         "requests_running_1m": fleet_query(RUNNING, namespace, model, "avg_over_time", minute),
+        "gateway_arrivals_short_per_s": gateway_arrivals_query(namespace, model, short),
+        "gateway_arrivals_long_per_s": gateway_arrivals_query(namespace, model, long),
     }
 
 
@@ -287,9 +329,24 @@ def prom_duration(seconds: int) -> str:
 
 def held_query(namespace: str, model: str) -> str:
     """Requests every gateway replica holds for this ModelDeployment, summed (no series: none)."""
-    labels = {"__name__": HELD, PROM_LABEL_MD_NAMESPACE: namespace, PROM_LABEL_MD_NAME: model}
-    matchers = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-    return f"sum({{{matchers}}})"
+    return f"sum({gateway_selector(HELD, namespace, model)})"
+
+
+def queued_query(namespace: str, model: str) -> str:
+    """Requests in every gateway replica's fair queue for this ModelDeployment, summed."""
+    return f"sum({gateway_selector(QUEUED, namespace, model)})"
+
+
+def gateway_arrivals_query(namespace: str, model: str, window: str) -> str:
+    """Requests per second reaching every gateway replica's fair queue for this ModelDeployment
+    (adapters' names included), summed; no sample when no gateway has the series."""
+    return f"sum(rate({gateway_selector(GATEWAY_ARRIVED, namespace, model)}[{window}]))"
+
+
+def gateway_selector(metric: str, namespace: str, model: str) -> str:
+    """A gateway series of the ModelDeployment `namespace`/`model`, by its md_* labels."""
+    labels = {"__name__": metric, PROM_LABEL_MD_NAMESPACE: namespace, PROM_LABEL_MD_NAME: model}
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
 
 
 def samples_from_vectors(
@@ -355,6 +412,10 @@ class PrometheusMetrics:
         vector = self._query(held_query(namespace, model))
         return sum(float(item["value"][1]) for item in vector)
 
+    def requests_queued(self, namespace: str, model: str) -> float:
+        vector = self._query(queued_query(namespace, model))
+        return sum(float(item["value"][1]) for item in vector)
+
     def fleet_rates(self, namespace: str, model: str) -> FleetRates:
         """The rates at one evaluation instant: a scrape landing between two of the queries
         would otherwise make tokens per completion (and arrivals against completions) wrong."""
@@ -400,6 +461,7 @@ class PrometheusMetrics:
             samples = self.pod_samples(namespace, model)
             ttft = self.ttft_p95(namespace, model)
             held = self.requests_held(namespace, model)
+            queued = self.requests_queued(namespace, model)
             rates, met, tpot_met = FleetRates(), None, None
             if slo_ttft_s is not None:
                 rates = self.fleet_rates(namespace, model)
@@ -412,7 +474,7 @@ class PrometheusMetrics:
         share = None if met is None else met.share
         tpot_share = None if tpot_met is None else tpot_met.share
         return aggregate(samples, current_replicas, now, ready_pods, max_age_s, ttft, held,
-                         rates, share, tpot_share)  # fmt: skip
+                         rates, share, tpot_share, queued)  # fmt: skip
 
     def ttft_attainment(
         self, namespace: str, model: str, target_s: float

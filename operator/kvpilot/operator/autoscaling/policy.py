@@ -147,8 +147,10 @@ class Observations:
 
     current_replicas: int  # replicas the Deployments ask for now
     ready_replicas: int = 0  # ready pods whose metrics were read
-    requests_waiting: float = 0.0  # sum over ready pods, plus requests_held
+    requests_waiting: float = 0.0  # sum over ready pods, plus requests_held and _queued
     requests_held: float = 0.0  # of those, held at gateways (no replica has seen them yet)
+    # Of those, in the gateways' fair queues (flow control: the replicas are saturated).
+    requests_queued: float = 0.0
     requests_running: float = 0.0  # sum over ready pods
     kv_cache_usage: float = 0.0  # mean over ready pods, 0-1
     sampled_at: float | None = None  # unix time of the oldest sample used; None: no data
@@ -178,6 +180,7 @@ class Observations:
             "readyReplicas": self.ready_replicas,
             "requestsWaiting": self.requests_waiting,
             "requestsHeld": self.requests_held,
+            "requestsQueued": self.requests_queued,
             "requestsRunning": self.requests_running,
             "kvCacheUsage": round(self.kv_cache_usage, 4),
             "sampledAt": self.sampled_at,

@@ -8,7 +8,13 @@ v with n output tokens finishes when the clock reaches v + n, and only the earli
 replica needs an event (re-planned whenever its batch size changes).
 
 Routing is join-the-shortest-queue over ready replicas (waiting + running), as an endpoint picker
-does. Requests that arrive while no replica is ready wait at the gateway (scale from zero).
+does. Requests that arrive while no replica is ready wait at the gateway (scale from zero). With
+flow control (`Settings.max_in_flight_per_replica`, the gateway's `--max-in-flight-per-replica`)
+the gateway lets at most that many requests per ready replica be in flight (waiting or running
+on a replica, draining ones included) and queues the rest in arrival order (the fair queue with
+one tenant; unbounded: no refusals, no deadline), sending the next as one ends or a replica
+becomes ready. The replicas then receive requests only as fast as they serve them, which is what
+the runtime's received counter reports (`received_*_per_s`).
 Scale-down deletes starting pods first, then drains the least loaded ready ones: they stop taking
 requests and leave once empty. GPU time counts from pod creation to deletion, cold start included.
 """
@@ -49,9 +55,14 @@ class FleetView:
     kv_usage_1m: float  # the same averaged over the last minute of samples (avg_over_time)
     utilisation: float  # mean over ready pods of running / slots, capped at 1
     held: int = 0  # of waiting, at the gateway (no replica was ready when they arrived)
+    queued: int = 0  # in the gateway's fair queue (flow control), not part of waiting
     running_1m: float = 0.0  # running on ready pods, averaged like kv_usage_1m
     arrivals_short_per_s: float = 0.0  # over ARRIVALS_SHORT_S, at the gateway
     arrivals_long_per_s: float = 0.0  # over ARRIVALS_LONG_S
+    # The same windows at the replicas (the runtime's received counter): below the gateway's
+    # while flow control queues requests, or while requests are held with no replica ready.
+    received_short_per_s: float = 0.0
+    received_long_per_s: float = 0.0
     completions_per_s: float = 0.0  # over RATE_WINDOW_S, on pods taking requests
     tokens_per_s: float = 0.0  # output tokens generated, over RATE_WINDOW_S, same pods
     ttft_p95_s: float | None = None  # of first tokens sent in the last RATE_WINDOW_S
@@ -74,11 +85,17 @@ class Settings:
     # Policies first decide after a minute of traffic, so that no windowed metric starts from
     # the empty history before t=0 (a running autoscaler would have seen the traffic).
     first_decision_s: float = 60.0
+    # Flow control at the gateway: requests in flight per ready replica (None: no limit).
+    max_in_flight_per_replica: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ValueError(
                 f"need 0 <= min <= max and max >= 1, got {self.min_replicas}, {self.max_replicas}"
+            )
+        if self.max_in_flight_per_replica is not None and self.max_in_flight_per_replica < 1:
+            raise ValueError(
+                f"max_in_flight_per_replica must be >= 1, got {self.max_in_flight_per_replica}"
             )
         if not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial replicas {self.initial_replicas} outside min..max")
@@ -135,7 +152,10 @@ class Simulation:
         self.starting: list[_Replica] = []
         self.serving: list[_Replica] = []
         self.all: list[_Replica] = []
-        self.gateway: deque[int] = deque()
+        self.gateway: deque[int] = deque()  # held: no replica ready
+        self.flow: deque[int] = deque()  # the fair queue: every replica at the in-flight limit
+        self.in_flight = 0  # on replicas, draining ones included (the gateway's own count)
+        self.received: list[float] = []  # when each request reached a replica, in order
         self.scale_events: list[tuple[float, int, int]] = []
         self.timeline: dict[str, list[float]] = {k: [] for k in TIMELINE}
         # (time, fleet mean KV usage, running on ready pods), every sample_s
@@ -190,10 +210,24 @@ class Simulation:
     def _on_arrival(self, idx: int, t: float) -> None:
         if not self.serving:
             self.gateway.append(idx)
-            return
-        self._route(idx, t)
+        elif self.flow or not self._has_room():
+            self.flow.append(idx)
+        else:
+            self._route(idx, t)
+
+    def _has_room(self) -> bool:
+        """Whether flow control lets one more request reach the replicas (no limit: always)."""
+        limit = self.settings.max_in_flight_per_replica
+        return limit is None or self.in_flight < limit * len(self.serving)
+
+    def _release(self, t: float) -> None:
+        """Send the fair queue's next requests while there is room."""
+        while self.flow and self._has_room():
+            self._route(self.flow.popleft(), t)
 
     def _route(self, idx: int, t: float) -> None:
+        self.in_flight += 1
+        self.received.append(t)
         serving = self.serving
         replica = serving[0] if len(serving) == 1 else min(serving, key=_load)
         replica.waiting.append(idx)
@@ -243,12 +277,14 @@ class Simulation:
         running = replica.running
         while running and running[0][0] <= replica.vclock + 1e-6:
             replica.kv_used -= heapq.heappop(running)[2]
+            self.in_flight -= 1
             if not replica.is_draining:
                 self.completions.append(t)
         self._admit(replica, t)
         self._plan_finish(replica, t)
         if replica.is_draining and not _load(replica):
             replica.gone_s = t
+        self._release(t)
 
     # ---- fleet ----------------------------------------------------------------------------
 
@@ -260,8 +296,9 @@ class Simulation:
     def _on_ready(self, replica: _Replica, t: float) -> None:
         replica.last_s = t
         self.serving.append(replica)
-        while self.gateway:
+        while self.gateway:  # they passed the fair queue with no replica, as at the gateway
             self._route(self.gateway.popleft(), t)
+        self._release(t)
 
     def _on_tick(self, t: float) -> None:
         view = self.view(t)
@@ -304,6 +341,7 @@ class Simulation:
             ready=ready,
             waiting=sum(len(r.waiting) for r in serving) + len(self.gateway),
             held=len(self.gateway),
+            queued=len(self.flow),
             running=running,
             kv_usage=kv,
             kv_usage_1m=kv_1m if ready else 0.0,
@@ -311,6 +349,8 @@ class Simulation:
             running_1m=running_1m if ready else 0.0,
             arrivals_short_per_s=self._arrivals(t, ARRIVALS_SHORT_S),
             arrivals_long_per_s=self._arrivals(t, ARRIVALS_LONG_S),
+            received_short_per_s=_rate(self.received, t, ARRIVALS_SHORT_S),
+            received_long_per_s=_rate(self.received, t, ARRIVALS_LONG_S),
             completions_per_s=self._completions(t),
             tokens_per_s=self._tokens_per_s(t),
             ttft_p95_s=self._ttft_p95(t),
@@ -318,15 +358,8 @@ class Simulation:
         )
 
     def _arrivals(self, t: float, window_s: float) -> float:
-        """Arrivals per second over the window ending at t. A window reaching back before t = 0
-        counts only the time the trace covers: the fleet is taken to have run before the trace
-        at its first load, as `first_decision_s` assumes (a rate over empty history before
-        t = 0 would read the first minute as a rise)."""
-        count = bisect.bisect_right(self.arrival, t) - bisect.bisect_right(
-            self.arrival, t - window_s
-        )
-        covered = min(window_s, t)
-        return count / covered if covered > 0 else 0.0
+        """Arrivals per second over the window ending at t (`_rate`)."""
+        return _rate(self.arrival, t, window_s)
 
     def _tokens_per_s(self, t: float) -> float:
         """The token counter's rate over RATE_WINDOW_S, from the samples (as rate() would)."""
@@ -359,6 +392,7 @@ class Simulation:
 
     def _on_sample(self, t: float) -> None:
         queued = sum(len(r.waiting) for r in self.all if r.gone_s is None) + len(self.gateway)
+        queued += len(self.flow)
         if self.serving:
             view = self.view(t)
             self.kv_samples.append((t, view.kv_usage, view.running))
@@ -393,6 +427,16 @@ class Simulation:
             scale_events=self.scale_events,
             timeline=self.timeline,
         )
+
+
+def _rate(times: list[float], t: float, window_s: float) -> float:
+    """Events per second over the window ending at t, from their sorted times. A window reaching
+    back before t = 0 counts only the time the trace covers: the fleet is taken to have run
+    before the trace at its first load, as `first_decision_s` assumes (a rate over empty history
+    before t = 0 would read the first minute as a rise)."""
+    count = bisect.bisect_right(times, t) - bisect.bisect_right(times, t - window_s)
+    covered = min(window_s, t)
+    return count / covered if covered > 0 else 0.0
 
 
 def _load(replica: _Replica) -> int:

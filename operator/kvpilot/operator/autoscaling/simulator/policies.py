@@ -6,6 +6,9 @@
   measured cold start ahead, capacity per replica seeded from the planner's batch and KV figures
   and learned from the metrics the operator reads (running, waiting, KV usage, completions,
   output tokens, TTFT p95, arrivals over 30 s and 120 s, the cold starts seen so far).
+  Both read the gateway's demand as the metrics reader does (its fair queue as waiting, the
+  larger of its arrivals and the replicas'); `KvpilotPolicy(gateway_signal=False)` reads the
+  replicas alone, as the operator did before it read the fair queue (bench.autoscaler_flow).
 - hpa: the Kubernetes HPA algorithm (15 s sync, 10% tolerance, 300 s scale-down stabilisation,
   scale-up at most max(100%, 4 pods) per period) on a utilisation metric: running sequences over
   the batch a replica holds, averaged over 60 s as a Prometheus adapter rate window would be.
@@ -32,6 +35,7 @@ import numpy as np
 
 from kvpilot.operator import api
 from kvpilot.operator.autoscaling import recording
+from kvpilot.operator.autoscaling.metrics_reader import arrivals_seen
 from kvpilot.operator.autoscaling.policy import Bounds, Observations, PolicyState, decide
 from kvpilot.operator.autoscaling.replica_capacity import ReplicaCapacity, seed
 from kvpilot.operator.autoscaling.simulator.capacity import CapacityModel
@@ -63,23 +67,33 @@ class KvpilotPolicy:
         prior: ReplicaCapacity | None = None,
         interval_s: float = 10.0,
         name: str = "kvpilot",
+        gateway_signal: bool = True,
     ) -> None:
         self.name, self.interval_s, self.bounds = name, interval_s, bounds
         self.prior = prior  # the planner's seed: what the operator knows before any traffic
         self.status: dict[str, object] = {}  # as in status.autoscaling.state: nothing else kept
+        # Whether it reads the gateway's fair queue and arrivals (metrics_reader), or the
+        # replicas' figures alone (the held requests it always read).
+        self.gateway_signal = gateway_signal
 
     def desired(self, view: FleetView) -> int:
+        queued = view.queued if self.gateway_signal else 0
+        short, long = view.received_short_per_s, view.received_long_per_s
+        if self.gateway_signal:
+            short = arrivals_seen(short, view.arrivals_short_per_s) or 0.0
+            long = arrivals_seen(long, view.arrivals_long_per_s) or 0.0
         observations = Observations(
             current_replicas=view.replicas,
             ready_replicas=view.ready,
-            requests_waiting=view.waiting,
+            requests_waiting=view.waiting + queued,
             requests_held=view.held,
+            requests_queued=queued,
             requests_running=view.running,
             kv_cache_usage=view.kv_usage_1m,
             sampled_at=view.now,
             ttft_p95_s=view.ttft_p95_s,
-            arrivals_short_per_s=view.arrivals_short_per_s,
-            arrivals_long_per_s=view.arrivals_long_per_s,
+            arrivals_short_per_s=short,
+            arrivals_long_per_s=long,
             completions_per_s=view.completions_per_s,
             requests_running_1m=view.running_1m,
             tokens_per_s=view.tokens_per_s,
