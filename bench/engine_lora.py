@@ -6,7 +6,8 @@ as on the 7B-class models LoRA is served on, and the matmuls set a step's time).
 
     .venv/bin/python -m bench.engine_lora [--models tiny-llama,compute-bound]
         [--num-requests 96] [--output-tokens 32] [--cb-num-requests 64]
-        [--cb-output-tokens 16] [--concurrency 32] [--rounds 3] [--ab]
+        [--cb-output-tokens 16] [--concurrency 32] [--offline-requests 512]
+        [--cb-offline-requests 128] [--rounds 3] [--ab]
 
 Throughput: `--num-requests` requests of 64-token prompts (`--cb-num-requests` on the
 compute-bound model, whose steps are ~30x slower: fewer, shorter requests keep a run within
@@ -16,11 +17,17 @@ the base model; round-robin over 8 random rank-16 adapters targeting every proje
 (`--max-loras 8`, so one step holds all 8), then over 8 targeting q/v only; requests drawn
 Zipf(1) over 100 all-projection adapters, all registered and held in host memory
 (`--max-cpu-loras`), with `--max-loras 8` (adapters wait for a slot, slots are reloaded), then
-the same with `--max-loras 32`. The five run in turn in each of `--rounds` rounds and each
-ratio is the median over rounds: a shared machine's load drifts between runs.
-`--ab` adds a sixth run, the 8-adapter mix on the engine's LoRA prefill path as it was before
-one adapter's chunks were laid out side by side and expanded by an addmm per sub-module
-(model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved with the rest.
+the same with `--max-loras 32`. Then, labelled "offline", another shape: `--offline-requests`
+(`--cb-offline-requests`) requests submitted at once, as vLLM's
+benchmarks/benchmark_throughput.py --enable-lora does, the base model and the Zipf draw at
+`--max-loras 8`, each ratio to the offline base (0 requests: not run). The runs go in turn in
+each of `--rounds` rounds and each ratio is the median over rounds: a shared machine's load
+drifts between runs. `--ab` adds a run, the 8-adapter mix on the engine's LoRA prefill path as
+it was before one adapter's chunks were laid out side by side and expanded by an addmm per
+sub-module (model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved
+with the rest.
+On tiny-llama, the 8-adapter mix's decode and prefill steps are replayed with and without their
+adapters (bench/lora_step_ops.py): aten ops, matmuls and CPU time of each.
 Load: the p50 of 20 `Engine.load_lora` calls of a rank-16 adapter from local disk (read,
 checked against the model, registered), wall time.
 """
@@ -56,6 +63,7 @@ from bench.engine_common import (
     setup_threads,
     threads_note,
 )
+from bench.lora_step_ops import record_plans, step_table
 from bench.reference.lora import (
     ALL_MODULES,
     AdapterSpec,
@@ -159,6 +167,7 @@ class ModelCase:
     num_requests: int
     output_tokens: int
     num_offline: int  # requests of the offline shape (0: not run)
+    profile_steps: bool  # the LoRA ops and time of a decode and a prefill step (lora_step_ops)
     adapter_dtype: torch.dtype  # of the base PEFT wraps: the adapters' files
 
 
@@ -166,12 +175,12 @@ def model_cases(args: argparse.Namespace) -> list[ModelCase]:
     cases = {
         "tiny-llama": lambda: ModelCase(
             "tiny-llama (hidden 256, 4 layers)", MODEL, args.num_requests,
-            args.output_tokens, args.offline_requests, torch.float32,
+            args.output_tokens, args.offline_requests, True, torch.float32,
         ),
         "compute-bound": lambda: ModelCase(
             "compute-bound random Llama (hidden 1024, 16 layers, ~245 M)",
             compute_bound_llama(), args.cb_num_requests, args.cb_output_tokens,
-            args.cb_offline_requests, torch.bfloat16,
+            args.cb_offline_requests, False, torch.bfloat16,
         ),
     }  # fmt: skip
     names = args.models.split(",")
@@ -296,10 +305,27 @@ def measure(case: ModelCase, args: argparse.Namespace) -> str:
                         spec.concurrency or args.concurrency,
                     )  # fmt: skip
                 results[name].append(result)
+        steps = step_ops(case, engines[NUM_MIXED], runs, args) if case.profile_steps else ""
         macs = multiply_adds(engines[NUM_MIXED])
         slot_mib = slot_bytes(engines[NUM_MIXED]) / 2**20
         num_layers = engines[NUM_MIXED].model_config.num_layers
-    return report(case, args, runs, results, median(load_ms), macs, slot_mib, num_layers)
+    text = report(case, args, runs, results, median(load_ms), macs, slot_mib, num_layers)
+    return text + steps
+
+
+def step_ops(case: ModelCase, engine: Engine, runs: Runs, args: argparse.Namespace) -> str:
+    """The 8-adapter mix's decode and prefill steps replayed with and without their adapters."""
+    mixed = runs[f"{NUM_MIXED} adapters mixed (rank 16, all projections)"].names
+    plans = record_plans(
+        engine, lambda: run_closed_loop(engine, mixed, case.output_tokens, args.concurrency)
+    )
+    return (
+        f"\nWhat LoRA adds to a step of the {NUM_MIXED}-adapter mix (bench/lora_step_ops.py: "
+        "a step's plan replayed through the model runner with its adapters and without; ops "
+        "by torch.profiler, CPU time the minimum of 5 replays):\n\n"
+        + step_table(engine, plans)
+        + "\n"
+    )
 
 
 ZIPF_NOTE = (
@@ -330,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cb-output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--offline-requests", type=int, default=512)
-    parser.add_argument("--cb-offline-requests", type=int, default=192)
+    parser.add_argument("--cb-offline-requests", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--ab", action="store_true", help="also the 8-adapter mix on the path before, interleaved"
