@@ -6,7 +6,8 @@ as on the 7B-class models LoRA is served on, and the matmuls set a step's time).
 
     .venv/bin/python -m bench.engine_lora [--models tiny-llama,compute-bound]
         [--num-requests 96] [--output-tokens 32] [--cb-num-requests 64]
-        [--cb-output-tokens 16] [--concurrency 32] [--rounds 3] [--ab]
+        [--cb-output-tokens 16] [--concurrency 32] [--offline-requests 512]
+        [--cb-offline-requests 128] [--rounds 3] [--ab]
 
 Throughput: `--num-requests` requests of 64-token prompts (`--cb-num-requests` on the
 compute-bound model, whose steps are ~30x slower: fewer, shorter requests keep a run within
@@ -16,11 +17,17 @@ the base model; round-robin over 8 random rank-16 adapters targeting every proje
 (`--max-loras 8`, so one step holds all 8), then over 8 targeting q/v only; requests drawn
 Zipf(1) over 100 all-projection adapters, all registered and held in host memory
 (`--max-cpu-loras`), with `--max-loras 8` (adapters wait for a slot, slots are reloaded), then
-the same with `--max-loras 32`. The five run in turn in each of `--rounds` rounds and each
-ratio is the median over rounds: a shared machine's load drifts between runs.
-`--ab` adds a sixth run, the 8-adapter mix on the engine's LoRA prefill path as it was before
-one adapter's chunks were laid out side by side and expanded by an addmm per sub-module
-(model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved with the rest.
+the same with `--max-loras 32`. Then, labelled "offline", another shape: `--offline-requests`
+(`--cb-offline-requests`) requests submitted at once, as vLLM's
+benchmarks/benchmark_throughput.py --enable-lora does, the base model and the Zipf draw at
+`--max-loras 8`, each ratio to the offline base (0 requests: not run). The runs go in turn in
+each of `--rounds` rounds and each ratio is the median over rounds: a shared machine's load
+drifts between runs. `--ab` adds a run, the 8-adapter mix on the engine's LoRA prefill path as
+it was before one adapter's chunks were laid out side by side and expanded by an addmm per
+sub-module (model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved
+with the rest.
+On tiny-llama, the 8-adapter mix's decode and prefill steps are replayed with and without their
+adapters (bench/lora_step_ops.py): aten ops, matmuls and CPU time of each.
 Load: the p50 of 20 `Engine.load_lora` calls of a rank-16 adapter from local disk (read,
 checked against the model, registered), wall time.
 """
@@ -56,6 +63,7 @@ from bench.engine_common import (
     setup_threads,
     threads_note,
 )
+from bench.lora_step_ops import record_plans, step_table
 from bench.reference.lora import (
     ALL_MODULES,
     AdapterSpec,
@@ -158,6 +166,8 @@ class ModelCase:
     path: Path
     num_requests: int
     output_tokens: int
+    num_offline: int  # requests of the offline shape (0: not run)
+    profile_steps: bool  # the LoRA ops and time of a decode and a prefill step (lora_step_ops)
     adapter_dtype: torch.dtype  # of the base PEFT wraps: the adapters' files
 
 
@@ -165,11 +175,12 @@ def model_cases(args: argparse.Namespace) -> list[ModelCase]:
     cases = {
         "tiny-llama": lambda: ModelCase(
             "tiny-llama (hidden 256, 4 layers)", MODEL, args.num_requests,
-            args.output_tokens, torch.float32,
+            args.output_tokens, args.offline_requests, True, torch.float32,
         ),
         "compute-bound": lambda: ModelCase(
             "compute-bound random Llama (hidden 1024, 16 layers, ~245 M)",
-            compute_bound_llama(), args.cb_num_requests, args.cb_output_tokens, torch.bfloat16,
+            compute_bound_llama(), args.cb_num_requests, args.cb_output_tokens,
+            args.cb_offline_requests, False, torch.bfloat16,
         ),
     }  # fmt: skip
     names = args.models.split(",")
@@ -215,7 +226,16 @@ def load_times_ms(engine: Engine, path: Path) -> list[float]:
     return times
 
 
-Runs = dict[str, tuple[int, list[str | None]]]  # name -> (--max-loras, each request's adapter)
+@dataclass(frozen=True)
+class RunSpec:
+    max_loras: int
+    names: list[str | None]  # each request's adapter (None: the base model)
+    concurrency: int | None = None  # in flight; None: --concurrency (closed loop)
+
+
+Runs = dict[str, RunSpec]
+OFFLINE_BASE = "offline: base model"
+OFFLINE_ZIPF = f"offline: Zipf({ZIPF_EXPONENT:g}) over {NUM_ZIPF} adapters, --max-loras {NUM_MIXED}"
 
 
 OLD_PATH_RUN = f"{NUM_MIXED} adapters mixed (all projections), the path before (--ab)"
@@ -233,29 +253,34 @@ def lora_path(is_old: bool) -> Iterator[None]:
         model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND = saved
 
 
-def make_runs(num_requests: int, with_ab: bool) -> Runs:
+def make_runs(num_requests: int, num_offline: int, with_ab: bool) -> Runs:
+    """The closed-loop runs, then (num_offline > 0) the offline shape: every request submitted
+    at once, as vLLM's benchmarks/benchmark_throughput.py does, base and Zipf."""
     n, zipf = num_requests, zipf_names(num_requests)
-    ab: Runs = {OLD_PATH_RUN: (NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)])}
+    ab: Runs = {OLD_PATH_RUN: RunSpec(NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)])}
     runs: Runs = {
-        "base model": (NUM_MIXED, [None] * n),
-        f"{NUM_MIXED} adapters mixed (rank 16, all projections)": (
+        "base model": RunSpec(NUM_MIXED, [None] * n),
+        f"{NUM_MIXED} adapters mixed (rank 16, all projections)": RunSpec(
             NUM_MIXED, [f"a{i % NUM_MIXED}" for i in range(n)],
         ),
-        f"{NUM_MIXED} adapters mixed (rank 16, q/v only: PEFT's default)": (
+        f"{NUM_MIXED} adapters mixed (rank 16, q/v only: PEFT's default)": RunSpec(
             NUM_MIXED, [f"q{i % NUM_MIXED}" for i in range(n)],
         ),
-        f"Zipf({ZIPF_EXPONENT:g}) over {NUM_ZIPF} adapters, --max-loras {NUM_MIXED}": (
+        f"Zipf({ZIPF_EXPONENT:g}) over {NUM_ZIPF} adapters, --max-loras {NUM_MIXED}": RunSpec(
             NUM_MIXED, zipf,
         ),
-        f"the same Zipf mix, --max-loras {WIDE_SLOTS}": (WIDE_SLOTS, zipf),
+        f"the same Zipf mix, --max-loras {WIDE_SLOTS}": RunSpec(WIDE_SLOTS, zipf),
     }  # fmt: skip
+    if num_offline > 0:
+        runs[OFFLINE_BASE] = RunSpec(NUM_MIXED, [None] * num_offline, num_offline)
+        runs[OFFLINE_ZIPF] = RunSpec(NUM_MIXED, zipf_names(num_offline), num_offline)
     return runs | ab if with_ab else runs
 
 
 def measure(case: ModelCase, args: argparse.Namespace) -> str:
     """The five runs interleaved over `--rounds` on `case`'s model, and the load time: the
     report's text for this model."""
-    runs = make_runs(case.num_requests, args.ab)
+    runs = make_runs(case.num_requests, case.num_offline, args.ab)
     results: dict[str, list[RunResult]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as tmp:
         base = load_base(case.path, case.adapter_dtype)
@@ -273,16 +298,34 @@ def measure(case: ModelCase, args: argparse.Namespace) -> str:
         }
         load_ms = load_times_ms(engines[NUM_MIXED], all_paths[0])
         for _ in range(args.rounds):
-            for name, (slots, names) in runs.items():
+            for name, spec in runs.items():
                 with lora_path(is_old=name == OLD_PATH_RUN):
                     result = run_closed_loop(
-                        engines[slots], names, case.output_tokens, args.concurrency
-                    )
+                        engines[spec.max_loras], spec.names, case.output_tokens,
+                        spec.concurrency or args.concurrency,
+                    )  # fmt: skip
                 results[name].append(result)
+        steps = step_ops(case, engines[NUM_MIXED], runs, args) if case.profile_steps else ""
         macs = multiply_adds(engines[NUM_MIXED])
         slot_mib = slot_bytes(engines[NUM_MIXED]) / 2**20
         num_layers = engines[NUM_MIXED].model_config.num_layers
-    return report(case, args, runs, results, median(load_ms), macs, slot_mib, num_layers)
+    text = report(case, args, runs, results, median(load_ms), macs, slot_mib, num_layers)
+    return text + steps
+
+
+def step_ops(case: ModelCase, engine: Engine, runs: Runs, args: argparse.Namespace) -> str:
+    """The 8-adapter mix's decode and prefill steps replayed with and without their adapters."""
+    mixed = runs[f"{NUM_MIXED} adapters mixed (rank 16, all projections)"].names
+    plans = record_plans(
+        engine, lambda: run_closed_loop(engine, mixed, case.output_tokens, args.concurrency)
+    )
+    return (
+        f"\nWhat LoRA adds to a step of the {NUM_MIXED}-adapter mix (bench/lora_step_ops.py: "
+        "a step's plan replayed through the model runner with its adapters and without; ops "
+        "by torch.profiler, CPU time the minimum of 5 replays):\n\n"
+        + step_table(engine, plans)
+        + "\n"
+    )
 
 
 ZIPF_NOTE = (
@@ -312,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cb-num-requests", type=int, default=64)
     parser.add_argument("--cb-output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--offline-requests", type=int, default=512)
+    parser.add_argument("--cb-offline-requests", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--ab", action="store_true", help="also the 8-adapter mix on the path before, interleaved"
@@ -349,7 +394,7 @@ def report(
     tps = {name: [r.tokens_per_s for r in rounds] for name, rounds in results.items()}
     errors = {name: sum(r.num_errors for r in rounds) for name, rounds in results.items()}
     ratios = {
-        name: median([r / b for r, b in zip(tps[name], tps[base_name], strict=True)])
+        name: median([r / b for r, b in zip(tps[name], tps[base_of(name, base_name)], strict=True)])
         for name in runs
     }
     rows: list[list[object]] = [
@@ -360,7 +405,7 @@ def report(
         ]
         for name in runs
     ]  # fmt: skip
-    num_distinct = len(set(runs[zipf_name][1]))
+    num_distinct = len(set(runs[zipf_name].names))
     return (
         f"### {case.label}\n\n{case.num_requests} requests, {case.output_tokens} greedy "
         "tokens each.\n\n"
@@ -382,7 +427,29 @@ def report(
         f"model's {macs[0] / 1e6:.2f} M ({macs[1] / macs[0]:.1%}); a decode step reads every "
         f"slot's A and B for its few rows, {NUM_MIXED} x {macs[1] / 1e6:.2f} M values against "
         f"the base weights' {macs[0] / 1e6:.2f} M read once for all {args.concurrency} rows "
-        f"({NUM_MIXED * macs[1] / macs[0]:.2f}x).\n" + ab_note(runs, tps, mixed_name)
+        f"({NUM_MIXED * macs[1] / macs[0]:.2f}x).\n"
+        + offline_note(runs, ratios, errors)
+        + ab_note(runs, tps, mixed_name)
+    )
+
+
+def base_of(name: str, base_name: str) -> str:
+    """The run a run's ratio is to: an offline run's is the offline base's."""
+    return OFFLINE_BASE if name.startswith("offline:") else base_name
+
+
+def offline_note(runs: Runs, ratios: dict[str, float], errors: dict[str, int]) -> str:
+    if OFFLINE_ZIPF not in runs:
+        return ""
+    spec = runs[OFFLINE_ZIPF]
+    return (
+        f"Offline shape (another workload, not the closed loop's: all {len(spec.names)} "
+        "requests submitted at once, as vLLM's benchmarks/benchmark_throughput.py "
+        f"--enable-lora submits them; {len(set(spec.names))} distinct adapters; ratio to the "
+        f"base model run the same way): Zipf over {NUM_ZIPF} adapters, --max-loras "
+        f"{NUM_MIXED} / base: {fmt_ratio(ratios[OFFLINE_ZIPF], 0.6)}; errors: "
+        f"{errors[OFFLINE_ZIPF]}. The closed-loop row above is the goal's workload; this one "
+        "says what the same slots give when the scheduler sees every request at once.\n"
     )
 
 

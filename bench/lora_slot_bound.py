@@ -9,6 +9,8 @@ request is replaced by the next of the Zipf draw (bench.engine_lora.zipf_names).
 
 - held slots: a sequence runs only while its adapter holds a slot, a slot frees when no running
   sequence uses it, free slots go in queue order (the engine's rule, engine/lora_slots.py);
+- held slots, most waiting first: the same, free slots to the adapters with the most sequences
+  waiting, one waiting MAX_LORA_WAIT_STEPS or more first (engine/lora_policy.py's aging bound);
 - pause, most running first: every sequence stays in flight holding no slot; each step runs the
   `--max-loras` adapters with the most sequences in flight, an adapter left out for more than
   `--max-pause` steps first (oldest first): adapters swapped in and out of the slots per step;
@@ -31,6 +33,7 @@ from statistics import mean
 
 from bench.engine_lora import NUM_ZIPF, ZIPF_EXPONENT, zipf_names
 from bench.report import markdown_table, write_section
+from kvpilot.runtime.engine.lora_policy import MAX_LORA_WAIT_STEPS
 
 ENGINE_REQUESTS = 96  # bench.engine_lora's default --num-requests
 
@@ -54,6 +57,22 @@ def held_slots(max_loras: int) -> Choose:
             if len(keep) < max_loras and seq.adapter not in keep:
                 keep.append(seq.adapter)
         return keep
+
+    return choose
+
+
+def held_slots_by_demand(max_loras: int, max_wait: int) -> Choose:
+    """The engine's held slots, but a free slot goes to the adapter with the most sequences
+    waiting for one (S-LoRA's demand order), an adapter waiting `max_wait` steps or more first
+    (the aging guard: oldest first, as engine/lora_policy.py's starved adapters)."""
+
+    def choose(flight: list[InFlight], resident: list[str], step: int) -> list[str]:
+        keep = [a for a in resident if any(s.adapter == a for s in flight)]
+        waiting = [s for s in flight if s.adapter not in keep]
+        count = Counter(s.adapter for s in waiting)
+        since = {a: min(s.arrived for s in waiting if s.adapter == a) for a in count}
+        order = sorted(count, key=lambda a: (step - since[a] < max_wait, -count[a], since[a]))
+        return keep + order[: max_loras - len(keep)]
 
     return choose
 
@@ -116,6 +135,9 @@ def tail_share(max_loras: int) -> float:
 def make_policies(max_loras: int, max_pause: int) -> dict[str, Choose]:
     return {
         "held slots (the engine's rule)": held_slots(max_loras),
+        f"held slots, most waiting first, {MAX_LORA_WAIT_STEPS}-step aging": held_slots_by_demand(
+            max_loras, MAX_LORA_WAIT_STEPS
+        ),
         f"pause, most running first, {max_pause}-step bound": pause_most_running(
             max_loras, max_pause
         ),
@@ -171,6 +193,10 @@ def report(args: argparse.Namespace, rows: list[list[str]], check: float) -> str
         f"{args.max_loras} / {share:.2f} = {bound:.1f} rows, "
         f"{bound / args.concurrency:.2f}x the concurrency. Swapping adapters per step only "
         "moves the wait around, at the price of more slot loads. "
+        "Nor does giving a free slot to the adapter with the most sequences waiting (S-LoRA's "
+        "demand order; the second row, against the first): in this loop nearly every adapter "
+        "waiting for a slot has one sequence waiting, so the order is the queue's but for ties, "
+        "and the engine keeps the queue order. "
         f"Check of the model: on bench.engine_lora's own draw ({ENGINE_REQUESTS} requests, "
         f"seed 0) the held-slot rule runs {check:.1f} rows per step, against the engine's "
         f"'running per step' of its Zipf run with --max-loras {args.max_loras} (engine_lora "

@@ -7,7 +7,9 @@ import pytest
 from bench.engine_lora import NUM_ZIPF
 from bench.lora_slot_bound import (
     Choose,
+    InFlight,
     held_slots,
+    held_slots_by_demand,
     pause_most_running,
     pause_round_robin,
     run_loop,
@@ -50,3 +52,27 @@ def test_an_adapter_paused_past_its_bound_goes_first(max_pause: int, expected_lo
 @pytest.mark.parametrize(("max_loras", "expected"), [(0, 1.0), (NUM_ZIPF, 0.0)])
 def test_tail_share_ends(max_loras: int, expected: float) -> None:
     assert tail_share(max_loras) == pytest.approx(expected, abs=1e-12)
+
+
+def _seq(adapter: str, arrived: int) -> InFlight:
+    return InFlight(adapter, num_left=2, arrived=arrived, last_run=arrived)
+
+
+@pytest.mark.parametrize(
+    ("flight", "resident", "step", "expected"),
+    [
+        # the free slot goes to the adapter with the most waiting, not the first in the queue
+        ([_seq("a", 0), _seq("b", 1), _seq("b", 2)], [], 5, ["b"]),
+        # among equals, the longest waiting
+        ([_seq("b", 3), _seq("a", 1)], [], 5, ["a"]),
+        # a slot held by a sequence in flight stays: no free slot, nothing loads
+        ([_seq("a", 0), _seq("b", 1), _seq("b", 2)], ["a"], 5, ["a"]),
+        # aging: a has waited 64 steps, it goes before b's two
+        ([_seq("a", 0), _seq("b", 10), _seq("b", 11)], [], 64, ["a"]),
+        ([_seq("a", 1), _seq("b", 10), _seq("b", 11)], [], 64, ["b"]),
+    ],
+)
+def test_demand_order_fills_free_slots_with_the_most_waiting_adapter_oldest_past_the_bound(
+    flight: list[InFlight], resident: list[str], step: int, expected: list[str]
+) -> None:
+    assert held_slots_by_demand(1, 64)(flight, resident, step) == expected

@@ -86,8 +86,9 @@ def expand(u: torch.Tensor, b: torch.Tensor, piece_modules: torch.Tensor) -> tor
     _, num_pieces, rank, width = b.shape
     if num_pieces == 1:  # o, down: one sub-module, B whole
         return torch.bmm(u, b[:, 0]).flatten(0, 1)
-    u = u.view(num_groups, num_rows, -1, rank).index_select(2, piece_modules)  # [G, L, P, R]
-    u = u.transpose(1, 2).reshape(num_groups * num_pieces, num_rows, rank)
+    # [G, k, L, R] as a view, so the gather of each piece's sub-module is the only copy
+    u = u.view(num_groups, num_rows, -1, rank).transpose(1, 2).index_select(1, piece_modules)
+    u = u.reshape(num_groups * num_pieces, num_rows, rank)  # [G*P, L, R], a view
     delta = torch.bmm(u, b.view(num_groups * num_pieces, rank, width))  # [G*P, L, w]
     delta = delta.view(num_groups, num_pieces, num_rows, width).transpose(1, 2)
     return delta.reshape(num_groups * num_rows, num_pieces * width)
@@ -149,10 +150,12 @@ class LoraStack:
         if batch.num_rows == 0 or not any(self.is_targeted[slot] for slot in batch.slots):
             return out
         if batch.grid is not None:
-            u = torch.bmm(x[batch.grid], batch.weights(self.a))  # [G, L, k*R]
+            # index_select, not x[grid]: advanced indexing costs twice as much on these sizes
+            x_grid = x.index_select(0, batch.grid).view(batch.num_slots, -1, x.shape[1])
+            u = torch.bmm(x_grid, batch.weights(self.a))  # [G, L, k*R]
             delta = self.expand(u, batch.weights(self.b))  # [G*L, out]
             if batch.positions is not None:  # drop the padding rows
-                delta = delta[batch.positions]
+                delta = delta.index_select(0, batch.positions)
         else:
             x_rows = x[batch.rows]  # [M, in], grouped by slot
             delta = x_rows.new_empty(x_rows.shape[0], out.shape[1])  # [M, out]
@@ -218,11 +221,11 @@ class LoraBatch:
             None if is_prefix else torch.tensor(groups.slots, dtype=torch.long, device=device)
         )
         self.num_slots = len(groups.slots)
-        self.grid: torch.Tensor | None = None  # [G, L] when the padded form runs
+        self.grid: torch.Tensor | None = None  # [G*L] when the padded form runs, flat
         self.positions: torch.Tensor | None = None  # [M] real rows in the grid; None: all are
         if groups.rows and is_padding_cheap(groups):
             grid, positions = padded_rows(groups)
-            self.grid = torch.tensor(grid, dtype=torch.long, device=device)
+            self.grid = torch.tensor(grid, dtype=torch.long, device=device).flatten()
             if len(positions) < self.grid.numel():
                 self.positions = torch.tensor(positions, dtype=torch.long, device=device)
         self.output: LoraBatch | None = None
