@@ -4,6 +4,10 @@ device, embedding rows from the packed layout, and memory against the planner's 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +35,9 @@ from kvpilot.runtime.models.tokenizer_files import Tokenizer
 
 pytestmark = pytest.mark.slow  # starts runtime processes or loads a model
 
-AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+CPU_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+# The int4 kernel's tile layouts rows are read from; this CPU runs its own and every lower one.
+TILED_CAPABILITIES = {"AVX512": ["avx512", "avx2"], "AVX2": ["avx2"]}.get(CPU_CAPABILITY, [])
 
 
 def random_weight(out_features: int, in_features: int) -> torch.Tensor:
@@ -132,13 +138,15 @@ def test_rows_equal_dequantized_rows(quantization: str, out_features: int) -> No
     )
 
 
-@pytest.mark.skipif(not AVX512, reason="the CPU int4 tile layout read in place is AVX512's")
+@pytest.mark.skipif(
+    not TILED_CAPABILITIES, reason="the CPU int4 tile layouts read in place are AVX512's and AVX2's"
+)
 @pytest.mark.parametrize(
     ("out_features", "rows_needed", "tiles_readable", "has_copy"),
     [
         (128, True, True, False),  # whole tiles: rows read from the packed kernel layout
-        (96, True, False, True),  # half a tile: the embedding keeps its own copy
-        (96, False, False, False),  # a projection never looked up keeps none
+        (80, True, False, True),  # part of a tile: the embedding keeps its own copy
+        (80, False, False, False),  # a projection never looked up keeps none
     ],
 )
 def test_int4_rows_from_packed_tiles(
@@ -151,12 +159,41 @@ def test_int4_rows_from_packed_tiles(
     assert w.num_bytes() == packed_only + copy
 
 
+ROWS_THROUGH_THE_KERNEL = """
+import json, torch
+from kvpilot.runtime.layers.quant import Int4Weight
+torch.manual_seed(0)
+w = Int4Weight(torch.randn(128, 256), rows_needed=True)
+kernel = w.linear(torch.eye(256, dtype=torch.bfloat16)).t().float()  # I @ W.T, the kernel's view
+rows = w.rows(torch.arange(128), torch.float32)
+print(json.dumps({
+    "capability": torch.backends.cpu.get_cpu_capability(), "tile_rows": w.tile_rows,
+    "copy": w.row_copy is not None, "error": float((rows - kernel).norm() / kernel.norm()),
+}))
+"""
+
+
+@pytest.mark.parametrize("capability", TILED_CAPABILITIES)
+def test_int4_rows_read_from_each_cpu_kernels_tiles(capability: str) -> None:
+    """AVX512 packs 64 rows per tile, AVX2 32 (a CPU without AVX512 used to keep a copy of the
+    embedding, 22% over the planner's int4 bytes on tiny-llama): ATEN_CPU_CAPABILITY picks the
+    kernel, and the rows read from its tiles must be the rows it multiplies by."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    command = [sys.executable, "-c", ROWS_THROUGH_THE_KERNEL]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["capability"] == capability.upper()
+    assert seen["tile_rows"] == {"avx512": 64, "avx2": 32}[capability] and not seen["copy"]
+    assert seen["error"] < 0.005  # the kernel's bf16 output against exact rows
+
+
 def test_int4_rows_refused_without_rows_needed() -> None:
-    w = Int4Weight(random_weight(96, 256))
+    w = Int4Weight(random_weight(80, 256))  # not whole tiles on any CPU: no rows without a copy
     with pytest.raises(RuntimeError, match="rows_needed"):
         w.rows(torch.tensor([0]), torch.float32)
     # Its reference still comes out, through the kernel: equal to a lookup copy's rows.
-    looked_up = Int4Weight(random_weight(96, 256), rows_needed=True)
+    looked_up = Int4Weight(random_weight(80, 256), rows_needed=True)
     torch.testing.assert_close(
         w.dequantize(torch.float32), looked_up.dequantize(torch.float32), rtol=8e-3, atol=1e-2
     )

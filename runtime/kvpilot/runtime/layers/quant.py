@@ -36,10 +36,10 @@ INT8_MAX = 127
 INT8_K_MULTIPLE = 16
 INT4_LEVELS = 15  # values 0..15; the kernels dequantise (q - 8) * scale + zero
 INT4_MID = 8
-# The CPU int4 kernel packs BLOCK_N output channels as one tile (AVX512: 64 rows, the low nibble
-# of byte j holding row j and the high nibble row j + 32, k by k); `Int4Weight` reads embedding
-# rows straight from that tile and checks the layout at load (see _unpack_cpu_tiles).
-CPU_INT4_TILE_ROWS = 64
+# The CPU int4 kernel packs BLOCK_N output channels as one tile (AVX512: 64 rows, AVX2: 32; the
+# low nibble of byte j holds row j and the high nibble row j + BLOCK_N / 2, k by k); `Int4Weight`
+# reads embedding rows straight from that tile, finding which height at load (_unpack_cpu_tiles).
+CPU_INT4_TILE_ROWS = (64, 32)
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm's widest inner tile; needs in_features % 128 == 0
 
 
@@ -214,14 +214,15 @@ def _dequantize_int4(
     return (groups * scale.float()[..., None] + zero.float()[..., None]).flatten(-2)
 
 
-def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the CPU int4 kernel's packed matrix (AVX512 tiles of 64 output channels:
-    byte j of a tile's k-th 32-byte line holds row j in its low nibble, row j + 32 in its high
-    one) -> int32 [len(ids), in_padded] in 0..15."""
-    tiles = packed.view(packed.shape[0] // CPU_INT4_TILE_ROWS, -1, CPU_INT4_TILE_ROWS // 2)
-    row = ids % CPU_INT4_TILE_ROWS
-    lines = tiles[ids // CPU_INT4_TILE_ROWS, :, row % (CPU_INT4_TILE_ROWS // 2)]  # [T, in]
-    shift = (row // (CPU_INT4_TILE_ROWS // 2) * 4).to(torch.uint8)[:, None]
+def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """Rows `ids` of the CPU int4 kernel's packed matrix (tiles of `tile_rows` output channels:
+    byte j of a tile's k-th line of tile_rows / 2 bytes holds row j in its low nibble, row
+    j + tile_rows / 2 in its high one) -> int32 [len(ids), in_padded] in 0..15."""
+    half = tile_rows // 2
+    tiles = packed.view(packed.shape[0] // tile_rows, -1, half)
+    row = ids % tile_rows
+    lines = tiles[ids // tile_rows, :, row % half]  # [T, in]
+    shift = (row // half * 4).to(torch.uint8)[:, None]
     return ((lines >> shift) & 0x0F).to(torch.int32)
 
 
@@ -254,22 +255,29 @@ class Int4Weight(Weight):
             )
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # rows() reads the packed tiles when their layout is the one we know (checked here,
-        # once); otherwise an embedding keeps its own two-per-byte copy (CUDA, a CPU without
-        # AVX512, a vocabulary that is not a multiple of 64).
+        # rows() reads the packed tiles when their layout is one we know (checked here, once);
+        # otherwise an embedding keeps its own two-per-byte copy (CUDA, a CPU with neither
+        # AVX512 nor AVX2, a vocabulary that is not a multiple of the tile's height).
         self.row_copy: torch.Tensor | None = None
-        self.tiles_readable = self._tiles_readable(q)
+        self.tile_rows = self._readable_tile_rows(q)
+        self.tiles_readable = self.tile_rows is not None
         if rows_needed and not self.tiles_readable:
             pairs = q.to(torch.uint8)
             self.row_copy = pairs[:, 0::2] | (pairs[:, 1::2] << 4)
 
-    def _tiles_readable(self, q: torch.Tensor) -> bool:
-        if self.on_cuda or q.shape[0] % CPU_INT4_TILE_ROWS or self.packed.numel() * 2 != q.numel():
-            return False
-        # The first and the last tile: enough to tell the layout, cheap for a large vocabulary.
+    def _readable_tile_rows(self, q: torch.Tensor) -> int | None:
+        """The height of the kernel's tiles if rows can be read from them, else None."""
+        if self.on_cuda or self.packed.numel() * 2 != q.numel():
+            return None
         ids = torch.arange(q.shape[0], device=q.device)
-        ids = torch.cat([ids[:CPU_INT4_TILE_ROWS], ids[-CPU_INT4_TILE_ROWS:]])
-        return bool(torch.equal(_unpack_cpu_tiles(self.packed, ids), q[ids]))
+        for tile_rows in CPU_INT4_TILE_ROWS:
+            if q.shape[0] % tile_rows:
+                continue
+            # The first and the last tile: enough to tell the layout, cheap for a large vocabulary.
+            probe = torch.cat([ids[:tile_rows], ids[-tile_rows:]])
+            if torch.equal(_unpack_cpu_tiles(self.packed, probe, tile_rows), q[probe]):
+                return tile_rows
+        return None
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         xk = _as_kernel_input(x, torch.bfloat16, self.padded_in)
@@ -284,8 +292,8 @@ class Int4Weight(Weight):
         return _finish(out, x.dtype, bias)
 
     def _values(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tiles_readable:
-            return _unpack_cpu_tiles(self.packed, ids)
+        if self.tile_rows is not None:
+            return _unpack_cpu_tiles(self.packed, ids, self.tile_rows)
         if self.row_copy is None:
             raise RuntimeError("this int4 matrix was packed without rows_needed; rows unreadable")
         pairs = self.row_copy[ids]
