@@ -160,6 +160,20 @@ async def test_the_queue_and_its_arrivals_are_exported_by_the_modeldeployment() 
     flow.leave(admitted, 1, 1)
 
 
+def test_each_routed_deployments_arrivals_are_exported_at_zero_before_any_request() -> None:
+    # rate() counts nothing for a series until its second sample: born at the first request,
+    # the counter would hide a burst's first scrape of arrivals from the autoscaler.
+    flow, plain, metrics = gate()
+    flow.table.put(Route("m", plain.backends, scale_target=ScaleTarget("prod", "m-md")))
+    flow.table.put(Route("static", plain.backends))  # no ModelDeployment behind it
+    assert metrics.registry.get_sample_value(metric_names.GATEWAY_REQUESTS_ARRIVED, {}) is None
+    flow.declare_demand_series()
+    assert deployment_demand(metrics) == (0, 0)
+    arrived = metric_names.GATEWAY_REQUESTS_ARRIVED
+    exported = [s for m in metrics.registry.collect() for s in m.samples if s.name == arrived]
+    assert [s.labels["model"] for s in exported] == ["m"]
+
+
 @in_loop
 async def test_an_adapters_demand_goes_to_its_base_models_deployment() -> None:
     flow, plain, metrics = gate()

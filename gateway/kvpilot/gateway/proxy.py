@@ -158,6 +158,7 @@ class Gateway:
         return web.Response(text="ok")
 
     async def prometheus(self, _: web.Request) -> web.Response:
+        self.flow.declare_demand_series()
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

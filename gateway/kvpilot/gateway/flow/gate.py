@@ -85,6 +85,17 @@ class FlowGate:
         self._queues: dict[str, FairQueue] = {}
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
 
+    def declare_demand_series(self) -> None:
+        """Every routed ModelDeployment's arrivals counter, at zero until its first request: the
+        operator reads it through rate(), which counts nothing for a series until its second
+        sample, so a counter born at the first request of a burst would hide that scrape's
+        arrivals from the autoscaler (the runtime's counters are born with the server)."""
+        for model in self.table.models():
+            route = self.table.get(model)
+            target = None if route is None else route.scale_target
+            if target is not None:
+                self.metrics.arrived.labels(target.namespace, target.name, model)
+
     def capacity(self, route: Route | None) -> int | None:
         limit = self.options.max_in_flight_per_replica
         if limit is None or route is None or not route.backends:
