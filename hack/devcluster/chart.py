@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,11 +21,18 @@ VALUES = Path(__file__).with_name("chart-values.yaml")
 GATEWAY = "app.kubernetes.io/component=gateway"
 
 
-def helm_install(cluster: DevCluster, release: str, namespace: str, timeout_s: int = 300) -> None:
-    """Install (or upgrade) the chart and wait until its gateway pods are Ready."""
+def helm_install(
+    cluster: DevCluster,
+    release: str,
+    namespace: str,
+    timeout_s: int = 300,
+    settings: Sequence[str] = (),
+) -> None:
+    """Install (or upgrade) the chart and wait until its gateway pods are Ready; `settings`: more
+    helm flags, after the dev cluster's values (e.g. `--set-json` `gateway.extraArgs=[...]`)."""
     args = ["upgrade", "--install", release, str(CHART), "--namespace", namespace]
     args += ["--create-namespace", "--values", str(VALUES), "--wait", "--timeout", f"{timeout_s}s"]
-    helm(cluster, *args)
+    helm(cluster, *args, *settings)
 
 
 def gateway_service(cluster: DevCluster, release: str, namespace: str) -> str:

@@ -249,8 +249,18 @@ def test_model_logits_equal_dequantized_model(
     assert agree > 0.95
 
 
+def embedding_row_copy_bytes(engine: Engine) -> int:
+    """The copy of its rows an int4 embedding keeps where the kernel's tiles cannot be read
+    (CUDA, a CPU with neither AVX512 nor AVX2): 0 on the CPUs CI runs on."""
+    embed = engine.runner.model.embed
+    copy = getattr(embed, "row_copy", None)
+    return 0 if copy is None else int(copy.numel())
+
+
 def test_weight_memory_ratios_and_arithmetic(make_engine: Callable[..., Engine]) -> None:
-    sizes = {q: make_engine(quantization=q).weight_bytes for q in ("bf16", "int8", "int4")}
+    engines = {q: make_engine(quantization=q) for q in ("bf16", "int8", "int4")}
+    sizes = {q: engine.weight_bytes for q, engine in engines.items()}
+    sizes["int4"] -= embedding_row_copy_bytes(engines["int4"])  # what the planner leaves out
     assert sizes["int8"] <= 0.52 * sizes["bf16"]
     assert sizes["int4"] <= 0.30 * sizes["bf16"]
     facts = model_facts(make_engine().model_config)

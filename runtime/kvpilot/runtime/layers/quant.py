@@ -24,6 +24,7 @@ kernels are tested against (and what `rows` returns for the rows asked), never t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ INT4_LEVELS = 15  # values 0..15; the kernels dequantise (q - 8) * scale + zero
 INT4_MID = 8
 # The CPU int4 kernel packs BLOCK_N output channels as one tile (AVX512: 64 rows, AVX2: 32; the
 # low nibble of byte j holds row j and the high nibble row j + BLOCK_N / 2, k by k); `Int4Weight`
-# reads embedding rows straight from that tile, finding which height at load (_unpack_cpu_tiles).
+# reads embedding rows straight from that tile, its height found once (`cpu_int4_tile_rows`).
 CPU_INT4_TILE_ROWS = (64, 32)
 CUDA_INT4_INNER_K_TILES = 8  # tinygemm's widest inner tile; needs in_features % 128 == 0
 
@@ -214,6 +215,23 @@ def _dequantize_int4(
     return (groups * scale.float()[..., None] + zero.float()[..., None]).flatten(-2)
 
 
+@functools.cache
+def cpu_int4_tile_rows() -> int | None:
+    """The height of the tiles this process's CPU int4 kernel packs (its CPU capability picks the
+    kernel, once per process), found by packing a probe matrix and reading it back; None when no
+    layout we know reads it (an embedding then keeps its own copy of its rows). Once, not per
+    matrix: checking each at load took a quarter of a 245 M int4 checkpoint's load time."""
+    probe_rows = max(CPU_INT4_TILE_ROWS)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randint(0, INT4_LEVELS + 1, (probe_rows, 256), generator=generator, dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    ids = torch.arange(probe_rows)
+    for tile_rows in CPU_INT4_TILE_ROWS:
+        if torch.equal(_unpack_cpu_tiles(packed, ids, tile_rows), q):
+            return tile_rows
+    return None
+
+
 def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor, tile_rows: int) -> torch.Tensor:
     """Rows `ids` of the CPU int4 kernel's packed matrix (tiles of `tile_rows` output channels:
     byte j of a tile's k-th line of tile_rows / 2 bytes holds row j in its low nibble, row
@@ -269,15 +287,8 @@ class Int4Weight(Weight):
         """The height of the kernel's tiles if rows can be read from them, else None."""
         if self.on_cuda or self.packed.numel() * 2 != q.numel():
             return None
-        ids = torch.arange(q.shape[0], device=q.device)
-        for tile_rows in CPU_INT4_TILE_ROWS:
-            if q.shape[0] % tile_rows:
-                continue
-            # The first and the last tile: enough to tell the layout, cheap for a large vocabulary.
-            probe = torch.cat([ids[:tile_rows], ids[-tile_rows:]])
-            if torch.equal(_unpack_cpu_tiles(self.packed, probe, tile_rows), q[probe]):
-                return tile_rows
-        return None
+        tile_rows = cpu_int4_tile_rows()
+        return None if tile_rows is None or q.shape[0] % tile_rows else tile_rows
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         xk = _as_kernel_input(x, torch.bfloat16, self.padded_in)
