@@ -161,14 +161,20 @@ def test_int4_rows_from_packed_tiles(
 
 ROWS_THROUGH_THE_KERNEL = """
 import json, torch
-from kvpilot.runtime.layers.quant import Int4Weight
+from kvpilot.runtime.layers.quant import Int4Weight, _pack_for_cpu
 torch.manual_seed(0)
 w = Int4Weight(torch.randn(128, 256), rows_needed=True)
 kernel = w.linear(torch.eye(256, dtype=torch.bfloat16)).t().float()  # I @ W.T, the kernel's view
 rows = w.rows(torch.arange(128), torch.float32)
+same_packing = []  # the tiles written directly against the kernel's own packing op
+for shape in [(64, 128), (128, 256), (192, 1024), (96, 64), (80, 256)]:
+    q = torch.randint(0, 16, shape, dtype=torch.int32)
+    op = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    same_packing.append(torch.equal(_pack_for_cpu(q.to(torch.uint8)), op))
 print(json.dumps({
     "capability": torch.backends.cpu.get_cpu_capability(), "tile_rows": w.tile_rows,
     "copy": w.row_copy is not None, "error": float((rows - kernel).norm() / kernel.norm()),
+    "same_packing": same_packing,
 }))
 """
 
@@ -177,7 +183,8 @@ print(json.dumps({
 def test_int4_rows_read_from_each_cpu_kernels_tiles(capability: str) -> None:
     """AVX512 packs 64 rows per tile, AVX2 32 (a CPU without AVX512 used to keep a copy of the
     embedding, 22% over the planner's int4 bytes on tiny-llama): ATEN_CPU_CAPABILITY picks the
-    kernel, and the rows read from its tiles must be the rows it multiplies by."""
+    kernel, and the rows read from its tiles must be the rows it multiplies by; the tiles the
+    engine writes itself (no int32 copy) must be the bytes the kernel's own packing writes."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     command = [sys.executable, "-c", ROWS_THROUGH_THE_KERNEL]
     run = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
@@ -186,6 +193,7 @@ def test_int4_rows_read_from_each_cpu_kernels_tiles(capability: str) -> None:
     assert seen["capability"] == capability.upper()
     assert seen["tile_rows"] == {"avx512": 64, "avx2": 32}[capability] and not seen["copy"]
     assert seen["error"] < 0.005  # the kernel's bf16 output against exact rows
+    assert all(seen["same_packing"]), seen["same_packing"]
 
 
 def test_int4_rows_refused_without_rows_needed() -> None:

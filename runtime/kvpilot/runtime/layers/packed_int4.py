@@ -47,16 +47,17 @@ class ActOrderParts:
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, num_values: int) -> torch.Tensor:
     """[rows, words] int32, value i of a row at bits num_bits * i (4 or 8 bits, so never across
-    a word) -> its unsigned values int32 [rows, num_values], zero where the row ran out."""
+    a word) -> its unsigned values uint8 [rows, num_values], zero where the row ran out. Bytes,
+    not int32: every later copy (padding, fusing q/k/v, packing) moves a quarter as much."""
     if sys.byteorder == "little":  # value i sits in byte i * num_bits // 8 of the row
-        data = packed.contiguous().view(torch.uint8)  # [rows, words * 4], 4x less than int32
+        values = packed.contiguous().view(torch.uint8)  # [rows, words * 4]
         if num_bits == 4:  # byte j: value 2j in its low nibble, 2j + 1 in its high one
-            data = torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(1)
-        values = data.to(torch.int32)
+            values = torch.stack((values & 0x0F, values >> 4), dim=-1).flatten(1)
     else:
         per_word = 32 // num_bits
         shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * num_bits
         values = ((packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).flatten(1)
+        values = values.to(torch.uint8)
     if values.shape[1] < num_values:
         values = F.pad(values, (0, num_values - values.shape[1]))
     return values[:, :num_values].contiguous()
@@ -103,7 +104,7 @@ def read_packed_int4(
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, cols / 8] int32 in AWQ's nibble order -> int32 [rows, cols] in column order."""
+    """[rows, cols / 8] int32 in AWQ's nibble order -> uint8 [rows, cols] in column order."""
     values = unpack_int32(packed, 4, packed.shape[1] * 8)
     blocks = values.unflatten(1, (-1, 8))  # [rows, cols / 8, nibble]
     return blocks[..., list(AWQ_NIBBLE_OF_OUTPUT)].flatten(1).contiguous()

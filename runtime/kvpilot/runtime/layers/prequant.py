@@ -100,7 +100,7 @@ def _int8(read: Read, module: str, scheme: WeightScheme) -> Int8Parts:
     if scheme.format == "pack-quantized":
         packed = _need(read, f"{module}.weight_packed")
         shape = _need(read, f"{module}.weight_shape").tolist()
-        values = (unpack_int32(packed, 8, shape[1]) - INT8_OFFSET).to(torch.int8)
+        values = (unpack_int32(packed, 8, shape[1]).to(torch.int16) - INT8_OFFSET).to(torch.int8)
     else:
         values = _need(read, f"{module}.weight")
     if values.dtype != torch.int8:
@@ -116,7 +116,7 @@ def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Parts:
     if not scheme.symmetric:
         packed_zeros = _need(read, f"{module}.weight_zero_point")  # [out / 8, groups]
         zeros = unpack_int32(packed_zeros.t().contiguous(), 4, out_features).t()
-        zero_point = (zeros - INT4_MID).float()
+        zero_point = zeros.float() - INT4_MID
     group_size = scheme.group_size or INT4_GROUP_SIZE
     if scheme.group_size is None:  # one scale per channel: the same one for each group
         groups = -(-in_features // group_size)

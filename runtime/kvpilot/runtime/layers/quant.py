@@ -176,7 +176,7 @@ class Int8DynamicWeight(Weight):
 
 @dataclass(frozen=True)
 class Int4Parts:
-    """The int4 format before packing: values int32 [out, in_padded] in 0..15, scale and zero
+    """The int4 format before packing: values uint8 [out, in_padded] in 0..15, scale and zero
     bf16 [out, groups]; (q - 8) * scale + zero dequantises. `in_features` before padding."""
 
     values: torch.Tensor
@@ -189,7 +189,7 @@ class Int4Parts:
 def quantize_int4(
     weight: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[out, in] -> q int32 [out, in_padded] in 0..15, scale and zero bf16 [out, groups].
+    """[out, in] -> q uint8 [out, in_padded] in 0..15, scale and zero bf16 [out, groups].
 
     The input dimension is zero-padded to whole groups (e.g. 688 -> 768). Asymmetric: each
     group's min..max spans the 16 levels, and (q - 8) * scale + zero dequantises, as tinygemm
@@ -203,7 +203,7 @@ def quantize_int4(
     scale = ((high - low) / INT4_LEVELS).clamp(min=1e-8).to(torch.bfloat16)
     zero = (low + INT4_MID * scale.float()).to(torch.bfloat16)
     q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None]) + INT4_MID
-    q = q.clamp(0, INT4_LEVELS).to(torch.int32).view(out_features, -1)
+    q = q.clamp(0, INT4_LEVELS).to(torch.uint8).view(out_features, -1)
     return q, scale, zero
 
 
@@ -230,6 +230,25 @@ def cpu_int4_tile_rows() -> int | None:
         if torch.equal(_unpack_cpu_tiles(packed, ids, tile_rows), q):
             return tile_rows
     return None
+
+
+def _pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in_padded] in 0..15 (uint8 or int32) -> the CPU kernel's packed matrix. Written
+    straight into its tiles where their layout is known (one pass over bytes), else by the
+    kernel's own packing op, which takes int32 values: a 4x wider copy of every matrix, its
+    conversion and packing were most of an int4 checkpoint's load time."""
+    tile_rows = cpu_int4_tile_rows()
+    if tile_rows is None or q.shape[0] % tile_rows or q.shape[1] % 2:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    return _pack_cpu_tiles(q.to(torch.uint8), tile_rows)
+
+
+def _pack_cpu_tiles(q: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """uint8 [out, in] in 0..15 -> the kernel's tiles (see _unpack_cpu_tiles), [out, in / 2]."""
+    out_features, in_features = q.shape
+    halves = q.view(out_features // tile_rows, 2, tile_rows // 2, in_features)
+    lines = halves[:, 0] | (halves[:, 1] << 4)  # [tiles, row j of the first half, k]
+    return lines.transpose(1, 2).contiguous().view(out_features, in_features // 2)
 
 
 def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor, tile_rows: int) -> torch.Tensor:
@@ -272,8 +291,8 @@ class Int4Weight(Weight):
                 (pairs[:, 0::2] << 4 | pairs[:, 1::2]).contiguous(), CUDA_INT4_INNER_K_TILES
             )
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # rows() reads the packed tiles when their layout is one we know (checked here, once);
+            self.packed = _pack_for_cpu(q)
+        # rows() reads the packed tiles when their layout is one we know (`cpu_int4_tile_rows`);
         # otherwise an embedding keeps its own two-per-byte copy (CUDA, a CPU with neither
         # AVX512 nor AVX2, a vocabulary that is not a multiple of the tile's height).
         self.row_copy: torch.Tensor | None = None
