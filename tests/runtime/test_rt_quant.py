@@ -167,7 +167,7 @@ w = Int4Weight(torch.randn(128, 256), rows_needed=True)
 kernel = w.linear(torch.eye(256, dtype=torch.bfloat16)).t().float()  # I @ W.T, the kernel's view
 rows = w.rows(torch.arange(128), torch.float32)
 same_packing = []  # the tiles written directly against the kernel's own packing op
-for shape in [(64, 128), (128, 256), (192, 1024), (96, 64), (80, 256)]:
+for shape in [(64, 96), (128, 256), (192, 1024), (128, 2816), (96, 64), (80, 256)]:
     q = torch.randint(0, 16, shape, dtype=torch.int32)
     op = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     same_packing.append(torch.equal(_pack_for_cpu(q.to(torch.uint8)), op))
