@@ -11,9 +11,7 @@ annotations, as it scrapes the runtime's), the operator reads it as waiting dema
 
 from __future__ import annotations
 
-import json
 import threading
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,8 +20,8 @@ import httpx
 import pytest
 
 from hack import closedloop
-from hack.devcluster import chart, procs
-from tests.support.kube import fresh_namespace, get_json, wait_until
+from tests.support.gateway_install import Install, gateway_in_front
+from tests.support.kube import get_json, wait_until
 from tests.support.operator_cluster import events
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -32,37 +30,13 @@ MAX_NUM_SEQS = 8  # the replica could batch 8; the gateways let 2 through (1 per
 CLIENTS = 10
 
 
-@dataclass(frozen=True)
-class Install:
-    url: str
-    namespace: str
-
-
 @pytest.fixture(scope="module")
 def install(cluster: Any) -> Iterator[Install]:
-    if not hasattr(cluster, "start_process"):
-        pytest.skip("needs the dev cluster (pod runner, Prometheus, local processes)")
-    closedloop.apply_crds(cluster)
-    release = f"fl{uuid.uuid4().hex[:6]}"
+    # A 300 s down window: the fleet stays out while the test reads it.
+    md = closedloop.tiny_llama(NAME, MAX_NUM_SEQS, closedloop.builtin_autoscaling(2, 300))
     flow_control = ["--set-json", 'gateway.extraArgs=["--max-in-flight-per-replica=1"]']
-    with fresh_namespace(cluster, "gw-flow") as namespace:
-        closedloop.start_operator(cluster, "flow-operator", 2)
-        try:
-            chart.helm_install(cluster, release, namespace, settings=flow_control)
-            # A 300 s down window: the fleet stays out while the test reads it.
-            md = closedloop.tiny_llama(NAME, MAX_NUM_SEQS, closedloop.builtin_autoscaling(2, 300))
-            md["metadata"]["namespace"] = namespace
-            cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
-            service = chart.gateway_service(cluster, release, namespace)
-            url = closedloop.start_proxy(cluster, "flow-gateway-proxy", service, namespace)
-            wait_until(lambda: procs.http_ok(f"{url}/health"), 120, "the gateway Service")
-            yield Install(url, namespace)
-        finally:
-            cluster.kubectl("delete", "modeldeployment", NAME, "-n", namespace, check=False)
-            cluster.stop_process("flow-gateway-proxy")
-            cluster.stop_process("flow-operator")
-            uninstall = ["uninstall", release, "-n", namespace, "--wait", "--timeout", "60s"]
-            chart.helm(cluster, *uninstall, check=False)
+    with gateway_in_front(cluster, "gw-flow", md, settings=flow_control) as installed:
+        yield installed
 
 
 @dataclass

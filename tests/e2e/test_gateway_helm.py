@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,43 +22,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hack import closedloop
-from hack.devcluster import chart, procs
-from tests.support.kube import fresh_namespace, get_json, wait_until
+from hack.devcluster import chart
+from tests.support.gateway_install import Install, gateway_in_front
+from tests.support.kube import get_json, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 NAME = "tiny-helm"
 
 
-@dataclass(frozen=True)
-class Install:
-    url: str  # the gateway Service's base URL, reached through the dev cluster's service proxy
-    namespace: str
-    release: str
-
-
 @pytest.fixture(scope="module")
 def install(cluster: Any) -> Iterator[Install]:
-    if not hasattr(cluster, "start_process"):
-        pytest.skip("needs the dev cluster (pod runner, Prometheus, local processes)")
-    closedloop.apply_crds(cluster)
-    release = f"gw{uuid.uuid4().hex[:6]}"
-    with fresh_namespace(cluster, "gw-helm") as namespace:
-        closedloop.start_operator(cluster, "helm-operator", 2)
-        try:
-            chart.helm_install(cluster, release, namespace)
-            md = closedloop.tiny_llama(NAME, 4, closedloop.builtin_autoscaling(1, 30))
-            md["metadata"]["namespace"] = namespace
-            cluster.kubectl("apply", "-f", "-", input=json.dumps(md))
-            service = chart.gateway_service(cluster, release, namespace)
-            url = closedloop.start_proxy(cluster, "helm-gateway-proxy", service, namespace)
-            wait_until(lambda: procs.http_ok(f"{url}/health"), 120, "the gateway Service")
-            yield Install(url, namespace, release)
-        finally:
-            cluster.kubectl("delete", "modeldeployment", NAME, "-n", namespace, check=False)
-            cluster.stop_process("helm-gateway-proxy")
-            cluster.stop_process("helm-operator")
-            uninstall = ["uninstall", release, "-n", namespace, "--wait", "--timeout", "60s"]
-            chart.helm(cluster, *uninstall, check=False)
+    md = closedloop.tiny_llama(NAME, 4, closedloop.builtin_autoscaling(1, 30))
+    with gateway_in_front(cluster, "gw-helm", md) as installed:
+        yield installed
 
 
 def runtime_pods(cluster: Any, namespace: str) -> list[str]:
