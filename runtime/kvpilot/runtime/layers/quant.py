@@ -240,7 +240,7 @@ def _pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
     tile_rows = cpu_int4_tile_rows()
     if tile_rows is None or q.shape[0] % tile_rows or q.shape[1] % 2:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    return _pack_cpu_tiles(q.to(torch.uint8), tile_rows)
+    return _pack_cpu_tiles(q.to(torch.uint8).contiguous(), tile_rows)
 
 
 def _pack_cpu_tiles(q: torch.Tensor, tile_rows: int) -> torch.Tensor:
