@@ -39,6 +39,7 @@ from kvpilot.runtime.layers.packed_int4 import (
     PermutedWeight,
     act_order_permutation,
     unpack_awq,
+    unpack_input_major,
     unpack_int32,
 )
 from kvpilot.runtime.layers.prequant import (
@@ -125,6 +126,14 @@ def test_awq_nibble_order_is_undone() -> None:
         words |= values[:, column::8] << (4 * k)
     assert torch.equal(unpack_awq(words), values)
     assert torch.equal(unpack_int32(words, 4, 24)[:, :8], values[:, list(AWQ_ORDER)])
+
+
+def test_gptq_words_unpack_input_major_as_they_do_output_major() -> None:
+    """Act-order reads qweight [in / 8, out] with the input features as rows (their gather into
+    group order is then a gather of rows); the values are the ones unpacked output-major."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (5, 12), dtype=torch.int32)
+    by_output = unpack_int32(qweight.t().contiguous(), 4, 38)  # [out, in], the row cut short
+    assert torch.equal(unpack_input_major(qweight, 38), by_output.t())
 
 
 @pytest.mark.parametrize(

@@ -171,6 +171,8 @@ for shape in [(64, 96), (128, 256), (192, 1024), (128, 2816), (96, 64), (80, 256
     q = torch.randint(0, 16, shape, dtype=torch.int32)
     op = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     same_packing.append(torch.equal(_pack_for_cpu(q.to(torch.uint8)), op))
+    by_input = q.to(torch.uint8).t().contiguous().t()  # [out, in], input-major bytes
+    same_packing.append(torch.equal(_pack_for_cpu(by_input), op))
 print(json.dumps({
     "capability": torch.backends.cpu.get_cpu_capability(), "tile_rows": w.tile_rows,
     "copy": w.row_copy is not None, "error": float((rows - kernel).norm() / kernel.norm()),

@@ -90,17 +90,28 @@ def read_packed_int4(
         return _int4_parts(values, scale, zeros, scheme.group_size or INT4_GROUP_SIZE)
     g_idx = read(f"{module}.g_idx")
     in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
-    values = unpack_int32(qweight.t().contiguous(), 4, in_features)  # [out, in]
     zeros = unpack_int32(qzeros, 4, scale.shape[0]).t()  # [out, groups]
     zeros = zeros + 1 if scheme.format == "gptq" else zeros  # v1 stored z - 1
     if scheme.group_size is None:  # one group per row: the same scale for each of ours
         groups = -(-in_features // INT4_GROUP_SIZE)
         scale, zeros = scale.expand(-1, groups), zeros.expand(-1, groups)
+        values = unpack_int32(qweight.t().contiguous(), 4, in_features)  # [out, in]
         return _int4_parts(values, scale, zeros, INT4_GROUP_SIZE)
     perm = act_order_permutation(module, g_idx, scheme.group_size, in_features, scheme.desc_act)
     if perm is None:
+        values = unpack_int32(qweight.t().contiguous(), 4, in_features)
         return _int4_parts(values, scale, zeros, scheme.group_size)
-    return ActOrderParts(_int4_parts(values[:, perm], scale, zeros, scheme.group_size), perm)
+    # Act-order: the input features are gathered into group order, which is a gather of rows
+    # in GPTQ's own input-major layout (a gather of columns of [out, in] was most of the load).
+    by_input = unpack_input_major(qweight, in_features).index_select(0, perm)
+    return ActOrderParts(_int4_parts(by_input.t(), scale, zeros, scheme.group_size), perm)
+
+
+def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """GPTQ's qweight int32 [in / 8, out] (feature 8r + k of column j in nibble k of [r, j]) ->
+    uint8 [in, out], the input features as rows."""
+    nibbles = [((qweight >> (4 * k)) & 0x0F).to(torch.uint8) for k in range(8)]
+    return torch.stack(nibbles, dim=1).view(-1, qweight.shape[1])[:in_features]
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
@@ -141,10 +152,12 @@ def _int4_parts(
     padded = scale.shape[1] * group_size
     if padded < in_features:
         raise ValueError(f"{scale.shape[1]} groups of {group_size} cannot hold {in_features}")
-    values = F.pad(values, (0, padded - in_features), value=INT4_MID)
+    if padded > in_features:
+        values = F.pad(values, (0, padded - in_features), value=INT4_MID)
     zero = (INT4_MID - zeros.float()) * scale
     bf16 = torch.bfloat16
-    return Int4Parts(values.contiguous(), scale.to(bf16), zero.to(bf16), group_size, in_features)
+    # values may stay a transposed view of input-major bytes: the packing reads either layout
+    return Int4Parts(values, scale.to(bf16), zero.to(bf16), group_size, in_features)
 
 
 class PermutedWeight(Weight):

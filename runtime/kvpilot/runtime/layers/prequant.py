@@ -145,13 +145,21 @@ def concat(matrices: list[Matrix]) -> Matrix:
     same_groups = all(m.group_size == parts4[0].group_size for m in parts4)
     if parts4 and len(parts4) == len(matrices) and same_groups:
         return Int4Parts(
-            torch.cat([m.values for m in parts4]),
+            _cat_outputs([m.values for m in parts4]),
             torch.cat([m.scale for m in parts4]),
             torch.cat([m.zero for m in parts4]),
             parts4[0].group_size,
             parts4[0].in_features,
         )
     return torch.cat([dequantize(m) for m in matrices])
+
+
+def _cat_outputs(values: list[torch.Tensor]) -> torch.Tensor:
+    """[out_i, in] stacked along the output dimension; kept input-major (a transposed view) when
+    every part is, so that no byte is transposed here (packed_int4.read_packed_int4)."""
+    if all(not v.is_contiguous() and v.t().is_contiguous() for v in values):
+        return torch.cat([v.t() for v in values], dim=1).t()
+    return torch.cat(values)
 
 
 def _concat_act_order(matrices: list[ActOrderParts]) -> Matrix:
@@ -200,7 +208,7 @@ def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
         parts = permute_rows(matrix.parts, rows)
         return ActOrderParts(parts, matrix.perm) if isinstance(parts, Int4Parts) else parts
     return Int4Parts(
-        matrix.values[rows],
+        matrix.values.contiguous()[rows],  # rows of input-major bytes: gathered as rows here
         matrix.scale[rows],
         matrix.zero[rows],
         matrix.group_size,

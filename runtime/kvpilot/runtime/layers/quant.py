@@ -240,6 +240,8 @@ def _pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
     tile_rows = cpu_int4_tile_rows()
     if tile_rows is None or q.shape[0] % tile_rows or q.shape[1] % 2:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    if not q.is_contiguous() and q.t().is_contiguous():  # input-major bytes (GPTQ act-order)
+        return _pack_cpu_tiles_by_input(q.t().to(torch.uint8), tile_rows)
     return _pack_cpu_tiles(q.to(torch.uint8).contiguous(), tile_rows)
 
 
@@ -249,6 +251,15 @@ def _pack_cpu_tiles(q: torch.Tensor, tile_rows: int) -> torch.Tensor:
     halves = q.view(out_features // tile_rows, 2, tile_rows // 2, in_features)
     lines = halves[:, 0] | (halves[:, 1] << 4)  # [tiles, row j of the first half, k]
     return lines.transpose(1, 2).contiguous().view(out_features, in_features // 2)
+
+
+def _pack_cpu_tiles_by_input(by_input: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """The same tiles from uint8 [in, out], contiguous: each of the kernel's lines (one input
+    feature of a tile) is already a run of bytes there, moved whole."""
+    in_features, out_features = by_input.shape
+    halves = by_input.view(in_features, out_features // tile_rows, 2, tile_rows // 2)
+    lines = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [k, tiles, row j of the first half]
+    return lines.transpose(0, 1).contiguous().view(out_features, in_features // 2)
 
 
 def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor, tile_rows: int) -> torch.Tensor:
