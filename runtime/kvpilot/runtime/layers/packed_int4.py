@@ -92,19 +92,19 @@ def read_packed_int4(
     in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
     zeros = unpack_int32(qzeros, 4, scale.shape[0]).t()  # [out, groups]
     zeros = zeros + 1 if scheme.format == "gptq" else zeros  # v1 stored z - 1
+    # [in, out], GPTQ's own input-major order, kept to the kernel's tiles (quant._pack_for_cpu):
+    # act-order's gather of input features into group order is then a gather of rows (of
+    # columns of [out, in], it was most of the load).
+    by_input = unpack_input_major(qweight, in_features)
     if scheme.group_size is None:  # one group per row: the same scale for each of ours
         groups = -(-in_features // INT4_GROUP_SIZE)
         scale, zeros = scale.expand(-1, groups), zeros.expand(-1, groups)
-        values = unpack_int32(qweight.t().contiguous(), 4, in_features)  # [out, in]
-        return _int4_parts(values, scale, zeros, INT4_GROUP_SIZE)
+        return _int4_parts(by_input.t(), scale, zeros, INT4_GROUP_SIZE)
     perm = act_order_permutation(module, g_idx, scheme.group_size, in_features, scheme.desc_act)
     if perm is None:
-        values = unpack_int32(qweight.t().contiguous(), 4, in_features)
-        return _int4_parts(values, scale, zeros, scheme.group_size)
-    # Act-order: the input features are gathered into group order, which is a gather of rows
-    # in GPTQ's own input-major layout (a gather of columns of [out, in] was most of the load).
-    by_input = unpack_input_major(qweight, in_features).index_select(0, perm)
-    return ActOrderParts(_int4_parts(by_input.t(), scale, zeros, scheme.group_size), perm)
+        return _int4_parts(by_input.t(), scale, zeros, scheme.group_size)
+    by_group = by_input.index_select(0, perm)
+    return ActOrderParts(_int4_parts(by_group.t(), scale, zeros, scheme.group_size), perm)
 
 
 def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:

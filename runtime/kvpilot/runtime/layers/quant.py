@@ -240,26 +240,17 @@ def _pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
     tile_rows = cpu_int4_tile_rows()
     if tile_rows is None or q.shape[0] % tile_rows or q.shape[1] % 2:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    if not q.is_contiguous() and q.t().is_contiguous():  # input-major bytes (GPTQ act-order)
-        return _pack_cpu_tiles_by_input(q.t().to(torch.uint8), tile_rows)
-    return _pack_cpu_tiles(q.to(torch.uint8).contiguous(), tile_rows)
+    return _pack_cpu_tiles(q.to(torch.uint8), tile_rows)
 
 
 def _pack_cpu_tiles(q: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    """uint8 [out, in] in 0..15 -> the kernel's tiles (see _unpack_cpu_tiles), [out, in / 2]."""
+    """uint8 [out, in] in 0..15, in either memory order -> the kernel's tiles (see
+    _unpack_cpu_tiles), [out, in / 2]. The elementwise step keeps q's order, so input-major
+    bytes (GPTQ, packed_int4.py) are moved a tile line, a run of bytes, at a time."""
     out_features, in_features = q.shape
-    halves = q.view(out_features // tile_rows, 2, tile_rows // 2, in_features)
+    halves = q.unflatten(0, (out_features // tile_rows, 2, tile_rows // 2))
     lines = halves[:, 0] | (halves[:, 1] << 4)  # [tiles, row j of the first half, k]
     return lines.transpose(1, 2).contiguous().view(out_features, in_features // 2)
-
-
-def _pack_cpu_tiles_by_input(by_input: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    """The same tiles from uint8 [in, out], contiguous: each of the kernel's lines (one input
-    feature of a tile) is already a run of bytes there, moved whole."""
-    in_features, out_features = by_input.shape
-    halves = by_input.view(in_features, out_features // tile_rows, 2, tile_rows // 2)
-    lines = halves[:, :, 0] | (halves[:, :, 1] << 4)  # [k, tiles, row j of the first half]
-    return lines.transpose(0, 1).contiguous().view(out_features, in_features // 2)
 
 
 def _unpack_cpu_tiles(packed: torch.Tensor, ids: torch.Tensor, tile_rows: int) -> torch.Tensor:
@@ -308,10 +299,13 @@ class Int4Weight(Weight):
         # AVX512 nor AVX2, a vocabulary that is not a multiple of the tile's height).
         self.row_copy: torch.Tensor | None = None
         self.tile_rows = self._readable_tile_rows(q)
-        self.tiles_readable = self.tile_rows is not None
         if rows_needed and not self.tiles_readable:
             pairs = q.to(torch.uint8)
             self.row_copy = pairs[:, 0::2] | (pairs[:, 1::2] << 4)
+
+    @property
+    def tiles_readable(self) -> bool:
+        return self.tile_rows is not None
 
     def _readable_tile_rows(self, q: torch.Tensor) -> int | None:
         """The height of the kernel's tiles if rows can be read from them, else None."""
