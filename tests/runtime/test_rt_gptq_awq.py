@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from bench.reference.gptq_awq import (
     VARIANTS,
@@ -35,21 +34,32 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import samples_for, score
 from kvpilot.runtime.layers.packed_int4 import (
     AWQ_ORDER,
-    ActOrderParts,
+    GptqParts,
     PermutedWeight,
     act_order_permutation,
+    gptq_cpu_tiles,
     unpack_awq,
+    unpack_gptq,
     unpack_input_major,
     unpack_int32,
 )
 from kvpilot.runtime.layers.prequant import (
     Int8Parts,
     Matrix,
+    Read,
     dequantize,
-    fold_input_order,
+    permute_rows,
     read_matrix,
+    split_input_order,
+    store,
 )
-from kvpilot.runtime.layers.quant import DenseWeight, Int4Parts, Int4Weight
+from kvpilot.runtime.layers.quant import (
+    CPU_INT4_TILE_ROWS,
+    DenseWeight,
+    Int4Parts,
+    Int4Weight,
+    _pack_cpu_tiles,
+)
 from kvpilot.runtime.models.loader import load_model_config, open_weights
 from kvpilot.runtime.models.tokenizer_files import Tokenizer
 from tests.support.prequant_reference import (
@@ -230,36 +240,118 @@ def _int4_parts(out_features: int, in_features: int) -> Int4Parts:
     )
 
 
-def _gate_up(kind: str, intermediate: int, hidden: int) -> Matrix:
+def _gptq_parts(
+    out_features: int, in_features: int, act_order: bool, group_size: int = 8
+) -> GptqParts:
+    groups = -(-in_features // group_size)
+    words = torch.randint(-(2**31), 2**31 - 1, (-(-in_features // 8), out_features))
+    return GptqParts(
+        words.to(torch.int32),
+        torch.rand(out_features, groups).bfloat16(),
+        torch.randn(out_features, groups).bfloat16(),
+        group_size,
+        in_features,
+        torch.randperm(in_features) if act_order else None,
+    )
+
+
+def _matrix(kind: str, out_features: int, in_features: int) -> Matrix:
     if kind == "dense":
-        return torch.randn(2 * intermediate, hidden)
+        return torch.randn(out_features, in_features)
     if kind == "int8":
-        values = torch.randint(-127, 128, (2 * intermediate, hidden), dtype=torch.int8)
-        return Int8Parts(values, torch.rand(2 * intermediate) / 127)
-    parts = _int4_parts(2 * intermediate, hidden)
-    return parts if kind == "int4" else ActOrderParts(parts, torch.randperm(hidden))
+        values = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+        return Int8Parts(values, torch.rand(out_features) / 127)
+    if kind == "int4":
+        return _int4_parts(out_features, in_features)
+    return _gptq_parts(out_features, in_features, act_order=kind == "gptq act-order")
 
 
-def _mlp(gate_up: Matrix, down: Matrix, x: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ dequantize(gate_up).t()).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ dequantize(down).t()
-
-
-@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "act-order"])
-def test_act_order_down_proj_folds_into_gate_up(kind: str) -> None:
-    """down_proj's act-order permutation moves into gate/up's output rows (both halves alike):
-    the MLP computes the same function, and down_proj is left with no input to gather."""
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "gptq", "gptq act-order"])
+def test_output_rows_move_in_every_format(kind: str) -> None:
+    """Output feature i taken from row rows[i], the matrix kept in its format (and an act-order
+    matrix's input order kept)."""
     torch.manual_seed(0)
-    hidden, intermediate = 16, 24
-    gate_up = _gate_up(kind, intermediate, hidden)
-    down = ActOrderParts(_int4_parts(hidden, intermediate), torch.randperm(intermediate))
-    folded_gate_up, folded_down, order = fold_input_order(gate_up, down, 2)
-    assert isinstance(folded_down, Int4Parts) and order is not None
-    assert torch.equal(order, down.perm)
-    assert type(folded_gate_up) is type(gate_up)  # still packed as the checkpoint packed it
-    x = torch.randn(3, hidden)
-    torch.testing.assert_close(_mlp(folded_gate_up, folded_down, x), _mlp(gate_up, down, x))
-    assert fold_input_order(gate_up, down.parts, 2) == (gate_up, down.parts, None)
+    matrix, rows = _matrix(kind, 24, 16), torch.randperm(24)
+    moved = permute_rows(matrix, rows)
+    assert type(moved) is type(matrix)
+    torch.testing.assert_close(dequantize(moved), dequantize(matrix)[rows])
+
+
+@pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
+@pytest.mark.parametrize(
+    ("in_features", "group_size", "act_order"),
+    [(256, 128, False), (256, 32, True), (688, 128, False), (688, 128, True), (40, 32, True)],
+)  # 688: tiny-llama's MLP, padded to 768 (six groups of 128)
+def test_gptq_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_would(
+    tile_rows: int, in_features: int, group_size: int, act_order: bool
+) -> None:
+    """Every byte equal to the tiles the engine writes from unpacked values, for both layouts
+    (AVX512's 64-row tiles and AVX2's 32), act-order's input order and the padding included."""
+    torch.manual_seed(0)
+    parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size)
+    unpacked = unpack_gptq(parts).values
+    assert torch.equal(gptq_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("out_features", [128, 48])  # 48: no whole tile, packed by the op
+def test_a_stored_gptq_matrix_multiplies_as_its_dequantisation(
+    act_order: bool, out_features: int
+) -> None:
+    torch.manual_seed(0)
+    parts = _gptq_parts(out_features, 256, act_order, group_size=32)
+    stored = store(parts, "none", torch.bfloat16, CPU)
+    assert isinstance(stored, PermutedWeight) == act_order
+    x = torch.randn(3, 256).bfloat16()
+    reference = x.float() @ dequantize(parts).t()
+    got = stored.linear(x).float()
+    torch.testing.assert_close(got, reference, rtol=0.02, atol=0.02 * reference.abs().max().item())
+
+
+def _gptq_tensors(module: str, out_features: int, in_features: int, desc_act: bool) -> Read:
+    group = 128  # GPTQ's group_size
+    g_idx = torch.arange(in_features, dtype=torch.int32) // group
+    tensors = {
+        f"{module}.qweight": torch.randint(
+            -(2**31), 2**31 - 1, (in_features // 8, out_features), dtype=torch.int32
+        ),
+        f"{module}.qzeros": torch.randint(
+            -(2**31), 2**31 - 1, (in_features // group, out_features // 8), dtype=torch.int32
+        ),
+        f"{module}.scales": torch.rand(in_features // group, out_features).half(),
+        f"{module}.g_idx": g_idx[torch.randperm(in_features)] if desc_act else g_idx,
+    }
+    return tensors.get
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_gptq_reads_its_outputs_in_the_order_asked(desc_act: bool) -> None:
+    """act-order's fold: gate/up read with their outputs in down_proj's input order, gathered
+    as qweight's packed words, dequantise to the checkpoint's rows in that order."""
+    torch.manual_seed(0)
+    quant = parse_quantization_config({"quantization_config": GPTQ | {"desc_act": desc_act}})
+    read, rows = _gptq_tensors("m", 48, 256, desc_act), torch.randperm(48)
+    asked = read_matrix(read, "m", quant, rows)
+    assert isinstance(asked, GptqParts) and (asked.input_order is not None) == desc_act
+    torch.testing.assert_close(
+        dequantize(asked), dequantize(read_matrix(read, "m", quant))[rows], rtol=0, atol=0
+    )
+    with pytest.raises(ValueError, match="m has 48 outputs; cannot feed 47 inputs"):
+        read_matrix(read, "m", quant, rows[:47])
+
+
+def test_down_proj_gives_up_its_input_order_to_gate_up() -> None:
+    """An act-order down_proj is stored without its permutation, which gate/up take on; any
+    other keeps its own order."""
+    torch.manual_seed(0)
+    down = _gptq_parts(16, 24, act_order=True)
+    folded, order = split_input_order(down)
+    assert isinstance(folded, GptqParts) and folded.input_arrives_ordered
+    assert order is not None and order is down.input_order
+    unchanged, no_order = split_input_order(folded)
+    assert unchanged is folded and no_order is None
+    x = torch.randn(3, 24)  # the MLP's intermediate features, in the checkpoint's order
+    torch.testing.assert_close(x[:, order] @ dequantize(folded).t(), x @ dequantize(down).t())
 
 
 @pytest.fixture(scope="module")

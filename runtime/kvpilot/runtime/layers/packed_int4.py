@@ -17,6 +17,12 @@ kernels' dtype), as for compressed-tensors. With GPTQ's act-order (desc_act), g_
 features into groups in the Hessian's order, not consecutively; sorting the features by group
 makes each group consecutive, so the layer stores W[:, perm] and multiplies x[:, perm] by it
 (x @ W.T == x[:, perm] @ W[:, perm].T), as GPTQ's exllama and Marlin kernels do.
+
+GPTQ's words are kept as they are until they are stored (GptqParts): on CPU they are written
+into the int4 kernel's tiles straight from the words (an input feature of a tile is one line of
+bytes there, so act-order's gather moves lines), never unpacked to a byte per value; fusing
+q/k/v and gate/up and reordering outputs (act-order's fold) move words. Unpacking, then
+packing, was most of a GPTQ checkpoint's load.
 """
 
 from __future__ import annotations
@@ -30,7 +36,13 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.contract.checkpoint_quant import FIELD, LM_HEAD, WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
-from kvpilot.runtime.layers.quant import INT4_MID, Int4Parts, Int4Weight, Weight
+from kvpilot.runtime.layers.quant import (
+    INT4_MID,
+    Int4Parts,
+    Int4Weight,
+    Weight,
+    cpu_int4_tile_rows,
+)
 
 Read = Callable[[str], torch.Tensor | None]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs output 8b + AWQ_ORDER[k] into nibble k
@@ -38,11 +50,29 @@ AWQ_NIBBLE_OF_OUTPUT = (0, 4, 1, 5, 2, 6, 3, 7)  # its inverse: output j sits in
 
 
 @dataclass(frozen=True)
-class ActOrderParts:
-    """A GPTQ desc_act matrix: `parts` hold W[:, perm] [out, in], groups consecutive."""
+class GptqParts:
+    """A GPTQ matrix, its values as the checkpoint packs them: `words` int32 [in / 8, out]
+    (input feature 8r + k of output j in nibble k of words[r, j]); scale and zero bf16
+    [out, groups] as in Int4Parts. `input_order` (act-order): stored input feature i is the
+    checkpoint's input_order[i], which makes the groups consecutive; the layer multiplies
+    x[:, input_order] by it (PermutedWeight), unless `input_arrives_ordered`: its input's
+    producer writes the features in that order already (prequant.split_input_order)."""
 
-    parts: Int4Parts
-    perm: torch.Tensor  # int64 [in]: stored input feature i is the checkpoint's perm[i]
+    words: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    in_features: int
+    input_order: torch.Tensor | None = None
+    input_arrives_ordered: bool = False
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[1]
+
+    @property
+    def padded_in(self) -> int:
+        return self.scale.shape[1] * self.group_size
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, num_values: int) -> torch.Tensor:
@@ -72,7 +102,7 @@ def _need(read: Read, name: str) -> torch.Tensor:
 
 def read_packed_int4(
     read: Read, module: str, scheme: WeightScheme
-) -> torch.Tensor | Int4Parts | ActOrderParts:
+) -> torch.Tensor | Int4Parts | GptqParts:
     """Module `module` of a GPTQ or AWQ checkpoint; a dense matrix where the quantiser left a
     decoder module out (it wrote `weight`, not `qweight`). The lm_head is quantised only where
     the config says so (`lm_head: true`), and then must be."""
@@ -87,24 +117,22 @@ def read_packed_int4(
     qzeros = _need(read, f"{module}.qzeros")
     if scheme.format == "awq-gemm":
         values, zeros = unpack_awq(qweight).t(), unpack_awq(qzeros).t()  # [out, in], [out, g]
-        return _int4_parts(values, scale, zeros, scheme.group_size or INT4_GROUP_SIZE)
+        group_size = scheme.group_size or INT4_GROUP_SIZE
+        engine_scale, zero = _scale_and_zero(scale, zeros, group_size, values.shape[1])
+        return _int4_parts(values, engine_scale, zero, group_size)
     g_idx = read(f"{module}.g_idx")
     in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
-    zeros = unpack_int32(qzeros, 4, scale.shape[0]).t()  # [out, groups]
+    zeros = unpack_int32(qzeros, 4, qweight.shape[1]).t()  # [out, groups]
     zeros = zeros + 1 if scheme.format == "gptq" else zeros  # v1 stored z - 1
-    # [in, out], GPTQ's own input-major order, kept to the kernel's tiles (quant._pack_for_cpu):
-    # act-order's gather of input features into group order is then a gather of rows (of
-    # columns of [out, in], it was most of the load).
-    by_input = unpack_input_major(qweight, in_features)
+    group_size = scheme.group_size or INT4_GROUP_SIZE
     if scheme.group_size is None:  # one group per row: the same scale for each of ours
         groups = -(-in_features // INT4_GROUP_SIZE)
         scale, zeros = scale.expand(-1, groups), zeros.expand(-1, groups)
-        return _int4_parts(by_input.t(), scale, zeros, INT4_GROUP_SIZE)
-    perm = act_order_permutation(module, g_idx, scheme.group_size, in_features, scheme.desc_act)
-    if perm is None:
-        return _int4_parts(by_input.t(), scale, zeros, scheme.group_size)
-    by_group = by_input.index_select(0, perm)
-    return ActOrderParts(_int4_parts(by_group.t(), scale, zeros, scheme.group_size), perm)
+        order = None  # one scale for the whole row, whatever g_idx's order
+    else:
+        order = act_order_permutation(module, g_idx, group_size, in_features, scheme.desc_act)
+    engine_scale, zero = _scale_and_zero(scale, zeros, group_size, in_features)
+    return GptqParts(qweight, engine_scale, zero, group_size, in_features, order)
 
 
 def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -143,21 +171,83 @@ def act_order_permutation(
     return perm
 
 
-def _int4_parts(
-    values: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor, group_size: int
-) -> Int4Parts:
-    """values [out, in] 0..15, scale [out, groups] float, zeros [out, groups] 0..16 ->
-    the engine's int4 parts, the input padded to whole groups (zero activations meet it)."""
-    in_features = values.shape[1]
-    padded = scale.shape[1] * group_size
-    if padded < in_features:
+def _scale_and_zero(
+    scale: torch.Tensor, zeros: torch.Tensor, group_size: int, in_features: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale [out, groups] float and zeros [out, groups] 0..16 -> the engine's scale and zero,
+    bf16 ((u - 8) * scale + zero dequantises), checked to hold `in_features` in whole groups."""
+    if scale.shape[1] * group_size < in_features:
         raise ValueError(f"{scale.shape[1]} groups of {group_size} cannot hold {in_features}")
+    zero = (INT4_MID - zeros.float()) * scale
+    return scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+
+
+def _int4_parts(
+    values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+) -> Int4Parts:
+    """values [out, in] 0..15 -> the engine's int4 parts, the input padded to whole groups
+    (zero activations meet it). values may stay a transposed view of input-major bytes: the
+    packing reads either layout."""
+    in_features, padded = values.shape[1], scale.shape[1] * group_size
     if padded > in_features:
         values = F.pad(values, (0, padded - in_features), value=INT4_MID)
-    zero = (INT4_MID - zeros.float()) * scale
-    bf16 = torch.bfloat16
-    # values may stay a transposed view of input-major bytes: the packing reads either layout
-    return Int4Parts(values, scale.to(bf16), zero.to(bf16), group_size, in_features)
+    return Int4Parts(values, scale, zero, group_size, in_features)
+
+
+def unpack_gptq(parts: GptqParts) -> Int4Parts:
+    """GPTQ's words unpacked to a byte per value, input features in `input_order`: for CUDA's
+    kernel, a CPU tile layout we do not know, and the reference dequantisation."""
+    by_input = unpack_input_major(parts.words, parts.in_features)
+    if parts.input_order is not None:
+        by_input = by_input.index_select(0, parts.input_order)
+    return _int4_parts(by_input.t(), parts.scale, parts.zero, parts.group_size)
+
+
+PADDING_BYTE = INT4_MID * 0x11  # two values of 8: a zero weight in both nibbles
+
+
+def gptq_cpu_tiles(parts: GptqParts, tile_rows: int) -> torch.Tensor:
+    """The CPU int4 kernel's packed matrix [out, padded_in / 2] (its layout:
+    quant._unpack_cpu_tiles) written from GPTQ's words. Line k of a tile holds input feature k
+    of the tile's row j in byte j's low nibble and of row j + tile_rows / 2 in its high one; a
+    word's byte b holds features 2b and 2b + 1 of one output, so word arithmetic on the two
+    halves of a tile makes the line bytes of the even features and of the odd ones at once.
+    Little-endian words (bytes read in memory order)."""
+    words, half = parts.words, tile_rows // 2
+    word_rows, num_tiles = words.shape[0], parts.out_features // tile_rows
+    halves = words.view(word_rows, num_tiles, 2, half)
+    low, high = halves[:, :, 0], halves[:, :, 1]  # int32 [in / 8, tiles, half]
+    nibbles = 0x0F0F0F0F
+    even = (low & nibbles) | ((high & nibbles) << 4)
+    odd = ((low >> 4) & nibbles) | (((high >> 4) & nibbles) << 4)
+    lines = torch.empty(num_tiles, word_rows, 4, 2, half, dtype=torch.uint8)
+    for parity, made in enumerate((even, odd)):  # [in / 8, tiles, half] words -> 4 bytes each
+        made_bytes = made.contiguous().view(torch.uint8).view(word_rows, num_tiles, half, 4)
+        lines[:, :, :, parity] = made_bytes.permute(1, 0, 3, 2)
+    by_feature = lines.view(num_tiles, word_rows * 8, half)[:, : parts.in_features]
+    if parts.input_order is not None:  # act-order: a line per feature, gathered as lines
+        by_feature = by_feature.index_select(1, parts.input_order)
+    padding = parts.padded_in - parts.in_features
+    if padding:
+        by_feature = F.pad(by_feature, (0, 0, 0, padding), value=PADDING_BYTE)
+    return by_feature.contiguous().view(parts.out_features, parts.padded_in // 2)
+
+
+def store_gptq(parts: GptqParts, device: torch.device) -> Weight:
+    """The stored GPTQ matrix: written into the CPU kernel's tiles from the words where their
+    layout is known, else unpacked and packed by the kernel's own op (Int4Weight.from_parts)."""
+    on_cpu = device.type == "cpu" and sys.byteorder == "little"
+    tile_rows = cpu_int4_tile_rows() if on_cpu else None
+    if tile_rows is not None and parts.out_features % tile_rows == 0:
+        tiles = gptq_cpu_tiles(parts, tile_rows)
+        weight = Int4Weight.from_cpu_tiles(
+            tiles, parts.scale, parts.zero, parts.group_size, parts.in_features
+        )
+    else:
+        weight = Int4Weight.from_parts(unpack_gptq(parts).to(device))
+    if parts.input_order is None or parts.input_arrives_ordered:
+        return weight
+    return PermutedWeight(weight, parts.input_order.to(device))
 
 
 class PermutedWeight(Weight):
@@ -182,7 +272,7 @@ class PermutedWeight(Weight):
 
 
 class OutputPermutedWeight(Weight):
-    """A matrix whose output features are stored in another order (prequant.fold_input_order):
+    """A matrix whose output features are stored in another order (prequant.split_input_order):
     output i is stored row `order[i]`; gathered back to the checkpoint's order at each step."""
 
     def __init__(self, weight: Weight, order: torch.Tensor) -> None:
@@ -200,15 +290,3 @@ class OutputPermutedWeight(Weight):
 
     def num_bytes(self) -> int:
         return self.weight.num_bytes() + self.order.numel() * self.order.element_size()
-
-
-def store_act_order(matrix: ActOrderParts, device: torch.device) -> PermutedWeight:
-    parts = matrix.parts
-    moved = Int4Parts(
-        parts.values.to(device),
-        parts.scale.to(device),
-        parts.zero.to(device),
-        parts.group_size,
-        parts.in_features,
-    )
-    return PermutedWeight(Int4Weight.from_parts(moved), matrix.perm.to(device))

@@ -22,16 +22,17 @@ which are):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvpilot.contract.checkpoint_quant import CheckpointQuant, WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
 from kvpilot.runtime.layers.packed_int4 import (
-    ActOrderParts,
+    GptqParts,
     read_packed_int4,
-    store_act_order,
+    store_gptq,
+    unpack_gptq,
     unpack_int32,
 )
 from kvpilot.runtime.layers.quant import (
@@ -55,30 +56,47 @@ class Int8Parts:
 
 
 # A dense matrix, or one the checkpoint quantised (GPTQ/AWQ: layers/packed_int4.py).
-Matrix = torch.Tensor | Int4Parts | Int8Parts | ActOrderParts
+Matrix = torch.Tensor | Int4Parts | Int8Parts | GptqParts
 __all__ = [
     "Matrix",
     "concat",
     "dequantize",
-    "fold_input_order",
     "read_matrix",
+    "split_input_order",
     "store",
     "unpack_int32",
 ]
 
 
-def read_matrix(read: Read, module: str, quant: CheckpointQuant | None) -> Matrix:
-    """Module `module`'s weight matrix as the checkpoint stores it, in the engine's terms."""
+def read_matrix(
+    read: Read, module: str, quant: CheckpointQuant | None, rows: torch.Tensor | None = None
+) -> Matrix:
+    """Module `module`'s weight matrix as the checkpoint stores it, in the engine's terms.
+    `rows`: output feature i is the checkpoint's rows[i] (split_input_order says why)."""
     scheme = quant.scheme_for(module) if quant is not None else None
     if scheme is None:
-        return _need(read, f"{module}.weight")
-    if quant is not None and quant.method in ("gptq", "awq"):
-        return read_packed_int4(read, module, scheme)
-    if scheme.type == "float":
-        return _fp8(read, module)
-    if scheme.num_bits == 8:
-        return _int8(read, module, scheme)
-    return _int4(read, module, scheme)
+        matrix: Matrix = _need(read, f"{module}.weight")
+    elif quant is not None and quant.method in ("gptq", "awq"):
+        matrix = read_packed_int4(read, module, scheme)
+    elif scheme.type == "float":
+        matrix = _fp8(read, module)
+    elif scheme.num_bits == 8:
+        matrix = _int8(read, module, scheme)
+    else:
+        matrix = _int4(read, module, scheme)
+    if rows is None:
+        return matrix
+    if rows.numel() != _num_outputs(matrix):
+        raise ValueError(
+            f"{module} has {_num_outputs(matrix)} outputs; cannot feed {rows.numel()} inputs"
+        )
+    return permute_rows(matrix, rows)
+
+
+def _num_outputs(matrix: Matrix) -> int:
+    if isinstance(matrix, torch.Tensor):
+        return matrix.shape[0]
+    return matrix.out_features if isinstance(matrix, GptqParts) else matrix.values.shape[0]
 
 
 def _need(read: Read, name: str) -> torch.Tensor:
@@ -139,8 +157,8 @@ def concat(matrices: list[Matrix]) -> Matrix:
         return Int8Parts(
             torch.cat([m.values for m in parts8]), torch.cat([m.scale for m in parts8])
         )
-    if all(isinstance(m, ActOrderParts) for m in matrices):
-        return _concat_act_order([m for m in matrices if isinstance(m, ActOrderParts)])
+    if all(isinstance(m, GptqParts) for m in matrices):
+        return _concat_gptq([m for m in matrices if isinstance(m, GptqParts)])
     parts4 = [m for m in matrices if isinstance(m, Int4Parts)]
     same_groups = all(m.group_size == parts4[0].group_size for m in parts4)
     if parts4 and len(parts4) == len(matrices) and same_groups:
@@ -162,40 +180,46 @@ def _cat_outputs(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values)
 
 
-def _concat_act_order(matrices: list[ActOrderParts]) -> Matrix:
-    """GPTQ desc_act q/k/v (or gate/up) share one input, so GPTQ orders their features alike
-    (one Hessian); fused they share one permutation. Otherwise they are stored dense."""
-    first = matrices[0].perm
-    if not all(torch.equal(m.perm, first) for m in matrices):
+def _concat_gptq(matrices: list[GptqParts]) -> Matrix:
+    """GPTQ's words side by side (they pack along the input, so outputs are columns). With
+    act-order, q/k/v (or gate/up) share one input, so GPTQ orders their features alike (one
+    Hessian); fused they share one order. Otherwise they are stored dense."""
+    first = matrices[0]
+    same = [(m.group_size, m.in_features, m.scale.shape[1]) for m in matrices]
+    if len(set(same)) > 1 or not all(_same_order(m, first) for m in matrices):
         return torch.cat([dequantize(m) for m in matrices])
-    fused = concat([m.parts for m in matrices])
-    return ActOrderParts(fused, first) if isinstance(fused, Int4Parts) else fused
+    return GptqParts(
+        torch.cat([m.words for m in matrices], dim=1),
+        torch.cat([m.scale for m in matrices]),
+        torch.cat([m.zero for m in matrices]),
+        first.group_size,
+        first.in_features,
+        first.input_order,
+        first.input_arrives_ordered,
+    )
 
 
-def fold_input_order(
-    producer: Matrix, consumer: Matrix, num_chunks: int
-) -> tuple[Matrix, Matrix, torch.Tensor | None]:
+def _same_order(a: GptqParts, b: GptqParts) -> bool:
+    if a.input_arrives_ordered != b.input_arrives_ordered:
+        return False
+    if a.input_order is None or b.input_order is None:
+        return a.input_order is b.input_order
+    return torch.equal(a.input_order, b.input_order)
+
+
+def split_input_order(consumer: Matrix) -> tuple[Matrix, torch.Tensor | None]:
     """GPTQ act-order stores `consumer` (down_proj) with its input features in group order,
     which costs a gather of its input at every step (PermutedWeight). When that input is made
-    feature by feature from `producer`'s outputs (gate/up fused, `num_chunks` = 2: silu(gate) *
-    up is elementwise), the producer writes them in that order instead: its rows are permuted
-    once here and the step gathers nothing. Returns (producer, consumer, the order of the
-    features between them: feature i is the checkpoint's order[i]; None: the checkpoint's)."""
-    if not isinstance(consumer, ActOrderParts):
-        return producer, consumer, None
-    order = consumer.perm
-    rows = torch.cat([order + chunk * order.numel() for chunk in range(num_chunks)])
-    if _num_rows(producer) != rows.numel():
-        raise ValueError(f"{_num_rows(producer)} outputs cannot feed {order.numel()} inputs")
-    return permute_rows(producer, rows), consumer.parts, order
-
-
-def _num_rows(matrix: Matrix) -> int:
-    if isinstance(matrix, torch.Tensor):
-        return matrix.shape[0]
-    if isinstance(matrix, ActOrderParts):
-        return matrix.parts.values.shape[0]
-    return matrix.values.shape[0]
+    feature by feature from other matrices' outputs (gate's and up's: silu(gate) * up is
+    elementwise), those are read with their output rows in that order instead
+    (read_matrix's `rows`) and the step gathers nothing. Returns the consumer taking its input
+    in that order and the order of the features between them (feature i is the checkpoint's
+    order[i]), or the consumer as it is and None when it gathers nothing."""
+    if not isinstance(consumer, GptqParts) or consumer.input_order is None:
+        return consumer, None
+    if consumer.input_arrives_ordered:  # split once already
+        return consumer, None
+    return replace(consumer, input_arrives_ordered=True), consumer.input_order
 
 
 def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
@@ -204,9 +228,13 @@ def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
         return matrix[rows]
     if isinstance(matrix, Int8Parts):
         return Int8Parts(matrix.values[rows], matrix.scale[rows])
-    if isinstance(matrix, ActOrderParts):  # its rows move, its input order stays
-        parts = permute_rows(matrix.parts, rows)
-        return ActOrderParts(parts, matrix.perm) if isinstance(parts, Int4Parts) else parts
+    if isinstance(matrix, GptqParts):  # outputs are the words' columns; the input order stays
+        return replace(
+            matrix,
+            words=matrix.words.index_select(1, rows),
+            scale=matrix.scale[rows],
+            zero=matrix.zero[rows],
+        )
     return Int4Parts(
         matrix.values.contiguous()[rows],  # rows of input-major bytes: gathered as rows here
         matrix.scale[rows],
@@ -222,8 +250,12 @@ def dequantize(matrix: Matrix) -> torch.Tensor:
         return matrix.float()
     if isinstance(matrix, Int8Parts):
         return matrix.values.float() * matrix.scale.float()[:, None]
-    if isinstance(matrix, ActOrderParts):
-        return dequantize(matrix.parts)[:, torch.argsort(matrix.perm)]
+    if isinstance(matrix, GptqParts):
+        unpacked = dequantize(unpack_gptq(matrix))  # its input features in input_order
+        order = matrix.input_order
+        if order is None or matrix.input_arrives_ordered:
+            return unpacked
+        return unpacked[:, torch.argsort(order)]
     groups = (matrix.values.float() - INT4_MID).unflatten(-1, (-1, matrix.group_size))
     w = groups * matrix.scale.float()[..., None] + matrix.zero.float()[..., None]
     return w.flatten(-2)[:, : matrix.in_features]
@@ -244,13 +276,6 @@ def store(
     if isinstance(matrix, Int8Parts):
         int8 = Int8Weight.from_parts(matrix.values.to(device), matrix.scale.to(device), dtype)
         return Int8DynamicWeight(int8) if int8_kernel == "w8a8" else int8
-    if isinstance(matrix, ActOrderParts):
-        return store_act_order(matrix, device)
-    moved = Int4Parts(
-        matrix.values.to(device),
-        matrix.scale.to(device),
-        matrix.zero.to(device),
-        matrix.group_size,
-        matrix.in_features,
-    )
-    return Int4Weight.from_parts(moved, rows_needed)
+    if isinstance(matrix, GptqParts):
+        return store_gptq(matrix, device)
+    return Int4Weight.from_parts(matrix.to(device), rows_needed)

@@ -185,6 +185,10 @@ class Int4Parts:
     group_size: int
     in_features: int
 
+    def to(self, device: torch.device) -> Int4Parts:
+        values, scale, zero = (t.to(device) for t in (self.values, self.scale, self.zero))
+        return Int4Parts(values, scale, zero, self.group_size, self.in_features)
+
 
 def quantize_int4(
     weight: torch.Tensor, group_size: int
@@ -280,12 +284,42 @@ class Int4Weight(Weight):
         stored._pack(parts, rows_needed)
         return stored
 
-    def _pack(self, parts: Int4Parts, rows_needed: bool) -> None:
-        q, scale, zero = parts.values, parts.scale, parts.zero
-        self.in_features, self.padded_in = parts.in_features, q.shape[1]
-        self.group_size, self.out_features = parts.group_size, q.shape[0]
+    @classmethod
+    def from_cpu_tiles(
+        cls,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        in_features: int,
+    ) -> Int4Weight:
+        """A matrix already written in the CPU kernel's tiles (packed_int4.gptq_cpu_tiles),
+        uint8 [out, in_padded / 2] of `cpu_int4_tile_rows()` high; scale and zero bf16
+        [out, groups]. Not for an embedding (rows_needed)."""
+        stored = cls.__new__(cls)
+        out_features, padded_in = packed.shape[0], packed.shape[1] * 2
+        stored._describe(scale, zero, group_size, in_features, (out_features, padded_in))
+        stored.on_cuda, stored.packed, stored.row_copy = False, packed, None
+        stored.tile_rows = stored._readable_tile_rows()
+        return stored
+
+    def _describe(
+        self,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        in_features: int,
+        shape: tuple[int, int],
+    ) -> None:
+        self.in_features, self.group_size = in_features, group_size
+        self.out_features, self.padded_in = shape
         # The kernels' layout, which rows() reads too: [groups, out, 2] (scale, zero) side by side.
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+    def _pack(self, parts: Int4Parts, rows_needed: bool) -> None:
+        q = parts.values
+        shape = (q.shape[0], q.shape[1])
+        self._describe(parts.scale, parts.zero, parts.group_size, parts.in_features, shape)
         self.on_cuda = q.device.type == "cuda"
         if self.on_cuda:  # tinygemm takes the values two per byte, high nibble first
             pairs = q.to(torch.uint8)
@@ -298,7 +332,7 @@ class Int4Weight(Weight):
         # otherwise an embedding keeps its own two-per-byte copy (CUDA, a CPU with neither
         # AVX512 nor AVX2, a vocabulary that is not a multiple of the tile's height).
         self.row_copy: torch.Tensor | None = None
-        self.tile_rows = self._readable_tile_rows(q)
+        self.tile_rows = self._readable_tile_rows()
         if rows_needed and not self.tiles_readable:
             pairs = q.to(torch.uint8)
             self.row_copy = pairs[:, 0::2] | (pairs[:, 1::2] << 4)
@@ -307,12 +341,12 @@ class Int4Weight(Weight):
     def tiles_readable(self) -> bool:
         return self.tile_rows is not None
 
-    def _readable_tile_rows(self, q: torch.Tensor) -> int | None:
+    def _readable_tile_rows(self) -> int | None:
         """The height of the kernel's tiles if rows can be read from them, else None."""
-        if self.on_cuda or self.packed.numel() * 2 != q.numel():
+        if self.on_cuda or self.packed.numel() * 2 != self.out_features * self.padded_in:
             return None
         tile_rows = cpu_int4_tile_rows()
-        return None if tile_rows is None or q.shape[0] % tile_rows else tile_rows
+        return None if tile_rows is None or self.out_features % tile_rows else tile_rows
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         xk = _as_kernel_input(x, torch.bfloat16, self.padded_in)

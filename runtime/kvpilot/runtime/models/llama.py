@@ -19,7 +19,13 @@ from kvpilot.runtime.layers.attention import AttentionMetadata, paged_attention
 from kvpilot.runtime.layers.kv_cache import PagedCache
 from kvpilot.runtime.layers.lora import LayerLora, LoraBatch, LoraWeights
 from kvpilot.runtime.layers.packed_int4 import OutputPermutedWeight, PermutedWeight
-from kvpilot.runtime.layers.prequant import Matrix, concat, fold_input_order, read_matrix, store
+from kvpilot.runtime.layers.prequant import (
+    Matrix,
+    concat,
+    read_matrix,
+    split_input_order,
+    store,
+)
 from kvpilot.runtime.layers.quant import Weight, make_weight
 from kvpilot.runtime.layers.rotary import (
     apply_rotary,
@@ -63,7 +69,7 @@ class DecoderLayer:
         cfg: ModelConfig,
         prefix: str,
         get: GetTensor,
-        read: Callable[[list[str]], Matrix],  # module names -> their fused matrix
+        read: Callable[..., Matrix],  # (module names, output rows) -> their fused matrix
         store: Callable[..., Linear],  # (matrix, bias) -> stored for the step
         group: TPGroup,
     ):
@@ -72,9 +78,8 @@ class DecoderLayer:
         bias = torch.cat([get(f"{n}.bias") for n in names]) if cfg.has_qkv_bias else None
         self.qkv = store(read(names), bias)
         self.o = store(read([f"{attn}.o_proj"]))
-        gate_up, down, self.mlp_order = fold_input_order(
-            read([f"{mlp}.gate_proj", f"{mlp}.up_proj"]), read([f"{mlp}.down_proj"]), 2
-        )
+        down, self.mlp_order = split_input_order(read([f"{mlp}.down_proj"]))
+        gate_up = read([f"{mlp}.gate_proj", f"{mlp}.up_proj"], self.mlp_order)
         self.gate_up, self.down = store(gate_up), store(down)
         self.qk_norm = qk_norm_weight(cfg, attn, get) if cfg.has_qk_norm else None
         self.input_norm = get(f"{prefix}.input_layernorm.weight")
@@ -168,9 +173,11 @@ class LlamaModel:
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return tensor
 
-        def read(modules: list[str]) -> Matrix:
-            """The linear modules' matrices fused along the output dimension."""
-            return concat([read_matrix(find, m, cfg.checkpoint_quant) for m in modules])
+        def read(modules: list[str], rows: torch.Tensor | None = None) -> Matrix:
+            """The linear modules' matrices fused along the output dimension, each module's
+            outputs in the order `rows` if given (prequant.split_input_order)."""
+            quant = cfg.checkpoint_quant
+            return concat([read_matrix(find, m, quant, rows) for m in modules])
 
         def store_linear(matrix: Matrix, bias: torch.Tensor | None = None) -> Linear:
             stored = store(matrix, quantization, dtype, device, int8_kernel=int8_kernel)
