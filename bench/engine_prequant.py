@@ -37,18 +37,26 @@ from bench.reference import gptq_awq, prequantized
 from bench.report import command_line, markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
 from kvpilot.runtime.engine.engine import Engine
-from kvpilot.runtime.layers.quant import make_weight
-from kvpilot.runtime.models.loader import open_weights
+from kvpilot.runtime.layers.quant import DenseWeight
 
-NONE = (False, False)  # nothing put back in bf16
 LOAD_RATIO_TARGET = 0.35  # checkpoint load time / quantise-at-start load time (issue 39)
 DECODE_RATIO_TARGET = 1.0  # checkpoint decode tok/s / own int4's
 PERPLEXITY_TARGET = 0.005  # |ours / transformers' - 1| on the same checkpoint
+NONE: frozenset[str] = frozenset()  # nothing put back in bf16
 
 
-def make_engine(path: Path, quantization: str, sixteen_bit: tuple[bool, bool] = NONE) -> Engine:
-    """`sixteen_bit`: (embedding, lm_head) put back in bf16 after the engine started."""
-    engine = Engine(
+def make_engine(path: Path, quantization: str, sixteen_bit: frozenset[str] = NONE) -> Engine:
+    """`sixteen_bit`: the matrices (weight_slots' names) put back in bf16 after it started."""
+    engine = _engine(path, quantization)
+    if sixteen_bit:
+        bf16 = _engine(path, "none")
+        keep_16_bit(engine, bf16, sixteen_bit)
+        bf16.shutdown()  # its matrices live on in `engine`
+    return engine
+
+
+def _engine(path: Path, quantization: str) -> Engine:
+    return Engine(
         EngineConfig(
             model=str(path),
             quantization=quantization,
@@ -59,26 +67,49 @@ def make_engine(path: Path, quantization: str, sixteen_bit: tuple[bool, bool] = 
             kv_cache_memory=64 * 2**20,
         )
     )
-    return keep_16_bit(engine, path, *sixteen_bit) if any(sixteen_bit) else engine
 
 
-def keep_16_bit(engine: Engine, source: Path, embedding: bool, lm_head: bool) -> Engine:
-    """The engine's own int4 with the embedding, and the lm_head if `lm_head`, put back in bf16
-    as the checkpoints hold them (their quantisers pack Linear modules only, the lm_head too
-    where asked, never the embedding): the like-with-like baseline for their decode speed.
-    Swapped after the engine started (no flag does it), so only its decode speed is measured."""
+def weight_slots(engine: Engine) -> dict[str, tuple[object, str]]:
+    """Every matrix of the model by name: (the object holding it, its attribute)."""
     model = engine.runner.model
-    with open_weights(source) as read:
-        embed, head = read("model.embed_tokens.weight"), read("lm_head.weight")
-    if embed is None or not embedding:
-        raise ValueError(f"{source}: no model.embed_tokens.weight, or nothing to put back")
-    own_head = model.lm_head  # tied: the int4 embedding's matrix, which it multiplies by
-    model.embed = make_weight(embed, "none", model.dtype, rows_needed=True)
-    if lm_head:
-        model.lm_head = model.embed if head is None else make_weight(head, "none", model.dtype)
-    else:
-        model.lm_head = own_head
-    return engine
+    slots: dict[str, tuple[object, str]] = {"embedding": (model, "embed")}
+    slots["lm_head"] = (model, "lm_head")
+    for index, layer in enumerate(model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            slots[f"{index}.{name}"] = (getattr(layer, name), "weight")
+    return slots
+
+
+def kept_16_bit(checkpoint: Engine) -> frozenset[str]:
+    """The matrices a checkpoint keeps 16-bit, served as stored (its quantiser packs Linear
+    modules only, the lm_head too where asked, never the embedding; AWQ may skip the MLP)."""
+    slots = weight_slots(checkpoint)
+    return frozenset(
+        k for k, (o, attr) in slots.items() if isinstance(getattr(o, attr), DenseWeight)
+    )
+
+
+def keep_16_bit(engine: Engine, bf16: Engine, names: frozenset[str]) -> None:
+    """The engine's own int4 with the matrices `names` taken from a bf16 engine of the same
+    model: the like-with-like baseline of a checkpoint's decode speed (both read the same bytes
+    per step). A tied lm_head keeps the int4 embedding's matrix unless it is named too."""
+    ours, theirs = weight_slots(engine), weight_slots(bf16)
+    for name in names:
+        holder, attr = ours[name]
+        source, source_attr = theirs[name]
+        setattr(holder, attr, getattr(source, source_attr))
+
+
+def describe(names: frozenset[str], num_layers: int) -> str:
+    """`names` in words: 'embedding, lm_head and MLP'."""
+    words: list[str] = [w for w in ("embedding", "lm_head") if w in names]
+    for part, modules in (("attention", ("qkv", "o")), ("MLP", ("gate_up", "down"))):
+        layers = [f"{i}.{m}" for i in range(num_layers) for m in modules]
+        if all(name in names for name in layers):
+            words.append(part)
+        elif any(name in names for name in layers):
+            words.append(f"some {part}")
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
 
 
 def load_seconds(path: Path, quantization: str) -> float:
@@ -90,44 +121,48 @@ def load_seconds(path: Path, quantization: str) -> float:
 
 
 OWN = "own int4"
-# The like-with-like baselines: the engine's own int4 with what a checkpoint keeps bf16 put back
-# in bf16, (embedding, lm_head), so that both read the same bytes per step.
-BASELINES = {
-    "own int4, bf16 embedding and lm_head": (True, True),  # for a checkpoint with a bf16 lm_head
-    "own int4, bf16 embedding": (True, False),  # for one whose lm_head it quantised
-}
 
 
-def like_with_like(name: str) -> str:
-    return list(BASELINES)[int(name.endswith(HEAD_SUFFIX))]
+def baselines_of(checkpoints: dict[str, Path]) -> tuple[dict[str, str], dict[str, frozenset[str]]]:
+    """Each checkpoint's like-with-like baseline: the engine's own int4 with what the checkpoint
+    keeps 16-bit put back in bf16. Returns (checkpoint -> baseline, baseline -> its matrices)."""
+    of, kept = {}, {}
+    for name, path in checkpoints.items():
+        engine = make_engine(path, "none")
+        names, num_layers = kept_16_bit(engine), len(engine.runner.model.layers)
+        engine.shutdown()
+        baseline = f"own int4, bf16 {describe(names, num_layers)}" if names else OWN
+        of[name], kept[baseline] = baseline, names
+    return of, kept
 
 
 def measure(
     label: str, source: Path, checkpoints: dict[str, Path], args: argparse.Namespace
 ) -> list[list[object]]:
     """One row per checkpoint, each against the same model quantised at start (`own int4`),
-    and its decode against that with the embedding (and lm_head) left bf16 as it leaves them."""
+    and its decode against that with what it keeps 16-bit put back in bf16."""
     loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
     for path, level in loaded.values():  # warm the page cache and the kernels' first use
         load_seconds(path, level)
+    baseline_of, kept = baselines_of(checkpoints)
     loads = dict.fromkeys(loaded, float("inf"))
-    baselines = sorted({like_with_like(name) for name in checkpoints}, key=list(BASELINES).index)
-    rates = dict.fromkeys([*baselines, *loaded], 0.0)
+    rates = dict.fromkeys([*kept, *loaded], 0.0)
     for _ in range(args.rounds):
         for name in rates:
             path, level = loaded.get(name, (source, "int4"))
             if name in loads:
                 loads[name] = min(loads[name], load_seconds(path, level))
-            engine = make_engine(path, level, BASELINES.get(name, NONE))
+            engine = make_engine(path, level, kept.get(name, NONE))
             rate = decode_tokens_per_second(engine, 1, args.decode_steps)
             rates[name] = max(rates[name], rate)
             engine.shutdown()
-    return [_row(label, name, loads, rates) for name in checkpoints]
+    return [_row(label, name, loads, rates, baseline_of[name]) for name in checkpoints]
 
 
 def op_rows(label: str, source: Path, checkpoints: dict[str, Path]) -> list[list[object]]:
+    _, kept = baselines_of(checkpoints)
     cases = {OWN: (source, "int4", NONE)}
-    cases |= {name: (source, "int4", kept) for name, kept in BASELINES.items()}
+    cases |= {name: (source, "int4", names) for name, names in kept.items()}
     cases |= {name: (path, "none", NONE) for name, path in checkpoints.items()}
     return [[label, name, *ops_per_decode_step(*case)] for name, case in cases.items()]
 
@@ -140,7 +175,7 @@ COUNTED_OPS = {  # column -> torch.profiler's op name
 }
 
 
-def ops_per_decode_step(path: Path, level: str, sixteen_bit: tuple[bool, bool]) -> list[object]:
+def ops_per_decode_step(path: Path, level: str, sixteen_bit: frozenset[str]) -> list[object]:
     """What one decode step runs (torch.profiler, concurrency 1): counts, not times, so a
     shared machine does not blur where a checkpoint's step differs from the own int4's."""
     from torch.profiler import ProfilerActivity, profile
@@ -158,9 +193,10 @@ def ops_per_decode_step(path: Path, level: str, sixteen_bit: tuple[bool, bool]) 
     return [f"{n / PROFILED_STEPS:g}" for n in columns]
 
 
-def _row(label: str, name: str, loads: dict[str, float], rates: dict[str, float]) -> list[object]:
+def _row(
+    label: str, name: str, loads: dict[str, float], rates: dict[str, float], baseline: str
+) -> list[object]:
     load_ratio, decode_ratio = loads[name] / loads[OWN], rates[name] / rates[OWN]
-    baseline = like_with_like(name)
     like_ratio = rates[name] / rates[baseline]
     return [
         label,
@@ -346,8 +382,9 @@ def _body(
         "and the compute-bound model tie it to the embedding, so they were untied first, as "
         "llm-compressor does (GPTQModel refuses a tied one): the embedding stays bf16 beside "
         "an int4 lm_head. The like-with-like baseline is the engine's own int4 with what the "
-        "checkpoint keeps bf16 put back in bf16 (`keep_16_bit`): the embedding and lm_head, or "
-        "the embedding alone. GPTQ act-order adds a gather of the input of q/k/v, o_proj and "
+        "checkpoint keeps bf16 (found in the engine serving it) put back in bf16 "
+        "(`keep_16_bit`): the embedding and lm_head, the embedding alone, or those and the "
+        "MLP. GPTQ act-order adds a gather of the input of q/k/v, o_proj and "
         "gate/up per layer (down_proj's permutation is folded into gate/up's rows at load; the "
         "lm_head's input too where it was written with act-order, which the GPTQ lm_head "
         "rows' was not). AWQ on tiny-llama quantises attention only "
