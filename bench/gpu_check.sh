@@ -3,7 +3,10 @@
 # (and up to 7 more for step 4 where FlashInfer is carried: its first kernel compile):
 #   1. python -m bench.gpu.check: logits and greedy tokens against transformers on the same GPU
 #      for quantisation none/bf16/int8/int4 (float32) and none (bfloat16); fp8 KV (pool blocks,
-#      greedy against the model-dtype cache, perplexity); tensor parallel 2 when 2+ GPUs.
+#      greedy against the model-dtype cache, perplexity); tensor parallel 2 when 2+ GPUs;
+#      pre-quantised checkpoints (GPTQ, AWQ, compressed-tensors int4/fp8) on the GPU against
+#      CPU, from .gpu-refs/ (write it with `python -m bench.gpu.prequant_refs` before the call
+#      and carry it: ~19 MiB; SKIP without it).
 #   2. python -m bench.engine_throughput: kvpilot against transformers generate() on this GPU.
 #   3. python -m bench.engine_kv_dtype: KV blocks, concurrency and quality auto vs fp8.
 #   4. python -m bench.gpu.check --flashinfer: FlashInfer's paged kernels against the SDPA path

@@ -14,6 +14,9 @@ everything lands in DIR/gpu_check.json and DIR/gpu_check.md. Exit 1 when a check
 - fp8 KV: pool blocks against bf16 KV at one budget, greedy against the model-dtype cache,
   perplexity on 4 eval windows (bounds of tests/runtime/test_rt_kv_dtype.py).
 - tensor parallel 2 (two or more GPUs): greedy tokens equal to one GPU's.
+- pre-quantised checkpoints (GPTQ act-order, AWQ, compressed-tensors int4 and fp8, written here
+  by bench.gpu.prequant_refs into .gpu-refs/ and carried): served as stored on the GPU against
+  the same checkpoint on CPU, logits and greedy tokens (PREQUANT_BOUNDS); SKIP without them.
 - CUDA graphs (engine/cuda_graphs.py) on the SDPA path, float32 and bfloat16: greedy tokens of
   the graph-replaying engine against `--enforce-eager`'s (32 prompts at once, so the batch shrinks
   through many buckets as prompts stop), and the capture's time and memory.
@@ -160,6 +163,52 @@ def check_parity(device: str, quantization: str, dtype: str) -> Result:
     )
     figures = {"max_logit_diff": diff, "top1": top1, "greedy_positions": same, "whole": whole}
     return Result(f"parity {quantization}/{dtype}", "PASS" if is_ok else "FAIL", detail, figures)
+
+
+# A pre-quantised checkpoint on the device against the same checkpoint on CPU (float32 compute
+# on both; the int4 matmuls take bf16 activations on both, tinygemm's against the CPU kernel's):
+# (max |logit diff|, min top-1 agreement, min greedy positions). The CPU dry run compares CPU
+# with CPU (0, 100%, 100%); rounding in other kernels stays well inside these.
+PREQUANT_BOUNDS = (0.5, 0.97, 0.8)
+PREQUANT_REFS = Path(__file__).resolve().parents[2] / ".gpu-refs"  # bench.gpu.prequant_refs
+
+
+def prequant_checkpoints() -> list[Path]:
+    return sorted(p.parent for p in PREQUANT_REFS.glob("*/config.json"))
+
+
+def check_prequant(device: str, checkpoint: Path) -> Result:
+    """A GPTQ/AWQ/compressed-tensors checkpoint served as stored on `device` (CUDA: its int4
+    matrices in tinygemm's layout, fp8 dequantised once) against the CPU engine on it."""
+    max_diff, min_top1, min_greedy = PREQUANT_BOUNDS
+    ours, reference = (engine(d, checkpoint, dtype="float32") for d in (device, "cpu"))
+    worst, agree, total = 0.0, 0, 0
+    ids = eval_ids()
+    with torch.no_grad():
+        for start, length in ((1, 64), (500, 120), (2000, 200)):
+            prompt = ids[start : start + length]
+            got = window_logits(ours.runner.model, prompt, ours.device).cpu()
+            want = window_logits(reference.runner.model, prompt, reference.device)
+            worst = max(worst, float((got - want).abs().max()))
+            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+            total += len(prompt) - 1
+    same, whole = agreement(run_greedy(ours), run_greedy(reference))
+    top1 = agree / total
+    is_ok = worst <= max_diff and top1 >= min_top1 and same >= min_greedy
+    detail = (
+        f"logits max abs diff {worst:.2e} (<= {max_diff:g}), top-1 {top1:.1%} (>= {min_top1:.0%}),"
+        f" greedy {same:.1%} of positions (>= {min_greedy:.0%}), {whole}/32 prompts whole"
+    )
+    figures = {"max_logit_diff": worst, "top1": top1, "greedy_positions": same, "whole": whole}
+    return Result(f"pre-quantised {checkpoint.name}", "PASS" if is_ok else "FAIL", detail, figures)
+
+
+def prequant_results(device: str) -> list[Result]:
+    checkpoints = prequant_checkpoints()
+    if not checkpoints:
+        why = f"none in {PREQUANT_REFS}: run `python -m bench.gpu.prequant_refs` and carry it"
+        return [Result("pre-quantised checkpoints", "SKIP", why, {})]
+    return [timed(check_prequant, device, path) for path in checkpoints]
 
 
 def check_fp8(device: str, dtype: str) -> Result:
@@ -395,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
             results += [timed(check_fp8, args.device, "bfloat16")]
         results += [timed(check_tensor_parallel, args.device)]
         results += [timed(check_cuda_graphs, args.device, d) for d in ("float32", "bfloat16")]
+        results += prequant_results(args.device)
         name, title, text = "gpu_check", TITLE, DOC_TEXT
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
