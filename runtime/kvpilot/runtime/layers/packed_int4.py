@@ -206,31 +206,44 @@ def unpack_gptq(parts: GptqParts) -> Int4Parts:
 PADDING_BYTE = INT4_MID * 0x11  # two values of 8: a zero weight in both nibbles
 
 
+TILES_BLOCK_BYTES = 512 * 1024  # GPTQ words written into tiles at a time: kept in the cache
+
+
 def gptq_cpu_tiles(parts: GptqParts, tile_rows: int) -> torch.Tensor:
     """The CPU int4 kernel's packed matrix [out, padded_in / 2] (its layout:
     quant._unpack_cpu_tiles) written from GPTQ's words. Line k of a tile holds input feature k
     of the tile's row j in byte j's low nibble and of row j + tile_rows / 2 in its high one; a
     word's byte b holds features 2b and 2b + 1 of one output, so word arithmetic on the two
     halves of a tile makes the line bytes of the even features and of the odd ones at once.
+    A block of tiles at a time, so that each pass reads what the last wrote from the cache.
     Little-endian words (bytes read in memory order)."""
-    words, half = parts.words, tile_rows // 2
-    word_rows, num_tiles = words.shape[0], parts.out_features // tile_rows
-    halves = words.view(word_rows, num_tiles, 2, half)
-    low, high = halves[:, :, 0], halves[:, :, 1]  # int32 [in / 8, tiles, half]
+    word_rows, num_tiles = parts.words.shape[0], parts.out_features // tile_rows
+    halves = parts.words.view(word_rows, num_tiles, 2, tile_rows // 2)
+    tiles = torch.empty(num_tiles, parts.padded_in, tile_rows // 2, dtype=torch.uint8)
+    tiles[:, parts.in_features :] = PADDING_BYTE
+    per_block = max(1, TILES_BLOCK_BYTES // (word_rows * tile_rows * 4))
+    for first in range(0, num_tiles, per_block):
+        block = slice(first, min(first + per_block, num_tiles))
+        lines = _tile_lines(halves[:, block])[:, : parts.in_features]
+        if parts.input_order is not None:  # act-order: a line per feature, gathered as lines
+            lines = lines.index_select(1, parts.input_order)
+        tiles[block, : parts.in_features] = lines
+    return tiles.view(parts.out_features, parts.padded_in // 2)
+
+
+def _tile_lines(halves: torch.Tensor) -> torch.Tensor:
+    """int32 [in / 8, tiles, 2, half] (each tile's two halves of words) -> its lines, uint8
+    [tiles, in, half], feature by feature in the words' order."""
+    word_rows, num_tiles, _, half = halves.shape
+    low, high = halves[:, :, 0], halves[:, :, 1]
     nibbles = 0x0F0F0F0F
     even = (low & nibbles) | ((high & nibbles) << 4)
     odd = ((low >> 4) & nibbles) | (((high >> 4) & nibbles) << 4)
     lines = torch.empty(num_tiles, word_rows, 4, 2, half, dtype=torch.uint8)
-    for parity, made in enumerate((even, odd)):  # [in / 8, tiles, half] words -> 4 bytes each
+    for parity, made in enumerate((even, odd)):  # each word -> its 4 bytes, b = 0..3
         made_bytes = made.contiguous().view(torch.uint8).view(word_rows, num_tiles, half, 4)
         lines[:, :, :, parity] = made_bytes.permute(1, 0, 3, 2)
-    by_feature = lines.view(num_tiles, word_rows * 8, half)[:, : parts.in_features]
-    if parts.input_order is not None:  # act-order: a line per feature, gathered as lines
-        by_feature = by_feature.index_select(1, parts.input_order)
-    padding = parts.padded_in - parts.in_features
-    if padding:
-        by_feature = F.pad(by_feature, (0, 0, 0, padding), value=PADDING_BYTE)
-    return by_feature.contiguous().view(parts.out_features, parts.padded_in // 2)
+    return lines.view(num_tiles, word_rows * 8, half)
 
 
 def store_gptq(parts: GptqParts, device: torch.device) -> Weight:
