@@ -34,14 +34,14 @@ from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import samples_for, score
 from kvpilot.runtime.layers.packed_int4 import (
     AWQ_ORDER,
-    GptqParts,
+    Int4Words,
     PermutedWeight,
     act_order_permutation,
-    gptq_cpu_tiles,
     unpack_awq,
-    unpack_gptq,
     unpack_input_major,
     unpack_int32,
+    unpack_words,
+    words_cpu_tiles,
 )
 from kvpilot.runtime.layers.prequant import (
     Int8Parts,
@@ -242,10 +242,10 @@ def _int4_parts(out_features: int, in_features: int) -> Int4Parts:
 
 def _gptq_parts(
     out_features: int, in_features: int, act_order: bool, group_size: int = 8
-) -> GptqParts:
+) -> Int4Words:
     groups = -(-in_features // group_size)
     words = torch.randint(-(2**31), 2**31 - 1, (-(-in_features // 8), out_features))
-    return GptqParts(
+    return Int4Words(
         words.to(torch.int32),
         torch.rand(out_features, groups).bfloat16(),
         torch.randn(out_features, groups).bfloat16(),
@@ -289,8 +289,8 @@ def test_gptq_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_wo
     (AVX512's 64-row tiles and AVX2's 32), act-order's input order and the padding included."""
     torch.manual_seed(0)
     parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size)
-    unpacked = unpack_gptq(parts).values
-    assert torch.equal(gptq_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
+    unpacked = unpack_words(parts).values
+    assert torch.equal(words_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
 
 
 @pytest.mark.parametrize("act_order", [False, True])
@@ -332,7 +332,7 @@ def test_gptq_reads_its_outputs_in_the_order_asked(desc_act: bool) -> None:
     quant = parse_quantization_config({"quantization_config": GPTQ | {"desc_act": desc_act}})
     read, rows = _gptq_tensors("m", 48, 256, desc_act), torch.randperm(48)
     asked = read_matrix(read, "m", quant, rows)
-    assert isinstance(asked, GptqParts) and (asked.input_order is not None) == desc_act
+    assert isinstance(asked, Int4Words) and (asked.input_order is not None) == desc_act
     torch.testing.assert_close(
         dequantize(asked), dequantize(read_matrix(read, "m", quant))[rows], rtol=0, atol=0
     )
@@ -346,7 +346,7 @@ def test_down_proj_gives_up_its_input_order_to_gate_up() -> None:
     torch.manual_seed(0)
     down = _gptq_parts(16, 24, act_order=True)
     folded, order = split_input_order(down)
-    assert isinstance(folded, GptqParts) and folded.input_arrives_ordered
+    assert isinstance(folded, Int4Words) and folded.input_arrives_ordered
     assert order is not None and order is down.input_order
     unchanged, no_order = split_input_order(folded)
     assert unchanged is folded and no_order is None

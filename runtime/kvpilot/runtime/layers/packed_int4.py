@@ -18,8 +18,9 @@ features into groups in the Hessian's order, not consecutively; sorting the feat
 makes each group consecutive, so the layer stores W[:, perm] and multiplies x[:, perm] by it
 (x @ W.T == x[:, perm] @ W[:, perm].T), as GPTQ's exllama and Marlin kernels do.
 
-GPTQ's words are kept as they are until they are stored (GptqParts): on CPU they are written
-into the int4 kernel's tiles straight from the words (an input feature of a tile is one line of
+GPTQ's words (and compressed-tensors', the same words transposed) are kept as they are until
+they are stored (Int4Words): on CPU they are written into the int4 kernel's tiles straight from
+the words (an input feature of a tile is one line of
 bytes there, so act-order's gather moves lines), never unpacked to a byte per value; fusing
 q/k/v and gate/up and reordering outputs (act-order's fold) move words. Unpacking, then
 packing, was most of a GPTQ checkpoint's load.
@@ -50,9 +51,10 @@ AWQ_NIBBLE_OF_OUTPUT = (0, 4, 1, 5, 2, 6, 3, 7)  # its inverse: output j sits in
 
 
 @dataclass(frozen=True)
-class GptqParts:
-    """A GPTQ matrix, its values as the checkpoint packs them: `words` int32 [in / 8, out]
-    (input feature 8r + k of output j in nibble k of words[r, j]); scale and zero bf16
+class Int4Words:
+    """An int4 matrix, its values as the checkpoint packs them: `words` int32 [in / 8, out]
+    (input feature 8r + k of output j in nibble k of words[r, j]: GPTQ's qweight, and
+    compressed-tensors' weight_packed transposed, a view), values 0..15; scale and zero bf16
     [out, groups] as in Int4Parts. `input_order` (act-order): stored input feature i is the
     checkpoint's input_order[i], which makes the groups consecutive; the layer multiplies
     x[:, input_order] by it (PermutedWeight), unless `input_arrives_ordered`: its input's
@@ -102,7 +104,7 @@ def _need(read: Read, name: str) -> torch.Tensor:
 
 def read_packed_int4(
     read: Read, module: str, scheme: WeightScheme
-) -> torch.Tensor | Int4Parts | GptqParts:
+) -> torch.Tensor | Int4Parts | Int4Words:
     """Module `module` of a GPTQ or AWQ checkpoint; a dense matrix where the quantiser left a
     decoder module out (it wrote `weight`, not `qweight`). The lm_head is quantised only where
     the config says so (`lm_head: true`), and then must be."""
@@ -132,7 +134,7 @@ def read_packed_int4(
     else:
         order = act_order_permutation(module, g_idx, group_size, in_features, scheme.desc_act)
     engine_scale, zero = _scale_and_zero(scale, zeros, group_size, in_features)
-    return GptqParts(qweight, engine_scale, zero, group_size, in_features, order)
+    return Int4Words(qweight, engine_scale, zero, group_size, in_features, order)
 
 
 def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -194,8 +196,8 @@ def _int4_parts(
     return Int4Parts(values, scale, zero, group_size, in_features)
 
 
-def unpack_gptq(parts: GptqParts) -> Int4Parts:
-    """GPTQ's words unpacked to a byte per value, input features in `input_order`: for CUDA's
+def unpack_words(parts: Int4Words) -> Int4Parts:
+    """The words unpacked to a byte per value, input features in `input_order`: for CUDA's
     kernel, a CPU tile layout we do not know, and the reference dequantisation."""
     by_input = unpack_input_major(parts.words, parts.in_features)
     if parts.input_order is not None:
@@ -209,16 +211,16 @@ PADDING_BYTE = INT4_MID * 0x11  # two values of 8: a zero weight in both nibbles
 TILES_BLOCK_BYTES = 512 * 1024  # GPTQ words written into tiles at a time: kept in the cache
 
 
-def gptq_cpu_tiles(parts: GptqParts, tile_rows: int) -> torch.Tensor:
+def words_cpu_tiles(parts: Int4Words, tile_rows: int) -> torch.Tensor:
     """The CPU int4 kernel's packed matrix [out, padded_in / 2] (its layout:
-    quant._unpack_cpu_tiles) written from GPTQ's words. Line k of a tile holds input feature k
+    quant._unpack_cpu_tiles) written from the words. Line k of a tile holds input feature k
     of the tile's row j in byte j's low nibble and of row j + tile_rows / 2 in its high one; a
     word's byte b holds features 2b and 2b + 1 of one output, so word arithmetic on the two
     halves of a tile makes the line bytes of the even features and of the odd ones at once.
     A block of tiles at a time, so that each pass reads what the last wrote from the cache.
     Little-endian words (bytes read in memory order)."""
     word_rows, num_tiles = parts.words.shape[0], parts.out_features // tile_rows
-    halves = parts.words.view(word_rows, num_tiles, 2, tile_rows // 2)
+    halves = parts.words.unflatten(1, (num_tiles, 2, tile_rows // 2))  # a view, either order
     tiles = torch.empty(num_tiles, parts.padded_in, tile_rows // 2, dtype=torch.uint8)
     tiles[:, parts.in_features :] = PADDING_BYTE
     per_block = max(1, TILES_BLOCK_BYTES // (word_rows * tile_rows * 4))
@@ -240,24 +242,34 @@ def _tile_lines(halves: torch.Tensor) -> torch.Tensor:
     even = (low & nibbles) | ((high & nibbles) << 4)
     odd = ((low >> 4) & nibbles) | (((high >> 4) & nibbles) << 4)
     lines = torch.empty(num_tiles, word_rows, 4, 2, half, dtype=torch.uint8)
-    for parity, made in enumerate((even, odd)):  # each word -> its 4 bytes, b = 0..3
-        made_bytes = made.contiguous().view(torch.uint8).view(word_rows, num_tiles, half, 4)
-        lines[:, :, :, parity] = made_bytes.permute(1, 0, 3, 2)
+    for parity, made in enumerate((even, odd)):
+        lines[:, :, :, parity] = _word_bytes(made)
     return lines.view(num_tiles, word_rows * 8, half)
 
 
-def store_gptq(parts: GptqParts, device: torch.device) -> Weight:
-    """The stored GPTQ matrix: written into the CPU kernel's tiles from the words where their
+def _word_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [in / 8, tiles, half] -> each word's 4 bytes, uint8 [tiles, in / 8, 4, half], a
+    view of the words' memory in whichever order it is: input-major (GPTQ) or output-major
+    (compressed-tensors: the elementwise ops keep that order), never transposed as words."""
+    word_rows, num_tiles, half = words.shape
+    if words.is_contiguous():
+        return words.view(torch.uint8).view(word_rows, num_tiles, half, 4).permute(1, 0, 3, 2)
+    by_output = words.permute(1, 2, 0).contiguous()  # a view where the order is output-major
+    return by_output.view(torch.uint8).view(num_tiles, half, word_rows, 4).permute(0, 2, 3, 1)
+
+
+def store_words(parts: Int4Words, device: torch.device) -> Weight:
+    """The stored matrix: written into the CPU kernel's tiles from the words where their
     layout is known, else unpacked and packed by the kernel's own op (Int4Weight.from_parts)."""
     on_cpu = device.type == "cpu" and sys.byteorder == "little"
     tile_rows = cpu_int4_tile_rows() if on_cpu else None
     if tile_rows is not None and parts.out_features % tile_rows == 0:
-        tiles = gptq_cpu_tiles(parts, tile_rows)
+        tiles = words_cpu_tiles(parts, tile_rows)
         weight = Int4Weight.from_cpu_tiles(
             tiles, parts.scale, parts.zero, parts.group_size, parts.in_features
         )
     else:
-        weight = Int4Weight.from_parts(unpack_gptq(parts).to(device))
+        weight = Int4Weight.from_parts(unpack_words(parts).to(device))
     if parts.input_order is None or parts.input_arrives_ordered:
         return weight
     return PermutedWeight(weight, parts.input_order.to(device))

@@ -29,11 +29,11 @@ import torch
 from kvpilot.contract.checkpoint_quant import CheckpointQuant, WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
 from kvpilot.runtime.layers.packed_int4 import (
-    GptqParts,
+    Int4Words,
     read_packed_int4,
-    store_gptq,
-    unpack_gptq,
+    store_words,
     unpack_int32,
+    unpack_words,
 )
 from kvpilot.runtime.layers.quant import (
     INT4_MID,
@@ -56,7 +56,7 @@ class Int8Parts:
 
 
 # A dense matrix, or one the checkpoint quantised (GPTQ/AWQ: layers/packed_int4.py).
-Matrix = torch.Tensor | Int4Parts | Int8Parts | GptqParts
+Matrix = torch.Tensor | Int4Parts | Int8Parts | Int4Words
 __all__ = [
     "Matrix",
     "concat",
@@ -96,7 +96,7 @@ def read_matrix(
 def _num_outputs(matrix: Matrix) -> int:
     if isinstance(matrix, torch.Tensor):
         return matrix.shape[0]
-    return matrix.out_features if isinstance(matrix, GptqParts) else matrix.values.shape[0]
+    return matrix.out_features if isinstance(matrix, Int4Words) else matrix.values.shape[0]
 
 
 def _need(read: Read, name: str) -> torch.Tensor:
@@ -126,8 +126,8 @@ def _int8(read: Read, module: str, scheme: WeightScheme) -> Int8Parts:
     return Int8Parts(values, _need(read, f"{module}.weight_scale").reshape(-1))
 
 
-def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Parts:
-    packed = _need(read, f"{module}.weight_packed")
+def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Words:
+    packed = _need(read, f"{module}.weight_packed")  # [out, in / 8]: Int4Words' words, transposed
     out_features, in_features = _need(read, f"{module}.weight_shape").tolist()
     scale = _need(read, f"{module}.weight_scale").float()  # [out, groups]
     zero_point = torch.zeros_like(scale)
@@ -139,12 +139,11 @@ def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Parts:
     if scheme.group_size is None:  # one scale per channel: the same one for each group
         groups = -(-in_features // group_size)
         scale, zero_point = scale.expand(-1, groups), zero_point.expand(-1, groups)
-    num_groups = scale.shape[1]
-    values = unpack_int32(packed, 4, num_groups * group_size)  # stored as q + 8: 0..15
-    values[:, in_features:] = INT4_MID  # padding: a zero weight, met by zero activations
-    zero = -zero_point * scale
+    if scale.shape[1] * group_size < in_features:
+        raise ValueError(f"{module}: {scale.shape[1]} groups of {group_size} < {in_features}")
+    zero = -zero_point * scale  # the values are stored as q + 8, 0..15: the engine's own
     bf16 = torch.bfloat16
-    return Int4Parts(values, scale.to(bf16), zero.to(bf16), group_size, in_features)
+    return Int4Words(packed.t(), scale.to(bf16), zero.to(bf16), group_size, in_features)
 
 
 def concat(matrices: list[Matrix]) -> Matrix:
@@ -157,8 +156,8 @@ def concat(matrices: list[Matrix]) -> Matrix:
         return Int8Parts(
             torch.cat([m.values for m in parts8]), torch.cat([m.scale for m in parts8])
         )
-    if all(isinstance(m, GptqParts) for m in matrices):
-        return _concat_gptq([m for m in matrices if isinstance(m, GptqParts)])
+    if all(isinstance(m, Int4Words) for m in matrices):
+        return _concat_words([m for m in matrices if isinstance(m, Int4Words)])
     parts4 = [m for m in matrices if isinstance(m, Int4Parts)]
     same_groups = all(m.group_size == parts4[0].group_size for m in parts4)
     if parts4 and len(parts4) == len(matrices) and same_groups:
@@ -173,23 +172,24 @@ def concat(matrices: list[Matrix]) -> Matrix:
 
 
 def _cat_outputs(values: list[torch.Tensor]) -> torch.Tensor:
-    """[out_i, in] stacked along the output dimension; kept input-major (a transposed view) when
-    every part is, so that no byte is transposed here (packed_int4.read_packed_int4)."""
+    """[out_i, in] stacked along the output dimension, in the parts' memory order: kept
+    input-major (a transposed view) when every part is, so nothing is transposed here (GPTQ's
+    words, AWQ's values; compressed-tensors' words are output-major)."""
     if all(not v.is_contiguous() and v.t().is_contiguous() for v in values):
         return torch.cat([v.t() for v in values], dim=1).t()
     return torch.cat(values)
 
 
-def _concat_gptq(matrices: list[GptqParts]) -> Matrix:
-    """GPTQ's words side by side (they pack along the input, so outputs are columns). With
+def _concat_words(matrices: list[Int4Words]) -> Matrix:
+    """The words side by side (they pack along the input, so outputs are columns). With GPTQ's
     act-order, q/k/v (or gate/up) share one input, so GPTQ orders their features alike (one
     Hessian); fused they share one order. Otherwise they are stored dense."""
     first = matrices[0]
     same = [(m.group_size, m.in_features, m.scale.shape[1]) for m in matrices]
     if len(set(same)) > 1 or not all(_same_order(m, first) for m in matrices):
         return torch.cat([dequantize(m) for m in matrices])
-    return GptqParts(
-        torch.cat([m.words for m in matrices], dim=1),
+    return Int4Words(
+        _cat_outputs([m.words.t() for m in matrices]).t(),
         torch.cat([m.scale for m in matrices]),
         torch.cat([m.zero for m in matrices]),
         first.group_size,
@@ -199,7 +199,7 @@ def _concat_gptq(matrices: list[GptqParts]) -> Matrix:
     )
 
 
-def _same_order(a: GptqParts, b: GptqParts) -> bool:
+def _same_order(a: Int4Words, b: Int4Words) -> bool:
     if a.input_arrives_ordered != b.input_arrives_ordered:
         return False
     if a.input_order is None or b.input_order is None:
@@ -215,7 +215,7 @@ def split_input_order(consumer: Matrix) -> tuple[Matrix, torch.Tensor | None]:
     (read_matrix's `rows`) and the step gathers nothing. Returns the consumer taking its input
     in that order and the order of the features between them (feature i is the checkpoint's
     order[i]), or the consumer as it is and None when it gathers nothing."""
-    if not isinstance(consumer, GptqParts) or consumer.input_order is None:
+    if not isinstance(consumer, Int4Words) or consumer.input_order is None:
         return consumer, None
     if consumer.input_arrives_ordered:  # split once already
         return consumer, None
@@ -228,7 +228,7 @@ def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
         return matrix[rows]
     if isinstance(matrix, Int8Parts):
         return Int8Parts(matrix.values[rows], matrix.scale[rows])
-    if isinstance(matrix, GptqParts):  # outputs are the words' columns; the input order stays
+    if isinstance(matrix, Int4Words):  # outputs are the words' columns; the input order stays
         return replace(
             matrix,
             words=matrix.words.index_select(1, rows),
@@ -250,8 +250,8 @@ def dequantize(matrix: Matrix) -> torch.Tensor:
         return matrix.float()
     if isinstance(matrix, Int8Parts):
         return matrix.values.float() * matrix.scale.float()[:, None]
-    if isinstance(matrix, GptqParts):
-        unpacked = dequantize(unpack_gptq(matrix))  # its input features in input_order
+    if isinstance(matrix, Int4Words):
+        unpacked = dequantize(unpack_words(matrix))  # its input features in input_order
         order = matrix.input_order
         if order is None or matrix.input_arrives_ordered:
             return unpacked
@@ -276,6 +276,6 @@ def store(
     if isinstance(matrix, Int8Parts):
         int8 = Int8Weight.from_parts(matrix.values.to(device), matrix.scale.to(device), dtype)
         return Int8DynamicWeight(int8) if int8_kernel == "w8a8" else int8
-    if isinstance(matrix, GptqParts):
-        return store_gptq(matrix, device)
+    if isinstance(matrix, Int4Words):
+        return store_words(matrix, device)
     return Int4Weight.from_parts(matrix.to(device), rows_needed)

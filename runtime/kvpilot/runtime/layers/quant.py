@@ -304,7 +304,7 @@ class Int4Weight(Weight):
         group_size: int,
         in_features: int,
     ) -> Int4Weight:
-        """A matrix already written in the CPU kernel's tiles (packed_int4.gptq_cpu_tiles),
+        """A matrix already written in the CPU kernel's tiles (packed_int4.words_cpu_tiles),
         uint8 [out, in_padded / 2] of `cpu_int4_tile_rows()` high; scale and zero bf16
         [out, groups]. Not for an embedding (rows_needed)."""
         stored = cls.__new__(cls)
