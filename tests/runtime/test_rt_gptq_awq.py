@@ -241,10 +241,17 @@ def _int4_parts(out_features: int, in_features: int) -> Int4Parts:
 
 
 def _gptq_parts(
-    out_features: int, in_features: int, act_order: bool, group_size: int = 8
+    out_features: int,
+    in_features: int,
+    act_order: bool,
+    group_size: int = 8,
+    output_major: bool = False,
 ) -> Int4Words:
+    """Random words, input-major as GPTQ stores them or output-major as compressed-tensors
+    does (a transposed view)."""
     groups = -(-in_features // group_size)
     words = torch.randint(-(2**31), 2**31 - 1, (-(-in_features // 8), out_features))
+    words = words.t().contiguous().t() if output_major else words
     return Int4Words(
         words.to(torch.int32),
         torch.rand(out_features, groups).bfloat16(),
@@ -277,18 +284,20 @@ def test_output_rows_move_in_every_format(kind: str) -> None:
     torch.testing.assert_close(dequantize(moved), dequantize(matrix)[rows])
 
 
+@pytest.mark.parametrize("output_major", [False, True])
 @pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
 @pytest.mark.parametrize(
     ("in_features", "group_size", "act_order"),
     [(256, 128, False), (256, 32, True), (688, 128, False), (688, 128, True), (40, 32, True)],
 )  # 688: tiny-llama's MLP, padded to 768 (six groups of 128)
-def test_gptq_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_would(
-    tile_rows: int, in_features: int, group_size: int, act_order: bool
+def test_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_would(
+    tile_rows: int, in_features: int, group_size: int, act_order: bool, output_major: bool
 ) -> None:
-    """Every byte equal to the tiles the engine writes from unpacked values, for both layouts
-    (AVX512's 64-row tiles and AVX2's 32), act-order's input order and the padding included."""
+    """Every byte equal to the tiles the engine writes from unpacked values, for both tile
+    heights (AVX512's 64 rows and AVX2's 32), GPTQ's and compressed-tensors' memory order of the
+    words, act-order's input order and the padding included."""
     torch.manual_seed(0)
-    parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size)
+    parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size, output_major)
     unpacked = unpack_words(parts).values
     assert torch.equal(words_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
 

@@ -243,18 +243,20 @@ def _tile_lines(halves: torch.Tensor) -> torch.Tensor:
     odd = ((low >> 4) & nibbles) | (((high >> 4) & nibbles) << 4)
     lines = torch.empty(num_tiles, word_rows, 4, 2, half, dtype=torch.uint8)
     for parity, made in enumerate((even, odd)):
-        lines[:, :, :, parity] = _word_bytes(made)
+        if made.is_contiguous():  # input-major (GPTQ): byte b of a tile line's words is a line
+            for byte in range(4):  # int32 -> uint8 keeps the low byte
+                shifted = made >> (8 * byte) if byte else made
+                lines[:, :, byte, parity] = shifted.to(torch.uint8).transpose(0, 1)
+        else:  # output-major (compressed-tensors: the elementwise ops keep that order)
+            lines[:, :, :, parity] = _output_major_bytes(made)
     return lines.view(num_tiles, word_rows * 8, half)
 
 
-def _word_bytes(words: torch.Tensor) -> torch.Tensor:
-    """int32 [in / 8, tiles, half] -> each word's 4 bytes, uint8 [tiles, in / 8, 4, half], a
-    view of the words' memory in whichever order it is: input-major (GPTQ) or output-major
-    (compressed-tensors: the elementwise ops keep that order), never transposed as words."""
+def _output_major_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int32 [in / 8, tiles, half], its memory output-major -> each word's 4 bytes, uint8
+    [tiles, in / 8, 4, half], a view of that memory (no transposed copy of the words)."""
     word_rows, num_tiles, half = words.shape
-    if words.is_contiguous():
-        return words.view(torch.uint8).view(word_rows, num_tiles, half, 4).permute(1, 0, 3, 2)
-    by_output = words.permute(1, 2, 0).contiguous()  # a view where the order is output-major
+    by_output = words.permute(1, 2, 0).contiguous()  # a view: the memory is in this order
     return by_output.view(torch.uint8).view(num_tiles, half, word_rows, 4).permute(0, 2, 3, 1)
 
 
