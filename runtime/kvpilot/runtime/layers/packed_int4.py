@@ -47,7 +47,6 @@ from kvpilot.runtime.layers.quant import (
 
 Read = Callable[[str], torch.Tensor | None]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs output 8b + AWQ_ORDER[k] into nibble k
-AWQ_NIBBLE_OF_OUTPUT = (0, 4, 1, 5, 2, 6, 3, 7)  # its inverse: output j sits in nibble [j]
 
 
 @dataclass(frozen=True)
@@ -145,10 +144,18 @@ def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, cols / 8] int32 in AWQ's nibble order -> uint8 [rows, cols] in column order."""
-    values = unpack_int32(packed, 4, packed.shape[1] * 8)
-    blocks = values.unflatten(1, (-1, 8))  # [rows, cols / 8, nibble]
-    return blocks[..., list(AWQ_NIBBLE_OF_OUTPUT)].flatten(1).contiguous()
+    """[rows, cols / 8] int32 in AWQ's nibble order -> uint8 [rows, cols] in column order.
+    AWQ's order puts columns 0, 2, 4, 6 of a word in its low 16 bits and 1, 3, 5, 7 in its
+    high ones, so spreading each half's nibbles into bytes and joining them orders the word
+    (word arithmetic; gathering the unpacked nibbles was most of an AWQ checkpoint's load)."""
+    even, odd = _spread_nibbles(packed & 0xFFFF), _spread_nibbles((packed >> 16) & 0xFFFF)
+    return unpack_int32(even | (odd << 4), 4, packed.shape[1] * 8)
+
+
+def _spread_nibbles(half_words: torch.Tensor) -> torch.Tensor:
+    """int32 holding 4 nibbles in its low 16 bits -> nibble m in the low half of byte m."""
+    spread = (half_words | (half_words << 8)) & 0x00FF00FF
+    return (spread | (spread << 4)) & 0x0F0F0F0F
 
 
 def act_order_permutation(
