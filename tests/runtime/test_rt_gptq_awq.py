@@ -245,13 +245,18 @@ def _gptq_parts(
     in_features: int,
     act_order: bool,
     group_size: int = 8,
-    output_major: bool = False,
+    layout: str = "gptq",
 ) -> Int4Words:
-    """Random words, input-major as GPTQ stores them or output-major as compressed-tensors
-    does (a transposed view)."""
+    """Random words as GPTQ stores them, as compressed-tensors does (GPTQ's transposed: a
+    view) or as AWQ does ([in, out / 8], packed along the output)."""
     groups = -(-in_features // group_size)
-    words = torch.randint(-(2**31), 2**31 - 1, (-(-in_features // 8), out_features))
-    words = words.t().contiguous().t() if output_major else words
+    shape = (
+        (in_features, out_features // 8)
+        if layout == "awq"
+        else (-(-in_features // 8), out_features)
+    )
+    words = torch.randint(-(2**31), 2**31 - 1, shape)
+    words = words.t().contiguous().t() if layout == "ct" else words
     return Int4Words(
         words.to(torch.int32),
         torch.rand(out_features, groups).bfloat16(),
@@ -259,6 +264,7 @@ def _gptq_parts(
         group_size,
         in_features,
         torch.randperm(in_features) if act_order else None,
+        awq=layout == "awq",
     )
 
 
@@ -270,45 +276,49 @@ def _matrix(kind: str, out_features: int, in_features: int) -> Matrix:
         return Int8Parts(values, torch.rand(out_features) / 127)
     if kind == "int4":
         return _int4_parts(out_features, in_features)
-    return _gptq_parts(out_features, in_features, act_order=kind == "gptq act-order")
+    layout = "awq" if kind == "awq" else "gptq"
+    return _gptq_parts(out_features, in_features, kind == "gptq act-order", layout=layout)
 
 
-@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "gptq", "gptq act-order"])
+@pytest.mark.parametrize("kind", ["dense", "int8", "int4", "gptq", "gptq act-order", "awq"])
 def test_output_rows_move_in_every_format(kind: str) -> None:
     """Output feature i taken from row rows[i], the matrix kept in its format (and an act-order
     matrix's input order kept)."""
     torch.manual_seed(0)
     matrix, rows = _matrix(kind, 24, 16), torch.randperm(24)
     moved = permute_rows(matrix, rows)
-    assert type(moved) is type(matrix)
+    assert type(moved) is (Int4Parts if kind == "awq" else type(matrix))  # AWQ: unpacked
     torch.testing.assert_close(dequantize(moved), dequantize(matrix)[rows])
 
 
-@pytest.mark.parametrize("output_major", [False, True])
+@pytest.mark.parametrize("layout", ["gptq", "ct", "awq"])
 @pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
 @pytest.mark.parametrize(
     ("in_features", "group_size", "act_order"),
     [(256, 128, False), (256, 32, True), (688, 128, False), (688, 128, True), (40, 32, True)],
 )  # 688: tiny-llama's MLP, padded to 768 (six groups of 128)
 def test_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_would(
-    tile_rows: int, in_features: int, group_size: int, act_order: bool, output_major: bool
+    tile_rows: int, in_features: int, group_size: int, act_order: bool, layout: str
 ) -> None:
     """Every byte equal to the tiles the engine writes from unpacked values, for both tile
-    heights (AVX512's 64 rows and AVX2's 32), GPTQ's and compressed-tensors' memory order of the
-    words, act-order's input order and the padding included."""
+    heights (AVX512's 64 rows and AVX2's 32), GPTQ's, compressed-tensors' and AWQ's words,
+    act-order's input order (GPTQ's) and the padding included."""
     torch.manual_seed(0)
-    parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size, output_major)
+    act_order = act_order and layout != "awq"
+    parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size, layout)
     unpacked = unpack_words(parts).values
     assert torch.equal(words_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
 
 
-@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize(
+    ("layout", "act_order"), [("gptq", False), ("gptq", True), ("ct", False), ("awq", False)]
+)
 @pytest.mark.parametrize("out_features", [128, 48])  # 48: no whole tile, packed by the op
-def test_a_stored_gptq_matrix_multiplies_as_its_dequantisation(
-    act_order: bool, out_features: int
+def test_a_stored_int4_matrix_multiplies_as_its_dequantisation(
+    layout: str, act_order: bool, out_features: int
 ) -> None:
     torch.manual_seed(0)
-    parts = _gptq_parts(out_features, 256, act_order, group_size=32)
+    parts = _gptq_parts(out_features, 256, act_order, group_size=32, layout=layout)
     stored = store(parts, "none", torch.bfloat16, CPU)
     assert isinstance(stored, PermutedWeight) == act_order
     x = torch.randn(3, 256).bfloat16()

@@ -54,7 +54,8 @@ class Int4Words:
     """An int4 matrix, its values as the checkpoint packs them: `words` int32 [in / 8, out]
     (input feature 8r + k of output j in nibble k of words[r, j]: GPTQ's qweight, and
     compressed-tensors' weight_packed transposed, a view), values 0..15; scale and zero bf16
-    [out, groups] as in Int4Parts. `input_order` (act-order): stored input feature i is the
+    [out, groups] as in Int4Parts. `awq`: AWQ's qweight instead, [in, out / 8], packed along
+    the output in AWQ's nibble order. `input_order` (act-order): stored input feature i is the
     checkpoint's input_order[i], which makes the groups consecutive; the layer multiplies
     x[:, input_order] by it (PermutedWeight), unless `input_arrives_ordered`: its input's
     producer writes the features in that order already (prequant.split_input_order)."""
@@ -66,10 +67,11 @@ class Int4Words:
     in_features: int
     input_order: torch.Tensor | None = None
     input_arrives_ordered: bool = False
+    awq: bool = False
 
     @property
     def out_features(self) -> int:
-        return self.words.shape[1]
+        return self.words.shape[1] * 8 if self.awq else self.words.shape[1]
 
     @property
     def padded_in(self) -> int:
@@ -117,10 +119,10 @@ def read_packed_int4(
     scale = _need(read, f"{module}.scales").float().t()  # [out, groups]
     qzeros = _need(read, f"{module}.qzeros")
     if scheme.format == "awq-gemm":
-        values, zeros = unpack_awq(qweight).t(), unpack_awq(qzeros).t()  # [out, in], [out, g]
+        zeros = unpack_awq(qzeros).t()  # [out, groups]
         group_size = scheme.group_size or INT4_GROUP_SIZE
-        engine_scale, zero = _scale_and_zero(scale, zeros, group_size, values.shape[1])
-        return _int4_parts(values, engine_scale, zero, group_size)
+        engine_scale, zero = _scale_and_zero(scale, zeros, group_size, qweight.shape[0])
+        return Int4Words(qweight, engine_scale, zero, group_size, qweight.shape[0], awq=True)
     g_idx = read(f"{module}.g_idx")
     in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
     zeros = unpack_int32(qzeros, 4, qweight.shape[1]).t()  # [out, groups]
@@ -206,6 +208,8 @@ def _int4_parts(
 def unpack_words(parts: Int4Words) -> Int4Parts:
     """The words unpacked to a byte per value, input features in `input_order`: for CUDA's
     kernel, a CPU tile layout we do not know, and the reference dequantisation."""
+    if parts.awq:  # [in, out]
+        return _int4_parts(unpack_awq(parts.words).t(), parts.scale, parts.zero, parts.group_size)
     by_input = unpack_input_major(parts.words, parts.in_features)
     if parts.input_order is not None:
         by_input = by_input.index_select(0, parts.input_order)
@@ -227,28 +231,61 @@ def words_cpu_tiles(parts: Int4Words, tile_rows: int) -> torch.Tensor:
     A block of tiles at a time, so that each pass reads what the last wrote from the cache.
     Little-endian words (bytes read in memory order)."""
     word_rows, num_tiles = parts.words.shape[0], parts.out_features // tile_rows
-    halves = parts.words.unflatten(1, (num_tiles, 2, tile_rows // 2))  # a view, either order
     tiles = torch.empty(num_tiles, parts.padded_in, tile_rows // 2, dtype=torch.uint8)
     tiles[:, parts.in_features :] = PADDING_BYTE
+    if parts.awq:
+        _write_awq_tiles(parts.words, tiles)
+        return tiles.view(parts.out_features, parts.padded_in // 2)
+    halves = parts.words.unflatten(1, (num_tiles, 2, tile_rows // 2))  # a view, either order
     per_block = max(1, TILES_BLOCK_BYTES // (word_rows * tile_rows * 4))
+    whole = parts.padded_in == parts.in_features == word_rows * 8  # lines written in place
     for first in range(0, num_tiles, per_block):
         block = slice(first, min(first + per_block, num_tiles))
+        if whole and parts.input_order is None:
+            _tile_lines(halves[:, block], out=tiles[block])
+            continue
         lines = _tile_lines(halves[:, block])[:, : parts.in_features]
-        if parts.input_order is not None:  # act-order: a line per feature, gathered as lines
-            lines = lines.index_select(1, parts.input_order)
-        tiles[block, : parts.in_features] = lines
+        if parts.input_order is None:
+            tiles[block, : parts.in_features] = lines
+        elif whole:  # act-order: a line per feature, gathered as lines
+            torch.index_select(lines, 1, parts.input_order, out=tiles[block])
+        else:
+            tiles[block, : parts.in_features] = lines.index_select(1, parts.input_order)
     return tiles.view(parts.out_features, parts.padded_in // 2)
 
 
-def _tile_lines(halves: torch.Tensor) -> torch.Tensor:
+def _write_awq_tiles(words: torch.Tensor, tiles: torch.Tensor) -> None:
+    """AWQ's words [in, out / 8] into `tiles` [tiles, padded_in, half]. Words pack outputs, so
+    input feature k's line of a tile is made from row k's words alone: its first half's words
+    with its second half's, nibble by nibble. AWQ keeps outputs 0, 2, 4, 6 of a word in its low
+    16 bits and 1, 3, 5, 7 in its high ones: spread into bytes, each half makes the line bytes
+    of the even and of the odd outputs. A block of input rows at a time (cache)."""
+    num_tiles, _, half = tiles.shape
+    rows, words_per_half = words.shape[0], half // 8
+    per_block = max(1, TILES_BLOCK_BYTES // (words.shape[1] * 4))
+    for first in range(0, rows, per_block):
+        block = slice(first, min(first + per_block, rows))
+        halves = words[block].view(-1, num_tiles, 2, words_per_half)
+        low, high = halves[:, :, 0], halves[:, :, 1]  # [rows, tiles, words]
+        even = _spread_nibbles(low & 0xFFFF) | (_spread_nibbles(high & 0xFFFF) << 4)
+        odd = _spread_nibbles((low >> 16) & 0xFFFF) | (_spread_nibbles((high >> 16) & 0xFFFF) << 4)
+        shape = (*even.shape, 4)  # byte i of word w: outputs 8w + 2i (even) and 8w + 2i + 1
+        by_output = torch.stack(
+            (even.view(torch.uint8).view(shape), odd.view(torch.uint8).view(shape)), -1
+        )
+        tiles[:, block] = by_output.view(-1, num_tiles, half).transpose(0, 1)
+
+
+def _tile_lines(halves: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [in / 8, tiles, 2, half] (each tile's two halves of words) -> its lines, uint8
-    [tiles, in, half], feature by feature in the words' order."""
+    [tiles, in, half], feature by feature in the words' order; written into `out` if given."""
     word_rows, num_tiles, _, half = halves.shape
     low, high = halves[:, :, 0], halves[:, :, 1]
     nibbles = 0x0F0F0F0F
     even = (low & nibbles) | ((high & nibbles) << 4)
     odd = ((low >> 4) & nibbles) | (((high >> 4) & nibbles) << 4)
-    lines = torch.empty(num_tiles, word_rows, 4, 2, half, dtype=torch.uint8)
+    shape = (num_tiles, word_rows, 4, 2, half)
+    lines = torch.empty(shape, dtype=torch.uint8) if out is None else out.view(shape)
     for parity, made in enumerate((even, odd)):
         if made.is_contiguous():  # input-major (GPTQ): byte b of a tile line's words is a line
             for byte in range(4):  # int32 -> uint8 keeps the low byte

@@ -185,7 +185,7 @@ def _concat_words(matrices: list[Int4Words]) -> Matrix:
     act-order, q/k/v (or gate/up) share one input, so GPTQ orders their features alike (one
     Hessian); fused they share one order. Otherwise they are stored dense."""
     first = matrices[0]
-    same = [(m.group_size, m.in_features, m.scale.shape[1]) for m in matrices]
+    same = [(m.group_size, m.in_features, m.scale.shape[1], m.awq) for m in matrices]
     if len(set(same)) > 1 or not all(_same_order(m, first) for m in matrices):
         return torch.cat([dequantize(m) for m in matrices])
     return Int4Words(
@@ -196,6 +196,7 @@ def _concat_words(matrices: list[Int4Words]) -> Matrix:
         first.in_features,
         first.input_order,
         first.input_arrives_ordered,
+        first.awq,
     )
 
 
@@ -228,6 +229,8 @@ def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
         return matrix[rows]
     if isinstance(matrix, Int8Parts):
         return Int8Parts(matrix.values[rows], matrix.scale[rows])
+    if isinstance(matrix, Int4Words) and matrix.awq:  # eight outputs a word: unpacked first
+        return permute_rows(unpack_words(matrix), rows)
     if isinstance(matrix, Int4Words):  # outputs are the words' columns; the input order stays
         return replace(
             matrix,
