@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from kvpilot.runtime.layers.prequant import (
     Int8Parts,
     Matrix,
     Read,
+    concat,
     dequantize,
     permute_rows,
     read_matrix,
@@ -258,7 +260,7 @@ def _gptq_parts(
     words = torch.randint(-(2**31), 2**31 - 1, shape)
     words = words.t().contiguous().t() if layout == "ct" else words
     return Int4Words(
-        words.to(torch.int32),
+        (words.to(torch.int32),),
         torch.rand(out_features, groups).bfloat16(),
         torch.randn(out_features, groups).bfloat16(),
         group_size,
@@ -308,6 +310,23 @@ def test_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_would(
     parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size, layout)
     unpacked = unpack_words(parts).values
     assert torch.equal(words_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
+
+
+@pytest.mark.parametrize("layout", ["gptq", "ct", "awq"])
+@pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
+def test_fused_modules_are_written_each_into_its_own_tiles(layout: str, tile_rows: int) -> None:
+    """q/k/v (or gate/up) fused keep each module's words; the tiles are those of the words
+    side by side."""
+    torch.manual_seed(0)
+    first, second = (_gptq_parts(n * tile_rows, 256, False, 32, layout) for n in (2, 1))
+    fused = concat([first, second])
+    assert isinstance(fused, Int4Words) and len(fused.words) == 2
+    side_by_side = replace(fused, words=(fused.all_words(),))
+    expected = words_cpu_tiles(side_by_side, tile_rows)
+    assert torch.equal(words_cpu_tiles(fused, tile_rows), expected)
+    torch.testing.assert_close(
+        dequantize(fused), torch.cat([dequantize(first), dequantize(second)])
+    )
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ class Int4Words:
     x[:, input_order] by it (PermutedWeight), unless `input_arrives_ordered`: its input's
     producer writes the features in that order already (prequant.split_input_order)."""
 
-    words: torch.Tensor
+    words: tuple[torch.Tensor, ...]  # each fused module's (q/k/v, gate/up), outputs in turn
     scale: torch.Tensor
     zero: torch.Tensor
     group_size: int
@@ -69,9 +69,16 @@ class Int4Words:
     input_arrives_ordered: bool = False
     awq: bool = False
 
+    def outputs_of(self, words: torch.Tensor) -> int:
+        return words.shape[1] * 8 if self.awq else words.shape[1]
+
     @property
     def out_features(self) -> int:
-        return self.words.shape[1] * 8 if self.awq else self.words.shape[1]
+        return sum(self.outputs_of(words) for words in self.words)
+
+    def all_words(self) -> torch.Tensor:
+        """The modules' words side by side: one matrix (a copy where several are fused)."""
+        return self.words[0] if len(self.words) == 1 else torch.cat(self.words, dim=1)
 
     @property
     def padded_in(self) -> int:
@@ -122,7 +129,8 @@ def read_packed_int4(
         zeros = unpack_awq(qzeros).t()  # [out, groups]
         group_size = scheme.group_size or INT4_GROUP_SIZE
         engine_scale, zero = _scale_and_zero(scale, zeros, group_size, qweight.shape[0])
-        return Int4Words(qweight, engine_scale, zero, group_size, qweight.shape[0], awq=True)
+        in_features = qweight.shape[0]
+        return Int4Words((qweight,), engine_scale, zero, group_size, in_features, awq=True)
     g_idx = read(f"{module}.g_idx")
     in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
     zeros = unpack_int32(qzeros, 4, qweight.shape[1]).t()  # [out, groups]
@@ -135,7 +143,7 @@ def read_packed_int4(
     else:
         order = act_order_permutation(module, g_idx, group_size, in_features, scheme.desc_act)
     engine_scale, zero = _scale_and_zero(scale, zeros, group_size, in_features)
-    return Int4Words(qweight, engine_scale, zero, group_size, in_features, order)
+    return Int4Words((qweight,), engine_scale, zero, group_size, in_features, order)
 
 
 def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -209,8 +217,9 @@ def unpack_words(parts: Int4Words) -> Int4Parts:
     """The words unpacked to a byte per value, input features in `input_order`: for CUDA's
     kernel, a CPU tile layout we do not know, and the reference dequantisation."""
     if parts.awq:  # [in, out]
-        return _int4_parts(unpack_awq(parts.words).t(), parts.scale, parts.zero, parts.group_size)
-    by_input = unpack_input_major(parts.words, parts.in_features)
+        values = unpack_awq(parts.all_words()).t()
+        return _int4_parts(values, parts.scale, parts.zero, parts.group_size)
+    by_input = unpack_input_major(parts.all_words(), parts.in_features)
     if parts.input_order is not None:
         by_input = by_input.index_select(0, parts.input_order)
     return _int4_parts(by_input.t(), parts.scale, parts.zero, parts.group_size)
@@ -228,16 +237,28 @@ def words_cpu_tiles(parts: Int4Words, tile_rows: int) -> torch.Tensor:
     of the tile's row j in byte j's low nibble and of row j + tile_rows / 2 in its high one; a
     word's byte b holds features 2b and 2b + 1 of one output, so word arithmetic on the two
     halves of a tile makes the line bytes of the even features and of the odd ones at once.
-    A block of tiles at a time, so that each pass reads what the last wrote from the cache.
-    Little-endian words (bytes read in memory order)."""
-    word_rows, num_tiles = parts.words.shape[0], parts.out_features // tile_rows
+    A block of tiles at a time, so that each pass reads what the last wrote from the cache;
+    fused modules each into their own tiles (their words are never concatenated). Every module's
+    outputs a whole number of tiles. Little-endian words (bytes read in memory order)."""
+    num_tiles = parts.out_features // tile_rows
     tiles = torch.empty(num_tiles, parts.padded_in, tile_rows // 2, dtype=torch.uint8)
     tiles[:, parts.in_features :] = PADDING_BYTE
-    if parts.awq:
-        _write_awq_tiles(parts.words, tiles)
-        return tiles.view(parts.out_features, parts.padded_in // 2)
-    halves = parts.words.unflatten(1, (num_tiles, 2, tile_rows // 2))  # a view, either order
-    per_block = max(1, TILES_BLOCK_BYTES // (word_rows * tile_rows * 4))
+    first = 0
+    for words in parts.words:
+        module_tiles = tiles[first : first + parts.outputs_of(words) // tile_rows]
+        if parts.awq:
+            _write_awq_tiles(words, module_tiles)
+        else:
+            _write_tiles(words, module_tiles, parts)
+        first += module_tiles.shape[0]
+    return tiles.view(parts.out_features, parts.padded_in // 2)
+
+
+def _write_tiles(words: torch.Tensor, tiles: torch.Tensor, parts: Int4Words) -> None:
+    """One module's input-packed words [in / 8, out] into its tiles [tiles, padded_in, half]."""
+    word_rows, num_tiles, half = words.shape[0], tiles.shape[0], tiles.shape[2]
+    halves = words.unflatten(1, (num_tiles, 2, half))  # a view, either memory order
+    per_block = max(1, TILES_BLOCK_BYTES // (word_rows * half * 8))
     whole = parts.padded_in == parts.in_features == word_rows * 8  # lines written in place
     for first in range(0, num_tiles, per_block):
         block = slice(first, min(first + per_block, num_tiles))
@@ -251,7 +272,6 @@ def words_cpu_tiles(parts: Int4Words, tile_rows: int) -> torch.Tensor:
             torch.index_select(lines, 1, parts.input_order, out=tiles[block])
         else:
             tiles[block, : parts.in_features] = lines.index_select(1, parts.input_order)
-    return tiles.view(parts.out_features, parts.padded_in // 2)
 
 
 def _write_awq_tiles(words: torch.Tensor, tiles: torch.Tensor) -> None:
@@ -309,7 +329,10 @@ def store_words(parts: Int4Words, device: torch.device) -> Weight:
     layout is known, else unpacked and packed by the kernel's own op (Int4Weight.from_parts)."""
     on_cpu = device.type == "cpu" and sys.byteorder == "little"
     tile_rows = cpu_int4_tile_rows() if on_cpu else None
-    if tile_rows is not None and parts.out_features % tile_rows == 0:
+    whole_tiles = tile_rows is not None and all(
+        parts.outputs_of(words) % tile_rows == 0 for words in parts.words
+    )
+    if tile_rows is not None and whole_tiles:
         tiles = words_cpu_tiles(parts, tile_rows)
         weight = Int4Weight.from_cpu_tiles(
             tiles, parts.scale, parts.zero, parts.group_size, parts.in_features

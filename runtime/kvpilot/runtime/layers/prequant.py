@@ -143,7 +143,7 @@ def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Words:
         raise ValueError(f"{module}: {scale.shape[1]} groups of {group_size} < {in_features}")
     zero = -zero_point * scale  # the values are stored as q + 8, 0..15: the engine's own
     bf16 = torch.bfloat16
-    return Int4Words(packed.t(), scale.to(bf16), zero.to(bf16), group_size, in_features)
+    return Int4Words((packed.t(),), scale.to(bf16), zero.to(bf16), group_size, in_features)
 
 
 def concat(matrices: list[Matrix]) -> Matrix:
@@ -162,7 +162,7 @@ def concat(matrices: list[Matrix]) -> Matrix:
     same_groups = all(m.group_size == parts4[0].group_size for m in parts4)
     if parts4 and len(parts4) == len(matrices) and same_groups:
         return Int4Parts(
-            _cat_outputs([m.values for m in parts4]),
+            torch.cat([m.values for m in parts4]),
             torch.cat([m.scale for m in parts4]),
             torch.cat([m.zero for m in parts4]),
             parts4[0].group_size,
@@ -171,17 +171,8 @@ def concat(matrices: list[Matrix]) -> Matrix:
     return torch.cat([dequantize(m) for m in matrices])
 
 
-def _cat_outputs(values: list[torch.Tensor]) -> torch.Tensor:
-    """[out_i, in] stacked along the output dimension, in the parts' memory order: kept
-    input-major (a transposed view) when every part is, so nothing is transposed here (GPTQ's
-    words, AWQ's values; compressed-tensors' words are output-major)."""
-    if all(not v.is_contiguous() and v.t().is_contiguous() for v in values):
-        return torch.cat([v.t() for v in values], dim=1).t()
-    return torch.cat(values)
-
-
 def _concat_words(matrices: list[Int4Words]) -> Matrix:
-    """The words side by side (they pack along the input, so outputs are columns). With GPTQ's
+    """The modules' words in turn (each is written into its own tiles at store). With GPTQ's
     act-order, q/k/v (or gate/up) share one input, so GPTQ orders their features alike (one
     Hessian); fused they share one order. Otherwise they are stored dense."""
     first = matrices[0]
@@ -189,7 +180,7 @@ def _concat_words(matrices: list[Int4Words]) -> Matrix:
     if len(set(same)) > 1 or not all(_same_order(m, first) for m in matrices):
         return torch.cat([dequantize(m) for m in matrices])
     return Int4Words(
-        _cat_outputs([m.words.t() for m in matrices]).t(),
+        tuple(words for m in matrices for words in m.words),  # not copied: tiles per module
         torch.cat([m.scale for m in matrices]),
         torch.cat([m.zero for m in matrices]),
         first.group_size,
@@ -234,7 +225,7 @@ def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
     if isinstance(matrix, Int4Words):  # outputs are the words' columns; the input order stays
         return replace(
             matrix,
-            words=matrix.words.index_select(1, rows),
+            words=(matrix.all_words().index_select(1, rows),),
             scale=matrix.scale[rows],
             zero=matrix.zero[rows],
         )
