@@ -35,6 +35,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
 from itertools import zip_longest
@@ -135,34 +136,45 @@ def agreement(got: list[list[int]], reference: list[list[int]]) -> tuple[float, 
     return sum(a == b for a, b in pairs) / len(pairs), whole
 
 
-def logit_parity(eng: Engine, device: str, dtype: str) -> tuple[float, float]:
-    """(max |our logit - transformers'|, top-1 agreement) over 4 prompts of 64-200 tokens."""
-    model, hf = eng.runner.model, hf_model(device, dtype)
+def logit_parity(
+    eng: Engine, reference: Callable[[list[int]], torch.Tensor]
+) -> tuple[float, float]:
+    """(max |our logit - the reference's|, top-1 agreement) over 4 prompts of 64-200 tokens,
+    teacher-forced; `reference(prompt)` gives its logits for every position but the last."""
     ids = eval_ids()
     worst, agree, total = 0.0, 0, 0
     with torch.no_grad():
         for start, length in ((1, 64), (500, 120), (2000, 200), (4000, 160)):
             prompt = ids[start : start + length]
-            ours = window_logits(model, prompt, eng.device)  # [T - 1, vocab], float32
-            theirs = hf(torch.tensor([prompt], device=device)).logits[0, :-1].float()
+            ours = window_logits(eng.runner.model, prompt, eng.device).cpu()  # [T - 1, vocab]
+            theirs = reference(prompt).float().cpu()
             worst = max(worst, float((ours - theirs).abs().max()))
             agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
             total += len(prompt) - 1
     return worst, agree / total
 
 
-def check_parity(device: str, quantization: str, dtype: str) -> Result:
-    max_diff, min_top1, min_greedy = PARITY_BOUNDS[(quantization, dtype)]
-    eng = engine(device, quantization=quantization, dtype=dtype)
-    diff, top1 = logit_parity(eng, device, dtype)
-    same, whole = agreement(run_greedy(eng), [list(r) for r in hf_greedy(device, dtype)])
+def parity_result(
+    name: str, bounds: tuple[float, float, float], logits: tuple[float, float], greedy: Any
+) -> Result:
+    """PASS when the logits (max diff, top-1) and greedy tokens (positions alike, prompts
+    whole) are inside `bounds` (max diff, min top-1, min positions)."""
+    (max_diff, min_top1, min_greedy), (diff, top1), (same, whole) = bounds, logits, greedy
     is_ok = diff <= max_diff and top1 >= min_top1 and same >= min_greedy
     detail = (
         f"logits max abs diff {diff:.2e} (<= {max_diff:g}), top-1 {top1:.1%} (>= {min_top1:.0%}), "
         f"greedy {same:.1%} of positions (>= {min_greedy:.0%}), {whole}/32 prompts whole"
     )
     figures = {"max_logit_diff": diff, "top1": top1, "greedy_positions": same, "whole": whole}
-    return Result(f"parity {quantization}/{dtype}", "PASS" if is_ok else "FAIL", detail, figures)
+    return Result(name, "PASS" if is_ok else "FAIL", detail, figures)
+
+
+def check_parity(device: str, quantization: str, dtype: str) -> Result:
+    eng, hf = engine(device, quantization=quantization, dtype=dtype), hf_model(device, dtype)
+    logits = logit_parity(eng, lambda p: hf(torch.tensor([p], device=device)).logits[0, :-1])
+    greedy = agreement(run_greedy(eng), [list(r) for r in hf_greedy(device, dtype)])
+    bounds = PARITY_BOUNDS[(quantization, dtype)]
+    return parity_result(f"parity {quantization}/{dtype}", bounds, logits, greedy)
 
 
 # A pre-quantised checkpoint on the device against the same checkpoint on CPU (float32 compute
@@ -180,27 +192,10 @@ def prequant_checkpoints() -> list[Path]:
 def check_prequant(device: str, checkpoint: Path) -> Result:
     """A GPTQ/AWQ/compressed-tensors checkpoint served as stored on `device` (CUDA: its int4
     matrices in tinygemm's layout, fp8 dequantised once) against the CPU engine on it."""
-    max_diff, min_top1, min_greedy = PREQUANT_BOUNDS
-    ours, reference = (engine(d, checkpoint, dtype="float32") for d in (device, "cpu"))
-    worst, agree, total = 0.0, 0, 0
-    ids = eval_ids()
-    with torch.no_grad():
-        for start, length in ((1, 64), (500, 120), (2000, 200)):
-            prompt = ids[start : start + length]
-            got = window_logits(ours.runner.model, prompt, ours.device).cpu()
-            want = window_logits(reference.runner.model, prompt, reference.device)
-            worst = max(worst, float((got - want).abs().max()))
-            agree += int((got.argmax(-1) == want.argmax(-1)).sum())
-            total += len(prompt) - 1
-    same, whole = agreement(run_greedy(ours), run_greedy(reference))
-    top1 = agree / total
-    is_ok = worst <= max_diff and top1 >= min_top1 and same >= min_greedy
-    detail = (
-        f"logits max abs diff {worst:.2e} (<= {max_diff:g}), top-1 {top1:.1%} (>= {min_top1:.0%}),"
-        f" greedy {same:.1%} of positions (>= {min_greedy:.0%}), {whole}/32 prompts whole"
-    )
-    figures = {"max_logit_diff": worst, "top1": top1, "greedy_positions": same, "whole": whole}
-    return Result(f"pre-quantised {checkpoint.name}", "PASS" if is_ok else "FAIL", detail, figures)
+    ours, cpu = (engine(d, checkpoint, dtype="float32") for d in (device, "cpu"))
+    logits = logit_parity(ours, lambda p: window_logits(cpu.runner.model, p, cpu.device))
+    greedy = agreement(run_greedy(ours), run_greedy(cpu))
+    return parity_result(f"pre-quantised {checkpoint.name}", PREQUANT_BOUNDS, logits, greedy)
 
 
 def prequant_results(device: str) -> list[Result]:
