@@ -1,4 +1,5 @@
-"""GPTQ and AWQ checkpoints' matrices, unpacked once at load into the engine's int4 format.
+"""GPTQ and AWQ checkpoints' matrices (and compressed-tensors' int4, whose words are GPTQ's
+transposed), kept as packed words until stored into the engine's int4 kernels.
 
 Both store, per quantised linear module `m`, 4-bit values q and zero points z (0..15) packed
 eight to an int32 word, and float16 `m.scales` [groups, out]; w = (q - z) * scale, where a
@@ -226,9 +227,7 @@ def unpack_words(parts: Int4Words) -> Int4Parts:
 
 
 PADDING_BYTE = INT4_MID * 0x11  # two values of 8: a zero weight in both nibbles
-
-
-TILES_BLOCK_BYTES = 512 * 1024  # GPTQ words written into tiles at a time: kept in the cache
+TILES_BLOCK_BYTES = 512 * 1024  # words written into tiles at a time: kept in the cache
 
 
 def words_cpu_tiles(parts: Int4Words, tile_rows: int) -> torch.Tensor:
