@@ -260,8 +260,8 @@ def _pack_for_cpu(q: torch.Tensor) -> torch.Tensor:
 
 def _pack_cpu_tiles(q: torch.Tensor, tile_rows: int) -> torch.Tensor:
     """uint8 [out, in] in 0..15, in either memory order -> the kernel's tiles (see
-    _unpack_cpu_tiles), [out, in / 2]. The elementwise step keeps q's order, so input-major
-    bytes (GPTQ, packed_int4.py) are moved a tile line, a run of bytes, at a time."""
+    _unpack_cpu_tiles), [out, in / 2]: own int4's values (row-major), and the reference that
+    packed_int4.words_cpu_tiles (checkpoints' words) is tested against (input-major views)."""
     out_features, in_features = q.shape
     halves = q.unflatten(0, (out_features // tile_rows, 2, tile_rows // 2))
     lines = halves[:, 0] | (halves[:, 1] << 4)  # [tiles, row j of the first half, k]
