@@ -121,9 +121,11 @@ def load_seconds(path: Path, quantization: str) -> float:
 
 
 OWN = "own int4"
+# Per checkpoint its baseline's name, and per baseline the matrices it keeps bf16.
+Baselines = tuple[dict[str, str], dict[str, frozenset[str]]]
 
 
-def baselines_of(checkpoints: dict[str, Path]) -> tuple[dict[str, str], dict[str, frozenset[str]]]:
+def baselines_of(checkpoints: dict[str, Path]) -> Baselines:
     """Each checkpoint's like-with-like baseline: the engine's own int4 with what the checkpoint
     keeps 16-bit put back in bf16. Returns (checkpoint -> baseline, baseline -> its matrices)."""
     of, kept = {}, {}
@@ -137,14 +139,18 @@ def baselines_of(checkpoints: dict[str, Path]) -> tuple[dict[str, str], dict[str
 
 
 def measure(
-    label: str, source: Path, checkpoints: dict[str, Path], args: argparse.Namespace
+    label: str,
+    source: Path,
+    checkpoints: dict[str, Path],
+    baselines: Baselines,
+    args: argparse.Namespace,
 ) -> list[list[object]]:
     """One row per checkpoint, each against the same model quantised at start (`own int4`),
     and its decode against that with what it keeps 16-bit put back in bf16."""
     loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
     for path, level in loaded.values():  # warm the page cache and the kernels' first use
         load_seconds(path, level)
-    baseline_of, kept = baselines_of(checkpoints)
+    baseline_of, kept = baselines
     loads = dict.fromkeys(loaded, float("inf"))
     rates = dict.fromkeys([*kept, *loaded], 0.0)
     for _ in range(args.rounds):
@@ -159,8 +165,10 @@ def measure(
     return [_row(label, name, loads, rates, baseline_of[name]) for name in checkpoints]
 
 
-def op_rows(label: str, source: Path, checkpoints: dict[str, Path]) -> list[list[object]]:
-    _, kept = baselines_of(checkpoints)
+def op_rows(
+    label: str, source: Path, checkpoints: dict[str, Path], baselines: Baselines
+) -> list[list[object]]:
+    _, kept = baselines
     cases = {OWN: (source, "int4", NONE)}
     cases |= {name: (source, "int4", names) for name, names in kept.items()}
     cases |= {name: (path, "none", NONE) for name, path in checkpoints.items()}
@@ -312,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             models.append((*bound, bound_formats or formats, True))
         for label, source, model_formats, compute_bound in models:
             checkpoints = write_checkpoints(Path(scratch), source, model_formats, compute_bound)
-            rows += measure(label, source, checkpoints, args)
-            ops += op_rows(label, source, checkpoints)
+            baselines = baselines_of(checkpoints)  # engines of every checkpoint: once
+            rows += measure(label, source, checkpoints, baselines, args)
+            ops += op_rows(label, source, checkpoints, baselines)
             if not compute_bound:
                 perplexities = perplexity_rows(checkpoints)
     body = _body(args, rows, ops, perplexities)

@@ -128,23 +128,43 @@ def read_packed_int4(
     qzeros = _need(read, f"{module}.qzeros")
     if scheme.format == "awq-gemm":
         zeros = unpack_awq(qzeros).t()  # [out, groups]
-        group_size = scheme.group_size or INT4_GROUP_SIZE
-        engine_scale, zero = _scale_and_zero(scale, zeros, group_size, qweight.shape[0])
         in_features = qweight.shape[0]
-        return Int4Words((qweight,), engine_scale, zero, group_size, in_features, awq=True)
+        return int4_words(module, qweight, scale, zeros, scheme.group_size, in_features, awq=True)
     g_idx = read(f"{module}.g_idx")
     in_features = qweight.shape[0] * 8 if g_idx is None else g_idx.numel()
     zeros = unpack_int32(qzeros, 4, qweight.shape[1]).t()  # [out, groups]
     zeros = zeros + 1 if scheme.format == "gptq" else zeros  # v1 stored z - 1
-    group_size = scheme.group_size or INT4_GROUP_SIZE
-    if scheme.group_size is None:  # one group per row: the same scale for each of ours
-        groups = -(-in_features // INT4_GROUP_SIZE)
+    order = None  # group -1: one scale for the whole row, whatever g_idx's order
+    if scheme.group_size is not None:
+        args = (module, g_idx, scheme.group_size, in_features, scheme.desc_act)
+        order = act_order_permutation(*args)
+    return int4_words(module, qweight, scale, zeros, scheme.group_size, in_features, order)
+
+
+def int4_words(
+    module: str,
+    words: torch.Tensor,
+    scale: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int | None,
+    in_features: int,
+    input_order: torch.Tensor | None = None,
+    awq: bool = False,
+) -> Int4Words:
+    """A checkpoint's int4 matrix (GPTQ, AWQ, compressed-tensors): its words as stored, scale
+    [out, groups] float and zero points [out, groups] 0..16 (w = (q - z) * scale). Group size
+    None: one group per row, its scale and zero repeated for each of the kernels' groups."""
+    size = group_size or INT4_GROUP_SIZE
+    if group_size is None:
+        groups = -(-in_features // size)
         scale, zeros = scale.expand(-1, groups), zeros.expand(-1, groups)
-        order = None  # one scale for the whole row, whatever g_idx's order
-    else:
-        order = act_order_permutation(module, g_idx, group_size, in_features, scheme.desc_act)
-    engine_scale, zero = _scale_and_zero(scale, zeros, group_size, in_features)
-    return Int4Words((qweight,), engine_scale, zero, group_size, in_features, order)
+    if scale.shape[1] * size < in_features:
+        raise ValueError(f"{module}: {scale.shape[1]} groups of {size} cannot hold {in_features}")
+    zero = (INT4_MID - zeros.float()) * scale  # the engine's: (q - 8) * scale + zero
+    bf16 = torch.bfloat16
+    return Int4Words(
+        (words,), scale.to(bf16), zero.to(bf16), size, in_features, input_order, awq=awq
+    )
 
 
 def unpack_input_major(qweight: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -189,17 +209,6 @@ def act_order_permutation(
             f"({group_size}) into a group; such a GPTQ checkpoint is not supported"
         )
     return perm
-
-
-def _scale_and_zero(
-    scale: torch.Tensor, zeros: torch.Tensor, group_size: int, in_features: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """scale [out, groups] float and zeros [out, groups] 0..16 -> the engine's scale and zero,
-    bf16 ((u - 8) * scale + zero dequantises), checked to hold `in_features` in whole groups."""
-    if scale.shape[1] * group_size < in_features:
-        raise ValueError(f"{scale.shape[1]} groups of {group_size} cannot hold {in_features}")
-    zero = (INT4_MID - zeros.float()) * scale
-    return scale.to(torch.bfloat16), zero.to(torch.bfloat16)
 
 
 def _int4_parts(

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvpilot.contract.checkpoint_quant import CheckpointQuant, WeightScheme
-from kvpilot.contract.memory import INT4_GROUP_SIZE
 from kvpilot.runtime.layers.packed_int4 import (
     Int4Words,
+    int4_words,
     read_packed_int4,
     store_words,
     unpack_int32,
@@ -130,20 +130,11 @@ def _int4(read: Read, module: str, scheme: WeightScheme) -> Int4Words:
     packed = _need(read, f"{module}.weight_packed")  # [out, in / 8]: Int4Words' words, transposed
     out_features, in_features = _need(read, f"{module}.weight_shape").tolist()
     scale = _need(read, f"{module}.weight_scale").float()  # [out, groups]
-    zero_point = torch.zeros_like(scale)
+    zeros = torch.full_like(scale, INT4_MID)  # symmetric: q + 8 is stored, z = 8
     if not scheme.symmetric:
         packed_zeros = _need(read, f"{module}.weight_zero_point")  # [out / 8, groups]
         zeros = unpack_int32(packed_zeros.t().contiguous(), 4, out_features).t()
-        zero_point = zeros.float() - INT4_MID
-    group_size = scheme.group_size or INT4_GROUP_SIZE
-    if scheme.group_size is None:  # one scale per channel: the same one for each group
-        groups = -(-in_features // group_size)
-        scale, zero_point = scale.expand(-1, groups), zero_point.expand(-1, groups)
-    if scale.shape[1] * group_size < in_features:
-        raise ValueError(f"{module}: {scale.shape[1]} groups of {group_size} < {in_features}")
-    zero = -zero_point * scale  # the values are stored as q + 8, 0..15: the engine's own
-    bf16 = torch.bfloat16
-    return Int4Words((packed.t(),), scale.to(bf16), zero.to(bf16), group_size, in_features)
+    return int4_words(module, packed.t(), scale, zeros, scheme.group_size, in_features)
 
 
 def concat(matrices: list[Matrix]) -> Matrix:
@@ -209,7 +200,7 @@ def split_input_order(consumer: Matrix) -> tuple[Matrix, torch.Tensor | None]:
     order[i]), or the consumer as it is and None when it gathers nothing."""
     if not isinstance(consumer, Int4Words) or consumer.input_order is None:
         return consumer, None
-    if consumer.input_arrives_ordered:  # split once already
+    if consumer.input_arrives_ordered:  # split already: its producer writes that order
         return consumer, None
     return replace(consumer, input_arrives_ordered=True), consumer.input_order
 
@@ -230,7 +221,7 @@ def permute_rows(matrix: Matrix, rows: torch.Tensor) -> Matrix:
             zero=matrix.zero[rows],
         )
     return Int4Parts(
-        matrix.values.contiguous()[rows],  # rows of input-major bytes: gathered as rows here
+        matrix.values.contiguous()[rows],  # values may be a transposed view (AWQ unpacked)
         matrix.scale[rows],
         matrix.zero[rows],
         matrix.group_size,
