@@ -48,6 +48,7 @@ from kvpilot.runtime.layers.quant import (
 
 Read = Callable[[str], torch.Tensor | None]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs output 8b + AWQ_ORDER[k] into nibble k
+NIBBLES = 0x0F0F0F0F  # the low nibble of each byte of an int32
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
 def _spread_nibbles(half_words: torch.Tensor) -> torch.Tensor:
     """int32 holding 4 nibbles in its low 16 bits -> nibble m in the low half of byte m."""
     spread = (half_words | (half_words << 8)) & 0x00FF00FF
-    return (spread | (spread << 4)) & 0x0F0F0F0F
+    return (spread | (spread << 4)) & NIBBLES
 
 
 def act_order_permutation(
@@ -284,24 +285,47 @@ def _write_tiles(words: torch.Tensor, tiles: torch.Tensor, parts: Int4Words) -> 
 
 def _write_awq_tiles(words: torch.Tensor, tiles: torch.Tensor) -> None:
     """AWQ's words [in, out / 8] into `tiles` [tiles, padded_in, half]. Words pack outputs, so
-    input feature k's line of a tile is made from row k's words alone: its first half's words
-    with its second half's, nibble by nibble. AWQ keeps outputs 0, 2, 4, 6 of a word in its low
-    16 bits and 1, 3, 5, 7 in its high ones: spread into bytes, each half makes the line bytes
-    of the even and of the odd outputs. A block of input rows at a time (cache)."""
+    input feature k's line of a tile is made from row k's words alone: word w of its first half
+    (outputs 8w..8w+7, low nibbles of the line's bytes 8w..8w+7) with word w of its second half
+    (their high nibbles). A block of input rows at a time (cache)."""
     num_tiles, _, half = tiles.shape
     rows, words_per_half = words.shape[0], half // 8
     per_block = max(1, TILES_BLOCK_BYTES // (words.shape[1] * 4))
     for first in range(0, rows, per_block):
         block = slice(first, min(first + per_block, rows))
         halves = words[block].view(-1, num_tiles, 2, words_per_half)
-        low, high = halves[:, :, 0], halves[:, :, 1]  # [rows, tiles, words]
-        even = _spread_nibbles(low & 0xFFFF) | (_spread_nibbles(high & 0xFFFF) << 4)
-        odd = _spread_nibbles((low >> 16) & 0xFFFF) | (_spread_nibbles((high >> 16) & 0xFFFF) << 4)
-        shape = (*even.shape, 4)  # byte i of word w: outputs 8w + 2i (even) and 8w + 2i + 1
-        by_output = torch.stack(
-            (even.view(torch.uint8).view(shape), odd.view(torch.uint8).view(shape)), -1
-        )
-        tiles[:, block] = by_output.view(-1, num_tiles, half).transpose(0, 1)
+        line_words = _awq_line_words(halves[:, :, 0], halves[:, :, 1])  # [rows, tiles, words]
+        tiles[:, block].view(torch.int64).copy_(line_words.transpose(0, 1))
+
+
+def _awq_line_words(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Two AWQ words (int32, same shape) -> int64: byte i holds output i of `low` in its low
+    nibble and of `high` in its high one. AWQ puts output AWQ_ORDER[k] in nibble k, so pairing
+    the words' nibbles byte by byte (even nibbles, then odd ones) gives the bytes of nibbles
+    [0, 2, 4, 6 | 1, 3, 5, 7], which are outputs [0, 4, 1, 5 | 2, 6, 3, 7]; two byte swaps
+    inside the int64 put them in output order: byte index (p, b1, b0) goes to (b0, p, b1)."""
+    pair = torch.empty(*low.shape, 2, dtype=torch.int32)  # as int64: even | odd << 32
+    even, odd = pair[..., 0], pair[..., 1]
+    torch.bitwise_and(high, NIBBLES, out=even)
+    even <<= 4
+    even |= low & NIBBLES
+    torch.bitwise_and(high, ~NIBBLES, out=odd)
+    odd |= (low >> 4) & NIBBLES
+    line_words = pair.view(torch.int64).squeeze(-1)
+    scratch = torch.empty_like(line_words)
+    _swap_bits(line_words, 8, 0x0000FF000000FF00, scratch)  # bytes (p, b1, b0) -> (p, b0, b1)
+    _swap_bits(line_words, 16, 0x00000000FFFF0000, scratch)  # -> (b0, p, b1)
+    return line_words
+
+
+def _swap_bits(x: torch.Tensor, distance: int, mask: int, scratch: torch.Tensor) -> None:
+    """In place: the bits of x under `mask` trade places with those `distance` bits above."""
+    torch.bitwise_right_shift(x, distance, out=scratch)
+    scratch ^= x
+    scratch &= mask
+    x ^= scratch
+    scratch <<= distance
+    x ^= scratch
 
 
 def _tile_lines(halves: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,16 +333,15 @@ def _tile_lines(halves: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     [tiles, in, half], feature by feature in the words' order; written into `out` if given."""
     word_rows, num_tiles, _, half = halves.shape
     low, high = halves[:, :, 0], halves[:, :, 1]
-    nibbles = 0x0F0F0F0F
-    even = (low & nibbles) | ((high & nibbles) << 4)
-    odd = ((low >> 4) & nibbles) | (((high >> 4) & nibbles) << 4)
+    even = (low & NIBBLES) | ((high & NIBBLES) << 4)
+    odd = ((low >> 4) & NIBBLES) | (high & ~NIBBLES)
     shape = (num_tiles, word_rows, 4, 2, half)
     lines = torch.empty(shape, dtype=torch.uint8) if out is None else out.view(shape)
     for parity, made in enumerate((even, odd)):
         if made.is_contiguous():  # input-major (GPTQ): byte b of a tile line's words is a line
-            for byte in range(4):  # int32 -> uint8 keeps the low byte
-                shifted = made >> (8 * byte) if byte else made
-                lines[:, :, byte, parity] = shifted.to(torch.uint8).transpose(0, 1)
+            made_bytes = made.view(torch.uint8).view(word_rows, num_tiles, half, 4)
+            for byte in range(4):
+                lines[:, :, byte, parity] = made_bytes[..., byte].transpose(0, 1)
         else:  # output-major (compressed-tensors: the elementwise ops keep that order)
             lines[:, :, :, parity] = _output_major_bytes(made)
     return lines.view(num_tiles, word_rows * 8, half)
