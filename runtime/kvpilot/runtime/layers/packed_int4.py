@@ -29,6 +29,7 @@ packing, was most of a GPTQ checkpoint's load.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -381,7 +382,12 @@ class PermutedWeight(Weight):
 
     def __init__(self, weight: Weight, perm: torch.Tensor) -> None:
         self.weight, self.perm = weight, perm
-        self.inverse = torch.argsort(perm)
+
+    @functools.cached_property
+    def inverse(self) -> torch.Tensor:
+        """Where each checkpoint feature is stored: for dequantize and rows only (not a step's
+        matmul), so computed when first asked, not for every act-order matrix at load."""
+        return torch.argsort(self.perm)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.weight.linear(x.index_select(-1, self.perm), bias)
