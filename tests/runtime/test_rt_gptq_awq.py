@@ -33,6 +33,7 @@ from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import samples_for, score
+from kvpilot.runtime.layers import packed_int4
 from kvpilot.runtime.layers.packed_int4 import (
     AWQ_ORDER,
     Int4Words,
@@ -327,6 +328,32 @@ def test_fused_modules_are_written_each_into_its_own_tiles(layout: str, tile_row
     torch.testing.assert_close(
         dequantize(fused), torch.cat([dequantize(first), dequantize(second)])
     )
+
+
+@pytest.mark.parametrize(("layout", "act_order"), [("gptq", False), ("gptq", True), ("ct", False)])
+@pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
+def test_reordered_outputs_are_written_as_their_words_gathered(
+    layout: str, act_order: bool, tile_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Act-order's fold reorders gate/up's outputs as their words are written into tiles, a
+    block of tiles at a time (one tile a block here): every byte as the words gathered first
+    would write, fused or not, reordered twice, and unpacked (the CUDA path) alike."""
+    monkeypatch.setattr(packed_int4, "TILES_BLOCK_BYTES", 1)
+    torch.manual_seed(0)
+    gate, up = (_gptq_parts(3 * tile_rows, 256, act_order, 32, layout) for _ in range(2))
+    up = replace(up, input_order=gate.input_order)  # one input, one Hessian: one order
+    rows, again = torch.randperm(3 * tile_rows), torch.randperm(3 * tile_rows)
+    moved = permute_rows(permute_rows(gate, rows), again)
+    fused = concat([moved, permute_rows(up, rows)])
+    assert isinstance(fused, Int4Words) and len(fused.orders()) == 2
+    for parts in (moved, fused):
+        gathered = replace(parts, words=(parts.all_words(),), column_orders=())
+        tiles = words_cpu_tiles(parts, tile_rows)
+        assert torch.equal(tiles, words_cpu_tiles(gathered, tile_rows))
+        assert torch.equal(tiles, _pack_cpu_tiles(unpack_words(parts).values, tile_rows))
+    torch.testing.assert_close(dequantize(moved), dequantize(gate)[rows][again])
+    fused_moved = permute_rows(fused, again.repeat(2)[: 6 * tile_rows])  # fused: gathered now
+    assert isinstance(fused_moved, Int4Words) and fused_moved.column_orders == ()
 
 
 @pytest.mark.parametrize(
