@@ -28,7 +28,10 @@ from bench.reference.gptq_awq import (
     writer_files,
 )
 from bench.reference.models import hf_greedy, hf_logits, our_logits, run_all
-from kvpilot.contract.checkpoint_quant import parse_quantization_config
+from kvpilot.contract.checkpoint_quant import (
+    check_prequantized_parallel,
+    parse_quantization_config,
+)
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.engine.sampling import SamplingParams
@@ -69,6 +72,7 @@ from tests.support.prequant_reference import (
     LOGIT_TOLERANCE,
     PROMPTS,
     assert_greedy_matches,
+    assert_shards_read_as_slices,
     gptqmodel_checkpoint,
     hf_perplexity,
 )
@@ -452,6 +456,23 @@ def test_matrices_equal_gptqmodels_dequantisation(
             ours = dequantize(read_matrix(read, module, cfg.checkpoint_quant))
             ref = reference[f"{module}.weight"]
             torch.testing.assert_close(ours, ref, rtol=0, atol=ref.abs().max().item() / 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_tensor_parallel_rank_reads_its_slice(
+    checkpoints: Callable[[str], Path], variant: str
+) -> None:
+    """Each of two ranks' shares of qweight, qzeros, scales and g_idx reads as its slice of the
+    whole matrix; act-order is refused under tensor parallelism, naming desc_act."""
+    path = checkpoints(variant)
+    quant = load_model_config(path).checkpoint_quant
+    if bool(VARIANTS[variant].get("desc_act")):
+        with pytest.raises(ValueError, match=r"act-order \(desc_act\)"):
+            check_prequantized_parallel(quant, 2)
+        return
+    compared = assert_shards_read_as_slices(path)
+    assert {"self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj"} <= set(compared)
 
 
 def _names(path: Path) -> set[str]:

@@ -57,10 +57,58 @@ LLAMA = ModelConfig(
         ("model.embed_tokens.weight", None),
         ("lm_head.weight", None),
         ("model.norm.weight", None),
+        # pre-quantised: compressed-tensors keeps outputs first, GPTQ and AWQ inputs first
+        ("model.layers.0.self_attn.q_proj.weight_packed", 0),
+        ("model.layers.0.self_attn.q_proj.weight_scale", 0),
+        ("model.layers.0.mlp.up_proj.weight_zero_point", 0),
+        ("model.layers.0.mlp.down_proj.weight_packed", 1),
+        ("model.layers.0.self_attn.o_proj.weight_scale", 1),
+        ("model.layers.0.mlp.gate_proj.qweight", 1),
+        ("model.layers.0.mlp.gate_proj.qzeros", 1),
+        ("model.layers.0.self_attn.k_proj.scales", 1),
+        ("model.layers.0.self_attn.k_proj.g_idx", None),
+        ("model.layers.0.mlp.down_proj.qweight", 0),
+        ("model.layers.0.mlp.down_proj.scales", 0),
+        ("model.layers.0.self_attn.o_proj.g_idx", 0),
+        ("lm_head.qweight", None),  # replicated, quantised or not
+        ("model.layers.0.self_attn.q_proj.input_scale", None),
     ],
 )
 def test_shard_dim(name: str, dim: int | None) -> None:
     assert shard_dim(name) == dim
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("model.layers.0.self_attn.o_proj.weight_scale", (256, 1)),  # per channel: outputs'
+        ("model.layers.0.mlp.down_proj.scales", (1, 256)),  # GPTQ group -1: one per row
+        ("model.layers.0.self_attn.q_proj.weight_scale", (1,)),  # fp8 per tensor
+        ("model.layers.0.self_attn.q_proj.weight_scale", ()),
+    ],
+)
+def test_a_scale_shared_along_the_split_is_kept_whole(name: str, shape: tuple[int, ...]) -> None:
+    scale = torch.rand(shape)
+    assert TPGroup(1, 2).shard(name, scale) is scale
+
+
+def test_row_parallel_g_idx_counts_the_ranks_own_groups() -> None:
+    """A rank's share of a row-parallel input is whole groups, numbered from its first."""
+    g_idx = torch.arange(512, dtype=torch.int32) // 128
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    assert torch.equal(TPGroup(1, 2).shard(name, g_idx), g_idx[:256])
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [("self_attn.q_proj", [128, 256]), ("mlp.down_proj", [256, 344]), ("norm", [256, 688])],
+)
+def test_compressed_tensors_weight_shape_is_the_ranks_share(
+    module: str, expected: list[int]
+) -> None:
+    shape = torch.tensor([256, 688] if module != "self_attn.q_proj" else [256, 256])
+    shared = TPGroup(0, 2).shard(f"model.layers.0.{module}.weight_shape", shape)
+    assert shared.tolist() == expected
 
 
 @pytest.mark.parametrize(

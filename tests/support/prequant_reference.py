@@ -59,3 +59,48 @@ def gptqmodel_checkpoint(variant: str) -> Path:
         return reference_checkpoint(variant)
     except GptqToolUnavailableError as error:
         pytest.skip(f"GPTQModel writes the GPTQ/AWQ checkpoints: {error}")
+
+
+LAYER_MODULES = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)  # fmt: skip
+
+
+def assert_shards_read_as_slices(path: Path, tensor_parallel_size: int = 2) -> list[str]:
+    """Every quantised module of layer 0 read from each rank's share of the checkpoint's
+    tensors (engine/parallel.py) dequantises to that rank's slice of the whole matrix: its
+    outputs' slice for q/k/v and gate/up, its inputs' for o_proj and down_proj. Modules whose
+    inputs a share would cut within a group are skipped, as check_prequantized_parallel
+    refuses them (checked too). Returns the modules compared."""
+    from kvpilot.contract.checkpoint_quant import check_prequantized_parallel
+    from kvpilot.runtime.engine.parallel import TPGroup, row_parallel_inputs, shard_dim
+    from kvpilot.runtime.layers.prequant import dequantize, read_matrix
+    from kvpilot.runtime.models.loader import load_model_config, open_weights
+
+    cfg = load_model_config(path)
+    quant, compared = cfg.checkpoint_quant, []
+    inputs = row_parallel_inputs(cfg)
+    with open_weights(path) as read:
+        for module in LAYER_MODULES:
+            name = f"model.layers.0.{module}"
+            if name in inputs:
+                try:
+                    check_prequantized_parallel(quant, tensor_parallel_size, {name: inputs[name]})
+                except ValueError as error:
+                    assert name in str(error)
+                    continue
+            whole = dequantize(read_matrix(read, name, quant))
+            dim = shard_dim(f"{name}.weight")
+            for rank in range(tensor_parallel_size):
+                group = TPGroup(rank, tensor_parallel_size)
+
+                def shard_of(tensor_name: str, group: TPGroup = group) -> torch.Tensor | None:
+                    tensor = read(tensor_name)
+                    return None if tensor is None else group.shard(tensor_name, tensor)
+
+                part = dequantize(read_matrix(shard_of, name, quant))
+                expected = whole.chunk(tensor_parallel_size, dim=dim)[rank]
+                torch.testing.assert_close(part, expected, rtol=0, atol=0)
+            compared.append(module)
+    return compared

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -356,14 +357,37 @@ def resolve_quantization(flag: str, checkpoint: CheckpointQuant | None) -> str:
     )
 
 
-def check_prequantized_parallel(quant: CheckpointQuant | None, tensor_parallel_size: int) -> None:
-    """A pre-quantised checkpoint runs on one rank: its packed tensors and group scales are not
-    split by the tensor-parallel sharding (engine/parallel.py), which cuts 16-bit matrices."""
-    if quant is not None and tensor_parallel_size > 1:
+def check_prequantized_parallel(
+    quant: CheckpointQuant | None,
+    tensor_parallel_size: int,
+    row_parallel_inputs: Mapping[str, int] | None = None,
+) -> None:
+    """A pre-quantised checkpoint under tensor parallelism: each rank reads its share of the
+    packed tensors as it does of 16-bit ones (engine/parallel.py), q/k/v and gate/up by their
+    outputs, o_proj and down_proj (row-parallel) by their inputs, so a rank's share of those
+    inputs must be whole groups of the checkpoint's. `row_parallel_inputs`: each row-parallel
+    module (e.g. `model.layers.0.mlp.down_proj`) and its input features; None: not known yet
+    (only the scheme is checked). GPTQ's act-order is refused: its groups are spread over the
+    whole input, so a share of it holds part of every group."""
+    if quant is None or tensor_parallel_size == 1:
+        return
+    prefix = f"--tensor-parallel-size {tensor_parallel_size} with a pre-quantised checkpoint"
+    if any(scheme.desc_act for _, scheme in quant.groups):
         raise ValueError(
-            f"--tensor-parallel-size {tensor_parallel_size} with a pre-quantised checkpoint "
-            f"({quant.describe()}) is not supported; run it with --tensor-parallel-size 1"
+            f"{prefix} ({quant.describe()}) is not supported: act-order (desc_act) spreads each "
+            "group over the whole input, which row-parallel o_proj and down_proj split; run it "
+            "with --tensor-parallel-size 1, or use a checkpoint quantised without desc_act"
         )
+    for module, in_features in (row_parallel_inputs or {}).items():
+        scheme = quant.scheme_for(module)
+        group = None if scheme is None else scheme.group_size
+        share = in_features // tensor_parallel_size
+        if group is not None and (in_features % tensor_parallel_size or share % group):
+            raise ValueError(
+                f"{prefix}: {module} has {in_features} input features, {share} a rank, not "
+                f"whole groups of {group} ({quant.describe()}); choose a "
+                "--tensor-parallel-size that splits them into whole groups, or 1"
+            )
 
 
 def checkpoint_kind(quant: CheckpointQuant | None) -> str:

@@ -40,7 +40,7 @@ from kvpilot.runtime.engine.output_processor import (
     stop_reason_for_token,
     update_text,
 )
-from kvpilot.runtime.engine.parallel import check_tensor_parallel
+from kvpilot.runtime.engine.parallel import check_tensor_parallel, row_parallel_inputs
 from kvpilot.runtime.engine.prompt_followers import PromptFollowers
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.engine.scheduler import ScheduledSequence, Scheduler
@@ -81,11 +81,12 @@ def lora_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
 
 def check_checkpoint_quantization(config: EngineConfig, model_config: ModelConfig) -> None:
     """A pre-quantised checkpoint against the flags, before any process starts: a conflicting
-    --quantization or tensor parallelism, or a checkpoint other than --expect-checkpoint's
-    kind, is refused (contract/checkpoint_quant.py)."""
+    --quantization, a tensor parallelism that would split its groups, or a checkpoint other
+    than --expect-checkpoint's kind, is refused (contract/checkpoint_quant.py)."""
     check_expected_checkpoint(config.expect_checkpoint, model_config.checkpoint_quant)
     resolve_quantization(config.quantization, model_config.checkpoint_quant)
-    check_prequantized_parallel(model_config.checkpoint_quant, config.tensor_parallel_size)
+    inputs = row_parallel_inputs(model_config)  # a rank's share of each must be whole groups
+    check_prequantized_parallel(model_config.checkpoint_quant, config.tensor_parallel_size, inputs)
 
 
 class Engine:

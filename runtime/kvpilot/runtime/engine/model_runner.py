@@ -16,7 +16,7 @@ from kvpilot.contract.checkpoint_quant import (
 from kvpilot.contract.memory import BLOCK_SIZE
 from kvpilot.runtime.engine import speculative
 from kvpilot.runtime.engine.lora_slots import LoraRequest
-from kvpilot.runtime.engine.parallel import TPGroup
+from kvpilot.runtime.engine.parallel import TPGroup, row_parallel_inputs
 from kvpilot.runtime.engine.sampling import PromptLogprob
 from kvpilot.runtime.engine.scheduler import ScheduledSequence
 from kvpilot.runtime.engine.sequence import Sequence
@@ -63,7 +63,8 @@ def load_model(
     `int8_kernel`: the int8 level's matmul, resolved (quant.resolve_int8_kernel). A
     pre-quantised checkpoint keeps its own quantisation (checkpoint_quant.resolve_quantization)."""
     quantization = resolve_quantization(quantization, cfg.checkpoint_quant)
-    check_prequantized_parallel(cfg.checkpoint_quant, group.size if group is not None else 1)
+    size = group.size if group is not None else 1
+    check_prequantized_parallel(cfg.checkpoint_quant, size, row_parallel_inputs(cfg))
     with open_weights(model_dir) as read:
         try:
             return LlamaModel(cfg, read, quantization, dtype, device, group, int8_kernel)

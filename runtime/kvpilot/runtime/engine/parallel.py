@@ -59,16 +59,51 @@ def shard_config(cfg: ModelConfig, tensor_parallel_size: int) -> ModelConfig:
     )
 
 
+# A pre-quantised checkpoint's tensors by how they lie (layers/prequant.py, packed_int4.py):
+# compressed-tensors' (and 16-bit, fp8 and int8) output features first, [out, in or groups]
+# (weight_zero_point packs eight outputs a word: [out / 8, groups]); GPTQ's and AWQ's input
+# features (or groups) first, [in or in / 8 or groups, out or out / 8].
+_OUTPUT_MAJOR = ("weight", "weight_packed", "weight_scale", "weight_zero_point")
+_INPUT_MAJOR = ("qweight", "qzeros", "scales")
+# Scales shared along the dimension a shard would cut (a per-channel scale [out, 1] of a
+# row-parallel module, GPTQ's group -1 [1, out], a per-tensor scale): every rank takes it whole.
+_SHAREABLE = ("weight_scale", "weight_zero_point", "qzeros", "scales")
+
+
+def row_parallel_inputs(cfg: ModelConfig) -> dict[str, int]:
+    """Each row-parallel module of the model and its input features (whole, not a share)."""
+    inputs: dict[str, int] = {}
+    for layer in range(cfg.num_layers):
+        inputs[f"model.layers.{layer}.self_attn.o_proj"] = cfg.num_heads * cfg.head_dim
+        inputs[f"model.layers.{layer}.mlp.down_proj"] = cfg.intermediate_size
+    return inputs
+
+
 def shard_dim(name: str) -> int | None:
-    """The dimension a checkpoint tensor splits along (0: output features, 1: input features),
-    or None when every rank holds all of it."""
+    """The dimension a checkpoint tensor splits along, or None when every rank holds all of it:
+    a column-parallel module's output features, a row-parallel one's input features (or
+    groups of them), in whichever dimension the tensor keeps them."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
-    if module in _COLUMN_PARALLEL and kind in ("weight", "bias"):
-        return 0
-    if module in _ROW_PARALLEL and kind == "weight":
-        return 1  # a row-parallel bias would be added once, after the all-reduce
+    if module in _COLUMN_PARALLEL:
+        if kind in (*_OUTPUT_MAJOR, "bias"):
+            return 0
+        return 1 if kind in _INPUT_MAJOR else None  # g_idx: every rank sees the whole input
+    if module in _ROW_PARALLEL:  # a row-parallel bias would be added once, after the all-reduce
+        if kind in _OUTPUT_MAJOR:
+            return 1
+        return 0 if kind in (*_INPUT_MAJOR, "g_idx") else None
     return None
+
+
+def _shard_shape(name: str, shape: torch.Tensor, size: int) -> torch.Tensor:
+    """compressed-tensors' weight_shape [out, in] of this rank's share of the matrix."""
+    dim = shard_dim(name.rsplit(".", 1)[0] + ".weight")
+    if dim is None:
+        return shape
+    shared = shape.clone()
+    shared[dim] = shape[dim] // size
+    return shared
 
 
 def lora_shard_dim(module: str) -> tuple[int | None, int | None]:
@@ -93,15 +128,23 @@ class TPGroup:
 
     def shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor (a copy, so the full one can be freed)."""
+        kind = name.rsplit(".", 1)[-1]
+        if self.size > 1 and kind == "weight_shape":  # compressed-tensors' [out, in]
+            return _shard_shape(name, tensor, self.size)
         dim = shard_dim(name)
         if self.size == 1 or dim is None:
+            return tensor
+        if kind in _SHAREABLE and (tensor.dim() <= dim or tensor.shape[dim] == 1):
             return tensor
         if tensor.shape[dim] % self.size:
             raise ValueError(
                 f"tensor {name!r} of shape {tuple(tensor.shape)} does not split into "
                 f"tensor_parallel_size {self.size} parts along dim {dim}"
             )
-        return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+        part = tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+        # A rank's share of a row-parallel input is whole groups (check_prequantized_parallel),
+        # numbered from its first: GPTQ's g_idx counts them from the checkpoint's first.
+        return part - part.min() if kind == "g_idx" else part
 
     def shard_lora(
         self, module: str, a: torch.Tensor, b: torch.Tensor
