@@ -12,6 +12,8 @@ Figures by hand (DESIGN.md §3.3, maxContextLength 8192 x targetConcurrency 8, K
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,7 +69,7 @@ def per_gpu(weights: float) -> float:
         # 16-bit (10.0 GiB): only kvpilot's fits 9 GiB
         (BF16, ("bf16", "int8", "int4"), GTX_10GB, "int4", INT4_WEIGHTS),
         (AWQ, ("int4",), GTX_10GB, None, AWQ_WEIGHTS),
-        # packed tensors are not split: four T4s run the AWQ checkpoint on one, bf16 on two
+        # four T4s run the AWQ checkpoint on one (it fits), bf16 on two
         (AWQ, ("int4",), T4X4, "int4", AWQ_WEIGHTS),
     ],
 )
@@ -114,10 +116,22 @@ def test_a_checkpoint_whose_level_is_not_allowed_is_refused_saying_so() -> None:
     assert "spec.model pre-quantised awq int4" in plan.reason
 
 
-def test_a_checkpoint_asked_for_two_gpus_is_refused_saying_it_runs_on_one() -> None:
-    plan = planner.plan_node_type(request(AWQ, ("int4",), min_gpus_per_replica=2), T4X4)
-    assert not plan.fits
-    assert "pre-quantised checkpoint runs on one GPU" in plan.reason
+def test_a_checkpoint_splits_over_the_gpus_that_give_each_rank_whole_groups() -> None:
+    """Qwen2.5-7B-AWQ: o_proj's 3584 and down_proj's 18944 inputs are whole groups of 128 on
+    1, 2 or 4 ranks (the runtime's own check, read with the facts), not on 8: 448 a rank."""
+    assert AWQ.checkpoint is not None and AWQ.checkpoint.tensor_parallel_sizes == (1, 2, 4)
+    two = planner.plan_node_type(request(AWQ, ("int4",), min_gpus_per_replica=2), T4X4)
+    assert (two.fits, two.quantization, two.tensor_parallel) == (True, "int4", 2)
+    assert two.estimate is not None
+    assert two.estimate.weights_bytes == pytest.approx(AWQ_WEIGHTS / 2)
+    eight_kv_heads = QWEN25_7B_AWQ | {"num_key_value_heads": 8}  # KV heads would split in 8
+    facts = facts_from_config_json(eight_kv_heads, no_header_read, "model", "")
+    eight = planner.plan_node_type(
+        request(facts, ("int4",), min_gpus_per_replica=8), pool("a100x8", 81559, 8)
+    )
+    assert not eight.fits
+    assert "pre-quantised checkpoint splits over 1, 2 or 4 GPUs only" in eight.reason
+    assert "minGpusPerReplica is 8" in eight.reason
 
 
 CT_INT4 = TINYLLAMA | {
@@ -148,21 +162,34 @@ CT_FP8 = TINYLLAMA | {
 }
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
 @pytest.mark.parametrize("config", [QWEN25_7B_AWQ, CT_INT4, CT_FP8], ids=["awq", "int4", "fp8"])
 def test_the_runtime_accepts_the_level_and_parallelism_the_operator_writes(
-    config: dict[str, Any],
+    config: dict[str, Any], gpus: int, tmp_path: Path
 ) -> None:
     """The pod's args, parsed by the runtime's parser, pass the runtime's own checks against
-    the same quantization_config (checkpoint_quant: the level, and one rank)."""
+    the same config.json as its loader reads it (checkpoint_quant: the level, and the ranks'
+    shares of o_proj's and down_proj's inputs whole groups)."""
+    from kvpilot.runtime.engine.parallel import row_parallel_inputs
+    from kvpilot.runtime.models.loader import load_model_config
+
     facts = facts_from_config_json(config, no_header_read, "model", "")
-    spec = api.parse_spec({"model": {"uri": "hf://org/model-awq"}})
+    spec = api.parse_spec(
+        {"model": {"uri": "hf://org/model-awq"}, "placement": {"minGpusPerReplica": gpus}}
+    )
     plan = planner.plan_node_type(planner.PlanRequest.from_spec(spec, facts), pool("big", 81559, 8))
+    assert (plan.fits, plan.tensor_parallel) == (True, gpus)
     pod = manifests.build_deployment(MD, spec, plan, 1, CONFIG)["spec"]["template"]["spec"]
     _, *args = pod["containers"][0]["args"]
     parsed = serve_config.ServeConfig(**vars(serve_config.build_parser().parse_args(args)))
-    quant = checkpoint_quant.parse_quantization_config(config)
+    architecture = "LlamaForCausalLM" if config["model_type"] == "llama" else "Qwen2ForCausalLM"
+    (tmp_path / "config.json").write_text(json.dumps(config | {"architectures": [architecture]}))
+    cfg = load_model_config(tmp_path)
+    quant = cfg.checkpoint_quant
     assert checkpoint_quant.resolve_quantization(parsed.quantization, quant) == "none"
-    checkpoint_quant.check_prequantized_parallel(quant, parsed.tensor_parallel_size)
+    checkpoint_quant.check_prequantized_parallel(
+        quant, parsed.tensor_parallel_size, row_parallel_inputs(cfg)
+    )
 
 
 def test_a_16_bit_level_asked_of_a_checkpoint_is_refused() -> None:

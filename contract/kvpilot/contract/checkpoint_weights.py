@@ -19,6 +19,7 @@ from kvpilot.contract.checkpoint_quant import (
     PACKED_INT4_METHODS,
     CheckpointQuant,
     WeightScheme,
+    check_prequantized_parallel,
 )
 from kvpilot.contract.checkpoint_quant import parse_quantization_config as parse
 from kvpilot.contract.memory import (
@@ -30,6 +31,7 @@ from kvpilot.contract.memory import (
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+_ROW_PARALLEL = (".o_proj", ".down_proj")  # split by input under tensor parallelism
 
 
 def read_checkpoint_weights(config: dict[str, Any]) -> CheckpointWeights | None:
@@ -49,7 +51,31 @@ def read_checkpoint_weights(config: dict[str, Any]) -> CheckpointWeights | None:
         kind=quant.kind,
         quantized_parameters=sum(n_in * n_out for (n_in, n_out), _ in quantized),
         quantized_bytes=sum(n_in * n_out * scheme_bytes(s) for (n_in, n_out), s in quantized),
+        tensor_parallel_sizes=tensor_parallel_sizes(quant, config),
     )
+
+
+# The degrees a checkpoint is checked for: the planner's (planner.TP_DEGREES); a degree missing
+# here is never planned for a pre-quantised checkpoint.
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8)
+
+
+def tensor_parallel_sizes(quant: CheckpointQuant, config: dict[str, Any]) -> tuple[int, ...]:
+    """The degrees the runtime splits the checkpoint into, by its own check with the row-parallel
+    modules' inputs (o_proj, down_proj) from the config's shapes."""
+    inputs = {
+        name: n_in for name, (n_in, _) in linear_modules(config)
+        if name.endswith(_ROW_PARALLEL)
+    }  # fmt: skip
+    return tuple(tp for tp in TENSOR_PARALLEL_SIZES if _splits(quant, tp, inputs))
+
+
+def _splits(quant: CheckpointQuant, tensor_parallel_size: int, inputs: dict[str, int]) -> bool:
+    try:
+        check_prequantized_parallel(quant, tensor_parallel_size, inputs)
+    except ValueError:
+        return False
+    return True
 
 
 def _scheme(quant: CheckpointQuant, module: str, qc: dict[str, Any]) -> WeightScheme | None:

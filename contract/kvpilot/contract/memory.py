@@ -54,6 +54,9 @@ class CheckpointWeights:
     kind: str  # its method and stored format (checkpoint_quant.CHECKPOINT_KINDS), e.g. awq-int4
     quantized_parameters: int
     quantized_bytes: float
+    # The tensor-parallel degrees the runtime splits it into: a rank's share of each
+    # row-parallel module's input whole groups (checkpoint_quant.check_prequantized_parallel)
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
 
 
 @dataclass(frozen=True)

@@ -155,9 +155,10 @@ def _chosen(request: PlanRequest, node_type: NodeType, fitting: Sequence[_Fittin
 
 
 def _runs(candidate: Candidate, tp: int) -> bool:
-    """A pre-quantised checkpoint runs on one GPU: its packed tensors are not split by tensor
-    parallelism (checkpoint_quant.check_prequantized_parallel)."""
-    return tp == 1 or candidate.facts.checkpoint is None
+    """A pre-quantised checkpoint splits over the GPUs that give each rank whole groups of
+    o_proj's and down_proj's inputs (checkpoint_quant.check_prequantized_parallel)."""
+    checkpoint = candidate.facts.checkpoint
+    return checkpoint is None or tp in checkpoint.tensor_parallel_sizes
 
 
 def _no_candidate_reason(request: PlanRequest, node_type: NodeType) -> str:
@@ -170,10 +171,19 @@ def _no_candidate_reason(request: PlanRequest, node_type: NodeType) -> str:
             f"{node_type.name}: no allowed level ({', '.join(request.quantizations)}) is one a"
             f" source runs at: {found}; allow its level (quantization.allowed, maxQualityLoss)"
         )
+    checkpoints = [facts.checkpoint for _, facts in sources if facts.checkpoint is not None]
+    splits = sorted({tp for checkpoint in checkpoints for tp in checkpoint.tensor_parallel_sizes})
     return (
-        f"{node_type.name}: a pre-quantised checkpoint runs on one GPU (its packed tensors are"
-        f" not split), and minGpusPerReplica is {request.min_gpus_per_replica}"
+        f"{node_type.name}: a pre-quantised checkpoint splits over {_gpus(splits)} only (each"
+        " rank takes whole groups of o_proj's and down_proj's inputs), and minGpusPerReplica"
+        f" is {request.min_gpus_per_replica} on nodes of {node_type.gpus_per_node} GPU(s)"
     )
+
+
+def _gpus(counts: list[int]) -> str:
+    words = [str(n) for n in counts]
+    joined = ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else "".join(words)
+    return f"{joined} GPU{'s' if counts != [1] else ''}"
 
 
 def checkpoint_kind(facts: ModelFacts) -> str:
@@ -201,7 +211,8 @@ def tp_degrees(request: PlanRequest, node_type: NodeType) -> list[int]:
     """Tensor-parallel degrees to try: within the GPUs per node and the spec's bounds, and only
     those that split the KV heads evenly (the runtime refuses any other). A draft model runs
     whole on GPU 0 beside its shard (memory.estimate counts it there). With KV tiers only 1: the
-    runtime does not run them under tensor parallelism (nor pre-quantised checkpoints: `_runs`)."""
+    runtime does not run them under tensor parallelism (a pre-quantised checkpoint's own degrees:
+    `_runs`)."""
     max_tp = min(node_type.gpus_per_node, request.max_gpus_per_replica)
     # the runtime's KV tiers copy no other rank's KV shard
     if request.has_kv_offload:
