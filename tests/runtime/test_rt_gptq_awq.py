@@ -349,6 +349,7 @@ def test_reordered_outputs_are_written_as_their_words_gathered(
     rows, again = torch.randperm(3 * tile_rows), torch.randperm(3 * tile_rows)
     moved = permute_rows(permute_rows(gate, rows), again)
     fused = concat([moved, permute_rows(up, rows)])
+    assert isinstance(moved, Int4Words) and len(moved.orders()) == 1
     assert isinstance(fused, Int4Words) and len(fused.orders()) == 2
     for parts in (moved, fused):
         gathered = replace(parts, words=(parts.all_words(),), column_orders=())

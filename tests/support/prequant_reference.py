@@ -92,6 +92,7 @@ def assert_shards_read_as_slices(path: Path, tensor_parallel_size: int = 2) -> l
                     continue
             whole = dequantize(read_matrix(read, name, quant))
             dim = shard_dim(f"{name}.weight")
+            assert dim is not None, name
             for rank in range(tensor_parallel_size):
                 group = TPGroup(rank, tensor_parallel_size)
 
