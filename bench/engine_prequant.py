@@ -26,6 +26,7 @@ eval.txt); AWQ leaves tiny-llama's MLP 16-bit (its scale search needs features t
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,6 +121,47 @@ def load_seconds(path: Path, quantization: str) -> float:
     return elapsed
 
 
+# load_seconds in a new interpreter: its imports and start are not timed, the engine's are.
+FRESH_LOAD = """
+import sys
+from pathlib import Path
+from bench.engine_common import setup_threads
+from bench.engine_prequant import load_seconds
+setup_threads()
+print(load_seconds(Path(sys.argv[1]), sys.argv[2]))
+"""
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def fresh_load_seconds(path: Path, quantization: str) -> float:
+    """The engine's start in a process of its own, as a pod's is: every page it writes is
+    new, where a start after another engine's in the same process reuses what that freed."""
+    command = [sys.executable, "-c", FRESH_LOAD, str(path), quantization]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    return float(done.stdout.split()[-1])
+
+
+def fresh_rows(
+    label: str, source: Path, checkpoints: dict[str, Path], rounds: int
+) -> list[list[object]]:
+    """Each checkpoint's start and the own int4's, each in a fresh process, best of `rounds`
+    (the order rotated each round)."""
+    loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
+    names, loads = list(loaded), dict.fromkeys(loaded, float("inf"))
+    for round_index in range(rounds):
+        first = round_index % len(names)
+        for name in names[first:] + names[:first]:
+            loads[name] = min(loads[name], fresh_load_seconds(*loaded[name]))
+    rows: list[list[object]] = []
+    for name in checkpoints:
+        ratio = loads[name] / loads[OWN]
+        rows.append([
+            label, name, f"{loads[OWN]:.2f}", f"{loads[name]:.2f}",
+            f"{ratio:.2f}x ({verdict(ratio <= LOAD_RATIO_TARGET)})",
+        ])  # fmt: skip
+    return rows
+
+
 OWN = "own int4"
 # Per checkpoint its baseline's name, and per baseline the matrices it keeps bf16.
 Baselines = tuple[dict[str, str], dict[str, frozenset[str]]]
@@ -153,11 +195,15 @@ def measure(
     baseline_of, kept = baselines
     loads = dict.fromkeys(loaded, float("inf"))
     rates = dict.fromkeys([*kept, *loaded], 0.0)
-    for _ in range(args.rounds):
+    names = list(loaded)
+    for round_index in range(args.rounds):
+        # The loads in turn, rotated each round: the start after a larger engine's teardown
+        # faults in the memory it gave back, and no load should always be the one after it.
+        first = round_index % len(names)
+        for name in names[first:] + names[:first]:
+            loads[name] = min(loads[name], load_seconds(*loaded[name]))
         for name in rates:
             path, level = loaded.get(name, (source, "int4"))
-            if name in loads:
-                loads[name] = min(loads[name], load_seconds(path, level))
             engine = make_engine(path, level, kept.get(name, NONE))
             rate = decode_tokens_per_second(engine, 1, args.decode_steps)
             rates[name] = max(rates[name], rate)
@@ -302,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument(
+        "--fresh-rounds", type=int, default=3, help="rounds of starts in fresh processes"
+    )
     parser.add_argument("--tiny-only", action="store_true", help="skip the compute-bound model")
     parser.add_argument("--formats", default=",".join(VARIANTS), help="comma-separated")
     parser.add_argument(
@@ -312,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     formats = _formats(parser, "--formats", args.formats)
     bound_formats = _formats(parser, "--compute-bound-formats", args.compute_bound_formats)
     setup_threads()
-    rows, perplexities, ops = [], [], []
+    rows, fresh, perplexities, ops = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="kvpilot-prequant-") as scratch:
         models = [("tiny-llama (4 M)", MODEL, formats, False)]
         if not args.tiny_only:
@@ -322,10 +371,11 @@ def main(argv: list[str] | None = None) -> int:
             checkpoints = write_checkpoints(Path(scratch), source, model_formats, compute_bound)
             baselines = baselines_of(checkpoints)  # engines of every checkpoint: once
             rows += measure(label, source, checkpoints, baselines, args)
+            fresh += fresh_rows(label, source, checkpoints, args.fresh_rounds)
             ops += op_rows(label, source, checkpoints, baselines)
             if not compute_bound:
                 perplexities = perplexity_rows(checkpoints)
-    body = _body(args, rows, ops, perplexities)
+    body = _body(args, rows, fresh, ops, perplexities)
     write_section(
         "engine_prequant",
         "Engine: pre-quantised int4 checkpoints (compressed-tensors, GPTQ, AWQ) vs quantising",
@@ -346,6 +396,7 @@ def _formats(parser: argparse.ArgumentParser, flag: str, value: str | None) -> l
 def _body(
     args: argparse.Namespace,
     rows: list[list[object]],
+    fresh: list[list[object]],
     ops: list[list[object]],
     perplexities: list[list[object]],
 ) -> str:
@@ -364,6 +415,16 @@ def _body(
         ],
         rows,
     )
+    fresh_table = markdown_table(
+        [
+            "model",
+            "checkpoint",
+            "fresh process: quantise bf16 at start (s)",
+            "fresh process: checkpoint (s)",
+            f"checkpoint / at start (target <= {LOAD_RATIO_TARGET})",
+        ],
+        fresh,
+    )
     op_table = markdown_table(
         ["model", "weights", *(f"{c} per decode step" for c in COUNTED_OPS), "aten ops per step"],
         ops,
@@ -379,7 +440,9 @@ def _body(
     )
     return (
         "Load: wall seconds of the engine's start (weights read and packed, KV pool allocated), "
-        f"best of {args.rounds} alternating rounds, files in the page cache. Decode: tokens per "
+        f"best of {args.rounds} rounds, each loading all in turn from a rotated start (the "
+        "load after a bigger engine's teardown faults in the memory it gave back), files in the "
+        "page cache. Decode: tokens per "
         f"CPU-second at concurrency 1, bf16 compute, {args.decode_steps} timed steps, best of "
         f"{args.rounds}. All run the same int4 kernels; a checkpoint's values are repacked at "
         "load, never requantised. The engine's own int4 packs the tied embedding, so its lm_head "
@@ -399,6 +462,13 @@ def _body(
         "rows' was not). AWQ on tiny-llama quantises attention only "
         "(GPTQModel's scale search leaves its MLP bf16, the checkpoint's choice).\n\n"
         + table
+        + "\n\nThe same starts each in a process of its own, as a pod's start is (the engine's "
+        "construction timed inside a new interpreter, its imports not; best of "
+        f"{args.fresh_rounds} rounds, the order rotated): every page the start writes is new, "
+        "where a start after another engine's in one process reuses what that freed, and the "
+        "first start of a process also makes what a process makes once (the int4 tile height "
+        "probe, the tokenizer, the threads' pools).\n\n"
+        + fresh_table
         + f"\n\nWhat a decode step runs (torch.profiler over {PROFILED_STEPS} steps at "
         "concurrency 1; op counts, which a shared machine does not blur):\n\n"
         + op_table

@@ -40,3 +40,15 @@ def test_the_baseline_puts_back_exactly_what_is_named() -> None:
             assert isinstance(getattr(holder, attr), DenseWeight if name in kept else Int4Weight)
     finally:
         engine.shutdown()
+
+
+def test_a_fresh_process_times_the_engines_start_not_its_imports() -> None:
+    """The start timed inside a new interpreter: less than the child's whole life (its imports
+    take seconds), and more than nothing."""
+    import time
+
+    from bench.engine_prequant import fresh_load_seconds
+
+    began = time.perf_counter()
+    seconds = fresh_load_seconds(MODEL, "int4")
+    assert 0 < seconds < (time.perf_counter() - began) / 2
