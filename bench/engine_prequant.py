@@ -141,16 +141,27 @@ def fresh_load_seconds(path: Path, quantization: str) -> float:
     return float(done.stdout.split()[-1])
 
 
+def starts(source: Path, checkpoints: dict[str, Path]) -> dict[str, tuple[Path, str]]:
+    """What each start loads, and at which --quantization: the own int4 and each checkpoint."""
+    return {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
+
+
+def in_turn(names: list[str], round_index: int) -> list[str]:
+    """The names from a start rotated each round: the start after a bigger engine's teardown
+    faults in the memory that one gave back, and no start should always be that one."""
+    first = round_index % len(names)
+    return names[first:] + names[:first]
+
+
 def fresh_rows(
     label: str, source: Path, checkpoints: dict[str, Path], rounds: int
 ) -> list[list[object]]:
     """Each checkpoint's start and the own int4's, each in a fresh process, best of `rounds`
     (the order rotated each round)."""
-    loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
-    names, loads = list(loaded), dict.fromkeys(loaded, float("inf"))
+    loaded = starts(source, checkpoints)
+    loads = dict.fromkeys(loaded, float("inf"))
     for round_index in range(rounds):
-        first = round_index % len(names)
-        for name in names[first:] + names[:first]:
+        for name in in_turn(list(loaded), round_index):
             loads[name] = min(loads[name], fresh_load_seconds(*loaded[name]))
     rows: list[list[object]] = []
     for name in checkpoints:
@@ -189,18 +200,14 @@ def measure(
 ) -> list[list[object]]:
     """One row per checkpoint, each against the same model quantised at start (`own int4`),
     and its decode against that with what it keeps 16-bit put back in bf16."""
-    loaded = {OWN: (source, "int4"), **{name: (path, "none") for name, path in checkpoints.items()}}
+    loaded = starts(source, checkpoints)
     for path, level in loaded.values():  # warm the page cache and the kernels' first use
         load_seconds(path, level)
     baseline_of, kept = baselines
     loads = dict.fromkeys(loaded, float("inf"))
     rates = dict.fromkeys([*kept, *loaded], 0.0)
-    names = list(loaded)
     for round_index in range(args.rounds):
-        # The loads in turn, rotated each round: the start after a larger engine's teardown
-        # faults in the memory it gave back, and no load should always be the one after it.
-        first = round_index % len(names)
-        for name in names[first:] + names[:first]:
+        for name in in_turn(list(loaded), round_index):
             loads[name] = min(loads[name], load_seconds(*loaded[name]))
         for name in rates:
             path, level = loaded.get(name, (source, "int4"))

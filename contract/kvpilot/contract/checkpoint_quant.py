@@ -357,6 +357,11 @@ def resolve_quantization(flag: str, checkpoint: CheckpointQuant | None) -> str:
     )
 
 
+# The modules tensor parallelism splits by their input features (the runtime's
+# engine/parallel.py): a rank's share of a pre-quantised one's input must be whole groups.
+ROW_PARALLEL_MODULES = ("o_proj", "down_proj")
+
+
 def check_prequantized_parallel(
     quant: CheckpointQuant | None,
     tensor_parallel_size: int,

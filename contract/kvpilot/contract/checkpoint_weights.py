@@ -17,6 +17,7 @@ from typing import Any
 from kvpilot.contract.checkpoint_quant import (
     FIELD,
     PACKED_INT4_METHODS,
+    ROW_PARALLEL_MODULES,
     CheckpointQuant,
     WeightScheme,
     check_prequantized_parallel,
@@ -31,7 +32,6 @@ from kvpilot.contract.memory import (
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_ROW_PARALLEL = (".o_proj", ".down_proj")  # split by input under tensor parallelism
 
 
 def read_checkpoint_weights(config: dict[str, Any]) -> CheckpointWeights | None:
@@ -65,7 +65,7 @@ def tensor_parallel_sizes(quant: CheckpointQuant, config: dict[str, Any]) -> tup
     modules' inputs (o_proj, down_proj) from the config's shapes."""
     inputs = {
         name: n_in for name, (n_in, _) in linear_modules(config)
-        if name.endswith(_ROW_PARALLEL)
+        if name.rsplit(".", 1)[-1] in ROW_PARALLEL_MODULES
     }  # fmt: skip
     return tuple(tp for tp in TENSOR_PARALLEL_SIZES if _splits(quant, tp, inputs))
 

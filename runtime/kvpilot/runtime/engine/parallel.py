@@ -22,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kvpilot.contract.checkpoint_quant import ROW_PARALLEL_MODULES
 from kvpilot.runtime.models.loader import ModelConfig
 
 # How long a rank waits for the others at start-up and in a collective before giving up: long
@@ -29,7 +30,7 @@ from kvpilot.runtime.models.loader import ModelConfig
 TIMEOUT = timedelta(minutes=5)
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW_PARALLEL = ("o_proj", "down_proj")
+_ROW_PARALLEL = ROW_PARALLEL_MODULES
 
 
 def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
