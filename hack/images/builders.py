@@ -29,6 +29,7 @@ VENV_FILES = (*BASE_FILES, "uv.lock", "pyproject.toml", "hack/uv-requirements.tx
 KERNEL_SOURCES = (
     "runtime/kvpilot/runtime/layers/paged_kernel.py",
     "runtime/kvpilot/runtime/layers/paged_decode.cpp",
+    "runtime/kvpilot/runtime/layers/int4_tiles.cpp",
 )
 KERNEL_FILES = (*VENV_FILES, *KERNEL_SOURCES)
 # Nothing below /dev ships (the container runtime makes it; nodes in a layer break rootless).

@@ -36,7 +36,7 @@ from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.engine.model_runner import load_model
 from kvpilot.runtime.engine.sampling import SamplingParams
 from kvpilot.runtime.evaluate import samples_for, score
-from kvpilot.runtime.layers import packed_int4
+from kvpilot.runtime.layers import packed_int4, paged_kernel
 from kvpilot.runtime.layers.packed_int4 import (
     AWQ_ORDER,
     Int4Words,
@@ -298,6 +298,14 @@ def test_output_rows_move_in_every_format(kind: str) -> None:
     torch.testing.assert_close(dequantize(moved), dequantize(matrix)[rows])
 
 
+@pytest.fixture(params=["compiled", "tensor ops"])
+def compiled(request: pytest.FixtureRequest) -> bool:
+    """Which tile writer words_cpu_tiles runs: torch.ops.kvpilot.int4_tiles or tensor ops."""
+    if request.param == "compiled":
+        paged_kernel.load()
+    return bool(request.param == "compiled")
+
+
 @pytest.mark.parametrize("layout", ["gptq", "ct", "awq"])
 @pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
 @pytest.mark.parametrize(
@@ -305,21 +313,41 @@ def test_output_rows_move_in_every_format(kind: str) -> None:
     [(256, 128, False), (256, 32, True), (688, 128, False), (688, 128, True), (40, 32, True)],
 )  # 688: tiny-llama's MLP, padded to 768 (six groups of 128)
 def test_words_are_written_into_the_cpu_tiles_as_packing_unpacked_values_would(
-    tile_rows: int, in_features: int, group_size: int, act_order: bool, layout: str
+    tile_rows: int, in_features: int, group_size: int, act_order: bool, layout: str, compiled: bool
 ) -> None:
     """Every byte equal to the tiles the engine writes from unpacked values, for both tile
     heights (AVX512's 64 rows and AVX2's 32), GPTQ's, compressed-tensors' and AWQ's words,
-    act-order's input order (GPTQ's) and the padding included."""
+    act-order's input order (GPTQ's) and the padding included, by either writer."""
     torch.manual_seed(0)
     act_order = act_order and layout != "awq"
     parts = _gptq_parts(2 * tile_rows, in_features, act_order, group_size, layout)
     unpacked = unpack_words(parts).values
-    assert torch.equal(words_cpu_tiles(parts, tile_rows), _pack_cpu_tiles(unpacked, tile_rows))
+    tiles = words_cpu_tiles(parts, tile_rows, compiled)
+    assert torch.equal(tiles, _pack_cpu_tiles(unpacked, tile_rows))
 
 
 @pytest.mark.parametrize("layout", ["gptq", "ct", "awq"])
 @pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
-def test_fused_modules_are_written_each_into_its_own_tiles(layout: str, tile_rows: int) -> None:
+def test_a_ranks_share_of_the_words_is_written_as_a_copy_of_it_would_be(
+    layout: str, tile_rows: int, compiled: bool
+) -> None:
+    """A tensor-parallel rank's outputs are a slice of the checkpoint's words (a view with the
+    whole matrix's strides): written as the same words copied out."""
+    torch.manual_seed(0)
+    whole = _gptq_parts(4 * tile_rows, 256, False, 32, layout)
+    cut = slice(tile_rows // 8, 3 * tile_rows // 8) if layout == "awq" else slice(64, 128)
+    words = whole.words[0].t()[cut].t() if layout == "ct" else whole.words[0][:, cut]
+    share = replace(whole, words=(words,))
+    expected = words_cpu_tiles(replace(share, words=(words.contiguous(),)), tile_rows, False)
+    assert not words.is_contiguous()
+    assert torch.equal(words_cpu_tiles(share, tile_rows, compiled), expected)
+
+
+@pytest.mark.parametrize("layout", ["gptq", "ct", "awq"])
+@pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
+def test_fused_modules_are_written_each_into_its_own_tiles(
+    layout: str, tile_rows: int, compiled: bool
+) -> None:
     """q/k/v (or gate/up) fused keep each module's words; the tiles are those of the words
     side by side."""
     torch.manual_seed(0)
@@ -327,8 +355,8 @@ def test_fused_modules_are_written_each_into_its_own_tiles(layout: str, tile_row
     fused = concat([first, second])
     assert isinstance(fused, Int4Words) and len(fused.words) == 2
     side_by_side = replace(fused, words=(fused.all_words(),))
-    expected = words_cpu_tiles(side_by_side, tile_rows)
-    assert torch.equal(words_cpu_tiles(fused, tile_rows), expected)
+    expected = words_cpu_tiles(side_by_side, tile_rows, compiled=False)
+    assert torch.equal(words_cpu_tiles(fused, tile_rows, compiled), expected)
     torch.testing.assert_close(
         dequantize(fused), torch.cat([dequantize(first), dequantize(second)])
     )
@@ -337,7 +365,7 @@ def test_fused_modules_are_written_each_into_its_own_tiles(layout: str, tile_row
 @pytest.mark.parametrize(("layout", "act_order"), [("gptq", False), ("gptq", True), ("ct", False)])
 @pytest.mark.parametrize("tile_rows", CPU_INT4_TILE_ROWS)
 def test_reordered_outputs_are_written_as_their_words_gathered(
-    layout: str, act_order: bool, tile_rows: int, monkeypatch: pytest.MonkeyPatch
+    layout: str, act_order: bool, tile_rows: int, compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Act-order's fold reorders gate/up's outputs as their words are written into tiles, a
     block of tiles at a time (one tile a block here): every byte as the words gathered first
@@ -353,8 +381,8 @@ def test_reordered_outputs_are_written_as_their_words_gathered(
     assert isinstance(fused, Int4Words) and len(fused.orders()) == 2
     for parts in (moved, fused):
         gathered = replace(parts, words=(parts.all_words(),), column_orders=())
-        tiles = words_cpu_tiles(parts, tile_rows)
-        assert torch.equal(tiles, words_cpu_tiles(gathered, tile_rows))
+        tiles = words_cpu_tiles(parts, tile_rows, compiled)
+        assert torch.equal(tiles, words_cpu_tiles(gathered, tile_rows, compiled=False))
         assert torch.equal(tiles, _pack_cpu_tiles(unpack_words(parts).values, tile_rows))
     torch.testing.assert_close(dequantize(moved), dequantize(gate)[rows][again])
     fused_moved = permute_rows(fused, again.repeat(2)[: 6 * tile_rows])  # fused: gathered now

@@ -18,26 +18,51 @@ import sys
 import pytest
 
 from kvpilot.runtime.layers import paged_kernel
-paged_kernel.load()
+LOAD = paged_kernel.loaded_without_building if sys.argv[1] == "without" else paged_kernel.load
+print("loaded:", LOAD())
 import torch
 assert hasattr(torch.ops.kvpilot, "paged_decode_attention")
+assert hasattr(torch.ops.kvpilot, "int4_tiles")
 print("cpp_extension imported:", "torch.utils.cpp_extension" in sys.modules)
 """
 
 
-def test_a_built_kernel_loads_in_a_new_process_without_the_build_tools() -> None:
+@pytest.mark.parametrize(("how", "returned"), [("load", "None"), ("without", "True")])
+def test_a_built_kernel_loads_in_a_new_process_without_the_build_tools(
+    how: str, returned: str
+) -> None:
+    """Both ops of the library load (`without`: paged_kernel.loaded_without_building, as the
+    int4 tile writer asks)."""
     paged_kernel.load()  # built here, or by an earlier process on this machine
     build_dir = paged_kernel.cache_root() / paged_kernel.build_key()
     assert (build_dir / (build_dir / paged_kernel.BUILT_MARK).read_text()).is_file()
     result = subprocess.run(
-        [sys.executable, "-c", LOAD_IN_A_NEW_PROCESS],
+        [sys.executable, "-c", LOAD_IN_A_NEW_PROCESS, how],
         capture_output=True,
         text=True,
         env={**os.environ},
         timeout=300,
         check=True,
     )
-    assert result.stdout.strip() == "cpp_extension imported: False", result.stderr
+    lines = [f"loaded: {returned}", "cpp_extension imported: False"]
+    assert result.stdout.strip().splitlines() == lines, result.stderr
+
+
+NOT_BUILT_HERE = """
+from kvpilot.runtime.layers import paged_kernel
+print(paged_kernel.loaded_without_building())
+"""
+
+
+def test_where_nothing_is_built_the_int4_tile_writer_does_not_build_it(tmp_path: Path) -> None:
+    """No cache and no prebuilt kernel: False at once (the tile writer's tensor ops then run),
+    and nothing is compiled, though a compiler is there."""
+    env = {**os.environ, paged_kernel.CACHE_ENV: str(tmp_path / "cache"),
+           paged_kernel.PREBUILT_ENV: str(tmp_path / "prebuilt")}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", NOT_BUILT_HERE], capture_output=True,
+                            text=True, env=env, timeout=300, check=True)  # fmt: skip
+    assert result.stdout.strip() == "False", result.stderr[-2000:]
+    assert not (tmp_path / "cache").exists()
 
 
 def test_a_mark_without_its_library_is_not_loaded(tmp_path: Path) -> None:

@@ -21,10 +21,11 @@ makes each group consecutive, so the layer stores W[:, perm] and multiplies x[:,
 
 GPTQ's words (and compressed-tensors', the same words transposed) are kept as they are until
 they are stored (Int4Words): on CPU they are written into the int4 kernel's tiles straight from
-the words (an input feature of a tile is one line of
-bytes there, so act-order's gather moves lines), never unpacked to a byte per value; fusing
-q/k/v and gate/up and reordering outputs (act-order's fold) move words. Unpacking, then
-packing, was most of a GPTQ checkpoint's load.
+the words (an input feature of a tile is one line of bytes there, so act-order's gather moves
+lines), never unpacked to a byte per value; fusing q/k/v and gate/up and reordering outputs
+(act-order's fold) move words. Unpacking, then packing, was most of a GPTQ checkpoint's load.
+The tiles are written in one pass by torch.ops.kvpilot.int4_tiles (int4_tiles.cpp, in the
+library paged_kernel.py builds) where that is built, else by tensor ops (`words_cpu_tiles`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.contract.checkpoint_quant import FIELD, LM_HEAD, WeightScheme
 from kvpilot.contract.memory import INT4_GROUP_SIZE
+from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.quant import (
     INT4_MID,
     Int4Parts,
@@ -262,22 +264,33 @@ PADDING_BYTE = INT4_MID * 0x11  # two values of 8: a zero weight in both nibbles
 TILES_BLOCK_BYTES = 512 * 1024  # words written into tiles at a time: kept in the cache
 
 
-def words_cpu_tiles(parts: Int4Words, tile_rows: int) -> torch.Tensor:
+def words_cpu_tiles(parts: Int4Words, tile_rows: int, compiled: bool | None = None) -> torch.Tensor:
     """The CPU int4 kernel's packed matrix [out, padded_in / 2] (its layout:
-    quant._unpack_cpu_tiles) written from the words. Line k of a tile holds input feature k
-    of the tile's row j in byte j's low nibble and of row j + tile_rows / 2 in its high one; a
-    word's byte b holds features 2b and 2b + 1 of one output, so word arithmetic on the two
-    halves of a tile makes the line bytes of the even features and of the odd ones at once.
-    A block of tiles at a time, so that each pass reads what the last wrote from the cache;
-    fused modules each into their own tiles (their words are never concatenated). Every module's
-    outputs a whole number of tiles. Little-endian words (bytes read in memory order)."""
+    quant._unpack_cpu_tiles) written from the words, fused modules each into their own tiles
+    (their words are never concatenated); every module's outputs a whole number of tiles.
+    Little-endian words (bytes read in memory order). `compiled`: by torch.ops.kvpilot.int4_tiles
+    (int4_tiles.cpp: one pass, no temporaries), else by tensor ops; None: compiled where the
+    kernel library is built (paged_kernel.loaded_without_building).
+
+    The tensor ops: line k of a tile holds input feature k of the tile's row j in byte j's low
+    nibble and of row j + tile_rows / 2 in its high one; a word's byte b holds features 2b and
+    2b + 1 of one output, so word arithmetic on the two halves of a tile makes the line bytes of
+    the even features and of the odd ones at once, a block of tiles at a time, so that each pass
+    reads what the last wrote from the cache."""
+    if compiled is None:
+        compiled = paged_kernel.loaded_without_building()
     num_tiles = parts.out_features // tile_rows
     tiles = torch.empty(num_tiles, parts.padded_in, tile_rows // 2, dtype=torch.uint8)
-    tiles[:, parts.in_features :] = PADDING_BYTE
+    if not compiled:
+        tiles[:, parts.in_features :] = PADDING_BYTE
     first = 0
     for words, order in zip(parts.words, parts.orders(), strict=True):
         module_tiles = tiles[first : first + parts.outputs_of(words) // tile_rows]
-        if parts.awq:
+        if compiled:
+            torch.ops.kvpilot.int4_tiles(
+                words, order, parts.input_order, parts.in_features, parts.awq, module_tiles
+            )
+        elif parts.awq:
             _write_awq_tiles(words, module_tiles)
         else:
             _write_tiles(words, order, module_tiles, parts)

@@ -1,5 +1,7 @@
 """The CPU decode-attention kernel over the paged KV cache (paged_decode.cpp), built once per
-machine and loaded as `torch.ops.kvpilot.paged_decode_attention`.
+machine and loaded as `torch.ops.kvpilot.paged_decode_attention`; the same library holds
+`torch.ops.kvpilot.int4_tiles` (int4_tiles.cpp), which writes a pre-quantised int4 checkpoint's
+words into the CPU int4 kernel's tiles at load.
 
 No well-kept CPU paged-attention kernel installs beside current torch (IPEX stops at torch 2.8,
 vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUDA kernels only),
@@ -30,10 +32,13 @@ import platform
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+# One library, its ops registered as torch.ops.kvpilot.*: decode attention over the paged cache,
+# and the int4 tile writer a GPTQ/AWQ/compressed-tensors checkpoint's load runs (int4_tiles.cpp).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.cpp", "int4_tiles.cpp"))
 CACHE_ENV = "KVPILOT_KERNEL_CACHE"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # Written into the build directory once a build has loaded in its process: it names the built
@@ -65,11 +70,15 @@ def build_key() -> str:
         machine_files,  # /proc reads stay out of import time
     )
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = _sources_digest()
     flags = sorted(machine_files.cpu_flags())
     for part in (torch.__version__, sys.version, platform.machine(), *COMPILE_FLAGS, *flags):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
+
+
+def _sources_digest() -> Any:  # hashlib's hash object, which typeshed keeps private
+    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
 
 
 def prebuilt_root() -> Path:
@@ -84,7 +93,7 @@ def portable_flags(level: str) -> list[str]:
 def portable_key(level: str) -> str:
     """A prebuilt kernel's key: its source, torch, the Python ABI (the image's interpreter is
     not the builder's patch release) and the level's flags; no CPU of its own."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = _sources_digest()
     parts = (torch.__version__, sys.implementation.cache_tag, platform.machine())
     for part in (*parts, *portable_flags(level)):
         digest.update(part.encode())
@@ -121,6 +130,16 @@ def load() -> None:
     reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailableError(reason)
+
+
+@functools.cache
+def loaded_without_building() -> bool:
+    """Whether the library is in this process, loaded now where this machine's cache or the image
+    holds it built; never builds it. For what has a path without it (the int4 tile writer): a
+    start that asked for no attention kernel does not wait for a compile."""
+    if unavailable_reason.cache_info().currsize:  # tried in this process already
+        return unavailable_reason() is None
+    return load_built(cache_root() / build_key()) or load_prebuilt()
 
 
 @functools.cache
@@ -181,7 +200,7 @@ def _build_and_load(build_dir: Path, flags: list[str]) -> Path:
     try:
         library = cpp_extension.load(
             name=f"kvpilot_paged_decode_{build_dir.name}",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=flags,
             build_directory=str(build_dir),
             is_python_module=False,
