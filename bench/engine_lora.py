@@ -22,10 +22,9 @@ the same with `--max-loras 32`. Then, labelled "offline", another shape: `--offl
 benchmarks/benchmark_throughput.py --enable-lora does, the base model and the Zipf draw at
 `--max-loras 8`, each ratio to the offline base (0 requests: not run). The runs go in turn in
 each of `--rounds` rounds and each ratio is the median over rounds: a shared machine's load
-drifts between runs. `--ab` adds a run, the 8-adapter mix on the engine's LoRA prefill path as
-it was before one adapter's chunks were laid out side by side and expanded by an addmm per
-sub-module (model_runner._GROUP_PREFILLS_BY_SLOT, layers/lora._ADDMM_EXPAND off), interleaved
-with the rest.
+drifts between runs. `--ab` adds a run, the 8-adapter mix with a decode-like step's adapter
+rows through the padded batched matmuls of tensor ops, as before the compiled op
+(layers/lora_add.cpp; layers/lora._COMPILED_ROWS off), interleaved with the rest.
 On tiny-llama, the 8-adapter mix's decode and prefill steps are replayed with and without their
 adapters (bench/lora_step_ops.py): aten ops, matmuls and CPU time of each.
 Load: the p50 of 20 `Engine.load_lora` calls of a rank-16 adapter from local disk (read,
@@ -73,7 +72,6 @@ from bench.reference.lora import (
 )
 from bench.report import markdown_table, write_section
 from kvpilot.contract.engine_config import EngineConfig
-from kvpilot.runtime.engine import model_runner
 from kvpilot.runtime.engine.engine import Engine
 from kvpilot.runtime.layers import lora as lora_layer
 from kvpilot.runtime.models.lora_files import module_shape
@@ -243,14 +241,14 @@ OLD_PATH_RUN = f"{NUM_MIXED} adapters mixed (all projections), the path before (
 
 @contextmanager
 def lora_path(is_old: bool) -> Iterator[None]:
-    """The engine's LoRA prefill path as it was before the chunks were laid out by slot and
-    a run's expand became an addmm per sub-module (is_old), through their private switches."""
-    saved = model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND
-    model_runner._GROUP_PREFILLS_BY_SLOT = lora_layer._ADDMM_EXPAND = not is_old
+    """A decode-like step's adapter rows through the padded tensor ops, as before the compiled
+    op (is_old), through the layer's private switch."""
+    saved = lora_layer._COMPILED_ROWS
+    lora_layer._COMPILED_ROWS = not is_old
     try:
         yield
     finally:
-        model_runner._GROUP_PREFILLS_BY_SLOT, lora_layer._ADDMM_EXPAND = saved
+        lora_layer._COMPILED_ROWS = saved
 
 
 def make_runs(num_requests: int, num_offline: int, with_ab: bool) -> Runs:
@@ -459,9 +457,10 @@ def ab_note(runs: Runs, tps: dict[str, list[float]], mixed_name: str) -> str:
     gain = median([n / o for n, o in zip(tps[mixed_name], tps[OLD_PATH_RUN], strict=True)])
     return (
         f"A/B (--ab): the {NUM_MIXED}-adapter mix runs {gain:.2f}x the tokens/s of the path "
-        "before (prefill chunks in batch order, so one adapter's chunks were gathered as a "
-        "group; each slot's expand one batched matmul, its rows x out product copied from "
-        "piece order and added), median over rounds of the runs' ratio.\n"
+        "before (a decode-like step's adapter rows gathered, padded per slot, through two "
+        "batched matmuls and a gather of each piece's sub-module, then index_add: about twenty "
+        "aten ops per projection, where torch.ops.kvpilot.lora_add_ is one), median over rounds "
+        "of the runs' ratio.\n"
     )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench.reference.models import TINY_LLAMA
-from kvpilot.runtime.layers import lora
+from kvpilot.runtime.layers import lora, paged_kernel
 from kvpilot.runtime.layers.lora import FUSED_GROUPS, LoraBatch, LoraStack
 from kvpilot.runtime.layers.lora_groups import (
     SlotGroups,
@@ -122,7 +122,17 @@ def reference_delta(
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("is_addmm", [True, False])  # the path bench.engine_lora --ab compares
+@pytest.fixture(params=["compiled", "tensor ops"])
+def compiled(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Which path a decode-like step's groups take: torch.ops.kvpilot.lora_add_ or the padded
+    batched matmuls (bench.engine_lora --ab compares them)."""
+    is_compiled = request.param == "compiled"
+    if is_compiled:
+        paged_kernel.load()
+    monkeypatch.setattr(lora, "_COMPILED_ROWS", is_compiled)
+    return is_compiled
+
+
 @pytest.mark.parametrize("group", ["qkv", "gate_up"])
 @pytest.mark.parametrize(
     ("row_slots", "is_padded", "num_runs"),
@@ -139,10 +149,8 @@ def test_delta_of_each_form_is_each_rows_own_adapter(
     row_slots: list[int],
     is_padded: bool,
     num_runs: int,
-    is_addmm: bool,
-    monkeypatch: pytest.MonkeyPatch,
+    compiled: bool,
 ) -> None:
-    monkeypatch.setattr(lora, "_ADDMM_EXPAND", is_addmm)
     modules = FUSED_GROUPS[group]
     stack = LoraStack(CFG, modules, 4, 8, torch.float32, torch.device("cpu"))
     adapters = {slot: random_adapter(rank, slot) for slot, rank in [(0, 8), (1, 4), (2, 2)]}
@@ -152,7 +160,9 @@ def test_delta_of_each_form_is_each_rows_own_adapter(
     base = torch.randn(len(row_slots), sum(stack.outs))
     batch = LoraBatch.of_rows(row_slots, [], torch.device("cpu"))
     assert batch is not None and len(batch.runs) == num_runs
-    assert (batch.grid is not None) is (is_padded and batch.num_rows > 0)
+    padded = is_padded and batch.num_rows > 0
+    assert batch.compiled is (padded and compiled)
+    assert (batch.grid is not None) is (padded and not compiled)
     out = stack.add_delta(base.clone(), x, batch)
     for row, slot in enumerate(row_slots):
         delta = torch.zeros(sum(stack.outs)) if slot < 0 else reference_delta(
@@ -188,3 +198,58 @@ def test_a_projection_no_adapter_of_the_step_targets_is_left_as_it_is() -> None:
     torch.testing.assert_close(out[1], base[1] + x[1].sum() * 2)
     stack.set_slot(1, random_adapter(8, 1), layer=0)  # rewritten: no longer targets o
     assert stack.is_targeted == [False] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("group", ["qkv", "o", "gate_up"])
+def test_the_compiled_rows_round_once_what_float64_adds(
+    group: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the model's dtype, slots not starting at 0, rows out of order, some of the base model:
+    the op sums in float and rounds once into the output, so each value is float64's on the same
+    values within a rounding of the dtype (the tensor ops round u, the delta and the sum)."""
+    paged_kernel.load()
+    modules, cpu = FUSED_GROUPS[group], torch.device("cpu")
+    stack = LoraStack(CFG, modules, 6, 16, dtype, cpu)
+    for slot, rank in [(1, 16), (3, 8), (5, 4)]:
+        stack.set_slot(slot, random_adapter(rank, slot), layer=0)
+    exact = LoraStack(CFG, modules, 6, 16, torch.float64, cpu)  # the same values, in float64
+    exact.a, exact.b, exact.is_targeted = stack.a.double(), stack.b.double(), stack.is_targeted
+    row_slots = [3, -1, 5, 1, 3, 3, -1, 5, 1, 1, 5]
+    x = torch.randn(len(row_slots), module_shape(CFG, modules[0])[1]).to(dtype)
+    base = torch.randn(len(row_slots), sum(stack.outs)).to(dtype)
+    monkeypatch.setattr(lora, "_COMPILED_ROWS", False)
+    padded = LoraBatch.of_rows(row_slots, [], cpu)
+    assert padded is not None and padded.grid is not None
+    want = exact.add_delta(base.double(), x.double(), padded)
+    monkeypatch.setattr(lora, "_COMPILED_ROWS", True)
+    batch = LoraBatch.of_rows(row_slots, [], cpu)
+    assert batch is not None and batch.compiled
+    out = stack.add_delta(base.clone(), x, batch)
+    assert out[[1, 6]].equal(base[[1, 6]])  # the base model's rows untouched
+    rounding = torch.finfo(dtype).eps  # the gap above 1: twice a rounding's largest error
+    summing = 1e-6 * want.abs().max().item()  # float's sums of a few hundred products
+    torch.testing.assert_close(out.double(), want, rtol=rounding, atol=summing)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"rows": [0, 0]}, "rows lists row 0 twice"),
+        ({"rows": [0, 9]}, "rows\\[1\\] = 9 is outside 0..3"),
+        ({"slots": [7]}, "slots\\[0\\] = 7 is outside 0..3"),
+        ({"starts": [0, 1]}, "starts must run from 0 to the number of rows"),
+    ],
+)
+def test_the_compiled_op_refuses_rows_and_slots_outside_its_tensors(
+    change: dict[str, list[int]], message: str
+) -> None:
+    """Checked before any row is written: nothing outside x, out or the stacks is read."""
+    paged_kernel.load()
+    stack = LoraStack(CFG, ("o_proj",), 4, 8, torch.float32, torch.device("cpu"))
+    plan = {"rows": [0, 2], "starts": [0, 2], "slots": [1], **change}
+    x, out = torch.randn(4, 256), torch.zeros(4, 256)
+    tensors = [torch.tensor(plan[name]) for name in ("rows", "starts", "slots")]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.kvpilot.lora_add_(out, x, *tensors, stack.a, stack.b, stack.piece_modules)
+    assert out.eq(0).all()

@@ -46,10 +46,6 @@ CUDA_DECODE_GROUP_SEQS = 16
 PROMPT_LOGITS_ROWS = 256  # prompt positions scored per logits matrix (prompt_logprobs)
 
 
-# Private switch for bench.engine_lora's A/B only: False keeps the prefill chunks in batch order.
-_GROUP_PREFILLS_BY_SLOT = True
-
-
 def load_model(
     model_dir: Path,
     cfg: ModelConfig,
@@ -99,8 +95,7 @@ def batch_layout(batch: list[ScheduledSequence]) -> list[ScheduledSequence]:
     decodes = [item for item in batch if is_decode(item)]
     decodes.sort(key=lambda item: item.seq.num_computed_tokens)
     prefills = [item for item in batch if not is_decode(item)]
-    if _GROUP_PREFILLS_BY_SLOT:
-        prefills.sort(key=lambda item: item.seq.lora_slot)
+    prefills.sort(key=lambda item: item.seq.lora_slot)
     return decodes + prefills
 
 

@@ -29,6 +29,12 @@ per-sequence loop:
         delta[group g, cols_j] = (x[rows_g] @ A[s_g])[:, j] @ B[s_g, j]   for each of the G slots
     out.index_add_(0, rows, delta)   # [M, out] back to the rows' places
 
+On CPU the padded form's rows run through one compiled op per projection where the kernel
+library is built, torch.ops.kvpilot.lora_add_ (lora_add.cpp: each row's u = x[row] @ A[s] and
+its pieces through B[s], summed in float and added into out[row] once); the tensor ops above are
+about twenty aten ops per projection, whose dispatch was what LoRA added to a small model's
+decode step.
+
 Each row multiplies only its own slot's k*R columns (padding ranks below R and sub-modules an
 adapter does not target are zeros, so they add nothing), where the masked form this replaced
 ran every row through all S slots and zeroed the rest: S times the work.
@@ -46,6 +52,7 @@ import math
 import torch
 
 from kvpilot.runtime.engine.parallel import TPGroup
+from kvpilot.runtime.layers import paged_kernel
 from kvpilot.runtime.layers.lora_groups import (
     SlotGroups,
     SlotRun,
@@ -59,9 +66,9 @@ from kvpilot.runtime.layers.lora_groups import (
 from kvpilot.runtime.models.loader import ModelConfig
 from kvpilot.runtime.models.lora_files import LoraAdapter, module_shape
 
-# Private switch for bench.engine_lora's A/B only: False runs a single slot's expand (prefill
-# runs and segmented groups) as the batched `expand` did before `add_expanded`.
-_ADDMM_EXPAND = True
+# Private switch for bench.engine_lora's A/B only: False runs a decode-like step's groups padded
+# through tensor ops where the compiled op (lora_add.cpp) would run them.
+_COMPILED_ROWS = True
 
 # The engine's fused projections and the checkpoint modules each holds, in output order.
 FUSED_GROUPS: dict[str, tuple[str, ...]] = {
@@ -149,6 +156,10 @@ class LoraStack:
                 self.add_expanded(out[run.first : run.end], u, run.slot, beta=1)
         if batch.num_rows == 0 or not any(self.is_targeted[slot] for slot in batch.slots):
             return out
+        if batch.compiled:
+            args = (batch.rows, batch.starts, batch.slot_ids, self.a, self.b, self.piece_modules)
+            torch.ops.kvpilot.lora_add_(out, x, *args)
+            return out
         if batch.grid is not None:
             # index_select, not x[grid]: advanced indexing costs twice as much on these sizes
             x_grid = x.index_select(0, batch.grid).view(batch.num_slots, -1, x.shape[1])
@@ -176,13 +187,6 @@ class LoraStack:
         of the addmm's (512 rows of the compute-bound bench model's gate_up, bf16, one thread:
         15 ms against 2 ms, the base projection's own matmul 13 ms). beta 0: dest's values,
         even NaN, are ignored (a fresh tensor)."""
-        if not _ADDMM_EXPAND:  # the old path, for bench.engine_lora's A/B
-            delta = self.expand(u[None], self.b[slot : slot + 1])
-            if beta == 0:
-                dest.copy_(delta)
-            else:
-                dest.add_(delta)
-            return
         rank = self.max_rank
         for j, (column, width) in enumerate(zip(self.columns, self.outs, strict=True)):
             dest[:, column : column + width].addmm_(
@@ -198,6 +202,12 @@ class LoraStack:
         if num_pieces == 1:
             return pieces[0]
         return pieces.transpose(0, 1).reshape(self.max_rank, self.outs[module])
+
+
+def compiled_rows(device: torch.device) -> bool:
+    """Whether a decode-like step's rows run through the compiled op: on CPU, where the kernel
+    library is built (it is never built for this)."""
+    return _COMPILED_ROWS and device.type == "cpu" and paged_kernel.loaded_without_building()
 
 
 class LoraBatch:
@@ -223,7 +233,13 @@ class LoraBatch:
         self.num_slots = len(groups.slots)
         self.grid: torch.Tensor | None = None  # [G*L] when the padded form runs, flat
         self.positions: torch.Tensor | None = None  # [M] real rows in the grid; None: all are
-        if groups.rows and is_padding_cheap(groups):
+        # Decode-like groups on CPU run through torch.ops.kvpilot.lora_add_ where it is built:
+        # one op per projection, where the padded form is about twenty (lora_add.cpp).
+        self.compiled = bool(groups.rows) and is_padding_cheap(groups) and compiled_rows(device)
+        if self.compiled:
+            self.starts = torch.tensor(groups.starts, dtype=torch.long)  # [G + 1]
+            self.slot_ids = torch.tensor(groups.slots, dtype=torch.long)  # [G]
+        elif groups.rows and is_padding_cheap(groups):
             grid, positions = padded_rows(groups)
             self.grid = torch.tensor(grid, dtype=torch.long, device=device).flatten()
             if len(positions) < self.grid.numel():

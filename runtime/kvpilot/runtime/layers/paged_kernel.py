@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel over the paged KV cache (paged_decode.cpp), built once per
 machine and loaded as `torch.ops.kvpilot.paged_decode_attention`; the same library holds
 `torch.ops.kvpilot.int4_tiles` (int4_tiles.cpp), which writes a pre-quantised int4 checkpoint's
-words into the CPU int4 kernel's tiles at load.
+words into the CPU int4 kernel's tiles at load, and `torch.ops.kvpilot.lora_add_` (lora_add.cpp),
+multi-LoRA's delta for a decode-like step's rows.
 
 No well-kept CPU paged-attention kernel installs beside current torch (IPEX stops at torch 2.8,
 vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUDA kernels only),
@@ -37,8 +38,12 @@ from typing import Any
 import torch
 
 # One library, its ops registered as torch.ops.kvpilot.*: decode attention over the paged cache,
-# and the int4 tile writer a GPTQ/AWQ/compressed-tensors checkpoint's load runs (int4_tiles.cpp).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_decode.cpp", "int4_tiles.cpp"))
+# the int4 tile writer a GPTQ/AWQ/compressed-tensors checkpoint's load runs (int4_tiles.cpp) and
+# multi-LoRA's delta for a decode-like step's rows (lora_add.cpp).
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("paged_decode.cpp", "int4_tiles.cpp", "lora_add.cpp")
+)
 CACHE_ENV = "KVPILOT_KERNEL_CACHE"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # Written into the build directory once a build has loaded in its process: it names the built
@@ -132,13 +137,17 @@ def load() -> None:
         raise KernelUnavailableError(reason)
 
 
-@functools.cache
 def loaded_without_building() -> bool:
     """Whether the library is in this process, loaded now where this machine's cache or the image
-    holds it built; never builds it. For what has a path without it (the int4 tile writer): a
-    start that asked for no attention kernel does not wait for a compile."""
-    if unavailable_reason.cache_info().currsize:  # tried in this process already
+    holds it built; never builds it. For what has a path without it (the int4 tile writer, the
+    LoRA delta): a start that asked for no attention kernel does not wait for a compile."""
+    if unavailable_reason.cache_info().currsize:  # loaded or built in this process, or refused
         return unavailable_reason() is None
+    return _load_built_here()
+
+
+@functools.cache
+def _load_built_here() -> bool:
     return load_built(cache_root() / build_key()) or load_prebuilt()
 
 
