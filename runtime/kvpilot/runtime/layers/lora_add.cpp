@@ -1,12 +1,13 @@
 // Multi-LoRA's delta for a decode-like step's rows, on CPU: each row through its own adapter
 // slot's A and B, added into the base projection's output in place (layers/lora.py,
-// `LoraStack.add_delta`; Punica's BGMV, one row at a time).
+// `LoraStack.add_delta`; Punica's BGMV, two rows of a slot at a time).
 //
 // The tensor-op form of the same step (gather the rows, pad the groups, two batched matmuls, a
 // gather of each piece's sub-module, drop the padding, index_add) is about twenty aten ops per
 // projection, and at tiny-llama's sizes their dispatch, not their arithmetic, was what LoRA added
 // to a decode step (bench/lora_step_ops.py: 596 more ops, 3.2 ms on a 3.2 ms step). Here a
-// projection is one op; the products are summed in float and rounded once, into the output.
+// projection is one op (24 more ops, 1.2 ms, docs/benchmarks.md); the products are summed in
+// float and rounded once, into the output.
 //
 // Shapes (layers/lora.py): x [T, in], out [T, out] (rows contiguous); a [S, in, k*R], the k
 // sub-modules' A side by side; b [S, P, R, w], the output cut in P pieces of width w, piece p
