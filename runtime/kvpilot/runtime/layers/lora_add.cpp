@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "float_convert.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -28,29 +30,8 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-// bf16 is the top half of a float: a shift the compiler vectorises, unlike the c10 operator.
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-template <typename T>
-inline T from_float(float x) {
-  return static_cast<T>(x);
-}
-// Rounded to the nearest bf16, ties to even, in integer arithmetic the compiler vectorises (the
-// c10 conversion, with its NaN branch, stays scalar: it was most of the op's time).
-template <>
-inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
-}
+using kvpilot_kernels::from_float;
+using kvpilot_kernels::to_float;
 
 struct Dims {
   int64_t in, width_a, rank, pieces, piece_width;  // width_a = k * R

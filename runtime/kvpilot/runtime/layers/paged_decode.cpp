@@ -20,6 +20,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "float_convert.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -33,15 +35,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-// bf16 is the top half of a float: a shift the compiler vectorises, unlike the c10 operator.
-inline float to_float(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+using kvpilot_kernels::to_float;
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;

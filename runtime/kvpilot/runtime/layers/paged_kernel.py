@@ -44,6 +44,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("paged_decode.cpp", "int4_tiles.cpp", "lora_add.cpp")
 )
+HEADERS = (Path(__file__).with_name("float_convert.h"),)  # included by the sources: keyed too
 CACHE_ENV = "KVPILOT_KERNEL_CACHE"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # Written into the build directory once a build has loaded in its process: it names the built
@@ -83,7 +84,7 @@ def build_key() -> str:
 
 
 def _sources_digest() -> Any:  # hashlib's hash object, which typeshed keeps private
-    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    return hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)))
 
 
 def prebuilt_root() -> Path:
