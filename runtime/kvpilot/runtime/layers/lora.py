@@ -235,11 +235,12 @@ class LoraBatch:
         self.positions: torch.Tensor | None = None  # [M] real rows in the grid; None: all are
         # Decode-like groups on CPU run through torch.ops.kvpilot.lora_add_ where it is built:
         # one op per projection, where the padded form is about twenty (lora_add.cpp).
-        self.compiled = bool(groups.rows) and is_padding_cheap(groups) and compiled_rows(device)
+        is_decode_like = bool(groups.rows) and is_padding_cheap(groups)
+        self.compiled = is_decode_like and compiled_rows(device)
         if self.compiled:
             self.starts = torch.tensor(groups.starts, dtype=torch.long)  # [G + 1]
             self.slot_ids = torch.tensor(groups.slots, dtype=torch.long)  # [G]
-        elif groups.rows and is_padding_cheap(groups):
+        elif is_decode_like:
             grid, positions = padded_rows(groups)
             self.grid = torch.tensor(grid, dtype=torch.long, device=device).flatten()
             if len(positions) < self.grid.numel():

@@ -77,7 +77,8 @@ inline Floats load_first(const T* values, int64_t n) {
 
 // Two rows of one slot at a time: each line of A or B read once for both, and each row's sum
 // split in two interleaved sums (odd and even i), four independent chains of multiply-adds
-// (one chain waited on each product's latency). Named, not arrays: an array stayed in memory.
+// (one chain waited on each product's latency). Named: an array indexed in a loop the
+// compiler does not unroll stays in memory (shrink_blocks' and expand_blocks' are unrolled).
 struct Sums {
   Floats first, second;
 };
