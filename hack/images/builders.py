@@ -14,7 +14,7 @@ from hack.images import layers
 from hack.images import spec as specs
 from hack.images.checkout import ROOT, layer_epoch
 from hack.images.layer_cache import LayerCache
-from hack.images.layers import HOOK
+from hack.images.layers import COMPILE_PYC, HOOK
 from hack.images.recipe import locked_requirements
 from hack.images.spec import ImageSpec
 from hack.images.steps import build_kernel, build_stage_kernels, overlay, step_env, unmount_all
@@ -25,7 +25,13 @@ from hack.images.steps import build_kernel, build_stage_kernels, overlay, step_e
 # not among them: a change to those rebuilds the images through the recipe digest (recipe.py)
 # and moves no layer's timestamp.
 BASE_FILES = ("hack/images/spec.py", "hack/images/customize.sh")
-VENV_FILES = (*BASE_FILES, "uv.lock", "pyproject.toml", "hack/uv-requirements.txt")
+VENV_FILES = (
+    *BASE_FILES,
+    "hack/images/compile_pyc.py",
+    "uv.lock",
+    "pyproject.toml",
+    "hack/uv-requirements.txt",
+)
 KERNEL_SOURCES = (
     "runtime/kvpilot/runtime/layers/paged_kernel.py",
     "runtime/kvpilot/runtime/layers/paged_decode.cpp",
@@ -79,7 +85,8 @@ def venv_inputs(spec: ImageSpec, stage: Path) -> dict[str, bytes]:
                                   "VENV")]  # fmt: skip
     return {"requirements.txt": (stage / "requirements.txt").read_bytes(),
             "uv": (ROOT / "hack" / "uv-requirements.txt").read_bytes(),
-            "customize.sh": HOOK.read_bytes(), "flags": "\0".join(flags).encode()}  # fmt: skip
+            "customize.sh": HOOK.read_bytes(), "compile_pyc.py": COMPILE_PYC.read_bytes(),
+            "flags": "\0".join(flags).encode()}  # fmt: skip
 
 
 def venv_layer(

@@ -45,7 +45,13 @@ case $step in
     in_root "$build/uv" venv --quiet --python /usr/bin/python3 \
       ${KVPILOT_SYSTEM_SITE_PACKAGES:+--system-site-packages} "$VENV"
     in_root "$build/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes \
-      ${KVPILOT_COMPILE_BYTECODE:+--compile-bytecode} "$build/requirements.txt"
+      "$build/requirements.txt"
+    # Not uv's --compile-bytecode: its .pyc bytes depend on which files shared a worker
+    # (compile_pyc.py says why); these depend on each file alone.
+    if [ -n "$KVPILOT_COMPILE_BYTECODE" ]; then
+      cp "$(dirname "$0")/compile_pyc.py" "$root$build/"
+      in_root env PYTHONHASHSEED=0 "$VENV/bin/python" "$build/compile_pyc.py" "$VENV/lib"
+    fi
     ;;
   app)
     cp "$KVPILOT_IMAGE_STAGE/$KVPILOT_WHEEL" "$root$build/"

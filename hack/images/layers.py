@@ -33,6 +33,8 @@ INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
 REF_NAME = "org.opencontainers.image.ref.name"
 # The steps customize.sh runs in an image's root filesystem (the user, the venv, the app)
 HOOK = Path(__file__).with_name("customize.sh")
+# The venv step's byte-compiler (its .pyc bytes depend on each file alone)
+COMPILE_PYC = HOOK.with_name("compile_pyc.py")
 # Each layer's entry in the image config's history
 CREATED_BY = {
     "base": "mmdebstrap --variant=essential of the spec's Debian packages; the user (hack/images)",

@@ -24,9 +24,9 @@ RECIPE = (
     "operator/Dockerfile", "runtime/Dockerfile", "runtime/Dockerfile.cpu", ".python-version",
     "hack/uv-requirements.txt", "hack/images/__init__.py", "hack/images/__main__.py",
     "hack/images/build.py", "hack/images/builders.py", "hack/images/checkout.py",
-    "hack/images/customize.sh", "hack/images/layer_cache.py", "hack/images/layers.py",
-    "hack/images/oci_layout.py", "hack/images/recipe.py", "hack/images/spec.py",
-    "hack/images/steps.py",
+    "hack/images/compile_pyc.py", "hack/images/customize.sh", "hack/images/layer_cache.py",
+    "hack/images/layers.py", "hack/images/oci_layout.py", "hack/images/recipe.py",
+    "hack/images/spec.py", "hack/images/steps.py",
 )  # fmt: skip
 RECIPE_LABEL = "dev.kvpilot.image.recipe"
 
