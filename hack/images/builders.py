@@ -154,7 +154,8 @@ def kernel_layer(
 
 def app_inputs(stage: Path, wheel: str) -> dict[str, bytes]:
     """What decides the app layer: the wheel's bytes (kvpilot's sources) and the step."""
-    return {"wheel": (stage / wheel).read_bytes(), "customize.sh": HOOK.read_bytes()}
+    return {"wheel": (stage / wheel).read_bytes(), "customize.sh": HOOK.read_bytes(),
+            "compile_pyc.py": COMPILE_PYC.read_bytes()}  # fmt: skip
 
 
 def app_layer(

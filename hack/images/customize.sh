@@ -67,6 +67,15 @@ case $step in
       rm -f "$dist_info/uv_cache.json"
       sed -i '/\.dist-info\/uv_cache\.json,/d' "$dist_info/RECORD"
     done
+    # kvpilot's own bytecode too (a pod cannot write it: PYTHONDONTWRITEBYTECODE, read-only
+    # layers), so no start compiles its modules; only kvpilot's directory, or the venv layer's
+    # files would be copied up into this one.
+    if [ -n "$KVPILOT_COMPILE_BYTECODE" ]; then
+      cp "$(dirname "$0")/compile_pyc.py" "$root$build/"
+      for package in "$root$VENV"/lib/python3*/site-packages/kvpilot; do
+        in_root env PYTHONHASHSEED=0 "$VENV/bin/python" "$build/compile_pyc.py" "${package#"$root"}"
+      done
+    fi
     ;;
   *)
     echo "customize.sh: no step $step (user, venv, app)" >&2

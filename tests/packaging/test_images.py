@@ -376,6 +376,9 @@ def test_built_filesystem_has_the_user_and_venv_and_no_build_tools(spec: ImageSp
         )
         pyc = any(n.startswith(f"{torch_dir}/__pycache__/__init__.cpython-") for n in names)
         assert pyc == spec.compile_bytecode
+        # and kvpilot's own, which the app layer compiles: every module of the serve path
+        serve = f"{site}/kvpilot/runtime/server/__pycache__/serve.cpython-"
+        assert any(n.startswith(serve) for n in names) == spec.compile_bytecode
         kernels = "opt/venv/share/kvpilot/kernels/"
         levels = {n.removeprefix(kernels).rsplit("-", 1)[0]
                   for n in names if n.startswith(kernels) and n.endswith("/built")}  # fmt: skip
