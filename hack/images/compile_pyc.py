@@ -44,7 +44,7 @@ def compile_one(path: str) -> bool:
     try:
         py_compile.compile(path, doraise=True, invalidation_mode=CHECKED_HASH)
         compiled = True
-    except (py_compile.PyCompileError, SyntaxError, UnicodeDecodeError, ValueError):
+    except py_compile.PyCompileError:  # doraise wraps whatever compiling the file raised
         compiled = False
     gc.collect()  # the file's code objects gone before the next file compiles
     return compiled

@@ -39,6 +39,13 @@ in_root() {
     SSL_CERT_FILE=$build/ca.crt SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" "$@"
 }
 
+compile_bytecode() {
+  # DIR (a path inside ROOT) byte-compiled by compile_pyc.py, not uv's --compile-bytecode:
+  # uv's .pyc bytes depend on which files shared a worker (compile_pyc.py says why).
+  cp "$(dirname "$0")/compile_pyc.py" "$root$build/"
+  in_root env PYTHONHASHSEED=0 "$VENV/bin/python" "$build/compile_pyc.py" "$1"
+}
+
 case $step in
   venv)
     cp "$KVPILOT_IMAGE_STAGE/requirements.txt" "$root$build/"
@@ -46,11 +53,8 @@ case $step in
       ${KVPILOT_SYSTEM_SITE_PACKAGES:+--system-site-packages} "$VENV"
     in_root "$build/uv" pip sync --quiet --python "$VENV/bin/python" --require-hashes \
       "$build/requirements.txt"
-    # Not uv's --compile-bytecode: its .pyc bytes depend on which files shared a worker
-    # (compile_pyc.py says why); these depend on each file alone.
     if [ -n "$KVPILOT_COMPILE_BYTECODE" ]; then
-      cp "$(dirname "$0")/compile_pyc.py" "$root$build/"
-      in_root env PYTHONHASHSEED=0 "$VENV/bin/python" "$build/compile_pyc.py" "$VENV/lib"
+      compile_bytecode "$VENV/lib"
     fi
     ;;
   app)
@@ -71,9 +75,8 @@ case $step in
     # layers), so no start compiles its modules; only kvpilot's directory, or the venv layer's
     # files would be copied up into this one.
     if [ -n "$KVPILOT_COMPILE_BYTECODE" ]; then
-      cp "$(dirname "$0")/compile_pyc.py" "$root$build/"
       for package in "$root$VENV"/lib/python3*/site-packages/kvpilot; do
-        in_root env PYTHONHASHSEED=0 "$VENV/bin/python" "$build/compile_pyc.py" "${package#"$root"}"
+        compile_bytecode "${package#"$root"}"
       done
     fi
     ;;
