@@ -95,6 +95,7 @@ crds: setup
 # OCI layouts under ~/.cache/kvpilot/images/<version>/; IMAGE=kvpilot-operator builds just one.
 # Layers are cached by their own inputs (~/.cache/kvpilot/layers): a source change repacks only
 # the app layer; IMAGES_FLAGS=--refresh rebuilds every layer (Debian's security updates).
+# Layers no cached image uses are pruned after each build.
 # The Dockerfiles describe the same images for `docker build` (tests/packaging/test_images.py).
 IMAGE ?=
 images: system-deps setup

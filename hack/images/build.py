@@ -12,10 +12,11 @@ in ${KVPILOT_IMAGE_LAYER_CACHE:-<build cache>/layers} and rebuilt only when that
   app      the kvpilot wheel, into that venv: the only layer a source change rebuilds
 Each layer is a reproducible tar (sorted entries, numeric owners, mtimes clamped to a timestamp
 of its own inputs; no device nodes), gzip'd without a name or time; the OCI layout's config,
-manifest and index are written here as canonical JSON. The same commit, uv.lock and Debian archive
-state give the same manifest digest, from a warm cache or a cold one. `--refresh` rebuilds every
-layer (the base from today's archive: security updates). Needs root (mmdebstrap --mode=root,
-chroot, overlayfs, a bind mount of uv's cache).
+manifest and index are written here as canonical JSON. The same commit, uv.lock and Debian
+archive state give the same manifest digest, from a warm cache or a cold one. After each image
+the cache drops the layers no cached layout uses (any version's, and those beside an --out
+layout). `--refresh` rebuilds every layer (the base from today's archive: security updates).
+Needs root (mmdebstrap --mode=root, chroot, overlayfs, a bind mount of uv's cache).
 Layouts land under ${KVPILOT_CACHE_DIR:-~/.cache/kvpilot}/images/<version>/<image>, tag <version>.
 """
 
@@ -33,10 +34,16 @@ from pathlib import Path
 
 from hack.images import spec as specs
 from hack.images.builders import app_layer, base_layer, kernel_layer, venv_layer, write_requirements
-from hack.images.checkout import layout_dir, revision, source_date_epoch, uv_binary
+from hack.images.checkout import cache_dir, layout_dir, revision, source_date_epoch, uv_binary
 from hack.images.layer_cache import LAYER_CACHE_ENV, LayerCache, layer_cache_dir
-from hack.images.layers import rfc3339
-from hack.images.oci_layout import cached_recipe_digest, spec_config, summary, write_layout
+from hack.images.layers import Layer, rfc3339
+from hack.images.oci_layout import (
+    cached_recipe_digest,
+    layer_digests,
+    spec_config,
+    summary,
+    write_layout,
+)
 from hack.images.recipe import tree_recipe_digest
 from hack.images.spec import ImageSpec
 from hack.images.steps import build_wheel
@@ -75,28 +82,47 @@ def build(
     # builds (minutes) must not be the label of sources it does not hold.
     source = revision()
     cache = LayerCache(layer_cache or layer_cache_dir(), refresh)
-    with (
-        locked(cache.root / ".lock"),
-        tempfile.TemporaryDirectory(dir=cache.root, prefix=f".{spec.name}-") as tmp,
-    ):
-        work = Path(tmp)
-        stage = work / "stage"
-        stage.mkdir()
-        shutil.copy2(uv_binary(), stage / "uv")
-        write_requirements(spec, stage)
-        wheel = build_wheel(stage, epoch)
-        base = base_layer(spec, cache)
-        venv = venv_layer(spec, cache, base, stage, work)
-        stack = [base[0], venv[0]]
-        if spec.kernel_levels:
-            stack.append(kernel_layer(spec, cache, venv[0], stage, wheel, work))
-        stack.append(app_layer(spec, cache, venv, base[1], stage, wheel, epoch, work))
+    with locked(cache.root / ".lock"):
+        with tempfile.TemporaryDirectory(dir=cache.root, prefix=f".{spec.name}-") as work:
+            stack = build_layers(spec, cache, epoch, Path(work))
         config = spec_config(spec, rfc3339(epoch), source, stack)
         with tempfile.TemporaryDirectory(dir=layout.parent, prefix=f".{spec.name}-") as new:
             write_layout(Path(new) / "layout", cache, config, stack)
             shutil.rmtree(layout, ignore_errors=True)
             (Path(new) / "layout").rename(layout)
+        prune(cache, layout)  # the work directory is gone: only a killed build's are left
     return layout
+
+
+def build_layers(spec: ImageSpec, cache: LayerCache, epoch: int, work: Path) -> list[Layer]:
+    """`spec`'s stack, each layer from the cache when its key is there, else built in `work`."""
+    stage = work / "stage"
+    stage.mkdir()
+    shutil.copy2(uv_binary(), stage / "uv")
+    write_requirements(spec, stage)
+    wheel = build_wheel(stage, epoch)
+    base = base_layer(spec, cache)
+    venv = venv_layer(spec, cache, base, stage, work)
+    stack = [base[0], venv[0]]
+    if spec.kernel_levels:
+        stack.append(kernel_layer(spec, cache, venv[0], stage, wheel, work))
+    stack.append(app_layer(spec, cache, venv, base[1], stage, wheel, epoch, work))
+    return stack
+
+
+def prune(cache: LayerCache, layout: Path) -> None:
+    """Drops the cached layers no kept layout uses: those of the layout just written, of the
+    layouts beside it (the other images of its version or --out) and of every version's in
+    the build cache. Without this the cache grew by each old venv layer, tree and blob (~9 GB
+    for the CUDA runtime's) until the disk filled."""
+    roots = {layout.parent, *(cache_dir() / "images").glob("*")}
+    kept = sorted({index.parent for root in roots for index in root.glob("*/index.json")})
+    try:
+        in_use = layer_digests(kept)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"    layer cache not pruned: a cached layout is unreadable ({error!r})")
+        return
+    print(cache.prune(in_use), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,9 @@ import shutil
 import subprocess
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from hack.images import layers
@@ -31,7 +32,8 @@ class LayerCache:
     """Packed layers by key under `root`: <key>/layer.json (a layers.Layer), <key>/tree (the
     unpacked files of the base and venv layers, the lower directories the layers above them are
     built on), blobs/sha256/<hex>; apt/<release>, the .debs mmdebstrap downloaded.
-    `refresh`: every layer is rebuilt once, then its new entry is used."""
+    `refresh`: every layer is rebuilt once, then its new entry is used. Callers hold the lock
+    (build.locked on root/.lock) while they read, add or prune."""
 
     def __init__(self, root: Path, refresh: bool = False) -> None:
         self.root = root
@@ -93,6 +95,60 @@ class LayerCache:
         (entry / "layer.json").write_text(json.dumps(layer.to_json(), indent=2) + "\n")
         print(f"    layer {name}: {digest} {size / 1e6:.1f} MB", flush=True)
         return layer
+
+    def prune(self, in_use: set[str]) -> str:
+        """Removes what no layer digest in `in_use` needs: entries of other layers (a venv
+        layer's tree and blob are gigabytes, and each change of its pins or base left another),
+        blobs no entry holds, and the temporary directories of a build that was killed (the
+        lock is held: no build is running). The layouts keep their own hard links to the blobs
+        they name, so none of them loses a layer. Returns a line saying what went."""
+        free_before = shutil.disk_usage(self.root).free
+        gone = unused(self._entry_digests(), self._blob_digests(), in_use)
+        for key in gone.entries:
+            shutil.rmtree(self.root / key)
+        for digest in gone.blobs:
+            self.blob(digest).unlink()
+        leftovers = [p for p in self.root.glob(".*") if p.is_dir() and not p.is_symlink()]
+        for path in leftovers:
+            shutil.rmtree(path)
+        freed = max(0, shutil.disk_usage(self.root).free - free_before)
+        return (
+            f"    layer cache pruned of the layers no cached image uses ({freed / 1e9:.1f} GB"
+            f" freed): entries {len(gone.entries)}, blobs {len(gone.blobs)}, directories of"
+            f" killed builds {len(leftovers)}"
+        )
+
+    def _entry_digests(self) -> dict[str, str | None]:
+        """Each entry's layer digest by key; None for an entry whose layer.json is unreadable."""
+        digests: dict[str, str | None] = {}
+        for path in self.root.iterdir():
+            if not path.is_dir() or path.name.startswith(".") or path.name in ("blobs", "apt"):
+                continue
+            try:
+                layer = json.loads((path / "layer.json").read_text())
+                digests[path.name] = str(layer["digest"])
+            except (OSError, ValueError, KeyError, TypeError):
+                digests[path.name] = None
+        return digests
+
+    def _blob_digests(self) -> list[str]:
+        return [f"sha256:{path.name}" for path in (self.root / "blobs" / "sha256").iterdir()]
+
+
+@dataclass(frozen=True)
+class Unused:
+    entries: tuple[str, ...]  # keys
+    blobs: tuple[str, ...]  # digests
+
+
+def unused(
+    entry_digests: Mapping[str, str | None], blobs: Iterable[str], in_use: set[str]
+) -> Unused:
+    """The entries (key -> their layer's digest, None when unreadable) and blobs of a cache
+    that no layer in `in_use` needs. An entry is kept by its digest alone: two keys of the same
+    bytes (a layer rebuilt under a new timestamp to the same tar) both stay while it is used."""
+    entries = tuple(sorted(key for key, digest in entry_digests.items() if digest not in in_use))
+    return Unused(entries, tuple(sorted(digest for digest in blobs if digest not in in_use)))
 
 
 def clamp_mtimes(tree: Path, epoch: int) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,11 @@ def manifest(layout: Path) -> tuple[str, dict[str, Any]]:
     index = json.loads((layout / "index.json").read_text())
     digest = str(index["manifests"][0]["digest"])
     return digest, json.loads(blob(layout, digest).read_text())
+
+
+def layer_digests(layouts: Iterable[Path]) -> set[str]:
+    """The digests of the layers the layouts' manifests name."""
+    return {str(layer["digest"]) for layout in layouts for layer in manifest(layout)[1]["layers"]}
 
 
 def summary(layout: Path) -> str:

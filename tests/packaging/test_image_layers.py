@@ -9,13 +9,14 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from hack.images import layer_cache, layers, steps
+from hack.images import build, layer_cache, layers, oci_layout, steps
 
 INPUTS = {"requirements.txt": b"numpy==2.0\n", "customize.sh": b"echo venv\n"}
 BASE = "sha256:base"
@@ -148,3 +149,100 @@ def test_a_cached_tree_gets_the_mtimes_its_layer_holds(tmp_path: Path) -> None:
     assert mtimes == {"opt": epoch, "opt/venv": epoch, "opt/old": epoch - 100,
                       "opt/venv/new": epoch, "link": epoch}  # fmt: skip
     assert int(tree.lstat().st_mtime) == epoch
+
+
+@pytest.mark.parametrize(
+    ("entries", "blobs", "in_use", "gone_entries", "gone_blobs"),
+    [
+        ({}, [], set(), (), ()),
+        ({"venv-new": "sha256:n", "venv-old": "sha256:o"}, ["sha256:n", "sha256:o"],
+         {"sha256:n"}, ("venv-old",), ("sha256:o",)),
+        # a blob no entry holds (its entry was removed by hand), an entry that lost its layer.json
+        ({"app-x": "sha256:x", "base-broken": None}, ["sha256:x", "sha256:orphan"],
+         {"sha256:x"}, ("base-broken",), ("sha256:orphan",)),
+        # two keys of the same bytes (a timestamp moved, the tar did not): both stay while used
+        ({"kernels-a": "sha256:k", "kernels-b": "sha256:k"}, ["sha256:k"], {"sha256:k"}, (), ()),
+        # a digest in use that the cache does not hold (another cache built it): nothing to do
+        ({"app-y": "sha256:y"}, ["sha256:y"], {"sha256:y", "sha256:elsewhere"}, (), ()),
+        ({"app-y": "sha256:y"}, ["sha256:y"], set(), ("app-y",), ("sha256:y",)),
+    ],
+)  # fmt: skip
+def test_the_cache_drops_the_entries_and_blobs_no_layer_in_use_needs(
+    entries: dict[str, str | None], blobs: list[str], in_use: set[str],
+    gone_entries: tuple[str, ...], gone_blobs: tuple[str, ...],
+) -> None:  # fmt: skip
+    assert layer_cache.unused(entries, blobs, in_use) == layer_cache.Unused(
+        gone_entries, gone_blobs
+    )
+
+
+def cached_entry(cache: layer_cache.LayerCache, key: str, content: bytes) -> layers.Layer:
+    """An entry as LayerCache.put leaves one: layer.json, its blob, an unpacked tree."""
+    digest = layers.sha256_digest(content)
+    cache.blob(digest).write_bytes(content)
+    layer = layers.Layer(key.partition("-")[0], digest, digest, len(content), "test")
+    (cache.root / key / "tree" / "opt").mkdir(parents=True)
+    (cache.root / key / "layer.json").write_text(json.dumps(layer.to_json()))
+    return layer
+
+
+def write_layout(cache: layer_cache.LayerCache, path: Path, stack: list[layers.Layer]) -> None:
+    config = {"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers"}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    oci_layout.write_layout(path, cache, config, stack)
+
+
+def test_a_build_prunes_the_layers_no_cached_layout_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """build.prune after an image is written: the layers of the layouts in the build cache (any
+    version) and of those beside the new one (an --out directory) stay; an old venv's entry, a
+    blob without an entry and a killed build's temporary directory go; the layouts keep every
+    blob they name (hard links), and the apt cache and the lock stay."""
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "build-cache"))
+    cache = layer_cache.LayerCache(tmp_path / "layers")
+    base, venv, old_venv, app = (cached_entry(cache, key, key.encode())
+                                 for key in ("base-1", "venv-2", "venv-1", "app-3"))  # fmt: skip
+    orphan = cache.blob(layers.sha256_digest(b"orphan"))
+    orphan.write_bytes(b"orphan")
+    (cache.root / ".venv-2-killed" / "tree").mkdir(parents=True)
+    (cache.root / "apt" / "bookworm").mkdir(parents=True)
+    (cache.root / ".lock").write_text("")
+    older_version = tmp_path / "build-cache" / "images" / "0.0.9" / "kvpilot-operator"
+    write_layout(cache, older_version, [base])
+    out = tmp_path / "out"
+    write_layout(cache, out / "kvpilot-runtime-cpu", [base, venv])
+    write_layout(cache, out / "kvpilot-runtime", [base, venv, app])
+    build.prune(cache, out / "kvpilot-runtime")
+    left = sorted(p.name for p in cache.root.iterdir())
+    assert left == [".lock", "app-3", "apt", "base-1", "blobs", "venv-2"]
+    assert not cache.blob(old_venv.digest).exists() and not orphan.exists()
+    assert all(cache.blob(layer.digest).is_file() for layer in (base, venv, app))
+    assert "entries 1, blobs 2, directories of killed builds 1" in capsys.readouterr().out
+    assert oci_layout.blob(out / "kvpilot-runtime", app.digest).read_bytes() == b"app-3"
+    # the layouts are what keeps a layer: with the --out layouts gone, theirs go at the next prune
+    shutil.rmtree(out)
+    write_layout(cache, out / "kvpilot-operator", [base])
+    build.prune(cache, out / "kvpilot-operator")
+    assert sorted(p.name for p in cache.root.iterdir()) == [".lock", "apt", "base-1", "blobs"]
+    assert "entries 2, blobs 2, directories of killed builds 0" in capsys.readouterr().out
+    assert [p.name for p in (cache.root / "blobs" / "sha256").iterdir()] == [
+        base.digest.removeprefix("sha256:")
+    ]
+
+
+def test_no_layer_is_pruned_while_a_cached_layout_is_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A layout whose manifest cannot be read might still name any layer: keep them all."""
+    monkeypatch.setenv("KVPILOT_CACHE_DIR", str(tmp_path / "build-cache"))
+    cache = layer_cache.LayerCache(tmp_path / "layers")
+    base, old = cached_entry(cache, "base-1", b"base"), cached_entry(cache, "base-0", b"old")
+    broken = tmp_path / "build-cache" / "images" / "0.1.0" / "kvpilot-operator"
+    write_layout(cache, broken, [old])
+    for path in (broken / "blobs" / "sha256").iterdir():
+        path.unlink()
+    write_layout(cache, tmp_path / "out" / "kvpilot-runtime", [base])
+    build.prune(cache, tmp_path / "out" / "kvpilot-runtime")
+    assert "layer cache not pruned: a cached layout is unreadable" in capsys.readouterr().out
+    assert cache.blob(old.digest).is_file() and (cache.root / "base-0" / "tree").is_dir()

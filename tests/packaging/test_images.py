@@ -419,11 +419,15 @@ def test_built_image_is_reproducible_from_the_same_inputs(spec: ImageSpec, scrat
         pytest.skip(f"the cached image is from {revision_of(image)}, the tree is "
                     f"{checkout.revision()}: `make images` first (a dirty tree's images are not "
                     "compared)")  # fmt: skip
+    stale = scratch / "layers" / "venv-stale"  # an older venv's entry: the build prunes it
+    (stale / "tree").mkdir(parents=True)
+    (stale / "layer.json").write_text(json.dumps({"digest": "sha256:stale"}))
     rebuilt = oci_images.read(build.build(spec, scratch, layer_cache=scratch / "layers"))
     assert [layer["digest"] for layer in rebuilt.layers] == [
         layer["digest"] for layer in image.layers
     ]
     assert rebuilt.manifest_digest == image.manifest_digest
+    assert not stale.exists()
 
 
 @pytest.mark.slow
