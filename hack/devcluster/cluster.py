@@ -140,21 +140,25 @@ class DevCluster:
         saved = self.state_dir / "ports.json"
         if saved.exists() and any(self.status().values()):
             # A cluster started before the model servers existed has no ports for them yet.
-            extra = {"s3": procs.free_port(), "hf_hub": procs.free_port()}
-            ports = Ports(**{**extra, **json.loads(saved.read_text())})
+            kept = json.loads(saved.read_text())
+            s3, hf_hub = procs.free_ports(2, taken=set(kept.values()))
+            ports = Ports(**{"s3": s3, "hf_hub": hf_hub, **kept})
             saved.write_text(json.dumps(asdict(ports)))
             return ports
         apiserver = self.requested_apiserver_port or procs.free_port()
         procs.require_port_free(apiserver, "kube-apiserver")
+        etcd_client, etcd_peer, controller_manager, scheduler, prometheus, s3, hf_hub = (
+            procs.free_ports(7, taken={apiserver})
+        )
         ports = Ports(
-            etcd_client=procs.free_port(),
-            etcd_peer=procs.free_port(),
+            etcd_client=etcd_client,
+            etcd_peer=etcd_peer,
             apiserver=apiserver,
-            controller_manager=procs.free_port(),
-            scheduler=procs.free_port(),
-            prometheus=procs.free_port(),
-            s3=procs.free_port(),
-            hf_hub=procs.free_port(),
+            controller_manager=controller_manager,
+            scheduler=scheduler,
+            prometheus=prometheus,
+            s3=s3,
+            hf_hub=hf_hub,
         )
         saved.write_text(json.dumps(asdict(ports)))
         return ports

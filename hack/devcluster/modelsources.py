@@ -208,7 +208,7 @@ def start_s3(state_dir: Path, port: int) -> S3Endpoint:
     data_dir, s3_config = state_dir / "seaweedfs-data", state_dir / "s3-identities.json"
     data_dir.mkdir(parents=True, exist_ok=True)
     s3_config.write_text(json.dumps(build_s3_identities(S3_ACCESS_KEY, S3_SECRET_KEY)))
-    internal = [procs.free_port() for _ in range(7)]
+    internal = procs.free_ports(7, taken={port})
     (state_dir / "seaweedfs-ports.json").write_text(json.dumps([port, *internal]))
     proc = procs.start(S3_PROCESS, weed_argv(data_dir, s3_config, port, internal), run_dir, log_dir)
     log = log_dir / f"{S3_PROCESS}.log"

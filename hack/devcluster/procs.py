@@ -14,7 +14,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from contextlib import ExitStack
 from pathlib import Path
 
 from hack.devcluster.errors import DevClusterError
@@ -22,9 +23,22 @@ from hack.devcluster.versions import REPO_ROOT
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, taken: Collection[int] = ()) -> list[int]:
+    """`count` distinct ports free on loopback now, none of them in `taken`. Every socket stays
+    bound until all are picked: one picked and closed at a time, the kernel handed out a port
+    twice (SeaweedFS's S3 gateway and its filer got the same one and the store did not start)."""
+    ports: list[int] = []
+    with ExitStack() as held:
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in taken:
+                ports.append(port)
+    return ports
 
 
 def require_port_free(port: int, who: str) -> None:
