@@ -37,7 +37,9 @@ KERNEL_SOURCES = (
     "runtime/kvpilot/runtime/layers/paged_decode.cpp",
     "runtime/kvpilot/runtime/layers/int4_tiles.cpp",
     "runtime/kvpilot/runtime/layers/lora_add.cpp",
+    "runtime/kvpilot/runtime/layers/dense_rows.cpp",
     "runtime/kvpilot/runtime/layers/float_convert.h",
+    "runtime/kvpilot/runtime/layers/float_lanes.h",
 )
 KERNEL_FILES = (*VENV_FILES, *KERNEL_SOURCES)
 # Nothing below /dev ships (the container runtime makes it; nodes in a layer break rootless).

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "float_convert.h"
+#include "float_lanes.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -30,50 +31,16 @@
 
 namespace {
 
+using kvpilot_kernels::Floats;
 using kvpilot_kernels::from_float;
+using kvpilot_kernels::kLanes;
+using kvpilot_kernels::load_first;
+using kvpilot_kernels::load_lanes;
 using kvpilot_kernels::to_float;
 
 struct Dims {
   int64_t in, width_a, rank, pieces, piece_width;  // width_a = k * R
 };
-
-// Sums run on 16 columns at a time, each block's sums one vector (GCC's and Clang's vector
-// extension) that stays in registers over the reduction: written as a float[16], the compiler
-// kept it in memory, a store and a load per product, at a third of this speed. A block past the
-// end of a row is read through a zero-padded copy.
-constexpr int64_t kLanes = 16;
-typedef float Floats __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t Shorts __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-inline Floats load_lanes(const float* values) {
-  Floats lanes;
-  std::memcpy(&lanes, values, sizeof(lanes));
-  return lanes;
-}
-inline Floats load_lanes(const c10::BFloat16* values) {  // each bf16 the top half of a float
-  Shorts halves;
-  std::memcpy(&halves, values, sizeof(halves));
-  const Words bits = __builtin_convertvector(halves, Words) << 16;
-  Floats lanes;
-  std::memcpy(&lanes, &bits, sizeof(lanes));
-  return lanes;
-}
-inline Floats load_lanes(const c10::Half* values) {
-  Floats lanes;
-  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = static_cast<float>(values[l]);
-  return lanes;
-}
-
-// `n` values from `values`, zeros after them.
-template <typename T>
-inline Floats load_first(const T* values, int64_t n) {
-  if (n == kLanes) return load_lanes(values);
-  T padded[kLanes];
-  std::fill(padded, padded + kLanes, T(0));
-  std::copy(values, values + n, padded);
-  return load_lanes(padded);
-}
 
 // Two rows of one slot at a time: each line of A or B read once for both, and each row's sum
 // split in two interleaved sums (odd and even i), four independent chains of multiply-adds

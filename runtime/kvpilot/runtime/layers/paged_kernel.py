@@ -1,8 +1,9 @@
 """The CPU decode-attention kernel over the paged KV cache (paged_decode.cpp), built once per
 machine and loaded as `torch.ops.kvpilot.paged_decode_attention`; the same library holds
 `torch.ops.kvpilot.int4_tiles` (int4_tiles.cpp), which writes a pre-quantised int4 checkpoint's
-words into the CPU int4 kernel's tiles at load, and `torch.ops.kvpilot.lora_add_` (lora_add.cpp),
-multi-LoRA's delta for a decode-like step's rows.
+words into the CPU int4 kernel's tiles at load, `torch.ops.kvpilot.lora_add_` (lora_add.cpp),
+multi-LoRA's delta for a decode-like step's rows, and `torch.ops.kvpilot.dense_rows`
+(dense_rows.cpp), a dense projection of a decode step's one or two rows.
 
 No well-kept CPU paged-attention kernel installs beside current torch (IPEX stops at torch 2.8,
 vLLM's CPU kernels ship only in its own CPU builds, torchao's PyPI wheel has CUDA kernels only),
@@ -38,13 +39,15 @@ from typing import Any
 import torch
 
 # One library, its ops registered as torch.ops.kvpilot.*: decode attention over the paged cache,
-# the int4 tile writer a GPTQ/AWQ/compressed-tensors checkpoint's load runs (int4_tiles.cpp) and
-# multi-LoRA's delta for a decode-like step's rows (lora_add.cpp).
+# the int4 tile writer a GPTQ/AWQ/compressed-tensors checkpoint's load runs (int4_tiles.cpp),
+# multi-LoRA's delta for a decode-like step's rows (lora_add.cpp) and the dense projection of a
+# decode step's few rows (dense_rows.cpp).
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("paged_decode.cpp", "int4_tiles.cpp", "lora_add.cpp")
+    for name in ("paged_decode.cpp", "int4_tiles.cpp", "lora_add.cpp", "dense_rows.cpp")
 )
-HEADERS = (Path(__file__).with_name("float_convert.h"),)  # included by the sources: keyed too
+# included by the sources: keyed too
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("float_convert.h", "float_lanes.h"))
 CACHE_ENV = "KVPILOT_KERNEL_CACHE"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # Written into the build directory once a build has loaded in its process: it names the built

@@ -1,6 +1,7 @@
 """Weight storage formats and the matmul each runs, packed once at load.
 
-- dense: the weight in the compute dtype (`none`) or stored in bfloat16 (`bf16`); `F.linear`.
+- dense: the weight in the compute dtype (`none`) or stored in bfloat16 (`bf16`); `F.linear`,
+  or on CPU for a decode step's one or two rows `torch.ops.kvpilot.dense_rows` (dense_rows.cpp).
 - int8: symmetric, one scale per output channel. Two kernels over the same stored weights:
   `w8a16` keeps bf16 activations (`aten._weight_int8pack_mm`, CPU and CUDA); `w8a8` quantises
   each activation row to int8 at the step (its own scale, as llama.cpp's q8_0 does per block)
@@ -32,6 +33,7 @@ import torch.nn.functional as F  # noqa: N812 - the torch convention
 
 from kvpilot.contract.engine_config import INT8_KERNEL_CHOICES
 from kvpilot.contract.memory import INT4_GROUP_SIZE
+from kvpilot.runtime.layers import paged_kernel
 
 INT8_MAX = 127
 INT8_K_MULTIPLE = 16
@@ -67,6 +69,8 @@ class DenseWeight(Weight):
         self.weight = weight.to(storage_dtype).contiguous()  # [out, in]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= DENSE_ROWS_MAX and dense_rows_runs(x, self.weight):
+            return torch.ops.kvpilot.dense_rows(x, self.weight, bias)
         return F.linear(x, self.dequantize(x.dtype), bias)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -77,6 +81,35 @@ class DenseWeight(Weight):
 
     def num_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
+
+
+# A decode step's one or two rows on CPU run through torch.ops.kvpilot.dense_rows
+# (layers/dense_rows.cpp), which reads each line of the weight once for both rows; F.linear
+# (oneDNN) took 17.5 us for a 256 x 256 bf16 matrix at one row, dense_rows 3.6 us, and from 3-4
+# rows on the larger matrices oneDNN's blocking wins (docs/benchmarks.md, engine_dense_rows).
+DENSE_ROWS_MAX = 2
+_DENSE_ROWS = True  # bench.engine_dense_rows turns it off for the side-by-side run
+
+
+def dense_rows_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether dense_rows takes x [T, in] by `weight`: on CPU, where the kernel library is
+    loaded (never built for this), for the dtypes it runs faster than F.linear."""
+    if not _DENSE_ROWS or x.device.type != "cpu" or x.dim() != 2 or x.stride(-1) != 1:
+        return False
+    return (x.dtype, weight.dtype) in _dense_rows_pairs(paged_kernel.loaded_without_building())
+
+
+@functools.cache
+def _dense_rows_pairs(loaded: bool) -> frozenset[tuple[torch.dtype, torch.dtype]]:
+    """(activation, weight) dtypes dense_rows runs: float32 rows by a float32 or bf16 weight
+    (F.linear would convert the whole bf16 matrix each call), bf16 by bf16 only where the
+    library has AVX512-BF16's dot product."""
+    if not loaded:
+        return frozenset()
+    pairs = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16)}
+    if torch.ops.kvpilot.dense_rows_bf16_dot():
+        pairs.add((torch.bfloat16, torch.bfloat16))
+    return frozenset(pairs)
 
 
 def kernel_dtype(compute_dtype: torch.dtype, allow_fp16: bool) -> torch.dtype:
