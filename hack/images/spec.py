@@ -144,7 +144,7 @@ RUNTIME = ImageSpec(
     volumes=("/models",),
     home="/home/kvpilot",
     owned_dirs=("/models",),
-    kernel_levels=("x86-64-v4", "x86-64-v3"),
+    kernel_levels=("x86-64-v4-bf16", "x86-64-v4", "x86-64-v3"),
     compile_bytecode=True,
 )
 

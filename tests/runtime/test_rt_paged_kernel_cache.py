@@ -83,9 +83,28 @@ V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"}
 
 
 @pytest.mark.parametrize(
+    ("level", "march"),
+    [
+        ("x86-64-v4-bf16", ["-march=x86-64-v4", "-mavx512bf16"]),
+        ("x86-64-v4", ["-march=x86-64-v4"]),
+        ("x86-64-v3", ["-march=x86-64-v3"]),
+    ],
+)
+def test_a_portable_level_builds_for_its_architecture_not_this_cpu(
+    level: str, march: list[str]
+) -> None:
+    flags = paged_kernel.portable_flags(level)
+    assert "-march=native" not in flags
+    assert [f for f in flags if f.startswith(("-march", "-mavx"))] == march
+    assert set(flags) - set(march) == set(paged_kernel.COMPILE_FLAGS) - {"-march=native"}
+
+
+@pytest.mark.parametrize(
     ("flags", "levels"),
     [
+        (V4 | V3 | {"sse4_2", "avx512_bf16"}, ["x86-64-v4-bf16", "x86-64-v4", "x86-64-v3"]),
         (V4 | V3 | {"sse4_2"}, ["x86-64-v4", "x86-64-v3"]),
+        ((V4 - {"avx512bw"}) | V3 | {"avx512_bf16"}, ["x86-64-v3"]),
         (V3 | {"sse4_2"}, ["x86-64-v3"]),
         (V3 - {"abm"}, []),  # no LZCNT: not v3, whatever else it has
         ((V4 | V3) - {"avx512vl"}, ["x86-64-v3"]),
@@ -105,28 +124,32 @@ from kvpilot.runtime.layers import paged_kernel
 paged_kernel.load()
 import torch
 assert hasattr(torch.ops.kvpilot, "paged_decode_attention")
-print("loaded from", paged_kernel.prebuilt_root())
+print("loaded from", paged_kernel.prebuilt_root(), torch.ops.kvpilot.dense_rows_bf16_dot())
 """
 
 
 @pytest.mark.slow  # compiles the kernel once for a portable level
-def test_a_prebuilt_kernel_loads_where_there_is_no_compiler_and_no_cache(tmp_path: Path) -> None:
-    """What an image does: the kernel built for x86-64-v3 when the image was built, loaded in a
-    pod without a compiler or a cache of its own."""
+@pytest.mark.parametrize(("level", "bf16_dot"), [("x86-64-v3", False), ("x86-64-v4-bf16", True)])
+def test_a_prebuilt_kernel_loads_where_there_is_no_compiler_and_no_cache(
+    tmp_path: Path, level: str, bf16_dot: bool
+) -> None:
+    """What an image does: the kernel built for a portable level when the image was built,
+    loaded in a pod without a compiler or a cache of its own; dense_rows runs bf16 through
+    AVX512-BF16 in the level that has it only."""
     from kvpilot.runtime.engine import machine_files
 
-    if "x86-64-v3" not in paged_kernel.portable_levels(machine_files.cpu_flags()):
-        pytest.skip("this CPU is not x86-64-v3")
+    if level not in paged_kernel.portable_levels(machine_files.cpu_flags()):
+        pytest.skip(f"this CPU is not {level}")
     out = tmp_path / "prebuilt"
     build = [sys.executable, "-m", "kvpilot.runtime.layers.paged_kernel", "--portable",
-             "x86-64-v3", "--out", str(out)]  # fmt: skip
+             level, "--out", str(out)]  # fmt: skip
     subprocess.run(build, capture_output=True, text=True, timeout=600, check=True)
     (built,) = out.iterdir()
-    assert built.name == paged_kernel.portable_key("x86-64-v3")
+    assert built.name == paged_kernel.portable_key(level)
     env = {**os.environ, "CXX": "no-such-compiler", paged_kernel.CACHE_ENV: str(tmp_path / "cache"),
            paged_kernel.PREBUILT_ENV: str(out)}  # fmt: skip
     result = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_A_COMPILER], capture_output=True,
                             text=True, env=env, timeout=300, check=False)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == f"loaded from {out}"
+    assert result.stdout.strip() == f"loaded from {out} {bf16_dot}"
     assert not (tmp_path / "cache").exists()  # nothing was built for this machine

@@ -57,10 +57,16 @@ BUILT_MARK = "built"
 # where this CPU has the level's features: a pod then runs the kernel without a compiler and
 # never compiles it at start. The levels' features as /proc/cpuinfo names them, best first.
 PREBUILT_ENV = "KVPILOT_PREBUILT_KERNELS"
+_V4 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
 PORTABLE_LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("x86-64-v4", frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})),
+    ("x86-64-v4-bf16", _V4 | {"avx512_bf16"}),
+    ("x86-64-v4", _V4),
     ("x86-64-v3", frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe"})),
 )
+# A level past the psABI's is the one it extends plus features: x86-64-v4-bf16 adds AVX512-BF16
+# (Cooper Lake, Sapphire Rapids and Zen 4 on), whose dot product dense_rows.cpp multiplies a bf16
+# decode step's projections with; the others are -march=<level>.
+LEVEL_MARCH = {"x86-64-v4-bf16": ("-march=x86-64-v4", "-mavx512bf16")}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -96,7 +102,8 @@ def prebuilt_root() -> Path:
 
 
 def portable_flags(level: str) -> list[str]:
-    return [flag if flag != "-march=native" else f"-march={level}" for flag in COMPILE_FLAGS]
+    march = LEVEL_MARCH.get(level, (f"-march={level}",))
+    return [part for flag in COMPILE_FLAGS for part in (march if "native" in flag else (flag,))]
 
 
 def portable_key(level: str) -> str:
