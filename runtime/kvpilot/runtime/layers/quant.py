@@ -93,23 +93,26 @@ _DENSE_ROWS = True  # bench.engine_dense_rows turns it off for the side-by-side 
 
 def dense_rows_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether dense_rows takes x [T, in] by `weight`: on CPU, where the kernel library is
-    loaded (never built for this), for the dtypes it runs faster than F.linear."""
-    if not _DENSE_ROWS or x.device.type != "cpu" or x.dim() != 2 or x.stride(-1) != 1:
+    loaded (never built for this), for the dtypes it runs faster than F.linear. Asked for every
+    projection of a step: the checks are attributes and a set lookup once the library is in."""
+    if not (_DENSE_ROWS and x.is_cpu and x.dim() == 2 and x.stride(-1) == 1):
         return False
-    return (x.dtype, weight.dtype) in _dense_rows_pairs(paged_kernel.loaded_without_building())
+    return (x.dtype, weight.dtype) in (_DENSE_ROWS_PAIRS or _dense_rows_pairs())
 
 
-@functools.cache
-def _dense_rows_pairs(loaded: bool) -> frozenset[tuple[torch.dtype, torch.dtype]]:
+# Filled once the library is loaded (an empty set: not yet, asked again next call).
+_DENSE_ROWS_PAIRS: set[tuple[torch.dtype, torch.dtype]] = set()
+
+
+def _dense_rows_pairs() -> set[tuple[torch.dtype, torch.dtype]]:
     """(activation, weight) dtypes dense_rows runs: float32 rows by a float32 or bf16 weight
     (F.linear would convert the whole bf16 matrix each call), bf16 by bf16 only where the
-    library has AVX512-BF16's dot product."""
-    if not loaded:
-        return frozenset()
-    pairs = {(torch.float32, torch.float32), (torch.float32, torch.bfloat16)}
-    if torch.ops.kvpilot.dense_rows_bf16_dot():
-        pairs.add((torch.bfloat16, torch.bfloat16))
-    return frozenset(pairs)
+    library has AVX512-BF16's dot product; none while the library is not loaded."""
+    if paged_kernel.loaded_without_building():
+        _DENSE_ROWS_PAIRS.update({(torch.float32, torch.float32), (torch.float32, torch.bfloat16)})
+        if torch.ops.kvpilot.dense_rows_bf16_dot():
+            _DENSE_ROWS_PAIRS.add((torch.bfloat16, torch.bfloat16))
+    return _DENSE_ROWS_PAIRS
 
 
 def kernel_dtype(compute_dtype: torch.dtype, allow_fp16: bool) -> torch.dtype:
