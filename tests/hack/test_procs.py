@@ -35,24 +35,45 @@ def test_free_ports_are_distinct_and_free() -> None:
         procs.require_port_free(port, "the test")
 
 
-def test_free_ports_skip_the_ports_already_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The S3 gateway's own port is passed as taken when SeaweedFS's internal ports are picked:
-    a pick that equals it is dropped (here the kernel's picks are scripted)."""
-    picks = iter([4100, 4101, 4100, 4102, 4103])
+class LowestFreePortKernel:
+    """A kernel that gives bind(("127.0.0.1", 0)) the lowest port no open socket holds, so a
+    port picked and closed is handed out again: what happened to SeaweedFS's S3 port."""
 
-    class ScriptedSocket:
-        def __enter__(self) -> ScriptedSocket:
-            self.port = next(picks)
+    def __init__(self, first: int) -> None:
+        self.first, self.bound = first, set[int]()
+
+    def socket(self) -> LowestFreePortKernel.Socket:
+        return LowestFreePortKernel.Socket(self)
+
+    class Socket:
+        def __init__(self, kernel: LowestFreePortKernel) -> None:
+            self.kernel, self.port = kernel, 0
+
+        def __enter__(self) -> LowestFreePortKernel.Socket:
             return self
 
         def __exit__(self, *exc: object) -> None:
-            return None
+            self.kernel.bound.discard(self.port)
 
         def bind(self, address: tuple[str, int]) -> None:
             assert address == ("127.0.0.1", 0)
+            self.port = min(
+                set(range(self.kernel.first, self.kernel.first + 100)) - self.kernel.bound
+            )
+            self.kernel.bound.add(self.port)
 
         def getsockname(self) -> tuple[str, int]:
             return ("127.0.0.1", self.port)
 
-    monkeypatch.setattr(procs.socket, "socket", ScriptedSocket)
+
+def test_free_ports_hold_each_pick_and_skip_the_ports_already_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Picked one at a time and closed, every pick would be 4100 on this kernel; held, they are
+    distinct, and the S3 gateway's own port, passed as taken, is never one of SeaweedFS's
+    internal ports. Nothing stays bound afterwards."""
+    kernel = LowestFreePortKernel(4100)
+    monkeypatch.setattr(procs.socket, "socket", kernel.socket)
+    assert procs.free_ports(3) == [4100, 4101, 4102]
     assert procs.free_ports(3, taken={4100}) == [4101, 4102, 4103]
+    assert procs.free_port() == 4100 and kernel.bound == set()
